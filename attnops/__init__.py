@@ -1,0 +1,13 @@
+"""attnops: paged-KV-cache attention operators for PyTorch.
+
+    torch.ops.attnops.paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q=None, ...)
+    torch.ops.attnops.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, ...)
+
+Each call is served by the fastest backend that supports it (see `attnops.explain` and `python -m attnops info`).
+"""
+from .dispatch import explain, use_backend
+from .kv_cache import BatchMetadata, PagedKVCache
+from .ops import paged_attention, reshape_and_cache
+
+__version__ = "0.1.0"
+__all__ = ["BatchMetadata", "PagedKVCache", "explain", "paged_attention", "reshape_and_cache", "use_backend"]

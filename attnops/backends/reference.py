@@ -1,0 +1,96 @@
+"""The reference backend: plain PyTorch on any device, every feature of the contract, written for clarity.
+
+It is the oracle every kernel is tested against (call `paged_attention_reference(..., compute_dtype=torch.float64)`)
+and serves any case no faster backend covers. It loops over sequences on the host (reading seq_lens), so it is
+slow and not CUDA-graph safe: dispatch puts it last.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import formats
+from .base import Backend
+
+
+def _gather_sequence(cache: torch.Tensor, scale: torch.Tensor | None, pages: torch.Tensor, length: int, fmt: str,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """The first `length` tokens of one sequence from its pages, dequantized: [length, Hkv, D]."""
+    stored = cache[pages].flatten(0, 1)[:length]
+    if formats.is_fp4(fmt):  # block scales are paged like the cache
+        scale = scale[pages].flatten(0, 1)[:length]
+    return formats.dequantize(stored, fmt, scale, dtype)
+
+
+def paged_attention_reference(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q=None, *, scale=None,
+                              soft_cap=0.0, window_left=-1, kv_format="auto", k_scale=None, v_scale=None,
+                              compute_dtype=torch.float64) -> torch.Tensor:
+    """Paged attention, one sequence at a time, in `compute_dtype`. Returns [T, Hq, D] in q's dtype."""
+    fmt = formats.resolve_kv_format(kv_format, k_cache.dtype)
+    num_tokens, num_q_heads, head_dim = q.shape
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    scale = head_dim ** -0.5 if scale is None else scale
+    out = torch.zeros(q.shape, dtype=compute_dtype, device=q.device)
+
+    lengths = seq_lens.tolist()
+    starts = list(range(len(lengths) + 1)) if cu_seqlens_q is None else cu_seqlens_q.tolist()
+    for b, kv_len in enumerate(lengths):
+        q_start, q_end = starts[b], starts[b + 1]
+        num_queries = q_end - q_start
+        if num_queries == 0 or kv_len == 0:
+            continue  # an empty sequence's rows stay 0
+        pages = block_table[b, : (kv_len + page_size - 1) // page_size].long()
+        k = _gather_sequence(k_cache, k_scale, pages, kv_len, fmt, compute_dtype).repeat_interleave(group, dim=1)
+        v = _gather_sequence(v_cache, v_scale, pages, kv_len, fmt, compute_dtype).repeat_interleave(group, dim=1)
+        queries = q[q_start:q_end].to(compute_dtype)  # [n, Hq, D]
+
+        scores = torch.einsum("qhd,khd->hqk", queries, k) * scale
+        if soft_cap > 0:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
+        # the queries are the sequence's last num_queries positions; each sees keys at positions <= its own
+        query_pos = torch.arange(kv_len - num_queries, kv_len, device=q.device)[:, None]
+        key_pos = torch.arange(kv_len, device=q.device)[None, :]
+        visible = key_pos <= query_pos
+        if window_left >= 0:
+            visible &= query_pos - key_pos <= window_left
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row that sees no key (bad input) gives 0
+        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v)
+    return out.to(q.dtype)
+
+
+def reshape_and_cache_reference(key, value, k_cache, v_cache, slot_mapping, *, kv_format="auto", k_scale=None,
+                                v_scale=None, k_block_scale=None, v_block_scale=None) -> None:
+    """Writes each token t to slot slot_mapping[t] (page * page_size + offset), quantizing; slot -1 is skipped."""
+    fmt = formats.resolve_kv_format(kv_format, k_cache.dtype)
+    page_size = k_cache.shape[1]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    pages, offsets = slots // page_size, slots % page_size
+    for src, cache, scale, block_scale in ((key, k_cache, k_scale, k_block_scale),
+                                           (value, v_cache, v_scale, v_block_scale)):
+        stored, new_block_scale = formats.quantize(src[keep], fmt, scale, cache.dtype)
+        cache[pages, offsets] = stored
+        if new_block_scale is not None:
+            block_scale[pages, offsets] = new_block_scale
+
+
+class ReferenceBackend(Backend):
+    name = "reference"
+    description = "plain PyTorch, any device, every format and feature; host loop per sequence (slow, not graph-safe)"
+
+    def supports(self, case) -> list[str]:
+        return []  # the oracle serves every valid case
+
+    def paged_attention(self, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, soft_cap,
+                        window_left, kv_format, k_scale, v_scale, out) -> None:
+        out.copy_(paged_attention_reference(
+            q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale=scale, soft_cap=soft_cap,
+            window_left=window_left, kv_format=kv_format, k_scale=k_scale, v_scale=v_scale,
+            compute_dtype=torch.float32))
+
+    def reshape_and_cache(self, key, value, k_cache, v_cache, slot_mapping, *, kv_format, k_scale, v_scale,
+                          k_block_scale, v_block_scale) -> None:
+        reshape_and_cache_reference(key, value, k_cache, v_cache, slot_mapping, kv_format=kv_format,
+                                    k_scale=k_scale, v_scale=v_scale, k_block_scale=k_block_scale,
+                                    v_block_scale=v_block_scale)

@@ -1,0 +1,257 @@
+"""Argument validation for the ops: every bad input is a TypeError or ValueError naming the argument, raised
+before any kernel runs.
+
+`check_*` look at shapes, dtypes, strides and devices only (they run in the fakes too, at trace time, and never
+sync the host) and return the dispatch case. `check_*_values` read tensor data (page indices, lengths) and run
+only when ATTNOPS_CHECK=1.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from . import formats
+from .backends.base import AttentionCase, CacheWriteCase
+
+HEAD_DIMS = (32, 64, 128, 256)
+MAX_PAGE_SIZE = 256
+Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def values_checked() -> bool:
+    """Whether the data-reading checks run (ATTNOPS_CHECK=1): they sync the host, so they are opt-in."""
+    return os.environ.get("ATTNOPS_CHECK", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def device_arch(device: torch.device) -> tuple[int, int] | None:
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+def _fail(op: str, error: type, message: str):
+    raise error(f"attnops.{op}: {message}")
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).replace('torch.', '')} {list(t.shape)}"
+
+
+def _check_tensor(op, name, t):
+    if not isinstance(t, torch.Tensor):
+        _fail(op, TypeError, f"{name} must be a Tensor (got {type(t).__name__})")
+
+
+def _check_same_device(op, reference_name, reference, **others):
+    for name, t in others.items():
+        if t is not None and t.device != reference.device:
+            _fail(op, ValueError, f"{name} must be on the same device as {reference_name} "
+                                  f"({reference.device}), got {t.device}")
+
+
+def _check_caches(op, k_cache, v_cache, kv_format):
+    """The two caches agree and hold `kv_format`; returns (resolved format, page_size, num_kv_heads, last dim)."""
+    _check_tensor(op, "k_cache", k_cache)
+    _check_tensor(op, "v_cache", v_cache)
+    if k_cache.dim() != 4:
+        _fail(op, ValueError, f"k_cache must be [num_pages, page_size, num_kv_heads, head_dim] (got "
+                              f"{_describe(k_cache)})")
+    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride() or k_cache.dtype != v_cache.dtype:
+        _fail(op, ValueError, f"k_cache and v_cache must have the same shape, strides and dtype (got "
+                              f"{_describe(k_cache)} strides {k_cache.stride()} and {_describe(v_cache)} strides "
+                              f"{v_cache.stride()})")
+    if k_cache.stride(-1) != 1:
+        _fail(op, ValueError, f"k_cache must be contiguous in its last dimension (strides {k_cache.stride()})")
+    if not isinstance(kv_format, str) or (kv_format != "auto" and kv_format not in formats.KV_FORMATS):
+        _fail(op, ValueError, f"kv_format must be 'auto' or one of {formats.KV_FORMATS} (got {kv_format!r})")
+    fmt = formats.resolve_kv_format(kv_format, k_cache.dtype)
+    if fmt is None:
+        expected = "uint8" if kv_format in formats.FP4_BLOCK else "a float or float8 dtype"
+        _fail(op, TypeError, f"k_cache of dtype {k_cache.dtype} cannot hold kv_format {kv_format!r} "
+                             f"(expected {expected})")
+    _, page_size, num_kv_heads, stored_dim = k_cache.shape
+    if not (1 <= page_size <= MAX_PAGE_SIZE and page_size & (page_size - 1) == 0):
+        _fail(op, ValueError, f"page_size (k_cache.shape[1]) must be a power of two from 1 to {MAX_PAGE_SIZE} "
+                              f"(got {page_size})")
+    return fmt, page_size, num_kv_heads, stored_dim
+
+
+def _check_head_dim(op, head_dim, stored_dim, fmt, what):
+    if head_dim not in HEAD_DIMS:
+        _fail(op, ValueError, f"head_dim of {what} must be one of {HEAD_DIMS} (got {head_dim})")
+    if stored_dim != formats.stored_head_dim(fmt, head_dim):
+        if formats.is_fp4(fmt):
+            _fail(op, ValueError, f"a {fmt} k_cache's last dim must be head_dim/2 = {head_dim // 2} (got "
+                                  f"{stored_dim})")
+        _fail(op, ValueError, f"head_dim of {what} ({head_dim}) != k_cache's head_dim ({stored_dim})")
+
+
+def _check_scales(op, fmt, k_cache, num_kv_heads, head_dim, names, k_scale, v_scale) -> str:
+    """fp8: a per-tensor or per-head float32 scale each; 4-bit: block scales paged like the cache; others: none.
+    Returns the scale kind."""
+    k_name, v_name = names
+    if formats.is_fp8(fmt):
+        for name, s in ((k_name, k_scale), (v_name, v_scale)):
+            if s is None:
+                _fail(op, ValueError, f"kv_format {fmt} needs {name} (float32, 0-d, [1] or [num_kv_heads])")
+            _check_tensor(op, name, s)
+            if s.dtype != torch.float32:
+                _fail(op, TypeError, f"{name} must be float32 (got {s.dtype})")
+            if not (s.numel() == 1 and s.dim() <= 1) and tuple(s.shape) != (num_kv_heads,):
+                _fail(op, ValueError, f"{name} must be 0-d, [1] (per tensor) or [num_kv_heads={num_kv_heads}] "
+                                      f"(per head) (got {list(s.shape)})")
+        return "per_tensor" if k_scale.numel() == 1 and v_scale.numel() == 1 else "per_head"
+    if formats.is_fp4(fmt):
+        expected = (*k_cache.shape[:3], head_dim // formats.FP4_BLOCK[fmt])
+        dtype = formats.FP4_SCALE_DTYPE[fmt]
+        for name, s in ((k_name, k_scale), (v_name, v_scale)):
+            if s is None:
+                _fail(op, ValueError, f"kv_format {fmt} needs {name} ({str(dtype).replace('torch.', '')} "
+                                      f"{list(expected)})")
+            _check_tensor(op, name, s)
+            if s.dtype != dtype:
+                _fail(op, TypeError, f"{name} must be {dtype} for {fmt} (got {s.dtype})")
+            if tuple(s.shape) != expected:
+                _fail(op, ValueError, f"{name} must be {list(expected)} for {fmt} (got {list(s.shape)})")
+            if s.stride(-1) != 1:
+                _fail(op, ValueError, f"{name} must be contiguous in its last dimension")
+        return "block"
+    for name, s in ((k_name, k_scale), (v_name, v_scale)):
+        if s is not None:
+            _fail(op, ValueError, f"{name} is only for fp8 and 4-bit caches (this cache is {fmt})")
+    return "none"
+
+
+def check_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left,
+                          kv_format, k_scale, v_scale, out=None) -> AttentionCase:
+    op = "paged_attention"
+    _check_tensor(op, "q", q)
+    if q.dtype not in Q_DTYPES:
+        _fail(op, TypeError, f"q must be bfloat16, float16 or float32 (got {q.dtype})")
+    if q.dim() != 3:
+        _fail(op, ValueError, f"q must be [num_tokens, num_q_heads, head_dim] (got {_describe(q)})")
+    if q.stride(-1) != 1:
+        _fail(op, ValueError, f"q must be contiguous in its last dimension (strides {q.stride()})")
+    fmt, page_size, num_kv_heads, stored_dim = _check_caches(op, k_cache, v_cache, kv_format)
+    num_tokens, num_q_heads, head_dim = q.shape
+    _check_head_dim(op, head_dim, stored_dim, fmt, "q")
+    if num_q_heads % num_kv_heads != 0:
+        _fail(op, ValueError, f"q's num_q_heads ({num_q_heads}) must be a multiple of the cache's num_kv_heads "
+                              f"({num_kv_heads})")
+
+    for name, t in (("block_table", block_table), ("seq_lens", seq_lens)):
+        _check_tensor(op, name, t)
+        if t.dtype != torch.int32:
+            _fail(op, TypeError, f"{name} must be int32 (got {t.dtype})")
+    if block_table.dim() != 2:
+        _fail(op, ValueError, f"block_table must be [B, max_pages] (got {_describe(block_table)})")
+    if seq_lens.dim() != 1 or seq_lens.shape[0] != block_table.shape[0]:
+        _fail(op, ValueError, f"seq_lens must be [B] with B == block_table.shape[0] = {block_table.shape[0]} "
+                              f"(got {_describe(seq_lens)})")
+    batch = seq_lens.shape[0]
+    if cu_seqlens_q is None:
+        if num_tokens != batch:
+            _fail(op, ValueError, f"q has {num_tokens} rows but decode (cu_seqlens_q=None) needs one per sequence: "
+                                  f"num_tokens == B = {batch}; pass cu_seqlens_q for multi-token queries")
+    else:
+        _check_tensor(op, "cu_seqlens_q", cu_seqlens_q)
+        if cu_seqlens_q.dtype != torch.int32:
+            _fail(op, TypeError, f"cu_seqlens_q must be int32 (got {cu_seqlens_q.dtype})")
+        if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] != batch + 1:
+            _fail(op, ValueError, f"cu_seqlens_q must be [B+1] = [{batch + 1}] (got {_describe(cu_seqlens_q)})")
+    scale_kind = _check_scales(op, fmt, k_cache, num_kv_heads, head_dim, ("k_scale", "v_scale"), k_scale, v_scale)
+    if out is not None:
+        _check_tensor(op, "out", out)
+        if out.shape != q.shape or out.dtype != q.dtype:
+            _fail(op, ValueError, f"out must be {_describe(q)} like q (got {_describe(out)})")
+    _check_same_device(op, "q", q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, seq_lens=seq_lens,
+                       cu_seqlens_q=cu_seqlens_q, k_scale=k_scale, v_scale=v_scale, out=out)
+    if scale is not None and not scale > 0:
+        _fail(op, ValueError, f"scale must be > 0 (got {scale})")
+    if not soft_cap >= 0:
+        _fail(op, ValueError, f"soft_cap must be >= 0 (got {soft_cap})")
+    if window_left < -1:
+        _fail(op, ValueError, f"window_left must be -1 (no window) or >= 0 (got {window_left})")
+
+    return AttentionCase(
+        device_type=q.device.type, arch=device_arch(q.device), q_dtype=q.dtype, kv_format=fmt, head_dim=head_dim,
+        page_size=page_size, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, decode=cu_seqlens_q is None,
+        soft_cap=soft_cap > 0, sliding_window=window_left >= 0, scale_kind=scale_kind)
+
+
+def check_paged_attention_values(q, k_cache, block_table, seq_lens, cu_seqlens_q) -> None:
+    """The checks that read data (ATTNOPS_CHECK=1 only): lengths fit the table, used pages exist, query rows
+    are ordered and no sequence has more queries than keys."""
+    op = "paged_attention"
+    num_pages, page_size = k_cache.shape[0], k_cache.shape[1]
+    lengths = seq_lens.tolist()
+    if any(n < 0 for n in lengths):
+        _fail(op, ValueError, f"seq_lens must be >= 0 (got {lengths})")
+    capacity = block_table.shape[1] * page_size
+    if any(n > capacity for n in lengths):
+        _fail(op, ValueError, f"seq_lens {max(lengths)} exceeds block_table's capacity "
+                              f"(max_pages {block_table.shape[1]} x page_size {page_size} = {capacity})")
+    for b, n in enumerate(lengths):
+        used = block_table[b, : (n + page_size - 1) // page_size]
+        if used.numel() and (used.min().item() < 0 or used.max().item() >= num_pages):
+            _fail(op, ValueError, f"block_table row {b} points outside the cache's {num_pages} pages "
+                                  f"(entries {used.tolist()})")
+    if cu_seqlens_q is None:
+        return
+    starts = cu_seqlens_q.tolist()
+    if starts[0] != 0 or starts[-1] != q.shape[0] or any(a > b for a, b in zip(starts, starts[1:])):
+        _fail(op, ValueError, f"cu_seqlens_q must be non-decreasing from 0 to num_tokens={q.shape[0]} "
+                              f"(got {starts})")
+    for b, n in enumerate(lengths):
+        if starts[b + 1] - starts[b] > n:
+            _fail(op, ValueError, f"sequence {b} has {starts[b + 1] - starts[b]} query tokens but seq_lens {n}: "
+                                  f"seq_lens counts this step's tokens too")
+
+
+def check_reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, kv_format, k_scale, v_scale,
+                            k_block_scale, v_block_scale) -> CacheWriteCase:
+    op = "reshape_and_cache"
+    for name, t in (("key", key), ("value", value)):
+        _check_tensor(op, name, t)
+        if t.dtype not in Q_DTYPES:
+            _fail(op, TypeError, f"{name} must be bfloat16, float16 or float32 (got {t.dtype})")
+        if t.dim() != 3:
+            _fail(op, ValueError, f"{name} must be [num_tokens, num_kv_heads, head_dim] (got {_describe(t)})")
+    if key.shape != value.shape or key.dtype != value.dtype:
+        _fail(op, ValueError, f"key and value must have the same shape and dtype (got {_describe(key)} and "
+                              f"{_describe(value)})")
+    fmt, page_size, num_kv_heads, stored_dim = _check_caches(op, k_cache, v_cache, kv_format)
+    num_tokens, key_heads, head_dim = key.shape
+    _check_head_dim(op, head_dim, stored_dim, fmt, "key")
+    if key_heads != num_kv_heads:
+        _fail(op, ValueError, f"key has {key_heads} heads but k_cache has {num_kv_heads}")
+    _check_tensor(op, "slot_mapping", slot_mapping)
+    if slot_mapping.dtype != torch.int64:
+        _fail(op, TypeError, f"slot_mapping must be int64 (got {slot_mapping.dtype})")
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != num_tokens:
+        _fail(op, ValueError, f"slot_mapping must be [num_tokens] = [{num_tokens}] (got {_describe(slot_mapping)})")
+    if formats.is_fp4(fmt):
+        if k_scale is not None or v_scale is not None:
+            _fail(op, ValueError, f"k_scale/v_scale are for fp8; {fmt} computes k_block_scale/v_block_scale")
+        scale_kind = _check_scales(op, fmt, k_cache, num_kv_heads, head_dim, ("k_block_scale", "v_block_scale"),
+                                   k_block_scale, v_block_scale)
+    else:
+        if k_block_scale is not None or v_block_scale is not None:
+            _fail(op, ValueError, f"k_block_scale/v_block_scale are for 4-bit caches (this cache is {fmt})")
+        scale_kind = _check_scales(op, fmt, k_cache, num_kv_heads, head_dim, ("k_scale", "v_scale"),
+                                   k_scale, v_scale)
+    _check_same_device(op, "key", key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping,
+                       k_scale=k_scale, v_scale=v_scale, k_block_scale=k_block_scale, v_block_scale=v_block_scale)
+    return CacheWriteCase(device_type=key.device.type, arch=device_arch(key.device), src_dtype=key.dtype,
+                          kv_format=fmt, head_dim=head_dim, page_size=page_size, num_kv_heads=num_kv_heads,
+                          scale_kind=scale_kind)
+
+
+def check_reshape_and_cache_values(k_cache, slot_mapping) -> None:
+    slots = k_cache.shape[0] * k_cache.shape[1]
+    if slot_mapping.numel() and (slot_mapping.min().item() < -1 or slot_mapping.max().item() >= slots):
+        _fail("reshape_and_cache", ValueError, f"slot_mapping entries must be -1 (padding) or in [0, {slots}) "
+                                               f"(got min {slot_mapping.min().item()}, max {slot_mapping.max().item()})")

@@ -1,0 +1,158 @@
+"""KV-cache storage formats: names, how a cache of each is laid out, and plain-PyTorch (de)quantization.
+
+This module is the definition of every format: the reference backend dequantizes through it, the kernels are
+tested against it, and `reshape_and_cache`'s reference path quantizes through it.
+
+- "bf16", "fp16", "fp32": stored as is.
+- "fp8_e4m3", "fp8_e5m2": value = stored x scale; scale per tensor (0-d or [1]) or per KV head ([Hkv]), float32.
+- "nvfp4": uint8 [..., D/2], two e2m1 values a byte (element 2i in the low nibble), one float8_e4m3fn scale per
+  16 values, [..., D/16].
+- "mxfp4": the same packing, one e8m0 scale per 32 values (uint8 s, value 2^(s-127)), [..., D/32].
+"""
+from __future__ import annotations
+
+import torch
+
+PLAIN_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+FP8_FORMATS = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
+FP8_DTYPES = {name: dtype for dtype, name in FP8_FORMATS.items()}
+FP4_BLOCK = {"nvfp4": 16, "mxfp4": 32}  # values per block scale
+FP4_SCALE_DTYPE = {"nvfp4": torch.float8_e4m3fn, "mxfp4": torch.uint8}
+KV_FORMATS = tuple(PLAIN_FORMATS.values()) + tuple(FP8_FORMATS.values()) + tuple(FP4_BLOCK)
+
+# e2m1: sign bit 3, then 3 magnitude bits indexing these values.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_MAX = 6.0
+_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+def resolve_kv_format(kv_format: str, cache_dtype: torch.dtype) -> str | None:
+    """The format name for a cache of `cache_dtype` asked for as `kv_format`, or None if they do not fit."""
+    if kv_format == "auto":
+        return PLAIN_FORMATS.get(cache_dtype) or FP8_FORMATS.get(cache_dtype)
+    if kv_format in FP4_BLOCK:
+        return kv_format if cache_dtype == torch.uint8 else None
+    by_dtype = PLAIN_FORMATS.get(cache_dtype) or FP8_FORMATS.get(cache_dtype)
+    return kv_format if kv_format == by_dtype else None
+
+
+def is_fp8(fmt: str) -> bool:
+    return fmt in FP8_DTYPES
+
+
+def is_fp4(fmt: str) -> bool:
+    return fmt in FP4_BLOCK
+
+
+def stored_head_dim(fmt: str, head_dim: int) -> int:
+    """The cache's last dimension for `head_dim` values in format `fmt`."""
+    return head_dim // 2 if is_fp4(fmt) else head_dim
+
+
+def fp8_max(fmt: str) -> float:
+    return torch.finfo(FP8_DTYPES[fmt]).max
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# FP8
+
+
+def broadcast_scale(scale: torch.Tensor, num_heads_dim: int = -2) -> torch.Tensor:
+    """A per-tensor (0-d or [1]) or per-head ([Hkv]) scale shaped to broadcast against [..., Hkv, D]."""
+    scale = scale.float()
+    if scale.numel() == 1:
+        return scale.reshape(())
+    return scale.reshape(-1, 1)
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
+    """x / scale, saturated at the format's max, rounded to the fp8 dtype. x is [..., Hkv, D]."""
+    limit = fp8_max(fmt)
+    y = (x.float() / broadcast_scale(scale)).clamp(-limit, limit)
+    return y.to(FP8_DTYPES[fmt])
+
+
+def dequantize_fp8(stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return stored.to(dtype) * broadcast_scale(scale).to(dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 4-bit (e2m1 values with per-block scales)
+
+
+def _e2m1_encode(magnitude_over_scale: torch.Tensor) -> torch.Tensor:
+    """Round |x|/scale (fp32, >= 0) to the nearest e2m1 code 0..7, ties to the even code, saturating at 6."""
+    x = magnitude_over_scale.clamp(max=E2M1_MAX)
+    midpoints = torch.tensor(_E2M1_MIDPOINTS, dtype=x.dtype, device=x.device)
+    code = torch.bucketize(x, midpoints)  # x <= midpoint[i] gives code i: ties round down...
+    tie = x == midpoints[code.clamp(max=len(_E2M1_MIDPOINTS) - 1)]
+    return torch.where(tie & (code % 2 == 1), code + 1, code)  # ...unless the lower code is odd
+
+
+def fp4_block_scales(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The stored block scales for x [..., D]: [..., D/block] of float8_e4m3fn (nvfp4) or uint8 e8m0 (mxfp4)."""
+    block = FP4_BLOCK[fmt]
+    amax = x.float().unflatten(-1, (-1, block)).abs().amax(-1)
+    if fmt == "nvfp4":
+        # the scale that maps the block's largest magnitude onto e2m1's largest value, rounded to e4m3
+        return (amax / E2M1_MAX).clamp(max=torch.finfo(torch.float8_e4m3fn).max).to(torch.float8_e4m3fn)
+    # mxfp4 (OCP MX): 2^(floor(log2(amax)) - emax(e2m1) = 2), biased by 127; a zero block gets the smallest scale
+    exponent = torch.floor(torch.log2(amax.clamp(min=2.0**-127))) - 2
+    return (exponent + 127).clamp(0, 254).to(torch.uint8)
+
+
+def fp4_scale_values(block_scale: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Stored block scales as float32 multipliers."""
+    if fmt == "nvfp4":
+        return block_scale.float()
+    return torch.exp2(block_scale.float() - 127.0)
+
+
+def quantize_fp4(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (packed uint8 [..., D/2], block scales [..., D/block])."""
+    block = FP4_BLOCK[fmt]
+    block_scale = fp4_block_scales(x, fmt)
+    scale = fp4_scale_values(block_scale, fmt).repeat_interleave(block, dim=-1)
+    xf = x.float()
+    safe_scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    code = torch.where(scale > 0, _e2m1_encode(xf.abs() / safe_scale), torch.zeros_like(xf, dtype=torch.long))
+    code = code | ((xf < 0) & (code > 0)).long() << 3  # no negative zero: -0 encodes as +0
+    code = code.to(torch.uint8)
+    packed = code[..., 0::2] | (code[..., 1::2] << 4)
+    return packed, block_scale
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., D/2] -> e2m1 values as float32 [..., D] (before the block scale)."""
+    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2).long()
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
+    magnitude = table[codes & 7]
+    return torch.where(codes >= 8, -magnitude, magnitude)
+
+
+def dequantize_fp4(packed: torch.Tensor, block_scale: torch.Tensor, fmt: str,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    values = unpack_fp4(packed)
+    scale = fp4_scale_values(block_scale, fmt).repeat_interleave(FP4_BLOCK[fmt], dim=-1)
+    return (values * scale).to(dtype)
+
+
+def dequantize(stored: torch.Tensor, fmt: str, scale: torch.Tensor | None,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Any cache slice [..., Hkv, D or D/2] of format `fmt` as `dtype` values [..., Hkv, D].
+
+    `scale` is the fp8 scale (per tensor or per head) or the matching slice of the 4-bit block scales."""
+    if is_fp8(fmt):
+        return dequantize_fp8(stored, scale, dtype)
+    if is_fp4(fmt):
+        return dequantize_fp4(stored, scale, fmt, dtype)
+    return stored.to(dtype)
+
+
+def quantize(x: torch.Tensor, fmt: str, scale: torch.Tensor | None = None, cache_dtype: torch.dtype | None = None):
+    """Values [..., Hkv, D] -> (stored, block_scale or None) in format `fmt`."""
+    if is_fp8(fmt):
+        return quantize_fp8(x, scale, fmt), None
+    if is_fp4(fmt):
+        return quantize_fp4(x, fmt)
+    return x.to(cache_dtype), None

@@ -1,0 +1,101 @@
+"""Registers the implementations and fakes of the ops whose schemas csrc/ops.cpp defines. The only module that
+touches torch.library.
+
+Each real impl validates (shapes and dtypes; data too under ATTNOPS_CHECK=1), picks a backend through dispatch,
+and lets it write the output. Each fake validates the same way and allocates, reading no data, so that
+torch.compile reports bad input at trace time and traces the op without a graph break.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _C  # noqa: F401  (loads the schemas: TORCH_LIBRARY(attnops, m) in csrc/ops.cpp)
+from .checks import (check_paged_attention, check_paged_attention_values, check_reshape_and_cache,
+                     check_reshape_and_cache_values, values_checked)
+from .dispatch import select_backend
+
+DEVICES = ("cpu", "cuda")
+
+
+def _run_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left,
+                         kv_format, k_scale, v_scale, out) -> None:
+    case = check_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap,
+                                 window_left, kv_format, k_scale, v_scale, out)
+    if values_checked():
+        check_paged_attention_values(q, k_cache, block_table, seq_lens, cu_seqlens_q)
+    backend = select_backend(case)
+    backend.paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
+                            scale=q.shape[-1] ** -0.5 if scale is None else scale, soft_cap=soft_cap,
+                            window_left=window_left, kv_format=case.kv_format, k_scale=k_scale, v_scale=v_scale,
+                            out=out)
+
+
+@torch.library.register_kernel("attnops::paged_attention", DEVICES)
+def _paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q=None, *, scale=None, soft_cap=0.0,
+                     window_left=-1, kv_format="auto", k_scale=None, v_scale=None):
+    out = torch.empty_like(q)
+    _run_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left,
+                         kv_format, k_scale, v_scale, out)
+    return out
+
+
+@torch.library.register_fake("attnops::paged_attention")
+def _paged_attention_fake(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q=None, *, scale=None,
+                          soft_cap=0.0, window_left=-1, kv_format="auto", k_scale=None, v_scale=None):
+    check_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left,
+                          kv_format, k_scale, v_scale)
+    return torch.empty_like(q)
+
+
+@torch.library.register_kernel("attnops::paged_attention.out", DEVICES)
+def _paged_attention_out(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q=None, *, scale=None,
+                         soft_cap=0.0, window_left=-1, kv_format="auto", k_scale=None, v_scale=None, out):
+    _run_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left,
+                         kv_format, k_scale, v_scale, out)
+
+
+@torch.library.register_fake("attnops::paged_attention.out")
+def _paged_attention_out_fake(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q=None, *, scale=None,
+                              soft_cap=0.0, window_left=-1, kv_format="auto", k_scale=None, v_scale=None, out):
+    check_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left,
+                          kv_format, k_scale, v_scale, out)
+
+
+@torch.library.register_kernel("attnops::reshape_and_cache", DEVICES)
+def _reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, *, kv_format="auto", k_scale=None, v_scale=None,
+                       k_block_scale=None, v_block_scale=None):
+    case = check_reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, kv_format, k_scale, v_scale,
+                                   k_block_scale, v_block_scale)
+    if values_checked():
+        check_reshape_and_cache_values(k_cache, slot_mapping)
+    select_backend(case).reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, kv_format=case.kv_format,
+                                           k_scale=k_scale, v_scale=v_scale, k_block_scale=k_block_scale,
+                                           v_block_scale=v_block_scale)
+
+
+@torch.library.register_fake("attnops::reshape_and_cache")
+def _reshape_and_cache_fake(key, value, k_cache, v_cache, slot_mapping, *, kv_format="auto", k_scale=None,
+                            v_scale=None, k_block_scale=None, v_block_scale=None):
+    check_reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, kv_format, k_scale, v_scale,
+                            k_block_scale, v_block_scale)
+
+
+def paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q=None, *, scale=None, soft_cap=0.0,
+                    window_left=-1, kv_format="auto", k_scale=None, v_scale=None, out=None):
+    """`torch.ops.attnops.paged_attention`, or its `.out` overload when `out` is given (then returns `out`)."""
+    if out is None:
+        return torch.ops.attnops.paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
+                                                 scale=scale, soft_cap=soft_cap, window_left=window_left,
+                                                 kv_format=kv_format, k_scale=k_scale, v_scale=v_scale)
+    torch.ops.attnops.paged_attention.out(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale=scale,
+                                          soft_cap=soft_cap, window_left=window_left, kv_format=kv_format,
+                                          k_scale=k_scale, v_scale=v_scale, out=out)
+    return out
+
+
+def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, *, kv_format="auto", k_scale=None, v_scale=None,
+                      k_block_scale=None, v_block_scale=None) -> None:
+    """`torch.ops.attnops.reshape_and_cache`: writes key/value into the cache slots, quantizing on the way."""
+    torch.ops.attnops.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, kv_format=kv_format,
+                                        k_scale=k_scale, v_scale=v_scale, k_block_scale=k_block_scale,
+                                        v_block_scale=v_block_scale)

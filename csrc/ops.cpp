@@ -1,0 +1,18 @@
+// The operator schemas of attnops. They are the contract (docs/design.md): argument names and order matter.
+// Implementations are registered elsewhere: Python impls + fakes in attnops/ops.py, C++ kernels in csrc/cpu/.
+#include <torch/library.h>
+
+TORCH_LIBRARY(attnops, m) {
+  m.def(
+      "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
+      "Tensor? cu_seqlens_q=None, *, float? scale=None, float soft_cap=0.0, int window_left=-1, "
+      "str kv_format=\"auto\", Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
+  m.def(
+      "paged_attention.out(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
+      "Tensor? cu_seqlens_q=None, *, float? scale=None, float soft_cap=0.0, int window_left=-1, "
+      "str kv_format=\"auto\", Tensor? k_scale=None, Tensor? v_scale=None, Tensor(a!) out) -> ()");
+  m.def(
+      "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, *, "
+      "str kv_format=\"auto\", Tensor? k_scale=None, Tensor? v_scale=None, "
+      "Tensor(c!)? k_block_scale=None, Tensor(d!)? v_block_scale=None) -> ()");
+}
