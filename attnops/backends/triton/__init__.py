@@ -1,0 +1,71 @@
+"""attnops' own Triton kernels: split-KV paged attention (decode, verify, extend, prefill) over every KV format,
+and reshape_and_cache for every format.
+
+Triton is imported lazily: attnops imports (and this backend declines, saying why) where triton is missing.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from ..base import AttentionCase, Backend, CacheWriteCase, common_reasons
+
+HEAD_DIMS = (32, 64, 128, 256)
+KV_FORMATS = ("bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "nvfp4", "mxfp4")
+Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=1)
+def _import_error() -> str | None:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception as e:  # ImportError, or a broken install
+        return f"triton cannot be imported ({type(e).__name__}: {e})"
+    return None
+
+
+class TritonBackend(Backend):
+    name = "triton"
+    description = ("attnops' Triton kernels: split-KV paged attention with GQA packing (decode/verify/prefill), "
+                   "fp8 and 4-bit KV read in-kernel, reshape_and_cache for every format")
+
+    def unavailable(self) -> list[str]:
+        error = _import_error()
+        return [error] if error else []
+
+    def supports(self, case) -> list[str]:
+        # CUDA tensors; CPU tensors only under the interpreter (tests)
+        devices = ("cuda", "cpu") if interpreting() else ("cuda",)
+        reasons = common_reasons(case, devices=devices, q_dtypes=Q_DTYPES, kv_formats=KV_FORMATS,
+                                 head_dims=HEAD_DIMS, archs=lambda arch: arch >= (8, 0))
+        if isinstance(case, AttentionCase):
+            if case.q_dtype == torch.bfloat16 and case.device_type == "cpu":
+                reasons.append("bf16 is not supported by the Triton interpreter (CPU)")
+        elif isinstance(case, CacheWriteCase):
+            if case.src_dtype == torch.bfloat16 and case.device_type == "cpu":
+                reasons.append("bf16 is not supported by the Triton interpreter (CPU)")
+        if case.kv_format == "bf16" and case.device_type == "cpu":
+            reasons.append("bf16 is not supported by the Triton interpreter (CPU)")
+        return reasons
+
+    def paged_attention(self, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, soft_cap,
+                        window_left, kv_format, k_scale, v_scale, out) -> None:
+        if cu_seqlens_q is None:
+            from .decode import launch as run
+        else:
+            from .extend import extend as run
+        run(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale=scale, soft_cap=soft_cap,
+            window_left=window_left, kv_format=kv_format, k_scale=k_scale, v_scale=v_scale, out=out)
+
+    def reshape_and_cache(self, key, value, k_cache, v_cache, slot_mapping, *, kv_format, k_scale, v_scale,
+                          k_block_scale, v_block_scale) -> None:
+        from .cache_write import reshape_and_cache
+        reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, kv_format=kv_format, k_scale=k_scale,
+                          v_scale=v_scale, k_block_scale=k_block_scale, v_block_scale=v_block_scale)

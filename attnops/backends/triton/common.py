@@ -1,0 +1,84 @@
+"""Device helpers shared by the Triton kernels: KV-format decoding, how a query block's KV range is cut into
+splits, and finding a program's sequence. Written against Triton 3.6 (no newer APIs).
+
+Every function here is @triton.jit and is inlined into the kernels that call it, so the split plan used by the
+attention kernel and by the merge kernel comes from the same code and cannot drift apart.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+# Format codes (constexpr in the kernels). Plain formats share one code: the load converts to the dot dtype.
+FMT_PLAIN, FMT_FP8, FMT_NVFP4, FMT_MXFP4 = 0, 1, 2, 3
+
+
+@triton.jit
+def e2m1_to_f32(code):
+    """4-bit e2m1 codes (uint8/int32 0..15: sign bit 3, magnitude bits 0-2) -> float32 values.
+
+    The three magnitude bits are placed at bits 9..11 of an fp16: exponent field = the e2m1 exponent, top mantissa
+    bit = the e2m1 mantissa bit. Read as fp16 that is value * 2^-14 exactly (e2m1's subnormal 0.5 lands on an fp16
+    subnormal, which fp16 keeps: no flush to zero), so one shift, one bitcast and one multiply decode it, with no
+    table lookup."""
+    c = code.to(tl.int16)
+    bits = ((c & 7) << 9) | ((c & 8) << 12)
+    return bits.to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+
+
+@triton.jit
+def e8m0_to_f32(s):
+    """mxfp4 e8m0 block scales (uint8 s) -> 2^(s-127) as float32, built from the exponent bits (exact; s = 0 is
+    the subnormal 2^-127)."""
+    si = s.to(tl.int32)
+    normal = (si << 23).to(tl.float32, bitcast=True)
+    return tl.where(si == 0, 5.877471754111438e-39, normal)
+
+
+@triton.jit
+def kv_plan(seq_len, q_len, q_block, window_left, MAX_SPLITS, CHUNK,
+            BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """The KV positions the query block `q_block` of a sequence (KV length seq_len, q_len queries at its end)
+    needs, and how they are cut into splits.
+
+    Returns (first_pos, last_pos, kv_lo, kv_hi, n_splits, split_len):
+    - first_pos/last_pos: positions of the block's first and last query;
+    - [kv_lo, kv_hi): the keys any of them sees; kv_lo rounded down to a BLOCK_N multiple so tiles stay aligned
+      to pages (a page of >= BLOCK_N tokens is never straddled); keys before the window are skipped here, not
+      masked after reading;
+    - n_splits (>= 1) programs share the range, each split_len keys (a BLOCK_N multiple). The number of splits
+      is decided here, on the device, from the data: ceil(range / CHUNK) capped at MAX_SPLITS, so long
+      sequences get more splits than short ones and every program does about CHUNK keys of work."""
+    first_pos = seq_len - q_len + q_block * BLOCK_Q
+    last_pos = tl.minimum(first_pos + BLOCK_Q, seq_len) - 1
+    kv_hi = tl.maximum(last_pos + 1, 0)
+    kv_lo = 0
+    if HAS_WINDOW:
+        kv_lo = tl.maximum(first_pos - window_left, 0)
+    kv_lo = (kv_lo // BLOCK_N) * BLOCK_N
+    kv_lo = tl.minimum(kv_lo, kv_hi)
+    length = kv_hi - kv_lo
+    n_splits = tl.minimum(tl.maximum(tl.cdiv(length, CHUNK), 1), MAX_SPLITS)
+    split_len = tl.cdiv(tl.cdiv(length, n_splits), BLOCK_N) * BLOCK_N
+    return first_pos, last_pos, kv_lo, kv_hi, n_splits, split_len
+
+
+@triton.jit
+def find_sequence(cu_ptr, target, num_seqs, BLOCK_Q: tl.constexpr, BY_BLOCKS: tl.constexpr):
+    """The last b in [0, num_seqs) with start(b) <= target (binary search; start is non-decreasing), where
+    start(b) = cu[b] (token index) or, BY_BLOCKS, cu[b] // BLOCK_Q + b (index of b's first query block in the
+    grid, which is sized T // BLOCK_Q + B, an upper bound of the total number of blocks, with no host sync)."""
+    lo = tl.full([], 0, tl.int32)  # tensors, not Python ints: they are loop-carried and returned
+    hi = tl.full([], 0, tl.int32) + num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        start = tl.load(cu_ptr + mid)
+        if BY_BLOCKS:
+            start = start // BLOCK_Q + mid
+        if start <= target:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

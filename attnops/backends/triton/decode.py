@@ -1,0 +1,411 @@
+"""Split-KV (flash-decoding) paged attention: the attention kernel every query shape goes through, and the
+log-sum-exp merge of its splits.
+
+One program handles (query block, KV head, split):
+- rows of its tl.dot tile are the query heads of one KV head's GQA group, times the block's query tokens
+  (decode: 1 token, so the group's heads padded to 16 rows; a verify block of 4 tokens x 4 heads is one
+  16-row tile), so each KV tile is read once for all of them, on tensor cores;
+- the keys it reads are one split of the block's causal/window range: the number of splits is computed on the
+  device from seq_lens (common.kv_plan: about CHUNK keys per program, capped by MAX_SPLITS), so the launch
+  grid depends on shapes only (CUDA-graph capturable, no host sync) while every program gets a similar amount
+  of work whatever the mix of lengths (ragged batches balance by work, not by sequence);
+- online softmax in fp32 (base 2, log2(e) folded into the score scale);
+- KV formats are decoded in registers right after the load (fp8 with the per-tensor/per-head scale folded
+  into the score scale and the output, 4-bit with per-block scales applied per element): there is no
+  dequantized copy of the cache anywhere.
+A program whose sequence needs only one split writes the normalized output directly; otherwise it writes its
+partial output and LSE to a workspace of [T, Hq, MAX_SPLITS] rows and the merge kernel combines them.
+
+The multi-token (cu_seqlens_q) form shares this kernel (IS_DECODE=False); its host side is extend.py.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ... import formats
+from .common import (FMT_FP8, FMT_MXFP4, FMT_NVFP4, FMT_PLAIN, LOG2E, e2m1_to_f32, e8m0_to_f32, find_sequence,
+                     kv_plan)
+
+
+@triton.jit
+def _load_fp4_tile(c_ptr, s_ptr, tok_off, s_off, offs_h, kvalid, TRANSPOSED: tl.constexpr, FMT: tl.constexpr,
+                   DOT_DTYPE: tl.constexpr):
+    """A tile of 4-bit K or V as its even and odd elements (D/2 columns each), dequantized to DOT_DTYPE.
+
+    Keeping even and odd elements apart avoids interleaving them in registers: the kernel multiplies the even
+    half of q with the even half of K (and the odd with the odd) and accumulates V's halves separately.
+    TRANSPOSED gives [D/2, BLOCK_N] tiles (K^T), else [BLOCK_N, D/2] (V)."""
+    # element 2i (even) and 2i+1 (odd) are both in block (2i) // BLOCK = i // (BLOCK / 2)
+    half_block: tl.constexpr = 8 if FMT == FMT_NVFP4 else 16
+    if TRANSPOSED:
+        packed = tl.load(c_ptr + tok_off[None, :] + offs_h[:, None], mask=kvalid[None, :], other=0)
+        sc = tl.load(s_ptr + s_off[None, :] + (offs_h // half_block)[:, None], mask=kvalid[None, :], other=0)
+    else:
+        packed = tl.load(c_ptr + tok_off[:, None] + offs_h[None, :], mask=kvalid[:, None], other=0)
+        sc = tl.load(s_ptr + s_off[:, None] + (offs_h // half_block)[None, :], mask=kvalid[:, None], other=0)
+    if FMT == FMT_NVFP4:  # e4m3 scales arrive as bytes (masked lanes 0, not a NaN pattern)
+        scale = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        scale = e8m0_to_f32(sc)
+    even = (e2m1_to_f32(packed & 15) * scale).to(DOT_DTYPE)
+    odd = (e2m1_to_f32(packed >> 4) * scale).to(DOT_DTYPE)
+    return even, odd
+
+
+@triton.jit
+def _fp8_to_dot(x, FP8_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, FP8_ASM: tl.constexpr):
+    """fp8 bytes (loaded as uint8, so that masked lanes are a plain 0, never a NaN pattern) -> DOT_DTYPE.
+    FP8_ASM (sm_89+, fp16 target, e4m3 only): the packed PTX conversion that turns two e4m3 values into two fp16
+    per instruction."""
+    if FP8_ASM:
+        return tl.inline_asm_elementwise(
+            # pack=2: two uint8 inputs arrive in one 16-bit register, two fp16 outputs leave in one 32-bit one
+            asm="cvt.rn.f16x2.e4m3x2 $0, $1;",
+            constraints="=r,h",
+            args=[x], dtype=tl.float16, is_pure=True, pack=2)
+    return x.to(FP8_DTYPE, bitcast=True).to(DOT_DTYPE)
+
+
+@triton.jit
+def paged_attention_kernel(
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_lens_ptr, cu_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    num_seqs, sm_scale, soft_cap, window_left, MAX_SPLITS, CHUNK,
+    stride_qt, stride_qh, stride_kp, stride_kt, stride_kh,
+    stride_ksp, stride_kst, stride_ksh, stride_vsp, stride_vst, stride_vsh,
+    stride_bt, stride_ot, stride_oh,
+    NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr,
+    IS_DECODE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FP8_ASM: tl.constexpr, FP8_DTYPE: tl.constexpr,
+):
+    pid_q = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # --- which sequence and which of its query tokens -------------------------------------------------------
+    if IS_DECODE:
+        b = pid_q
+        q_start = pid_q
+        q_len = 1
+        q_block = 0
+    else:
+        # the grid has T // BLOCK_Q + B programs along axis 0 (an upper bound of the blocks needed): find ours
+        b = find_sequence(cu_ptr, pid_q, num_seqs, BLOCK_Q, True)
+        q_start = tl.load(cu_ptr + b)
+        q_len = tl.load(cu_ptr + b + 1) - q_start
+        q_block = pid_q - (q_start // BLOCK_Q + b)
+    if q_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + b)
+    first_pos, last_pos, kv_lo, kv_hi, n_splits, split_len = kv_plan(
+        seq_len, q_len, q_block, window_left, MAX_SPLITS, CHUNK, BLOCK_Q, BLOCK_N, HAS_WINDOW)
+    if split >= n_splits:
+        return
+    split_lo = kv_lo + split * split_len
+    split_hi = tl.minimum(split_lo + split_len, kv_hi)
+
+    # --- rows: (query token, head of the group) --------------------------------------------------------------
+    offs_m = tl.arange(0, BLOCK_M)
+    row_tok = offs_m // GROUP
+    row_head = kvh * GROUP + offs_m % GROUP
+    row_valid = (offs_m < BLOCK_Q * GROUP) & (q_block * BLOCK_Q + row_tok < q_len)
+    tok = (q_start + q_block * BLOCK_Q + row_tok).to(tl.int64)
+    q_pos = first_pos + row_tok
+    q_row_off = tok * stride_qt + row_head.to(tl.int64) * stride_qh
+
+    # per-tensor (stride 0) or per-head fp8 scales, folded: k into the score scale, v into the output
+    qk_scale = sm_scale
+    v_mul = 1.0
+    if FMT == FMT_FP8:
+        qk_scale = qk_scale * tl.load(ks_ptr + kvh * stride_ksh)
+        v_mul = tl.load(vs_ptr + kvh * stride_vsh)
+    if not HAS_SOFTCAP:
+        qk_scale = qk_scale * LOG2E
+
+    IS_FP4: tl.constexpr = FMT == FMT_NVFP4 or FMT == FMT_MXFP4
+    HALF: tl.constexpr = HEAD_DIM // 2
+    if IS_FP4:
+        offs_d = tl.arange(0, HALF)
+        q_e = tl.load(q_ptr + q_row_off[:, None] + 2 * offs_d[None, :], mask=row_valid[:, None], other=0.0)
+        q_o = tl.load(q_ptr + q_row_off[:, None] + 2 * offs_d[None, :] + 1, mask=row_valid[:, None], other=0.0)
+        q_e = q_e.to(DOT_DTYPE)
+        q_o = q_o.to(DOT_DTYPE)
+        acc = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
+        acc_o = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
+    else:
+        offs_d = tl.arange(0, HEAD_DIM)
+        q = tl.load(q_ptr + q_row_off[:, None] + offs_d[None, :], mask=row_valid[:, None], other=0.0)
+        q = q.to(DOT_DTYPE)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+
+    offs_n = tl.arange(0, BLOCK_N)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    head_off = kvh.to(tl.int64) * stride_kh
+    # keys every valid row sees without masking: causal bound of the first query, window bound of the last
+    full_hi = first_pos + 1
+    full_lo = last_pos - window_left
+
+    for start in range(split_lo, split_hi, BLOCK_N):
+        kpos = start + offs_n
+        kvalid = kpos < split_hi
+        # page of each key; a page of >= BLOCK_N tokens holds the whole (aligned) tile: one scalar load
+        if PAGE >= BLOCK_N:
+            page = tl.load(bt_row + start // PAGE).to(tl.int64)
+            page_v = page + tl.zeros([BLOCK_N], dtype=tl.int64)
+        else:
+            page_v = tl.load(bt_row + kpos // PAGE, mask=kvalid, other=0).to(tl.int64)
+        in_page = (kpos % PAGE).to(tl.int64)
+        # int64: page index x page stride passes 2^31 elements on large caches
+        tok_off = page_v * stride_kp + in_page * stride_kt + head_off
+
+        if IS_FP4:
+            ks_off = page_v * stride_ksp + in_page * stride_kst + kvh * stride_ksh
+            k_e, k_o = _load_fp4_tile(k_ptr, ks_ptr, tok_off, ks_off, offs_d, kvalid, True, FMT, DOT_DTYPE)
+            qk = tl.dot(q_e, k_e, input_precision=DOT_PRECISION)
+            qk = tl.dot(q_o, k_o, acc=qk, input_precision=DOT_PRECISION)
+        else:
+            k = tl.load(k_ptr + tok_off[None, :] + offs_d[:, None], mask=kvalid[None, :], other=0.0)
+            if FMT == FMT_FP8:
+                k = _fp8_to_dot(k, FP8_DTYPE, DOT_DTYPE, FP8_ASM)
+            else:
+                k = k.to(DOT_DTYPE)
+            qk = tl.dot(q, k, input_precision=DOT_PRECISION)
+
+        if HAS_SOFTCAP:
+            # soft_cap * tanh(s / soft_cap), tanh through exp2 (stable: exp2 -> inf gives 1, -> 0 gives -1)
+            x = qk * (qk_scale / soft_cap)
+            t = tl.exp2(x * (2.0 * LOG2E))
+            s = (soft_cap * LOG2E) * (1.0 - 2.0 / (t + 1.0))
+        else:
+            s = qk * qk_scale
+        # mask only the tiles at the causal/window/length edges
+        needs_mask = start + BLOCK_N > full_hi
+        if HAS_WINDOW:
+            needs_mask = needs_mask | (start < full_lo)
+        if needs_mask:
+            visible = kpos[None, :] <= q_pos[:, None]
+            if HAS_WINDOW:
+                visible = visible & (kpos[None, :] >= q_pos[:, None] - window_left)
+            s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet: no NaN
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+        p = p.to(DOT_DTYPE)
+
+        if IS_FP4:
+            vs_off = page_v * stride_vsp + in_page * stride_vst + kvh * stride_vsh
+            v_e, v_o = _load_fp4_tile(v_ptr, vs_ptr, tok_off, vs_off, offs_d, kvalid, False, FMT, DOT_DTYPE)
+            acc = tl.dot(p, v_e, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
+            acc_o = tl.dot(p, v_o, acc=acc_o * alpha[:, None], input_precision=DOT_PRECISION)
+        else:
+            v = tl.load(v_ptr + tok_off[:, None] + offs_d[None, :], mask=kvalid[:, None], other=0.0)
+            if FMT == FMT_FP8:
+                v = _fp8_to_dot(v, FP8_DTYPE, DOT_DTYPE, FP8_ASM)
+            else:
+                v = v.to(DOT_DTYPE)
+            acc = tl.dot(p, v, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
+
+    # --- epilogue: normalized output, directly or as a split partial ---------------------------------------
+    has_keys = l_i > 0.0
+    inv_l = tl.where(has_keys, v_mul / tl.where(has_keys, l_i, 1.0), 0.0)  # no key seen: the row is 0
+    if IS_FP4:
+        col = 2 * offs_d
+    else:
+        col = offs_d
+    if n_splits == 1:
+        o_ptr = out_ptr + tok[:, None] * stride_ot + row_head.to(tl.int64)[:, None] * stride_oh + col[None, :]
+        tl.store(o_ptr, (acc * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+        if IS_FP4:
+            tl.store(o_ptr + 1, (acc_o * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+    else:
+        part_row = (tok * NUM_Q_HEADS + row_head) * MAX_SPLITS + split  # int64
+        p_ptr = part_out_ptr + part_row[:, None] * HEAD_DIM + col[None, :]
+        tl.store(p_ptr, acc * inv_l[:, None], mask=row_valid[:, None])
+        if IS_FP4:
+            tl.store(p_ptr + 1, acc_o * inv_l[:, None], mask=row_valid[:, None])
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + part_row, lse, mask=row_valid)
+
+
+@triton.jit
+def merge_splits_kernel(
+    out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, cu_ptr, num_seqs, window_left, MAX_SPLITS, CHUNK,
+    stride_ot, stride_oh,
+    NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLITS_P2: tl.constexpr, IS_DECODE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+):
+    """One program per (query token, query head): combines the token's split partials by their LSE. It
+    recomputes the split plan of the attention kernel (same kv_plan) and leaves single-split rows alone (the
+    attention kernel wrote them directly)."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    if IS_DECODE:
+        b = t
+        q_start = t
+        q_len = 1
+    else:
+        b = find_sequence(cu_ptr, t, num_seqs, 1, False)
+        q_start = tl.load(cu_ptr + b)
+        q_len = tl.load(cu_ptr + b + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + b)
+    q_block = (t - q_start) // BLOCK_Q
+    _, _, _, _, n_splits, _ = kv_plan(seq_len, q_len, q_block, window_left, MAX_SPLITS, CHUNK, BLOCK_Q, BLOCK_N,
+                                      HAS_WINDOW)
+    if n_splits <= 1:
+        return
+    row = (t.to(tl.int64) * NUM_Q_HEADS + h) * MAX_SPLITS
+    offs_s = tl.arange(0, SPLITS_P2)
+    lse = tl.load(part_lse_ptr + row + offs_s, mask=offs_s < n_splits, other=float("-inf"))
+    mx = tl.max(lse, 0)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    denom = tl.sum(tl.exp2(lse - mx), 0)
+    offs_d = tl.arange(0, HEAD_DIM)
+    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    for s in range(0, n_splits):
+        w = tl.exp2(tl.load(part_lse_ptr + row + s) - mx)
+        acc += w * tl.load(part_out_ptr + (row + s) * HEAD_DIM + offs_d)
+    o = acc / tl.where(denom > 0.0, denom, 1.0)
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# host side
+
+_FMT_CODE = {"bf16": FMT_PLAIN, "fp16": FMT_PLAIN, "fp32": FMT_PLAIN, "fp8_e4m3": FMT_FP8, "fp8_e5m2": FMT_FP8,
+             "nvfp4": FMT_NVFP4, "mxfp4": FMT_MXFP4}
+_TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+# Tunables a caller (benchmarks/triton_tuning.py, tests) may force; None entries fall back to the heuristic.
+CONFIG_KEYS = ("BLOCK_N", "num_warps", "num_stages", "CHUNK", "MAX_SPLITS", "BLOCK_Q", "FP8_ASM")
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: small, so that CPU tests exercise several splits
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def dot_dtype(q_dtype: torch.dtype, kv_format: str) -> torch.dtype:
+    """The dtype of tl.dot operands: fp32 for fp32 q (exact, input_precision="ieee"); fp16 for fp8 and nvfp4
+    caches (their values fit fp16 exactly, fp16 keeps 3 more mantissa bits of q and P than bf16, and fp8 ->
+    fp16 is a cheaper conversion than fp8 -> bf16); mxfp4's scales span 2^-127..2^127 so it keeps q's dtype;
+    plain caches compute in q's dtype."""
+    if q_dtype == torch.float32:
+        return torch.float32
+    if formats.is_fp8(kv_format) or kv_format == "nvfp4":
+        return torch.float16
+    return q_dtype
+
+
+@functools.lru_cache(maxsize=4096)
+def heuristic_config(device, decode: bool, batch: int, num_tokens: int, num_q_heads: int, num_kv_heads: int,
+                     head_dim: int, page_size: int, capacity: int, kv_format: str) -> dict:
+    """Tunables from shapes only (cached per shape). The number of splits a sequence actually gets is decided
+    on the device (common.kv_plan); here: CHUNK (keys per program), MAX_SPLITS (grid size, workspace) and
+    tile sizes."""
+    group = num_q_heads // num_kv_heads
+    sms = _num_sms(device)
+    target = 4 * sms  # programs to fill the chip a few times over
+    if decode:
+        block_q = 1
+    else:
+        avg_q = -(-num_tokens // max(batch, 1))
+        max_rows = 64 if head_dim >= 256 else 128
+        block_q = max(1, min(triton.next_power_of_2(avg_q), max(1, max_rows // group)))
+    block_m = max(16, triton.next_power_of_2(block_q * group))
+    block_n = 32 if head_dim >= 256 else 64
+    num_q_blocks = batch if decode else num_tokens // block_q + batch
+    base = num_q_blocks * num_kv_heads
+    if device.type != "cuda":
+        chunk, max_splits = 2 * block_n, 8  # CPU (interpreter): exercise the split + merge path
+    elif base >= target and not decode:
+        chunk, max_splits = capacity, 1  # prefill-like: enough programs without splitting, no workspace
+    else:
+        # enough splits to fill the chip for the longest possible sequence, but no more than 2048 keys per
+        # program whatever the batch, so that one long sequence in a ragged batch does not become the tail
+        splits_to_fill = -(-target // base)
+        chunk = triton.next_power_of_2(max(1, capacity // splits_to_fill))
+        chunk = max(4 * block_n, min(chunk, 2048))
+        max_splits = max(1, min(-(-capacity // chunk), 256))
+    num_warps = 8 if block_m >= 64 else 4
+    num_stages = 2 if head_dim >= 256 else 3
+    return dict(BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, CHUNK=chunk, MAX_SPLITS=max_splits,
+                BLOCK_Q=block_q, FP8_ASM=False)
+
+
+def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, soft_cap, window_left, kv_format,
+           k_scale, v_scale, out, config=None):
+    """Runs paged attention (decode when cu_seqlens_q is None) into `out`. Inputs are validated by the op."""
+    decode = cu_seqlens_q is None
+    num_tokens, num_q_heads, head_dim = q.shape
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    batch = seq_lens.shape[0]
+    group = num_q_heads // num_kv_heads
+    capacity = block_table.shape[1] * page_size
+    cfg = dict(heuristic_config(q.device, decode, batch, num_tokens, num_q_heads, num_kv_heads, head_dim,
+                                page_size, capacity, kv_format))
+    if config:
+        cfg.update({k: v for k, v in config.items() if v is not None})
+    if num_tokens == 0 or batch == 0:
+        return
+    block_q, block_n = cfg["BLOCK_Q"], cfg["BLOCK_N"]
+    block_m = max(16, triton.next_power_of_2(block_q * group))
+    max_splits, chunk = cfg["MAX_SPLITS"], cfg["CHUNK"]
+    assert chunk % block_n == 0 and block_n >= 16
+
+    fmt = _FMT_CODE[kv_format]
+    ddt = dot_dtype(q.dtype, kv_format)
+    fp8_asm = bool(cfg["FP8_ASM"]) and kv_format == "fp8_e4m3" and ddt == torch.float16 and q.is_cuda
+    # scales: per tensor -> stride 0 (every head reads element 0); per head -> stride 1; 4-bit: paged strides
+    if fmt == FMT_FP8:
+        ks_strides = (0, 0, 0 if k_scale.numel() == 1 else k_scale.stride(0))
+        vs_strides = (0, 0, 0 if v_scale.numel() == 1 else v_scale.stride(0))
+    elif fmt in (FMT_NVFP4, FMT_MXFP4):
+        ks_strides, vs_strides = k_scale.stride()[:3], v_scale.stride()[:3]
+        k_scale, v_scale = k_scale.view(torch.uint8), v_scale.view(torch.uint8)
+    else:
+        k_scale = v_scale = k_cache  # unused placeholders (the kernel never reads them)
+        ks_strides = vs_strides = (0, 0, 0)
+
+    fp8_dtype = tl.float8e4nv if kv_format == "fp8_e4m3" else tl.float8e5
+    if fmt == FMT_FP8:  # read fp8 as bytes (masked lanes load 0) and reinterpret in registers
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+
+    if max_splits > 1:
+        part_out = torch.empty((num_tokens, num_q_heads, max_splits, head_dim), dtype=torch.float32,
+                               device=q.device)
+        part_lse = torch.empty((num_tokens, num_q_heads, max_splits), dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out  # unused: every program writes `out` directly
+    cu = seq_lens if decode else cu_seqlens_q
+    num_q_blocks = batch if decode else num_tokens // block_q + batch
+    grid = (num_q_blocks, num_kv_heads, max_splits)
+    paged_attention_kernel[grid](
+        q, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens, cu, out, part_out, part_lse,
+        batch, float(scale), float(soft_cap), int(window_left), max_splits, chunk,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        *ks_strides, *vs_strides,
+        block_table.stride(0), out.stride(0), out.stride(1),
+        NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, PAGE=page_size, GROUP=group, BLOCK_Q=block_q,
+        BLOCK_M=block_m, BLOCK_N=block_n, FMT=fmt, IS_DECODE=decode, HAS_WINDOW=window_left >= 0,
+        HAS_SOFTCAP=soft_cap > 0, DOT_DTYPE=_TL_DTYPE[ddt],
+        DOT_PRECISION="ieee" if ddt == torch.float32 else "tf32", FP8_ASM=fp8_asm,
+        FP8_DTYPE=fp8_dtype, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if max_splits > 1:
+        merge_splits_kernel[(num_tokens, num_q_heads)](
+            out, part_out, part_lse, seq_lens, cu, batch, int(window_left), max_splits, chunk,
+            out.stride(0), out.stride(1),
+            NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_Q=block_q, BLOCK_N=block_n,
+            SPLITS_P2=max(2, triton.next_power_of_2(max_splits)), IS_DECODE=decode,
+            HAS_WINDOW=window_left >= 0, num_warps=4 if head_dim >= 128 else 2)
