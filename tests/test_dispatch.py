@@ -1,0 +1,81 @@
+"""Dispatch: explain names the chosen backend and every passed-over one with reasons; ATTNOPS_BACKEND and
+use_backend pin a backend, and a pinned backend that cannot serve a case is an error naming why."""
+import pytest
+import torch
+
+import attnops
+from attnops import dispatch
+from attnops.backends import BACKENDS
+from attnops.backends.base import Backend
+from attnops.testing import random_paged_inputs
+
+
+class DeclinesEverything(Backend):
+    name = "declines"
+
+    def supports(self, case):
+        return ["declines every case, for this test"]
+
+
+@pytest.fixture
+def declining_backend(monkeypatch):
+    monkeypatch.setitem(BACKENDS, "declines", DeclinesEverything())
+    dispatch._select_cached.cache_clear()
+    yield
+    dispatch._select_cached.cache_clear()
+
+
+def test_explain_from_tensors_and_from_a_description():
+    args = random_paged_inputs([5, 9], num_q_heads=4, num_kv_heads=2)
+    from_tensors = attnops.explain(**args)
+    assert from_tensors.chosen in BACKENDS
+    assert from_tensors.case.decode and from_tensors.case.kv_format == "fp32"
+    described = attnops.explain(device="cpu", q_dtype=torch.float32, kv_format="fp32", head_dim=64, num_q_heads=4,
+                                num_kv_heads=2)
+    assert described.chosen == from_tensors.chosen
+    assert "chosen:" in str(described)
+
+
+def test_backends_passed_over_are_listed_with_reasons(monkeypatch, declining_backend):
+    monkeypatch.setitem(dispatch.STATIC_ORDER, "cpu", ("declines",) + dispatch.STATIC_ORDER["cpu"])
+    explanation = attnops.explain(device="cpu")
+    assert explanation.rejected["declines"] == ["declines every case, for this test"]
+    assert explanation.chosen not in (None, "declines")
+    assert "passed over declines: declines every case" in str(explanation)
+
+
+def test_use_backend_pins_and_errors_when_it_cannot_serve(declining_backend):
+    args = random_paged_inputs([5, 9])
+    with attnops.use_backend("reference"):
+        assert attnops.explain(**args).chosen == "reference"
+        out = torch.ops.attnops.paged_attention(**args)
+    with attnops.use_backend("declines"):
+        with pytest.raises(ValueError, match="declines every case"):
+            torch.ops.attnops.paged_attention(**args)
+    torch.testing.assert_close(torch.ops.attnops.paged_attention(**args), out)
+
+
+def test_attnops_backend_environment_variable(monkeypatch, declining_backend):
+    args = random_paged_inputs([5, 9])
+    monkeypatch.setenv("ATTNOPS_BACKEND", "declines")
+    with pytest.raises(ValueError, match="pinned backend 'declines' cannot serve"):
+        torch.ops.attnops.paged_attention(**args)
+    monkeypatch.setenv("ATTNOPS_BACKEND", "reference")
+    assert attnops.explain(**args).chosen == "reference"
+    monkeypatch.setenv("ATTNOPS_BACKEND", "no-such-backend")
+    with pytest.raises(ValueError, match="unknown backend 'no-such-backend'"):
+        torch.ops.attnops.paged_attention(**args)
+
+
+def test_unknown_backend_in_use_backend():
+    with pytest.raises(ValueError, match="unknown backend"):
+        with attnops.use_backend("nope"):
+            pass
+
+
+def test_dispatch_reads_no_tensor_data():
+    """The case (and so the choice) comes from shapes, dtypes and flags: meta tensors give the same answer."""
+    args = random_paged_inputs([5, 9], [2, 3])
+    meta = {k: (v.to("meta") if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
+    real, fake = attnops.explain(**args).case, attnops.explain(**meta).case
+    assert {**real.__dict__, "device_type": None} == {**fake.__dict__, "device_type": None}

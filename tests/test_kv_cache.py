@@ -1,0 +1,48 @@
+"""PagedKVCache: the allocator and the metadata it builds for a batch."""
+import pytest
+import torch
+
+import attnops
+
+
+def test_prepare_builds_consistent_metadata():
+    cache = attnops.PagedKVCache(1, 10, 4, 2, 32, kv_format="fp16")
+    for s in ("a", "b"):
+        cache.allocate(s)
+    prefill = cache.prepare(["a", "b"], [6, 3], decode=False)
+    assert prefill.cu_seqlens_q.tolist() == [0, 6, 9]
+    assert prefill.seq_lens.tolist() == [6, 3]
+    table = prefill.block_table.tolist()
+    pages_a, pages_b = table[0][:2], table[1][:1]
+    assert table[1][1] == -1 and len(set(pages_a + pages_b)) == 3
+    expected = [pages_a[t // 4] * 4 + t % 4 for t in range(6)] + [pages_b[0] * 4 + t for t in range(3)]
+    assert prefill.slot_mapping.tolist() == expected
+    decode = cache.prepare(["a", "b"])  # one token each: decode, no cu_seqlens_q
+    assert decode.cu_seqlens_q is None and decode.seq_lens.tolist() == [7, 4]
+    assert decode.slot_mapping.tolist() == [pages_a[1] * 4 + 2, pages_b[0] * 4 + 3]
+    assert decode.block_table.dtype == torch.int32 and decode.slot_mapping.dtype == torch.int64
+
+
+def test_free_returns_pages_and_out_of_pages_is_an_error():
+    cache = attnops.PagedKVCache(1, 3, 4, 1, 32)
+    cache.allocate("a")
+    cache.prepare(["a"], 12, decode=False)
+    assert cache.free_pages == 0
+    cache.allocate("b")
+    with pytest.raises(RuntimeError, match="out of pages"):
+        cache.prepare(["b"], 1)
+    cache.free("a")
+    assert cache.free_pages == 3
+    assert cache.prepare(["b"], 1, max_pages=5).block_table.shape == (1, 5)
+
+
+def test_formats_carry_their_scales():
+    fp8 = attnops.PagedKVCache(2, 4, 16, 2, 64, kv_format="fp8_e4m3", k_scale=0.5)
+    assert fp8.attention_args(1)["k_scale"].item() == 0.5 and fp8.kv[0].dtype == torch.float8_e4m3fn
+    nvfp4 = attnops.PagedKVCache(1, 4, 16, 2, 64, kv_format="nvfp4")
+    args = nvfp4.attention_args(0)
+    assert args["kv_format"] == "nvfp4" and args["k_cache"].shape == (4, 16, 2, 32)
+    assert args["k_scale"].shape == (4, 16, 2, 4) and args["k_scale"].dtype == torch.float8_e4m3fn
+    assert set(nvfp4.write_args(0)) == {"k_cache", "v_cache", "kv_format", "k_block_scale", "v_block_scale"}
+    with pytest.raises(ValueError, match="kv_format"):
+        attnops.PagedKVCache(1, 4, 16, 2, 64, kv_format="int8")

@@ -1,0 +1,160 @@
+"""Every bad input is rejected before any kernel runs, with the right exception type and a message naming the
+argument. Data-dependent checks run only under ATTNOPS_CHECK=1."""
+import pytest
+import torch
+
+import attnops
+from attnops.testing import random_paged_inputs
+
+
+def good_attention_args(**overrides):
+    args = random_paged_inputs([10, 33], [2, 3], num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16)
+    args.update(overrides)
+    return args
+
+
+def fp8_args(**overrides):
+    args = random_paged_inputs([10, 33], num_q_heads=4, num_kv_heads=2, head_dim=64, kv_format="fp8_e4m3")
+    args.update(overrides)
+    return args
+
+
+def nvfp4_args(**overrides):
+    args = random_paged_inputs([10, 33], num_q_heads=4, num_kv_heads=2, head_dim=64, kv_format="nvfp4")
+    args.update(overrides)
+    return args
+
+
+def caches(shape, dtype=torch.float32, **kw):
+    kv = torch.randn(shape[0], 2, *shape[1:]).to(dtype)
+    return dict(k_cache=kv[:, 0], v_cache=kv[:, 1], **kw)
+
+
+A = good_attention_args()
+BAD_ATTENTION = {
+    "q int": (TypeError, "q", lambda: good_attention_args(q=A["q"].to(torch.int32))),
+    "q rank": (ValueError, "q", lambda: good_attention_args(q=A["q"].flatten(1))),
+    "block_table int64": (TypeError, "block_table", lambda: good_attention_args(block_table=A["block_table"].long())),
+    "block_table rank": (ValueError, "block_table", lambda: good_attention_args(block_table=A["block_table"][0])),
+    "seq_lens float": (TypeError, "seq_lens", lambda: good_attention_args(seq_lens=A["seq_lens"].float())),
+    "B mismatch": (ValueError, "seq_lens", lambda: good_attention_args(seq_lens=A["seq_lens"][:1])),
+    "cu_seqlens_q length": (ValueError, "cu_seqlens_q", lambda: good_attention_args(
+        cu_seqlens_q=A["cu_seqlens_q"][:2])),
+    "cu_seqlens_q int64": (TypeError, "cu_seqlens_q", lambda: good_attention_args(
+        cu_seqlens_q=A["cu_seqlens_q"].long())),
+    "decode T != B": (ValueError, "cu_seqlens_q", lambda: good_attention_args(cu_seqlens_q=None)),
+    "heads not a multiple": (ValueError, "num_q_heads", lambda: good_attention_args(q=torch.randn(5, 3, 64))),
+    "head_dim mismatch": (ValueError, "head_dim", lambda: good_attention_args(q=torch.randn(5, 4, 32))),
+    "unsupported head_dim": (ValueError, "head_dim", lambda: good_attention_args(
+        q=torch.randn(5, 4, 48), **caches((8, 16, 2, 48)))),
+    "page_size not power of two": (ValueError, "page_size", lambda: good_attention_args(**caches((8, 12, 2, 64)))),
+    "page_size too large": (ValueError, "page_size", lambda: good_attention_args(**caches((2, 512, 2, 64)))),
+    "caches differ in shape": (ValueError, "v_cache", lambda: good_attention_args(
+        v_cache=torch.randn(9, 16, 2, 64))),
+    "caches differ in strides": (ValueError, "v_cache", lambda: good_attention_args(
+        v_cache=A["v_cache"].contiguous())),
+    "caches differ in dtype": (ValueError, "v_cache", lambda: good_attention_args(v_cache=A["v_cache"].double())),
+    "cache rank": (ValueError, "k_cache", lambda: good_attention_args(k_cache=A["k_cache"][0],
+                                                                      v_cache=A["v_cache"][0])),
+    "cache int": (TypeError, "k_cache", lambda: good_attention_args(**caches((8, 16, 2, 64), torch.int32))),
+    "unknown kv_format": (ValueError, "kv_format", lambda: good_attention_args(kv_format="int4")),
+    "device mismatch": (ValueError, "block_table", lambda: good_attention_args(
+        block_table=A["block_table"].to("meta"))),
+    "fp8 k_scale missing": (ValueError, "k_scale", lambda: fp8_args(k_scale=None)),
+    "fp8 v_scale missing": (ValueError, "v_scale", lambda: fp8_args(v_scale=None)),
+    "fp8 scale shape": (ValueError, "k_scale", lambda: fp8_args(k_scale=torch.ones(3))),
+    "fp8 scale dtype": (TypeError, "k_scale", lambda: fp8_args(k_scale=torch.ones((), dtype=torch.float16))),
+    "scale for a bf16 cache": (ValueError, "k_scale", lambda: good_attention_args(k_scale=torch.ones(()))),
+    "nvfp4 scale missing": (ValueError, "k_scale", lambda: nvfp4_args(k_scale=None)),
+    "nvfp4 scale shape": (ValueError, "v_scale", lambda: nvfp4_args(v_scale=nvfp4_args()["v_scale"][..., :2])),
+    "nvfp4 scale dtype": (TypeError, "k_scale", lambda: nvfp4_args(k_scale=nvfp4_args()["k_scale"].float())),
+    "4-bit last dim not D/2": (ValueError, "k_cache", lambda: nvfp4_args(
+        **caches((8, 16, 2, 64), torch.uint8), kv_format="nvfp4")),
+    "4-bit format on a float cache": (TypeError, "k_cache", lambda: good_attention_args(kv_format="mxfp4")),
+    "negative soft_cap": (ValueError, "soft_cap", lambda: good_attention_args(soft_cap=-1.0)),
+    "bad window_left": (ValueError, "window_left", lambda: good_attention_args(window_left=-5)),
+}
+
+
+@pytest.mark.parametrize("name", BAD_ATTENTION)
+def test_bad_attention_input(name):
+    error, argument, make = BAD_ATTENTION[name]
+    args = make()
+    with pytest.raises(error, match=rf"attnops\.paged_attention: .*\b{argument}\b"):
+        torch.ops.attnops.paged_attention(**args)
+    # the same error at trace time: the fake validates too
+    with pytest.raises(error, match=rf"\b{argument}\b"), torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True):
+        torch.ops.attnops.paged_attention(**args)
+
+
+def test_bad_out():
+    args = good_attention_args()
+    with pytest.raises(ValueError, match=r"\bout\b"):
+        attnops.paged_attention(**args, out=torch.empty(1, 4, 64))
+
+
+def good_write_args(kv_format="fp32", **overrides):
+    cache = attnops.PagedKVCache(1, 4, 16, 2, 64, kv_format=kv_format)
+    args = dict(key=torch.randn(6, 2, 64), value=torch.randn(6, 2, 64), slot_mapping=torch.arange(6),
+                **cache.write_args(0))
+    args.update(overrides)
+    return args
+
+
+BAD_WRITES = {
+    "key int": (TypeError, "key", lambda: good_write_args(key=torch.ones(6, 2, 64, dtype=torch.int32))),
+    "value shape": (ValueError, "value", lambda: good_write_args(value=torch.randn(6, 2, 32))),
+    "key heads": (ValueError, "key", lambda: good_write_args(key=torch.randn(6, 4, 64), value=torch.randn(6, 4, 64))),
+    "slot_mapping int32": (TypeError, "slot_mapping", lambda: good_write_args(
+        slot_mapping=torch.arange(6, dtype=torch.int32))),
+    "slot_mapping length": (ValueError, "slot_mapping", lambda: good_write_args(slot_mapping=torch.arange(5))),
+    "fp8 scale missing": (ValueError, "k_scale", lambda: good_write_args("fp8_e4m3", k_scale=None)),
+    "fp8 given block scales": (ValueError, "k_block_scale", lambda: good_write_args(
+        "fp8_e4m3", k_block_scale=torch.ones(4, 16, 2, 4))),
+    "nvfp4 block scale missing": (ValueError, "v_block_scale", lambda: good_write_args("nvfp4", v_block_scale=None)),
+    "mxfp4 block scale shape": (ValueError, "k_block_scale", lambda: good_write_args(
+        "mxfp4", k_block_scale=torch.zeros(4, 16, 2, 4, dtype=torch.uint8))),
+    "caches differ": (ValueError, "v_cache", lambda: good_write_args(v_cache=torch.randn(4, 16, 2, 64))),
+}
+
+
+@pytest.mark.parametrize("name", BAD_WRITES)
+def test_bad_cache_write(name):
+    error, argument, make = BAD_WRITES[name]
+    args = make()
+    before = args["k_cache"].clone()
+    with pytest.raises(error, match=rf"attnops\.reshape_and_cache: .*\b{argument}\b"):
+        torch.ops.attnops.reshape_and_cache(**args)
+    assert torch.equal(before.view(torch.uint8), args["k_cache"].view(torch.uint8))  # nothing written
+
+
+VALUE_CHECKS = {
+    "page index out of range": ("block_table", lambda a: a["block_table"].__setitem__((0, 0), 10_000)),
+    "seq_len above capacity": ("seq_lens", lambda a: a["seq_lens"].__setitem__(1, 10_000)),
+    "cu_seqlens_q decreasing": ("cu_seqlens_q", lambda a: a["cu_seqlens_q"].copy_(torch.tensor([0, 4, 3]))),
+    "more queries than keys": ("seq_lens", lambda a: a["seq_lens"].__setitem__(0, 1)),
+}
+
+
+@pytest.mark.parametrize("name", VALUE_CHECKS)
+def test_value_checks_only_under_attnops_check(name, monkeypatch):
+    argument, corrupt = VALUE_CHECKS[name]
+    args = good_attention_args()
+    corrupt(args)
+    monkeypatch.setenv("ATTNOPS_CHECK", "1")
+    with pytest.raises(ValueError, match=rf"attnops\.paged_attention: .*\b{argument}\b"):
+        torch.ops.attnops.paged_attention(**args)
+
+
+def test_value_checks_are_off_by_default_and_read_no_data():
+    """Without ATTNOPS_CHECK the op never syncs the host for validation: the checks see meta tensors fine."""
+    args = {k: (v.to("meta") if isinstance(v, torch.Tensor) else v) for k, v in good_attention_args().items()}
+    case = attnops.explain(**args).case
+    assert case.device_type == "meta" and not case.decode
+
+
+def test_slot_mapping_range_checked_under_attnops_check(monkeypatch):
+    args = good_write_args(slot_mapping=torch.tensor([0, 1, 2, 3, 4, 64]))
+    monkeypatch.setenv("ATTNOPS_CHECK", "1")
+    with pytest.raises(ValueError, match="slot_mapping"):
+        torch.ops.attnops.reshape_and_cache(**args)
