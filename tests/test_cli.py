@@ -1,0 +1,25 @@
+"""The command line: `python -m attnops info` and `python -m attnops demo` run and say what they should."""
+import subprocess
+import sys
+
+
+def run(*args):
+    result = subprocess.run([sys.executable, "-m", "attnops", *args], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_info_lists_backends_and_choices():
+    out = run("info")
+    assert "backends:" in out and "reference" in out
+    assert "nvfp4 decode" in out and "->" in out
+
+
+def test_demo_runs_a_decode_loop():
+    out = run("demo", "--batch", "2", "--prompt-len", "8", "--steps", "4")
+    assert "tokens/s" in out and "backend: prefill ->" in out
+
+
+def test_help_answers():
+    out = run("--help")
+    assert "info" in out and "demo" in out
