@@ -82,3 +82,26 @@ def find_sequence(cu_ptr, target, num_seqs, BLOCK_Q: tl.constexpr, BY_BLOCKS: tl
         else:
             hi = mid - 1
     return lo
+
+
+@triton.jit
+def f32_to_fp8_bits(x, MANT: tl.constexpr, BIAS: tl.constexpr):
+    """fp32 (finite, already saturated to the format's max) -> fp8 bits (uint8), rounding to nearest even, in
+    integer arithmetic. MANT/BIAS: 3/7 for e4m3fn, 2/15 for e5m2.
+
+    Used instead of Triton's conversion under the interpreter (TRITON_INTERPRET=1), whose fp32 -> fp8 rounding
+    drops the carry into the exponent (1.96 -> 1.0 instead of 2.0); on the GPU the hardware conversion
+    (cvt.rn.satfinite) is used. Both are tested bit-exact against torch's conversion."""
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    mag = bits & 0x7FFFFFFF
+    # normal result: round the 23-bit mantissa to MANT bits (the carry runs into the exponent), then rebias
+    SHIFT: tl.constexpr = 23 - MANT
+    rounded = (mag + ((1 << (SHIFT - 1)) - 1) + ((mag >> SHIFT) & 1)) >> SHIFT
+    normal = rounded - ((127 - BIAS) << MANT)
+    # subnormal result (|x| < 2^(1-BIAS)): |x| in units of the smallest subnormal, rounded to an integer, ties to
+    # even (adding and subtracting 2^23 in fp32 does exactly that for values below 2^23)
+    units = tl.abs(x) * (2.0 ** (BIAS - 1 + MANT))
+    sub = ((units + 8388608.0) - 8388608.0).to(tl.int32)
+    is_sub = mag < ((128 - BIAS) << 23)  # below 2^(1-BIAS), the smallest normal
+    return (tl.where(is_sub, sub, normal) | sign).to(tl.uint8)

@@ -1,0 +1,155 @@
+"""reshape_and_cache in Triton: writes each new token's K and V into its cache slot, quantizing on the way, for
+every format. Bit-exact with attnops.formats (the definition of the formats):
+- divisions use IEEE round-to-nearest (tl.math.div_rn), as torch does (Triton's `/` on fp32 is approximate);
+- fp32 -> fp8/fp16 conversions round to nearest even, as torch's;
+- nvfp4 block scale = e4m3(min(amax / 6, 448)); mxfp4 block scale = clamp(floor(log2(amax)) - 2 + 127, 0, 254),
+  floor(log2(amax)) read exactly from amax's exponent bits (formats.py computes it with torch.log2 in fp32,
+  which agrees except when amax lies within a rounding error of a power of two with a large exponent);
+- e2m1 codes: round |x| / scale to the nearest of 0, 0.5, ..., 6 (saturating), ties to the even code, no -0.
+
+One program per (token, KV head) writes both K and V. Slot -1 (padding) is skipped on the device: no host sync.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ... import formats
+from .common import FMT_FP8, FMT_MXFP4, FMT_NVFP4, FMT_PLAIN, e8m0_to_f32, f32_to_fp8_bits
+
+
+@triton.jit
+def _e2m1_encode(y):
+    """|x| / scale (fp32, >= 0) -> e2m1 magnitude code 0..7 (int32): nearest value, ties to the even code,
+    saturating at 6. Codes k and k+1 meet at the midpoint mid_k; a value equal to mid_k belongs to code k
+    (bucketize's rule) unless k is odd, then to k+1."""
+    y = tl.minimum(y, 6.0)
+    code = ((y > 0.25).to(tl.int32) + (y > 0.75).to(tl.int32) + (y > 1.25).to(tl.int32)
+            + (y > 1.75).to(tl.int32) + (y > 2.5).to(tl.int32) + (y > 3.5).to(tl.int32) + (y > 5.0).to(tl.int32))
+    tie = (y == 0.75) | (y == 1.75) | (y == 3.5)  # the midpoints whose lower code (1, 3, 5) is odd
+    return tl.where(tie, code + 1, code)
+
+
+@triton.jit
+def _to_fp8_bits(x, FP8_DTYPE: tl.constexpr, SOFT_FP8: tl.constexpr):
+    """fp32 -> fp8 bits (uint8), round to nearest even: the hardware conversion, or integer code under the
+    interpreter (see common.f32_to_fp8_bits)."""
+    if SOFT_FP8:
+        if FP8_DTYPE == tl.float8e4nv:
+            return f32_to_fp8_bits(x, 3, 7)
+        return f32_to_fp8_bits(x, 2, 15)
+    return x.to(FP8_DTYPE).to(tl.uint8, bitcast=True)
+
+
+@triton.jit
+def _write_row(src_ptr, cache_ptr, scale_ptr, bscale_ptr, cache_off, bscale_off, FMT: tl.constexpr,
+               HEAD_DIM: tl.constexpr, SCALE_BLOCK: tl.constexpr, FP8_DTYPE: tl.constexpr, FP8_MAX: tl.constexpr,
+               SOFT_FP8: tl.constexpr):
+    """Quantizes one head's row (src_ptr -> HEAD_DIM values) into the cache row at cache_ptr + cache_off."""
+    if FMT == FMT_NVFP4 or FMT == FMT_MXFP4:
+        NB: tl.constexpr = HEAD_DIM // SCALE_BLOCK
+        HB: tl.constexpr = SCALE_BLOCK // 2
+        offs_b = tl.arange(0, NB)[:, None]
+        offs_j = tl.arange(0, HB)[None, :]
+        elem = offs_b * SCALE_BLOCK + 2 * offs_j  # even elements; the odd one follows each
+        x_e = tl.load(src_ptr + elem).to(tl.float32)
+        x_o = tl.load(src_ptr + elem + 1).to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(x_e), 1), tl.max(tl.abs(x_o), 1))  # [NB]
+        if FMT == FMT_NVFP4:
+            sc = tl.minimum(tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32)), 448.0)
+            stored_scale = _to_fp8_bits(sc, tl.float8e4nv, SOFT_FP8)
+            scale = stored_scale.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            exponent_field = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # floor(log2(amax)) + 127
+            s = tl.minimum(tl.maximum(exponent_field - 2, 0), 254)
+            scale = e8m0_to_f32(s)
+            stored_scale = s.to(tl.uint8)
+        tl.store(bscale_ptr + bscale_off + tl.arange(0, NB), stored_scale)
+        pos = scale[:, None] > 0.0
+        safe = tl.where(pos, scale[:, None], 1.0)
+        c_e = tl.where(pos, _e2m1_encode(tl.math.div_rn(tl.abs(x_e), safe + tl.zeros_like(x_e))), 0)
+        c_o = tl.where(pos, _e2m1_encode(tl.math.div_rn(tl.abs(x_o), safe + tl.zeros_like(x_o))), 0)
+        c_e = c_e | tl.where((x_e < 0) & (c_e > 0), 8, 0)  # no negative zero
+        c_o = c_o | tl.where((x_o < 0) & (c_o > 0), 8, 0)
+        packed = (c_e | (c_o << 4)).to(tl.uint8)
+        tl.store(cache_ptr + cache_off + offs_b * HB + offs_j, packed)
+    else:
+        offs_d = tl.arange(0, HEAD_DIM)
+        x = tl.load(src_ptr + offs_d)
+        if FMT == FMT_FP8:
+            y = tl.math.div_rn(x.to(tl.float32), tl.load(scale_ptr) + tl.zeros([HEAD_DIM], tl.float32))
+            y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)  # saturate at the format's max
+            # stored through a uint8 view of the cache
+            tl.store(cache_ptr + cache_off + offs_d, _to_fp8_bits(y, FP8_DTYPE, SOFT_FP8))
+        else:
+            tl.store(cache_ptr + cache_off + offs_d, x.to(cache_ptr.dtype.element_ty))
+
+
+@triton.jit
+def reshape_and_cache_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr, kb_ptr, vb_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_cp, stride_ct, stride_ch,
+    stride_kbp, stride_kbt, stride_kbh, stride_vbp, stride_vbt, stride_vbh, stride_ksh, stride_vsh,
+    PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, FMT: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+    FP8_DTYPE: tl.constexpr, FP8_MAX: tl.constexpr, SOFT_FP8: tl.constexpr,
+):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slot_ptr + t)
+    if slot < 0:
+        return  # padding token
+    page = slot // PAGE  # int64 slot: page x page stride stays in int64
+    off = slot % PAGE
+    cache_off = page * stride_cp + off * stride_ct + h * stride_ch
+    k_bs_off = page * stride_kbp + off * stride_kbt + h * stride_kbh
+    v_bs_off = page * stride_vbp + off * stride_vbt + h * stride_vbh
+    t64 = t.to(tl.int64)
+    _write_row(key_ptr + t64 * stride_kt + h * stride_kh, k_cache_ptr, k_scale_ptr + h * stride_ksh, kb_ptr,
+               cache_off, k_bs_off, FMT, HEAD_DIM, SCALE_BLOCK, FP8_DTYPE, FP8_MAX, SOFT_FP8)
+    _write_row(value_ptr + t64 * stride_vt + h * stride_vh, v_cache_ptr, v_scale_ptr + h * stride_vsh, vb_ptr,
+               cache_off, v_bs_off, FMT, HEAD_DIM, SCALE_BLOCK, FP8_DTYPE, FP8_MAX, SOFT_FP8)
+
+
+_FMT_CODE = {"bf16": FMT_PLAIN, "fp16": FMT_PLAIN, "fp32": FMT_PLAIN, "fp8_e4m3": FMT_FP8, "fp8_e5m2": FMT_FP8,
+             "nvfp4": FMT_NVFP4, "mxfp4": FMT_MXFP4}
+
+
+def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, *, kv_format, k_scale=None, v_scale=None,
+                      k_block_scale=None, v_block_scale=None) -> None:
+    """Writes key/value [T, Hkv, D] to their slots in k_cache/v_cache (validated by the op)."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    fmt = _FMT_CODE[kv_format]
+    page_size = k_cache.shape[1]
+    if key.stride(-1) != 1:
+        key = key.contiguous()
+    if value.stride(-1) != 1:
+        value = value.contiguous()
+    fp8_dtype, fp8_max, scale_block = tl.float8e4nv, 0.0, 16
+    ks_h = vs_h = 0
+    kb_strides = vb_strides = (0, 0, 0)
+    if fmt == FMT_FP8:
+        fp8_dtype = tl.float8e4nv if kv_format == "fp8_e4m3" else tl.float8e5
+        fp8_max = formats.fp8_max(kv_format)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+        ks_h = 0 if k_scale.numel() == 1 else k_scale.stride(0)  # per tensor: every head reads element 0
+        vs_h = 0 if v_scale.numel() == 1 else v_scale.stride(0)
+    elif fmt in (FMT_NVFP4, FMT_MXFP4):
+        scale_block = formats.FP4_BLOCK[kv_format]
+        kb_strides, vb_strides = k_block_scale.stride()[:3], v_block_scale.stride()[:3]
+        # e4m3 block scales are written as their bytes
+        k_block_scale = k_block_scale.view(torch.uint8)
+        v_block_scale = v_block_scale.view(torch.uint8)
+    k_scale = k_cache if k_scale is None else k_scale  # placeholders the kernel never reads
+    v_scale = v_cache if v_scale is None else v_scale
+    kb = k_cache if k_block_scale is None else k_block_scale
+    vb = v_cache if v_block_scale is None else v_block_scale
+    reshape_and_cache_kernel[(num_tokens, num_kv_heads)](
+        key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, kb, vb,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        *kb_strides, *vb_strides, ks_h, vs_h,
+        PAGE=page_size, HEAD_DIM=head_dim, FMT=fmt, SCALE_BLOCK=scale_block, FP8_DTYPE=fp8_dtype,
+        FP8_MAX=fp8_max, SOFT_FP8=not key.is_cuda, num_warps=1 if head_dim <= 64 else 2)
