@@ -48,7 +48,22 @@ def info(args) -> None:
         print("\n" + str(explain(**describe_attention().__dict__)))
 
 
+def bench(argv) -> None:
+    """A thin front for benchmarks/bench.py, which lives in the source checkout (not in the installed package)."""
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench.py"
+    if not script.exists():
+        raise SystemExit("python -m attnops bench: needs a source checkout of attnops (benchmarks/bench.py)")
+    sys.path.insert(0, str(script.parent))
+    import bench as bench_module
+    bench_module.main(argv)
+
+
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # its own flags: see python -m attnops bench --help
+        return bench(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m attnops",
                                      description="attnops: paged-KV-cache attention ops for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -63,6 +78,7 @@ def main(argv=None) -> None:
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--kv-format", default=None, help="bf16 (GPU default), fp32 (CPU default), fp8_e4m3, nvfp4...")
     p.set_defaults(func=lambda a: __import__("attnops.demo", fromlist=["main"]).main(a))
+    sub.add_parser("bench", help="the benchmark grid against peers and the roofline (bench --help for flags)")
 
     args = parser.parse_args(argv)
     args.func(args)

@@ -14,15 +14,16 @@ def random_paged_inputs(kv_lens, q_lens=None, *, num_q_heads=4, num_kv_heads=2, 
 
     kv_lens: KV length of each sequence (this step's tokens included). q_lens: query tokens per sequence, or None
     for decode (one each, cu_seqlens_q None). scale_kind: "per_tensor" or "per_head" for fp8 caches."""
-    gen = torch.Generator().manual_seed(seed)
+    device = torch.device(device)
+    gen = torch.Generator(device).manual_seed(seed)  # made where it is used: benchmark caches are many GB
     batch = len(kv_lens)
     pages_needed = [-(-n // page_size) for n in kv_lens]
     num_pages = sum(pages_needed) + spare_pages
-    order = torch.randperm(num_pages, generator=gen)
+    order = torch.randperm(num_pages, generator=gen, device=device)
     width = max(pages_needed + [1]) + table_padding
     # garbage past each sequence's last page: -1 or a random page index, which kernels must never read
-    table = torch.where(torch.rand(batch, width, generator=gen) < 0.5, -1,
-                        torch.randint(0, num_pages, (batch, width), generator=gen))
+    table = torch.where(torch.rand(batch, width, generator=gen, device=device) < 0.5, -1,
+                        torch.randint(0, num_pages, (batch, width), generator=gen, device=device))
     start = 0
     for b, n in enumerate(pages_needed):
         table[b, :n] = order[start:start + n]
@@ -32,23 +33,25 @@ def random_paged_inputs(kv_lens, q_lens=None, *, num_q_heads=4, num_kv_heads=2, 
     shape = (num_pages, 2, page_size, num_kv_heads, stored_dim)
     k_scale = v_scale = None
     if formats.is_fp4(kv_format):
-        kv = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
+        kv = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8, device=device)
         scale_shape = (*shape[:4], head_dim // formats.FP4_BLOCK[kv_format])
         if kv_format == "nvfp4":
-            block_scales = (torch.rand(scale_shape, generator=gen) * 0.3 + 0.02).to(torch.float8_e4m3fn)
+            block_scales = (torch.rand(scale_shape, generator=gen, device=device) * 0.3 + 0.02).to(
+                torch.float8_e4m3fn)
         else:
-            block_scales = torch.randint(122, 126, scale_shape, generator=gen, dtype=torch.uint8)
+            block_scales = torch.randint(122, 126, scale_shape, generator=gen, dtype=torch.uint8, device=device)
         k_scale, v_scale = block_scales[:, 0], block_scales[:, 1]
     else:
-        values = torch.randn(shape, generator=gen)
+        values = torch.randn(shape, generator=gen, device=device)
         if formats.is_fp8(kv_format):
             n = num_kv_heads if scale_kind == "per_head" else 1
-            k_scale = (torch.rand(n, generator=gen) * 0.5 + 0.25).reshape(() if n == 1 else (n,))
-            v_scale = (torch.rand(n, generator=gen) * 0.5 + 0.25).reshape(k_scale.shape)
+            k_scale = (torch.rand(n, generator=gen, device=device) * 0.5 + 0.25).reshape(() if n == 1 else (n,))
+            v_scale = (torch.rand(n, generator=gen, device=device) * 0.5 + 0.25).reshape(k_scale.shape)
             kv = torch.stack((formats.quantize_fp8(values[:, 0], k_scale, kv_format),
                               formats.quantize_fp8(values[:, 1], v_scale, kv_format)), dim=1)
         else:
             kv = values.to({v: k for k, v in formats.PLAIN_FORMATS.items()}[kv_format])
+        del values
 
     if q_lens is None:
         cu_seqlens_q, num_tokens = None, batch
@@ -56,16 +59,14 @@ def random_paged_inputs(kv_lens, q_lens=None, *, num_q_heads=4, num_kv_heads=2, 
         cu = torch.zeros(batch + 1, dtype=torch.int32)
         cu[1:] = torch.cumsum(torch.tensor(q_lens, dtype=torch.int32), 0)
         cu_seqlens_q, num_tokens = cu, int(cu[-1])
-    q = torch.randn(num_tokens, num_q_heads, head_dim, generator=gen).to(q_dtype)
+    q = torch.randn(num_tokens, num_q_heads, head_dim, generator=gen, device=device).to(q_dtype)
 
-    kv = kv.to(device)
-    args = dict(q=q.to(device), k_cache=kv[:, 0], v_cache=kv[:, 1],
-                block_table=table.to(torch.int32).to(device),
+    args = dict(q=q, k_cache=kv[:, 0], v_cache=kv[:, 1], block_table=table.to(torch.int32),
                 seq_lens=torch.tensor(kv_lens, dtype=torch.int32, device=device),
                 cu_seqlens_q=None if cu_seqlens_q is None else cu_seqlens_q.to(device),
                 kv_format=kv_format if formats.is_fp4(kv_format) else "auto")
     if k_scale is not None:
-        args.update(k_scale=k_scale.to(device), v_scale=v_scale.to(device))
+        args.update(k_scale=k_scale, v_scale=v_scale)
     return args
 
 

@@ -1,0 +1,303 @@
+"""The benchmark suite: every case of the grid, for every attnops backend that supports it and every peer, checked
+against the reference before it is timed (a fast wrong kernel must not score).
+
+    python benchmarks/bench.py --json benchmarks/results/h200.json --plot benchmarks/results/h200.png
+    python benchmarks/bench.py --cpu                      # the small CPU grid (CI, CPU users)
+    python -m attnops bench ...                           # the same, from a source checkout
+
+Decode is reported as achieved TB/s (KV bytes read in the stored format with scales, plus q and out, over the
+median time) and as a fraction of the 4.8 TB/s datasheet ceiling; prefill as TFLOP/s (causal FLOPs) and as a
+fraction of a bf16 matmul measured in the same run. ../shared/BENCH.md (docs/bench.md) is the protocol.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import fnmatch
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import grid as grid_module  # noqa: E402
+import peers as peers_module  # noqa: E402
+
+import attnops  # noqa: E402
+from attnops import formats  # noqa: E402
+from attnops.backends import BACKENDS  # noqa: E402
+from attnops.backends.reference import paged_attention_reference  # noqa: E402
+from attnops.checks import check_paged_attention  # noqa: E402
+from attnops.testing import random_paged_inputs, relative_error  # noqa: E402
+
+HBM_TBPS = 4.8  # H200 datasheet
+TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2, "fp16": 2e-2}  # vs the reference on the same stored cache
+
+
+def case_bytes(case, q_dtype) -> int:
+    """KV bytes read in the stored format (scales included), plus q read and out written."""
+    tokens = sum(case.kv_lens)
+    elem = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}.get(case.kv_format, 0.5)
+    kv = 2 * tokens * case.num_kv_heads * case.head_dim * elem
+    if formats.is_fp4(case.kv_format):
+        kv += 2 * tokens * case.num_kv_heads * case.head_dim // formats.FP4_BLOCK[case.kv_format]
+    q_tokens = len(case.kv_lens) if case.q_lens is None else sum(case.q_lens)
+    qo = 2 * q_tokens * case.num_q_heads * case.head_dim * torch.finfo(q_dtype).bits // 8
+    return int(kv + qo)
+
+
+def case_flops(case) -> float:
+    """Causal attention FLOPs: 4 * Hq * D * sum(q_len * kv_len - q_len^2 / 2)."""
+    q_lens = [1] * len(case.kv_lens) if case.q_lens is None else case.q_lens
+    return 4.0 * case.num_q_heads * case.head_dim * sum(q * n - q * q / 2 for q, n in zip(q_lens, case.kv_lens))
+
+
+def time_us(fn, device_type: str, rep_ms: int = 100) -> float:
+    """Median time of fn() in microseconds: CUDA events through triton's do_bench on the GPU, host clock on the
+    CPU (where it is synchronous)."""
+    if device_type == "cuda":
+        import triton
+        return triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median") * 1e3
+    fn()
+    times, deadline = [], time.perf_counter() + max(rep_ms, 200) / 1e3
+    while len(times) < 5 or (time.perf_counter() < deadline and len(times) < 200):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def matmul_tflops(device) -> float:
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    return 2 * 8192 ** 3 / (time_us(lambda: a @ b, "cuda") * 1e-6) / 1e12
+
+
+def make_args(case, device, q_dtype):
+    return random_paged_inputs(case.kv_lens, case.q_lens, num_q_heads=case.num_q_heads,
+                               num_kv_heads=case.num_kv_heads, head_dim=case.head_dim, page_size=case.page_size,
+                               kv_format=case.kv_format, q_dtype=q_dtype, scale_kind=case.scale_kind, device=device,
+                               seed=sum(case.kv_lens) % 9973, table_padding=0)
+
+
+def backend_runner(name, case, args):
+    """(op call, bare backend call) for attnops backend `name`, or raise Unsupported with its reasons."""
+    backend = BACKENDS[name]
+    op_args = dict(args)
+    attention_case = check_paged_attention(
+        op_args["q"], op_args["k_cache"], op_args["v_cache"], op_args["block_table"], op_args["seq_lens"],
+        op_args["cu_seqlens_q"], None, 0.0, -1, op_args["kv_format"], op_args.get("k_scale"), op_args.get("v_scale"))
+    reasons = backend.unavailable() + backend.supports(attention_case)
+    if reasons:
+        raise peers_module.Unsupported("; ".join(reasons))
+    out = torch.empty_like(args["q"])
+
+    def op():
+        with attnops.use_backend(name):
+            return torch.ops.attnops.paged_attention(**op_args)
+
+    def bare():
+        backend.paged_attention(args["q"], args["k_cache"], args["v_cache"], args["block_table"], args["seq_lens"],
+                                args["cu_seqlens_q"], scale=case.head_dim ** -0.5, soft_cap=0.0, window_left=-1,
+                                kv_format=attention_case.kv_format, k_scale=args.get("k_scale"),
+                                v_scale=args.get("v_scale"), out=out)
+        return out
+    return op, bare
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def environment(device) -> dict:
+    env = dict(commit=git_commit(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               python=platform.python_version(), torch=torch.__version__, device=str(device),
+               hbm_ceiling_tbps=HBM_TBPS, attnops=attnops.__version__)
+    for module in ("triton", "flashinfer"):
+        try:
+            env[module] = __import__(module).__version__
+        except Exception:  # not installed, or fails to import here
+            env[module] = None
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        env["arch"] = "sm_%d%d" % torch.cuda.get_device_capability(device)
+    else:
+        env["gpu"] = None
+        env["cpu"] = platform.processor() or platform.machine()
+        env["threads"] = torch.get_num_threads()
+    return env
+
+
+def run_case(case, impls, device, q_dtype, timing_rep_ms, progress) -> list:
+    """Every impl of `impls` on one case: check, then time. Returns one record per impl."""
+    args = make_args(case, device, q_dtype)
+    reference = paged_attention_reference(**args, compute_dtype=torch.float32)
+    tolerance = TOLERANCE["fp32" if q_dtype == torch.float32 and case.kv_format == "fp32" else "bf16"]
+    nbytes, flops = case_bytes(case, q_dtype), case_flops(case)
+    records = []
+    for impl_name, (impl_type, make) in impls.items():
+        record = dict(case=case.name, **case.describe(), impl=impl_name, impl_type=impl_type, bytes=nbytes,
+                      flops=flops, status="ok")
+        try:
+            if impl_type == "backend":
+                op, bare = backend_runner(impl_name, case, args)
+            else:
+                op, bare = make(case, args), None
+            out = op()
+            err = relative_error(out, reference)
+            record["rel_err"] = err
+            if not err <= tolerance:  # NaN fails too
+                record.update(status="wrong", reason=f"relative error {err:.3g} > {tolerance:g}: not timed")
+            else:
+                record["median_us"] = time_us(op, device.type, timing_rep_ms)
+                if bare is not None:
+                    record["bare_us"] = time_us(bare, device.type, timing_rep_ms)
+                    record["dispatch_overhead_us"] = record["median_us"] - record["bare_us"]
+                if getattr(op, "gather", None) is not None:
+                    record["gather_us"] = time_us(op.gather, device.type, timing_rep_ms)
+                seconds = record["median_us"] * 1e-6
+                record["tbps"] = nbytes / seconds / 1e12
+                record["gbps"] = record["tbps"] * 1e3
+                record["frac_of_hbm"] = record["tbps"] / HBM_TBPS
+                record["tflops"] = flops / seconds / 1e12
+        except peers_module.Unsupported as e:
+            record.update(status="unsupported", reason=str(e))
+        except Exception as e:  # a crash of one impl must not lose the run: record it
+            record.update(status="error", reason=f"{type(e).__name__}: {e}"[:500])
+        records.append(record)
+        progress.update(1)
+    peer_times = [r["median_us"] for r in records if r["impl_type"] == "peer" and "median_us" in r]
+    for r in records:
+        if "median_us" in r and peer_times:
+            r["speedup_vs_best_peer"] = min(peer_times) / r["median_us"]
+    del args, reference
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return records
+
+
+def print_table(records, file=sys.stdout) -> None:
+    header = (f"{'case':<44} {'impl':<22} {'status':<11} {'us':>9} {'GB/s':>7} {'TFLOP/s':>8} {'vs peer':>8} "
+              f"{'ovh us':>7}")
+    print(header, file=file)
+    print("-" * len(header), file=file)
+    for r in records:
+        def fmt(key, spec):
+            return format(r[key], spec) if key in r else ""
+        print(f"{r['case']:<44} {r['impl']:<22} {r['status']:<11} {fmt('median_us', '9.1f')} {fmt('gbps', '7.0f')} "
+              f"{fmt('tflops', '8.1f')} {fmt('speedup_vs_best_peer', '8.2f')} {fmt('dispatch_overhead_us', '7.1f')}",
+              file=file)
+
+
+def plot(result, path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [r for r in result["records"] if "tbps" in r]
+    decode = [r for r in records if r["kind"] != "prefill"]
+    prefill = [r for r in records if r["kind"] == "prefill"]
+    cases = list(dict.fromkeys(r["case"] for r in decode))
+    impls = list(dict.fromkeys(r["impl"] for r in records))
+    fig, axes = plt.subplots(2, 1, figsize=(max(12, len(cases) * 0.45), 11),
+                             gridspec_kw=dict(height_ratios=[3, 1]))
+    width = 0.8 / max(1, len(impls))
+    colors = {impl: plt.cm.tab10(i % 10) for i, impl in enumerate(impls)}
+    for i, impl in enumerate(impls):
+        by_case = {r["case"]: r["tbps"] for r in decode if r["impl"] == impl}
+        xs = [c for c in range(len(cases)) if cases[c] in by_case]
+        axes[0].bar([x + i * width for x in xs], [by_case[cases[x]] for x in xs], width, label=impl,
+                    color=colors[impl])
+    axes[0].axhline(HBM_TBPS, color="red", linestyle="--", label=f"HBM ceiling {HBM_TBPS} TB/s")
+    axes[0].set_xticks([x + 0.4 for x in range(len(cases))], cases, rotation=75, ha="right", fontsize=7)
+    axes[0].set_ylabel("achieved TB/s (stored bytes)")
+    axes[0].set_title(f"decode / verify: {result['environment'].get('gpu') or result['environment'].get('cpu')}, "
+                      f"commit {result['environment']['commit'][:8]}")
+    axes[0].legend(fontsize=7, ncol=3)
+    pcases = list(dict.fromkeys(r["case"] for r in prefill))
+    for i, impl in enumerate(impls):
+        by_case = {r["case"]: r["tflops"] for r in prefill if r["impl"] == impl}
+        xs = [c for c in range(len(pcases)) if pcases[c] in by_case]
+        axes[1].bar([x + i * width for x in xs], [by_case[pcases[x]] for x in xs], width, color=colors[impl])
+    if result["environment"].get("matmul_tflops"):
+        axes[1].axhline(result["environment"]["matmul_tflops"], color="red", linestyle="--",
+                        label="bf16 matmul (measured)")
+        axes[1].legend(fontsize=7)
+    axes[1].set_xticks([x + 0.4 for x in range(len(pcases))], pcases, fontsize=7)
+    axes[1].set_ylabel("prefill TFLOP/s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def select(items, patterns):
+    if not patterns:
+        return list(items)
+    return [i for i in items if any(fnmatch.fnmatch(i, p) or p in i for p in patterns)]
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(prog="benchmarks/bench.py", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cpu", action="store_true", help="the small CPU grid, on the CPU")
+    parser.add_argument("--grid", choices=sorted(grid_module.GRIDS), help="default: gpu, or cpu with --cpu")
+    parser.add_argument("--cases", nargs="*", help="case names or globs (substring match too)")
+    parser.add_argument("--groups", nargs="*", help="groups: decode-small, decode-large, verify, formats, heads...")
+    parser.add_argument("--formats", nargs="*", help="kv formats: bf16 fp8_e4m3 nvfp4 ...")
+    parser.add_argument("--backends", nargs="*", help="attnops backends (default: every one but reference)")
+    parser.add_argument("--peers", nargs="*", help="peers (default: all for the device)")
+    parser.add_argument("--rep-ms", type=int, default=100, help="timing budget per measurement (ms)")
+    parser.add_argument("--json", help="write the records here")
+    parser.add_argument("--plot", help="write a PNG here (matplotlib)")
+    args = parser.parse_args(argv)
+
+    device = torch.device("cpu" if args.cpu or not torch.cuda.is_available() else "cuda")
+    grid_name = args.grid or ("cpu" if device.type == "cpu" else "gpu")
+    q_dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    cases = grid_module.GRIDS[grid_name]()
+    cases = [c for c in cases if c.name in set(select([c.name for c in cases], args.cases))]
+    if args.groups:
+        cases = [c for c in cases if c.group in args.groups]
+    if args.formats:
+        cases = [c for c in cases if c.kv_format in args.formats]
+    backend_names = args.backends if args.backends is not None else [n for n in BACKENDS if n != "reference"]
+    unknown = set(backend_names) - set(BACKENDS)
+    if unknown:
+        parser.error(f"unknown backends {sorted(unknown)}; known: {sorted(BACKENDS)}")
+    all_peers = peers_module.CPU_PEERS if device.type == "cpu" else peers_module.GPU_PEERS
+    peer_names = args.peers if args.peers is not None else list(all_peers)
+    impls = {n: ("backend", None) for n in backend_names}
+    impls.update({n: ("peer", all_peers[n]) for n in peer_names})
+
+    env = environment(device)
+    if device.type == "cuda":
+        env["matmul_tflops"] = matmul_tflops(device)
+    from tqdm import tqdm
+    records = []
+    with tqdm(total=len(cases) * len(impls), desc="attnops bench", unit="run", file=sys.stderr) as progress:
+        for case in cases:
+            progress.set_postfix_str(case.name)
+            records += run_case(case, impls, device, q_dtype, args.rep_ms, progress)
+    result = dict(environment=env, records=records)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1, default=str))
+    if args.plot:
+        plot(result, args.plot)
+    print_table(records)
+    return result
+
+
+if __name__ == "__main__":
+    main()

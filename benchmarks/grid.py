@@ -1,0 +1,95 @@
+"""The shape grid of ../shared/BENCH.md (docs/bench.md): Llama-3-8B-like heads (32/8/128), bf16 q, page size 16,
+unless a case says otherwise. A small CPU grid for CI and CPU users."""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Case:
+    name: str
+    group: str
+    kv_lens: list
+    q_lens: list | None = None  # None: decode (one query token per sequence)
+    num_q_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    kv_format: str = "bf16"
+    scale_kind: str = "per_tensor"
+    page_size: int = 16
+    tags: list = field(default_factory=list)
+
+    @property
+    def kind(self) -> str:
+        if self.q_lens is None:
+            return "decode"
+        return "prefill" if max(self.q_lens) >= 1024 else "verify"
+
+    def describe(self) -> dict:
+        d = asdict(self)
+        d.update(kind=self.kind, batch=len(self.kv_lens), kv_tokens=sum(self.kv_lens),
+                 q_tokens=len(self.kv_lens) if self.q_lens is None else sum(self.q_lens))
+        del d["kv_lens"], d["q_lens"]
+        return d
+
+
+def ragged_lengths(n: int, seed: int, low: int = 256, high: int = 65536) -> list:
+    """Log-uniform lengths in [low, high] (agents with wildly different contexts)."""
+    rng = random.Random(seed)
+    return [int(math.exp(rng.uniform(math.log(low), math.log(high)))) for _ in range(n)]
+
+
+DECODE_SHAPES = {
+    "decode-small": [(1, 32768), (4, 8192)],
+    "decode-mid": [(32, 4096), (64, 2048)],
+    "decode-large": [(128, 4096), (256, 8192), (64, 32768)],
+}
+FORMAT_VARIANTS = [("fp8_e4m3", "per_tensor"), ("fp8_e4m3", "per_head"), ("nvfp4", "per_tensor"),
+                   ("mxfp4", "per_tensor")]
+HEAD_VARIANTS = [(32, 32, 128), (64, 8, 128), (32, 4, 256), (16, 1, 64)]
+
+
+def gpu_grid() -> list:
+    cases = []
+    decode = [(group, b, n) for group, shapes in DECODE_SHAPES.items() for b, n in shapes]
+    for group, b, n in decode:
+        cases.append(Case(f"{group}/{b}x{n}", group, [n] * b))
+    for b in (64, 256):
+        cases.append(Case(f"decode-ragged/{b}", "decode-ragged", ragged_lengths(b, seed=b)))
+    decode_cases = list(cases)
+    for q in (4, 8):
+        cases.append(Case(f"verify/32x4096/q{q}", "verify", [4096] * 32, [q] * 32))
+    cases.append(Case("verify/32x4096/q1", "verify", [4096] * 32, [1] * 32, tags=["verify-baseline"]))
+    cases.append(Case("prefill/8x4096", "prefill", [4096] * 8, [4096] * 8))
+    cases.append(Case("prefill/chunked-2048-on-46000", "prefill", [46000 + 2048], [2048]))
+    for fmt, scale_kind in FORMAT_VARIANTS:
+        label = fmt if fmt != "fp8_e4m3" else f"fp8_e4m3-{scale_kind.replace('_', '-')}"
+        for c in decode_cases:
+            cases.append(Case(f"{c.name}/{label}", "formats", c.kv_lens, kv_format=fmt, scale_kind=scale_kind))
+    for hq, hkv, d in HEAD_VARIANTS:
+        for _, b, n in [x for x in decode if x[0] == "decode-large"]:
+            cases.append(Case(f"heads-{hq}-{hkv}-{d}/{b}x{n}", "heads", [n] * b, num_q_heads=hq, num_kv_heads=hkv,
+                              head_dim=d))
+    return cases
+
+
+def cpu_grid() -> list:
+    """For CI and CPU users: small, fp32 and bf16, the CPU backend against gather + SDPA."""
+    cases = []
+    for fmt in ("fp32", "bf16"):
+        cases += [Case(f"cpu-decode/4x512/{fmt}", "cpu-decode", [512] * 4, kv_format=fmt),
+                  Case(f"cpu-decode/1x2048/{fmt}", "cpu-decode", [2048], kv_format=fmt),
+                  Case(f"cpu-verify/2x512/q4/{fmt}", "cpu-verify", [512] * 2, [4] * 2, kv_format=fmt)]
+    return [Case(c.name, c.group, c.kv_lens, c.q_lens, num_q_heads=8, num_kv_heads=2, head_dim=64,
+                 kv_format=c.kv_format) for c in cases]
+
+
+def cpu_issue_grid() -> list:
+    """The CPU backend's own bar (issue 3): 8 x 2048 and 1 x 16384 decode, 32/8/128, fp32 and bf16."""
+    return [Case(f"cpu-decode/{b}x{n}/{fmt}", "cpu-decode", [n] * b, kv_format=fmt)
+            for fmt in ("fp32", "bf16") for b, n in ((8, 2048), (1, 16384))]
+
+
+GRIDS = {"gpu": gpu_grid, "cpu": cpu_grid, "cpu-issue": cpu_issue_grid}

@@ -1,0 +1,128 @@
+"""Peers called directly, not through attnops: FlashInfer's paged decode (CUDA-core and tensor-core) and paged
+prefill (fa2, fa3), and PyTorch's scaled_dot_product_attention on pre-gathered contiguous KV.
+
+Each peer is a function (case, args) -> run, where `run()` computes the output with all host planning already
+done; it raises Unsupported with the reason for a case it cannot serve."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from attnops import formats
+
+
+class Unsupported(Exception):
+    pass
+
+
+def flashinfer_page_metadata(block_table, seq_lens, page_size):
+    """FlashInfer's CSR page description (indptr, indices, last_page_len) from a block table, on the device."""
+    pages = (seq_lens + page_size - 1) // page_size
+    indptr = torch.zeros(seq_lens.shape[0] + 1, dtype=torch.int32, device=seq_lens.device)
+    indptr[1:] = torch.cumsum(pages, 0)
+    used = torch.arange(block_table.shape[1], device=seq_lens.device)[None, :] < pages[:, None]
+    indices = block_table[used].to(torch.int32)
+    last_page_len = torch.where(seq_lens > 0, seq_lens - (pages - 1) * page_size, 0).to(torch.int32)
+    return indptr, indices, last_page_len
+
+
+_WORKSPACE = {}
+
+
+def _workspace(device):
+    if device not in _WORKSPACE:
+        _WORKSPACE[device] = torch.zeros(512 * 1024 * 1024, dtype=torch.uint8, device=device)
+    return _WORKSPACE[device]
+
+
+def _flashinfer_kv(case, args):
+    if formats.is_fp4(case.kv_format):
+        raise Unsupported("FlashInfer has no paged nvfp4/mxfp4 decode on sm_90")
+    if case.scale_kind == "per_head" and formats.is_fp8(case.kv_format):
+        raise Unsupported("FlashInfer takes per-tensor fp8 scales only")
+    scales = {}
+    if formats.is_fp8(case.kv_format):
+        scales = dict(k_scale=args["k_scale"].item(), v_scale=args["v_scale"].item())
+    return (args["k_cache"], args["v_cache"]), scales
+
+
+def flashinfer_decode(use_tensor_cores: bool):
+    def make(case, args):
+        if case.q_lens is not None:
+            raise Unsupported("decode wrapper: one query token per sequence")
+        import flashinfer
+        kv, scales = _flashinfer_kv(case, args)
+        indptr, indices, last = flashinfer_page_metadata(args["block_table"], args["seq_lens"], case.page_size)
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(_workspace(args["q"].device), "NHD",
+                                                                use_tensor_cores=use_tensor_cores)
+        wrapper.plan(indptr, indices, last, case.num_q_heads, case.num_kv_heads, case.head_dim, case.page_size,
+                     q_data_type=args["q"].dtype, kv_data_type=args["k_cache"].dtype)
+        return lambda: wrapper.run(args["q"], kv, **scales)
+    return make
+
+
+def flashinfer_prefill(backend: str):
+    def make(case, args):
+        if case.q_lens is None:
+            raise Unsupported("prefill wrapper is timed on verify/prefill cases")
+        if backend == "fa3" and torch.cuda.get_device_capability(args["q"].device)[0] != 9:
+            raise Unsupported("fa3 needs sm_90")
+        import flashinfer
+        kv, scales = _flashinfer_kv(case, args)
+        indptr, indices, last = flashinfer_page_metadata(args["block_table"], args["seq_lens"], case.page_size)
+        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(_workspace(args["q"].device), "NHD",
+                                                                 backend=backend)
+        wrapper.plan(args["cu_seqlens_q"], indptr, indices, last, case.num_q_heads, case.num_kv_heads,
+                     case.head_dim, case.page_size, causal=True, q_data_type=args["q"].dtype,
+                     kv_data_type=args["k_cache"].dtype)
+        return lambda: wrapper.run(args["q"], kv, **scales)
+    return make
+
+
+def gather_dense(args, case, dtype):
+    """The pages of every sequence gathered (and dequantized) into contiguous [B, Hkv, L, D] K and V: what a user
+    without a paged kernel does before calling SDPA. Needs equal lengths."""
+    length = case.kv_lens[0]
+    pages_per_seq = -(-length // case.page_size)
+    pages = args["block_table"][:, :pages_per_seq].long()
+    out = []
+    for cache, scale in ((args["k_cache"], args.get("k_scale")), (args["v_cache"], args.get("v_scale"))):
+        fmt = formats.resolve_kv_format(args["kv_format"], cache.dtype)
+        stored = cache[pages].flatten(1, 2)[:, :length]  # [B, L, Hkv, Ds]
+        if formats.is_fp4(fmt):
+            scale = scale[pages].flatten(1, 2)[:, :length]
+        out.append(formats.dequantize(stored, fmt, scale, dtype).transpose(1, 2).contiguous())
+    return out
+
+
+def sdpa_on_gathered(case, args, include_gather=False):
+    if len(set(case.kv_lens)) != 1 or (case.q_lens is not None and len(set(case.q_lens)) != 1):
+        raise Unsupported("SDPA needs equal lengths (a ragged batch would need padding)")
+    q = args["q"]
+    q_len = 1 if case.q_lens is None else case.q_lens[0]
+    k, v = gather_dense(args, case, q.dtype)
+    length = case.kv_lens[0]
+    qd = q.view(len(case.kv_lens), q_len, case.num_q_heads, case.head_dim).transpose(1, 2)
+    mask = None
+    if q_len > 1:
+        query_pos = torch.arange(length - q_len, length, device=q.device)[:, None]
+        mask = torch.arange(length, device=q.device)[None, :] <= query_pos
+
+    def run():
+        keys, values = gather_dense(args, case, q.dtype) if include_gather else (k, v)
+        o = F.scaled_dot_product_attention(qd, keys, values, attn_mask=mask, enable_gqa=True)
+        return o.transpose(1, 2).reshape(q.shape)
+
+    run.gather = lambda: gather_dense(args, case, q.dtype)
+    return run
+
+
+GPU_PEERS = {
+    "fi-decode-cuda-core": flashinfer_decode(False),
+    "fi-decode-tensor-core": flashinfer_decode(True),
+    "fi-prefill-fa2": flashinfer_prefill("fa2"),
+    "fi-prefill-fa3": flashinfer_prefill("fa3"),
+    "sdpa-gathered": sdpa_on_gathered,
+}
+# On the CPU the gather is part of what a user pays (nothing else is paged there): time them together.
+CPU_PEERS = {"gather+sdpa": lambda case, args: sdpa_on_gathered(case, args, include_gather=True)}
