@@ -101,7 +101,7 @@ def f32_to_fp8_bits(x, MANT: tl.constexpr, BIAS: tl.constexpr):
     normal = rounded - ((127 - BIAS) << MANT)
     # subnormal result (|x| < 2^(1-BIAS)): |x| in units of the smallest subnormal, rounded to an integer, ties to
     # even (adding and subtracting 2^23 in fp32 does exactly that for values below 2^23)
-    units = tl.abs(x) * (2.0 ** (BIAS - 1 + MANT))
+    units = tl.minimum(tl.abs(x), 2.0 ** (1 - BIAS)) * (2.0 ** (BIAS - 1 + MANT))  # clamped: no int overflow
     sub = ((units + 8388608.0) - 8388608.0).to(tl.int32)
     is_sub = mag < ((128 - BIAS) << 23)  # below 2^(1-BIAS), the smallest normal
     return (tl.where(is_sub, sub, normal) | sign).to(tl.uint8)

@@ -1,0 +1,401 @@
+"""The Triton backend against the float64 reference.
+
+CPU (CI): every kernel under TRITON_INTERPRET=1 (tests/conftest.py sets it when there is no GPU) on small random
+ragged cases: decode, verify, prefill and extend; fp16/fp32 q; fp16/fp32/fp8 (per tensor, per head)/nvfp4/mxfp4
+caches; windows, soft cap, GQA/MQA, page sizes 1/16/64, lengths 0 and 1; reshape_and_cache bit-exact for every
+format. Quantized caches are compared with the reference fed the same stored cache, so the test checks the
+kernel, not the format. Outputs are poisoned (NaN) before each run.
+
+GPU (marked gpu; run on the lent H200): the same plus bf16, 300+ seeded random cases per kernel, a decode on a
+cache of more than 2^31 elements, CUDA-graph capture and replay with new lengths, and the memory test (the extra
+device memory of a call does not depend on the cache size).
+"""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+import attnops
+from attnops import formats
+from attnops.backends import BACKENDS
+from attnops.backends.reference import paged_attention_reference, reshape_and_cache_reference
+from attnops.testing import random_paged_inputs, relative_error
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+pytestmark = pytest.mark.skipif(not CUDA and os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="no GPU and not under the Triton interpreter")
+# fp32 q: the kernel uses input_precision="ieee" for fp32 dots (no tf32), so 1e-5 holds on the GPU too.
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+
+
+def run_triton_attention(args, **options):
+    """The op, pinned to the Triton backend, with a poisoned out= buffer; returns the output."""
+    out = torch.full_like(args["q"], float("nan"))
+    with attnops.use_backend("triton"):
+        attnops.paged_attention(**args, **options, out=out)
+    return out
+
+
+def check_attention(args, tolerance=None, **options):
+    out = run_triton_attention(args, **options)
+    ref = paged_attention_reference(**args, **options, compute_dtype=torch.float64)
+    assert not out.isnan().any(), "NaN in the output"
+    tolerance = tolerance or TOLERANCE[args["q"].dtype]
+    err = relative_error(out, ref)
+    assert err < tolerance, f"relative error {err:.3g} >= {tolerance}"
+    # rows of empty sequences (and of sequences whose rows see nothing) are exactly 0
+    if args["cu_seqlens_q"] is None:
+        empty = args["seq_lens"] == 0
+        assert (out[empty] == 0).all()
+    return err
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# CPU (interpreter) and GPU: small cases
+
+F32, F16 = torch.float32, torch.float16
+# (name, random_paged_inputs arguments, options). Small on purpose: each runs in the interpreter on CI's 2 cores.
+# Lengths up to ~300 with the interpreter's CHUNK of 128 keys make several splits, so the merge kernel runs too.
+CASES = [
+    ("decode-fp32-page16-gqa2", dict(kv_lens=[37, 0, 300, 1], page_size=16), {}),
+    ("decode-fp32-page1-mqa", dict(kv_lens=[9, 1, 0, 70], page_size=1, num_q_heads=4, num_kv_heads=1), {}),
+    ("decode-fp16-page64-mha", dict(kv_lens=[130, 2, 64], page_size=64, num_q_heads=2, num_kv_heads=2,
+                                    kv_format="fp16", q_dtype=F16), {}),
+    ("decode-fp16-group3-d32", dict(kv_lens=[50, 200], head_dim=32, num_q_heads=6, num_kv_heads=2,
+                                    kv_format="fp16", q_dtype=F16), {}),
+    ("decode-fp32-window-softcap", dict(kv_lens=[300, 5, 0, 129], page_size=16),
+     dict(window_left=40, soft_cap=4.0, scale=0.3)),
+    ("decode-fp32-window0", dict(kv_lens=[70, 1], page_size=1), dict(window_left=0)),
+    ("decode-fp8e4m3-per-tensor-fp32q", dict(kv_lens=[260, 0, 3], kv_format="fp8_e4m3"), {}),
+    ("decode-fp8e4m3-per-head-fp16q", dict(kv_lens=[100, 33], kv_format="fp8_e4m3", scale_kind="per_head",
+                                           q_dtype=F16, page_size=64), {}),
+    ("decode-fp8e5m2-per-head-window", dict(kv_lens=[180, 1], kv_format="fp8_e5m2", scale_kind="per_head"),
+     dict(window_left=25)),
+    ("decode-nvfp4-fp32q", dict(kv_lens=[140, 0, 17], kv_format="nvfp4"), {}),
+    ("decode-mxfp4-fp16q-page1", dict(kv_lens=[40, 3], kv_format="mxfp4", q_dtype=F16, page_size=1), {}),
+    ("decode-nvfp4-softcap-mqa", dict(kv_lens=[90, 200], kv_format="nvfp4", num_q_heads=4, num_kv_heads=1,
+                                      q_dtype=F16), dict(soft_cap=3.0)),
+    ("verify4-fp32-gqa2", dict(kv_lens=[64, 150, 4], q_lens=[4, 4, 4]), {}),
+    ("verify-mixed-fp16-page1", dict(kv_lens=[20, 9, 0], q_lens=[3, 9, 0], page_size=1, kv_format="fp16",
+                                     q_dtype=F16), {}),
+    ("verify-fp8-per-head", dict(kv_lens=[70, 200], q_lens=[8, 2], kv_format="fp8_e4m3",
+                                 scale_kind="per_head"), {}),
+    ("prefill-fp32", dict(kv_lens=[45, 1, 0, 80], q_lens=[45, 1, 0, 80]), {}),
+    ("prefill-fp16-window-softcap", dict(kv_lens=[90, 33], q_lens=[90, 33], kv_format="fp16", q_dtype=F16),
+     dict(window_left=10, soft_cap=5.0)),
+    ("extend-fp32-page64", dict(kv_lens=[200, 70], q_lens=[30, 1], page_size=64), {}),
+    ("extend-mxfp4-mqa", dict(kv_lens=[60, 130], q_lens=[7, 20], kv_format="mxfp4", num_q_heads=4,
+                              num_kv_heads=1), dict(window_left=50)),
+    ("extend-nvfp4-fp16q", dict(kv_lens=[50, 64], q_lens=[12, 5], kv_format="nvfp4", q_dtype=F16), {}),
+    ("extend-fp8e5m2-per-tensor", dict(kv_lens=[100, 40], q_lens=[16, 40], kv_format="fp8_e5m2"), {}),
+]
+
+
+@pytest.mark.parametrize("name,inputs,options", CASES, ids=[c[0] for c in CASES])
+def test_attention_small(name, inputs, options):
+    args = random_paged_inputs(**inputs, device=DEVICE, seed=len(name))
+    check_attention(args, **options)
+
+
+@pytest.mark.parametrize("max_splits", [1, 3])
+def test_attention_split_counts(max_splits):
+    """The direct-write path (one split) and a split count that does not divide the ranges evenly."""
+    from attnops.backends.triton.decode import launch
+    args = random_paged_inputs([300, 0, 77, 1], device=DEVICE, seed=11)
+    out = torch.full_like(args["q"], float("nan"))
+    launch(args["q"], args["k_cache"], args["v_cache"], args["block_table"], args["seq_lens"], None,
+           scale=0.125, soft_cap=0.0, window_left=-1, kv_format="fp32", k_scale=None, v_scale=None, out=out,
+           config=dict(MAX_SPLITS=max_splits, CHUNK=64, BLOCK_N=32))
+    ref = paged_attention_reference(**args, scale=0.125)
+    assert relative_error(out, ref) < 1e-5
+
+
+def test_separate_k_and_v_scale_kinds():
+    """fp8 with a per-head k_scale and a per-tensor v_scale (scale strides differ: 1 and 0)."""
+    args = random_paged_inputs([90, 31], kv_format="fp8_e4m3", scale_kind="per_head", device=DEVICE, seed=5)
+    args["v_scale"] = torch.tensor(0.7, device=DEVICE)
+    check_attention(args)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# reshape_and_cache: bit-exact with the reference, every format
+
+def cache_write_inputs(fmt, scale_kind, *, num_tokens=9, num_kv_heads=2, head_dim=64, page_size=4, num_pages=6,
+                       src_dtype=torch.float32, seed=0, device=DEVICE):
+    gen = torch.Generator().manual_seed(seed)
+    key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen) * 2
+    value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
+    # edge values: an all-zero block, values to saturate, exact e2m1 ties (x / scale = 0.75, 1.75, ...),
+    # fp8 subnormals and values that round up into the next binade
+    key[0, 0, :32] = 0
+    key[1, 0] *= 1e3
+    value[2, 0, :16] = torch.tensor([6.0, 0.75, 1.75, 3.5, 0.25, 1.25, 2.5, 5.0, -0.75, -6, 0, 1, 2, 3, 4, -1.75])
+    value[3, 1, :8] = torch.tensor([2 ** -8, 2 ** -10 * 1.5, 1.9614, -7.8315, 2 ** -17, 3e-3, 447.9, -1e5])
+    slots = torch.randperm(num_pages * page_size, generator=gen)[:num_tokens].long()
+    slots[num_tokens // 2] = -1  # padding: skipped
+    stored_dim = formats.stored_head_dim(fmt, head_dim)
+    storage = {"fp16": torch.float16, "fp32": torch.float32, "bf16": torch.bfloat16}.get(fmt) or \
+        formats.FP8_DTYPES.get(fmt, torch.uint8)
+    shape = (num_pages, 2, page_size, num_kv_heads, stored_dim)
+    kv = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
+    kv = kv.view(storage) if storage.itemsize == 1 else torch.randn(shape, generator=gen).to(storage)
+    kwargs = dict(kv_format=fmt if formats.is_fp4(fmt) else "auto")
+    block_scales = None
+    if formats.is_fp8(fmt):
+        n = num_kv_heads if scale_kind == "per_head" else 1
+        kwargs.update(k_scale=(torch.rand(n, generator=gen) + 0.05).reshape(() if n == 1 else (n,)).to(device),
+                      v_scale=(torch.rand(n, generator=gen) + 0.05).reshape(() if n == 1 else (n,)).to(device))
+    if formats.is_fp4(fmt):
+        block_scales = torch.randint(0, 256, (*shape[:4], head_dim // formats.FP4_BLOCK[fmt]), generator=gen,
+                                     dtype=torch.uint8).view(formats.FP4_SCALE_DTYPE[fmt]).to(device)
+    return (key.to(src_dtype).to(device), value.to(src_dtype).to(device), kv.to(device), slots.to(device),
+            block_scales, kwargs)
+
+
+def assert_cache_write_exact(fmt, scale_kind, **kw):
+    key, value, kv, slots, block_scales, kwargs = cache_write_inputs(fmt, scale_kind, **kw)
+    kv_ref = kv.clone()
+    bs_ref = None if block_scales is None else block_scales.clone()
+    with attnops.use_backend("triton"):
+        attnops.reshape_and_cache(key, value, kv[:, 0], kv[:, 1], slots, **kwargs,
+                                  **({} if block_scales is None else dict(k_block_scale=block_scales[:, 0],
+                                                                          v_block_scale=block_scales[:, 1])))
+    reshape_and_cache_reference(key, value, kv_ref[:, 0], kv_ref[:, 1], slots, **kwargs,
+                                **({} if bs_ref is None else dict(k_block_scale=bs_ref[:, 0],
+                                                                  v_block_scale=bs_ref[:, 1])))
+    as_bytes = lambda t: t.view(torch.uint8) if t.dtype.itemsize == 1 else t  # noqa: E731
+    mismatch = (as_bytes(kv) != as_bytes(kv_ref)).sum().item()
+    assert mismatch == 0, f"{mismatch} cache elements differ from the reference"
+    if block_scales is not None:
+        assert torch.equal(block_scales.view(torch.uint8), bs_ref.view(torch.uint8)), "block scales differ"
+
+
+@pytest.mark.parametrize("fmt,scale_kind", [("fp32", None), ("fp16", None), ("fp8_e4m3", "per_tensor"),
+                                            ("fp8_e4m3", "per_head"), ("fp8_e5m2", "per_tensor"),
+                                            ("fp8_e5m2", "per_head"), ("nvfp4", None), ("mxfp4", None)])
+def test_reshape_and_cache_bit_exact(fmt, scale_kind):
+    assert_cache_write_exact(fmt, scale_kind, **(dict(page_size=1, num_pages=12) if fmt == "nvfp4" else {}))
+
+
+def test_reshape_and_cache_fp16_source_page16():
+    assert_cache_write_exact("nvfp4", None, src_dtype=torch.float16, page_size=16, num_pages=2, head_dim=32)
+    assert_cache_write_exact("fp8_e4m3", "per_head", src_dtype=torch.float16, page_size=16, num_pages=2)
+
+
+def test_write_then_read_roundtrip():
+    """reshape_and_cache then paged_attention, both Triton, through a PagedKVCache (fused K/V layout, random page
+    order): a prefill of two sequences, then a decode step on them."""
+    cache = attnops.PagedKVCache(1, num_pages=12, page_size=16, num_kv_heads=2, head_dim=64, kv_format="nvfp4",
+                                 device=DEVICE, shuffle_pages=True)
+    gen = torch.Generator().manual_seed(3)
+    for seq_id in ("a", "b"):
+        cache.allocate(seq_id)
+    for new_tokens in ([20, 33], [1, 1]):
+        meta = cache.prepare(["a", "b"], new_tokens)
+        key, value = (torch.randn(meta.num_tokens, 2, 64, generator=gen).to(DEVICE) for _ in range(2))
+        with attnops.use_backend("triton"):
+            attnops.reshape_and_cache(key, value, slot_mapping=meta.slot_mapping, **cache.write_args(0))
+        q = torch.randn(meta.num_tokens, 4, 64, generator=gen).to(DEVICE)
+        check_attention(dict(q=q, block_table=meta.block_table, seq_lens=meta.seq_lens,
+                             cu_seqlens_q=meta.cu_seqlens_q, **cache.attention_args(0)))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the backend as dispatch sees it
+
+def test_backend_declines_with_reasons():
+    from attnops.dispatch import describe_attention
+    backend = BACKENDS["triton"]
+    assert backend.unavailable() == []
+    reasons = backend.supports(describe_attention(device="cpu", head_dim=96, q_dtype=torch.bfloat16))
+    assert any("head_dim 96" in r for r in reasons)
+    if not CUDA:
+        assert any("bf16" in r for r in reasons)
+    assert backend.supports(describe_attention(device=DEVICE, q_dtype=torch.float16, kv_format="nvfp4",
+                                               decode=False, soft_cap=True, sliding_window=True,
+                                               scale_kind="block")) == []
+
+
+def test_explain_pinned_triton():
+    with attnops.use_backend("triton"):
+        explanation = attnops.explain(device=DEVICE, q_dtype=torch.float16, kv_format="fp8_e4m3")
+    assert explanation.chosen == "triton"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GPU only
+
+gpu = pytest.mark.gpu
+
+
+@gpu
+@pytest.mark.parametrize("name,inputs,options", CASES, ids=[c[0] for c in CASES])
+def test_attention_small_bf16(name, inputs, options):
+    inputs = dict(inputs, q_dtype=torch.bfloat16)
+    if inputs.get("kv_format", "fp32") in ("fp32", "fp16"):
+        inputs["kv_format"] = "bf16"
+    args = random_paged_inputs(**inputs, device=DEVICE, seed=len(name) + 1)
+    check_attention(args, **options)
+
+
+def random_case(rng: random.Random, multi_token: bool):
+    """One random case of the GPU sweep: page size, head dim, GQA ratio, ragged lengths incl. 0 and 1, window,
+    soft cap, format, q dtype."""
+    page_size = rng.choice([1, 2, 4, 8, 16, 32, 64, 128, 256])
+    head_dim = rng.choice([32, 64, 128, 256])
+    num_kv_heads, group = rng.choice([(1, 1), (2, 1), (4, 1), (1, 4), (2, 4), (8, 4), (1, 16), (2, 3), (4, 8)])
+    kv_format = rng.choice(["bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "nvfp4", "mxfp4"])
+    q_dtype = rng.choice([torch.bfloat16, torch.float16, torch.float32])
+    batch = rng.randint(1, 12)
+    kv_lens = [rng.choice([0, 1, rng.randint(2, 64), rng.randint(65, 3000), int(10 ** rng.uniform(0, 4))])
+               for _ in range(batch)]
+    q_lens = None
+    if multi_token:
+        kind = rng.choice(["verify", "chunk", "prefill"])
+        q_lens = [min(n, rng.randint(1, 16) if kind == "verify" else rng.randint(0, 300) if kind == "chunk"
+                      else n) for n in kv_lens]
+    options = {}
+    if rng.random() < 0.3:
+        options["window_left"] = rng.choice([0, 1, 15, 100, 1000])
+    if rng.random() < 0.3:
+        options["soft_cap"] = rng.choice([1.0, 5.0, 30.0])
+    if rng.random() < 0.2:
+        options["scale"] = rng.uniform(0.02, 0.5)
+    inputs = dict(kv_lens=kv_lens, q_lens=q_lens, num_q_heads=num_kv_heads * group, num_kv_heads=num_kv_heads,
+                  head_dim=head_dim, page_size=page_size, kv_format=kv_format, q_dtype=q_dtype,
+                  scale_kind=rng.choice(["per_tensor", "per_head"]))
+    return inputs, options
+
+
+@gpu
+@pytest.mark.parametrize("multi_token", [False, True], ids=["decode", "extend"])
+def test_random_sweep(multi_token):
+    """320 seeded random cases per kernel, all within tolerance; failures are collected and listed together."""
+    rng = random.Random(1234 + multi_token)
+    failures = []
+    for i in range(320):
+        inputs, options = random_case(rng, multi_token)
+        args = random_paged_inputs(**inputs, device=DEVICE, seed=i)
+        try:
+            check_attention(args, **options)
+        except AssertionError as e:
+            failures.append(f"case {i}: {inputs} {options}: {e}")
+    assert not failures, f"{len(failures)} of 320 failed:\n" + "\n".join(failures[:20])
+
+
+@gpu
+def test_random_sweep_reshape_and_cache():
+    rng = random.Random(99)
+    failures = []
+    for i in range(320):
+        fmt = rng.choice(["bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "nvfp4", "mxfp4"])
+        kw = dict(num_tokens=rng.randint(1, 200), num_kv_heads=rng.choice([1, 2, 8]),
+                  head_dim=rng.choice([32, 64, 128, 256]), page_size=rng.choice([1, 16, 64, 256]),
+                  src_dtype=rng.choice([torch.bfloat16, torch.float16, torch.float32]), seed=i)
+        kw["num_pages"] = -(-kw["num_tokens"] // kw["page_size"]) + 2
+        try:
+            assert_cache_write_exact(fmt, rng.choice(["per_tensor", "per_head"]), **kw)
+        except AssertionError as e:
+            failures.append(f"case {i}: {fmt} {kw}: {e}")
+    assert not failures, f"{len(failures)} of 320 failed:\n" + "\n".join(failures[:20])
+
+
+@gpu
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8_e4m3"])
+def test_decode_on_cache_over_2_31_elements(kv_format):
+    """Pages past element 2^31 (int32 address arithmetic would wrap): the sequence's pages are the last ones."""
+    page_size, num_kv_heads, head_dim = 16, 8, 128
+    per_page = 2 * page_size * num_kv_heads * head_dim
+    num_pages = (2 ** 31) // per_page + 4096  # > 2^31 elements in the fused [num_pages, 2, ...] tensor
+    dtype = torch.bfloat16 if kv_format == "bf16" else torch.float8_e4m3fn
+    kv = torch.empty((num_pages, 2, page_size, num_kv_heads, head_dim), dtype=dtype, device="cuda")
+    assert kv.numel() > 2 ** 31
+    lens = [1000, 4000]
+    pages_needed = [-(-n // page_size) for n in lens]
+    used = torch.arange(num_pages - sum(pages_needed), num_pages, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    kv[used] = torch.randn((len(used), 2, page_size, num_kv_heads, head_dim), device="cuda",
+                           generator=gen).to(dtype)
+    table = torch.full((2, max(pages_needed)), -1, dtype=torch.int32, device="cuda")
+    table[0, :pages_needed[0]] = used[:pages_needed[0]].int()
+    table[1, :pages_needed[1]] = used[pages_needed[0]:].int().flip(0)
+    args = dict(q=torch.randn(2, 32, head_dim, device="cuda", generator=gen).bfloat16(), k_cache=kv[:, 0],
+                v_cache=kv[:, 1], block_table=table, seq_lens=torch.tensor(lens, dtype=torch.int32, device="cuda"),
+                cu_seqlens_q=None, kv_format="auto")
+    if kv_format != "bf16":
+        args.update(k_scale=torch.tensor(0.5, device="cuda"), v_scale=torch.tensor(0.8, device="cuda"))
+    check_attention(args)
+    del kv
+
+
+@gpu
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8_e4m3", "nvfp4", "mxfp4"])
+def test_call_memory_independent_of_cache_size(kv_format):
+    """The extra device memory a call allocates (max_memory_allocated around it) is the same for a 1 GB and a
+    40 GB cache: no workspace sized by the pool (no dequantized copy)."""
+    page_size, num_kv_heads, head_dim, batch, max_pages = 16, 8, 128, 32, 256
+    stored = formats.stored_head_dim(kv_format, head_dim)
+    dtype = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}.get(kv_format, torch.uint8)
+    bytes_per_page = 2 * page_size * num_kv_heads * stored * dtype.itemsize
+    extra = {}
+    for gigabytes in (1, 40):
+        num_pages = gigabytes * 2 ** 30 // bytes_per_page
+        kv = torch.zeros((num_pages, 2, page_size, num_kv_heads, stored), dtype=torch.uint8 if dtype.itemsize == 1
+                         else dtype, device="cuda")
+        kv = kv.view(dtype) if dtype.itemsize == 1 else kv
+        args = dict(q=torch.randn(batch, 32, head_dim, device="cuda").bfloat16(), k_cache=kv[:, 0], v_cache=kv[:, 1],
+                    block_table=torch.randint(0, num_pages, (batch, max_pages), dtype=torch.int32, device="cuda"),
+                    seq_lens=torch.full((batch,), max_pages * page_size, dtype=torch.int32, device="cuda"),
+                    kv_format=kv_format if formats.is_fp4(kv_format) else "auto")
+        block_scales = None
+        if formats.is_fp8(kv_format):
+            args.update(k_scale=torch.tensor(1.0, device="cuda"), v_scale=torch.tensor(1.0, device="cuda"))
+        elif formats.is_fp4(kv_format):
+            block_scales = torch.zeros((num_pages, 2, page_size, num_kv_heads, head_dim // formats.FP4_BLOCK[kv_format]),
+                                       dtype=torch.uint8, device="cuda").view(formats.FP4_SCALE_DTYPE[kv_format])
+            args.update(k_scale=block_scales[:, 0], v_scale=block_scales[:, 1])
+        out = torch.empty_like(args["q"])
+        with attnops.use_backend("triton"):
+            attnops.paged_attention(**args, out=out)  # warm-up: compile outside the measurement
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            attnops.paged_attention(**args, out=out)
+            torch.cuda.synchronize()
+        extra[gigabytes] = torch.cuda.max_memory_allocated() - before
+        del kv, block_scales, args
+        torch.cuda.empty_cache()
+    assert extra[1] == extra[40], f"extra memory per call: {extra}"
+    assert extra[40] < 64 * 2 ** 20  # workspace: batch x heads x splits x head_dim, far below the cache
+
+
+@gpu
+def test_cuda_graph_capture_and_replay_with_new_lengths():
+    """Captured once, replayed with new seq_lens and block tables: the split count is decided on the device."""
+    # built for 3000 keys each (every table row has its pages), replayed with any lengths up to that
+    args = random_paged_inputs([3000, 3000, 3000, 3000], num_q_heads=32, num_kv_heads=8, head_dim=128, kv_format="bf16",
+                               q_dtype=torch.bfloat16, device="cuda", seed=0)
+    out = torch.empty_like(args["q"])
+    run = lambda: attnops.paged_attention(**args, out=out)  # noqa: E731
+    with attnops.use_backend("triton"):
+        run()  # compile outside the capture
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            run()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+    for lens in ([1, 2900, 0, 700], [3000, 3000, 3000, 3000], [0, 0, 0, 5]):
+        args["seq_lens"].copy_(torch.tensor(lens, dtype=torch.int32))
+        args["q"].normal_()
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = paged_attention_reference(**args, compute_dtype=torch.float64)
+        assert relative_error(out, ref) < 1e-2
