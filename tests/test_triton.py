@@ -101,15 +101,16 @@ def test_attention_small(name, inputs, options):
     check_attention(args, **options)
 
 
-@pytest.mark.parametrize("max_splits", [1, 3])
-def test_attention_split_counts(max_splits):
-    """The direct-write path (one split) and a split count that does not divide the ranges evenly."""
+@pytest.mark.parametrize("max_splits,chunk", [(1, 1000), (3, 64), (8, 100)])
+def test_attention_split_counts(max_splits, chunk):
+    """The direct-write path (one split, CHUNK not a BLOCK_N multiple as when it is the table's capacity), a split
+    count that does not divide the ranges evenly, and a CHUNK that leaves trailing splits empty."""
     from attnops.backends.triton.decode import launch
     args = random_paged_inputs([300, 0, 77, 1], device=DEVICE, seed=11)
     out = torch.full_like(args["q"], float("nan"))
     launch(args["q"], args["k_cache"], args["v_cache"], args["block_table"], args["seq_lens"], None,
            scale=0.125, soft_cap=0.0, window_left=-1, kv_format="fp32", k_scale=None, v_scale=None, out=out,
-           config=dict(MAX_SPLITS=max_splits, CHUNK=64, BLOCK_N=32))
+           config=dict(MAX_SPLITS=max_splits, CHUNK=chunk, BLOCK_N=32))
     ref = paged_attention_reference(**args, scale=0.125)
     assert relative_error(out, ref) < 1e-5
 

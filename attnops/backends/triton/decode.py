@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ... import formats
-from .common import (FMT_FP8, FMT_MXFP4, FMT_NVFP4, FMT_PLAIN, LOG2E, e2m1_to_f32, e8m0_to_f32, find_sequence,
+from .common import (FMT_CODE, FMT_FP8, FMT_MXFP4, FMT_NVFP4, FMT_PLAIN, LOG2E, e2m1_to_f32, e8m0_to_f32, find_sequence,
                      kv_plan)
 
 
@@ -83,6 +83,10 @@ def paged_attention_kernel(
     DOT_PRECISION: tl.constexpr, FP8_ASM: tl.constexpr, FP8_DTYPE: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
+    if not IS_DECODE:
+        # heaviest first: a sequence's last query blocks see the most keys, and the grid runs roughly in order,
+        # so walking it backwards leaves the short blocks for the tail (longest-processing-time scheduling)
+        pid_q = tl.num_programs(0) - 1 - pid_q
     kvh = tl.program_id(1)
     split = tl.program_id(2)
 
@@ -281,8 +285,7 @@ def merge_splits_kernel(
 # ---------------------------------------------------------------------------------------------------------------
 # host side
 
-_FMT_CODE = {"bf16": FMT_PLAIN, "fp16": FMT_PLAIN, "fp32": FMT_PLAIN, "fp8_e4m3": FMT_FP8, "fp8_e5m2": FMT_FP8,
-             "nvfp4": FMT_NVFP4, "mxfp4": FMT_MXFP4}
+_FMT_CODE = FMT_CODE
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 # Tunables a caller (benchmarks/triton_tuning.py, tests) may force; None entries fall back to the heuristic.
@@ -362,7 +365,7 @@ def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, s
     block_q, block_n = cfg["BLOCK_Q"], cfg["BLOCK_N"]
     block_m = max(16, triton.next_power_of_2(block_q * group))
     max_splits, chunk = cfg["MAX_SPLITS"], cfg["CHUNK"]
-    assert chunk % block_n == 0 and block_n >= 16
+    assert block_n >= 16 and chunk >= 1  # split lengths are rounded up to BLOCK_N multiples on the device
 
     fmt = _FMT_CODE[kv_format]
     ddt = dot_dtype(q.dtype, kv_format)

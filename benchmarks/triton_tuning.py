@@ -1,0 +1,300 @@
+"""Sweeps the Triton backend's tunables on the GPU and prints the best configuration per case, in one run.
+
+    python benchmarks/triton_tuning.py                       # BENCH.md's decode cases, bf16/fp8/nvfp4/mxfp4,
+                                                             # plus verify and prefill (bf16); ~8 minutes; --budget stops it in time
+    python benchmarks/triton_tuning.py --quick               # fewer tile configurations
+    python benchmarks/triton_tuning.py --formats bf16 fp8_e4m3 --cases 1x32768 128x4096 --json tune.json
+
+Stages (compiles are the expensive part, so constexpr tunables are searched on few cases, runtime ones on all):
+1. per format, tile configurations (BLOCK_N, num_warps, num_stages; FP8_ASM for e4m3) on two representative
+   decode cases (128 x 4096: bandwidth; 1 x 32768: splits), keeping the best by the sum of the two times;
+2. per case, with that tile configuration, the split plan (CHUNK keys per program; MAX_SPLITS follows): runtime
+   arguments, no recompiles; "none" = one program per sequence;
+3. verify (4 and 8 tokens, 32 x 4096) and prefill (8 x 4096; 2048 new tokens on a 46,000 prefix), bf16: BLOCK_Q,
+   BLOCK_N, num_warps, num_stages.
+Every configuration's output is compared with the reference before it is timed: a wrong config never wins.
+Decode is reported as achieved TB/s (KV bytes as stored, scales included, + q + out over the median time);
+prefill as TFLOP/s of causal FLOPs. The heuristic's own choice is timed too, so the gain of tuning is visible.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from attnops import formats  # noqa: E402
+from attnops.backends.reference import paged_attention_reference  # noqa: E402
+from attnops.backends.triton import decode as tdecode  # noqa: E402
+from attnops.testing import relative_error  # noqa: E402
+
+try:
+    from grid import ragged_lengths  # noqa: E402
+except Exception:  # the suite's grid is optional here: same definition (log-uniform 256..64K, seeded)
+    def ragged_lengths(n, seed, low=256, high=65536):
+        g = torch.Generator().manual_seed(seed)
+        return [int(round(math.exp(math.log(low) + (math.log(high) - math.log(low)) * float(u))))
+                for u in torch.rand(n, generator=g)]
+
+HQ, HKV, D, PAGE = 32, 8, 128, 16
+DEV, Q_DTYPE, PLAIN = "cuda", torch.bfloat16, "bf16"  # module globals so that a smoke run can shrink them
+RAND_DTYPE = torch.float16  # random values drawn in 16 bits: no 17 GB fp32 temporary for an 8 GB cache
+DECODE_CASES = {
+    "1x32768": [32768], "4x8192": [8192] * 4, "32x4096": [4096] * 32, "64x2048": [2048] * 64,
+    "128x4096": [4096] * 128, "256x8192": [8192] * 256, "64x32768": [32768] * 64,
+    "ragged64": ragged_lengths(64, seed=64), "ragged256": ragged_lengths(256, seed=256),
+}
+TILE_CASES = ("128x4096", "1x32768")
+CHUNKS = (256, 512, 1024, 2048, 4096, 8192, None)  # None: one split per sequence
+
+
+def make_inputs(kv_lens, q_lens, fmt, seed=0):
+    """Random paged inputs built on the GPU (the CPU helper is too slow for 8 GB caches): pages in random order,
+    -1 past each sequence's last page."""
+    dev = DEV
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    pages_needed = [-(-n // PAGE) for n in kv_lens]
+    num_pages = sum(pages_needed) + 8
+    order = torch.randperm(num_pages, device=dev, generator=gen).int()
+    width = max(pages_needed)
+    table = torch.full((len(kv_lens), width), -1, dtype=torch.int32, device=dev)
+    start = 0
+    for b, n in enumerate(pages_needed):
+        table[b, :n] = order[start:start + n]
+        start += n
+    stored = formats.stored_head_dim(fmt, D)
+    shape = (num_pages, 2, PAGE, HKV, stored)
+    args = dict(kv_format=fmt if formats.is_fp4(fmt) else "auto")
+    if formats.is_fp4(fmt):
+        kv = torch.randint(0, 256, shape, dtype=torch.uint8, device=dev, generator=gen)
+        sshape = (*shape[:4], D // formats.FP4_BLOCK[fmt])
+        if fmt == "nvfp4":
+            bs = (torch.rand(sshape, device=dev, generator=gen) * 0.3 + 0.02).to(torch.float8_e4m3fn)
+        else:
+            bs = torch.randint(122, 126, sshape, dtype=torch.uint8, device=dev, generator=gen)
+        args.update(k_scale=bs[:, 0], v_scale=bs[:, 1])
+    elif formats.is_fp8(fmt):
+        kv = torch.randn(shape, device=dev, generator=gen, dtype=RAND_DTYPE).to(formats.FP8_DTYPES[fmt])
+        args.update(k_scale=torch.tensor(0.5, device=dev), v_scale=torch.tensor(0.8, device=dev))
+    else:
+        kv = torch.randn(shape, device=dev, generator=gen, dtype=RAND_DTYPE).to(
+            {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[fmt])
+    if q_lens is None:
+        cu, num_tokens = None, len(kv_lens)
+    else:
+        cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(torch.tensor(q_lens), 0)
+        num_tokens = int(cu[-1])
+        cu = cu.to(dev)
+    q = torch.randn(num_tokens, HQ, D, device=dev, generator=gen).to(Q_DTYPE)
+    args.update(q=q, k_cache=kv[:, 0], v_cache=kv[:, 1], block_table=table, cu_seqlens_q=cu,
+                seq_lens=torch.tensor(kv_lens, dtype=torch.int32, device=dev))
+    return args
+
+
+def per_head_variant(args):
+    """fp8 with per-head scales (a different scale stride: its own specialization)."""
+    args = dict(args)
+    args.update(k_scale=torch.rand(HKV, device=DEV) + 0.25, v_scale=torch.rand(HKV, device=DEV) + 0.25)
+    return args
+
+
+def kv_bytes(args, fmt):
+    tokens = int(args["seq_lens"].sum())
+    elem = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}.get(fmt, 0.5)
+    total = 2 * tokens * HKV * D * elem
+    if formats.is_fp4(fmt):
+        total += 2 * tokens * HKV * (D // formats.FP4_BLOCK[fmt])
+    return total + 2 * args["q"].numel() * args["q"].element_size()
+
+
+def causal_flops(kv_lens, q_lens):
+    return sum(4 * HQ * D * (q * k - q * q / 2) for q, k in zip(q_lens, kv_lens))
+
+
+class Runner:
+    def __init__(self, args, fmt):
+        self.args, self.fmt = args, fmt
+        self.out = torch.empty_like(args["q"])
+        a = args
+        self.ref = paged_attention_reference(a["q"], a["k_cache"], a["v_cache"], a["block_table"], a["seq_lens"],
+                                             a["cu_seqlens_q"], kv_format=a["kv_format"], k_scale=a.get("k_scale"),
+                                             v_scale=a.get("v_scale"), compute_dtype=torch.float32)
+
+    def call(self, config):
+        a = self.args
+        tdecode.launch(a["q"], a["k_cache"], a["v_cache"], a["block_table"], a["seq_lens"], a["cu_seqlens_q"],
+                       scale=D ** -0.5, soft_cap=0.0, window_left=-1,
+                       kv_format=formats.resolve_kv_format(a["kv_format"], a["k_cache"].dtype),
+                       k_scale=a.get("k_scale"), v_scale=a.get("v_scale"), out=self.out, config=config)
+
+    def time(self, config):
+        """Median microseconds, or None when the config fails to compile/run or gives a wrong answer."""
+        try:
+            self.out.fill_(float("nan"))
+            self.call(config)
+            torch.cuda.synchronize()
+            err = relative_error(self.out, self.ref)
+            if not err < 2e-2:
+                print(f"    wrong output (rel. err {err:.3g}) with {config}", flush=True)
+                return None
+            return triton.testing.do_bench(lambda: self.call(config), warmup=25, rep=100,
+                                           return_mode="median") * 1e3
+        except Exception as e:  # a config that does not compile (too many registers, shared memory...)
+            print(f"    failed with {config}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+            return None
+
+
+def split_config(chunk, capacity):
+    if chunk is None:
+        return dict(CHUNK=capacity, MAX_SPLITS=1)
+    return dict(CHUNK=chunk, MAX_SPLITS=max(1, min(-(-capacity // chunk), 256)))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--formats", nargs="+", default=["bf16", "fp8_e4m3", "nvfp4", "mxfp4"])
+    parser.add_argument("--cases", nargs="+", default=list(DECODE_CASES))
+    parser.add_argument("--quick", action="store_true", help="fewer tile configurations")
+    parser.add_argument("--no-extend", action="store_true", help="skip verify/prefill")
+    parser.add_argument("--budget", type=float, default=540, help="seconds; later stages are skipped past it")
+    parser.add_argument("--json", help="write all measurements here")
+    opts = parser.parse_args()
+    assert torch.cuda.is_available(), "the tuning script runs on a GPU"
+    t0 = time.time()
+    print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    records = []
+    best_rows = []
+
+    if opts.quick:
+        tiles = [dict(BLOCK_N=n, num_warps=w, num_stages=s) for n, w, s in
+                 itertools.product((64, 128), (4,), (2, 3))]
+    else:
+        tiles = [dict(BLOCK_N=n, num_warps=w, num_stages=s) for n, w, s in
+                 itertools.product((32, 64, 128), (4, 8), (2, 3, 4))]
+
+    for fmt in opts.formats:
+        if time.time() - t0 > opts.budget:
+            print(f"budget spent: skipping {fmt}")
+            break
+        print(f"\n=== {fmt}: stage 1, tile configurations on {TILE_CASES}", flush=True)
+        runners = {name: Runner(make_inputs(DECODE_CASES[name], None, fmt), fmt) for name in TILE_CASES}
+        candidates = list(tiles)
+        if fmt == "fp8_e4m3":
+            candidates += [dict(t, FP8_ASM=True) for t in tiles]
+        scored = []
+        for tile in candidates:
+            times = {name: r.time(tile) for name, r in runners.items()}
+            if any(t is None for t in times.values()):
+                continue
+            scored.append((sum(times.values()), tile, times))
+            records.append(dict(stage="tile", fmt=fmt, config=tile, us=times))
+        scored.sort(key=lambda x: x[0])
+        for total, tile, times in scored[:5]:
+            print(f"  {tile}: " + ", ".join(f"{k} {v:.1f} us" for k, v in times.items()))
+        best_tile = scored[0][1] if scored else {}
+        del runners
+        torch.cuda.empty_cache()
+
+        print(f"=== {fmt}: stage 2, split plan per case with {best_tile}", flush=True)
+        for name in opts.cases:
+            if time.time() - t0 > opts.budget:
+                print("budget spent: skipping the remaining cases")
+                break
+            args = make_inputs(DECODE_CASES[name], None, fmt)
+            runner = Runner(args, fmt)
+            capacity = args["block_table"].shape[1] * PAGE
+            nbytes = kv_bytes(args, fmt)
+            heuristic_us = runner.time(None)
+            results = []
+            for chunk in CHUNKS:
+                cfg = dict(best_tile, **split_config(chunk, capacity))
+                us = runner.time(cfg)
+                if us is not None:
+                    results.append((us, chunk, cfg))
+                    records.append(dict(stage="split", fmt=fmt, case=name, config=cfg, us=us,
+                                        tbps=nbytes / us / 1e6))
+            if fmt == "fp8_e4m3":  # per-head scales: check that the other specialization is as fast
+                ph = Runner(per_head_variant(args), fmt)
+                best_chunk = min(results)[1] if results else 2048
+                us = ph.time(dict(best_tile, **split_config(best_chunk, capacity)))
+                if us is not None:
+                    print(f"  {name} per-head scales: {us:.1f} us, {nbytes / us / 1e6:.2f} TB/s")
+                del ph
+            if results:
+                us, chunk, cfg = min(results, key=lambda x: x[0])
+                line = (f"  {name:>10} {fmt:>9}: best CHUNK={chunk} {us:8.1f} us {nbytes / us / 1e6:5.2f} TB/s"
+                        f" | heuristic {heuristic_us or float('nan'):8.1f} us"
+                        f" | all: " + " ".join(f"{c}:{u:.0f}" for u, c, _ in results))
+                print(line, flush=True)
+                best_rows.append(dict(case=name, fmt=fmt, us=us, tbps=nbytes / us / 1e6, config=cfg,
+                                      heuristic_us=heuristic_us))
+            del runner, args
+            torch.cuda.empty_cache()
+
+    if not opts.no_extend and time.time() - t0 < opts.budget:
+        print("\n=== bf16 verify / prefill: BLOCK_Q, BLOCK_N, num_warps, num_stages", flush=True)
+        extend_cases = {
+            "verify4 32x4096": ([4096] * 32, [4] * 32),
+            "verify8 32x4096": ([4096] * 32, [8] * 32),
+            "prefill 8x4096": ([4096] * 8, [4096] * 8),
+            "chunked 2048 on 46000": ([48048], [2048]),
+        }
+        for name, (kv_lens, q_lens) in extend_cases.items():
+            if time.time() - t0 > opts.budget:
+                print("budget spent: skipping the remaining extend cases")
+                break
+            args = make_inputs(kv_lens, q_lens, PLAIN)
+            runner = Runner(args, PLAIN)
+            prefill = q_lens[0] > 16
+            if prefill:
+                space = [dict(BLOCK_Q=bq, BLOCK_N=n, num_warps=w, num_stages=s) for bq, n, w, s in
+                         itertools.product((16, 32), (32, 64, 128), (4, 8), (2, 3))]
+            else:
+                capacity = args["block_table"].shape[1] * PAGE
+                space = [dict(BLOCK_Q=q_lens[0], BLOCK_N=n, num_warps=w, num_stages=s, **split_config(c, capacity))
+                         for n, w, s, c in itertools.product((32, 64, 128), (4, 8), (2, 3), (512, 1024, 2048))]
+            heuristic_us = runner.time(None)
+            results = []
+            for cfg in space:
+                us = runner.time(cfg)
+                if us is not None:
+                    results.append((us, cfg))
+                    records.append(dict(stage="extend", case=name, config=cfg, us=us))
+            if not results:
+                continue
+            us, cfg = min(results, key=lambda x: x[0])
+            if prefill:
+                tflops = causal_flops(kv_lens, q_lens) / us / 1e6
+                metric = f"{tflops:6.1f} TFLOP/s"
+            else:
+                metric = f"{kv_bytes(args, PLAIN) / us / 1e6:5.2f} TB/s"
+            print(f"  {name:>22}: best {us:8.1f} us {metric} {cfg} | heuristic {heuristic_us or float('nan'):.1f} us",
+                  flush=True)
+            best_rows.append(dict(case=name, fmt=PLAIN, us=us, config=cfg, heuristic_us=heuristic_us))
+            del runner, args
+            torch.cuda.empty_cache()
+
+    print("\n=== best per case")
+    for row in best_rows:
+        gain = (row["heuristic_us"] / row["us"]) if row.get("heuristic_us") else float("nan")
+        print(f"  {row['case']:>22} {row['fmt']:>9}: {row['us']:9.1f} us  "
+              f"{(str(round(row['tbps'], 2)) + ' TB/s') if 'tbps' in row else '':>10}  x{gain:.2f} over the "
+              f"heuristic  {row['config']}")
+    print(f"total {time.time() - t0:.0f} s")
+    if opts.json:
+        Path(opts.json).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), best=best_rows,
+                                                   records=records), indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
