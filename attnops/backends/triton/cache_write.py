@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ... import formats
-from .common import FMT_FP8, FMT_MXFP4, FMT_NVFP4, FMT_PLAIN, e8m0_to_f32, f32_to_fp8_bits
+from .common import FMT_CODE, FMT_FP8, FMT_MXFP4, FMT_NVFP4, FMT_PLAIN, e8m0_to_f32, f32_to_fp8_bits
 
 
 @triton.jit
@@ -111,17 +111,13 @@ def reshape_and_cache_kernel(
                cache_off, v_bs_off, FMT, HEAD_DIM, SCALE_BLOCK, FP8_DTYPE, FP8_MAX, SOFT_FP8)
 
 
-_FMT_CODE = {"bf16": FMT_PLAIN, "fp16": FMT_PLAIN, "fp32": FMT_PLAIN, "fp8_e4m3": FMT_FP8, "fp8_e5m2": FMT_FP8,
-             "nvfp4": FMT_NVFP4, "mxfp4": FMT_MXFP4}
-
-
 def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, *, kv_format, k_scale=None, v_scale=None,
                       k_block_scale=None, v_block_scale=None) -> None:
     """Writes key/value [T, Hkv, D] to their slots in k_cache/v_cache (validated by the op)."""
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
-    fmt = _FMT_CODE[kv_format]
+    fmt = FMT_CODE[kv_format]  # a plain int for the kernel's FMT
     page_size = k_cache.shape[1]
     if key.stride(-1) != 1:
         key = key.contiguous()
@@ -130,13 +126,13 @@ def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, *, kv_format, 
     fp8_dtype, fp8_max, scale_block = tl.float8e4nv, 0.0, 16
     ks_h = vs_h = 0
     kb_strides = vb_strides = (0, 0, 0)
-    if fmt == FMT_FP8:
+    if formats.is_fp8(kv_format):
         fp8_dtype = tl.float8e4nv if kv_format == "fp8_e4m3" else tl.float8e5
         fp8_max = formats.fp8_max(kv_format)
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
         ks_h = 0 if k_scale.numel() == 1 else k_scale.stride(0)  # per tensor: every head reads element 0
         vs_h = 0 if v_scale.numel() == 1 else v_scale.stride(0)
-    elif fmt in (FMT_NVFP4, FMT_MXFP4):
+    elif formats.is_fp4(kv_format):
         scale_block = formats.FP4_BLOCK[kv_format]
         kb_strides, vb_strides = k_block_scale.stride()[:3], v_block_scale.stride()[:3]
         # e4m3 block scales are written as their bytes

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ... import formats
-from .common import (FMT_CODE, FMT_FP8, FMT_MXFP4, FMT_NVFP4, FMT_PLAIN, LOG2E, e2m1_to_f32, e8m0_to_f32, find_sequence,
+from .common import (FMT_CODE, FMT_FP8, FMT_MXFP4, FMT_NVFP4, LOG2E, e2m1_to_f32, e8m0_to_f32, find_sequence,
                      kv_plan)
 
 
@@ -285,7 +285,6 @@ def merge_splits_kernel(
 # ---------------------------------------------------------------------------------------------------------------
 # host side
 
-_FMT_CODE = FMT_CODE
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 # Tunables a caller (benchmarks/triton_tuning.py, tests) may force; None entries fall back to the heuristic.
@@ -367,14 +366,14 @@ def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, s
     max_splits, chunk = cfg["MAX_SPLITS"], cfg["CHUNK"]
     assert block_n >= 16 and chunk >= 1  # split lengths are rounded up to BLOCK_N multiples on the device
 
-    fmt = _FMT_CODE[kv_format]
+    fmt = FMT_CODE[kv_format]  # a plain int for the kernel's FMT
     ddt = dot_dtype(q.dtype, kv_format)
     fp8_asm = bool(cfg["FP8_ASM"]) and kv_format == "fp8_e4m3" and ddt == torch.float16 and q.is_cuda
     # scales: per tensor -> stride 0 (every head reads element 0); per head -> stride 1; 4-bit: paged strides
-    if fmt == FMT_FP8:
+    if formats.is_fp8(kv_format):
         ks_strides = (0, 0, 0 if k_scale.numel() == 1 else k_scale.stride(0))
         vs_strides = (0, 0, 0 if v_scale.numel() == 1 else v_scale.stride(0))
-    elif fmt in (FMT_NVFP4, FMT_MXFP4):
+    elif formats.is_fp4(kv_format):
         ks_strides, vs_strides = k_scale.stride()[:3], v_scale.stride()[:3]
         k_scale, v_scale = k_scale.view(torch.uint8), v_scale.view(torch.uint8)
     else:
@@ -382,7 +381,7 @@ def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, s
         ks_strides = vs_strides = (0, 0, 0)
 
     fp8_dtype = tl.float8e4nv if kv_format == "fp8_e4m3" else tl.float8e5
-    if fmt == FMT_FP8:  # read fp8 as bytes (masked lanes load 0) and reinterpret in registers
+    if formats.is_fp8(kv_format):  # read fp8 as bytes (masked lanes load 0) and reinterpret in registers
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
 
     if max_splits > 1:
