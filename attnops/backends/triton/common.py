@@ -27,9 +27,15 @@ def e2m1_to_f32(code):
     bit = the e2m1 mantissa bit. Read as fp16 that is value * 2^-14 exactly (e2m1's subnormal 0.5 lands on an fp16
     subnormal, which fp16 keeps: no flush to zero), so one shift, one bitcast and one multiply decode it, with no
     table lookup."""
+    return e2m1_to_f16_scaled(code).to(tl.float32) * 16384.0
+
+
+@triton.jit
+def e2m1_to_f16_scaled(code):
+    """4-bit e2m1 codes -> fp16 values x 2^-14, exactly (see e2m1_to_f32): no arithmetic, only bit moves."""
     c = code.to(tl.int16)
     bits = ((c & 7) << 9) | ((c & 8) << 12)
-    return bits.to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+    return bits.to(tl.float16, bitcast=True)
 
 
 @triton.jit
