@@ -17,11 +17,14 @@ import random
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import attnops
 from attnops import formats
 from attnops.backends import BACKENDS
 from attnops.backends.reference import paged_attention_reference, reshape_and_cache_reference
+from attnops.backends.triton.common import e2m1_to_f16_scaled
 from attnops.testing import random_paged_inputs, relative_error
 
 CUDA = torch.cuda.is_available()
@@ -122,24 +125,20 @@ def test_separate_k_and_v_scale_kinds():
     check_attention(args)
 
 
+@triton.jit
+def _nvfp4_decode_kernel(c_ptr, s_ptr, o_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    scale16 = tl.load(s_ptr + offs).to(tl.float8e4nv, bitcast=True).to(tl.float16) * 128.0
+    tl.store(o_ptr + offs, (e2m1_to_f16_scaled(tl.load(c_ptr + offs)) * 128.0) * scale16)
+
+
 def test_nvfp4_fp16_decode_is_exact():
     """The in-kernel nvfp4 decode in fp16 ((value x 2^-14) x 2^7 x (scale x 2^7)) equals value x scale exactly,
     for every code and every non-NaN e4m3 scale."""
-    import triton
-    import triton.language as tl
-
-    from attnops.backends.triton.common import e2m1_to_f16_scaled
-
-    @triton.jit
-    def decode(c_ptr, s_ptr, o_ptr, N: tl.constexpr):
-        offs = tl.arange(0, N)
-        scale16 = tl.load(s_ptr + offs).to(tl.float8e4nv, bitcast=True).to(tl.float16) * 128.0
-        tl.store(o_ptr + offs, (e2m1_to_f16_scaled(tl.load(c_ptr + offs)) * 128.0) * scale16)
-
     codes = torch.arange(16, dtype=torch.uint8).repeat_interleave(256)
     scales = torch.arange(256, dtype=torch.uint8).repeat(16)
     out = torch.empty(4096, dtype=torch.float16, device=DEVICE)
-    decode[(1,)](codes.to(DEVICE), scales.to(DEVICE), out, 4096)
+    _nvfp4_decode_kernel[(1,)](codes.to(DEVICE), scales.to(DEVICE), out, 4096)
     expected = formats.unpack_fp4(codes[:, None])[:, 0] * scales.view(torch.float8_e4m3fn).float()
     finite = (scales & 0x7F) != 0x7F  # 0x7F/0xFF are e4m3fn's NaN
     assert torch.equal(out.float().cpu()[finite], expected[finite])
