@@ -296,6 +296,8 @@ def merge_splits_kernel(
 
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
+WORKSPACE_BYTES = 64 * 2 ** 20  # the most split partials one call may allocate (heuristic; tuning may exceed it)
+
 # Tunables a caller (benchmarks/triton_tuning.py, tests) may force; None entries fall back to the heuristic.
 CONFIG_KEYS = ("BLOCK_N", "num_warps", "num_stages", "CHUNK", "MAX_SPLITS", "BLOCK_Q", "FP8_ASM")
 
@@ -336,7 +338,8 @@ def heuristic_config(device, decode: bool, batch: int, num_tokens: int, num_q_he
         block_q = max(1, min(triton.next_power_of_2(avg_q), max(1, max_rows // group)))
     block_m = max(16, triton.next_power_of_2(block_q * group))
     block_n = 32 if head_dim >= 256 else 64
-    num_q_blocks = batch if decode else num_tokens // block_q + batch
+    # query blocks that do work (the grid's T // BLOCK_Q + B is an upper bound that counts partial blocks)
+    num_q_blocks = batch if decode else max(batch, -(-num_tokens // block_q))
     base = num_q_blocks * num_kv_heads
     if device.type != "cuda":
         chunk, max_splits = 2 * block_n, 8  # CPU (interpreter): exercise the split + merge path
@@ -349,6 +352,11 @@ def heuristic_config(device, decode: bool, batch: int, num_tokens: int, num_q_he
         chunk = triton.next_power_of_2(max(1, capacity // splits_to_fill))
         chunk = max(4 * block_n, min(chunk, 2048))
         max_splits = max(1, min(-(-capacity // chunk), 256))
+        if not decode:  # the workspace is per query token: split only as much as filling the chip needs
+            max_splits = min(max_splits, splits_to_fill)
+        # a bounded workspace ([T, Hq, MAX_SPLITS, D] fp32); past the cap the device lengthens the splits
+        per_split = num_tokens * num_q_heads * head_dim * 4
+        max_splits = max(1, min(max_splits, WORKSPACE_BYTES // per_split))
     num_warps = 8 if block_m >= 64 else 4
     num_stages = 2 if head_dim >= 256 else 3
     return dict(BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, CHUNK=chunk, MAX_SPLITS=max_splits,
