@@ -53,6 +53,10 @@ class TritonBackend(Backend):
                 reasons.append("bf16 is not supported by the Triton interpreter (CPU)")
         if case.kv_format == "bf16" and case.device_type == "cpu":
             reasons.append("bf16 is not supported by the Triton interpreter (CPU)")
+        if case.kv_format in ("fp8_e4m3", "nvfp4") and case.arch is not None and case.arch < (8, 9):
+            # Triton has no fp8e4nv (e4m3: the fp8 format, and nvfp4's block scales) before sm_89
+            reasons.append(f"{case.kv_format} needs e4m3 conversions, which Triton supports from sm_89 "
+                           f"(this GPU is sm_{case.arch[0]}{case.arch[1]})")
         return reasons
 
     def paged_attention(self, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, soft_cap,
