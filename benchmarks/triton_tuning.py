@@ -6,8 +6,9 @@
     python benchmarks/triton_tuning.py --formats bf16 fp8_e4m3 --cases 1x32768 128x4096 --json tune.json
 
 Stages (compiles are the expensive part, so constexpr tunables are searched on few cases, runtime ones on all):
-1. per format, tile configurations (BLOCK_N, num_warps, num_stages; FP8_ASM for e4m3) on two representative
-   decode cases (128 x 4096: bandwidth; 1 x 32768: splits), keeping the best by the sum of the two times;
+1. per format, tile configurations (BLOCK_N, num_warps, num_stages; FP8_ASM for e4m3, SCALE_BCAST for 4-bit) on
+   two representative decode cases (128 x 4096: bandwidth; 1 x 32768: splits), keeping the best by the sum of the
+   two times;
 2. per case, with that tile configuration, the split plan (CHUNK keys per program; MAX_SPLITS follows): runtime
    arguments, no recompiles; "none" = one program per sequence;
 3. verify (4 and 8 tokens, 32 x 4096) and prefill (8 x 4096; 2048 new tokens on a 46,000 prefix), bf16: BLOCK_Q,
@@ -189,8 +190,10 @@ def main():
         print(f"\n=== {fmt}: stage 1, tile configurations on {TILE_CASES}", flush=True)
         runners = {name: Runner(make_inputs(DECODE_CASES[name], None, fmt), fmt) for name in TILE_CASES}
         candidates = list(tiles)
-        if fmt == "fp8_e4m3":
+        if fmt == "fp8_e4m3":  # packed PTX e4m3 -> f16x2 conversion
             candidates += [dict(t, FP8_ASM=True) for t in tiles]
+        if formats.is_fp4(fmt):  # block scales loaded once and repeated in registers
+            candidates += [dict(t, SCALE_BCAST=True) for t in tiles]
         scored = []
         for tile in candidates:
             times = {name: r.time(tile) for name, r in runners.items()}

@@ -33,7 +33,7 @@ from .common import (FMT_CODE, FMT_FP8, FMT_MXFP4, FMT_NVFP4, LOG2E, e2m1_to_f16
 
 @triton.jit
 def _load_fp4_tile(c_ptr, s_ptr, tok_off, s_off, offs_h, kvalid, TRANSPOSED: tl.constexpr, FMT: tl.constexpr,
-                   DOT_DTYPE: tl.constexpr):
+                   DOT_DTYPE: tl.constexpr, SCALE_BCAST: tl.constexpr):
     """A tile of 4-bit K or V as its even and odd elements (D/2 columns each), dequantized to DOT_DTYPE.
 
     Keeping even and odd elements apart avoids interleaving them in registers: the kernel multiplies the even
@@ -41,12 +41,28 @@ def _load_fp4_tile(c_ptr, s_ptr, tok_off, s_off, offs_h, kvalid, TRANSPOSED: tl.
     TRANSPOSED gives [D/2, BLOCK_N] tiles (K^T), else [BLOCK_N, D/2] (V)."""
     # element 2i (even) and 2i+1 (odd) are both in block (2i) // BLOCK = i // (BLOCK / 2)
     half_block: tl.constexpr = 8 if FMT == FMT_NVFP4 else 16
+    HALF: tl.constexpr = offs_h.shape[0]
+    NB: tl.constexpr = HALF // half_block  # block scales per row
+    BN: tl.constexpr = tok_off.shape[0]
     if TRANSPOSED:
         packed = tl.load(c_ptr + tok_off[None, :] + offs_h[:, None], mask=kvalid[None, :], other=0)
-        sc = tl.load(s_ptr + s_off[None, :] + (offs_h // half_block)[:, None], mask=kvalid[None, :], other=0)
     else:
         packed = tl.load(c_ptr + tok_off[:, None] + offs_h[None, :], mask=kvalid[:, None], other=0)
-        sc = tl.load(s_ptr + s_off[:, None] + (offs_h // half_block)[None, :], mask=kvalid[:, None], other=0)
+    if SCALE_BCAST:
+        # one load per block scale ([NB, BLOCK_N]), repeated across its values in registers
+        offs_b = tl.arange(0, NB)
+        if TRANSPOSED:
+            sc = tl.load(s_ptr + s_off[None, :] + offs_b[:, None], mask=kvalid[None, :], other=0)
+            sc = tl.reshape(tl.broadcast_to(sc[:, None, :], (NB, half_block, BN)), (HALF, BN))
+        else:
+            sc = tl.load(s_ptr + s_off[:, None] + offs_b[None, :], mask=kvalid[:, None], other=0)
+            sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BN, NB, half_block)), (BN, HALF))
+    else:
+        # one (cached) load per value: simple layouts, more load instructions
+        if TRANSPOSED:
+            sc = tl.load(s_ptr + s_off[None, :] + (offs_h // half_block)[:, None], mask=kvalid[None, :], other=0)
+        else:
+            sc = tl.load(s_ptr + s_off[:, None] + (offs_h // half_block)[None, :], mask=kvalid[:, None], other=0)
     if FMT == FMT_NVFP4 and DOT_DTYPE == tl.float16:
         # all in fp16 and exact: (value x 2^-14) x 2^7 and (scale x 2^7) are exact fp16 numbers (e2m1 has 2
         # significant bits, e4m3 4, fp16 11; 448 x 2^7 < 65504), and so is their product value x scale (at most
@@ -89,7 +105,7 @@ def paged_attention_kernel(
     NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr,
     IS_DECODE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, FP8_ASM: tl.constexpr, FP8_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FP8_ASM: tl.constexpr, FP8_DTYPE: tl.constexpr, SCALE_BCAST: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
     if not IS_DECODE:
@@ -179,7 +195,8 @@ def paged_attention_kernel(
 
         if IS_FP4:
             ks_off = page_v * stride_ksp + in_page * stride_kst + kvh * stride_ksh
-            k_e, k_o = _load_fp4_tile(k_ptr, ks_ptr, tok_off, ks_off, offs_d, kvalid, True, FMT, DOT_DTYPE)
+            k_e, k_o = _load_fp4_tile(k_ptr, ks_ptr, tok_off, ks_off, offs_d, kvalid, True, FMT, DOT_DTYPE,
+                                      SCALE_BCAST)
             qk = tl.dot(q_e, k_e, input_precision=DOT_PRECISION)
             qk = tl.dot(q_o, k_o, acc=qk, input_precision=DOT_PRECISION)
         else:
@@ -217,7 +234,8 @@ def paged_attention_kernel(
 
         if IS_FP4:
             vs_off = page_v * stride_vsp + in_page * stride_vst + kvh * stride_vsh
-            v_e, v_o = _load_fp4_tile(v_ptr, vs_ptr, tok_off, vs_off, offs_d, kvalid, False, FMT, DOT_DTYPE)
+            v_e, v_o = _load_fp4_tile(v_ptr, vs_ptr, tok_off, vs_off, offs_d, kvalid, False, FMT, DOT_DTYPE,
+                                      SCALE_BCAST)
             acc = tl.dot(p, v_e, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
             acc_o = tl.dot(p, v_o, acc=acc_o * alpha[:, None], input_precision=DOT_PRECISION)
         else:
@@ -299,7 +317,7 @@ _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float
 WORKSPACE_BYTES = 64 * 2 ** 20  # the most split partials one call may allocate (heuristic; tuning may exceed it)
 
 # Tunables a caller (benchmarks/triton_tuning.py, tests) may force; None entries fall back to the heuristic.
-CONFIG_KEYS = ("BLOCK_N", "num_warps", "num_stages", "CHUNK", "MAX_SPLITS", "BLOCK_Q", "FP8_ASM")
+CONFIG_KEYS = ("BLOCK_N", "num_warps", "num_stages", "CHUNK", "MAX_SPLITS", "BLOCK_Q", "FP8_ASM", "SCALE_BCAST")
 
 
 @functools.lru_cache(maxsize=None)
@@ -360,7 +378,7 @@ def heuristic_config(device, decode: bool, batch: int, num_tokens: int, num_q_he
     num_warps = 8 if block_m >= 64 else 4
     num_stages = 2 if head_dim >= 256 else 3
     return dict(BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, CHUNK=chunk, MAX_SPLITS=max_splits,
-                BLOCK_Q=block_q, FP8_ASM=False)
+                BLOCK_Q=block_q, FP8_ASM=False, SCALE_BCAST=False)
 
 
 def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, soft_cap, window_left, kv_format,
@@ -420,7 +438,8 @@ def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, s
         BLOCK_M=block_m, BLOCK_N=block_n, FMT=fmt, IS_DECODE=decode, HAS_WINDOW=window_left >= 0,
         HAS_SOFTCAP=soft_cap > 0, DOT_DTYPE=_TL_DTYPE[ddt],
         DOT_PRECISION="ieee" if ddt == torch.float32 else "tf32", FP8_ASM=fp8_asm,
-        FP8_DTYPE=fp8_dtype, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        FP8_DTYPE=fp8_dtype, SCALE_BCAST=bool(cfg["SCALE_BCAST"]) and formats.is_fp4(kv_format),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if max_splits > 1:
         merge_splits_kernel[(num_tokens, num_q_heads)](
             out, part_out, part_lse, seq_lens, cu, batch, int(window_left), max_splits, chunk,
