@@ -132,6 +132,19 @@ def test_fp4_scales_broadcast_in_registers(kv_format, q_lens, q_dtype):
     assert relative_error(out, ref) < TOLERANCE[q_dtype]
 
 
+def test_strided_metadata_and_out():
+    """A block table and seq_lens that are strided views, and an out= whose last dimension is strided."""
+    args = random_paged_inputs([50, 0, 17], q_lens=[5, 0, 2], device=DEVICE, seed=8)
+    args["block_table"] = args["block_table"].t().contiguous().t()  # column-major
+    args["seq_lens"] = torch.stack((args["seq_lens"], args["seq_lens"]), 1)[:, 0]
+    base = torch.full((*args["q"].shape[:2], 2 * args["q"].shape[2]), float("nan"), device=DEVICE)
+    out = base[..., ::2]
+    with attnops.use_backend("triton"):
+        attnops.paged_attention(**args, out=out)
+    assert relative_error(out, paged_attention_reference(**args, compute_dtype=torch.float64)) < 1e-5
+    assert base[..., 1::2].isnan().all()  # nothing written between the strided elements
+
+
 def test_separate_k_and_v_scale_kinds():
     """fp8 with a per-head k_scale and a per-tensor v_scale (scale strides differ: 1 and 0)."""
     args = random_paged_inputs([90, 31], kv_format="fp8_e4m3", scale_kind="per_head", device=DEVICE, seed=5)

@@ -119,6 +119,8 @@ def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, *, kv_format, 
         return
     fmt = FMT_CODE[kv_format]  # a plain int for the kernel's FMT
     page_size = k_cache.shape[1]
+    if slot_mapping.stride(0) != 1:
+        slot_mapping = slot_mapping.contiguous()
     if key.stride(-1) != 1:
         key = key.contiguous()
     if value.stride(-1) != 1:

@@ -396,6 +396,20 @@ def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, s
         cfg.update({k: v for k, v in config.items() if v is not None})
     if num_tokens == 0 or batch == 0:
         return
+    # the kernels index these with unit inner strides (always so from the usual callers; copies are tiny)
+    if block_table.stride(1) != 1:
+        block_table = block_table.contiguous()
+    if seq_lens.stride(0) != 1:
+        seq_lens = seq_lens.contiguous()
+    if cu_seqlens_q is not None and cu_seqlens_q.stride(0) != 1:
+        cu_seqlens_q = cu_seqlens_q.contiguous()
+    if out.stride(-1) != 1:
+        result = torch.empty_like(out, memory_format=torch.contiguous_format)
+        launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale=scale, soft_cap=soft_cap,
+               window_left=window_left, kv_format=kv_format, k_scale=k_scale, v_scale=v_scale, out=result,
+               config=config)
+        out.copy_(result)
+        return
     block_q, block_n = cfg["BLOCK_Q"], cfg["BLOCK_N"]
     block_m = max(16, triton.next_power_of_2(block_q * group))
     max_splits, chunk = cfg["MAX_SPLITS"], cfg["CHUNK"]
