@@ -292,16 +292,26 @@ def test_attention_small_bf16(name, inputs, options):
     check_attention(args, **options)
 
 
-def random_case(rng: random.Random, multi_token: bool):
-    """One random case of the GPU sweep: page size, head dim, GQA ratio, ragged lengths incl. 0 and 1, window,
-    soft cap, format, q dtype."""
-    page_size = rng.choice([1, 2, 4, 8, 16, 32, 64, 128, 256])
-    head_dim = rng.choice([32, 64, 128, 256])
+NUM_FAMILIES = 32  # structural combinations per sweep: each compiles once, the 320 cases vary data within them
+
+
+def random_family(rng: random.Random) -> dict:
+    """The structure of a case (what Triton compiles for): page size, head dim, GQA ratio, format, q dtype, and
+    whether a window / soft cap is on."""
     num_kv_heads, group = rng.choice([(1, 1), (2, 1), (4, 1), (1, 4), (2, 4), (8, 4), (1, 16), (2, 3), (4, 8)])
-    kv_format = rng.choice(["bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "nvfp4", "mxfp4"])
-    q_dtype = rng.choice([torch.bfloat16, torch.float16, torch.float32])
-    batch = rng.randint(1, 12)
-    kv_lens = [rng.choice([0, 1, rng.randint(2, 64), rng.randint(65, 3000), int(10 ** rng.uniform(0, 4))])
+    return dict(page_size=rng.choice([1, 2, 4, 8, 16, 32, 64, 128, 256]), head_dim=rng.choice([32, 64, 128, 256]),
+                num_q_heads=num_kv_heads * group, num_kv_heads=num_kv_heads,
+                kv_format=rng.choice(["bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "nvfp4", "mxfp4"]),
+                q_dtype=rng.choice([torch.bfloat16, torch.float16, torch.float32]),
+                scale_kind=rng.choice(["per_tensor", "per_head"]), window=rng.random() < 0.3,
+                soft_cap=rng.random() < 0.3)
+
+
+def random_case(rng: random.Random, family: dict, multi_token: bool):
+    """One random case of the GPU sweep within `family`: ragged lengths incl. 0 and 1, query lengths (verify,
+    chunked prefill, prefill), window size, soft cap value, scale."""
+    batch = rng.randint(1, 8)
+    kv_lens = [rng.choice([0, 1, rng.randint(2, 64), rng.randint(65, 3000), int(10 ** rng.uniform(0, 3.5))])
                for _ in range(batch)]
     q_lens = None
     if multi_token:
@@ -309,15 +319,14 @@ def random_case(rng: random.Random, multi_token: bool):
         q_lens = [min(n, rng.randint(1, 16) if kind == "verify" else rng.randint(0, 300) if kind == "chunk"
                       else n) for n in kv_lens]
     options = {}
-    if rng.random() < 0.3:
+    if family["window"]:
         options["window_left"] = rng.choice([0, 1, 15, 100, 1000])
-    if rng.random() < 0.3:
+    if family["soft_cap"]:
         options["soft_cap"] = rng.choice([1.0, 5.0, 30.0])
     if rng.random() < 0.2:
         options["scale"] = rng.uniform(0.02, 0.5)
-    inputs = dict(kv_lens=kv_lens, q_lens=q_lens, num_q_heads=num_kv_heads * group, num_kv_heads=num_kv_heads,
-                  head_dim=head_dim, page_size=page_size, kv_format=kv_format, q_dtype=q_dtype,
-                  scale_kind=rng.choice(["per_tensor", "per_head"]))
+    inputs = {k: v for k, v in family.items() if k not in ("window", "soft_cap")}
+    inputs.update(kv_lens=kv_lens, q_lens=q_lens)
     return inputs, options
 
 
@@ -326,9 +335,10 @@ def random_case(rng: random.Random, multi_token: bool):
 def test_random_sweep(multi_token):
     """320 seeded random cases per kernel, all within tolerance; failures are collected and listed together."""
     rng = random.Random(1234 + multi_token)
+    families = [random_family(rng) for _ in range(NUM_FAMILIES)]
     failures = []
     for i in range(320):
-        inputs, options = random_case(rng, multi_token)
+        inputs, options = random_case(rng, families[i % NUM_FAMILIES], multi_token)
         args = random_paged_inputs(**inputs, device=DEVICE, seed=i)
         try:
             check_attention(args, **options)
@@ -340,15 +350,18 @@ def test_random_sweep(multi_token):
 @gpu
 def test_random_sweep_reshape_and_cache():
     rng = random.Random(99)
+    families = [dict(fmt=rng.choice(["bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "nvfp4", "mxfp4"]),
+                     head_dim=rng.choice([32, 64, 128, 256]), page_size=rng.choice([1, 16, 64, 256]),
+                     src_dtype=rng.choice([torch.bfloat16, torch.float16, torch.float32]),
+                     scale_kind=rng.choice(["per_tensor", "per_head"])) for _ in range(NUM_FAMILIES)]
     failures = []
     for i in range(320):
-        fmt = rng.choice(["bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "nvfp4", "mxfp4"])
-        kw = dict(num_tokens=rng.randint(1, 200), num_kv_heads=rng.choice([1, 2, 8]),
-                  head_dim=rng.choice([32, 64, 128, 256]), page_size=rng.choice([1, 16, 64, 256]),
-                  src_dtype=rng.choice([torch.bfloat16, torch.float16, torch.float32]), seed=i)
+        family = dict(families[i % NUM_FAMILIES])
+        fmt, scale_kind = family.pop("fmt"), family.pop("scale_kind")
+        kw = dict(family, num_tokens=rng.randint(1, 200), num_kv_heads=rng.choice([1, 2, 8]), seed=i)
         kw["num_pages"] = -(-kw["num_tokens"] // kw["page_size"]) + 2
         try:
-            assert_cache_write_exact(fmt, rng.choice(["per_tensor", "per_head"]), **kw)
+            assert_cache_write_exact(fmt, scale_kind, **kw)
         except AssertionError as e:
             failures.append(f"case {i}: {fmt} {kw}: {e}")
     assert not failures, f"{len(failures)} of 320 failed:\n" + "\n".join(failures[:20])

@@ -95,7 +95,9 @@ def _fp8_to_dot(x, FP8_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, FP8_ASM: tl
     return x.to(FP8_DTYPE, bitcast=True).to(DOT_DTYPE)
 
 
-@triton.jit
+# Runtime values that change from call to call (batch size, window, split plan) must not be specialized on
+# (Triton compiles a variant for an int argument equal to 1): a batch of 1 or MAX_SPLITS=1 reuses the same binary.
+@triton.jit(do_not_specialize=["num_seqs", "window_left", "MAX_SPLITS", "CHUNK"])
 def paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_lens_ptr, cu_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     num_seqs, sm_scale, soft_cap, window_left, MAX_SPLITS, CHUNK,
@@ -268,7 +270,7 @@ def paged_attention_kernel(
         tl.store(part_lse_ptr + part_row, lse, mask=row_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "window_left", "MAX_SPLITS", "CHUNK"])
 def merge_splits_kernel(
     out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, cu_ptr, num_seqs, window_left, MAX_SPLITS, CHUNK,
     stride_ot, stride_oh,
