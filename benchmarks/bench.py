@@ -114,6 +114,8 @@ def backend_runner(name, case, args):
 
 
 def git_commit() -> str:
+    if os.environ.get("ATTNOPS_COMMIT"):  # set by the caller where the tree has no git history (a lent GPU)
+        return os.environ["ATTNOPS_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                               cwd=Path(__file__).parent).stdout.strip() or "unknown"
