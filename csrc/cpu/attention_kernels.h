@@ -1,0 +1,493 @@
+// The inner loops of the CPU paged-attention kernel, written once against at::vec::Vectorized<float> and compiled
+// once per instruction set: kernels_default.cpp, kernels_avx2.cpp and kernels_avx512.cpp each define ATTNOPS_ISA
+// (the namespace of their copy) and include this file after <ATen/cpu/vec/vec.h>.
+//
+// One call of attend() runs one work item: a tile of query rows (the tokens of one sequence x the query heads of one
+// KV head's group) against a range of keys. Keys are taken kKeyChunk at a time:
+//   scores  S[r][j] = q_r . k_j        (q pre-multiplied by scale * k_scale, so fp8 keys are used as stored)
+//   S = soft_cap * tanh(S / soft_cap)  (if soft_cap > 0)
+//   mask the keys a row cannot see     (causal and sliding window; only in chunks that cross a row's limits)
+//   online softmax: fold the chunk into each row's running max m and sum l, rescaling the accumulators
+//   acc[r] += sum_j P[r][j] * v_j
+// All math is fp32. The K and V rows are converted to fp32 in registers as they are loaded (bf16, fp16: shifts and
+// cvtph; fp8: a 256-entry table), and every row is loaded once per tile, for all the tile's rows.
+#pragma once
+
+#ifndef ATTNOPS_ISA
+#error "define ATTNOPS_ISA (the namespace of this instruction set's copy) before including attention_kernels.h"
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <utility>
+
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include "cpu_kernels.h"
+
+namespace attnops::cpu::ATTNOPS_ISA {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kVec = Vec::size();
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// Prefetches go to L2 (locality 2: prefetcht1): a chunk of K and V rows is up to 32 KB each, too much for L1
+// next to the chunk being computed.
+constexpr int kPrefetchLocality = 2;
+
+inline float hsum(const Vec& v) {
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
+#else
+  // the generic vec_reduce_all does one vector op per lane; a scalar loop is faster
+  float lanes[kVec];
+  v.store(lanes);
+  float s = 0.f;
+  for (int64_t i = 0; i < kVec; ++i) s += lanes[i];
+  return s;
+#endif
+}
+
+inline float hmax(const Vec& v) {
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, v);
+#else
+  float lanes[kVec];
+  v.store(lanes);
+  float s = lanes[0];
+  for (int64_t i = 1; i < kVec; ++i) s = std::max(s, lanes[i]);
+  return s;
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Loading kVec consecutive elements of a cache row as fp32. One struct per storage type; fp8 carries its table.
+
+struct FloatLoader {
+  using T = float;
+  Vec load(const float* p) const { return Vec::loadu(p); }
+};
+
+template <typename Half_t>  // c10::BFloat16 or c10::Half
+struct ReducedLoader {
+  using T = Half_t;
+  Vec load(const Half_t* p) const {
+    Vec v;
+    at::vec::load_to_float(p, v);
+    return v;
+  }
+};
+
+struct Fp8Loader {
+  using T = uint8_t;
+  const float* lut;  // 256 entries: the value of each fp8 byte
+  Vec load(const uint8_t* p) const {
+#if defined(CPU_CAPABILITY_AVX512)
+    const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return Vec(_mm512_i32gather_ps(idx, lut, 4));
+#elif defined(CPU_CAPABILITY_AVX2)
+    const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    return Vec(_mm256_i32gather_ps(lut, idx, 4));
+#else
+    float values[kVec];
+    for (int64_t i = 0; i < kVec; ++i) values[i] = lut[p[i]];
+    return Vec::loadu(values);
+#endif
+  }
+};
+
+// ---------------------------------------------------------------------------------------------------------------
+// Register blocks. The micro-kernels below keep up to 8 accumulators in registers across a loop. Held in an array
+// (Vec acc[4][2]), GCC 12 spills them to the stack at every iteration whenever the loop also loads through a
+// may_alias pointer (the bf16 / fp16 loads), so they are named members, selected by compile-time indices only.
+
+struct Regs {
+  Vec r0, r1, r2, r3, r4, r5, r6, r7;
+  template <int I>
+  Vec& at() {
+    static_assert(I >= 0 && I < 8, "a register block holds 8 vectors");
+    if constexpr (I == 0) return r0;
+    else if constexpr (I == 1) return r1;
+    else if constexpr (I == 2) return r2;
+    else if constexpr (I == 3) return r3;
+    else if constexpr (I == 4) return r4;
+    else if constexpr (I == 5) return r5;
+    else if constexpr (I == 6) return r6;
+    else return r7;
+  }
+};
+
+template <typename F, int... I>
+inline void unroll_impl(F&& f, std::integer_sequence<int, I...>) {
+  (f(std::integral_constant<int, I>{}), ...);
+}
+
+// f(std::integral_constant<int, 0>{}), ..., f(std::integral_constant<int, N - 1>{})
+template <int N, typename F>
+inline void unroll(F&& f) {
+  unroll_impl(f, std::make_integer_sequence<int, N>{});
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Scores: S[r][j] = q_r . k_j for RB rows x KB keys at once. RB * KB independent accumulators hide the FMA latency,
+// and each key vector is loaded (and converted) once for the RB rows.
+
+template <int RB, int KB, typename Loader>
+inline void qk_block(const Loader& ld, const float* q, int64_t D, const typename Loader::T* const* k, float* S) {
+  static_assert(RB * KB <= 8, "8 accumulators at most");
+  Regs acc;
+  unroll<RB * KB>([&](auto i) { acc.at<decltype(i)::value>() = Vec(0.f); });
+  for (int64_t d = 0; d < D; d += kVec) {
+    Regs kv;
+    unroll<KB>([&](auto j) { kv.at<decltype(j)::value>() = ld.load(k[decltype(j)::value] + d); });
+    unroll<RB * KB>([&](auto i) {
+      constexpr int r = decltype(i)::value / KB, j = decltype(i)::value % KB;
+      acc.at<decltype(i)::value>() = at::vec::fmadd(Vec::loadu(q + r * D + d), kv.at<j>(), acc.at<decltype(i)::value>());
+    });
+  }
+  unroll<RB * KB>([&](auto i) {
+    constexpr int r = decltype(i)::value / KB, j = decltype(i)::value % KB;
+    S[r * kKeyChunk + j] = hsum(acc.at<decltype(i)::value>());
+  });
+}
+
+// The rows of the next chunk of keys, prefetched while this chunk's scores are computed (see attend_impl).
+template <typename T>
+struct Ahead {
+  const T* const* k;
+  const T* const* v;
+  int64_t n;  // rows to prefetch (0: none)
+  int64_t row_bytes;
+
+  void fetch(int64_t j0, int64_t j1) const {
+    // (GCC 12 deletes this loop as dead when the bound is written std::min(j1, n) in the condition)
+    if (j1 > n) j1 = n;
+    for (int64_t j = j0; j < j1; ++j) {
+      const char* k_row = reinterpret_cast<const char*>(k[j]);
+      const char* v_row = reinterpret_cast<const char*>(v[j]);
+      for (int64_t b = 0; b < row_bytes; b += 64) {
+        __builtin_prefetch(k_row + b, 0, kPrefetchLocality);
+        __builtin_prefetch(v_row + b, 0, kPrefetchLocality);
+      }
+    }
+  }
+};
+
+template <int RB, typename Loader>
+inline void qk_rows(const Loader& ld, const float* q, int64_t D, const typename Loader::T* const* k, int64_t n,
+                    float* S, const Ahead<typename Loader::T>& ahead) {
+  // about 8 accumulators whatever the number of rows: few rows (MHA decode) block over more keys
+  constexpr int KB = RB == 1 ? 8 : RB == 2 ? 4 : 2;
+  int64_t j = 0;
+  for (; j + KB <= n; j += KB) {
+    ahead.fetch(j, j + KB);  // a few prefetches per block: a burst of them would stall on the miss buffers
+    qk_block<RB, KB>(ld, q, D, k + j, S + j);
+  }
+  for (; j < n; ++j) {
+    ahead.fetch(j, j + 1);
+    qk_block<RB, 1>(ld, q, D, k + j, S + j);
+  }
+  ahead.fetch(n, kKeyChunk);
+}
+
+template <typename Loader>
+void qk(const Loader& ld, const float* q, int64_t rows, int64_t D, const typename Loader::T* const* k, int64_t n,
+        float* S, Ahead<typename Loader::T> ahead) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    qk_rows<4>(ld, q + r * D, D, k, n, S + r * kKeyChunk, ahead);
+    ahead.n = 0;  // prefetched once, during the first rows' pass
+  }
+  switch (rows - r) {
+    case 3: qk_rows<3>(ld, q + r * D, D, k, n, S + r * kKeyChunk, ahead); break;
+    case 2: qk_rows<2>(ld, q + r * D, D, k, n, S + r * kKeyChunk, ahead); break;
+    case 1: qk_rows<1>(ld, q + r * D, D, k, n, S + r * kKeyChunk, ahead); break;
+    default: break;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Values: acc[r][d0 : d0 + DB*kVec] += sum_j P[r][j] * v_j[d0 : ...], for RB rows. The accumulators stay in
+// registers across the chunk's keys; each value vector is loaded once for the RB rows.
+
+template <int RB, int DB, typename Loader>
+inline void pv_block(const Loader& ld, const float* P, int64_t n, const typename Loader::T* const* v, int64_t d0,
+                     float* acc, int64_t D) {
+  static_assert(RB * DB <= 8, "8 accumulators at most");
+  Regs a;
+  unroll<RB * DB>([&](auto i) {
+    constexpr int r = decltype(i)::value / DB, x = decltype(i)::value % DB;
+    a.at<decltype(i)::value>() = Vec::loadu(acc + r * D + d0 + x * kVec);
+  });
+  for (int64_t j = 0; j < n; ++j) {
+    Regs vv;
+    unroll<DB>([&](auto x) { vv.at<decltype(x)::value>() = ld.load(v[j] + d0 + decltype(x)::value * kVec); });
+    unroll<RB * DB>([&](auto i) {
+      constexpr int r = decltype(i)::value / DB, x = decltype(i)::value % DB;
+      a.at<decltype(i)::value>() = at::vec::fmadd(Vec(P[r * kKeyChunk + j]), vv.at<x>(), a.at<decltype(i)::value>());
+    });
+  }
+  unroll<RB * DB>([&](auto i) {
+    constexpr int r = decltype(i)::value / DB, x = decltype(i)::value % DB;
+    a.at<decltype(i)::value>().store(acc + r * D + d0 + x * kVec);
+  });
+}
+
+template <int RB, typename Loader>
+inline void pv_rows(const Loader& ld, const float* P, int64_t n, const typename Loader::T* const* v, float* acc,
+                    int64_t D) {
+  constexpr int DB = RB == 1 ? 8 : RB == 2 ? 4 : 2;  // about 8 accumulators, as in qk_rows
+  const int64_t vecs = D / kVec;
+  if (vecs % DB == 0) {
+    for (int64_t d0 = 0; d0 < D; d0 += DB * kVec) pv_block<RB, DB>(ld, P, n, v, d0, acc, D);
+  } else {  // head_dim 32 with 16-float vectors: 2 vectors a row
+    for (int64_t d0 = 0; d0 < D; d0 += 2 * kVec) pv_block<RB, 2>(ld, P, n, v, d0, acc, D);
+  }
+}
+
+template <typename Loader>
+void pv(const Loader& ld, const float* P, int64_t rows, int64_t n, const typename Loader::T* const* v, float* acc,
+        int64_t D) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) pv_rows<4>(ld, P + r * kKeyChunk, n, v, acc + r * D, D);
+  switch (rows - r) {
+    case 3: pv_rows<3>(ld, P + r * kKeyChunk, n, v, acc + r * D, D); break;
+    case 2: pv_rows<2>(ld, P + r * kKeyChunk, n, v, acc + r * D, D); break;
+    case 1: pv_rows<1>(ld, P + r * kKeyChunk, n, v, acc + r * D, D); break;
+    default: break;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Scalar conversions for q (in) and out (out): a tile's q rows are converted once, outputs written once.
+
+template <typename T>
+inline float to_float(T x) {
+  return static_cast<float>(x);
+}
+
+template <typename T>
+inline T from_float(float x) {
+  return static_cast<T>(x);  // c10::BFloat16 / c10::Half round to nearest even, like Tensor.to()
+}
+
+// The visible key range of row r of a tile: positions [lo, hi] (hi < lo: none).
+struct RowLimits {
+  int64_t lo, hi;
+};
+
+inline RowLimits row_limits(const AttentionParams& p, const Tile& tile, int64_t r) {
+  const int64_t pos = tile.first_pos + r / p.group;
+  return {p.window_left >= 0 ? std::max<int64_t>(0, pos - p.window_left) : 0, pos};
+}
+
+template <typename QT, typename Loader>
+void attend_impl(const AttentionParams& p, const Loader& ld, const Tile& tile, const WorkItem& item,
+                 const Partials& partials, float* scratch) {
+  using KT = typename Loader::T;
+  const int64_t D = p.head_dim, G = p.group, h = tile.kv_head;
+  const int64_t rows = (tile.q_end - tile.q_begin) * G;
+  float* qf = scratch;                           // [rows][D]
+  float* acc = qf + p.max_tile_rows * D;         // [rows][D]
+  float* S = acc + p.max_tile_rows * D;          // [rows][kKeyChunk]
+  float* row_max = S + p.max_tile_rows * kKeyChunk;  // [rows]
+  float* row_sum = row_max + p.max_tile_rows;        // [rows]
+
+  // q rows in fp32, times the softmax scale and the key scale (so that stored fp8 keys are used as they are)
+  const float q_mult = p.scale * p.k_scale[h];
+  const QT* q = static_cast<const QT*>(p.q);
+  for (int64_t t = tile.q_begin; t < tile.q_end; ++t) {
+    for (int64_t j = 0; j < G; ++j) {
+      const QT* src = q + t * p.q_stride_token + (h * G + j) * p.q_stride_head;
+      float* dst = qf + ((t - tile.q_begin) * G + j) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = to_float(src[d]) * q_mult;
+    }
+  }
+  std::fill(acc, acc + rows * D, 0.f);
+  std::fill(row_max, row_max + rows, kNegInf);
+  std::fill(row_sum, row_sum + rows, 0.f);
+
+  // Rows whose limits lie strictly inside a chunk need masking there; for the rest of the range the whole chunk is
+  // visible to every row. The tile's rows are consecutive positions, so the tightest limits are those of the first
+  // row (causal: smallest hi) and the last row (window: largest lo).
+  const int64_t min_hi = tile.first_pos;
+  const int64_t max_lo = row_limits(p, tile, rows - 1).lo;
+
+  const KT* k_base = static_cast<const KT*>(p.k_cache) + h * p.cache_stride_head;
+  const KT* v_base = static_cast<const KT*>(p.v_cache) + h * p.cache_stride_head;
+  const int32_t* pages = p.block_table + tile.seq * p.bt_stride_seq;
+  const int64_t slot_mask = (int64_t{1} << p.page_shift) - 1;
+  // Row addresses of the chunk's keys (chunks ignore page boundaries: each key's page is looked up), and of the
+  // next chunk's, whose rows are prefetched while this chunk's scores are computed: a row is 64 to 512 bytes at a
+  // stride of a cache slot (all KV heads) in a random page, which the hardware prefetchers do not follow, and
+  // without it the loop waits on DRAM latency at every row.
+  const KT* rows_a[2][kKeyChunk];
+  const KT* rows_b[2][kKeyChunk];
+  const KT** k_rows = rows_a[0];
+  const KT** v_rows = rows_a[1];
+  const KT** k_next = rows_b[0];
+  const KT** v_next = rows_b[1];
+  auto locate = [&](int64_t c0, const KT** kr, const KT** vr) {
+    const int64_t n = std::min(kKeyChunk, item.kv_end - c0);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t pos = c0 + j;
+      const int64_t page = pages[(pos >> p.page_shift) * p.bt_stride_page];
+      const int64_t offset = page * p.cache_stride_page + (pos & slot_mask) * p.cache_stride_slot;
+      kr[j] = k_base + offset;
+      vr[j] = v_base + offset;
+    }
+    return n;
+  };
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(KT));
+  if (item.kv_begin < item.kv_end) {
+    const int64_t n = locate(item.kv_begin, k_rows, v_rows);
+    Ahead<KT>{k_rows, v_rows, n, row_bytes}.fetch(0, n);
+  }
+
+  for (int64_t c0 = item.kv_begin; c0 < item.kv_end; c0 += kKeyChunk) {
+    const int64_t n = std::min(kKeyChunk, item.kv_end - c0);
+    const int64_t n_next = c0 + kKeyChunk < item.kv_end ? locate(c0 + kKeyChunk, k_next, v_next) : 0;
+
+    qk(ld, qf, rows, D, k_rows, n, S, Ahead<KT>{k_next, v_next, n_next, row_bytes});
+
+    const bool needs_mask = c0 + n - 1 > min_hi || c0 < max_lo;
+    for (int64_t r = 0; r < rows; ++r) {
+      float* s = S + r * kKeyChunk;
+      if (p.soft_cap > 0.f) {
+        const Vec cap(p.soft_cap), inv_cap(1.f / p.soft_cap);
+        for (int64_t j = 0; j < kKeyChunk; j += kVec) (cap * (Vec::loadu(s + j) * inv_cap).tanh()).store(s + j);
+      }
+      // -inf (after the soft cap, which would turn it into -soft_cap) for the chunk's unused tail...
+      for (int64_t j = n; j < kKeyChunk; ++j) s[j] = kNegInf;
+      // ...and for the keys this row cannot see
+      if (needs_mask) {
+        const RowLimits lim = row_limits(p, tile, r);
+        for (int64_t j = 0; j < n; ++j)
+          if (c0 + j < lim.lo || c0 + j > lim.hi) s[j] = kNegInf;
+      }
+
+      // online softmax: fold this chunk into the row's running max and sum
+      Vec vmax(kNegInf);
+      for (int64_t j = 0; j < kKeyChunk; j += kVec) vmax = at::vec::maximum(vmax, Vec::loadu(s + j));
+      const float m_old = row_max[r];
+      const float m_new = std::max(m_old, hmax(vmax));
+      if (m_new == kNegInf) {  // the row has seen no visible key yet: nothing to add
+        std::fill(s, s + kKeyChunk, 0.f);
+        continue;
+      }
+      const Vec vm(m_new);
+      Vec vsum(0.f);
+      for (int64_t j = 0; j < kKeyChunk; j += kVec) {
+        const Vec e = (Vec::loadu(s + j) - vm).exp_u20();  // exp(-inf) = 0 for masked keys
+        e.store(s + j);
+        vsum = vsum + e;
+      }
+      const float alpha = std::exp(m_old - m_new);  // 0 on the row's first visible chunk
+      row_sum[r] = row_sum[r] * alpha + hsum(vsum);
+      row_max[r] = m_new;
+      if (alpha != 1.f) {
+        float* a = acc + r * D;
+        const Vec va(alpha);
+        for (int64_t d = 0; d < D; d += kVec) (Vec::loadu(a + d) * va).store(a + d);
+      }
+    }
+
+    pv(ld, S, rows, n, v_rows, acc, D);
+    std::swap(k_rows, k_next);
+    std::swap(v_rows, v_next);
+  }
+
+  if (item.slot >= 0) {  // a split: leave the unnormalized partial result for merge()
+    float* pa = partials.acc + item.slot * p.max_tile_rows * D;
+    std::copy(acc, acc + rows * D, pa);
+    std::copy(row_max, row_max + rows, partials.max + item.slot * p.max_tile_rows);
+    std::copy(row_sum, row_sum + rows, partials.sum + item.slot * p.max_tile_rows);
+    return;
+  }
+  QT* out = static_cast<QT*>(p.out);
+  const float v_mult = p.v_scale[h];
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t t = tile.q_begin + r / G, head = h * G + r % G;
+    QT* dst = out + t * p.out_stride_token + head * p.out_stride_head;
+    // a row that saw no key (an empty sequence) is 0, never NaN
+    const float norm = row_sum[r] > 0.f ? v_mult / row_sum[r] : 0.f;
+    const float* a = acc + r * D;
+    for (int64_t d = 0; d < D; ++d) dst[d * p.out_stride_dim] = from_float<QT>(a[d] * norm);
+  }
+}
+
+template <typename QT>
+void merge_impl(const AttentionParams& p, const Tile& tile, int64_t first_slot, int64_t num_slots,
+                const Partials& partials) {
+  const int64_t D = p.head_dim, G = p.group, h = tile.kv_head;
+  const int64_t rows = (tile.q_end - tile.q_begin) * G;
+  QT* out = static_cast<QT*>(p.out);
+  const float v_mult = p.v_scale[h];
+  float merged[256];  // head_dim <= 256 (checked by the host)
+  for (int64_t r = 0; r < rows; ++r) {
+    // log-sum-exp merge: out = sum_s acc_s * exp(m_s - M) / sum_s l_s * exp(m_s - M), M = max_s m_s
+    float m = kNegInf;
+    for (int64_t s = first_slot; s < first_slot + num_slots; ++s) m = std::max(m, partials.max[s * p.max_tile_rows + r]);
+    std::fill(merged, merged + D, 0.f);
+    float l = 0.f;
+    if (m != kNegInf) {
+      for (int64_t s = first_slot; s < first_slot + num_slots; ++s) {
+        const float ms = partials.max[s * p.max_tile_rows + r];
+        if (ms == kNegInf) continue;  // this split had no key visible to the row
+        const float w = std::exp(ms - m);
+        l += partials.sum[s * p.max_tile_rows + r] * w;
+        const float* a = partials.acc + (s * p.max_tile_rows + r) * D;
+        const Vec vw(w);
+        for (int64_t d = 0; d < D; d += kVec)
+          at::vec::fmadd(Vec::loadu(a + d), vw, Vec::loadu(merged + d)).store(merged + d);
+      }
+    }
+    const float norm = l > 0.f ? v_mult / l : 0.f;
+    const int64_t t = tile.q_begin + r / G, head = h * G + r % G;
+    QT* dst = out + t * p.out_stride_token + head * p.out_stride_head;
+    for (int64_t d = 0; d < D; ++d) dst[d * p.out_stride_dim] = from_float<QT>(merged[d] * norm);
+  }
+}
+
+template <typename QT>
+void attend_q(const AttentionParams& p, const Tile& tile, const WorkItem& item, const Partials& partials,
+              float* scratch) {
+  switch (p.kv_dtype) {
+    case DType::Float: return attend_impl<QT>(p, FloatLoader{}, tile, item, partials, scratch);
+    case DType::BFloat16: return attend_impl<QT>(p, ReducedLoader<c10::BFloat16>{}, tile, item, partials, scratch);
+    case DType::Half: return attend_impl<QT>(p, ReducedLoader<c10::Half>{}, tile, item, partials, scratch);
+    case DType::Fp8: return attend_impl<QT>(p, Fp8Loader{p.fp8_lut}, tile, item, partials, scratch);
+  }
+}
+
+inline void attend(const AttentionParams& p, const Tile& tile, const WorkItem& item, const Partials& partials,
+                   float* scratch) {
+  switch (p.q_dtype) {
+    case DType::Float: return attend_q<float>(p, tile, item, partials, scratch);
+    case DType::BFloat16: return attend_q<c10::BFloat16>(p, tile, item, partials, scratch);
+    case DType::Half: return attend_q<c10::Half>(p, tile, item, partials, scratch);
+    case DType::Fp8: return;  // q is never fp8 (the host checks)
+  }
+}
+
+inline void merge(const AttentionParams& p, const Tile& tile, int64_t first_slot, int64_t num_slots,
+                  const Partials& partials) {
+  switch (p.q_dtype) {
+    case DType::Float: return merge_impl<float>(p, tile, first_slot, num_slots, partials);
+    case DType::BFloat16: return merge_impl<c10::BFloat16>(p, tile, first_slot, num_slots, partials);
+    case DType::Half: return merge_impl<c10::Half>(p, tile, first_slot, num_slots, partials);
+    case DType::Fp8: return;
+  }
+}
+
+inline const KernelTable* table(const char* isa) {
+  static const KernelTable t{isa, &attend, &merge};
+  return &t;
+}
+
+}  // namespace attnops::cpu::ATTNOPS_ISA

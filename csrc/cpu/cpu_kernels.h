@@ -1,0 +1,106 @@
+// The interface between the host side of the CPU attention kernel (paged_attention.cpp: argument unpacking, work
+// partitioning, threading) and its inner loops (attention_kernels.h), which are compiled once per instruction set
+// (kernels_default.cpp, kernels_avx2.cpp, kernels_avx512.cpp) and picked at run time, the way ATen's own CPU
+// kernels are.
+//
+// Only plain structs and raw pointers cross this boundary: the per-ISA translation units include as little of
+// torch as possible (see kernels_avx512.cpp for why).
+#pragma once
+
+#include <cstdint>
+
+namespace attnops::cpu {
+
+// Element types of q, out and the caches. fp8 caches are read through a 256-entry table (Fp8 below).
+enum class DType : int8_t { Float, BFloat16, Half, Fp8 };
+
+struct AttentionParams {
+  // q [T, Hq, D] and out [T, Hq, D]: any strides (q's last dim is contiguous; out's need not be).
+  const void* q;
+  int64_t q_stride_token, q_stride_head;
+  void* out;
+  int64_t out_stride_token, out_stride_head, out_stride_dim;
+  DType q_dtype;  // also out's dtype
+
+  // k_cache / v_cache [num_pages, page_size, Hkv, D], equal strides, last dim contiguous. They may be views of
+  // one [num_pages, 2, page_size, Hkv, D] tensor, so the page stride is not page_size * Hkv * D.
+  const void* k_cache;
+  const void* v_cache;
+  int64_t cache_stride_page, cache_stride_slot, cache_stride_head;
+  DType kv_dtype;
+  const float* fp8_lut;  // kv_dtype == Fp8: stored byte -> float value (before the scale)
+
+  // block_table int32 [B, max_pages] (any strides)
+  const int32_t* block_table;
+  int64_t bt_stride_seq, bt_stride_page;
+  int page_shift;  // log2(page_size): page sizes are powers of two
+
+  int64_t num_q_heads, num_kv_heads, group, head_dim;
+  float scale;      // softmax scale (applied to q . k)
+  float soft_cap;   // > 0: scores become soft_cap * tanh(score / soft_cap)
+  int64_t window_left;  // >= 0: a query sees keys at most window_left positions before it
+  // [Hkv] per-head dequantization scales (all equal for a per-tensor scale; all 1 for non-fp8 caches)
+  const float* k_scale;
+  const float* v_scale;
+
+  int64_t max_tile_rows;  // rows (query tokens x heads of a group) of the largest tile: sizes the scratch
+};
+
+// A tile: the query rows of one sequence and one KV head that are processed together (tokens
+// [q_begin, q_end) x the `group` query heads of kv_head), so each K/V row is loaded once for all of them.
+struct Tile {
+  int64_t seq;
+  int64_t kv_head;
+  int64_t q_begin, q_end;  // rows of q (absolute)
+  int64_t first_pos;       // position in the sequence of query row q_begin (queries are the sequence's last ones)
+  int64_t kv_begin, kv_end;  // keys any row of the tile can see
+};
+
+// One unit of parallel work: a tile against the keys [kv_begin, kv_end). A tile whose key range is split (long
+// sequences, few tiles) writes unnormalized partial results to `partial_*[slot]`; merge() combines them.
+struct WorkItem {
+  int64_t tile;
+  int64_t kv_begin, kv_end;
+  int64_t slot;  // -1: writes the final output directly
+};
+
+// Partial results of split tiles: for slot s, row r: acc [slots][max_tile_rows][D], row max m and row sum l
+// [slots][max_tile_rows].
+struct Partials {
+  float* acc;
+  float* max;
+  float* sum;
+};
+
+// Keys processed per step of the online softmax (scores of a chunk are computed, then folded into the running
+// max/sum and the accumulators). Chunks ignore page boundaries: each key's row address is looked up, so every page
+// size from 1 to 256 takes the same path.
+constexpr int64_t kKeyChunk = 32;
+
+// Floats of scratch memory one worker needs: the tile's q rows in fp32 and its accumulators ([rows][D] each), the
+// chunk's scores ([rows][kKeyChunk]), and the running max and sum ([rows] each).
+inline int64_t scratch_floats(const AttentionParams& p) {
+  return p.max_tile_rows * (2 * p.head_dim + kKeyChunk + 2);
+}
+
+// The inner loops for one instruction set.
+struct KernelTable {
+  const char* isa;
+  // Runs one work item. scratch: scratch_floats(p) floats owned by the calling thread.
+  void (*attend)(const AttentionParams& p, const Tile& tile, const WorkItem& item, const Partials& partials,
+                 float* scratch);
+  // Combines the partial results of `num_slots` slots starting at `first_slot` into the output rows of `tile`.
+  void (*merge)(const AttentionParams& p, const Tile& tile, int64_t first_slot, int64_t num_slots,
+                const Partials& partials);
+};
+
+// Each returns nullptr when its instruction set was not compiled in (non-x86 hosts, other compilers).
+const KernelTable* kernels_default();
+const KernelTable* kernels_avx2();
+const KernelTable* kernels_avx512();
+
+// The table for this CPU: the widest instruction set that both the CPU and ATen's choice
+// (ATEN_CPU_CAPABILITY) allow.
+const KernelTable& select_kernels();
+
+}  // namespace attnops::cpu

@@ -1,0 +1,49 @@
+// The AVX2 copy of the attention inner loops (attention_kernels.h), with ATen's AVX2 Vectorized<float>.
+// See isa_preamble.h for why the instruction set is enabled by a pragma, after the shared headers.
+#include "isa_preamble.h"
+
+#if ATTNOPS_ISA_PRAGMAS
+
+#pragma GCC push_options
+#pragma GCC target("avx2,avx,fma,f16c")
+// GCC's target pragma does not define the feature macros that vec.h and sleef.h test; a build with -mavx2 (or
+// -march=native) already has them.
+#ifndef __AVX2__
+#define __AVX2__ 1
+#endif
+#ifndef __AVX__
+#define __AVX__ 1
+#endif
+#ifndef __FMA__
+#define __FMA__ 1
+#endif
+#ifndef __F16C__
+#define __F16C__ 1
+#endif
+#define CPU_CAPABILITY AVX2
+#define CPU_CAPABILITY_AVX2
+
+#define ATTNOPS_ISA isa_avx2
+#include "attention_kernels.h"
+
+#pragma GCC pop_options
+
+namespace attnops::cpu {
+
+const KernelTable* kernels_avx2() {
+  // the instructions the pragma enabled (every AVX2 CPU also has F16C)
+  static const bool supported = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return supported ? isa_avx2::table("avx2") : nullptr;
+}
+
+}  // namespace attnops::cpu
+
+#else
+
+namespace attnops::cpu {
+const KernelTable* kernels_avx2() {
+  return nullptr;
+}
+}  // namespace attnops::cpu
+
+#endif

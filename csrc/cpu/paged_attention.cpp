@@ -1,0 +1,298 @@
+// The CPU paged-attention kernel, host side: unpacks the arguments, cuts the work into items, runs them on
+// at::parallel_for's threads, and registers the op.
+//
+// Work decomposition. A tile is the query rows of one sequence and one KV head: up to kTileRows rows, each a
+// (query token, query head of the KV head's group) pair, so each K/V row read from the cache serves all the heads of
+// a GQA/MQA group and several query tokens of a prefill. A tile whose key range is long compared to the whole job
+// (a single long sequence, few KV heads, many threads) is split into several items over disjoint key ranges; each
+// writes an unnormalized partial result with its row max and sum, and merge() combines them by log-sum-exp.
+// Items are handed out largest first from a shared counter, so ragged batches balance across threads.
+//
+// The inner loops (attention_kernels.h) are compiled for several instruction sets; select_kernels() picks one.
+#include <ATen/Parallel.h>
+#include <ATen/Version.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#ifdef ATTNOPS_STANDALONE
+#include <ATen/ops/empty_like.h>
+#endif
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <memory>
+#include <numeric>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "cpu_kernels.h"
+#include "host_utils.h"
+
+namespace attnops::cpu {
+
+namespace {
+
+constexpr int64_t kTileRows = 16;       // query rows (tokens x group heads) per tile, when there are enough
+constexpr int64_t kMinSplitKeys = 256;  // never split a tile into pieces shorter than this
+constexpr int64_t kItemsPerThread = 4;  // split tiles until there are about this many items per thread
+
+}  // namespace
+
+const KernelTable& select_kernels() {
+  static const KernelTable* chosen = [] {
+    // ATen's choice honours ATEN_CPU_CAPABILITY, so a user who caps ATen's instruction set caps ours too; each
+    // table is also null unless this CPU has the instructions it was compiled for.
+    const std::string cap = at::get_cpu_capability();
+    if (cap == "AVX512" && kernels_avx512() != nullptr) return kernels_avx512();
+    if ((cap == "AVX512" || cap == "AVX2") && kernels_avx2() != nullptr) return kernels_avx2();
+    return kernels_default();
+  }();
+  return *chosen;
+}
+
+// Runs the kernel; `out` is [T, Hq, D] of q's dtype. Checks what it needs to stay in bounds (see host_utils.h).
+void paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                         const at::Tensor& block_table, const at::Tensor& seq_lens,
+                         const std::optional<at::Tensor>& cu_seqlens_q, double scale, double soft_cap,
+                         int64_t window_left, const std::optional<at::Tensor>& k_scale,
+                         const std::optional<at::Tensor>& v_scale, const at::Tensor& out) {
+  const char* op = "paged_attention";
+  const int page_shift = check_caches(op, k_cache, v_cache);
+  ATTNOPS_CHECK(op, q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1,
+                "q must be a CPU tensor [num_tokens, num_q_heads, head_dim], contiguous in its last dimension");
+  ATTNOPS_CHECK(op, is_plain(q.scalar_type()), "q must be float32, bfloat16 or float16 (got ", q.scalar_type(), ")");
+  ATTNOPS_CHECK(op, out.device().is_cpu() && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
+                "out must be a CPU tensor of q's shape and dtype");
+  const int64_t num_tokens = q.size(0), num_q_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_pages = k_cache.size(0), page_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  ATTNOPS_CHECK(op, k_cache.size(3) == head_dim, "q's head_dim (", head_dim, ") != the cache's (", k_cache.size(3),
+                ")");
+  ATTNOPS_CHECK(op, head_dim % 32 == 0 && head_dim <= 256, "the CPU kernels take head_dim 32, 64, ..., 256 (got ",
+                head_dim, ")");
+  ATTNOPS_CHECK(op, num_kv_heads > 0 && num_q_heads % num_kv_heads == 0, "num_q_heads (", num_q_heads,
+                ") must be a multiple of num_kv_heads (", num_kv_heads, ")");
+  ATTNOPS_CHECK(op, block_table.device().is_cpu() && block_table.scalar_type() == at::kInt && block_table.dim() == 2,
+                "block_table must be int32 [B, max_pages] on the CPU");
+  const int64_t batch = block_table.size(0), max_pages = block_table.size(1);
+  ATTNOPS_CHECK(op, seq_lens.device().is_cpu() && seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 &&
+                        seq_lens.size(0) == batch,
+                "seq_lens must be int32 [B] on the CPU, with B == block_table.shape[0]");
+  const bool decode = !cu_seqlens_q.has_value();
+  if (decode) {
+    ATTNOPS_CHECK(op, num_tokens == batch, "decode (cu_seqlens_q=None) needs one query row per sequence");
+  } else {
+    ATTNOPS_CHECK(op, cu_seqlens_q->device().is_cpu() && cu_seqlens_q->scalar_type() == at::kInt &&
+                          cu_seqlens_q->dim() == 1 && cu_seqlens_q->size(0) == batch + 1,
+                  "cu_seqlens_q must be int32 [B+1] on the CPU");
+  }
+  ATTNOPS_CHECK(op, scale > 0 && soft_cap >= 0 && window_left >= -1, "need scale > 0, soft_cap >= 0, window_left >= -1");
+  const bool fp8 = is_fp8(k_cache.scalar_type());
+  const std::vector<float> k_scales = unpack_scale(op, "k_scale", k_scale, fp8, num_kv_heads);
+  const std::vector<float> v_scales = unpack_scale(op, "v_scale", v_scale, fp8, num_kv_heads);
+
+  AttentionParams p{};
+  p.q = q.const_data_ptr();
+  p.q_stride_token = q.stride(0);
+  p.q_stride_head = q.stride(1);
+  p.out = out.data_ptr();
+  p.out_stride_token = out.stride(0);
+  p.out_stride_head = out.stride(1);
+  p.out_stride_dim = out.stride(2);
+  p.q_dtype = dtype_of(q.scalar_type());
+  p.k_cache = k_cache.const_data_ptr();
+  p.v_cache = v_cache.const_data_ptr();
+  p.cache_stride_page = k_cache.stride(0);
+  p.cache_stride_slot = k_cache.stride(1);
+  p.cache_stride_head = k_cache.stride(2);
+  p.kv_dtype = dtype_of(k_cache.scalar_type());
+  p.fp8_lut = fp8 ? fp8_table_for(k_cache.scalar_type()) : nullptr;
+  p.block_table = block_table.const_data_ptr<int32_t>();
+  p.bt_stride_seq = block_table.stride(0);
+  p.bt_stride_page = block_table.stride(1);
+  p.page_shift = page_shift;
+  p.num_q_heads = num_q_heads;
+  p.num_kv_heads = num_kv_heads;
+  p.group = num_q_heads / num_kv_heads;
+  p.head_dim = head_dim;
+  p.scale = static_cast<float>(scale);
+  p.soft_cap = static_cast<float>(soft_cap);
+  p.window_left = window_left;
+  p.k_scale = k_scales.data();
+  p.v_scale = v_scales.data();
+
+  // Tiles. Lengths and offsets are read from host memory (CPU tensors: no device sync), and checked so that no key
+  // or page outside the tensors is ever read.
+  const int32_t* lens = seq_lens.const_data_ptr<int32_t>();
+  const int32_t* cu = decode ? nullptr : cu_seqlens_q->const_data_ptr<int32_t>();
+  const int64_t lens_stride = seq_lens.stride(0), cu_stride = decode ? 0 : cu_seqlens_q->stride(0);
+  const int64_t group = p.group;
+  const int64_t tokens_per_tile = decode ? 1 : std::max<int64_t>(1, kTileRows / group);
+  p.max_tile_rows = tokens_per_tile * group;
+  if (!decode) {
+    ATTNOPS_CHECK(op, cu[0] == 0 && cu[batch * cu_stride] == num_tokens,
+                  "cu_seqlens_q must start at 0 and end at num_tokens=", num_tokens);
+  }
+  std::vector<Tile> tiles;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t kv_len = lens[b * lens_stride];
+    const int64_t q_begin = decode ? b : cu[b * cu_stride], q_end = decode ? b + 1 : cu[(b + 1) * cu_stride];
+    ATTNOPS_CHECK(op, kv_len >= 0 && kv_len <= max_pages * page_size, "seq_lens[", b, "]=", kv_len,
+                  " is negative or exceeds block_table's capacity");
+    ATTNOPS_CHECK(op, q_begin <= q_end && q_end <= num_tokens, "cu_seqlens_q must be non-decreasing");
+    for (int64_t i = 0; i < (kv_len + page_size - 1) >> page_shift; ++i) {
+      const int64_t page = p.block_table[b * p.bt_stride_seq + i * p.bt_stride_page];
+      ATTNOPS_CHECK(op, page >= 0 && page < num_pages, "block_table[", b, ", ", i, "]=", page,
+                    " is outside the cache's ", num_pages, " pages");
+    }
+    for (int64_t t0 = q_begin; t0 < q_end; t0 += tokens_per_tile) {
+      const int64_t t1 = std::min(t0 + tokens_per_tile, q_end);
+      // the queries are the sequence's last q_len positions; each sees keys at positions <= its own
+      const int64_t first_pos = kv_len - (q_end - q_begin) + (t0 - q_begin);
+      const int64_t last_pos = first_pos + (t1 - t0) - 1;
+      const int64_t kv_end = std::clamp<int64_t>(last_pos + 1, 0, kv_len);
+      // keys before the window of the tile's first row are never read (whole pages of them are skipped)
+      const int64_t kv_begin = window_left >= 0 ? std::clamp<int64_t>(first_pos - window_left, 0, kv_end) : 0;
+      for (int64_t h = 0; h < num_kv_heads; ++h) tiles.push_back({b, h, t0, t1, first_pos, kv_begin, kv_end});
+    }
+  }
+  if (tiles.empty()) return;
+
+  // Items: split the tiles whose cost is large next to the whole job's, so that every thread gets work.
+  const int64_t num_threads = at::get_num_threads();
+  auto tile_cost = [&](const Tile& t, int64_t keys) {
+    return std::max<int64_t>(keys, 1) * ((t.q_end - t.q_begin) * group + 4);  // +4: loading a K/V row costs
+  };
+  int64_t total_cost = 0;
+  for (const Tile& t : tiles) total_cost += tile_cost(t, t.kv_end - t.kv_begin);
+  const int64_t target_cost = std::max<int64_t>(1, total_cost / (kItemsPerThread * num_threads));
+  std::vector<WorkItem> items;
+  std::vector<int64_t> item_cost;
+  struct Merge {
+    int64_t tile, first_slot, num_slots;
+  };
+  std::vector<Merge> merges;
+  int64_t num_slots = 0;
+  for (int64_t i = 0; i < static_cast<int64_t>(tiles.size()); ++i) {
+    const Tile& t = tiles[i];
+    const int64_t keys = t.kv_end - t.kv_begin;
+    int64_t splits = 1;
+    if (num_threads > 1) {
+      splits = std::min((tile_cost(t, keys) + target_cost - 1) / target_cost, keys / kMinSplitKeys);
+      splits = std::max<int64_t>(splits, 1);
+    }
+    if (splits == 1) {
+      items.push_back({i, t.kv_begin, t.kv_end, -1});
+      item_cost.push_back(tile_cost(t, keys));
+      continue;
+    }
+    // pieces of equal length, in whole chunks of keys
+    const int64_t piece = (keys + splits - 1) / splits;
+    const int64_t step = (piece + kKeyChunk - 1) / kKeyChunk * kKeyChunk;
+    const int64_t first_slot = num_slots;
+    for (int64_t k0 = t.kv_begin; k0 < t.kv_end; k0 += step) {
+      const int64_t k1 = std::min(k0 + step, t.kv_end);
+      items.push_back({i, k0, k1, num_slots++});
+      item_cost.push_back(tile_cost(t, k1 - k0));
+    }
+    merges.push_back({i, first_slot, num_slots - first_slot});
+  }
+
+  std::unique_ptr<float[]> partial_storage;
+  Partials partials{nullptr, nullptr, nullptr};
+  if (num_slots > 0) {
+    const int64_t rows = p.max_tile_rows;
+    partial_storage.reset(new float[num_slots * rows * (head_dim + 2)]);
+    partials.acc = partial_storage.get();
+    partials.max = partials.acc + num_slots * rows * head_dim;
+    partials.sum = partials.max + num_slots * rows;
+  }
+
+  // largest first, from a shared counter: a thread that drew short items takes more
+  std::vector<int64_t> order(items.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return item_cost[a] > item_cost[b]; });
+  const KernelTable& kernels = select_kernels();
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min(num_threads, num_items);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    std::unique_ptr<float[]> scratch(new float[scratch_floats(p)]);
+    for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
+      const WorkItem& item = items[order[i]];
+      kernels.attend(p, tiles[item.tile], item, partials, scratch.get());
+    }
+  });
+  if (!merges.empty()) {
+    at::parallel_for(0, static_cast<int64_t>(merges.size()), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t m = begin; m < end; ++m)
+        kernels.merge(p, tiles[merges[m].tile], merges[m].first_slot, merges[m].num_slots, partials);
+    });
+  }
+}
+
+namespace {
+
+// The internal op the Python CPU backend calls (attnops/backends/cpu.py), after attnops/checks.py validated
+// everything: scale is resolved, kv_format is implied by the cache dtype.
+void cpu_paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                         const at::Tensor& block_table, const at::Tensor& seq_lens,
+                         const std::optional<at::Tensor>& cu_seqlens_q, double scale, double soft_cap,
+                         int64_t window_left, const std::optional<at::Tensor>& k_scale,
+                         const std::optional<at::Tensor>& v_scale, const at::Tensor& out) {
+  paged_attention_cpu(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left,
+                      k_scale, v_scale, out);
+}
+
+#ifdef ATTNOPS_STANDALONE
+// The public ops, for the C++-only build (CMake): in the Python package, attnops/ops.py implements them (validation,
+// then dispatch among backends), so this build must not register them too.
+void paged_attention_out(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                         const at::Tensor& block_table, const at::Tensor& seq_lens,
+                         const std::optional<at::Tensor>& cu_seqlens_q, std::optional<double> scale, double soft_cap,
+                         int64_t window_left, c10::string_view kv_format, const std::optional<at::Tensor>& k_scale,
+                         const std::optional<at::Tensor>& v_scale, const at::Tensor& out) {
+  check_kv_format("paged_attention", kv_format, k_cache.scalar_type());
+  const double resolved_scale = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
+  paged_attention_cpu(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, resolved_scale, soft_cap,
+                      window_left, k_scale, v_scale, out);
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_table, const at::Tensor& seq_lens,
+                           const std::optional<at::Tensor>& cu_seqlens_q, std::optional<double> scale,
+                           double soft_cap, int64_t window_left, c10::string_view kv_format,
+                           const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+  at::Tensor out = at::empty_like(q);
+  paged_attention_out(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left,
+                      kv_format, k_scale, v_scale, out);
+  return out;
+}
+#endif  // ATTNOPS_STANDALONE
+
+}  // namespace
+
+// The instruction set of the inner loops this process runs ("avx512", "avx2" or "default"): for `attnops info`
+// and for the tests, which run each copy (ATEN_CPU_CAPABILITY caps the choice).
+std::string cpu_kernel_isa() {
+  return select_kernels().isa;
+}
+
+TORCH_LIBRARY_FRAGMENT(attnops, m) {
+  m.def("cpu_kernel_isa() -> str", &cpu_kernel_isa);
+  m.def(
+      "cpu_paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
+      "Tensor? cu_seqlens_q, float scale, float soft_cap, int window_left, Tensor? k_scale, Tensor? v_scale, "
+      "Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(attnops, CPU, m) {
+  m.impl("cpu_paged_attention", &cpu_paged_attention);
+#ifdef ATTNOPS_STANDALONE
+  m.impl("paged_attention", &paged_attention);
+  m.impl("paged_attention.out", &paged_attention_out);
+#endif
+}
+
+}  // namespace attnops::cpu

@@ -1,0 +1,341 @@
+"""The CPU backend (C++ kernels of csrc/cpu) against the float64 reference.
+
+- 200 seeded random ragged cases through the public op with the CPU backend serving: decode, verify, prefill and
+  extend; sliding windows, soft cap, GQA/MQA ratios 1 to 16, every page size 1..256, lengths 0 and 1; q in
+  fp32/bf16/fp16; caches fp32/bf16/fp16 and fp8 e4m3/e5m2 with per-tensor or per-head scales (k and v of different
+  kinds too); caches as views of one [pages, 2, ...] tensor or as separate tensors; strided q. Each case's
+  parameters and error are printed (pytest -s shows them; a failure shows its own). FP8 caches are compared with
+  the reference fed the same stored cache, so the test checks the kernel, not the format.
+- Long sequences split over threads (KV splits merged by log-sum-exp), at several thread counts.
+- Every instruction-set copy of the inner loops (avx512, avx2, portable), each in a subprocess with
+  ATEN_CPU_CAPABILITY capping the choice.
+- reshape_and_cache bit-exact against the reference for every format.
+- torch.library.opcheck on the public ops with the CPU backend serving; dispatch picks "cpu" for CPU tensors.
+Outputs are poisoned (NaN) before each run.
+"""
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import attnops
+from attnops import formats
+from attnops.backends import BACKENDS
+from attnops.backends.reference import paged_attention_reference, reshape_and_cache_reference
+from attnops.dispatch import select_backend
+from attnops.checks import check_paged_attention, check_reshape_and_cache
+from attnops.testing import random_paged_inputs, relative_error
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+NUM_RANDOM_CASES = 200
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+pytestmark = pytest.mark.skipif(BACKENDS["cpu"].unavailable() != [], reason="C++ CPU kernels not built")
+
+
+def random_case(rng: random.Random) -> dict:
+    """Parameters of one random case (plain data, so that it prints)."""
+    mode = rng.choice(["decode", "decode", "verify", "prefill", "extend"])
+    batch = rng.randint(1, 4)
+    num_kv_heads = rng.choice([1, 2, 4])
+    group = rng.choice([1, 2, 4, 8, 16] if num_kv_heads == 1 else [1, 2, 4, 8])
+    head_dim = rng.choice([32, 64, 128, 256])
+    page_size = 2 ** rng.randint(0, 8)
+    # keep the float64 reference cheap: prefill/extend are quadratic in the length
+    max_len = rng.choice([16, 64, 160]) if mode in ("prefill", "extend") else rng.choice([16, 100, 600, 1500])
+    kv_lens = [rng.choice([0, 1, rng.randint(1, max_len), rng.randint(1, max_len)]) for _ in range(batch)]
+    if mode == "decode":
+        q_lens = None
+    elif mode == "verify":
+        q_lens = [min(n, rng.randint(1, 8)) for n in kv_lens]
+    elif mode == "prefill":
+        q_lens = list(kv_lens)
+    else:  # extend: new tokens on a cached prefix
+        q_lens = [rng.randint(1, n) if n else 0 for n in kv_lens]
+    q_dtype = rng.choice([torch.float32, torch.bfloat16, torch.float16])
+    kv_format = rng.choice(["fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2",
+                            {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[q_dtype]])
+    return dict(mode=mode, kv_lens=kv_lens, q_lens=q_lens, num_kv_heads=num_kv_heads,
+                num_q_heads=num_kv_heads * group, head_dim=head_dim, page_size=page_size, q_dtype=q_dtype,
+                kv_format=kv_format,
+                k_scale_kind=rng.choice(["per_tensor", "per_head"]), v_scale_kind=rng.choice(["per_tensor", "per_head"]),
+                window_left=rng.choice([-1, -1, rng.randint(0, 8), rng.randint(0, 200)]),
+                soft_cap=rng.choice([0.0, 0.0, rng.uniform(2.0, 30.0)]),
+                scale=rng.choice([None, None, rng.uniform(0.02, 0.3)]),
+                separate_caches=rng.random() < 0.25, strided_q=rng.random() < 0.2, out_variant=rng.random() < 0.5,
+                seed=rng.randrange(1 << 30))
+
+
+def build_inputs(case: dict) -> tuple[dict, dict]:
+    """(tensor arguments, options) of paged_attention for `case`."""
+    args = random_paged_inputs(case["kv_lens"], case["q_lens"], num_q_heads=case["num_q_heads"],
+                               num_kv_heads=case["num_kv_heads"], head_dim=case["head_dim"],
+                               page_size=case["page_size"], kv_format=case["kv_format"], q_dtype=case["q_dtype"],
+                               scale_kind=case["k_scale_kind"], seed=case["seed"])
+    if formats.is_fp8(case["kv_format"]) and case["v_scale_kind"] != case["k_scale_kind"]:
+        # k and v scales of different kinds: the kernel reads each one separately
+        gen = torch.Generator().manual_seed(case["seed"] + 1)
+        n = case["num_kv_heads"] if case["v_scale_kind"] == "per_head" else 1
+        args["v_scale"] = (torch.rand(n, generator=gen) * 0.5 + 0.25).reshape(() if n == 1 else (n,))
+    if case["separate_caches"]:  # two tensors rather than views of one [pages, 2, ...] tensor
+        args["k_cache"], args["v_cache"] = args["k_cache"].contiguous(), args["v_cache"].contiguous()
+    if case["strided_q"]:  # q a slice of a wider tensor: token and head strides are not those of a packed q
+        q = args["q"]
+        wide = torch.randn(q.shape[0], q.shape[1], 2 * q.shape[2]).to(q.dtype)
+        wide[..., : q.shape[2]] = q
+        args["q"] = wide[..., : q.shape[2]]
+    options = dict(window_left=case["window_left"], soft_cap=case["soft_cap"], scale=case["scale"])
+    return args, options
+
+
+def run_cpu(args: dict, options: dict, out_variant: bool) -> torch.Tensor:
+    """The public op with the CPU backend pinned; out= is poisoned (NaN) first."""
+    with attnops.use_backend("cpu"):
+        if out_variant:
+            out = torch.full(args["q"].shape, float("nan"), dtype=args["q"].dtype)
+            attnops.paged_attention(**args, **options, out=out)
+            return out
+        return attnops.paged_attention(**args, **options)
+
+
+def check_case(case: dict) -> float:
+    args, options = build_inputs(case)
+    out = run_cpu(args, options, case["out_variant"])
+    # q in float64 (exact): the reference then computes and returns float64, fed the very same (stored) cache
+    ref = paged_attention_reference(**{**args, "q": args["q"].double()}, **options, compute_dtype=torch.float64)
+    assert out.dtype == args["q"].dtype and out.shape == args["q"].shape
+    assert torch.isfinite(out).all(), "NaN/inf in the output"
+    if ref.numel() == 0 or ref.abs().max() == 0:  # every sequence empty: all rows (if any) exactly 0
+        assert (out == 0).all()
+        return 0.0
+    if case["q_lens"] is None:  # rows of empty sequences are exactly 0, never NaN
+        empty = args["seq_lens"] == 0
+        assert (out[empty] == 0).all()
+    err = relative_error(out, ref)
+    assert err < TOLERANCE[case["q_dtype"]], f"relative error {err:.3g}"
+    return err
+
+
+def describe(case: dict) -> str:
+    return " ".join(f"{k}={str(v).replace('torch.', '')}" for k, v in case.items())
+
+
+def test_random_cases_match_reference():
+    """200 seeded random ragged cases; prints each case and its error."""
+    rng = random.Random(20261202)
+    worst = {}
+    for i in range(NUM_RANDOM_CASES):
+        case = random_case(rng)
+        try:
+            err = check_case(case)
+        except AssertionError as e:
+            raise AssertionError(f"case {i}: {describe(case)}: {e}") from None
+        print(f"case {i:3d} err={err:.2e} {describe(case)}")
+        key = str(case["q_dtype"]).replace("torch.", "")
+        worst[key] = max(worst.get(key, 0.0), err)
+    print("worst relative error by q dtype:", {k: f"{v:.2e}" for k, v in worst.items()})
+
+
+@pytest.mark.parametrize("threads", [1, 2, 8])
+@pytest.mark.parametrize("kv_format", ["fp32", "bf16", "fp8_e4m3"])
+def test_long_sequence_kv_splits(threads, kv_format):
+    """One long sequence on one KV head: with several threads its keys are split into pieces (at 8 threads, 16
+    pieces of 256 keys: paged_attention.cpp splits a tile until there are ~4 items per thread) whose partial
+    results are merged by log-sum-exp; the result must not depend on the thread count. A sliding window and a
+    verify block make the pieces see different rows."""
+    q_dtype = torch.float32 if kv_format != "bf16" else torch.bfloat16
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for q_lens, options in ((None, {}), ([5], dict(window_left=1000, soft_cap=20.0))):
+            args = random_paged_inputs([4096], q_lens, num_q_heads=4, num_kv_heads=1, head_dim=128, page_size=16,
+                                       kv_format=kv_format, q_dtype=q_dtype, seed=threads)
+            out = run_cpu(args, options, out_variant=True)
+            ref = paged_attention_reference(**{**args, "q": args["q"].double()}, **options,
+                                            compute_dtype=torch.float64)
+            err = relative_error(out, ref)
+            print(f"threads={threads} {kv_format} q_lens={q_lens} {options}: err={err:.2e}")
+            assert err < TOLERANCE[q_dtype]
+    finally:
+        torch.set_num_threads(previous)
+
+
+ISA_SCRIPT = textwrap.dedent("""
+    import random, sys
+    import torch
+    sys.path.insert(0, {tests!r})
+    from attnops.backends import BACKENDS
+    import test_cpu_backend as t
+    print("isa", BACKENDS["cpu"].isa())
+    rng = random.Random({seed})
+    for i in range(12):
+        case = t.random_case(rng)
+        print(f"case {{i}} err={{t.check_case(case):.2e}} {{t.describe(case)}}")
+""")
+
+
+@pytest.mark.parametrize("capability,isa", [("default", "default"), ("avx2", "avx2"), ("avx512", "avx512")])
+def test_every_instruction_set(capability, isa):
+    """Each compiled copy of the inner loops (the process picks one at first use, so each runs in a subprocess)."""
+    expected = {"default": True, "avx2": torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"),
+                "avx512": torch.backends.cpu.get_cpu_capability() == "AVX512"}
+    if not expected[isa]:
+        pytest.skip(f"this CPU has no {isa}")
+    script = ISA_SCRIPT.format(tests=os.path.join(ROOT, "tests"), seed=len(isa))
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    print(result.stdout)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines()[0] == f"isa {isa}"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# reshape_and_cache
+
+
+@pytest.mark.parametrize("kv_format", ["fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("page_size,scale_kind", [(1, "per_tensor"), (16, "per_head"), (256, "per_tensor")])
+def test_reshape_and_cache_bit_exact(kv_format, src_dtype, page_size, scale_kind):
+    """Every token lands in its slot, converted exactly as the reference converts it (fp8: divided by the scale
+    and saturated, values far out of range included); slot -1 is skipped; nothing else is touched."""
+    gen = torch.Generator().manual_seed(page_size + len(kv_format))
+    heads, dim, tokens = 2, 64, 40
+    num_pages = tokens // page_size + 3
+    storage = {**{v: k for k, v in formats.PLAIN_FORMATS.items()}, **formats.FP8_DTYPES}[kv_format]
+    kv = torch.randn(num_pages, 2, page_size, heads, dim, generator=gen).to(storage)  # old contents, kept
+    key = (torch.randn(tokens, heads, dim, generator=gen) * 4).to(src_dtype)
+    value = (torch.randn(tokens, heads, dim, generator=gen) * 4).to(src_dtype)
+    key[0, 0, :4] = torch.tensor([1e4, -1e4, 500.0, -0.0])  # saturation in fp8
+    slots = torch.randperm(num_pages * page_size, generator=gen)[:tokens]
+    slots[torch.rand(tokens, generator=gen) < 0.2] = -1  # padding
+    scales = {}
+    if formats.is_fp8(kv_format):
+        n = heads if scale_kind == "per_head" else 1
+        scales = dict(k_scale=(torch.rand(n, generator=gen) + 0.1).reshape(() if n == 1 else (n,)),
+                      v_scale=(torch.rand(n, generator=gen) + 0.1).reshape(() if n == 1 else (n,)))
+    expected = kv.clone()
+    reshape_and_cache_reference(key, value, expected[:, 0], expected[:, 1], slots, **scales)
+    with attnops.use_backend("cpu"):
+        attnops.reshape_and_cache(key, value, kv[:, 0], kv[:, 1], slots, **scales)
+    if formats.is_fp8(kv_format):
+        assert torch.equal(kv.view(torch.uint8), expected.view(torch.uint8))
+    else:
+        assert torch.equal(kv, expected)
+
+
+def test_write_then_attend_through_paged_kv_cache():
+    """The two ops together as a serving loop uses them: prefill, then decode steps, via PagedKVCache."""
+    cache = attnops.PagedKVCache(1, 64, 16, 2, 64, kv_format="bf16", shuffle_pages=True)
+    gen = torch.Generator().manual_seed(3)
+    keys, values, queries = {}, {}, {}
+    seqs = ["a", "b", "c"]
+    for s in seqs:
+        cache.allocate(s)
+    for step, new in enumerate([[30, 1, 17], [1, 1, 1], [1, 1, 1]]):
+        meta = cache.prepare(seqs, new)
+        k = torch.randn(meta.num_tokens, 2, 64, generator=gen)
+        v = torch.randn(meta.num_tokens, 2, 64, generator=gen)
+        q = torch.randn(meta.num_tokens, 8, 64, generator=gen).bfloat16()
+        with attnops.use_backend("cpu"):
+            attnops.reshape_and_cache(k, v, slot_mapping=meta.slot_mapping, **cache.write_args(0))
+            out = attnops.paged_attention(q, block_table=meta.block_table, seq_lens=meta.seq_lens,
+                                          cu_seqlens_q=meta.cu_seqlens_q, **cache.attention_args(0))
+        ref = paged_attention_reference(q.double(), block_table=meta.block_table, seq_lens=meta.seq_lens,
+                                        cu_seqlens_q=meta.cu_seqlens_q, **cache.attention_args(0))
+        assert relative_error(out, ref) < 1e-2, step
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# opcheck and dispatch
+
+OPCHECK_SAMPLES = {
+    "decode-fp32-gqa4-page1": (dict(kv_lens=[5, 17, 0], page_size=1, num_q_heads=8, num_kv_heads=2), {}),
+    "verify-bf16-window-softcap": (dict(kv_lens=[50, 64], q_lens=[4, 4], kv_format="bf16", q_dtype=torch.bfloat16),
+                                   dict(window_left=7, soft_cap=5.0, scale=0.2)),
+    "prefill-fp16-page256": (dict(kv_lens=[20, 35], q_lens=[20, 35], kv_format="fp16", q_dtype=torch.float16,
+                                  page_size=256), {}),
+    "extend-fp8-per-head-mqa": (dict(kv_lens=[90, 40], q_lens=[10, 40], kv_format="fp8_e4m3", scale_kind="per_head",
+                                     num_q_heads=4, num_kv_heads=1), dict(window_left=30)),
+    "decode-fp8-e5m2-long": (dict(kv_lens=[1500], kv_format="fp8_e5m2", num_q_heads=4, num_kv_heads=1), {}),
+}
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@pytest.fixture
+def fp8_comparable(monkeypatch):
+    """opcheck's test_schema compares with torch.allclose, which has no fp8 kernel on the CPU: compare fp8
+    tensors bit for bit instead (stricter; the check still runs)."""
+    allclose = torch.allclose
+
+    def allclose_with_fp8(lhs, rhs, *args, **kwargs):
+        if lhs.dtype in FP8 and rhs.dtype in FP8:
+            return torch.equal(lhs.view(torch.uint8), rhs.view(torch.uint8))
+        return allclose(lhs, rhs, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "allclose", allclose_with_fp8)
+
+
+@pytest.mark.parametrize("sample", OPCHECK_SAMPLES)
+def test_opcheck_paged_attention_cpu(sample, fp8_comparable):
+    spec, options = OPCHECK_SAMPLES[sample]
+    args = random_paged_inputs(**spec, seed=len(sample))
+    q, k, v, table, lens, cu = (args.pop(n) for n in ("q", "k_cache", "v_cache", "block_table", "seq_lens",
+                                                      "cu_seqlens_q"))
+    kwargs = {**args, **options}
+    with attnops.use_backend("cpu"):
+        torch.library.opcheck(torch.ops.attnops.paged_attention.default, (q, k, v, table, lens, cu), kwargs)
+        out = torch.full_like(q, float("nan"))
+        torch.library.opcheck(torch.ops.attnops.paged_attention.out, (q, k, v, table, lens, cu),
+                              {**kwargs, "out": out})
+
+
+@pytest.mark.parametrize("kv_format,scale_kind", [("bf16", None), ("fp8_e4m3", "per_head")])
+def test_opcheck_reshape_and_cache_cpu(kv_format, scale_kind, fp8_comparable):
+    cache = attnops.PagedKVCache(1, 8, 16, 2, 64, kv_format=kv_format, shuffle_pages=True,
+                                 k_scale=torch.tensor([0.5, 0.25]) if scale_kind else None)
+    cache.allocate(0)
+    meta = cache.prepare([0], 20)
+    key, value = torch.randn(20, 2, 64), torch.randn(20, 2, 64)
+    write = cache.write_args(0)
+    k_cache, v_cache = write.pop("k_cache").clone(), write.pop("v_cache").clone()  # two separate tensors
+    with attnops.use_backend("cpu"):
+        torch.library.opcheck(torch.ops.attnops.reshape_and_cache.default,
+                              (key, value, k_cache, v_cache, meta.slot_mapping), write)
+
+
+def test_dispatch_picks_cpu_for_cpu_tensors():
+    args = random_paged_inputs([10, 0, 3], kv_format="bf16", q_dtype=torch.bfloat16)
+    case = check_paged_attention(args["q"], args["k_cache"], args["v_cache"], args["block_table"],
+                                 args["seq_lens"], None, None, 0.0, -1, "auto", None, None)
+    assert select_backend(case).name == "cpu"
+    assert attnops.explain(**args).chosen == "cpu"
+    write_case = check_reshape_and_cache(torch.randn(2, 2, 64), torch.randn(2, 2, 64), args["k_cache"],
+                                         args["v_cache"], torch.tensor([0, 1]), "auto", None, None, None, None)
+    assert select_backend(write_case).name == "cpu"
+    # 4-bit caches stay on the reference backend, and explain says why the CPU backend passed
+    explanation = attnops.explain(device="cpu", q_dtype=torch.float32, kv_format="nvfp4")
+    assert explanation.chosen == "reference"
+    assert any("4-bit" in reason for reason in explanation.rejected["cpu"])
+
+
+def test_cpp_checks_keep_reads_in_bounds():
+    """The C++ op checks the indices it reads from host memory, whoever calls it (here directly, bypassing the
+    Python validation): a page index past the cache or a length past the table is an error, not a stray read."""
+    args = random_paged_inputs([40, 7], page_size=16)
+    out = torch.empty_like(args["q"])
+    call = lambda table, lens: torch.ops.attnops.cpu_paged_attention(  # noqa: E731
+        args["q"], args["k_cache"], args["v_cache"], table, lens, None, 0.125, 0.0, -1, None, None, out)
+    bad_table = args["block_table"].clone()
+    bad_table[0, 1] = args["k_cache"].shape[0]
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        call(bad_table, args["seq_lens"])
+    with pytest.raises(RuntimeError, match="exceeds block_table"):
+        call(args["block_table"], torch.tensor([40, 10_000], dtype=torch.int32))
+    call(args["block_table"], args["seq_lens"])  # and the good input runs
