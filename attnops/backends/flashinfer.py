@@ -1,0 +1,204 @@
+"""FlashInfer's CUDA kernels behind attnops' ops: paged decode (tensor-core and CUDA-core variants) and paged
+prefill (fa2, and fa3 on sm_90) for extend / verify, bf16/fp16 KV and fp8 KV with a per-tensor scale.
+
+FlashInfer splits each call into plan() (host work: it reads the page layout on the host) and run(). attnops
+plans once per step, not once per layer: a plan is keyed on the step's metadata tensors themselves (identity
+and in-place version of seq_lens, block_table and cu_seqlens_q, which every layer of a step shares) and on
+the case, and it is never reused for other tensors or after they were written to. Planning syncs the host
+once per step; that is FlashInfer's design. For CUDA graphs, attnops.graphs plans outside the capture into
+fixed buffers (`plan_for_graph`) and the op then only runs.
+
+fp8 scales stay tensors (no host read): k_scale is folded into q (q * k_scale, a [T, Hq, D] multiply) and
+v_scale into the output, so a compiled graph neither syncs nor recompiles when scales change.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import weakref
+
+import torch
+
+from .. import formats
+from .base import Backend, CacheWriteCase, common_reasons
+
+log = logging.getLogger("attnops.flashinfer")
+
+HEAD_DIMS = (64, 128, 256)
+KV_FORMATS = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2")
+Q_DTYPES = (torch.bfloat16, torch.float16)
+# One float workspace per device, for split-KV partial outputs and the plan's scheduling data. FlashInfer
+# recommends 128 MB; 256 MB covers the largest case measured (64 x 64K decode, 256 x 8K) with room.
+WORKSPACE_BYTES = 256 * 1024 * 1024
+# Query tokens per sequence (on average, from shapes: T / B) up to which an extend call is a verify block and
+# goes to fa2, which the H200 measurements put at 3.7x fa3 for 4-8 token blocks; longer ones are prefills.
+VERIFY_MAX_Q = 16
+
+
+@functools.lru_cache(maxsize=1)
+def _import_error() -> str | None:
+    try:
+        import flashinfer  # noqa: F401
+    except Exception as e:  # not installed (an extra), or broken
+        return f"flashinfer cannot be imported ({type(e).__name__}: {str(e)[:120]}); pip install 'attnops[flashinfer]'"
+    return None
+
+
+def page_metadata(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int):
+    """FlashInfer's CSR page layout (indptr, indices, last_page_len), computed on the device from a block table.
+    Sequences of length 0 have no pages and last_page_len 0."""
+    pages = (seq_lens + page_size - 1) // page_size
+    indptr = torch.zeros(seq_lens.shape[0] + 1, dtype=torch.int32, device=seq_lens.device)
+    torch.cumsum(pages, 0, out=indptr[1:])
+    used = torch.arange(block_table.shape[1], device=seq_lens.device)[None, :] < pages[:, None]
+    indices = block_table[used].to(torch.int32)  # sizes itself from the data: one host sync, at plan time
+    last_page_len = torch.where(seq_lens > 0, seq_lens - (pages - 1) * page_size, 0).to(torch.int32)
+    return indptr, indices, last_page_len
+
+
+def wrapper_kind(decode: bool, batch: int, num_tokens: int, arch) -> str:
+    """Which FlashInfer entry point serves a call: decided from shapes only."""
+    if decode:
+        return "decode"
+    if num_tokens <= VERIFY_MAX_Q * max(batch, 1) or arch[0] != 9:
+        return "prefill-fa2"
+    return "prefill-fa3"
+
+
+class _Plans:
+    """The wrappers of one device and the step each one was last planned for."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.wrappers: dict = {}  # (kind, plan signature), or ("graph", graph id, ...) -> wrapper
+        self.planned_for: dict = {}  # same key -> step key the wrapper's current plan belongs to
+        self.built: set = set()  # configurations already JIT-built (or loaded) in this process
+
+    def make_wrapper(self, kind: str):
+        import flashinfer
+
+        if kind == "decode":
+            return flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True)
+        return flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=kind.split("-")[1])
+
+
+@functools.lru_cache(maxsize=None)
+def _plans(device: torch.device) -> _Plans:
+    return _Plans(device)
+
+
+def _step_key(block_table, seq_lens, cu_seqlens_q):
+    """Identity of a step's metadata: the tensor objects (weakly: a freed tensor cannot match a new one that
+    reuses its address) and their in-place version counters (a tensor rewritten in place is a new step)."""
+    return tuple((weakref.ref(t), t._version) if t is not None else None for t in (block_table, seq_lens, cu_seqlens_q))
+
+
+def _same_step(key, block_table, seq_lens, cu_seqlens_q) -> bool:
+    if key is None:
+        return False
+    for entry, t in zip(key, (block_table, seq_lens, cu_seqlens_q)):
+        if entry is None or t is None:
+            if entry is not t:
+                return False
+        elif entry[0]() is not t or entry[1] != t._version:
+            return False
+    return True
+
+
+class FlashInferBackend(Backend):
+    name = "flashinfer"
+    description = ("FlashInfer's CUDA kernels: tensor-core paged decode, fa2/fa3 paged prefill for verify and "
+                   "extend; bf16/fp16 and fp8 (per-tensor scale) KV; planned once per step")
+
+    def unavailable(self) -> list[str]:
+        error = _import_error()
+        reasons = [error] if error else []
+        if not torch.cuda.is_available():
+            reasons.append("no CUDA GPU")
+        return reasons
+
+    def supports(self, case) -> list[str]:
+        if isinstance(case, CacheWriteCase):
+            return ["writes the cache through attnops' own kernels (FlashInfer has no fp8-scaled/4-bit cache write)"]
+        reasons = common_reasons(case, devices=("cuda",), q_dtypes=Q_DTYPES, kv_formats=KV_FORMATS,
+                                 head_dims=HEAD_DIMS, archs=lambda arch: arch >= (8, 0))
+        if case.scale_kind == "per_head":
+            reasons.append("per-head fp8 scales: FlashInfer takes one scale per tensor")
+        if formats.is_fp4(case.kv_format):
+            reasons.append(f"{case.kv_format}: FlashInfer has no paged 4-bit KV on sm_90 and older")
+        if formats.is_fp8(case.kv_format) and case.q_dtype == torch.float16 and case.kv_format == "fp8_e5m2":
+            reasons.append("fp8_e5m2 KV with fp16 q is not among FlashInfer's prebuilt type pairs")
+        return reasons
+
+    # ---------------------------------------------------------------------------------------------------------
+    def _plan(self, q, k_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left):
+        """The wrapper planned for this step's metadata: planned now if this step has not been seen yet."""
+        from ..graphs import current_capture
+
+        plans = _plans(q.device)
+        num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
+        kind = wrapper_kind(cu_seqlens_q is None, seq_lens.shape[0], q.shape[0],
+                            torch.cuda.get_device_capability(q.device))
+        signature = (q.dtype, k_cache.dtype, q.shape[1], num_kv_heads, head_dim, page_size, scale, soft_cap,
+                     window_left)
+        graph = current_capture()
+        if graph is not None:
+            if kind != "decode":
+                raise RuntimeError("attnops.graphs captures decode steps only (FlashInfer backend)")
+            key = ("graph", id(graph), kind, signature)
+            if key not in plans.wrappers:  # fixed buffers sized for the captured batch, as CUDA graphs need
+                import flashinfer
+                batch = seq_lens.shape[0]
+                plans.wrappers[key] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    plans.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
+                    paged_kv_indptr_buffer=torch.empty(batch + 1, dtype=torch.int32, device=q.device),
+                    paged_kv_indices_buffer=torch.empty(block_table.numel(), dtype=torch.int32, device=q.device),
+                    paged_kv_last_page_len_buffer=torch.empty(batch, dtype=torch.int32, device=q.device))
+        else:
+            key = (kind, signature)
+            if key not in plans.wrappers:
+                plans.wrappers[key] = plans.make_wrapper(kind)
+        wrapper = plans.wrappers[key]
+        if _same_step(plans.planned_for.get(key), block_table, seq_lens, cu_seqlens_q):
+            return wrapper
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("attnops.paged_attention (flashinfer): no plan for this step inside a CUDA graph "
+                               "capture; capture through attnops.graphs, which plans before capture and replay")
+        build_key = (kind, q.dtype, k_cache.dtype, head_dim, soft_cap > 0, window_left >= 0)
+        if build_key not in plans.built:
+            log.warning("attnops: first use of FlashInfer %s for %s; FlashInfer may JIT-build it now (15-100 s, "
+                        "once per machine; `python -m attnops warmup` does it ahead)", kind, build_key[1:])
+            plans.built.add(build_key)
+
+        def plan():
+            indptr, indices, last_page_len = page_metadata(block_table, seq_lens, page_size)
+            common = dict(q_data_type=q.dtype, kv_data_type=k_cache.dtype, sm_scale=scale,
+                          logits_soft_cap=soft_cap if soft_cap > 0 else None, window_left=window_left)
+            if kind == "decode":
+                wrapper.plan(indptr, indices, last_page_len, q.shape[1], num_kv_heads, head_dim, page_size,
+                             **common)
+            else:
+                wrapper.plan(cu_seqlens_q, indptr, indices, last_page_len, q.shape[1], num_kv_heads, head_dim,
+                             page_size, causal=True, **common)
+            plans.planned_for[key] = _step_key(block_table, seq_lens, cu_seqlens_q)
+
+        plan()
+        if graph is not None:  # the runner re-plans from its static metadata before every replay
+            graph.replanners.append(plan)
+        return wrapper
+
+    def paged_attention(self, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, soft_cap,
+                        window_left, kv_format, k_scale, v_scale, out) -> None:
+        wrapper = self._plan(q, k_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left)
+        fp8 = formats.is_fp8(kv_format)
+        if fp8:
+            q = q * k_scale.to(q.dtype)  # scores scale with k: fold k_scale into q, on the device
+        wrapper.run(q, (k_cache, v_cache), out=out)
+        if fp8:
+            out.mul_(v_scale.to(out.dtype))
+        if cu_seqlens_q is None:  # FlashInfer leaves an empty sequence's row undefined; the contract says 0
+            out.masked_fill_((seq_lens == 0)[:, None, None], 0)
+
+    def reshape_and_cache(self, *args, **kwargs) -> None:
+        raise NotImplementedError("FlashInfer backend: cache writes go through attnops' own kernels")

@@ -1,0 +1,74 @@
+"""Eager per-call cost of the op against the kernel alone, on decode 1 x 512 (32/8/128, bf16), where launch cost
+dominates: `torch.ops.attnops.paged_attention` minus FlashInfer's own planned `run()`, and minus the Triton
+backend's bare launch. Host-timed over many back-to-back calls (the GPU work is tiny, so the host is the limit).
+
+    python benchmarks/overhead.py [--json PATH]
+"""
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import attnops  # noqa: E402
+from attnops.backends import BACKENDS  # noqa: E402
+from attnops.testing import random_paged_inputs  # noqa: E402
+
+
+def per_call_us(fn, calls=3000, rounds=5):
+    for _ in range(200):
+        fn()
+    torch.cuda.synchronize()
+    best = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        best.append((time.perf_counter() - start) / calls * 1e6)
+    return sorted(best)[len(best) // 2]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    inputs = random_paged_inputs([512], num_q_heads=32, num_kv_heads=8, head_dim=128, kv_format="bf16",
+                                 q_dtype=torch.bfloat16, device="cuda")
+    out = torch.empty_like(inputs["q"])
+    results = {}
+    kernel_args = (inputs["q"], inputs["k_cache"], inputs["v_cache"], inputs["block_table"], inputs["seq_lens"],
+                   None)
+    kernel_kwargs = dict(scale=128 ** -0.5, soft_cap=0.0, window_left=-1, kv_format="bf16", k_scale=None,
+                         v_scale=None, out=out)
+    for name in ("flashinfer", "triton"):
+        if BACKENDS[name].unavailable():
+            continue
+        with attnops.use_backend(name):
+            op_us = per_call_us(lambda: torch.ops.attnops.paged_attention(**inputs))
+            op_out_us = per_call_us(lambda: torch.ops.attnops.paged_attention.out(**inputs, out=out))
+        backend = BACKENDS[name]
+        if name == "flashinfer":
+            wrapper = backend._plan(inputs["q"], inputs["k_cache"], inputs["block_table"], inputs["seq_lens"], None,
+                                    128 ** -0.5, 0.0, -1)
+            kv = (inputs["k_cache"], inputs["v_cache"])
+            bare_us = per_call_us(lambda: wrapper.run(inputs["q"], kv, out=out))
+            backend_us = per_call_us(lambda: backend.paged_attention(*kernel_args, **kernel_kwargs))
+        else:
+            bare_us = backend_us = per_call_us(lambda: backend.paged_attention(*kernel_args, **kernel_kwargs))
+        results[name] = dict(op_us=op_us, op_out_us=op_out_us, backend_call_us=backend_us, kernel_run_us=bare_us,
+                             overhead_us=op_us - bare_us, overhead_out_us=op_out_us - bare_us)
+    for name, r in results.items():
+        print(f"{name:<11} op {r['op_us']:6.1f} us  op.out {r['op_out_us']:6.1f} us  backend call "
+              f"{r['backend_call_us']:6.1f} us  kernel run() {r['kernel_run_us']:6.1f} us  -> overhead "
+              f"{r['overhead_us']:5.1f} us (out= {r['overhead_out_us']:5.1f} us)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                                                   results=results), indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""The FlashInfer backend against the float64 reference (GPU only: run on the lent H200), its declines, and the
+plan-once-per-step rule."""
+import pytest
+import torch
+
+import attnops
+from attnops.backends import BACKENDS
+from attnops.backends.reference import paged_attention_reference
+from attnops.testing import random_paged_inputs, relative_error
+
+gpu = pytest.mark.gpu
+
+
+def test_declines_what_it_cannot_serve_with_reasons():
+    backend = BACKENDS["flashinfer"]
+    for kv_format, scale_kind, expected in (("nvfp4", None, "4-bit"), ("mxfp4", None, "4-bit"),
+                                            ("fp8_e4m3", "per_head", "per-head")):
+        case = attnops.dispatch.describe_attention(device="cpu", q_dtype=torch.bfloat16, kv_format=kv_format,
+                                                   **({"scale_kind": scale_kind} if scale_kind else {}))
+        reasons = " ".join(backend.supports(case))
+        assert expected in reasons and "cuda" in reasons
+    if not torch.cuda.is_available():
+        assert "no CUDA GPU" in " ".join(backend.unavailable())
+
+
+MODES = {"decode": None, "verify": [4, 1, 8, 3], "extend": [9, 1, 0, 30]}
+
+
+@gpu
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("heads", [(32, 8), (8, 8)])
+@pytest.mark.parametrize("kv_format", ["bf16", "fp16", "fp8_e4m3"])
+@pytest.mark.parametrize("mode", MODES)
+def test_matches_reference(mode, kv_format, heads, page_size):
+    if BACKENDS["flashinfer"].unavailable():
+        pytest.skip("; ".join(BACKENDS["flashinfer"].unavailable()))
+    q_dtype = torch.float16 if kv_format == "fp16" else torch.bfloat16
+    args = random_paged_inputs([300, 1, 45, 1000] if mode != "decode" else [300, 0, 45, 1000, 1, 17],
+                               MODES[mode], num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=128,
+                               page_size=page_size, kv_format=kv_format, q_dtype=q_dtype, device="cuda",
+                               seed=page_size + heads[0])
+    ref = paged_attention_reference(**args, compute_dtype=torch.float64)
+    out = torch.full_like(args["q"], float("nan"))
+    with attnops.use_backend("flashinfer"):
+        attnops.paged_attention(**args, out=out)
+    assert not out.isnan().any()
+    assert relative_error(out, ref) < 2e-2
+    if mode == "decode":  # the empty sequence's row is 0, not garbage
+        assert out[1].abs().max() == 0
+
+
+@gpu
+def test_prefill_long_goes_to_fa3_and_matches():
+    if BACKENDS["flashinfer"].unavailable():
+        pytest.skip("; ".join(BACKENDS["flashinfer"].unavailable()))
+    args = random_paged_inputs([2048, 700], [2048, 600], num_q_heads=32, num_kv_heads=8, head_dim=128,
+                               kv_format="bf16", q_dtype=torch.bfloat16, device="cuda", seed=3)
+    with attnops.use_backend("flashinfer"):
+        out = attnops.paged_attention(**args)
+    assert relative_error(out, paged_attention_reference(**args, compute_dtype=torch.float64)) < 2e-2
+
+
+@gpu
+def test_plans_once_per_step_and_replans_for_a_new_step(monkeypatch):
+    if BACKENDS["flashinfer"].unavailable():
+        pytest.skip("; ".join(BACKENDS["flashinfer"].unavailable()))
+    from attnops.backends import flashinfer as fi_backend
+    calls = []
+    real = fi_backend.page_metadata
+    monkeypatch.setattr(fi_backend, "page_metadata", lambda *a: calls.append(1) or real(*a))
+    args = random_paged_inputs([100, 37], num_q_heads=32, num_kv_heads=8, head_dim=128, kv_format="bf16",
+                               q_dtype=torch.bfloat16, device="cuda")
+    with attnops.use_backend("flashinfer"):
+        first = [attnops.paged_attention(**args) for _ in range(4)]  # four layers of one step: one plan
+        assert len(calls) == 1
+        args["seq_lens"][0] = 50  # written in place: a new step, planned again, and the answer changes
+        second = attnops.paged_attention(**args)
+    assert len(calls) == 2
+    assert relative_error(second, paged_attention_reference(**args, compute_dtype=torch.float64)) < 2e-2
+    assert not torch.equal(first[0][0], second[0])
