@@ -1,0 +1,219 @@
+"""Generation over a PagedKVCache: batched prefill, fixed-shape decode steps, continuous batching, sampling.
+
+    gen = Generator(model, cache, max_batch=8, max_seq_len=512, compile=True)
+    gen.add_request("a", prompt_ids, max_new_tokens=64)             # joins at the next step
+    while gen.has_work():
+        new_tokens = gen.step()                                      # {req_id: [token, ...]} of this step
+
+A step first prefills the requests admitted from the queue (one extend-form call over all of them: cu_seqlens_q
+marks each prompt's rows), which gives each its first token, then runs one decode step over every running request.
+A request finishes at max_new_tokens or its eos token and its pages go back to the cache before the next step.
+
+The decode step (DecodeStep) runs at fixed shapes: the batch is padded up to a bucket size (1, 2, 4, 8, ...) with
+padding rows (slot_mapping -1: the cache write skips them; seq_lens 0: attention gives them 0) and the block table
+has a fixed width (the pages of max_seq_len), so the lengths and pages changing from step to step never change a
+shape, and torch.compile(fullgraph=True, dynamic=False) compiles it once per bucket. The same fixed shapes are what
+a CUDA graph needs: DecodeStep.buffers[bucket] are the static input tensors, refilled in place before each step, and
+DecodeStep.launch(bucket) is the call a graph helper replaces with the replay of bucket's graph.
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .kv_cache import BatchMetadata, PagedKVCache
+
+
+def default_buckets(max_batch: int) -> tuple[int, ...]:
+    """Powers of two below max_batch, and max_batch: padding wastes at most half a step."""
+    sizes, n = [], 1
+    while n < max_batch:
+        sizes.append(n)
+        n *= 2
+    return tuple(sizes + [max_batch])
+
+
+class DecodeStep:
+    """One decode step (one new token per sequence) at fixed shapes per batch-size bucket.
+
+    `step_fn(token_ids, positions, block_table, seq_lens, slot_mapping) -> logits [N, vocab]` depends only on its
+    tensor arguments, the model's parameters and the cache tensors (written in place), which is what both
+    torch.compile and CUDA-graph capture need. compile=True wraps it in torch.compile(fullgraph=True,
+    dynamic=False): one graph per bucket, never a recompilation for new lengths or pages.
+    """
+
+    def __init__(self, model: torch.nn.Module, cache: PagedKVCache, *, max_batch: int, max_pages: int,
+                 buckets: tuple[int, ...] | None = None, compile: bool = False):
+        self.model, self.cache, self.max_pages = model, cache, max_pages
+        self.buckets = tuple(sorted(buckets or default_buckets(max_batch)))
+        if self.buckets[-1] < max_batch:
+            raise ValueError(f"DecodeStep: the largest bucket ({self.buckets[-1]}) is below max_batch ({max_batch})")
+        device = cache.device
+        # Static inputs per bucket, at their padding values; __call__ overwrites the live rows in place each step.
+        self.buffers = {n: dict(token_ids=torch.zeros(n, dtype=torch.int64, device=device),
+                                positions=torch.zeros(n, dtype=torch.int64, device=device),
+                                block_table=torch.full((n, max_pages), -1, dtype=torch.int32, device=device),
+                                seq_lens=torch.zeros(n, dtype=torch.int32, device=device),
+                                slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=device))
+                        for n in self.buckets}
+        # dynamic=False: each bucket is its own static-shape graph (what a CUDA graph per bucket needs), instead of
+        # dynamo turning the batch dimension symbolic when it sees a second bucket.
+        self.step_fn = torch.compile(self._step, fullgraph=True, dynamic=False) if compile else self._step
+        # The hook for CUDA graphs (attnops/graphs.py): replace with a callable that replays bucket n's graph,
+        # captured over self.step_fn(**self.buffers[n]), and returns its static logits.
+        self.launch: Callable[[int], torch.Tensor] = lambda n: self.step_fn(**self.buffers[n])
+
+    def _step(self, token_ids, positions, block_table, seq_lens, slot_mapping):
+        meta = BatchMetadata(seq_ids=[], block_table=block_table, seq_lens=seq_lens, slot_mapping=slot_mapping,
+                             cu_seqlens_q=None)
+        return self.model(token_ids, positions, self.cache, meta)
+
+    def bucket_for(self, batch: int) -> int:
+        for n in self.buckets:
+            if n >= batch:
+                return n
+        raise ValueError(f"DecodeStep: batch {batch} exceeds the largest bucket {self.buckets[-1]}")
+
+    @torch.no_grad()
+    def __call__(self, seq_ids: list, token_ids: torch.Tensor) -> torch.Tensor:
+        """Writes each sequence's token `token_ids[b]` at its next position and returns the logits [B, vocab]
+        (a view of the bucket's output, valid until the next call)."""
+        batch = len(seq_ids)
+        n = self.bucket_for(batch)
+        positions = torch.tensor([self.cache.seq_len(s) for s in seq_ids], dtype=torch.int64)
+        meta = self.cache.prepare(seq_ids, 1, decode=True, max_pages=self.max_pages)
+        buf = self.buffers[n]
+        for name, live, pad in (("token_ids", token_ids, 0), ("positions", positions, 0),
+                                ("block_table", meta.block_table, -1), ("seq_lens", meta.seq_lens, 0),
+                                ("slot_mapping", meta.slot_mapping, -1)):
+            buf[name][:batch].copy_(live, non_blocking=True)
+            buf[name][batch:].fill_(pad)  # rows a previous, larger batch left behind become padding again
+        return self.launch(n)[:batch]
+
+
+@dataclass
+class Request:
+    req_id: object
+    prompt: list[int]
+    max_new_tokens: int
+    temperature: float = 0.0  # 0: greedy
+    eos_token_id: int | None = None
+    output: list[int] = field(default_factory=list)
+    finished: bool = False
+
+
+def sample(logits: torch.Tensor, temperatures: list[float], generator: torch.Generator | None) -> torch.Tensor:
+    """Greedy (argmax) for rows of temperature 0, else a draw from softmax(logits / temperature)."""
+    greedy = logits.argmax(-1)
+    if not any(t > 0 for t in temperatures):
+        return greedy
+    temps = torch.tensor(temperatures, dtype=torch.float32, device=logits.device)
+    probs = torch.softmax(logits.float() / temps.clamp(min=1e-5)[:, None], dim=-1)
+    drawn = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    return torch.where(temps > 0, drawn, greedy)
+
+
+class Generator:
+    """Continuous batching over `cache` with `model` (attnops.model.LlamaForCausalLM or the same interface).
+
+    max_batch: most requests decoded together; max_seq_len: longest prompt + max_new_tokens accepted (it fixes
+    the block table's width); seed: the sampling generator's seed (temperature > 0 only)."""
+
+    def __init__(self, model, cache: PagedKVCache, *, max_batch: int = 8, max_seq_len: int = 2048,
+                 buckets: tuple[int, ...] | None = None, compile: bool = False, seed: int = 0):
+        self.model, self.cache = model, cache
+        self.max_batch, self.max_seq_len = max_batch, max_seq_len
+        max_pages = -(-max_seq_len // cache.page_size)
+        self.decode = DecodeStep(model, cache, max_batch=max_batch, max_pages=max_pages, buckets=buckets,
+                                 compile=compile)
+        self.generator = torch.Generator(cache.device).manual_seed(seed)
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: dict[object, Request] = {}  # in admission order: the decode batch's row order
+        self.finished: dict[object, Request] = {}
+        self._reserved_pages = 0  # pages the running requests may still claim, so admission never overcommits
+
+    def add_request(self, req_id, prompt: list[int], max_new_tokens: int, *, temperature: float = 0.0,
+                    eos_token_id: int | None = None) -> Request:
+        if not prompt or max_new_tokens < 1:
+            raise ValueError("Generator.add_request: needs a non-empty prompt and max_new_tokens >= 1")
+        if len(prompt) + max_new_tokens > self.max_seq_len:
+            raise ValueError(f"Generator.add_request: prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) "
+                             f"exceeds max_seq_len {self.max_seq_len}")
+        if any(r.req_id == req_id for r in self.waiting) or req_id in self.running or req_id in self.finished:
+            raise ValueError(f"Generator.add_request: request {req_id!r} already exists")
+        req = Request(req_id, list(prompt), max_new_tokens, temperature, eos_token_id)
+        self.waiting.append(req)
+        return req
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _pages(self, req: Request) -> int:
+        return -(-(len(req.prompt) + req.max_new_tokens) // self.cache.page_size)
+
+    def _admit(self) -> list[Request]:
+        """First come, first served, while there is a batch row and the request's whole page budget is free."""
+        admitted = []
+        while (self.waiting and len(self.running) + len(admitted) < self.max_batch
+               and self._reserved_pages + self._pages(self.waiting[0]) <= self.cache.num_pages):
+            req = self.waiting.popleft()
+            self._reserved_pages += self._pages(req)
+            admitted.append(req)
+        if self.waiting and not self.running and not admitted:
+            raise RuntimeError(f"Generator: request {self.waiting[0].req_id!r} needs {self._pages(self.waiting[0])} "
+                               f"pages; the cache has {self.cache.num_pages}")
+        return admitted
+
+    def _emit(self, reqs: list[Request], logits: torch.Tensor, new: dict) -> None:
+        tokens = sample(logits, [r.temperature for r in reqs], self.generator).tolist()
+        for req, token in zip(reqs, tokens):
+            req.output.append(token)
+            new.setdefault(req.req_id, []).append(token)
+            if len(req.output) >= req.max_new_tokens or token == req.eos_token_id:
+                req.finished = True
+
+    def _retire(self) -> None:
+        for req_id in [r for r, req in self.running.items() if req.finished]:
+            req = self.running.pop(req_id)
+            self.cache.free(req_id)
+            self._reserved_pages -= self._pages(req)
+            self.finished[req_id] = req
+
+    @torch.no_grad()
+    def prefill(self, reqs: list[Request]) -> torch.Tensor:
+        """One extend-form forward over all of `reqs`' prompts; returns each prompt's last-position logits."""
+        ids = [r.req_id for r in reqs]
+        for r in reqs:
+            self.cache.allocate(r.req_id)
+            self.running[r.req_id] = r
+        lens = [len(r.prompt) for r in reqs]
+        meta = self.cache.prepare(ids, lens, decode=False)
+        device = self.cache.device
+        tokens = torch.tensor([t for r in reqs for t in r.prompt], dtype=torch.int64, device=device)
+        positions = torch.cat([torch.arange(n, device=device) for n in lens])
+        logits = self.model(tokens, positions, self.cache, meta)
+        return logits[meta.cu_seqlens_q[1:].long() - 1]
+
+    def step(self) -> dict:
+        """Admits and prefills queued requests, then decodes one token for every running request; frees the
+        pages of those that finished. Returns {req_id: [tokens generated this step]}."""
+        new: dict = {}
+        admitted = self._admit()
+        if admitted:
+            self._emit(admitted, self.prefill(admitted), new)
+            self._retire()
+        batch = list(self.running.values())
+        if batch:
+            last = torch.tensor([r.output[-1] for r in batch], dtype=torch.int64, device=self.cache.device)
+            self._emit(batch, self.decode([r.req_id for r in batch], last), new)
+            self._retire()
+        return new
+
+    def run(self) -> dict:
+        """Steps until every request has finished; returns {req_id: generated tokens}."""
+        while self.has_work():
+            self.step()
+        return {req_id: req.output for req_id, req in self.finished.items()}
