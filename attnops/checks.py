@@ -182,6 +182,33 @@ def check_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens
         soft_cap=soft_cap > 0, sliding_window=window_left >= 0, scale_kind=scale_kind)
 
 
+def _signature(t):
+    """What validation looks at in a tensor argument (raises AttributeError for a non-tensor: not memoized)."""
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
+_VALID_ATTENTION: dict = {}  # signature of valid arguments -> their case: validation costs tens of us in Python
+
+
+def attention_case(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left,
+                   kv_format, k_scale, v_scale, out=None) -> AttentionCase:
+    """check_paged_attention, memoized on everything it reads (shapes, strides, dtypes, devices, flags): the
+    op's hot path validates a signature once and then only looks it up."""
+    try:
+        key = (_signature(q), _signature(k_cache), _signature(v_cache), _signature(block_table),
+               _signature(seq_lens), _signature(cu_seqlens_q), scale, soft_cap, window_left, kv_format,
+               _signature(k_scale), _signature(v_scale), _signature(out))
+    except AttributeError:  # a non-tensor where a tensor belongs: let the full check name it
+        key = None
+    case = _VALID_ATTENTION.get(key)
+    if case is None:
+        case = check_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap,
+                                     window_left, kv_format, k_scale, v_scale, out)
+        if key is not None and len(_VALID_ATTENTION) < 4096:
+            _VALID_ATTENTION[key] = case
+    return case
+
+
 def check_paged_attention_values(q, k_cache, block_table, seq_lens, cu_seqlens_q) -> None:
     """The checks that read data (ATTNOPS_CHECK=1 only): lengths fit the table, used pages exist, query rows
     are ordered and no sequence has more queries than keys."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import _C  # noqa: F401  (loads the schemas: TORCH_LIBRARY(attnops, m) in csrc/ops.cpp)
-from .checks import (check_paged_attention, check_paged_attention_values, check_reshape_and_cache,
+from .checks import (attention_case, check_paged_attention, check_paged_attention_values, check_reshape_and_cache,
                      check_reshape_and_cache_values, values_checked)
 from .dispatch import select_backend
 
@@ -19,8 +19,8 @@ DEVICES = ("cpu", "cuda")
 
 def _run_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left,
                          kv_format, k_scale, v_scale, out) -> None:
-    case = check_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap,
-                                 window_left, kv_format, k_scale, v_scale, out)
+    case = attention_case(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left,
+                          kv_format, k_scale, v_scale, out)
     if values_checked():
         check_paged_attention_values(q, k_cache, block_table, seq_lens, cu_seqlens_q)
     backend = select_backend(case)
