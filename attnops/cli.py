@@ -48,6 +48,42 @@ def info(args) -> None:
         print("\n" + str(explain(**describe_attention().__dict__)))
 
 
+def warmup(args) -> None:
+    """Runs one tiny call of every configuration a model needs (decode, verify, prefill; its dtypes and KV format)
+    so that FlashInfer JIT-builds and Triton compiles now, not on a server's first request."""
+    import json
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from .dispatch import explain
+    from .kv_cache import PagedKVCache
+
+    shape = dict(num_q_heads=args.num_q_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim)
+    if args.config:  # a Hugging Face config.json
+        config = json.loads(Path(args.config).read_text())
+        shape = dict(num_q_heads=config["num_attention_heads"],
+                     num_kv_heads=config.get("num_key_value_heads", config["num_attention_heads"]),
+                     head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    cache = PagedKVCache(1, 64, args.page_size, shape["num_kv_heads"], shape["head_dim"], kv_format=args.kv_format,
+                         device=device)
+    steps = [("prefill", 300), ("verify", 4), ("decode", 1)]
+    for mode, q_len in tqdm(steps, desc="attnops warmup", unit="config"):
+        cache.allocate(mode)
+        meta = cache.prepare([mode], q_len, decode=mode == "decode")
+        k = torch.randn(meta.num_tokens, shape["num_kv_heads"], shape["head_dim"], device=device, dtype=dtype)
+        torch.ops.attnops.reshape_and_cache(k, k, slot_mapping=meta.slot_mapping, **cache.write_args(0))
+        q = torch.randn(meta.num_tokens, shape["num_q_heads"], shape["head_dim"], device=device, dtype=dtype)
+        op_args = dict(q=q, block_table=meta.block_table, seq_lens=meta.seq_lens, cu_seqlens_q=meta.cu_seqlens_q,
+                       **cache.attention_args(0))
+        torch.ops.attnops.paged_attention(**op_args)
+        tqdm.write(f"  {mode:<8} -> {explain(**op_args).chosen}")
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 def bench(argv) -> None:
     """A thin front for benchmarks/bench.py, which lives in the source checkout (not in the installed package)."""
     from pathlib import Path
@@ -78,6 +114,17 @@ def main(argv=None) -> None:
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--kv-format", default=None, help="bf16 (GPU default), fp32 (CPU default), fp8_e4m3, nvfp4...")
     p.set_defaults(func=lambda a: __import__("attnops.demo", fromlist=["main"]).main(a))
+    p = sub.add_parser("warmup", help="build every kernel configuration a model needs now (FlashInfer JIT, "
+                                      "Triton compile), so a server does not stall on its first request")
+    p.add_argument("--config", help="a Hugging Face config.json (heads and head_dim read from it)")
+    p.add_argument("--num-q-heads", type=int, default=32)
+    p.add_argument("--num-kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--kv-format", default="bf16", help="bf16, fp16, fp8_e4m3, fp8_e5m2, nvfp4, mxfp4")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--device", default=None)
+    p.set_defaults(func=warmup)
     sub.add_parser("bench", help="the benchmark grid against peers and the roofline (bench --help for flags)")
 
     args = parser.parse_args(argv)

@@ -23,3 +23,10 @@ def test_demo_runs_a_decode_loop():
 def test_help_answers():
     out = run("--help")
     assert "info" in out and "demo" in out
+
+
+def test_warmup_builds_each_mode():
+    out = run("warmup", "--dtype", "fp32", "--kv-format", "fp32", "--head-dim", "64", "--num-q-heads", "8",
+              "--num-kv-heads", "2")
+    for mode in ("prefill", "verify", "decode"):
+        assert f"{mode}" in out
