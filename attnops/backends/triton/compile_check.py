@@ -1,0 +1,161 @@
+"""Compiles the Triton kernels for a GPU target without a GPU: catches what the interpreter accepts but the
+compiler refuses (plain Python globals in kernels, unsupported casts, layouts, register/shared-memory limits),
+for the Triton version installed.
+
+    python -m attnops.backends.triton.compile_check            # sm_90 (H200), every format, decode and extend
+    python -m attnops.backends.triton.compile_check --arch 89 --quick
+
+Each variant goes through Triton's full pipeline (TTIR -> TTGIR -> LLVM -> PTX -> cubin with ptxas), so a variant
+that compiles here loads on that GPU; what it cannot check is the numbers (tests/test_triton.py on the GPU does).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+import time
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile for real
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from .cache_write import reshape_and_cache_kernel  # noqa: E402
+from .common import FMT_CODE  # noqa: E402
+from .decode import merge_splits_kernel, paged_attention_kernel  # noqa: E402
+
+PTR = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32", "fp8_e4m3": "*u8", "fp8_e5m2": "*u8", "nvfp4": "*u8",
+       "mxfp4": "*u8"}
+TL = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}
+
+
+def signature(fn, types: dict, constexprs: dict) -> dict:
+    sig = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in types:
+            sig[name] = types[name]
+        elif name.startswith("stride") or name in ("num_seqs", "window_left", "MAX_SPLITS", "CHUNK"):
+            sig[name] = "i32"
+        elif name in ("sm_scale", "soft_cap"):
+            sig[name] = "fp32"
+        else:
+            raise KeyError(f"no type for {fn.__name__}.{name}")
+    return sig
+
+
+NOT_DIVISIBLE = ("num_seqs", "window_left", "MAX_SPLITS", "CHUNK")  # do_not_specialize in the kernels
+
+
+def compile_one(fn, types, constexprs, target, num_warps, num_stages):
+    sig = signature(fn, types, constexprs)
+    # what the JIT sees at run time: 16-byte aligned pointers and strides divisible by 16 (the usual cache, q and
+    # table layouts); without it loads stay scalar and the loop is not pipelined, unlike the real launch
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+             if sig[name].startswith("*") or (sig[name] == "i32" and name not in NOT_DIVISIBLE)}
+    src = ASTSource(fn, sig, constexprs, attrs)
+    return triton.compile(src, target=target, options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def attention_variants(quick: bool):
+    formats = ["bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "nvfp4", "mxfp4"]
+    q_dtypes = ["bf16", "fp16"] if not quick else ["bf16"]
+    for fmt, q_dtype, decode, head_dim in itertools.product(formats, q_dtypes, (True, False), (64, 128, 256)):
+        if quick and head_dim != 128:
+            continue
+        group, page = 4, 16
+        if decode:
+            block_q, block_n, warps = 1, 32 if head_dim >= 256 else 64, 4
+        else:
+            block_q, block_n, warps = (16 if head_dim >= 256 else 32), (32 if head_dim >= 256 else 64), 8
+        yield dict(fmt=fmt, q_dtype=q_dtype, decode=decode, head_dim=head_dim, group=group, page=page,
+                   block_q=block_q, block_n=block_n, warps=warps, window=not decode, soft_cap=decode,
+                   fp8_asm=False, scale_bcast=False)
+    # the opt-in variants the tuning script tries, and a page larger than the tile
+    yield dict(fmt="fp8_e4m3", q_dtype="bf16", decode=True, head_dim=128, group=4, page=16, block_q=1, block_n=64,
+               warps=4, window=False, soft_cap=False, fp8_asm=True, scale_bcast=False)
+    for fmt in ("nvfp4", "mxfp4"):
+        yield dict(fmt=fmt, q_dtype="bf16", decode=True, head_dim=128, group=4, page=256, block_q=1, block_n=64,
+                   warps=4, window=True, soft_cap=True, fp8_asm=False, scale_bcast=True)
+    # fp32 q (ieee dots), MQA with 16 heads a group
+    yield dict(fmt="fp32", q_dtype="fp32", decode=True, head_dim=64, group=16, page=1, block_q=1, block_n=64,
+               warps=4, window=True, soft_cap=False, fp8_asm=False, scale_bcast=False)
+
+
+def compile_attention(v, target):
+    from .decode import dot_dtype
+    import torch
+    torch_q = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[v["q_dtype"]]
+    ddt = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[
+        dot_dtype(torch_q, v["fmt"])]
+    scale_ptr = {"nvfp4": "*u8", "mxfp4": "*u8", "fp8_e4m3": "*fp32", "fp8_e5m2": "*fp32"}.get(v["fmt"], PTR[v["fmt"]])
+    qp = "*" + {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}[v["q_dtype"]]
+    types = dict(q_ptr=qp, k_ptr=PTR[v["fmt"]], v_ptr=PTR[v["fmt"]], ks_ptr=scale_ptr, vs_ptr=scale_ptr,
+                 bt_ptr="*i32", seq_lens_ptr="*i32", cu_ptr="*i32", out_ptr=qp, part_out_ptr="*fp32",
+                 part_lse_ptr="*fp32")
+    block_m = max(16, triton.next_power_of_2(v["block_q"] * v["group"]))
+    constexprs = dict(NUM_Q_HEADS=8 * v["group"], HEAD_DIM=v["head_dim"], PAGE=v["page"], GROUP=v["group"],
+                      BLOCK_Q=v["block_q"], BLOCK_M=block_m, BLOCK_N=v["block_n"], FMT=FMT_CODE[v["fmt"]],
+                      IS_DECODE=v["decode"], HAS_WINDOW=v["window"], HAS_SOFTCAP=v["soft_cap"], DOT_DTYPE=ddt,
+                      DOT_PRECISION="ieee" if ddt == tl.float32 else "tf32", FP8_ASM=v["fp8_asm"],
+                      FP8_DTYPE=tl.float8e4nv if v["fmt"] == "fp8_e4m3" else tl.float8e5,
+                      SCALE_BCAST=v["scale_bcast"])
+    stages = 2 if v["head_dim"] >= 256 else 3
+    compiled = compile_one(paged_attention_kernel, types, constexprs, target, v["warps"], stages)
+    merge = compile_one(merge_splits_kernel, dict(out_ptr=qp, part_out_ptr="*fp32", part_lse_ptr="*fp32",
+                                                  seq_lens_ptr="*i32", cu_ptr="*i32"),
+                        dict(NUM_Q_HEADS=32, HEAD_DIM=v["head_dim"], BLOCK_Q=v["block_q"], BLOCK_N=v["block_n"],
+                             SPLITS_P2=64, IS_DECODE=v["decode"], HAS_WINDOW=v["window"]), target, 4, 2)
+    return compiled, merge
+
+
+def compile_cache_write(fmt, src, head_dim, target):
+    scale_ptr = "*fp32" if fmt.startswith("fp8") else "*u8"
+    cache_ptr = PTR[fmt]
+    sp = "*" + src
+    types = dict(key_ptr=sp, value_ptr=sp, k_cache_ptr=cache_ptr, v_cache_ptr=cache_ptr, slot_ptr="*i64",
+                 k_scale_ptr=scale_ptr, v_scale_ptr=scale_ptr, kb_ptr="*u8", vb_ptr="*u8")
+    constexprs = dict(PAGE=16, HEAD_DIM=head_dim, FMT=FMT_CODE[fmt], SCALE_BLOCK=32 if fmt == "mxfp4" else 16,
+                      FP8_DTYPE=tl.float8e5 if fmt == "fp8_e5m2" else tl.float8e4nv,
+                      FP8_MAX=57344.0 if fmt == "fp8_e5m2" else 448.0, SOFT_FP8=False)
+    return compile_one(reshape_and_cache_kernel, types, constexprs, target, 2, 1)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", type=int, default=90)
+    parser.add_argument("--quick", action="store_true")
+    opts = parser.parse_args()
+    target = GPUTarget("cuda", opts.arch, 32)
+    print(f"triton {triton.__version__}, target sm_{opts.arch}")
+    failures = 0
+    t0 = time.time()
+    for v in attention_variants(opts.quick):
+        try:
+            compiled, _ = compile_attention(v, target)
+            ttgir = compiled.asm["ttgir"]
+            mma = "wgmma" if "warp_group_dot" in ttgir else "mma"
+            print(f"ok   attention {v}: {compiled.metadata.shared} B shared, {mma}, "
+                  f"{ttgir.count('async_copy_global_to_local')} pipelined (cp.async) loads", flush=True)
+        except Exception as e:
+            failures += 1
+            print(f"FAIL attention {v}: {type(e).__name__}: {str(e)[:2000]}", flush=True)
+    for fmt, src, head_dim in itertools.product(["bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "nvfp4", "mxfp4"],
+                                                ["bf16", "fp32"], [32, 128]):
+        try:
+            compile_cache_write(fmt, src, head_dim, target)
+            print(f"ok   reshape_and_cache {fmt} from {src}, head_dim {head_dim}", flush=True)
+        except Exception as e:
+            failures += 1
+            print(f"FAIL reshape_and_cache {fmt} from {src}, head_dim {head_dim}: {type(e).__name__}: "
+                  f"{str(e)[:2000]}", flush=True)
+    print(f"{failures} failures, {time.time() - t0:.0f} s")
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
