@@ -240,7 +240,7 @@ void cpu_paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const a
                          const at::Tensor& block_table, const at::Tensor& seq_lens,
                          const std::optional<at::Tensor>& cu_seqlens_q, double scale, double soft_cap,
                          int64_t window_left, const std::optional<at::Tensor>& k_scale,
-                         const std::optional<at::Tensor>& v_scale, const at::Tensor& out) {
+                         const std::optional<at::Tensor>& v_scale, at::Tensor& out) {
   paged_attention_cpu(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left,
                       k_scale, v_scale, out);
 }
@@ -252,7 +252,7 @@ void paged_attention_out(const at::Tensor& q, const at::Tensor& k_cache, const a
                          const at::Tensor& block_table, const at::Tensor& seq_lens,
                          const std::optional<at::Tensor>& cu_seqlens_q, std::optional<double> scale, double soft_cap,
                          int64_t window_left, c10::string_view kv_format, const std::optional<at::Tensor>& k_scale,
-                         const std::optional<at::Tensor>& v_scale, const at::Tensor& out) {
+                         const std::optional<at::Tensor>& v_scale, at::Tensor& out) {
   check_kv_format("paged_attention", kv_format, k_cache.scalar_type());
   const double resolved_scale = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
   paged_attention_cpu(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, resolved_scale, soft_cap,

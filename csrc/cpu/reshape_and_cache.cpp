@@ -129,16 +129,16 @@ void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, const
 namespace {
 
 // The internal op the Python CPU backend calls (attnops/backends/cpu.py) after attnops/checks.py validated it.
-void cpu_reshape_and_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache,
-                           const at::Tensor& v_cache, const at::Tensor& slot_mapping,
+void cpu_reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
+                           at::Tensor& v_cache, const at::Tensor& slot_mapping,
                            const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
   reshape_and_cache_cpu(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale);
 }
 
 #ifdef ATTNOPS_STANDALONE
 // The public op, for the C++-only build (CMake); the Python package implements it in attnops/ops.py.
-void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache,
-                       const at::Tensor& v_cache, const at::Tensor& slot_mapping, c10::string_view kv_format,
+void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+                       const at::Tensor& slot_mapping, c10::string_view kv_format,
                        const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
                        const std::optional<at::Tensor>& k_block_scale, const std::optional<at::Tensor>& v_block_scale) {
   check_kv_format("reshape_and_cache", kv_format, k_cache.scalar_type());
