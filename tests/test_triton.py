@@ -276,6 +276,27 @@ def test_explain_pinned_triton():
     assert explanation.chosen == "triton"
 
 
+def test_kernels_compile_for_sm90():
+    """A few kernel variants through Triton's real compiler for sm_90 (no GPU needed; a subprocess, since the
+    interpreter is on in this one): catches what the interpreter accepts and the compiler refuses."""
+    import subprocess
+    import sys
+    code = """
+from triton.backends.compiler import GPUTarget
+from attnops.backends.triton import compile_check as cc
+target = GPUTarget("cuda", 90, 32)
+variants = list(cc.attention_variants(quick=True))
+for v in (variants[0], variants[1], variants[9], variants[-2]):  # bf16 decode/extend, nvfp4 extend, mxfp4 bcast
+    cc.compile_attention(v, target)
+cc.compile_cache_write("nvfp4", "bf16", 64, target)
+cc.compile_cache_write("fp8_e4m3", "fp32", 128, target)
+print("compiled")
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # GPU only
 
