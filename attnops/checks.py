@@ -13,7 +13,7 @@ import os
 import torch
 
 from . import formats
-from .backends.base import AttentionCase, CacheWriteCase
+from .backends.base import AttentionCase, CacheWriteCase, shape_class
 
 HEAD_DIMS = (32, 64, 128, 256)
 MAX_PAGE_SIZE = 256
@@ -179,7 +179,8 @@ def check_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens
     return AttentionCase(
         device_type=q.device.type, arch=device_arch(q.device), q_dtype=q.dtype, kv_format=fmt, head_dim=head_dim,
         page_size=page_size, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, decode=cu_seqlens_q is None,
-        soft_cap=soft_cap > 0, sliding_window=window_left >= 0, scale_kind=scale_kind)
+        soft_cap=soft_cap > 0, sliding_window=window_left >= 0, scale_kind=scale_kind,
+        shape_class=shape_class(cu_seqlens_q is None, num_tokens, batch))
 
 
 def _signature(t):

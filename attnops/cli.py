@@ -84,22 +84,22 @@ def warmup(args) -> None:
         torch.cuda.synchronize()
 
 
-def bench(argv) -> None:
-    """A thin front for benchmarks/bench.py, which lives in the source checkout (not in the installed package)."""
+def run_benchmark_script(name: str, argv) -> None:
+    """A thin front for benchmarks/<name>.py, which lives in the source checkout (not in the installed package)."""
+    import importlib
     from pathlib import Path
 
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench.py"
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
     if not script.exists():
-        raise SystemExit("python -m attnops bench: needs a source checkout of attnops (benchmarks/bench.py)")
+        raise SystemExit(f"python -m attnops {name}: needs a source checkout of attnops (benchmarks/{name}.py)")
     sys.path.insert(0, str(script.parent))
-    import bench as bench_module
-    bench_module.main(argv)
+    importlib.import_module(name).main(argv)
 
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:  # its own flags: see python -m attnops bench --help
-        return bench(argv[1:])
+    if argv[:1] in (["bench"], ["tune"]):  # their own flags: see python -m attnops bench --help
+        return run_benchmark_script(argv[0], argv[1:])
     parser = argparse.ArgumentParser(prog="python -m attnops",
                                      description="attnops: paged-KV-cache attention ops for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -126,6 +126,7 @@ def main(argv=None) -> None:
     p.add_argument("--device", default=None)
     p.set_defaults(func=warmup)
     sub.add_parser("bench", help="the benchmark grid against peers and the roofline (bench --help for flags)")
+    sub.add_parser("tune", help="measure every backend on this GPU and write its dispatch table (tune --help)")
 
     args = parser.parse_args(argv)
     args.func(args)

@@ -10,9 +10,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import json
 import os
 import warnings
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 import torch
 
@@ -51,9 +53,29 @@ def pinned_backend() -> str | None:
     return name
 
 
+TABLES = Path(__file__).parent / "tables"
+
+
+@functools.lru_cache(maxsize=None)
+def arch_table(arch: tuple[int, int] | None) -> dict:
+    """The measured order for a GPU arch (attnops/tables/sm_XY.json, written by `python -m attnops tune`):
+    {"decode/bf16/none": ["flashinfer", "triton"], ...}; empty where none was measured."""
+    if arch is None:
+        return {}
+    path = TABLES / f"sm_{arch[0]}{arch[1]}.json"
+    return json.loads(path.read_text())["order"] if path.exists() else {}
+
+
+def table_key(case: AttentionCase) -> str:
+    return f"{case.shape_class}/{case.kv_format}/{case.scale_kind}"
+
+
 def policy(case: AttentionCase | CacheWriteCase) -> tuple[str, ...]:
-    """The backends to try for `case`, in order."""
-    return STATIC_ORDER.get(case.device_type, ("reference",))
+    """The backends to try for `case`, in order: the arch's measured table where it has the case's class, then
+    the static order for the rest."""
+    static = STATIC_ORDER.get(case.device_type, ("reference",))
+    measured = arch_table(case.arch).get(table_key(case), []) if isinstance(case, AttentionCase) else []
+    return tuple(measured) + tuple(name for name in static if name not in measured)
 
 
 def reasons_against(backend: Backend, case) -> list[str]:
@@ -71,7 +93,12 @@ class Explanation:
 
     def __str__(self) -> str:
         lines = [f"case: {describe_case(self.case)}"]
-        how = f"pinned by {'use_backend' if _pinned_backend.get() else 'ATTNOPS_BACKEND'}" if self.pinned else "auto"
+        if self.pinned:
+            how = f"pinned by {'use_backend' if _pinned_backend.get() else 'ATTNOPS_BACKEND'}"
+        elif isinstance(self.case, AttentionCase) and table_key(self.case) in arch_table(self.case.arch):
+            how = f"auto: order measured on sm_{self.case.arch[0]}{self.case.arch[1]} (attnops/tables)"
+        else:
+            how = "auto: static order"
         lines.append(f"chosen: {self.chosen or 'none'} ({how})")
         for name, reasons in self.rejected.items():
             lines.append(f"  passed over {name}: {'; '.join(reasons)}")
@@ -160,4 +187,5 @@ def describe_attention(device: str | None = None, **fields_) -> AttentionCase:
     if unknown:
         raise TypeError(f"attnops.explain: unknown case fields {sorted(unknown)}; known: {sorted(values)}")
     values.update(fields_)
+    values.setdefault("shape_class", "decode" if values["decode"] else "prefill")
     return AttentionCase(**values)

@@ -79,3 +79,33 @@ def test_dispatch_reads_no_tensor_data():
     meta = {k: (v.to("meta") if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
     real, fake = attnops.explain(**args).case, attnops.explain(**meta).case
     assert {**real.__dict__, "device_type": None} == {**fake.__dict__, "device_type": None}
+
+
+def test_measured_table_orders_backends_for_its_arch():
+    """The shipped sm_90 table (benchmarks/tune.py over the committed H200 runs) puts its measured order first."""
+    table = dispatch.arch_table((9, 0))
+    assert table, "attnops/tables/sm_90.json is missing from the package"
+    bf16 = dispatch.describe_attention(device="cpu", q_dtype=torch.bfloat16, kv_format="bf16", arch=(9, 0))
+    bf16 = dispatch.AttentionCase(**{**bf16.__dict__, "device_type": "cuda"})
+    assert dispatch.policy(bf16)[: len(table["decode/bf16/none"])] == tuple(table["decode/bf16/none"])
+    assert dispatch.policy(bf16)[-1] == "reference"
+    per_head = dispatch.AttentionCase(**{**bf16.__dict__, "kv_format": "fp8_e4m3", "scale_kind": "per_head"})
+    assert dispatch.policy(per_head)[0] == "triton"
+    unmeasured = dispatch.AttentionCase(**{**bf16.__dict__, "arch": (12, 0)})
+    assert dispatch.policy(unmeasured) == dispatch.STATIC_ORDER["cuda"]
+
+
+def test_tune_orders_by_geometric_mean_and_reports_misses():
+    sys_path = __import__("sys").path
+    sys_path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent / "benchmarks"))
+    import tune
+
+    def rec(case, impl, us, kind="decode"):
+        return dict(case=case, impl=impl, impl_type="backend", kind=kind, kv_format="bf16", scale_kind="per_tensor",
+                    status="ok", median_us=us)
+    records = [rec("a", "triton", 100), rec("a", "flashinfer", 50), rec("b", "triton", 100),
+               rec("b", "flashinfer", 120), rec("c", "flashinfer", 10, "verify")]
+    order, checks = tune.build_table(records, {"triton", "flashinfer"})
+    assert order == {"decode/bf16/none": ["flashinfer", "triton"], "verify/bf16/none": ["flashinfer"]}
+    miss = [c for c in checks if c["slowdown"] > 1]
+    assert [(c["case"], round(c["slowdown"], 2)) for c in miss] == [("b", 1.2)]

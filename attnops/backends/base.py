@@ -27,6 +27,18 @@ class AttentionCase:
     soft_cap: bool
     sliding_window: bool
     scale_kind: str  # "none", "per_tensor", "per_head" (fp8) or "block" (4-bit)
+    # "decode", "verify" (at most VERIFY_MAX_Q query tokens per sequence on average, from shapes: T / B) or
+    # "prefill": the class the measured dispatch tables are keyed on
+    shape_class: str = "decode"
+
+
+VERIFY_MAX_Q = 16
+
+
+def shape_class(decode: bool, num_tokens: int, batch: int) -> str:
+    if decode:
+        return "decode"
+    return "verify" if num_tokens <= VERIFY_MAX_Q * max(batch, 1) else "prefill"
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import weakref
 import torch
 
 from .. import formats
-from .base import Backend, CacheWriteCase, common_reasons
+from .base import Backend, CacheWriteCase, common_reasons, shape_class
 
 log = logging.getLogger("attnops.flashinfer")
 
@@ -30,9 +30,6 @@ Q_DTYPES = (torch.bfloat16, torch.float16)
 # One float workspace per device, for split-KV partial outputs and the plan's scheduling data. FlashInfer
 # recommends 128 MB; 256 MB covers the largest case measured (64 x 64K decode, 256 x 8K) with room.
 WORKSPACE_BYTES = 256 * 1024 * 1024
-# Query tokens per sequence (on average, from shapes: T / B) up to which an extend call is a verify block and
-# goes to fa2, which the H200 measurements put at 3.7x fa3 for 4-8 token blocks; longer ones are prefills.
-VERIFY_MAX_Q = 16
 
 
 @functools.lru_cache(maxsize=1)
@@ -57,12 +54,12 @@ def page_metadata(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: 
 
 
 def wrapper_kind(decode: bool, batch: int, num_tokens: int, arch) -> str:
-    """Which FlashInfer entry point serves a call: decided from shapes only."""
-    if decode:
+    """Which FlashInfer entry point serves a call, from shapes only: verify blocks go to fa2, which the H200
+    measured at 3.7x faster than fa3 on 4-8 token blocks (benchmarks/results); long prefills to fa3 on sm_90."""
+    kind = shape_class(decode, num_tokens, batch)
+    if kind == "decode":
         return "decode"
-    if num_tokens <= VERIFY_MAX_Q * max(batch, 1) or arch[0] != 9:
-        return "prefill-fa2"
-    return "prefill-fa3"
+    return "prefill-fa3" if kind == "prefill" and arch[0] == 9 else "prefill-fa2"
 
 
 class _Plans:
