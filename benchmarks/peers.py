@@ -9,21 +9,11 @@ import torch
 import torch.nn.functional as F
 
 from attnops import formats
+from attnops.backends.flashinfer import page_metadata
 
 
 class Unsupported(Exception):
     pass
-
-
-def flashinfer_page_metadata(block_table, seq_lens, page_size):
-    """FlashInfer's CSR page description (indptr, indices, last_page_len) from a block table, on the device."""
-    pages = (seq_lens + page_size - 1) // page_size
-    indptr = torch.zeros(seq_lens.shape[0] + 1, dtype=torch.int32, device=seq_lens.device)
-    indptr[1:] = torch.cumsum(pages, 0)
-    used = torch.arange(block_table.shape[1], device=seq_lens.device)[None, :] < pages[:, None]
-    indices = block_table[used].to(torch.int32)
-    last_page_len = torch.where(seq_lens > 0, seq_lens - (pages - 1) * page_size, 0).to(torch.int32)
-    return indptr, indices, last_page_len
 
 
 _WORKSPACE = {}
@@ -52,7 +42,7 @@ def flashinfer_decode(use_tensor_cores: bool):
             raise Unsupported("decode wrapper: one query token per sequence")
         import flashinfer
         kv, scales = _flashinfer_kv(case, args)
-        indptr, indices, last = flashinfer_page_metadata(args["block_table"], args["seq_lens"], case.page_size)
+        indptr, indices, last = page_metadata(args["block_table"], args["seq_lens"], case.page_size)
         wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(_workspace(args["q"].device), "NHD",
                                                                 use_tensor_cores=use_tensor_cores)
         wrapper.plan(indptr, indices, last, case.num_q_heads, case.num_kv_heads, case.head_dim, case.page_size,
@@ -69,7 +59,7 @@ def flashinfer_prefill(backend: str):
             raise Unsupported("fa3 needs sm_90")
         import flashinfer
         kv, scales = _flashinfer_kv(case, args)
-        indptr, indices, last = flashinfer_page_metadata(args["block_table"], args["seq_lens"], case.page_size)
+        indptr, indices, last = page_metadata(args["block_table"], args["seq_lens"], case.page_size)
         wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(_workspace(args["q"].device), "NHD",
                                                                  backend=backend)
         wrapper.plan(args["cu_seqlens_q"], indptr, indices, last, case.num_q_heads, case.num_kv_heads,
