@@ -192,8 +192,8 @@ def main():
         candidates = list(tiles)
         if fmt == "fp8_e4m3":  # packed PTX e4m3 -> f16x2 conversion
             candidates += [dict(t, FP8_ASM=True) for t in tiles]
-        if formats.is_fp4(fmt):  # block scales loaded once and repeated in registers
-            candidates += [dict(t, SCALE_BCAST=True) for t in tiles]
+        if formats.is_fp4(fmt):  # block scales loaded per value instead of once and repeated in registers
+            candidates += [dict(t, SCALE_BCAST=False) for t in tiles]
         scored = []
         for tile in candidates:
             times = {name: r.time(tile) for name, r in runners.items()}

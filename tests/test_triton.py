@@ -120,14 +120,15 @@ def test_attention_split_counts(max_splits, chunk):
 
 @pytest.mark.parametrize("kv_format,q_lens,q_dtype", [("nvfp4", None, F16), ("mxfp4", [5, 9], F32),
                                                       ("nvfp4", [3, 1], F32)])
-def test_fp4_scales_broadcast_in_registers(kv_format, q_lens, q_dtype):
-    """The SCALE_BCAST variant (one load per block scale, repeated in registers) gives the same answer."""
+def test_fp4_scales_loaded_per_value(kv_format, q_lens, q_dtype):
+    """The SCALE_BCAST=False variant (one cached load per value instead of one per block scale repeated in
+    registers, the default) gives the same answer."""
     from attnops.backends.triton.decode import launch
     args = random_paged_inputs([77, 40], q_lens, kv_format=kv_format, q_dtype=q_dtype, device=DEVICE, seed=2)
     out = torch.full_like(args["q"], float("nan"))
     launch(args["q"], args["k_cache"], args["v_cache"], args["block_table"], args["seq_lens"], args["cu_seqlens_q"],
            scale=0.125, soft_cap=0.0, window_left=-1, kv_format=kv_format, k_scale=args["k_scale"],
-           v_scale=args["v_scale"], out=out, config=dict(SCALE_BCAST=True, BLOCK_N=32))
+           v_scale=args["v_scale"], out=out, config=dict(SCALE_BCAST=False, BLOCK_N=32))
     ref = paged_attention_reference(**args, scale=0.125, compute_dtype=torch.float64)
     assert relative_error(out, ref) < TOLERANCE[q_dtype]
 

@@ -74,13 +74,13 @@ def attention_variants(quick: bool):
             block_q, block_n, warps = (16 if head_dim >= 256 else 32), (32 if head_dim >= 256 else 64), 8
         yield dict(fmt=fmt, q_dtype=q_dtype, decode=decode, head_dim=head_dim, group=group, page=page,
                    block_q=block_q, block_n=block_n, warps=warps, window=not decode, soft_cap=decode,
-                   fp8_asm=False, scale_bcast=False)
-    # the opt-in variants the tuning script tries, and a page larger than the tile
+                   fp8_asm=False, scale_bcast=True)
+    # the other variants the tuning script tries, and a page larger than the tile
     yield dict(fmt="fp8_e4m3", q_dtype="bf16", decode=True, head_dim=128, group=4, page=16, block_q=1, block_n=64,
                warps=4, window=False, soft_cap=False, fp8_asm=True, scale_bcast=False)
     for fmt in ("nvfp4", "mxfp4"):
         yield dict(fmt=fmt, q_dtype="bf16", decode=True, head_dim=128, group=4, page=256, block_q=1, block_n=64,
-                   warps=4, window=True, soft_cap=True, fp8_asm=False, scale_bcast=True)
+                   warps=4, window=True, soft_cap=True, fp8_asm=False, scale_bcast=False)
     # fp32 q (ieee dots), MQA with 16 heads a group
     yield dict(fmt="fp32", q_dtype="fp32", decode=True, head_dim=64, group=16, page=1, block_q=1, block_n=64,
                warps=4, window=True, soft_cap=False, fp8_asm=False, scale_bcast=False)

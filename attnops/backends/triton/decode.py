@@ -379,8 +379,11 @@ def heuristic_config(device, decode: bool, batch: int, num_tokens: int, num_q_he
         max_splits = max(1, min(max_splits, WORKSPACE_BYTES // per_split))
     num_warps = 8 if block_m >= 64 else 4
     num_stages = 2 if head_dim >= 256 else 3
+    # FP8_ASM off: Triton already lowers e4m3 -> fp16 to cvt.rn.f16x2.e4m3x2 on sm_89+ (seen in the PTX), the asm
+    # variant stays for the tuning sweep. SCALE_BCAST on: one load per 4-bit block scale instead of one per value
+    # (sm_90 PTX of an nvfp4 decode: 17 global loads instead of 97, half the shared memory)
     return dict(BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, CHUNK=chunk, MAX_SPLITS=max_splits,
-                BLOCK_Q=block_q, FP8_ASM=False, SCALE_BCAST=False)
+                BLOCK_Q=block_q, FP8_ASM=False, SCALE_BCAST=True)
 
 
 def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, soft_cap, window_left, kv_format,
