@@ -287,7 +287,7 @@ from triton.backends.compiler import GPUTarget
 from attnops.backends.triton import compile_check as cc
 target = GPUTarget("cuda", 90, 32)
 variants = list(cc.attention_variants(quick=True))
-for v in (variants[0], variants[1], variants[9], variants[-2]):  # bf16 decode/extend, nvfp4 extend, mxfp4 bcast
+for v in (variants[0], variants[1], variants[9], variants[-2]):  # bf16 decode/extend, nvfp4 extend, mxfp4 per-value scales
     cc.compile_attention(v, target)
 cc.compile_cache_write("nvfp4", "bf16", 64, target)
 cc.compile_cache_write("fp8_e4m3", "fp32", 128, target)
