@@ -42,11 +42,12 @@ class DecodeStep:
     `step_fn(token_ids, positions, block_table, seq_lens, slot_mapping) -> logits [N, vocab]` depends only on its
     tensor arguments, the model's parameters and the cache tensors (written in place), which is what both
     torch.compile and CUDA-graph capture need. compile=True wraps it in torch.compile(fullgraph=True,
-    dynamic=False): one graph per bucket, never a recompilation for new lengths or pages.
+    dynamic=False): one graph per bucket, never a recompilation for new lengths or pages; a dict adds or overrides
+    torch.compile's keyword arguments (backend=, mode=, options=).
     """
 
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, *, max_batch: int, max_pages: int,
-                 buckets: tuple[int, ...] | None = None, compile: bool = False):
+                 buckets: tuple[int, ...] | None = None, compile: bool | dict = False):
         self.model, self.cache, self.max_pages = model, cache, max_pages
         self.buckets = tuple(sorted(buckets or default_buckets(max_batch)))
         if self.buckets[-1] < max_batch:
@@ -61,7 +62,11 @@ class DecodeStep:
                         for n in self.buckets}
         # dynamic=False: each bucket is its own static-shape graph (what a CUDA graph per bucket needs), instead of
         # dynamo turning the batch dimension symbolic when it sees a second bucket.
-        self.step_fn = torch.compile(self._step, fullgraph=True, dynamic=False) if compile else self._step
+        if compile:
+            options = {"fullgraph": True, "dynamic": False, **(compile if isinstance(compile, dict) else {})}
+            self.step_fn = torch.compile(self._step, **options)
+        else:
+            self.step_fn = self._step
         # The hook for CUDA graphs (attnops/graphs.py): replace with a callable that replays bucket n's graph,
         # captured over self.step_fn(**self.buffers[n]), and returns its static logits.
         self.launch: Callable[[int], torch.Tensor] = lambda n: self.step_fn(**self.buffers[n])
@@ -120,10 +125,11 @@ class Generator:
     """Continuous batching over `cache` with `model` (attnops.model.LlamaForCausalLM or the same interface).
 
     max_batch: most requests decoded together; max_seq_len: longest prompt + max_new_tokens accepted (it fixes
-    the block table's width); seed: the sampling generator's seed (temperature > 0 only)."""
+    the block table's width); compile: see DecodeStep (prefill stays eager: its shapes change every call);
+    seed: the sampling generator's seed (temperature > 0 only)."""
 
     def __init__(self, model, cache: PagedKVCache, *, max_batch: int = 8, max_seq_len: int = 2048,
-                 buckets: tuple[int, ...] | None = None, compile: bool = False, seed: int = 0):
+                 buckets: tuple[int, ...] | None = None, compile: bool | dict = False, seed: int = 0):
         self.model, self.cache = model, cache
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
         max_pages = -(-max_seq_len // cache.page_size)

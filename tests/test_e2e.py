@@ -1,0 +1,302 @@
+"""End to end: a Llama checkpoint written by transformers itself, loaded by attnops.model, served by
+attnops.generate through the paged ops.
+
+CPU (CI): fp32 logits equal transformers' LlamaForCausalLM (its own KV cache) within 1e-4 relative for a prefill
+and 32 greedy decode steps; the compiled decode step has no graph break and compiles once per batch bucket across
+64+ steps of changing lengths, with tokens identical to eager while requests join and leave; the default CPU
+backend and the pinned reference give the same tokens; sampling follows softmax(logits / T) and its seed.
+GPU (marked gpu): bf16 logits within bf16 tolerance; tokens identical across attention backends, bf16 and fp8 KV.
+"""
+import inspect
+import json
+
+import pytest
+import torch
+import torch._dynamo
+import torch._dynamo.testing
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+import attnops  # noqa: E402
+from attnops.backends import BACKENDS  # noqa: E402
+from attnops.generate import DecodeStep, Generator, sample  # noqa: E402
+from attnops.model import LlamaForCausalLM  # noqa: E402
+from attnops.testing import relative_error  # noqa: E402
+
+# head_dim 32: attnops serves head_dim 32/64/128/256. A wide init (0.2, not transformers' 0.02) gives logits with
+# clear gaps between the top tokens, so greedy choices are decided by the model, not by rounding, and vary.
+TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6,
+            initializer_range=0.2)
+PAGE_SIZE = 16
+
+
+def make_checkpoint(path, seed=0, **overrides):
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(**{**TINY, "tie_word_embeddings": True, "rope_theta": 50000.0, **overrides})
+    hf = transformers.LlamaForCausalLM(config).eval()
+    hf.save_pretrained(path)  # safetensors
+    return hf
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    hf = make_checkpoint(path)
+    return path, hf
+
+
+def new_cache(num_pages=64, seed=0, kv_format="fp32", device="cpu"):
+    cache = attnops.PagedKVCache(TINY["num_hidden_layers"], num_pages, PAGE_SIZE, TINY["num_key_value_heads"],
+                                 TINY["head_dim"], kv_format=kv_format, device=device, shuffle_pages=True,
+                                 seed=seed)
+    stale = torch.Generator().manual_seed(seed)
+    for kv in cache.kv:  # stale data in unwritten slots, as a reused pool has: never to be read
+        kv.copy_(torch.randn(kv.shape, generator=stale).to(device=device, dtype=kv.dtype))
+    return cache
+
+
+def hf_greedy(hf, prompt, steps):
+    """transformers with its own (dynamic) KV cache: prompt logits, then `steps` greedy decode steps' logits."""
+    # transformers 5.2x renamed past_key_values to cache (the old name warns until 5.40)
+    cache_arg = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+    ids = torch.tensor([prompt], device=hf.device)
+    out = hf(ids, use_cache=True)
+    prefill, token, decode_logits, tokens = out.logits[0], out.logits[0, -1].argmax(), [], []
+    for _ in range(steps):
+        tokens.append(int(token))
+        out = hf(token.view(1, 1), use_cache=True, **{cache_arg: getattr(out, cache_arg)})
+        decode_logits.append(out.logits[0, -1])
+        token = out.logits[0, -1].argmax()
+    return prefill, torch.stack(decode_logits), tokens
+
+
+def attnops_greedy(model, cache, prompts, steps, max_pages=8):
+    """attnops: one extend-form prefill of all prompts, then `steps` padded decode steps of the whole batch."""
+    seq_ids = list(range(len(prompts)))
+    for s in seq_ids:
+        cache.allocate(s)
+    meta = cache.prepare(seq_ids, [len(p) for p in prompts], decode=False)
+    device = cache.device
+    tokens_in = torch.tensor([t for p in prompts for t in p], device=device)
+    positions = torch.cat([torch.arange(len(p), device=device) for p in prompts])
+    prefill = model(tokens_in, positions, cache, meta)
+    cu = meta.cu_seqlens_q.tolist()
+    # bucket 4 for 3 sequences: every decode step carries a padding row
+    decode = DecodeStep(model, cache, max_batch=len(prompts), max_pages=max_pages, buckets=(4,))
+    token = prefill[meta.cu_seqlens_q[1:].long() - 1].argmax(-1)
+    decode_logits, tokens = [], []
+    for _ in range(steps):
+        tokens.append(token.tolist())
+        logits = decode(seq_ids, token).clone()
+        decode_logits.append(logits)
+        token = logits.argmax(-1)
+    per_seq = [prefill[cu[b]:cu[b + 1]] for b in range(len(prompts))]
+    return per_seq, torch.stack(decode_logits, 1), [list(t) for t in zip(*tokens)]
+
+
+PROMPTS = [[3, 17, 99, 5, 250], list(range(40, 51)), [7] * 6 + list(range(100, 111))]  # 5, 11, 17 tokens
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("backend", [None, "reference"], ids=["default", "reference"])
+def test_logits_match_transformers_prefill_and_32_decode_steps(checkpoint, backend):
+    path, hf = checkpoint
+    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with attnops.use_backend(backend):
+        prefill, decode_logits, tokens = attnops_greedy(model, new_cache(), PROMPTS, steps=32)
+    for b, prompt in enumerate(PROMPTS):
+        hf_prefill, hf_decode, hf_tokens = hf_greedy(hf, prompt, steps=32)
+        assert relative_error(prefill[b], hf_prefill) < 1e-4
+        assert tokens[b] == hf_tokens, f"sequence {b}: greedy tokens differ from transformers'"
+        for step in range(32):
+            err = relative_error(decode_logits[b, step], hf_decode[step])
+            assert err < 1e-4, f"sequence {b}, decode step {step}: relative error {err:.2e}"
+    assert len({t for seq in tokens for t in seq}) > 10, "the model repeats itself: a weak check of greedy decoding"
+
+
+@torch.no_grad()
+def test_untied_head_llama3_rope_and_v4_config_keys(tmp_path):
+    """An untied lm_head, llama3 rope scaling and a large rope_theta, with the config written the transformers-4
+    way (rope_theta + rope_scaling keys) as many hub checkpoints are."""
+    rope = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                original_max_position_embeddings=64)
+    hf = make_checkpoint(tmp_path, seed=1, tie_word_embeddings=False,
+                         rope_parameters=dict(rope_theta=500000.0, **rope))
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.pop("rope_parameters")
+    config.update(rope_theta=500000.0, rope_scaling=rope)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = LlamaForCausalLM.from_pretrained(tmp_path)
+    assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
+    torch.testing.assert_close(model.model.inv_freq, hf.model.rotary_emb.inv_freq, rtol=0, atol=0)
+    prompt = list(range(1, 200, 3))  # 67 positions: past original_max_position_embeddings
+    hf_prefill, hf_decode, hf_tokens = hf_greedy(hf, prompt, steps=4)
+    prefill, decode, tokens = attnops_greedy(model, new_cache(), [prompt], steps=4)
+    assert relative_error(prefill[0], hf_prefill) < 1e-4
+    assert relative_error(decode[0], hf_decode) < 1e-4 and tokens[0] == hf_tokens
+
+
+def test_loading_refuses_a_checkpoint_that_does_not_match(checkpoint, tmp_path):
+    path, _ = checkpoint
+    config = json.loads((path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    (tmp_path / "model.safetensors").symlink_to(path / "model.safetensors")
+    with pytest.raises(ValueError, match="missing.*model.layers.2"):
+        LlamaForCausalLM.from_pretrained(tmp_path)
+
+
+@torch.no_grad()
+def test_padding_rows_write_nothing(checkpoint):
+    """A bucket that served 4 rows then serves 3: the 4th row must become padding (slot -1, seq_len 0). Were it
+    left as it was, it would rewrite the finished request's last slot, by then a page of a new request."""
+    path, _ = checkpoint
+    model = LlamaForCausalLM.from_pretrained(path)
+    caches = []
+    for reuse_buffers in (True, False):
+        cache = new_cache(num_pages=8)
+        step = DecodeStep(model, cache, max_batch=4, max_pages=4, buckets=(4,))
+        prompts = torch.randint(0, 256, (5, 16), generator=torch.Generator().manual_seed(3))
+        for s in range(4):
+            cache.allocate(s)
+        meta = cache.prepare(list(range(4)), 10, decode=False)
+        model(prompts[:4, :10].flatten(), torch.arange(10).repeat(4), cache, meta)
+        step([0, 1, 2, 3], prompts[:4, 10])
+        cache.free(3)
+        cache.allocate("new")  # takes the page seq 3 wrote its last token into, and fills it
+        model(prompts[4], torch.arange(16), cache, cache.prepare(["new"], 16, decode=False))
+        if not reuse_buffers:
+            step = DecodeStep(model, cache, max_batch=4, max_pages=4, buckets=(4,))  # fresh: all padding
+        step([0, 1, 2], prompts[:3, 11])
+        caches.append(cache)
+    for layer in range(TINY["num_hidden_layers"]):
+        assert torch.equal(caches[0].kv[layer], caches[1].kv[layer]), "a padding row wrote into the cache"
+
+
+# Requests joining and leaving: (step at which it is queued, prompt length, max_new_tokens). With max_batch 4 the
+# decode batch runs at 1..4 rows (buckets 2 and 4), finished requests free pages that later ones reuse.
+SCHEDULE = [(0, 5, 20), (0, 13, 9), (0, 30, 40), (3, 2, 25), (5, 21, 12), (9, 8, 30), (20, 17, 16), (30, 40, 20),
+            (31, 3, 35), (45, 9, 18), (52, 25, 10)]
+
+
+def serve(model, schedule, *, compile=False, backend=None, cache=None, buckets=(2, 4), temperature=0.0, seed=0):
+    """Runs `schedule` to completion; returns ({req_id: tokens}, decode steps run, the cache)."""
+    cache = cache or new_cache(num_pages=24)
+    gen = Generator(model, cache, max_batch=4, max_seq_len=96, buckets=buckets, compile=compile, seed=seed)
+    prompts = torch.Generator().manual_seed(123)
+    steps, pending = 0, list(enumerate(schedule))
+    with attnops.use_backend(backend):
+        while pending or gen.has_work():
+            for i, (at, n, new) in [p for p in pending if p[1][0] <= steps]:
+                gen.add_request(f"r{i}", torch.randint(0, 256, (n,), generator=prompts).tolist(), new,
+                                temperature=temperature)
+                pending.remove((i, (at, n, new)))
+            steps += bool(gen.running) or bool(gen.waiting)
+            gen.step()
+    return {k: r.output for k, r in gen.finished.items()}, steps, cache
+
+
+@torch.no_grad()
+def test_compiled_decode_no_graph_break_no_recompile_tokens_equal_eager(checkpoint):
+    path, _ = checkpoint
+    model = LlamaForCausalLM.from_pretrained(path)
+    eager, eager_steps, _ = serve(model, SCHEDULE)
+    assert eager_steps >= 64 and len(eager) == len(SCHEDULE)
+    assert all(len(eager[f"r{i}"]) == new for i, (_, _, new) in enumerate(SCHEDULE))
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")  # inductor, counting compiled frames
+    compiled, compiled_steps, cache = serve(model, SCHEDULE, compile={"backend": counter})
+    assert compiled_steps == eager_steps
+    assert compiled == eager, "greedy tokens of the compiled decode step differ from eager"
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    # one graph per bucket (2 and 4), whatever the lengths and pages of the 64+ steps
+    assert counter.frame_count == 2, f"{counter.frame_count} compiled frames for 2 buckets: a recompilation"
+    assert cache.free_pages == cache.num_pages, "finished requests did not give their pages back"
+
+
+@torch.no_grad()
+def test_default_backend_and_reference_give_the_same_tokens(checkpoint):
+    path, _ = checkpoint
+    case = dict(device="cpu", q_dtype=torch.float32, kv_format="fp32", head_dim=TINY["head_dim"],
+                num_q_heads=TINY["num_attention_heads"], num_kv_heads=TINY["num_key_value_heads"],
+                page_size=PAGE_SIZE)
+    default = attnops.explain(**case).chosen
+    if default == "reference":
+        pytest.skip("the reference backend is the CPU default here: nothing to compare it with")
+    model = LlamaForCausalLM.from_pretrained(path)
+    tokens, _, _ = serve(model, SCHEDULE[:6])
+    reference, _, _ = serve(model, SCHEDULE[:6], backend="reference")
+    assert tokens == reference, f"backend {default!r} and the reference disagree"
+
+
+def test_sampling_follows_softmax_and_seed():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 8) * 2
+    temps = [0.0, 0.7, 1.5]
+    draws = sample(logits.repeat(4000, 1), temps * 4000, torch.Generator().manual_seed(5)).view(4000, 3)
+    assert (draws[:, 0] == logits[0].argmax()).all(), "a greedy row was sampled"
+    for row in (1, 2):
+        freq = torch.bincount(draws[:, row], minlength=8).float() / len(draws)
+        expected = torch.softmax(logits[row] / temps[row], -1)
+        assert (freq - expected).abs().max() < 0.03, (freq, expected)
+    again = sample(logits.repeat(4000, 1), temps * 4000, torch.Generator().manual_seed(5)).view(4000, 3)
+    other = sample(logits.repeat(4000, 1), temps * 4000, torch.Generator().manual_seed(6)).view(4000, 3)
+    assert torch.equal(again, draws) and not torch.equal(other, draws), "sampling does not follow its seed"
+
+
+@torch.no_grad()
+def test_temperature_generation_is_reproducible_by_seed(checkpoint):
+    path, _ = checkpoint
+    model = LlamaForCausalLM.from_pretrained(path)
+    a, _, _ = serve(model, SCHEDULE[:4], temperature=1.0, seed=1)
+    b, _, _ = serve(model, SCHEDULE[:4], temperature=1.0, seed=1)
+    c, _, _ = serve(model, SCHEDULE[:4], temperature=1.0, seed=2)
+    assert a == b and a != c
+
+
+# --- GPU (the lent H200) ---------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_bf16_logits_match_transformers_on_gpu(checkpoint):
+    """bf16 attnops vs transformers' fp32 (the oracle): within bf16 tolerance, with transformers' own bf16 error
+    as the yardstick (teacher-forced on the fp32 model's greedy tokens, so both see the same inputs)."""
+    path, hf = checkpoint
+    hf32 = hf.to("cuda")
+    hf16 = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda").eval()
+    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device="cuda")
+    for prompt in PROMPTS:
+        ref_prefill, _, ref_tokens = hf_greedy(hf32, prompt, steps=32)
+        full = torch.tensor([prompt + ref_tokens], device="cuda")
+        ref = hf32(full).logits[0].float()
+        theirs = hf16(full).logits[0].float()
+        cache = new_cache(kv_format="bf16", device="cuda")
+        cache.allocate(0)
+        meta = cache.prepare([0], full.shape[1], decode=False)
+        ours = model(full[0], torch.arange(full.shape[1], device="cuda"), cache, meta).float()
+        err, hf_err = relative_error(ours, ref), relative_error(theirs, ref)
+        assert err < max(2e-2, 2 * hf_err), (err, hf_err)
+    hf.to("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8_e4m3"])
+@torch.no_grad()
+def test_tokens_identical_across_backends_on_gpu(checkpoint, kv_format):
+    """64+ decode steps with requests joining and leaving: the same greedy tokens whichever backend serves,
+    each KV format compared within itself."""
+    path, _ = checkpoint
+    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device="cuda")
+    results = {}
+    for backend in ("flashinfer", "triton", None):
+        if backend is not None and (backend not in BACKENDS or BACKENDS[backend].unavailable()):
+            continue
+        cache = new_cache(num_pages=24, kv_format=kv_format, device="cuda")
+        results[backend or "auto"] = serve(model, SCHEDULE, backend=backend, cache=cache)[0]
+    assert len(results) >= 2, results.keys()
+    first = next(iter(results.values()))
+    for name, tokens in results.items():
+        assert tokens == first, f"{name} differs from {next(iter(results))} ({kv_format} KV)"
