@@ -1,7 +1,15 @@
-"""`python -m attnops demo`: a paged decode loop on a small random Llama-shaped model through attnops' ops.
+"""`python -m attnops demo`: continuous-batching generation (attnops.generate) on a Llama-architecture model
+whose attention runs through attnops' ops.
 
-Prefills a batch of random prompts, then decodes greedily, and prints which backend served each op and the
-tokens/s. On a GPU it uses a Llama-3.2-1B-shaped model in bf16; on the CPU a tiny fp32 one.
+A random model by default (on a GPU a Llama-3.2-1B-shaped one in bf16; on the CPU a tiny fp32 one), or a Hugging
+Face checkpoint directory with --checkpoint. Prints which backend serves each op, tokens/s of the decode steps
+(eager, or torch.compile'd with --compile), and the decode step time split into attention and the rest:
+
+  attention = time inside the attnops ops (paged_attention + reshape_and_cache, all layers), read from
+              torch.profiler over a few extra steps: CPU time of the op calls on the CPU, the op's CUDA kernel
+              time on a GPU (kernels are attributed to the op that launched them);
+  rest      = the measured (unprofiled) step time minus that: the linear layers, norms, RoPE, sampling, the
+              host-side batch bookkeeping, and on a GPU any launch gaps.
 """
 from __future__ import annotations
 
@@ -10,76 +18,128 @@ import time
 import torch
 
 from .dispatch import explain
+from .generate import Generator
 from .kv_cache import PagedKVCache
 from .model import LlamaConfig, LlamaForCausalLM
 
-GPU_CONFIG = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                         num_attention_heads=32, num_key_value_heads=8)
-CPU_CONFIG = LlamaConfig()
+# Llama-3.2-1B's shape (random weights: nothing is downloaded)
+GPU_CONFIG = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5,
+                         rope_theta=500000.0, tie_word_embeddings=True,
+                         rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
+                                           high_freq_factor=4.0, original_max_position_embeddings=8192))
+CPU_CONFIG = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2)  # head_dim 32
+ATTENTION_OPS = ("attnops::paged_attention", "attnops::reshape_and_cache")
 
 
-def positions_of(cache: PagedKVCache, seq_ids, num_new) -> torch.Tensor:
-    """Positions of each sequence's newest `num_new` tokens (the cache already counts them)."""
-    pos = []
-    for s, n in zip(seq_ids, num_new):
-        end = cache.seq_len(s)
-        pos.extend(range(end - n, end))
-    return torch.tensor(pos, device=cache.device)
+def random_model(config: LlamaConfig, device, dtype, seed: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype)
+    for name, p in model.named_parameters():  # a random model with sane activations
+        p.data.normal_(0, 0.02) if p.dim() > 1 else p.data.fill_(1.0)
+    return model.eval().requires_grad_(False)
+
+
+def op_backends(cache: PagedKVCache, config: LlamaConfig, dtype) -> dict:
+    """Which backend serves each op of a step, asked of dispatch with the step's own argument kinds."""
+    d, dev = config.head_dim, cache.device
+    q = torch.empty(4, config.num_attention_heads, d, dtype=dtype, device=dev)
+    kv = torch.empty(4, config.num_key_value_heads, d, dtype=dtype, device=dev)
+    table = torch.zeros(2, 2, dtype=torch.int32, device=dev)
+    lens = torch.full((2,), 2, dtype=torch.int32, device=dev)
+    cu = torch.tensor([0, 2, 4], dtype=torch.int32, device=dev)
+    return {
+        "reshape_and_cache": explain(key=kv, value=kv, slot_mapping=torch.zeros(4, dtype=torch.int64, device=dev),
+                                     **cache.write_args(0)).chosen,
+        "paged_attention (prefill)": explain(q=q, block_table=table, seq_lens=lens, cu_seqlens_q=cu,
+                                             **cache.attention_args(0)).chosen,
+        "paged_attention (decode)": explain(q=q[:2], block_table=table, seq_lens=lens,
+                                            **cache.attention_args(0)).chosen,
+    }
 
 
 @torch.no_grad()
 def run_demo(batch: int = 4, prompt_len: int = 32, steps: int = 32, device: str | None = None,
-             kv_format: str | None = None, page_size: int = 16, seed: int = 0) -> dict:
+             kv_format: str | None = None, page_size: int = 16, seed: int = 0, compile: bool = False,
+             checkpoint: str | None = None, profile_steps: int = 4) -> dict:
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     on_gpu = device.type == "cuda"
-    config = GPU_CONFIG if on_gpu else CPU_CONFIG
     dtype = torch.bfloat16 if on_gpu else torch.float32
     kv_format = kv_format or ("bf16" if on_gpu else "fp32")
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(device=device, dtype=dtype)
-    for p in model.parameters():  # a random model with sane activations
-        p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0)
-    pages_per_seq = -(-(prompt_len + steps) // page_size)
-    cache = PagedKVCache(config.num_hidden_layers, batch * pages_per_seq + 1, page_size,
-                         config.num_key_value_heads, config.head_dim, kv_format=kv_format, device=device,
-                         shuffle_pages=True, seed=seed)
-    seq_ids = list(range(batch))
-    for s in seq_ids:
-        cache.allocate(s)
-    prompts = torch.randint(0, config.vocab_size, (batch * prompt_len,), device=device)
+    if checkpoint:
+        model = LlamaForCausalLM.from_pretrained(checkpoint, dtype=dtype, device=device)
+    else:
+        model = random_model(GPU_CONFIG if on_gpu else CPU_CONFIG, device, dtype, seed)
+    config = model.config
 
-    meta = cache.prepare(seq_ids, prompt_len, decode=False)
-    logits = model(prompts, positions_of(cache, seq_ids, [prompt_len] * batch), cache, meta)
-    next_tokens = logits[meta.cu_seqlens_q[1:].long() - 1].argmax(-1)
-    case = dict(device=str(device), q_dtype=dtype, kv_format=kv_format, head_dim=config.head_dim,
-                page_size=page_size, num_q_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads)
-    backends = {mode: explain(**case, decode=mode == "decode").chosen for mode in ("prefill", "decode")}
+    warmup = 2  # the first decode steps compile (with --compile) and warm caches: not timed
+    new_tokens = 1 + warmup + steps + profile_steps  # the prefill's token, then the decode steps
+    max_seq_len = prompt_len + new_tokens
+    pages_per_seq = -(-max_seq_len // page_size)
+    cache = PagedKVCache(config.num_hidden_layers, batch * pages_per_seq, page_size, config.num_key_value_heads,
+                         config.head_dim, kv_format=kv_format, device=device, shuffle_pages=True, seed=seed)
+    gen = Generator(model, cache, max_batch=batch, max_seq_len=max_seq_len, buckets=(batch,), compile=compile,
+                    seed=seed)
+    prompts = torch.randint(0, config.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(seed))
+    for b in range(batch):
+        gen.add_request(b, prompts[b].tolist(), new_tokens)
 
-    generated = [next_tokens]
-    if on_gpu:
-        torch.cuda.synchronize()
+    def sync():
+        if on_gpu:
+            torch.cuda.synchronize(device)
+
+    sync()
+    start = time.perf_counter()
+    gen.step()  # the batched prefill, then the first decode step (and the compilation, with --compile)
+    sync()
+    first_step_s = time.perf_counter() - start
+    for _ in range(warmup - 1):
+        gen.step()
+    sync()
     start = time.perf_counter()
     for _ in range(steps):
-        meta = cache.prepare(seq_ids)
-        logits = model(next_tokens, positions_of(cache, seq_ids, [1] * batch), cache, meta)
-        next_tokens = logits.argmax(-1)
-        generated.append(next_tokens)
-    if on_gpu:
-        torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
-    return dict(device=str(device), model=config, kv_format=kv_format, backends=backends, batch=batch,
-                steps=steps, tokens_per_s=batch * steps / elapsed, step_ms=elapsed / steps * 1e3,
-                tokens=torch.stack(generated, 1).tolist())
+        gen.step()
+    sync()
+    step_s = (time.perf_counter() - start) / steps
+
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_gpu else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(profile_steps):
+            gen.step()
+        sync()
+    attention_us = sum((e.device_time_total if on_gpu else e.cpu_time_total)
+                       for e in prof.key_averages() if e.key in ATTENTION_OPS)
+    attention_s = attention_us * 1e-6 / profile_steps
+    assert not gen.has_work() or all(len(r.output) == new_tokens for r in gen.running.values())
+
+    return dict(device=str(device), model=config, dtype=dtype, kv_format=kv_format, checkpoint=checkpoint,
+                compiled=compile, backends=op_backends(cache, config, dtype), batch=batch, prompt_len=prompt_len,
+                steps=steps, first_step_s=first_step_s, step_ms=step_s * 1e3, tokens_per_s=batch / step_s,
+                attention_ms=min(attention_s, step_s) * 1e3, rest_ms=max(step_s - attention_s, 0.0) * 1e3,
+                tokens=[gen.finished[b].output for b in range(batch)] if not gen.has_work() else None)
 
 
 def main(args) -> None:
     result = run_demo(batch=args.batch, prompt_len=args.prompt_len, steps=args.steps, device=args.device,
-                      kv_format=args.kv_format)
+                      kv_format=args.kv_format, compile=getattr(args, "compile", False),
+                      checkpoint=getattr(args, "checkpoint", None))
     c = result["model"]
-    print(f"attnops demo on {result['device']}: random Llama-shaped model, {c.num_hidden_layers} layers, hidden "
-          f"{c.hidden_size}, heads {c.num_attention_heads}/{c.num_key_value_heads}, head_dim {c.head_dim}, "
-          f"KV {result['kv_format']}")
-    print(f"backend: prefill -> {result['backends']['prefill']}, decode -> {result['backends']['decode']}")
-    print(f"batch {result['batch']}, {result['steps']} decode steps (eager): {result['tokens_per_s']:.1f} tokens/s, "
-          f"{result['step_ms']:.2f} ms/step")
-    print(f"first sequence's tokens: {result['tokens'][0][:16]}")
+    what = result["checkpoint"] or "random Llama-shaped model"
+    print(f"attnops demo on {result['device']}: {what}, {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
+          f"heads {c.num_attention_heads}/{c.num_key_value_heads}, head_dim {c.head_dim}, "
+          f"{str(result['dtype']).replace('torch.', '')}, KV {result['kv_format']}")
+    b = result["backends"]
+    print(f"backend: prefill -> {b['paged_attention (prefill)']}, decode -> {b['paged_attention (decode)']}, "
+          f"cache write -> {b['reshape_and_cache']}")
+    mode = "torch.compile'd decode step" if result["compiled"] else "eager"
+    print(f"batch {result['batch']}, prompt {result['prompt_len']}, {result['steps']} decode steps ({mode}): "
+          f"{result['tokens_per_s']:.1f} tokens/s, {result['step_ms']:.2f} ms/step "
+          f"(prefill + first step {result['first_step_s']:.2f} s)")
+    share = result["attention_ms"] / result["step_ms"] * 100 if result["step_ms"] else 0.0
+    print(f"step time: attention {result['attention_ms']:.2f} ms ({share:.0f}%), rest {result['rest_ms']:.2f} ms "
+          f"(attention = time inside the attnops ops per step, from torch.profiler "
+          f"{'CUDA kernel time' if result['device'].startswith('cuda') else 'CPU time'}; rest = step time - that)")
+    if result["tokens"]:
+        print(f"first sequence's tokens: {result['tokens'][0][:16]}")

@@ -122,10 +122,9 @@ def test_untied_head_llama3_rope_and_v4_config_keys(tmp_path):
     way (rope_theta + rope_scaling keys) as many hub checkpoints are."""
     rope = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                 original_max_position_embeddings=64)
-    hf = make_checkpoint(tmp_path, seed=1, tie_word_embeddings=False,
-                         rope_parameters=dict(rope_theta=500000.0, **rope))
+    hf = make_checkpoint(tmp_path, seed=1, tie_word_embeddings=False, rope_theta=500000.0, rope_scaling=rope)
     config = json.loads((tmp_path / "config.json").read_text())
-    config.pop("rope_parameters")
+    config.pop("rope_parameters", None)
     config.update(rope_theta=500000.0, rope_scaling=rope)
     (tmp_path / "config.json").write_text(json.dumps(config))
     model = LlamaForCausalLM.from_pretrained(tmp_path)
