@@ -6,7 +6,8 @@
     python benchmarks/triton_tuning.py --formats bf16 fp8_e4m3 --cases 1x32768 128x4096 --json tune.json
 
 Stages (compiles are the expensive part, so constexpr tunables are searched on few cases, runtime ones on all):
-1. per format, tile configurations (BLOCK_N, num_warps, num_stages; FP8_ASM for e4m3, SCALE_BCAST for 4-bit) on
+1. per format, tile configurations (BLOCK_N, num_warps, num_stages; FP8_ASM for e4m3, SCALE_BCAST for 4-bit,
+   FP4_ASM for nvfp4) on
    two representative decode cases (128 x 4096: bandwidth; 1 x 32768: splits), keeping the best by the sum of the
    two times;
 2. per case, with that tile configuration, the split plan (CHUNK keys per program; MAX_SPLITS follows): runtime
@@ -194,6 +195,8 @@ def main():
             candidates += [dict(t, FP8_ASM=True) for t in tiles]
         if formats.is_fp4(fmt):  # block scales loaded per value instead of once and repeated in registers
             candidates += [dict(t, SCALE_BCAST=False) for t in tiles]
+        if fmt == "nvfp4":  # inline-PTX nibble decode, 4 values per register
+            candidates += [dict(t, FP4_ASM=True) for t in tiles]
         scored = []
         for tile in candidates:
             times = {name: r.time(tile) for name, r in runners.items()}

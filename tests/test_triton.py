@@ -462,6 +462,21 @@ def test_call_memory_independent_of_cache_size(kv_format):
 
 
 @gpu
+@pytest.mark.parametrize("q_lens", [None, [4, 4, 30]], ids=["decode", "extend"])
+def test_nvfp4_inline_ptx_decode(q_lens):
+    """FP4_ASM (the inline-PTX nibble decode, GPU only) against the reference."""
+    from attnops.backends.triton.decode import launch
+    args = random_paged_inputs([300, 17, 1000], q_lens, kv_format="nvfp4", q_dtype=torch.bfloat16, num_q_heads=8,
+                               num_kv_heads=2, head_dim=128, device=DEVICE, seed=4)
+    out = torch.full_like(args["q"], float("nan"))
+    launch(args["q"], args["k_cache"], args["v_cache"], args["block_table"], args["seq_lens"], args["cu_seqlens_q"],
+           scale=128 ** -0.5, soft_cap=0.0, window_left=-1, kv_format="nvfp4", k_scale=args["k_scale"],
+           v_scale=args["v_scale"], out=out, config=dict(FP4_ASM=True))
+    ref = paged_attention_reference(**args, compute_dtype=torch.float64)
+    assert relative_error(out, ref) < 1e-2
+
+
+@gpu
 def test_cuda_graph_capture_and_replay_with_new_lengths():
     """Captured once, replayed with new seq_lens and block tables: the split count is decided on the device."""
     # built for 3000 keys each (every table row has its pages), replayed with any lengths up to that

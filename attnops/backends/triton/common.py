@@ -115,3 +115,45 @@ def f32_to_fp8_bits(x, MANT: tl.constexpr, BIAS: tl.constexpr):
     sub = ((units + 8388608.0) - 8388608.0).to(tl.int32)
     is_sub = mag < ((128 - BIAS) << 23)  # below 2^(1-BIAS), the smallest normal
     return (tl.where(is_sub, sub, normal) | sign).to(tl.uint8)
+
+
+@triton.jit
+def e2m1x4_to_f16_scaled_asm(packed, HIGH: tl.constexpr):
+    """Inline-PTX version of e2m1_to_f16_scaled on the low (HIGH=False) or high nibbles of uint8 `packed`: four
+    bytes a 32-bit register, spread into 16-bit lanes with prmt, then masks and shifts on two lanes at once (about
+    3 instructions per value instead of 6). Same output: value x 2^-14 as fp16. GPU only (the interpreter cannot
+    run PTX); checked by tests/test_triton.py on the GPU and by the tuning script before timing."""
+    # pack=4: bytes 0..3 of the input register are elements 0..3; outputs: elements 0,1 in $0, 2,3 in $1. Each
+    # byte goes to a 16-bit lane (prmt), then the nibble's magnitude bits to fp16 bits 9..11, its sign to bit 15.
+    # (The PTX strings are literals in each branch: Triton treats a string assigned to a variable as a value.)
+    if HIGH:
+        return tl.inline_asm_elementwise(asm="""{
+        .reg .b32 t0, t1, u0, u1;
+        prmt.b32 t0, $2, 0, 0x4140;
+        prmt.b32 t1, $2, 0, 0x4342;
+        and.b32 u0, t0, 0x00700070;
+        shl.b32 u0, u0, 5;
+        and.b32 t0, t0, 0x00800080;
+        shl.b32 t0, t0, 8;
+        or.b32 $0, u0, t0;
+        and.b32 u1, t1, 0x00700070;
+        shl.b32 u1, u1, 5;
+        and.b32 t1, t1, 0x00800080;
+        shl.b32 t1, t1, 8;
+        or.b32 $1, u1, t1;
+        }""", constraints="=r,=r,r", args=[packed], dtype=tl.float16, is_pure=True, pack=4)
+    return tl.inline_asm_elementwise(asm="""{
+        .reg .b32 t0, t1, u0, u1;
+        prmt.b32 t0, $2, 0, 0x4140;
+        prmt.b32 t1, $2, 0, 0x4342;
+        and.b32 u0, t0, 0x00070007;
+        shl.b32 u0, u0, 9;
+        and.b32 t0, t0, 0x00080008;
+        shl.b32 t0, t0, 12;
+        or.b32 $0, u0, t0;
+        and.b32 u1, t1, 0x00070007;
+        shl.b32 u1, u1, 9;
+        and.b32 t1, t1, 0x00080008;
+        shl.b32 t1, t1, 12;
+        or.b32 $1, u1, t1;
+        }""", constraints="=r,=r,r", args=[packed], dtype=tl.float16, is_pure=True, pack=4)

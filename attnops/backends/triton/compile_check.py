@@ -81,6 +81,11 @@ def attention_variants(quick: bool):
     for fmt in ("nvfp4", "mxfp4"):
         yield dict(fmt=fmt, q_dtype="bf16", decode=True, head_dim=128, group=4, page=256, block_q=1, block_n=64,
                    warps=4, window=True, soft_cap=True, fp8_asm=False, scale_bcast=False)
+    # nvfp4 with the inline-PTX nibble decode (fp16 dots), decode and prefill tiles
+    for decode in (True, False):
+        yield dict(fmt="nvfp4", q_dtype="fp16", decode=decode, head_dim=128, group=4, page=16,
+                   block_q=1 if decode else 32, block_n=64, warps=4 if decode else 8, window=False, soft_cap=False,
+                   fp8_asm=False, scale_bcast=True, fp4_asm=True)
     # fp32 q (ieee dots), MQA with 16 heads a group
     yield dict(fmt="fp32", q_dtype="fp32", decode=True, head_dim=64, group=16, page=1, block_q=1, block_n=64,
                warps=4, window=True, soft_cap=False, fp8_asm=False, scale_bcast=False)
@@ -103,7 +108,7 @@ def compile_attention(v, target):
                       IS_DECODE=v["decode"], HAS_WINDOW=v["window"], HAS_SOFTCAP=v["soft_cap"], DOT_DTYPE=ddt,
                       DOT_PRECISION="ieee" if ddt == tl.float32 else "tf32", FP8_ASM=v["fp8_asm"],
                       FP8_DTYPE=tl.float8e4nv if v["fmt"] == "fp8_e4m3" else tl.float8e5,
-                      SCALE_BCAST=v["scale_bcast"])
+                      SCALE_BCAST=v["scale_bcast"], FP4_ASM=v.get("fp4_asm", False))
     stages = 2 if v["head_dim"] >= 256 else 3
     compiled = compile_one(paged_attention_kernel, types, constexprs, target, v["warps"], stages)
     merge = compile_one(merge_splits_kernel, dict(out_ptr=qp, part_out_ptr="*fp32", part_lse_ptr="*fp32",

@@ -27,13 +27,13 @@ import triton
 import triton.language as tl
 
 from ... import formats
-from .common import (FMT_CODE, FMT_FP8, FMT_MXFP4, FMT_NVFP4, LOG2E, e2m1_to_f16_scaled, e2m1_to_f32, e8m0_to_f32,
-                     find_sequence, kv_plan)
+from .common import (FMT_CODE, FMT_FP8, FMT_MXFP4, FMT_NVFP4, LOG2E, e2m1_to_f16_scaled, e2m1_to_f32,
+                     e2m1x4_to_f16_scaled_asm, e8m0_to_f32, find_sequence, kv_plan)
 
 
 @triton.jit
 def _load_fp4_tile(c_ptr, s_ptr, tok_off, s_off, offs_h, kvalid, TRANSPOSED: tl.constexpr, FMT: tl.constexpr,
-                   DOT_DTYPE: tl.constexpr, SCALE_BCAST: tl.constexpr):
+                   DOT_DTYPE: tl.constexpr, SCALE_BCAST: tl.constexpr, FP4_ASM: tl.constexpr):
     """A tile of 4-bit K or V as its even and odd elements (D/2 columns each), dequantized to DOT_DTYPE.
 
     Keeping even and odd elements apart avoids interleaving them in registers: the kernel multiplies the even
@@ -69,8 +69,12 @@ def _load_fp4_tile(c_ptr, s_ptr, tok_off, s_off, offs_h, kvalid, TRANSPOSED: tl.
         # 6 x 448, at least 0.5 x 2^-9, both normal in fp16). Two fp16 multiplies per value instead of fp32
         # conversions and multiplies: 4-bit decode is ALU-bound, not byte-bound.
         scale16 = sc.to(tl.float8e4nv, bitcast=True).to(tl.float16) * 128.0
-        even = (e2m1_to_f16_scaled(packed & 15) * 128.0) * scale16
-        odd = (e2m1_to_f16_scaled(packed >> 4) * 128.0) * scale16
+        if FP4_ASM:
+            even = (e2m1x4_to_f16_scaled_asm(packed, False) * 128.0) * scale16
+            odd = (e2m1x4_to_f16_scaled_asm(packed, True) * 128.0) * scale16
+        else:
+            even = (e2m1_to_f16_scaled(packed & 15) * 128.0) * scale16
+            odd = (e2m1_to_f16_scaled(packed >> 4) * 128.0) * scale16
         return even, odd
     if FMT == FMT_NVFP4:  # e4m3 scales arrive as bytes (masked lanes 0, not a NaN pattern)
         scale = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32)
@@ -108,6 +112,7 @@ def paged_attention_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr,
     IS_DECODE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FP8_ASM: tl.constexpr, FP8_DTYPE: tl.constexpr, SCALE_BCAST: tl.constexpr,
+    FP4_ASM: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
     if not IS_DECODE:
@@ -198,7 +203,7 @@ def paged_attention_kernel(
         if IS_FP4:
             ks_off = page_v * stride_ksp + in_page * stride_kst + kvh * stride_ksh
             k_e, k_o = _load_fp4_tile(k_ptr, ks_ptr, tok_off, ks_off, offs_d, kvalid, True, FMT, DOT_DTYPE,
-                                      SCALE_BCAST)
+                                      SCALE_BCAST, FP4_ASM)
             qk = tl.dot(q_e, k_e, input_precision=DOT_PRECISION)
             qk = tl.dot(q_o, k_o, acc=qk, input_precision=DOT_PRECISION)
         else:
@@ -237,7 +242,7 @@ def paged_attention_kernel(
         if IS_FP4:
             vs_off = page_v * stride_vsp + in_page * stride_vst + kvh * stride_vsh
             v_e, v_o = _load_fp4_tile(v_ptr, vs_ptr, tok_off, vs_off, offs_d, kvalid, False, FMT, DOT_DTYPE,
-                                      SCALE_BCAST)
+                                      SCALE_BCAST, FP4_ASM)
             acc = tl.dot(p, v_e, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
             acc_o = tl.dot(p, v_o, acc=acc_o * alpha[:, None], input_precision=DOT_PRECISION)
         else:
@@ -319,7 +324,8 @@ _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float
 WORKSPACE_BYTES = 64 * 2 ** 20  # the most split partials one call may allocate (heuristic; tuning may exceed it)
 
 # Tunables a caller (benchmarks/triton_tuning.py, tests) may force; None entries fall back to the heuristic.
-CONFIG_KEYS = ("BLOCK_N", "num_warps", "num_stages", "CHUNK", "MAX_SPLITS", "BLOCK_Q", "FP8_ASM", "SCALE_BCAST")
+CONFIG_KEYS = ("BLOCK_N", "num_warps", "num_stages", "CHUNK", "MAX_SPLITS", "BLOCK_Q", "FP8_ASM", "SCALE_BCAST",
+               "FP4_ASM")
 
 
 @functools.lru_cache(maxsize=None)
@@ -383,7 +389,7 @@ def heuristic_config(device, decode: bool, batch: int, num_tokens: int, num_q_he
     # variant stays for the tuning sweep. SCALE_BCAST on: one load per 4-bit block scale instead of one per value
     # (sm_90 PTX of an nvfp4 decode: 17 global loads instead of 97, half the shared memory)
     return dict(BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, CHUNK=chunk, MAX_SPLITS=max_splits,
-                BLOCK_Q=block_q, FP8_ASM=False, SCALE_BCAST=True)
+                BLOCK_Q=block_q, FP8_ASM=False, SCALE_BCAST=True, FP4_ASM=False)
 
 
 def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, soft_cap, window_left, kv_format,
@@ -458,6 +464,7 @@ def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, s
         HAS_SOFTCAP=soft_cap > 0, DOT_DTYPE=_TL_DTYPE[ddt],
         DOT_PRECISION="ieee" if ddt == torch.float32 else "tf32", FP8_ASM=fp8_asm,
         FP8_DTYPE=fp8_dtype, SCALE_BCAST=bool(cfg["SCALE_BCAST"]) and formats.is_fp4(kv_format),
+        FP4_ASM=bool(cfg["FP4_ASM"]) and kv_format == "nvfp4" and ddt == torch.float16 and q.is_cuda,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if max_splits > 1:
         merge_splits_kernel[(num_tokens, num_q_heads)](
