@@ -445,9 +445,11 @@ def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, s
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
 
     if max_splits > 1:
-        part_out = torch.empty((num_tokens, num_q_heads, max_splits, head_dim), dtype=torch.float32,
-                               device=q.device)
-        part_lse = torch.empty((num_tokens, num_q_heads, max_splits), dtype=torch.float32, device=q.device)
+        # one allocation for both (host time per call matters for short decode steps): partial outputs
+        # [T, Hq, MAX_SPLITS, D], then their LSEs [T, Hq, MAX_SPLITS]
+        rows = num_tokens * num_q_heads * max_splits
+        workspace = torch.empty(rows * (head_dim + 1), dtype=torch.float32, device=q.device)
+        part_out, part_lse = workspace[: rows * head_dim], workspace[rows * head_dim:]
     else:
         part_out = part_lse = out  # unused: every program writes `out` directly
     cu = seq_lens if decode else cu_seqlens_q
