@@ -13,8 +13,9 @@ The decode step (DecodeStep) runs at fixed shapes: the batch is padded up to a b
 padding rows (slot_mapping -1: the cache write skips them; seq_lens 0: attention gives them 0) and the block table
 has a fixed width (the pages of max_seq_len), so the lengths and pages changing from step to step never change a
 shape, and torch.compile(fullgraph=True, dynamic=False) compiles it once per bucket. The same fixed shapes are what
-a CUDA graph needs: DecodeStep.buffers[bucket] are the static input tensors, refilled in place before each step, and
-DecodeStep.launch(bucket) is the call a graph helper replaces with the replay of bucket's graph.
+a CUDA graph needs: cuda_graphs=True hands the (compiled) step function to attnops.graphs.DecodeGraphRunner, one
+graph per bucket. (DecodeStep.buffers[bucket] and DecodeStep.launch(bucket) are the static inputs and the call to
+replace for a graph helper of another shape.)
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ class DecodeStep:
     """
 
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, *, max_batch: int, max_pages: int,
-                 buckets: tuple[int, ...] | None = None, compile: bool | dict = False):
+                 buckets: tuple[int, ...] | None = None, compile: bool | dict = False, cuda_graphs: bool = False):
         self.model, self.cache, self.max_pages = model, cache, max_pages
         self.buckets = tuple(sorted(buckets or default_buckets(max_batch)))
         if self.buckets[-1] < max_batch:
@@ -67,9 +68,15 @@ class DecodeStep:
             self.step_fn = torch.compile(self._step, **options)
         else:
             self.step_fn = self._step
-        # The hook for CUDA graphs (attnops/graphs.py): replace with a callable that replays bucket n's graph,
-        # captured over self.step_fn(**self.buffers[n]), and returns its static logits.
+        # The hook for CUDA graphs: a callable that replays bucket n's graph, captured over
+        # self.step_fn(**self.buffers[n]), and returns its static logits, may replace this.
         self.launch: Callable[[int], torch.Tensor] = lambda n: self.step_fn(**self.buffers[n])
+        # cuda_graphs=True: attnops.graphs.DecodeGraphRunner captures step_fn once per bucket (on first use) with
+        # static inputs of its own, pads the batch itself and re-plans backends before each replay.
+        self.graph_runner = None
+        if cuda_graphs:
+            from .graphs import DecodeGraphRunner
+            self.graph_runner = DecodeGraphRunner(self.step_fn, cache, buckets=self.buckets, max_pages=max_pages)
 
     def _step(self, token_ids, positions, block_table, seq_lens, slot_mapping):
         meta = BatchMetadata(seq_ids=[], block_table=block_table, seq_lens=seq_lens, slot_mapping=slot_mapping,
@@ -90,6 +97,8 @@ class DecodeStep:
         n = self.bucket_for(batch)
         positions = torch.tensor([self.cache.seq_len(s) for s in seq_ids], dtype=torch.int64)
         meta = self.cache.prepare(seq_ids, 1, decode=True, max_pages=self.max_pages)
+        if self.graph_runner is not None:
+            return self.graph_runner(token_ids, positions.to(self.cache.device), meta)
         buf = self.buffers[n]
         for name, live, pad in (("token_ids", token_ids, 0), ("positions", positions, 0),
                                 ("block_table", meta.block_table, -1), ("seq_lens", meta.seq_lens, 0),
@@ -125,16 +134,18 @@ class Generator:
     """Continuous batching over `cache` with `model` (attnops.model.LlamaForCausalLM or the same interface).
 
     max_batch: most requests decoded together; max_seq_len: longest prompt + max_new_tokens accepted (it fixes
-    the block table's width); compile: see DecodeStep (prefill stays eager: its shapes change every call);
+    the block table's width); compile, cuda_graphs: see DecodeStep (prefill stays eager: its shapes change
+    every call);
     seed: the sampling generator's seed (temperature > 0 only)."""
 
     def __init__(self, model, cache: PagedKVCache, *, max_batch: int = 8, max_seq_len: int = 2048,
-                 buckets: tuple[int, ...] | None = None, compile: bool | dict = False, seed: int = 0):
+                 buckets: tuple[int, ...] | None = None, compile: bool | dict = False, cuda_graphs: bool = False,
+                 seed: int = 0):
         self.model, self.cache = model, cache
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
         max_pages = -(-max_seq_len // cache.page_size)
         self.decode = DecodeStep(model, cache, max_batch=max_batch, max_pages=max_pages, buckets=buckets,
-                                 compile=compile)
+                                 compile=compile, cuda_graphs=cuda_graphs)
         self.generator = torch.Generator(cache.device).manual_seed(seed)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: dict[object, Request] = {}  # in admission order: the decode batch's row order

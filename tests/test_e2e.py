@@ -179,10 +179,15 @@ SCHEDULE = [(0, 5, 20), (0, 13, 9), (0, 30, 40), (3, 2, 25), (5, 21, 12), (9, 8,
             (31, 3, 35), (45, 9, 18), (52, 25, 10)]
 
 
-def serve(model, schedule, *, compile=False, backend=None, cache=None, buckets=(2, 4), temperature=0.0, seed=0):
-    """Runs `schedule` to completion; returns ({req_id: tokens}, decode steps run, the cache)."""
+def serve(model, schedule, *, compile=False, cuda_graphs=False, backend=None, cache=None, buckets=(2, 4),
+          temperature=0.0, seed=0, out=None):
+    """Runs `schedule` to completion; returns ({req_id: tokens}, decode steps run, the cache). out: a dict that
+    receives the Generator."""
     cache = cache or new_cache(num_pages=24)
-    gen = Generator(model, cache, max_batch=4, max_seq_len=96, buckets=buckets, compile=compile, seed=seed)
+    gen = Generator(model, cache, max_batch=4, max_seq_len=96, buckets=buckets, compile=compile,
+                    cuda_graphs=cuda_graphs, seed=seed)
+    if out is not None:
+        out["generator"] = gen
     prompts = torch.Generator().manual_seed(123)
     steps, pending = 0, list(enumerate(schedule))
     with attnops.use_backend(backend):
@@ -299,3 +304,22 @@ def test_tokens_identical_across_backends_on_gpu(checkpoint, kv_format):
     first = next(iter(results.values()))
     for name, tokens in results.items():
         assert tokens == first, f"{name} differs from {next(iter(results))} ({kv_format} KV)"
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_eager_compiled_and_graph_replayed_tokens_identical_on_gpu(checkpoint):
+    """bf16 on the GPU: eager, torch.compile'd and compiled + CUDA-graph-replayed decode steps give the same
+    greedy tokens over 64+ steps of requests joining and leaving, with one graph per bucket."""
+    path, _ = checkpoint
+    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device="cuda")
+    runs, held = {}, {}
+    for name, options in (("eager", {}), ("compiled", dict(compile=True)),
+                          ("graphs", dict(compile=True, cuda_graphs=True))):
+        torch._dynamo.reset()
+        cache = new_cache(num_pages=24, kv_format="bf16", device="cuda")
+        runs[name], steps, _ = serve(model, SCHEDULE, cache=cache, out=held, **options)
+        assert steps >= 64
+    runner = held["generator"].decode.graph_runner
+    assert sorted(runner.graphs) == [2, 4], "one CUDA graph per bucket used"
+    assert runs["compiled"] == runs["eager"] and runs["graphs"] == runs["eager"]
