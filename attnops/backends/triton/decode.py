@@ -363,7 +363,10 @@ def heuristic_config(device, decode: bool, batch: int, num_tokens: int, num_q_he
         max_rows = 64 if head_dim >= 256 else 128
         block_q = max(1, min(triton.next_power_of_2(avg_q), max(1, max_rows // group)))
     block_m = max(16, triton.next_power_of_2(block_q * group))
-    block_n = 32 if head_dim >= 256 else 64
+    # about 16 KB of bf16 K per tile: 64 keys at D=128, 128 at D<=64 (small tiles of a short head were
+    # overhead-bound on the H200: MQA 16/1/64 read 1.2-1.5 TB/s with 64-key tiles), 32 at D=256 (registers).
+    # The interpreter keeps 64 so that CPU tests cover several tiles and splits with short sequences.
+    block_n = max(16, min(128, 8192 // head_dim)) if device.type == "cuda" else (32 if head_dim >= 256 else 64)
     # query blocks that do work (the grid's T // BLOCK_Q + B is an upper bound that counts partial blocks)
     num_q_blocks = batch if decode else max(batch, -(-num_tokens // block_q))
     base = num_q_blocks * num_kv_heads
