@@ -143,19 +143,20 @@ def test_random_cases_match_reference():
 
 
 @pytest.mark.parametrize("threads", [1, 2, 8])
-@pytest.mark.parametrize("kv_format", ["fp32", "bf16", "fp8_e4m3"])
-def test_long_sequence_kv_splits(threads, kv_format):
-    """One long sequence on one KV head: with several threads its keys are split into pieces (at 8 threads, 16
-    pieces of 256 keys: paged_attention.cpp splits a tile until there are ~4 items per thread) whose partial
-    results are merged by log-sum-exp; the result must not depend on the thread count. A sliding window and a
-    verify block make the pieces see different rows."""
+@pytest.mark.parametrize("kv_format,num_kv_heads", [("fp32", 1), ("bf16", 4), ("fp8_e4m3", 2)])
+def test_long_sequence_kv_splits(threads, kv_format, num_kv_heads):
+    """One long sequence: with several threads its keys are split into pieces (one KV head at 8 threads: 16 pieces
+    of 256 keys, since paged_attention.cpp splits tiles until there are ~4 items per thread) whose partial results
+    are merged by log-sum-exp; with several KV heads, tiles take fewer heads as threads grow. The result must not
+    depend on the thread count. A sliding window and a verify block make the pieces see different rows."""
     q_dtype = torch.float32 if kv_format != "bf16" else torch.bfloat16
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         for q_lens, options in ((None, {}), ([5], dict(window_left=1000, soft_cap=20.0))):
-            args = random_paged_inputs([4096], q_lens, num_q_heads=4, num_kv_heads=1, head_dim=128, page_size=16,
-                                       kv_format=kv_format, q_dtype=q_dtype, seed=threads)
+            args = random_paged_inputs([4096], q_lens, num_q_heads=4 * num_kv_heads, num_kv_heads=num_kv_heads,
+                                       head_dim=128, page_size=16, kv_format=kv_format, q_dtype=q_dtype,
+                                       seed=threads)
             out = run_cpu(args, options, out_variant=True)
             ref = paged_attention_reference(**{**args, "q": args["q"].double()}, **options,
                                             compute_dtype=torch.float64)

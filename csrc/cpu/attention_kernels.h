@@ -3,7 +3,7 @@
 // (the namespace of their copy) and include this file after <ATen/cpu/vec/vec.h>.
 //
 // One call of attend() runs one work item: a tile of query rows (the tokens of one sequence x the query heads of one
-// KV head's group) against a range of keys. Keys are taken kKeyChunk at a time:
+// or more KV heads' groups) against a range of keys. Keys are taken kKeyChunk at a time:
 //   scores  S[r][j] = q_r . k_j        (q pre-multiplied by scale * k_scale, so fp8 keys are used as stored)
 //   S = soft_cap * tanh(S / soft_cap)  (if soft_cap > 0)
 //   mask the keys a row cannot see     (causal and sliding window; only in chunks that cross a row's limits)
@@ -133,6 +133,59 @@ inline void unroll(F&& f) {
   unroll_impl(f, std::make_integer_sequence<int, N>{});
 }
 
+// sums[i] = the sum of the lanes of r.at<i>(), for i < N. Eight vectors are reduced together, by a transpose-add
+// tree (23 shuffles and adds for 8 sums, where one reduction per vector takes 8 each): in decode it is as much
+// work as the dot products themselves.
+template <int N>
+inline void reduce_lanes(Regs& r, float* sums) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (N == 8) {
+    // pairs at 256-bit granularity: [a_lo + a_hi | b_lo + b_hi], as 128-bit lanes [a0+a2, a1+a3, b0+b2, b1+b3]
+    auto fold256 = [](__m512 a, __m512 b) {
+      return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                           _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+    };
+    // then at 128-bit granularity: one 128-bit lane of 4 partial sums per vector: [A, B, C, D]
+    auto fold128 = [](__m512 x, __m512 y) {
+      return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
+                           _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
+    };
+    const __m512 z1 = fold128(fold256(r.r0, r.r1), fold256(r.r2, r.r3));  // lanes: sums of r0, r1, r2, r3
+    const __m512 z2 = fold128(fold256(r.r4, r.r5), fold256(r.r6, r.r7));  // lanes: sums of r4, r5, r6, r7
+    // within each 128-bit lane k: [z1 partials | z2 partials] -> [z1_k, z1_k, z2_k, z2_k]
+    const __m512 t = _mm512_add_ps(_mm512_shuffle_ps(z1, z2, _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_ps(z1, z2, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 u = _mm512_add_ps(t, _mm512_permute_ps(t, _MM_SHUFFLE(2, 3, 0, 1)));
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, u);
+    for (int i = 0; i < 8; ++i) sums[i] = lanes[(i % 4) * 4 + (i / 4) * 2];
+    return;
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  if constexpr (N == 8) {
+    // pairs at 128-bit granularity: [a_lo + a_hi | b_lo + b_hi]
+    auto fold128 = [](__m256 a, __m256 b) {
+      return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+    };
+    // within each 128-bit lane: [x partials | y partials] -> [x, x, y, y]
+    auto fold_lane = [](__m256 x, __m256 y) {
+      const __m256 t = _mm256_add_ps(_mm256_shuffle_ps(x, y, _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm256_shuffle_ps(x, y, _MM_SHUFFLE(3, 2, 3, 2)));
+      return _mm256_add_ps(t, _mm256_permute_ps(t, _MM_SHUFFLE(2, 3, 0, 1)));
+    };
+    // lanes of u1: [r0 r0 r2 r2 | r1 r1 r3 r3], of u2: the same for r4..r7
+    const __m256 u1 = fold_lane(fold128(r.r0, r.r1), fold128(r.r2, r.r3));
+    const __m256 u2 = fold_lane(fold128(r.r4, r.r5), fold128(r.r6, r.r7));
+    alignas(32) float lanes[16];
+    _mm256_store_ps(lanes, u1);
+    _mm256_store_ps(lanes + 8, u2);
+    for (int i = 0; i < 8; ++i) sums[i] = lanes[(i / 4) * 8 + (i % 2) * 4 + ((i % 4) / 2) * 2];
+    return;
+  }
+#endif
+  unroll<N>([&](auto i) { sums[decltype(i)::value] = hsum(r.at<decltype(i)::value>()); });
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Scores: S[r][j] = q_r . k_j for RB rows x KB keys at once. RB * KB independent accumulators hide the FMA latency,
 // and each key vector is loaded (and converted) once for the RB rows.
@@ -150,9 +203,12 @@ inline void qk_block(const Loader& ld, const float* q, int64_t D, const typename
       acc.at<decltype(i)::value>() = at::vec::fmadd(Vec::loadu(q + r * D + d), kv.at<j>(), acc.at<decltype(i)::value>());
     });
   }
+  float sums[RB * KB];
+  reduce_lanes<RB * KB>(acc, sums);
+  // (unrolled: as a loop, GCC vectorizes these 8 stores into a scatter, which is slow)
   unroll<RB * KB>([&](auto i) {
     constexpr int r = decltype(i)::value / KB, j = decltype(i)::value % KB;
-    S[r * kKeyChunk + j] = hsum(acc.at<decltype(i)::value>());
+    S[r * kKeyChunk + j] = sums[decltype(i)::value];
   });
 }
 
@@ -276,13 +332,26 @@ inline T from_float(float x) {
   return static_cast<T>(x);  // c10::BFloat16 / c10::Half round to nearest even, like Tensor.to()
 }
 
-// The visible key range of row r of a tile: positions [lo, hi] (hi < lo: none).
+// Rows of a tile, head-major: row r is query head (kv_head + r / rows_per_head) * group + r % group of token
+// q_begin + (r % rows_per_head) / group, where rows_per_head = tokens x group. The rows of one KV head are
+// consecutive, so the micro-kernels run on them as one block.
+struct TileRows {
+  int64_t tokens, per_head, total;
+  TileRows(const AttentionParams& p, const Tile& tile)
+      : tokens(tile.q_end - tile.q_begin), per_head(tokens * p.group), total(per_head * tile.num_heads) {}
+  int64_t token(const AttentionParams& p, int64_t r) const { return (r % per_head) / p.group; }
+  int64_t q_head(const AttentionParams& p, const Tile& tile, int64_t r) const {
+    return (tile.kv_head + r / per_head) * p.group + r % p.group;
+  }
+};
+
+// The visible key range of a token of a tile: positions [lo, hi] (hi < lo: none).
 struct RowLimits {
   int64_t lo, hi;
 };
 
-inline RowLimits row_limits(const AttentionParams& p, const Tile& tile, int64_t r) {
-  const int64_t pos = tile.first_pos + r / p.group;
+inline RowLimits token_limits(const AttentionParams& p, const Tile& tile, int64_t token) {
+  const int64_t pos = tile.first_pos + token;
   return {p.window_left >= 0 ? std::max<int64_t>(0, pos - p.window_left) : 0, pos};
 }
 
@@ -290,73 +359,86 @@ template <typename QT, typename Loader>
 void attend_impl(const AttentionParams& p, const Loader& ld, const Tile& tile, const WorkItem& item,
                  const Partials& partials, float* scratch) {
   using KT = typename Loader::T;
-  const int64_t D = p.head_dim, G = p.group, h = tile.kv_head;
-  const int64_t rows = (tile.q_end - tile.q_begin) * G;
-  float* qf = scratch;                           // [rows][D]
-  float* acc = qf + p.max_tile_rows * D;         // [rows][D]
-  float* S = acc + p.max_tile_rows * D;          // [rows][kKeyChunk]
+  const int64_t D = p.head_dim;
+  const TileRows rows(p, tile);
+  float* qf = scratch;                               // [rows][D]
+  float* acc = qf + p.max_tile_rows * D;             // [rows][D]
+  float* S = acc + p.max_tile_rows * D;              // [rows][kKeyChunk]
   float* row_max = S + p.max_tile_rows * kKeyChunk;  // [rows]
   float* row_sum = row_max + p.max_tile_rows;        // [rows]
 
-  // q rows in fp32, times the softmax scale and the key scale (so that stored fp8 keys are used as they are)
-  const float q_mult = p.scale * p.k_scale[h];
+  // q rows in fp32, times the softmax scale and the head's key scale (so that stored fp8 keys are used as stored)
   const QT* q = static_cast<const QT*>(p.q);
-  for (int64_t t = tile.q_begin; t < tile.q_end; ++t) {
-    for (int64_t j = 0; j < G; ++j) {
-      const QT* src = q + t * p.q_stride_token + (h * G + j) * p.q_stride_head;
-      float* dst = qf + ((t - tile.q_begin) * G + j) * D;
-      for (int64_t d = 0; d < D; ++d) dst[d] = to_float(src[d]) * q_mult;
-    }
+  for (int64_t r = 0; r < rows.total; ++r) {
+    const float q_mult = p.scale * p.k_scale[tile.kv_head + r / rows.per_head];
+    const QT* src = q + (tile.q_begin + rows.token(p, r)) * p.q_stride_token + rows.q_head(p, tile, r) * p.q_stride_head;
+    for (int64_t d = 0; d < D; ++d) qf[r * D + d] = to_float(src[d]) * q_mult;
   }
-  std::fill(acc, acc + rows * D, 0.f);
-  std::fill(row_max, row_max + rows, kNegInf);
-  std::fill(row_sum, row_sum + rows, 0.f);
+  std::fill(acc, acc + rows.total * D, 0.f);
+  std::fill(row_max, row_max + rows.total, kNegInf);
+  std::fill(row_sum, row_sum + rows.total, 0.f);
 
-  // Rows whose limits lie strictly inside a chunk need masking there; for the rest of the range the whole chunk is
-  // visible to every row. The tile's rows are consecutive positions, so the tightest limits are those of the first
-  // row (causal: smallest hi) and the last row (window: largest lo).
+  // Tokens whose limits lie strictly inside a chunk need masking there; for the rest of the range the whole chunk
+  // is visible to every row. The tile's tokens are consecutive positions, so the tightest limits are those of the
+  // first token (causal: smallest hi) and the last (window: largest lo).
   const int64_t min_hi = tile.first_pos;
-  const int64_t max_lo = row_limits(p, tile, rows - 1).lo;
+  const int64_t max_lo = token_limits(p, tile, rows.tokens - 1).lo;
 
-  const KT* k_base = static_cast<const KT*>(p.k_cache) + h * p.cache_stride_head;
-  const KT* v_base = static_cast<const KT*>(p.v_cache) + h * p.cache_stride_head;
+  const KT* k_cache = static_cast<const KT*>(p.k_cache);
+  const KT* v_cache = static_cast<const KT*>(p.v_cache);
   const int32_t* pages = p.block_table + tile.seq * p.bt_stride_seq;
   const int64_t slot_mask = (int64_t{1} << p.page_shift) - 1;
-  // Row addresses of the chunk's keys (chunks ignore page boundaries: each key's page is looked up), and of the
-  // next chunk's, whose rows are prefetched while this chunk's scores are computed: a row is 64 to 512 bytes at a
-  // stride of a cache slot (all KV heads) in a random page, which the hardware prefetchers do not follow, and
-  // without it the loop waits on DRAM latency at every row.
-  const KT* rows_a[2][kKeyChunk];
-  const KT* rows_b[2][kKeyChunk];
-  const KT** k_rows = rows_a[0];
-  const KT** v_rows = rows_a[1];
-  const KT** k_next = rows_b[0];
-  const KT** v_next = rows_b[1];
-  auto locate = [&](int64_t c0, const KT** kr, const KT** vr) {
+  // Offsets of the chunk's key slots in the caches (chunks ignore page boundaries: each key's page is looked up),
+  // and of the next chunk's, whose rows are prefetched while this chunk's scores are computed: a row is 64 to 512
+  // bytes at a stride of a cache slot in a random page, and without the prefetch the loop waits on DRAM latency
+  // at every row. The KV heads of the tile are taken in turn over the same slots, so the memory of a chunk is
+  // read as a few contiguous runs (one per slot, all heads), not scattered pieces.
+  int64_t offsets_a[kKeyChunk], offsets_b[kKeyChunk];
+  int64_t* offsets = offsets_a;
+  int64_t* offsets_next = offsets_b;
+  auto locate = [&](int64_t c0, int64_t* off) {
     const int64_t n = std::min(kKeyChunk, item.kv_end - c0);
     for (int64_t j = 0; j < n; ++j) {
       const int64_t pos = c0 + j;
       const int64_t page = pages[(pos >> p.page_shift) * p.bt_stride_page];
-      const int64_t offset = page * p.cache_stride_page + (pos & slot_mask) * p.cache_stride_slot;
-      kr[j] = k_base + offset;
-      vr[j] = v_base + offset;
+      off[j] = page * p.cache_stride_page + (pos & slot_mask) * p.cache_stride_slot;
     }
     return n;
   };
+  const KT* k_rows[kKeyChunk];
+  const KT* v_rows[kKeyChunk];
+  const KT* k_next[kKeyChunk];
+  const KT* v_next[kKeyChunk];
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(KT));
-  if (item.kv_begin < item.kv_end) {
-    const int64_t n = locate(item.kv_begin, k_rows, v_rows);
-    Ahead<KT>{k_rows, v_rows, n, row_bytes}.fetch(0, n);
+  if (item.kv_begin < item.kv_end) {  // the first chunk has nothing before it to hide its loads behind
+    const int64_t n = locate(item.kv_begin, offsets);
+    for (int64_t hi = 0; hi < tile.num_heads; ++hi) {
+      const int64_t head = (tile.kv_head + hi) * p.cache_stride_head;
+      for (int64_t j = 0; j < n; ++j) {
+        k_next[j] = k_cache + head + offsets[j];
+        v_next[j] = v_cache + head + offsets[j];
+      }
+      Ahead<KT>{k_next, v_next, n, row_bytes}.fetch(0, n);
+    }
   }
 
   for (int64_t c0 = item.kv_begin; c0 < item.kv_end; c0 += kKeyChunk) {
     const int64_t n = std::min(kKeyChunk, item.kv_end - c0);
-    const int64_t n_next = c0 + kKeyChunk < item.kv_end ? locate(c0 + kKeyChunk, k_next, v_next) : 0;
+    const int64_t n_next = c0 + kKeyChunk < item.kv_end ? locate(c0 + kKeyChunk, offsets_next) : 0;
 
-    qk(ld, qf, rows, D, k_rows, n, S, Ahead<KT>{k_next, v_next, n_next, row_bytes});
+    for (int64_t hi = 0; hi < tile.num_heads; ++hi) {
+      const int64_t head = (tile.kv_head + hi) * p.cache_stride_head;
+      for (int64_t j = 0; j < n; ++j) k_rows[j] = k_cache + head + offsets[j];
+      for (int64_t j = 0; j < n_next; ++j) {
+        k_next[j] = k_cache + head + offsets_next[j];
+        v_next[j] = v_cache + head + offsets_next[j];
+      }
+      qk(ld, qf + hi * rows.per_head * D, rows.per_head, D, k_rows, n, S + hi * rows.per_head * kKeyChunk,
+         Ahead<KT>{k_next, v_next, n_next, row_bytes});
+    }
 
     const bool needs_mask = c0 + n - 1 > min_hi || c0 < max_lo;
-    for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t r = 0; r < rows.total; ++r) {
       float* s = S + r * kKeyChunk;
       if (p.soft_cap > 0.f) {
         const Vec cap(p.soft_cap), inv_cap(1.f / p.soft_cap);
@@ -366,7 +448,7 @@ void attend_impl(const AttentionParams& p, const Loader& ld, const Tile& tile, c
       for (int64_t j = n; j < kKeyChunk; ++j) s[j] = kNegInf;
       // ...and for the keys this row cannot see
       if (needs_mask) {
-        const RowLimits lim = row_limits(p, tile, r);
+        const RowLimits lim = token_limits(p, tile, rows.token(p, r));
         for (int64_t j = 0; j < n; ++j)
           if (c0 + j < lim.lo || c0 + j > lim.hi) s[j] = kNegInf;
       }
@@ -397,25 +479,25 @@ void attend_impl(const AttentionParams& p, const Loader& ld, const Tile& tile, c
       }
     }
 
-    pv(ld, S, rows, n, v_rows, acc, D);
-    std::swap(k_rows, k_next);
-    std::swap(v_rows, v_next);
+    for (int64_t hi = 0; hi < tile.num_heads; ++hi) {
+      const int64_t head = (tile.kv_head + hi) * p.cache_stride_head;
+      for (int64_t j = 0; j < n; ++j) v_rows[j] = v_cache + head + offsets[j];
+      pv(ld, S + hi * rows.per_head * kKeyChunk, rows.per_head, n, v_rows, acc + hi * rows.per_head * D, D);
+    }
+    std::swap(offsets, offsets_next);
   }
 
   if (item.slot >= 0) {  // a split: leave the unnormalized partial result for merge()
-    float* pa = partials.acc + item.slot * p.max_tile_rows * D;
-    std::copy(acc, acc + rows * D, pa);
-    std::copy(row_max, row_max + rows, partials.max + item.slot * p.max_tile_rows);
-    std::copy(row_sum, row_sum + rows, partials.sum + item.slot * p.max_tile_rows);
+    std::copy(acc, acc + rows.total * D, partials.acc + item.slot * p.max_tile_rows * D);
+    std::copy(row_max, row_max + rows.total, partials.max + item.slot * p.max_tile_rows);
+    std::copy(row_sum, row_sum + rows.total, partials.sum + item.slot * p.max_tile_rows);
     return;
   }
   QT* out = static_cast<QT*>(p.out);
-  const float v_mult = p.v_scale[h];
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t t = tile.q_begin + r / G, head = h * G + r % G;
-    QT* dst = out + t * p.out_stride_token + head * p.out_stride_head;
+  for (int64_t r = 0; r < rows.total; ++r) {
+    QT* dst = out + (tile.q_begin + rows.token(p, r)) * p.out_stride_token + rows.q_head(p, tile, r) * p.out_stride_head;
     // a row that saw no key (an empty sequence) is 0, never NaN
-    const float norm = row_sum[r] > 0.f ? v_mult / row_sum[r] : 0.f;
+    const float norm = row_sum[r] > 0.f ? p.v_scale[tile.kv_head + r / rows.per_head] / row_sum[r] : 0.f;
     const float* a = acc + r * D;
     for (int64_t d = 0; d < D; ++d) dst[d * p.out_stride_dim] = from_float<QT>(a[d] * norm);
   }
@@ -424,12 +506,11 @@ void attend_impl(const AttentionParams& p, const Loader& ld, const Tile& tile, c
 template <typename QT>
 void merge_impl(const AttentionParams& p, const Tile& tile, int64_t first_slot, int64_t num_slots,
                 const Partials& partials) {
-  const int64_t D = p.head_dim, G = p.group, h = tile.kv_head;
-  const int64_t rows = (tile.q_end - tile.q_begin) * G;
+  const int64_t D = p.head_dim;
+  const TileRows rows(p, tile);
   QT* out = static_cast<QT*>(p.out);
-  const float v_mult = p.v_scale[h];
   float merged[256];  // head_dim <= 256 (checked by the host)
-  for (int64_t r = 0; r < rows; ++r) {
+  for (int64_t r = 0; r < rows.total; ++r) {
     // log-sum-exp merge: out = sum_s acc_s * exp(m_s - M) / sum_s l_s * exp(m_s - M), M = max_s m_s
     float m = kNegInf;
     for (int64_t s = first_slot; s < first_slot + num_slots; ++s) m = std::max(m, partials.max[s * p.max_tile_rows + r]);
@@ -447,9 +528,8 @@ void merge_impl(const AttentionParams& p, const Tile& tile, int64_t first_slot, 
           at::vec::fmadd(Vec::loadu(a + d), vw, Vec::loadu(merged + d)).store(merged + d);
       }
     }
-    const float norm = l > 0.f ? v_mult / l : 0.f;
-    const int64_t t = tile.q_begin + r / G, head = h * G + r % G;
-    QT* dst = out + t * p.out_stride_token + head * p.out_stride_head;
+    const float norm = l > 0.f ? p.v_scale[tile.kv_head + r / rows.per_head] / l : 0.f;
+    QT* dst = out + (tile.q_begin + rows.token(p, r)) * p.out_stride_token + rows.q_head(p, tile, r) * p.out_stride_head;
     for (int64_t d = 0; d < D; ++d) dst[d * p.out_stride_dim] = from_float<QT>(merged[d] * norm);
   }
 }

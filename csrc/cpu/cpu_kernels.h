@@ -46,11 +46,12 @@ struct AttentionParams {
   int64_t max_tile_rows;  // rows (query tokens x heads of a group) of the largest tile: sizes the scratch
 };
 
-// A tile: the query rows of one sequence and one KV head that are processed together (tokens
-// [q_begin, q_end) x the `group` query heads of kv_head), so each K/V row is loaded once for all of them.
+// A tile: the query rows of one sequence that are processed together: tokens [q_begin, q_end) x the query heads
+// of KV heads [kv_head, kv_head + num_heads) (each KV head's `group` query heads), so that each K/V row is loaded
+// once for all the rows of its group, and the K/V rows of a key slot (all the tile's heads) are read together.
 struct Tile {
   int64_t seq;
-  int64_t kv_head;
+  int64_t kv_head, num_heads;
   int64_t q_begin, q_end;  // rows of q (absolute)
   int64_t first_pos;       // position in the sequence of query row q_begin (queries are the sequence's last ones)
   int64_t kv_begin, kv_end;  // keys any row of the tile can see

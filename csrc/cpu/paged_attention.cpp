@@ -34,7 +34,8 @@ namespace attnops::cpu {
 
 namespace {
 
-constexpr int64_t kTileRows = 16;       // query rows (tokens x group heads) per tile, when there are enough
+constexpr int64_t kTileRows = 16;       // query rows (tokens x group heads) per KV head of a multi-token tile
+constexpr int64_t kMaxTileRows = 64;    // rows of a tile over all its KV heads (bounds the per-thread scratch)
 constexpr int64_t kMinSplitKeys = 256;  // never split a tile into pieces shorter than this
 constexpr int64_t kItemsPerThread = 4;  // split tiles until there are about this many items per thread
 
@@ -129,12 +130,12 @@ void paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const a
   const int64_t lens_stride = seq_lens.stride(0), cu_stride = decode ? 0 : cu_seqlens_q->stride(0);
   const int64_t group = p.group;
   const int64_t tokens_per_tile = decode ? 1 : std::max<int64_t>(1, kTileRows / group);
-  p.max_tile_rows = tokens_per_tile * group;
   if (!decode) {
     ATTNOPS_CHECK(op, cu[0] == 0 && cu[batch * cu_stride] == num_tokens,
                   "cu_seqlens_q must start at 0 and end at num_tokens=", num_tokens);
   }
-  std::vector<Tile> tiles;
+  // Blocks of query tokens of one sequence (all KV heads), with the keys they can see.
+  std::vector<Tile> blocks;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t kv_len = lens[b * lens_stride];
     const int64_t q_begin = decode ? b : cu[b * cu_stride], q_end = decode ? b + 1 : cu[(b + 1) * cu_stride];
@@ -152,17 +153,45 @@ void paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const a
       const int64_t first_pos = kv_len - (q_end - q_begin) + (t0 - q_begin);
       const int64_t last_pos = first_pos + (t1 - t0) - 1;
       const int64_t kv_end = std::clamp<int64_t>(last_pos + 1, 0, kv_len);
-      // keys before the window of the tile's first row are never read (whole pages of them are skipped)
+      // keys before the window of the block's first token are never read (whole pages of them are skipped)
       const int64_t kv_begin = window_left >= 0 ? std::clamp<int64_t>(first_pos - window_left, 0, kv_end) : 0;
-      for (int64_t h = 0; h < num_kv_heads; ++h) tiles.push_back({b, h, t0, t1, first_pos, kv_begin, kv_end});
+      blocks.push_back({b, 0, num_kv_heads, t0, t1, first_pos, kv_begin, kv_end});
     }
   }
-  if (tiles.empty()) return;
+  if (blocks.empty()) return;
+
+  // KV heads per tile: as many as fit kMaxTileRows rows (a divisor of Hkv: every tile has the same heads), so a
+  // chunk's K/V slots are read once for all heads; fewer where that would leave too few work items for the threads
+  // (counting the key splits the tiles' lengths allow).
+  const int64_t num_threads = at::get_num_threads();
+  const int64_t rows_per_head = tokens_per_tile * group;
+  int64_t pieces = 0;  // work items per KV head that the blocks allow, splits included
+  for (const Tile& t : blocks) pieces += std::max<int64_t>(1, (t.kv_end - t.kv_begin) / kMinSplitKeys);
+  int64_t heads_per_tile = 1;
+  for (int64_t hb = num_kv_heads; hb >= 1; --hb) {
+    if (num_kv_heads % hb != 0) continue;
+    const bool fits = hb == 1 || hb * rows_per_head <= kMaxTileRows;
+    const bool enough_work = hb == 1 || (num_kv_heads / hb) * pieces >= kItemsPerThread * num_threads;
+    if (fits && enough_work) {
+      heads_per_tile = hb;
+      break;
+    }
+  }
+  p.max_tile_rows = heads_per_tile * rows_per_head;
+  std::vector<Tile> tiles;
+  tiles.reserve(blocks.size() * (num_kv_heads / heads_per_tile));
+  for (const Tile& block : blocks) {
+    for (int64_t h = 0; h < num_kv_heads; h += heads_per_tile) {
+      Tile t = block;
+      t.kv_head = h;
+      t.num_heads = heads_per_tile;
+      tiles.push_back(t);
+    }
+  }
 
   // Items: split the tiles whose cost is large next to the whole job's, so that every thread gets work.
-  const int64_t num_threads = at::get_num_threads();
-  auto tile_cost = [&](const Tile& t, int64_t keys) {
-    return std::max<int64_t>(keys, 1) * ((t.q_end - t.q_begin) * group + 4);  // +4: loading a K/V row costs
+  auto tile_cost = [&](const Tile& t, int64_t keys) {  // +4 rows a head: loading a K/V row costs about that
+    return std::max<int64_t>(keys, 1) * t.num_heads * ((t.q_end - t.q_begin) * group + 4);
   };
   int64_t total_cost = 0;
   for (const Tile& t : tiles) total_cost += tile_cost(t, t.kv_end - t.kv_begin);
