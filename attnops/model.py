@@ -196,6 +196,13 @@ class LlamaForCausalLM(nn.Module):
         state = {}
         for name in files:
             state.update(load_file(str(path / name), device="cpu"))
+        return cls.from_state_dict(config, state, dtype=dtype, device=device, source=str(path))
+
+    @classmethod
+    def from_state_dict(cls, config: LlamaConfig, state: dict, *, dtype: torch.dtype = torch.float32,
+                        device="cpu", source: str = "state dict") -> "LlamaForCausalLM":
+        """A model with the given weights (transformers' parameter names), e.g. `hf_model.state_dict()`."""
+        state = dict(state)
         if config.tie_word_embeddings:
             state.pop("lm_head.weight", None)  # some exporters write the tied copy; the embedding is the source
         with torch.device("meta"):
@@ -204,10 +211,9 @@ class LlamaForCausalLM(nn.Module):
         expected = {k for k in model.state_dict() if not (config.tie_word_embeddings and k == "lm_head.weight")}
         missing, unexpected = expected - state.keys(), state.keys() - expected
         if missing or unexpected:
-            raise ValueError(f"LlamaForCausalLM.from_pretrained({str(path)!r}): missing {sorted(missing)}, "
+            raise ValueError(f"LlamaForCausalLM: {source} does not match the config: missing {sorted(missing)}, "
                              f"unexpected {sorted(unexpected)}")
-        model.load_state_dict(state, strict=False, assign=False)
+        model.load_state_dict(state, strict=False)
         if config.tie_word_embeddings:  # to_empty() broke the tie; restore it
             model.lm_head.weight = model.model.embed_tokens.weight
-        model.model.inv_freq = rope_inv_freq(config).to(device)  # non-persistent: not in the state dict
         return model.to(dtype=dtype).eval().requires_grad_(False)

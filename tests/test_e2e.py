@@ -323,3 +323,22 @@ def test_eager_compiled_and_graph_replayed_tokens_identical_on_gpu(checkpoint):
     runner = held["generator"].decode.graph_runner
     assert sorted(runner.graphs) == [2, 4], "one CUDA graph per bucket used"
     assert runs["compiled"] == runs["eager"] and runs["graphs"] == runs["eager"]
+
+
+def test_serve_bench_small_runs_and_writes_json_and_png(tmp_path):
+    """benchmarks/serve_bench.py --small on the CPU: every mode asked for gives a positive tokens/s (a mode that
+    fails is recorded, so check for errors), and the JSON and PNG are written."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "serve_bench.py"
+    spec = importlib.util.spec_from_file_location("serve_bench", script)
+    serve_bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serve_bench)
+    result = serve_bench.main(["--small", "--modes", "eager", "transformers", "--batches", "2", "--contexts", "40",
+                               "--steps", "2", "--warmup", "1", "--json", str(tmp_path / "s.json"),
+                               "--plot", str(tmp_path / "s.png")])
+    assert [(r["mode"], r["error"]) for r in result["records"]] == [("eager", None), ("transformers", None)]
+    assert all(r["tokens_per_s"] > 0 for r in result["records"])
+    assert json.loads((tmp_path / "s.json").read_text())["records"] == result["records"]
+    assert (tmp_path / "s.png").stat().st_size > 1000
