@@ -11,12 +11,16 @@
   ATEN_CPU_CAPABILITY capping the choice.
 - reshape_and_cache bit-exact against the reference for every format.
 - torch.library.opcheck on the public ops with the CPU backend serving; dispatch picks "cpu" for CPU tensors.
+- No AVX2/AVX-512 instruction outside the instruction-set copies (they are enabled by a pragma, not by flags).
 Outputs are poisoned (NaN) before each run.
 """
 from __future__ import annotations
 
 import os
+import platform
 import random
+import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -340,3 +344,26 @@ def test_cpp_checks_keep_reads_in_bounds():
     with pytest.raises(RuntimeError, match="exceeds block_table"):
         call(args["block_table"], torch.tensor([40, 10_000], dtype=torch.int32))
     call(args["block_table"], args["seq_lens"])  # and the good input runs
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="needs objdump (binutils)")
+def test_wide_instructions_stay_in_their_instruction_set_copies():
+    """setup.py compiles every source for the baseline x86-64; kernels_avx2.cpp / kernels_avx512.cpp turn on wider
+    instructions with a pragma, after the headers they share with other translation units (isa_preamble.h). If an
+    inline function shared with other code were compiled under the pragma, the linker could keep that copy, and a
+    CPU without AVX2/AVX-512 would crash in unrelated code. So: no function of attnops._C outside the ISA
+    namespaces may touch a ymm/zmm register."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86-64 only")
+    library = attnops._C.__file__
+    listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", library], capture_output=True, text=True,
+                             check=True).stdout
+    wide, name = set(), None
+    for line in listing.splitlines():
+        if line.endswith(">:"):
+            name = line
+        elif name and ("%ymm" in line or "%zmm" in line):
+            wide.add(name)
+    inside = {n for n in wide if re.search(r"isa_avx(2|512)|at::vec::AVX(2|512)", n)}
+    assert inside, "no AVX2/AVX-512 code found at all: were the instruction-set copies compiled?"
+    assert wide == inside, f"wide instructions outside the ISA copies: {sorted(wide - inside)[:5]}"

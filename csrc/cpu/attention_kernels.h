@@ -111,14 +111,22 @@ struct Regs {
   template <int I>
   Vec& at() {
     static_assert(I >= 0 && I < 8, "a register block holds 8 vectors");
-    if constexpr (I == 0) return r0;
-    else if constexpr (I == 1) return r1;
-    else if constexpr (I == 2) return r2;
-    else if constexpr (I == 3) return r3;
-    else if constexpr (I == 4) return r4;
-    else if constexpr (I == 5) return r5;
-    else if constexpr (I == 6) return r6;
-    else return r7;
+    if constexpr (I == 0)
+      return r0;
+    else if constexpr (I == 1)
+      return r1;
+    else if constexpr (I == 2)
+      return r2;
+    else if constexpr (I == 3)
+      return r3;
+    else if constexpr (I == 4)
+      return r4;
+    else if constexpr (I == 5)
+      return r5;
+    else if constexpr (I == 6)
+      return r6;
+    else
+      return r7;
   }
 };
 
@@ -200,7 +208,8 @@ inline void qk_block(const Loader& ld, const float* q, int64_t D, const typename
     unroll<KB>([&](auto j) { kv.at<decltype(j)::value>() = ld.load(k[decltype(j)::value] + d); });
     unroll<RB * KB>([&](auto i) {
       constexpr int r = decltype(i)::value / KB, j = decltype(i)::value % KB;
-      acc.at<decltype(i)::value>() = at::vec::fmadd(Vec::loadu(q + r * D + d), kv.at<j>(), acc.at<decltype(i)::value>());
+      acc.at<decltype(i)::value>() =
+          at::vec::fmadd(Vec::loadu(q + r * D + d), kv.at<j>(), acc.at<decltype(i)::value>());
     });
   }
   float sums[RB * KB];
@@ -371,7 +380,8 @@ void attend_impl(const AttentionParams& p, const Loader& ld, const Tile& tile, c
   const QT* q = static_cast<const QT*>(p.q);
   for (int64_t r = 0; r < rows.total; ++r) {
     const float q_mult = p.scale * p.k_scale[tile.kv_head + r / rows.per_head];
-    const QT* src = q + (tile.q_begin + rows.token(p, r)) * p.q_stride_token + rows.q_head(p, tile, r) * p.q_stride_head;
+    const QT* src =
+        q + (tile.q_begin + rows.token(p, r)) * p.q_stride_token + rows.q_head(p, tile, r) * p.q_stride_head;
     for (int64_t d = 0; d < D; ++d) qf[r * D + d] = to_float(src[d]) * q_mult;
   }
   std::fill(acc, acc + rows.total * D, 0.f);
@@ -495,7 +505,8 @@ void attend_impl(const AttentionParams& p, const Loader& ld, const Tile& tile, c
   }
   QT* out = static_cast<QT*>(p.out);
   for (int64_t r = 0; r < rows.total; ++r) {
-    QT* dst = out + (tile.q_begin + rows.token(p, r)) * p.out_stride_token + rows.q_head(p, tile, r) * p.out_stride_head;
+    QT* dst =
+        out + (tile.q_begin + rows.token(p, r)) * p.out_stride_token + rows.q_head(p, tile, r) * p.out_stride_head;
     // a row that saw no key (an empty sequence) is 0, never NaN
     const float norm = row_sum[r] > 0.f ? p.v_scale[tile.kv_head + r / rows.per_head] / row_sum[r] : 0.f;
     const float* a = acc + r * D;
@@ -513,7 +524,8 @@ void merge_impl(const AttentionParams& p, const Tile& tile, int64_t first_slot, 
   for (int64_t r = 0; r < rows.total; ++r) {
     // log-sum-exp merge: out = sum_s acc_s * exp(m_s - M) / sum_s l_s * exp(m_s - M), M = max_s m_s
     float m = kNegInf;
-    for (int64_t s = first_slot; s < first_slot + num_slots; ++s) m = std::max(m, partials.max[s * p.max_tile_rows + r]);
+    for (int64_t s = first_slot; s < first_slot + num_slots; ++s)
+      m = std::max(m, partials.max[s * p.max_tile_rows + r]);
     std::fill(merged, merged + D, 0.f);
     float l = 0.f;
     if (m != kNegInf) {
@@ -529,7 +541,8 @@ void merge_impl(const AttentionParams& p, const Tile& tile, int64_t first_slot, 
       }
     }
     const float norm = l > 0.f ? p.v_scale[tile.kv_head + r / rows.per_head] / l : 0.f;
-    QT* dst = out + (tile.q_begin + rows.token(p, r)) * p.out_stride_token + rows.q_head(p, tile, r) * p.out_stride_head;
+    QT* dst =
+        out + (tile.q_begin + rows.token(p, r)) * p.out_stride_token + rows.q_head(p, tile, r) * p.out_stride_head;
     for (int64_t d = 0; d < D; ++d) dst[d * p.out_stride_dim] = from_float<QT>(merged[d] * norm);
   }
 }

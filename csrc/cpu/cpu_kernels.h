@@ -36,8 +36,8 @@ struct AttentionParams {
   int page_shift;  // log2(page_size): page sizes are powers of two
 
   int64_t num_q_heads, num_kv_heads, group, head_dim;
-  float scale;      // softmax scale (applied to q . k)
-  float soft_cap;   // > 0: scores become soft_cap * tanh(score / soft_cap)
+  float scale;          // softmax scale (applied to q . k)
+  float soft_cap;       // > 0: scores become soft_cap * tanh(score / soft_cap)
   int64_t window_left;  // >= 0: a query sees keys at most window_left positions before it
   // [Hkv] per-head dequantization scales (all equal for a per-tensor scale; all 1 for non-fp8 caches)
   const float* k_scale;
@@ -52,8 +52,8 @@ struct AttentionParams {
 struct Tile {
   int64_t seq;
   int64_t kv_head, num_heads;
-  int64_t q_begin, q_end;  // rows of q (absolute)
-  int64_t first_pos;       // position in the sequence of query row q_begin (queries are the sequence's last ones)
+  int64_t q_begin, q_end;    // rows of q (absolute)
+  int64_t first_pos;         // position in the sequence of query row q_begin (queries are the sequence's last ones)
   int64_t kv_begin, kv_end;  // keys any row of the tile can see
 };
 
@@ -80,9 +80,7 @@ constexpr int64_t kKeyChunk = 32;
 
 // Floats of scratch memory one worker needs: the tile's q rows in fp32 and its accumulators ([rows][D] each), the
 // chunk's scores ([rows][kKeyChunk]), and the running max and sum ([rows] each).
-inline int64_t scratch_floats(const AttentionParams& p) {
-  return p.max_tile_rows * (2 * p.head_dim + kKeyChunk + 2);
-}
+inline int64_t scratch_floats(const AttentionParams& p) { return p.max_tile_rows * (2 * p.head_dim + kKeyChunk + 2); }
 
 // The inner loops for one instruction set.
 struct KernelTable {

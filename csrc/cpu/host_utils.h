@@ -21,15 +21,11 @@
 
 namespace attnops::cpu {
 
-#define ATTNOPS_CHECK(op, cond, ...) TORCH_CHECK(cond, "attnops.", op, ": ", __VA_ARGS__)
+#define ATTNOPS_ARG_CHECK(op, cond, ...) TORCH_CHECK(cond, "attnops.", op, ": ", __VA_ARGS__)
 
-inline bool is_fp8(at::ScalarType t) {
-  return t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2;
-}
+inline bool is_fp8(at::ScalarType t) { return t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2; }
 
-inline bool is_plain(at::ScalarType t) {
-  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
-}
+inline bool is_plain(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
 
 inline DType dtype_of(at::ScalarType t) {
   switch (t) {
@@ -58,19 +54,20 @@ inline const float* fp8_table_for(at::ScalarType t) {
 // k_cache / v_cache: [num_pages, page_size, Hkv, D], same shape, strides and dtype, last dim contiguous,
 // page_size a power of two up to 256. Returns log2(page_size).
 inline int check_caches(const char* op, const at::Tensor& k_cache, const at::Tensor& v_cache) {
-  ATTNOPS_CHECK(op, k_cache.device().is_cpu() && v_cache.device().is_cpu(), "the CPU kernels need CPU caches");
-  ATTNOPS_CHECK(op, k_cache.dim() == 4, "k_cache must be [num_pages, page_size, num_kv_heads, head_dim] (got ",
-                k_cache.sizes(), ")");
-  ATTNOPS_CHECK(op, k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides() &&
+  ATTNOPS_ARG_CHECK(op, k_cache.device().is_cpu() && v_cache.device().is_cpu(), "the CPU kernels need CPU caches");
+  ATTNOPS_ARG_CHECK(op, k_cache.dim() == 4, "k_cache must be [num_pages, page_size, num_kv_heads, head_dim] (got ",
+                    k_cache.sizes(), ")");
+  ATTNOPS_ARG_CHECK(op,
+                    k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides() &&
                         k_cache.scalar_type() == v_cache.scalar_type(),
-                "k_cache and v_cache must have the same shape, strides and dtype");
-  ATTNOPS_CHECK(op, is_plain(k_cache.scalar_type()) || is_fp8(k_cache.scalar_type()),
-                "the CPU kernels read float32, bfloat16, float16, float8_e4m3fn and float8_e5m2 caches (got ",
-                k_cache.scalar_type(), ")");
-  ATTNOPS_CHECK(op, k_cache.stride(3) == 1, "k_cache must be contiguous in its last dimension");
+                    "k_cache and v_cache must have the same shape, strides and dtype");
+  ATTNOPS_ARG_CHECK(op, is_plain(k_cache.scalar_type()) || is_fp8(k_cache.scalar_type()),
+                    "the CPU kernels read float32, bfloat16, float16, float8_e4m3fn and float8_e5m2 caches (got ",
+                    k_cache.scalar_type(), ")");
+  ATTNOPS_ARG_CHECK(op, k_cache.stride(3) == 1, "k_cache must be contiguous in its last dimension");
   const int64_t page_size = k_cache.size(1);
-  ATTNOPS_CHECK(op, page_size >= 1 && page_size <= 256 && (page_size & (page_size - 1)) == 0,
-                "page_size must be a power of two from 1 to 256 (got ", page_size, ")");
+  ATTNOPS_ARG_CHECK(op, page_size >= 1 && page_size <= 256 && (page_size & (page_size - 1)) == 0,
+                    "page_size must be a power of two from 1 to 256 (got ", page_size, ")");
   int shift = 0;
   while ((int64_t{1} << shift) < page_size) ++shift;
   return shift;
@@ -82,15 +79,15 @@ inline std::vector<float> unpack_scale(const char* op, const char* name, const s
                                        bool fp8, int64_t num_kv_heads) {
   std::vector<float> values(num_kv_heads, 1.f);
   if (!fp8) {
-    ATTNOPS_CHECK(op, !scale.has_value(), name, " is only for fp8 caches");
+    ATTNOPS_ARG_CHECK(op, !scale.has_value(), name, " is only for fp8 caches");
     return values;
   }
-  ATTNOPS_CHECK(op, scale.has_value(), "an fp8 cache needs ", name, " (float32, one element or [num_kv_heads])");
+  ATTNOPS_ARG_CHECK(op, scale.has_value(), "an fp8 cache needs ", name, " (float32, one element or [num_kv_heads])");
   const at::Tensor& s = *scale;
-  ATTNOPS_CHECK(op, s.device().is_cpu() && s.scalar_type() == at::kFloat, name, " must be a float32 CPU tensor");
+  ATTNOPS_ARG_CHECK(op, s.device().is_cpu() && s.scalar_type() == at::kFloat, name, " must be a float32 CPU tensor");
   const bool per_tensor = s.numel() == 1 && s.dim() <= 1;
-  ATTNOPS_CHECK(op, per_tensor || (s.dim() == 1 && s.size(0) == num_kv_heads), name,
-                " must be 0-d, [1] or [num_kv_heads=", num_kv_heads, "] (got ", s.sizes(), ")");
+  ATTNOPS_ARG_CHECK(op, per_tensor || (s.dim() == 1 && s.size(0) == num_kv_heads), name,
+                    " must be 0-d, [1] or [num_kv_heads=", num_kv_heads, "] (got ", s.sizes(), ")");
   const float* data = s.const_data_ptr<float>();
   for (int64_t h = 0; h < num_kv_heads; ++h) values[h] = per_tensor ? data[0] : data[h * s.stride(0)];
   return values;
@@ -100,8 +97,8 @@ inline std::vector<float> unpack_scale(const char* op, const char* name, const s
 // served by the CPU kernels.
 inline void check_kv_format(const char* op, c10::string_view kv_format, at::ScalarType cache_dtype) {
   const std::string fmt(kv_format);
-  ATTNOPS_CHECK(op, fmt != "nvfp4" && fmt != "mxfp4", "kv_format '", fmt,
-                "' (4-bit) is not served by the C++ CPU kernels; the Python package's reference backend serves it");
+  ATTNOPS_ARG_CHECK(op, fmt != "nvfp4" && fmt != "mxfp4", "kv_format '", fmt,
+                    "' (4-bit) is not served by the C++ CPU kernels; the Python package's reference backend serves it");
   if (fmt == "auto") return;
   const char* expected = cache_dtype == at::kFloat           ? "fp32"
                          : cache_dtype == at::kBFloat16      ? "bf16"
@@ -109,8 +106,8 @@ inline void check_kv_format(const char* op, c10::string_view kv_format, at::Scal
                          : cache_dtype == at::kFloat8_e4m3fn ? "fp8_e4m3"
                          : cache_dtype == at::kFloat8_e5m2   ? "fp8_e5m2"
                                                              : "?";
-  ATTNOPS_CHECK(op, fmt == expected, "kv_format '", fmt, "' does not match the cache dtype ", cache_dtype,
-                " (expected 'auto' or '", expected, "')");
+  ATTNOPS_ARG_CHECK(op, fmt == expected, "kv_format '", fmt, "' does not match the cache dtype ", cache_dtype,
+                    " (expected 'auto' or '", expected, "')");
 }
 
 }  // namespace attnops::cpu

@@ -41,9 +41,7 @@ const KernelTable* kernels_avx2() {
 #else
 
 namespace attnops::cpu {
-const KernelTable* kernels_avx2() {
-  return nullptr;
-}
+const KernelTable* kernels_avx2() { return nullptr; }
 }  // namespace attnops::cpu
 
 #endif

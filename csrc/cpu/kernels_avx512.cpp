@@ -49,9 +49,7 @@ const KernelTable* kernels_avx512() {
 #else
 
 namespace attnops::cpu {
-const KernelTable* kernels_avx512() {
-  return nullptr;
-}
+const KernelTable* kernels_avx512() { return nullptr; }
 }  // namespace attnops::cpu
 
 #endif

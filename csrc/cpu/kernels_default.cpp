@@ -6,8 +6,6 @@
 
 namespace attnops::cpu {
 
-const KernelTable* kernels_default() {
-  return isa_default::table("default");
-}
+const KernelTable* kernels_default() { return isa_default::table("default"); }
 
 }  // namespace attnops::cpu

@@ -1,12 +1,13 @@
 // The CPU paged-attention kernel, host side: unpacks the arguments, cuts the work into items, runs them on
 // at::parallel_for's threads, and registers the op.
 //
-// Work decomposition. A tile is the query rows of one sequence and one KV head: up to kTileRows rows, each a
-// (query token, query head of the KV head's group) pair, so each K/V row read from the cache serves all the heads of
-// a GQA/MQA group and several query tokens of a prefill. A tile whose key range is long compared to the whole job
-// (a single long sequence, few KV heads, many threads) is split into several items over disjoint key ranges; each
-// writes an unnormalized partial result with its row max and sum, and merge() combines them by log-sum-exp.
-// Items are handed out largest first from a shared counter, so ragged batches balance across threads.
+// Work decomposition. A tile is the query rows of one sequence: a block of its query tokens (one in decode, up to
+// kTileRows / group in a prefill) x the query heads of one or more KV heads. Each K/V row read from the cache
+// serves all the query heads of its GQA/MQA group and every token of the block, and the rows of a key slot are read
+// for all the tile's KV heads together. A tile whose key range is long compared to the whole job (a single long
+// sequence, many threads) is split into several items over disjoint key ranges; each writes an unnormalized partial
+// result with its row max and sum, and merge() combines them by log-sum-exp. Items are handed out largest first
+// from a shared counter, so ragged batches balance across threads.
 //
 // The inner loops (attention_kernels.h) are compiled for several instruction sets; select_kernels() picks one.
 #include <ATen/Parallel.h>
@@ -61,34 +62,39 @@ void paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const a
                          const std::optional<at::Tensor>& v_scale, const at::Tensor& out) {
   const char* op = "paged_attention";
   const int page_shift = check_caches(op, k_cache, v_cache);
-  ATTNOPS_CHECK(op, q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1,
-                "q must be a CPU tensor [num_tokens, num_q_heads, head_dim], contiguous in its last dimension");
-  ATTNOPS_CHECK(op, is_plain(q.scalar_type()), "q must be float32, bfloat16 or float16 (got ", q.scalar_type(), ")");
-  ATTNOPS_CHECK(op, out.device().is_cpu() && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
-                "out must be a CPU tensor of q's shape and dtype");
+  ATTNOPS_ARG_CHECK(op, q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1,
+                    "q must be a CPU tensor [num_tokens, num_q_heads, head_dim], contiguous in its last dimension");
+  ATTNOPS_ARG_CHECK(op, is_plain(q.scalar_type()), "q must be float32, bfloat16 or float16 (got ", q.scalar_type(),
+                    ")");
+  ATTNOPS_ARG_CHECK(op, out.device().is_cpu() && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
+                    "out must be a CPU tensor of q's shape and dtype");
   const int64_t num_tokens = q.size(0), num_q_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_pages = k_cache.size(0), page_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  ATTNOPS_CHECK(op, k_cache.size(3) == head_dim, "q's head_dim (", head_dim, ") != the cache's (", k_cache.size(3),
-                ")");
-  ATTNOPS_CHECK(op, head_dim % 32 == 0 && head_dim <= 256, "the CPU kernels take head_dim 32, 64, ..., 256 (got ",
-                head_dim, ")");
-  ATTNOPS_CHECK(op, num_kv_heads > 0 && num_q_heads % num_kv_heads == 0, "num_q_heads (", num_q_heads,
-                ") must be a multiple of num_kv_heads (", num_kv_heads, ")");
-  ATTNOPS_CHECK(op, block_table.device().is_cpu() && block_table.scalar_type() == at::kInt && block_table.dim() == 2,
-                "block_table must be int32 [B, max_pages] on the CPU");
+  ATTNOPS_ARG_CHECK(op, k_cache.size(3) == head_dim, "q's head_dim (", head_dim, ") != the cache's (", k_cache.size(3),
+                    ")");
+  ATTNOPS_ARG_CHECK(op, head_dim % 32 == 0 && head_dim <= 256, "the CPU kernels take head_dim 32, 64, ..., 256 (got ",
+                    head_dim, ")");
+  ATTNOPS_ARG_CHECK(op, num_kv_heads > 0 && num_q_heads % num_kv_heads == 0, "num_q_heads (", num_q_heads,
+                    ") must be a multiple of num_kv_heads (", num_kv_heads, ")");
+  ATTNOPS_ARG_CHECK(op,
+                    block_table.device().is_cpu() && block_table.scalar_type() == at::kInt && block_table.dim() == 2,
+                    "block_table must be int32 [B, max_pages] on the CPU");
   const int64_t batch = block_table.size(0), max_pages = block_table.size(1);
-  ATTNOPS_CHECK(op, seq_lens.device().is_cpu() && seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 &&
+  ATTNOPS_ARG_CHECK(op,
+                    seq_lens.device().is_cpu() && seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 &&
                         seq_lens.size(0) == batch,
-                "seq_lens must be int32 [B] on the CPU, with B == block_table.shape[0]");
+                    "seq_lens must be int32 [B] on the CPU, with B == block_table.shape[0]");
   const bool decode = !cu_seqlens_q.has_value();
   if (decode) {
-    ATTNOPS_CHECK(op, num_tokens == batch, "decode (cu_seqlens_q=None) needs one query row per sequence");
+    ATTNOPS_ARG_CHECK(op, num_tokens == batch, "decode (cu_seqlens_q=None) needs one query row per sequence");
   } else {
-    ATTNOPS_CHECK(op, cu_seqlens_q->device().is_cpu() && cu_seqlens_q->scalar_type() == at::kInt &&
+    ATTNOPS_ARG_CHECK(op,
+                      cu_seqlens_q->device().is_cpu() && cu_seqlens_q->scalar_type() == at::kInt &&
                           cu_seqlens_q->dim() == 1 && cu_seqlens_q->size(0) == batch + 1,
-                  "cu_seqlens_q must be int32 [B+1] on the CPU");
+                      "cu_seqlens_q must be int32 [B+1] on the CPU");
   }
-  ATTNOPS_CHECK(op, scale > 0 && soft_cap >= 0 && window_left >= -1, "need scale > 0, soft_cap >= 0, window_left >= -1");
+  ATTNOPS_ARG_CHECK(op, scale > 0 && soft_cap >= 0 && window_left >= -1,
+                    "need scale > 0, soft_cap >= 0, window_left >= -1");
   const bool fp8 = is_fp8(k_cache.scalar_type());
   const std::vector<float> k_scales = unpack_scale(op, "k_scale", k_scale, fp8, num_kv_heads);
   const std::vector<float> v_scales = unpack_scale(op, "v_scale", v_scale, fp8, num_kv_heads);
@@ -131,21 +137,21 @@ void paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const a
   const int64_t group = p.group;
   const int64_t tokens_per_tile = decode ? 1 : std::max<int64_t>(1, kTileRows / group);
   if (!decode) {
-    ATTNOPS_CHECK(op, cu[0] == 0 && cu[batch * cu_stride] == num_tokens,
-                  "cu_seqlens_q must start at 0 and end at num_tokens=", num_tokens);
+    ATTNOPS_ARG_CHECK(op, cu[0] == 0 && cu[batch * cu_stride] == num_tokens,
+                      "cu_seqlens_q must start at 0 and end at num_tokens=", num_tokens);
   }
   // Blocks of query tokens of one sequence (all KV heads), with the keys they can see.
   std::vector<Tile> blocks;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t kv_len = lens[b * lens_stride];
     const int64_t q_begin = decode ? b : cu[b * cu_stride], q_end = decode ? b + 1 : cu[(b + 1) * cu_stride];
-    ATTNOPS_CHECK(op, kv_len >= 0 && kv_len <= max_pages * page_size, "seq_lens[", b, "]=", kv_len,
-                  " is negative or exceeds block_table's capacity");
-    ATTNOPS_CHECK(op, q_begin <= q_end && q_end <= num_tokens, "cu_seqlens_q must be non-decreasing");
+    ATTNOPS_ARG_CHECK(op, kv_len >= 0 && kv_len <= max_pages * page_size, "seq_lens[", b, "]=", kv_len,
+                      " is negative or exceeds block_table's capacity");
+    ATTNOPS_ARG_CHECK(op, q_begin <= q_end && q_end <= num_tokens, "cu_seqlens_q must be non-decreasing");
     for (int64_t i = 0; i < (kv_len + page_size - 1) >> page_shift; ++i) {
       const int64_t page = p.block_table[b * p.bt_stride_seq + i * p.bt_stride_page];
-      ATTNOPS_CHECK(op, page >= 0 && page < num_pages, "block_table[", b, ", ", i, "]=", page,
-                    " is outside the cache's ", num_pages, " pages");
+      ATTNOPS_ARG_CHECK(op, page >= 0 && page < num_pages, "block_table[", b, ", ", i, "]=", page,
+                        " is outside the cache's ", num_pages, " pages");
     }
     for (int64_t t0 = q_begin; t0 < q_end; t0 += tokens_per_tile) {
       const int64_t t1 = std::min(t0 + tokens_per_tile, q_end);
@@ -270,8 +276,8 @@ void cpu_paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const a
                          const std::optional<at::Tensor>& cu_seqlens_q, double scale, double soft_cap,
                          int64_t window_left, const std::optional<at::Tensor>& k_scale,
                          const std::optional<at::Tensor>& v_scale, at::Tensor& out) {
-  paged_attention_cpu(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left,
-                      k_scale, v_scale, out);
+  paged_attention_cpu(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left, k_scale,
+                      v_scale, out);
 }
 
 #ifdef ATTNOPS_STANDALONE
@@ -284,18 +290,18 @@ void paged_attention_out(const at::Tensor& q, const at::Tensor& k_cache, const a
                          const std::optional<at::Tensor>& v_scale, at::Tensor& out) {
   check_kv_format("paged_attention", kv_format, k_cache.scalar_type());
   const double resolved_scale = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
-  paged_attention_cpu(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, resolved_scale, soft_cap,
-                      window_left, k_scale, v_scale, out);
+  paged_attention_cpu(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, resolved_scale, soft_cap, window_left,
+                      k_scale, v_scale, out);
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_table, const at::Tensor& seq_lens,
-                           const std::optional<at::Tensor>& cu_seqlens_q, std::optional<double> scale,
-                           double soft_cap, int64_t window_left, c10::string_view kv_format,
-                           const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+                           const std::optional<at::Tensor>& cu_seqlens_q, std::optional<double> scale, double soft_cap,
+                           int64_t window_left, c10::string_view kv_format, const std::optional<at::Tensor>& k_scale,
+                           const std::optional<at::Tensor>& v_scale) {
   at::Tensor out = at::empty_like(q);
-  paged_attention_out(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left,
-                      kv_format, k_scale, v_scale, out);
+  paged_attention_out(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left, kv_format,
+                      k_scale, v_scale, out);
   return out;
 }
 #endif  // ATTNOPS_STANDALONE
@@ -304,9 +310,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 
 // The instruction set of the inner loops this process runs ("avx512", "avx2" or "default"): for `attnops info`
 // and for the tests, which run each copy (ATEN_CPU_CAPABILITY caps the choice).
-std::string cpu_kernel_isa() {
-  return select_kernels().isa;
-}
+std::string cpu_kernel_isa() { return select_kernels().isa; }
 
 TORCH_LIBRARY_FRAGMENT(attnops, m) {
   m.def("cpu_kernel_isa() -> str", &cpu_kernel_isa);

@@ -82,7 +82,8 @@ void write_cache_from(const at::Tensor& key, const at::Tensor& value, const at::
     case at::kFloat: return write_cache<Src, float>(key, value, k_cache, v_cache, slots, slot_stride, k_scale, v_scale);
     case at::kBFloat16:
       return write_cache<Src, c10::BFloat16>(key, value, k_cache, v_cache, slots, slot_stride, k_scale, v_scale);
-    case at::kHalf: return write_cache<Src, c10::Half>(key, value, k_cache, v_cache, slots, slot_stride, k_scale, v_scale);
+    case at::kHalf:
+      return write_cache<Src, c10::Half>(key, value, k_cache, v_cache, slots, slot_stride, k_scale, v_scale);
     case at::kFloat8_e4m3fn:
       return write_cache<Src, c10::Float8_e4m3fn>(key, value, k_cache, v_cache, slots, slot_stride, k_scale, v_scale);
     case at::kFloat8_e5m2:
@@ -98,16 +99,19 @@ void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, const
                            const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
   const char* op = "reshape_and_cache";
   check_caches(op, k_cache, v_cache);
-  ATTNOPS_CHECK(op, key.device().is_cpu() && value.device().is_cpu() && key.dim() == 3 &&
+  ATTNOPS_ARG_CHECK(op,
+                    key.device().is_cpu() && value.device().is_cpu() && key.dim() == 3 &&
                         key.sizes() == value.sizes() && key.scalar_type() == value.scalar_type(),
-                "key and value must be CPU tensors [num_tokens, num_kv_heads, head_dim] of one shape and dtype");
-  ATTNOPS_CHECK(op, is_plain(key.scalar_type()), "key must be float32, bfloat16 or float16 (got ", key.scalar_type(),
-                ")");
-  ATTNOPS_CHECK(op, key.size(1) == k_cache.size(2) && key.size(2) == k_cache.size(3),
-                "key's [num_kv_heads, head_dim] ", key.sizes().slice(1), " != the cache's ", k_cache.sizes().slice(2));
-  ATTNOPS_CHECK(op, slot_mapping.device().is_cpu() && slot_mapping.scalar_type() == at::kLong &&
+                    "key and value must be CPU tensors [num_tokens, num_kv_heads, head_dim] of one shape and dtype");
+  ATTNOPS_ARG_CHECK(op, is_plain(key.scalar_type()), "key must be float32, bfloat16 or float16 (got ",
+                    key.scalar_type(), ")");
+  ATTNOPS_ARG_CHECK(op, key.size(1) == k_cache.size(2) && key.size(2) == k_cache.size(3),
+                    "key's [num_kv_heads, head_dim] ", key.sizes().slice(1), " != the cache's ",
+                    k_cache.sizes().slice(2));
+  ATTNOPS_ARG_CHECK(op,
+                    slot_mapping.device().is_cpu() && slot_mapping.scalar_type() == at::kLong &&
                         slot_mapping.dim() == 1 && slot_mapping.size(0) == key.size(0),
-                "slot_mapping must be int64 [num_tokens] on the CPU");
+                    "slot_mapping must be int64 [num_tokens] on the CPU");
   const bool fp8 = is_fp8(k_cache.scalar_type());
   const std::vector<float> k_scales = unpack_scale(op, "k_scale", k_scale, fp8, k_cache.size(2));
   const std::vector<float> v_scales = unpack_scale(op, "v_scale", v_scale, fp8, k_cache.size(2));
@@ -115,11 +119,12 @@ void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, const
   const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
   const int64_t slot_stride = slot_mapping.stride(0), num_slots = k_cache.size(0) * k_cache.size(1);
   for (int64_t t = 0; t < key.size(0); ++t) {
-    ATTNOPS_CHECK(op, slots[t * slot_stride] < num_slots, "slot_mapping[", t, "]=", slots[t * slot_stride],
-                  " is outside the cache's ", num_slots, " slots");
+    ATTNOPS_ARG_CHECK(op, slots[t * slot_stride] < num_slots, "slot_mapping[", t, "]=", slots[t * slot_stride],
+                      " is outside the cache's ", num_slots, " slots");
   }
   switch (key.scalar_type()) {
-    case at::kFloat: return write_cache_from<float>(key, value, k_cache, v_cache, slots, slot_stride, k_scales, v_scales);
+    case at::kFloat:
+      return write_cache_from<float>(key, value, k_cache, v_cache, slots, slot_stride, k_scales, v_scales);
     case at::kBFloat16:
       return write_cache_from<c10::BFloat16>(key, value, k_cache, v_cache, slots, slot_stride, k_scales, v_scales);
     default: return write_cache_from<c10::Half>(key, value, k_cache, v_cache, slots, slot_stride, k_scales, v_scales);
@@ -129,9 +134,9 @@ void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, const
 namespace {
 
 // The internal op the Python CPU backend calls (attnops/backends/cpu.py) after attnops/checks.py validated it.
-void cpu_reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
-                           at::Tensor& v_cache, const at::Tensor& slot_mapping,
-                           const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+void cpu_reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+                           const at::Tensor& slot_mapping, const std::optional<at::Tensor>& k_scale,
+                           const std::optional<at::Tensor>& v_scale) {
   reshape_and_cache_cpu(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale);
 }
 
@@ -142,8 +147,8 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
                        const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
                        const std::optional<at::Tensor>& k_block_scale, const std::optional<at::Tensor>& v_block_scale) {
   check_kv_format("reshape_and_cache", kv_format, k_cache.scalar_type());
-  ATTNOPS_CHECK("reshape_and_cache", !k_block_scale.has_value() && !v_block_scale.has_value(),
-                "k_block_scale/v_block_scale are for 4-bit caches, which the C++ CPU kernels do not serve");
+  ATTNOPS_ARG_CHECK("reshape_and_cache", !k_block_scale.has_value() && !v_block_scale.has_value(),
+                    "k_block_scale/v_block_scale are for 4-bit caches, which the C++ CPU kernels do not serve");
   reshape_and_cache_cpu(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale);
 }
 #endif  // ATTNOPS_STANDALONE

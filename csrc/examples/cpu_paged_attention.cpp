@@ -76,9 +76,8 @@ int main() {
   auto paged_attention =
       dispatcher.findSchemaOrThrow("attnops::paged_attention", "")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                            const at::Tensor&, const std::optional<at::Tensor>&, std::optional<double>, double,
-                            int64_t, c10::string_view, const std::optional<at::Tensor>&,
-                            const std::optional<at::Tensor>&)>();
+                            const at::Tensor&, const std::optional<at::Tensor>&, std::optional<double>, double, int64_t,
+                            c10::string_view, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&)>();
 
   // 1. write every token of every sequence (one padding slot, -1, is skipped)
   std::vector<int64_t> slots_padded = slots;
