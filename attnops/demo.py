@@ -37,7 +37,7 @@ def random_model(config: LlamaConfig, device, dtype, seed: int) -> LlamaForCausa
     torch.manual_seed(seed)
     with torch.device(device):
         model = LlamaForCausalLM(config).to(dtype)
-    for name, p in model.named_parameters():  # a random model with sane activations
+    for p in model.parameters():  # a random model with sane activations
         p.data.normal_(0, 0.02) if p.dim() > 1 else p.data.fill_(1.0)
     return model.eval().requires_grad_(False)
 

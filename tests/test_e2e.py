@@ -7,6 +7,7 @@ and 32 greedy decode steps; the compiled decode step has no graph break and comp
 backend and the pinned reference give the same tokens; sampling follows softmax(logits / T) and its seed.
 GPU (marked gpu): bf16 logits within bf16 tolerance; tokens identical across attention backends, bf16 and fp8 KV.
 """
+import copy
 import inspect
 import json
 
@@ -275,7 +276,7 @@ def test_bf16_logits_match_transformers_on_gpu(checkpoint):
     """bf16 attnops vs transformers' fp32 (the oracle): within bf16 tolerance, with transformers' own bf16 error
     as the yardstick (teacher-forced on the fp32 model's greedy tokens, so both see the same inputs)."""
     path, hf = checkpoint
-    hf32 = hf.to("cuda")
+    hf32 = copy.deepcopy(hf).to("cuda")  # the fixture's CPU model stays where the CPU tests expect it
     hf16 = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda").eval()
     model = LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device="cuda")
     for prompt in PROMPTS:
@@ -289,7 +290,6 @@ def test_bf16_logits_match_transformers_on_gpu(checkpoint):
         ours = model(full[0], torch.arange(full.shape[1], device="cuda"), cache, meta).float()
         err, hf_err = relative_error(ours, ref), relative_error(theirs, ref)
         assert err < max(2e-2, 2 * hf_err), (err, hf_err)
-    hf.to("cpu")
 
 
 @pytest.mark.gpu
