@@ -3,7 +3,8 @@ whose attention runs through attnops' ops.
 
 A random model by default (on a GPU a Llama-3.2-1B-shaped one in bf16; on the CPU a tiny fp32 one), or a Hugging
 Face checkpoint directory with --checkpoint. Prints which backend serves each op, tokens/s of the decode steps
-(eager, or torch.compile'd with --compile), and the decode step time split into attention and the rest:
+(eager, torch.compile'd with --compile, CUDA-graph replayed with --graphs), and the decode step time split into
+attention and the rest:
 
   attention = time inside the attnops ops (paged_attention + reshape_and_cache, all layers), read from
               torch.profiler over a few extra steps: CPU time of the op calls on the CPU, the op's CUDA kernel
@@ -63,7 +64,7 @@ def op_backends(cache: PagedKVCache, config: LlamaConfig, dtype) -> dict:
 @torch.no_grad()
 def run_demo(batch: int = 4, prompt_len: int = 32, steps: int = 32, device: str | None = None,
              kv_format: str | None = None, page_size: int = 16, seed: int = 0, compile: bool = False,
-             checkpoint: str | None = None, profile_steps: int = 4) -> dict:
+             checkpoint: str | None = None, graphs: bool = False, profile_steps: int = 4) -> dict:
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     on_gpu = device.type == "cuda"
     dtype = torch.bfloat16 if on_gpu else torch.float32
@@ -81,7 +82,7 @@ def run_demo(batch: int = 4, prompt_len: int = 32, steps: int = 32, device: str 
     cache = PagedKVCache(config.num_hidden_layers, batch * pages_per_seq, page_size, config.num_key_value_heads,
                          config.head_dim, kv_format=kv_format, device=device, shuffle_pages=True, seed=seed)
     gen = Generator(model, cache, max_batch=batch, max_seq_len=max_seq_len, buckets=(batch,), compile=compile,
-                    seed=seed)
+                    cuda_graphs=graphs, seed=seed)
     prompts = torch.randint(0, config.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(seed))
     for b in range(batch):
         gen.add_request(b, prompts[b].tolist(), new_tokens)
@@ -92,7 +93,7 @@ def run_demo(batch: int = 4, prompt_len: int = 32, steps: int = 32, device: str 
 
     sync()
     start = time.perf_counter()
-    gen.step()  # the batched prefill, then the first decode step (and the compilation, with --compile)
+    gen.step()  # the batched prefill, then the first decode step (and compilation / graph capture)
     sync()
     first_step_s = time.perf_counter() - start
     for _ in range(warmup - 1):
@@ -115,7 +116,7 @@ def run_demo(batch: int = 4, prompt_len: int = 32, steps: int = 32, device: str 
     assert not gen.has_work() or all(len(r.output) == new_tokens for r in gen.running.values())
 
     return dict(device=str(device), model=config, dtype=dtype, kv_format=kv_format, checkpoint=checkpoint,
-                compiled=compile, backends=op_backends(cache, config, dtype), batch=batch, prompt_len=prompt_len,
+                compiled=compile, graphs=graphs, backends=op_backends(cache, config, dtype), batch=batch, prompt_len=prompt_len,
                 steps=steps, first_step_s=first_step_s, step_ms=step_s * 1e3, tokens_per_s=batch / step_s,
                 attention_ms=min(attention_s, step_s) * 1e3, rest_ms=max(step_s - attention_s, 0.0) * 1e3,
                 tokens=[gen.finished[b].output for b in range(batch)] if not gen.has_work() else None)
@@ -124,7 +125,7 @@ def run_demo(batch: int = 4, prompt_len: int = 32, steps: int = 32, device: str 
 def main(args) -> None:
     result = run_demo(batch=args.batch, prompt_len=args.prompt_len, steps=args.steps, device=args.device,
                       kv_format=args.kv_format, compile=getattr(args, "compile", False),
-                      checkpoint=getattr(args, "checkpoint", None))
+                      checkpoint=getattr(args, "checkpoint", None), graphs=getattr(args, "graphs", False))
     c = result["model"]
     what = result["checkpoint"] or "random Llama-shaped model"
     print(f"attnops demo on {result['device']}: {what}, {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
@@ -133,7 +134,8 @@ def main(args) -> None:
     b = result["backends"]
     print(f"backend: prefill -> {b['paged_attention (prefill)']}, decode -> {b['paged_attention (decode)']}, "
           f"cache write -> {b['reshape_and_cache']}")
-    mode = "torch.compile'd decode step" if result["compiled"] else "eager"
+    mode = " + ".join(m for m, on in (("torch.compile'd", result["compiled"]), ("CUDA graphs", result["graphs"]))
+                      if on) or "eager"
     print(f"batch {result['batch']}, prompt {result['prompt_len']}, {result['steps']} decode steps ({mode}): "
           f"{result['tokens_per_s']:.1f} tokens/s, {result['step_ms']:.2f} ms/step "
           f"(prefill + first step {result['first_step_s']:.2f} s)")
