@@ -116,6 +116,9 @@ def describe_case(case) -> str:
 
 
 def _explain_case(case, pinned: str | None) -> Explanation:
+    if pinned is not None and isinstance(case, CacheWriteCase) and pinned in BACKENDS \
+            and not BACKENDS[pinned].writes_cache:
+        pinned = None  # a pinned attention-only backend (FlashInfer): cache writes go by the policy
     if pinned is not None:
         if pinned not in BACKENDS:
             raise ValueError(f"attnops: unknown backend {pinned!r} (ATTNOPS_BACKEND or use_backend); "

@@ -52,7 +52,7 @@ def main(argv=None):
             op_out_us = per_call_us(lambda: torch.ops.attnops.paged_attention.out(**inputs, out=out))
         backend = BACKENDS[name]
         if name == "flashinfer":
-            wrapper = backend._plan(inputs["q"], inputs["k_cache"], inputs["block_table"], inputs["seq_lens"], None,
+            wrapper, _ = backend._plan(inputs["q"], inputs["k_cache"], inputs["block_table"], inputs["seq_lens"], None,
                                     128 ** -0.5, 0.0, -1)
             kv = (inputs["k_cache"], inputs["v_cache"])
             bare_us = per_call_us(lambda: wrapper.run(inputs["q"], kv, out=out))

@@ -109,3 +109,16 @@ def test_tune_orders_by_geometric_mean_and_reports_misses():
     assert order == {"decode/bf16/none": ["flashinfer", "triton"], "verify/bf16/none": ["flashinfer"]}
     miss = [c for c in checks if c["slowdown"] > 1]
     assert [(c["case"], round(c["slowdown"], 2)) for c in miss] == [("b", 1.2)]
+
+
+def test_pinning_an_attention_only_backend_leaves_cache_writes_to_the_policy(monkeypatch, declining_backend):
+    monkeypatch.setattr(DeclinesEverything, "writes_cache", False, raising=False)
+    cache = attnops.PagedKVCache(1, 4, 16, 2, 64, kv_format="fp32")
+    cache.allocate("a")
+    meta = cache.prepare(["a"], 3, decode=False)
+    key = torch.randn(3, 2, 64)
+    with attnops.use_backend("declines"):
+        attnops.reshape_and_cache(key, key, slot_mapping=meta.slot_mapping, **cache.write_args(0))
+        explanation = attnops.explain(key=key, value=key, slot_mapping=meta.slot_mapping, **cache.write_args(0))
+    assert explanation.chosen not in (None, "declines") and explanation.pinned is None
+    torch.testing.assert_close(cache.kv[0][:, 0].flatten(0, 1)[meta.slot_mapping], key)

@@ -39,9 +39,10 @@ def test_graph_replay_equals_eager(backend):
                    wo=torch.randn(LAYERS, HQ * D, hidden, device=dev, dtype=dt) * 0.02)
     caches = [attnops.PagedKVCache(LAYERS, 2048, 16, HKV, D, kv_format="bf16", device=dev, shuffle_pages=True)
               for _ in range(2)]  # one for the graph, one for eager: both see the same writes
-    for c in caches:
-        for layer in range(LAYERS):
-            c.kv[layer].copy_(torch.randn_like(c.kv[layer], dtype=torch.float32).to(dt))
+    for layer in range(LAYERS):  # the same random contents in both (the prompts' keys and values)
+        contents = torch.randn_like(caches[0].kv[layer], dtype=torch.float32).to(dt)
+        for c in caches:
+            c.kv[layer].copy_(contents)
     graph_step, eager_step = make_step(caches[0], weights), make_step(caches[1], weights)
     runner = DecodeGraphRunner(graph_step, caches[0], buckets=(32,), max_pages=64)
     gen = torch.Generator().manual_seed(1)

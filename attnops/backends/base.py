@@ -60,6 +60,7 @@ class Backend:
 
     name: str = ""
     description: str = ""
+    writes_cache: bool = True  # False: reshape_and_cache is always another backend's, even when this one is pinned
 
     def unavailable(self) -> list[str]:
         """Reasons this backend cannot run at all here (a package missing, no GPU). Empty if it can."""

@@ -70,6 +70,7 @@ class _Plans:
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.wrappers: dict = {}  # (kind, plan signature), or ("graph", graph id, ...) -> wrapper
         self.planned_for: dict = {}  # same key -> step key the wrapper's current plan belongs to
+        self.empty_rows: dict = {}  # same key -> bool [B, 1, 1]: decode rows of empty sequences, set at plan time
         self.built: set = set()  # configurations already JIT-built (or loaded) in this process
 
     def make_wrapper(self, kind: str):
@@ -107,6 +108,7 @@ class FlashInferBackend(Backend):
     name = "flashinfer"
     description = ("FlashInfer's CUDA kernels: tensor-core paged decode, fa2/fa3 paged prefill for verify and "
                    "extend; bf16/fp16 and fp8 (per-tensor scale) KV; planned once per step")
+    writes_cache = False
 
     def unavailable(self) -> list[str]:
         error = _import_error()
@@ -131,12 +133,12 @@ class FlashInferBackend(Backend):
     # ---------------------------------------------------------------------------------------------------------
     def _plan(self, q, k_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left):
         """The wrapper planned for this step's metadata: planned now if this step has not been seen yet."""
+        from ..checks import device_arch  # (cached per device) imported here: checks imports the backends
         from ..graphs import current_capture
 
         plans = _plans(q.device)
         num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
-        kind = wrapper_kind(cu_seqlens_q is None, seq_lens.shape[0], q.shape[0],
-                            torch.cuda.get_device_capability(q.device))
+        kind = wrapper_kind(cu_seqlens_q is None, seq_lens.shape[0], q.shape[0], device_arch(q.device))
         signature = (q.dtype, k_cache.dtype, q.shape[1], num_kv_heads, head_dim, page_size, scale, soft_cap,
                      window_left)
         graph = current_capture()
@@ -158,7 +160,7 @@ class FlashInferBackend(Backend):
                 plans.wrappers[key] = plans.make_wrapper(kind)
         wrapper = plans.wrappers[key]
         if _same_step(plans.planned_for.get(key), block_table, seq_lens, cu_seqlens_q):
-            return wrapper
+            return wrapper, plans.empty_rows.get(key)
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("attnops.paged_attention (flashinfer): no plan for this step inside a CUDA graph "
                                "capture; capture through attnops.graphs, which plans before capture and replay")
@@ -178,24 +180,31 @@ class FlashInferBackend(Backend):
             else:
                 wrapper.plan(cu_seqlens_q, indptr, indices, last_page_len, q.shape[1], num_kv_heads, head_dim,
                              page_size, causal=True, **common)
+            if kind == "decode":  # FlashInfer leaves an empty sequence's row undefined; the contract says 0
+                empty = plans.empty_rows.get(key)
+                if empty is None or empty.shape[0] != seq_lens.shape[0]:  # in place otherwise: graphs hold it
+                    empty = plans.empty_rows[key] = torch.empty(seq_lens.shape[0], 1, 1, dtype=torch.bool,
+                                                                device=seq_lens.device)
+                torch.eq(seq_lens, 0, out=empty.view(-1))
             plans.planned_for[key] = _step_key(block_table, seq_lens, cu_seqlens_q)
 
         plan()
         if graph is not None:  # the runner re-plans from its static metadata before every replay
             graph.replanners.append(plan)
-        return wrapper
+        return wrapper, plans.empty_rows.get(key)
 
     def paged_attention(self, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, soft_cap,
                         window_left, kv_format, k_scale, v_scale, out) -> None:
-        wrapper = self._plan(q, k_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left)
+        wrapper, empty_rows = self._plan(q, k_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap,
+                                         window_left)
         fp8 = formats.is_fp8(kv_format)
         if fp8:
             q = q * k_scale.to(q.dtype)  # scores scale with k: fold k_scale into q, on the device
         wrapper.run(q, (k_cache, v_cache), out=out)
         if fp8:
             out.mul_(v_scale.to(out.dtype))
-        if cu_seqlens_q is None:  # FlashInfer leaves an empty sequence's row undefined; the contract says 0
-            out.masked_fill_((seq_lens == 0)[:, None, None], 0)
+        if empty_rows is not None:
+            out.masked_fill_(empty_rows, 0)
 
     def reshape_and_cache(self, *args, **kwargs) -> None:
         raise NotImplementedError("FlashInfer backend: cache writes go through attnops' own kernels")
