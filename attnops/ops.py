@@ -7,6 +7,8 @@ torch.compile reports bad input at trace time and traces the op without a graph 
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from . import _C  # noqa: F401  (loads the schemas: TORCH_LIBRARY(attnops, m) in csrc/ops.cpp)
@@ -15,6 +17,15 @@ from .checks import (attention_case, check_paged_attention, check_paged_attentio
 from .dispatch import select_backend
 
 DEVICES = ("cpu", "cuda")
+_NO_GUARD = contextlib.nullcontext()
+
+
+def on_device(device: torch.device):
+    """Kernels launch on their tensors' GPU, whichever GPU is current (Triton and FlashInfer launch on the
+    current one): a device guard when the two differ, nothing otherwise (the common case costs no context)."""
+    if device.type == "cuda" and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return _NO_GUARD
 
 
 def _run_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left,
@@ -24,10 +35,11 @@ def _run_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_
     if values_checked():
         check_paged_attention_values(q, k_cache, block_table, seq_lens, cu_seqlens_q)
     backend = select_backend(case)
-    backend.paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
-                            scale=q.shape[-1] ** -0.5 if scale is None else scale, soft_cap=soft_cap,
-                            window_left=window_left, kv_format=case.kv_format, k_scale=k_scale, v_scale=v_scale,
-                            out=out)
+    with on_device(q.device):
+        backend.paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
+                                scale=q.shape[-1] ** -0.5 if scale is None else scale, soft_cap=soft_cap,
+                                window_left=window_left, kv_format=case.kv_format, k_scale=k_scale,
+                                v_scale=v_scale, out=out)
 
 
 @torch.library.register_kernel("attnops::paged_attention", DEVICES)
@@ -68,9 +80,10 @@ def _reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, *, kv_format=
                                    k_block_scale, v_block_scale)
     if values_checked():
         check_reshape_and_cache_values(k_cache, slot_mapping)
-    select_backend(case).reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, kv_format=case.kv_format,
-                                           k_scale=k_scale, v_scale=v_scale, k_block_scale=k_block_scale,
-                                           v_block_scale=v_block_scale)
+    with on_device(key.device):
+        select_backend(case).reshape_and_cache(key, value, k_cache, v_cache, slot_mapping,
+                                               kv_format=case.kv_format, k_scale=k_scale, v_scale=v_scale,
+                                               k_block_scale=k_block_scale, v_block_scale=v_block_scale)
 
 
 @torch.library.register_fake("attnops::reshape_and_cache")
