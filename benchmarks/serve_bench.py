@@ -3,6 +3,7 @@ best path on the same weights, at several batch sizes and context lengths, in on
 
     python benchmarks/serve_bench.py --json benchmarks/results/h200-serve.json --plot benchmarks/results/h200-serve.png
     python benchmarks/serve_bench.py --small --json /tmp/serve.json --plot /tmp/serve.png     # tiny, CPU
+    python benchmarks/serve_bench.py --contexts 8192 --json X.json --append --plot X.png      # a part of the grid
 
 Modes (each a decode step of the whole batch: one new token per sequence, greedy, fed back):
   eager             attnops.generate.DecodeStep, eager PyTorch
@@ -196,6 +197,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=None, help="timed decode steps (default 50; 8 with --small)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 5; 2 with --small)")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--append", action="store_true",
+                        help="merge into the --json file's records (replacing equal mode/batch/context): a GPU "
+                             "grid can be run in parts, each within one command's time limit")
     parser.add_argument("--plot", help="write a PNG here (matplotlib)")
     args = parser.parse_args(argv)
 
@@ -236,6 +240,11 @@ def main(argv=None) -> dict:
                   model=f"{c.num_hidden_layers}L h{c.hidden_size} {c.num_attention_heads}/{c.num_key_value_heads}"
                         f" d{c.head_dim}", checkpoint=args.checkpoint, steps=args.steps, warmup=args.warmup,
                   page_size=args.page_size, records=records)
+    if args.json and args.append and Path(args.json).exists():
+        key = lambda r: (r["mode"], r["batch"], r["context"])  # noqa: E731
+        new_keys = {key(r) for r in records}
+        old = [r for r in json.loads(Path(args.json).read_text())["records"] if key(r) not in new_keys]
+        result["records"] = old + records
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     if args.plot:
