@@ -104,7 +104,8 @@ class DecodeStep:
                                 ("block_table", meta.block_table, -1), ("seq_lens", meta.seq_lens, 0),
                                 ("slot_mapping", meta.slot_mapping, -1)):
             buf[name][:batch].copy_(live, non_blocking=True)
-            buf[name][batch:].fill_(pad)  # rows a previous, larger batch left behind become padding again
+            if batch < n:
+                buf[name][batch:].fill_(pad)  # rows a previous, larger batch left behind become padding again
         return self.launch(n)[:batch]
 
 
