@@ -143,14 +143,17 @@ def make_sdpa_rows(args, length):
 
 
 def time_round_robin(impls: dict, rounds: int) -> dict:
-    """Median seconds of each impl, over `rounds` rounds that run every impl once in turn (after one warm-up)."""
-    times = {name: [] for name in impls}
+    """Median seconds of each impl, over `rounds` rounds that run every impl once in turn (after one warm-up). The
+    order rotates from round to round, so that no impl always runs right after the one that leaves the caches
+    (and the allocator) in the state it likes best."""
+    names = list(impls)
+    times = {name: [] for name in names}
     for fn in impls.values():
         fn()
-    for _ in range(rounds):
-        for name, fn in impls.items():
+    for i in range(rounds):
+        for name in names[i % len(names):] + names[: i % len(names)]:
             start = time.perf_counter()
-            fn()
+            impls[name]()
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) for name, t in times.items()}
 
