@@ -28,8 +28,13 @@ def _ops_built() -> bool:
 
 class CPUBackend(Backend):
     name = "cpu"
-    description = ("C++ kernels (csrc/cpu): at::parallel_for over sequences x KV heads x KV splits, online softmax "
-                   "in fp32, at::vec inner loops (AVX-512/AVX2/portable); GQA groups share each K/V row")
+
+    @property
+    def description(self) -> str:
+        isa = self.isa() if _ops_built() else "not built"
+        return ("C++ kernels (csrc/cpu): at::parallel_for over sequences x KV heads x KV splits, online softmax in "
+                f"fp32, at::vec inner loops (running the {isa} copy of avx512/avx2/default); GQA groups share each "
+                "K/V row")
 
     def __init__(self):
         self._attention = None
