@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -37,19 +36,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attnops import formats  # noqa: E402
 from attnops.backends.reference import paged_attention_reference  # noqa: E402
 from attnops.backends.triton import decode as tdecode  # noqa: E402
-from attnops.testing import relative_error  # noqa: E402
-
-try:
-    from grid import ragged_lengths  # noqa: E402
-except Exception:  # the suite's grid is optional here: same definition (log-uniform 256..64K, seeded)
-    def ragged_lengths(n, seed, low=256, high=65536):
-        g = torch.Generator().manual_seed(seed)
-        return [int(round(math.exp(math.log(low) + (math.log(high) - math.log(low)) * float(u))))
-                for u in torch.rand(n, generator=g)]
+from attnops.testing import random_paged_inputs, relative_error  # noqa: E402
+from grid import ragged_lengths  # noqa: E402  (the benchmark suite's: the same ragged batches)
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 DEV, Q_DTYPE, PLAIN = "cuda", torch.bfloat16, "bf16"  # module globals so that a smoke run can shrink them
-RAND_DTYPE = torch.float16  # random values drawn in 16 bits: no 17 GB fp32 temporary for an 8 GB cache
 DECODE_CASES = {
     "1x32768": [32768], "4x8192": [8192] * 4, "32x4096": [4096] * 32, "64x2048": [2048] * 64,
     "128x4096": [4096] * 128, "256x8192": [8192] * 256, "64x32768": [32768] * 64,
@@ -60,47 +51,10 @@ CHUNKS = (256, 512, 1024, 2048, 4096, 8192, None)  # None: one split per sequenc
 
 
 def make_inputs(kv_lens, q_lens, fmt, seed=0):
-    """Random paged inputs built on the GPU (the CPU helper is too slow for 8 GB caches): pages in random order,
-    -1 past each sequence's last page."""
-    dev = DEV
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    pages_needed = [-(-n // PAGE) for n in kv_lens]
-    num_pages = sum(pages_needed) + 8
-    order = torch.randperm(num_pages, device=dev, generator=gen).int()
-    width = max(pages_needed)
-    table = torch.full((len(kv_lens), width), -1, dtype=torch.int32, device=dev)
-    start = 0
-    for b, n in enumerate(pages_needed):
-        table[b, :n] = order[start:start + n]
-        start += n
-    stored = formats.stored_head_dim(fmt, D)
-    shape = (num_pages, 2, PAGE, HKV, stored)
-    args = dict(kv_format=fmt if formats.is_fp4(fmt) else "auto")
-    if formats.is_fp4(fmt):
-        kv = torch.randint(0, 256, shape, dtype=torch.uint8, device=dev, generator=gen)
-        sshape = (*shape[:4], D // formats.FP4_BLOCK[fmt])
-        if fmt == "nvfp4":
-            bs = (torch.rand(sshape, device=dev, generator=gen) * 0.3 + 0.02).to(torch.float8_e4m3fn)
-        else:
-            bs = torch.randint(122, 126, sshape, dtype=torch.uint8, device=dev, generator=gen)
-        args.update(k_scale=bs[:, 0], v_scale=bs[:, 1])
-    elif formats.is_fp8(fmt):
-        kv = torch.randn(shape, device=dev, generator=gen, dtype=RAND_DTYPE).to(formats.FP8_DTYPES[fmt])
-        args.update(k_scale=torch.tensor(0.5, device=dev), v_scale=torch.tensor(0.8, device=dev))
-    else:
-        kv = torch.randn(shape, device=dev, generator=gen, dtype=RAND_DTYPE).to(
-            {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[fmt])
-    if q_lens is None:
-        cu, num_tokens = None, len(kv_lens)
-    else:
-        cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
-        cu[1:] = torch.cumsum(torch.tensor(q_lens), 0)
-        num_tokens = int(cu[-1])
-        cu = cu.to(dev)
-    q = torch.randn(num_tokens, HQ, D, device=dev, generator=gen).to(Q_DTYPE)
-    args.update(q=q, k_cache=kv[:, 0], v_cache=kv[:, 1], block_table=table, cu_seqlens_q=cu,
-                seq_lens=torch.tensor(kv_lens, dtype=torch.int32, device=dev))
-    return args
+    """Random paged inputs built on the GPU: pages in random order (attnops.testing, as the benchmark suite)."""
+    return random_paged_inputs(kv_lens, q_lens, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=PAGE,
+                               kv_format=fmt, q_dtype=Q_DTYPE, device=DEV, seed=seed, spare_pages=8,
+                               table_padding=0)
 
 
 def per_head_variant(args):

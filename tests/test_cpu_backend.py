@@ -270,23 +270,6 @@ OPCHECK_SAMPLES = {
                                      num_q_heads=4, num_kv_heads=1), dict(window_left=30)),
     "decode-fp8-e5m2-long": (dict(kv_lens=[1500], kv_format="fp8_e5m2", num_q_heads=4, num_kv_heads=1), {}),
 }
-FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-@pytest.fixture
-def fp8_comparable(monkeypatch):
-    """opcheck's test_schema compares with torch.allclose, which has no fp8 kernel on the CPU: compare fp8
-    tensors bit for bit instead (stricter; the check still runs)."""
-    allclose = torch.allclose
-
-    def allclose_with_fp8(lhs, rhs, *args, **kwargs):
-        if lhs.dtype in FP8 and rhs.dtype in FP8:
-            return torch.equal(lhs.view(torch.uint8), rhs.view(torch.uint8))
-        return allclose(lhs, rhs, *args, **kwargs)
-
-    monkeypatch.setattr(torch, "allclose", allclose_with_fp8)
-
-
 @pytest.mark.parametrize("sample", OPCHECK_SAMPLES)
 def test_opcheck_paged_attention_cpu(sample, fp8_comparable):
     spec, options = OPCHECK_SAMPLES[sample]

@@ -24,22 +24,7 @@ SAMPLES = {
     "extend-mxfp4-mqa": dict(kv_lens=[50, 12], q_lens=[7, 12], kv_format="mxfp4", num_q_heads=4, num_kv_heads=1),
     "decode-head-dim-128-page-64": dict(kv_lens=[100, 130], head_dim=128, page_size=64),
 }
-FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-@pytest.fixture(autouse=True)
-def fp8_comparable(monkeypatch):
-    """opcheck's test_schema detects mutation with torch.allclose, which has no fp8 kernel on the CPU
-    ("mul_cpu_reduced_float" not implemented for 'Float8_e4m3fn'). Compare fp8 tensors bit for bit instead:
-    stricter than allclose, and the check still runs."""
-    allclose = torch.allclose
-
-    def allclose_with_fp8(lhs, rhs, *args, **kwargs):
-        if lhs.dtype in FP8 and rhs.dtype in FP8:
-            return torch.equal(lhs.view(torch.uint8), rhs.view(torch.uint8))
-        return allclose(lhs, rhs, *args, **kwargs)
-
-    monkeypatch.setattr(torch, "allclose", allclose_with_fp8)
+pytestmark = pytest.mark.usefixtures("fp8_comparable")  # conftest.py: opcheck on fp8 tensors
 
 
 OPTIONS = {"plain": {}, "window-softcap": dict(window_left=7, soft_cap=5.0, scale=0.2)}
