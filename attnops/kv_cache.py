@@ -64,6 +64,11 @@ class PagedKVCache:
             random.Random(seed).shuffle(self._free_pages)
         self._pages: dict = {}  # seq_id -> list of page indices
         self._lengths: dict = {}  # seq_id -> tokens stored
+        # the same pages as a host page table, one row per live sequence, so that a step's block_table is one
+        # gather (rebuilding it from Python lists cost ms per step at 128 sequences x 8K tokens)
+        self._table = torch.full((8, 64), -1, dtype=torch.int32)
+        self._row: dict = {}  # seq_id -> its row of _table
+        self._free_rows = list(range(7, -1, -1))
 
     # --- the tensors the ops take, per layer ---------------------------------------------------------------------
     @property
@@ -100,10 +105,29 @@ class PagedKVCache:
         if seq_id in self._pages:
             raise ValueError(f"PagedKVCache.allocate: sequence {seq_id!r} already exists")
         self._pages[seq_id], self._lengths[seq_id] = [], 0
+        if not self._free_rows:  # twice the rows
+            rows = self._table.shape[0]
+            self._table = torch.cat((self._table, torch.full_like(self._table, -1)))
+            self._free_rows = list(range(2 * rows - 1, rows - 1, -1))
+        self._row[seq_id] = self._free_rows.pop()
 
     def free(self, seq_id) -> None:
         self._free_pages.extend(reversed(self._pages.pop(seq_id)))
         del self._lengths[seq_id]
+        row = self._row.pop(seq_id)
+        self._table[row].fill_(-1)
+        self._free_rows.append(row)
+
+    def _grow(self, seq_id, new_pages: list) -> None:
+        """Appends `new_pages` to the sequence's pages and its row of the host table."""
+        pages = self._pages[seq_id]
+        end = len(pages) + len(new_pages)
+        if end > self._table.shape[1]:  # twice the columns (at least enough)
+            wider = torch.full((self._table.shape[0], max(end, 2 * self._table.shape[1])), -1, dtype=torch.int32)
+            wider[:, : self._table.shape[1]] = self._table
+            self._table = wider
+        self._table[self._row[seq_id], len(pages):end] = torch.tensor(new_pages, dtype=torch.int32)
+        pages.extend(new_pages)
 
     def seq_len(self, seq_id) -> int:
         return self._lengths[seq_id]
@@ -124,17 +148,30 @@ class PagedKVCache:
                      for s, n in zip(seq_ids, num_new_tokens))
         if needed > len(self._free_pages):
             raise RuntimeError(f"PagedKVCache: out of pages ({needed} needed, {len(self._free_pages)} free)")
-        slots, lengths = [], []
+        slots, lengths = [], []  # slots: ints for short runs (decode), tensors for long ones (prefill)
+        page_size = self.page_size
         for seq_id, n in zip(seq_ids, num_new_tokens):
             pages, start = self._pages[seq_id], self._lengths[seq_id]
-            while len(pages) * self.page_size < start + n:
-                pages.append(self._free_pages.pop())
-            slots.extend(pages[p // self.page_size] * self.page_size + p % self.page_size
-                         for p in range(start, start + n))
+            missing = -(-(start + n) // page_size) - len(pages)
+            if missing > 0:
+                self._grow(seq_id, [self._free_pages.pop() for _ in range(missing)])
+            if n <= 16:
+                slots.extend(pages[p // page_size] * page_size + p % page_size for p in range(start, start + n))
+            else:
+                positions = torch.arange(start, start + n)
+                row = self._table[self._row[seq_id]]
+                slots.append(row[positions // page_size].long() * page_size + positions % page_size)
             self._lengths[seq_id] = start + n
             lengths.append(start + n)
         width = max([len(self._pages[s]) for s in seq_ids] + [1]) if max_pages is None else max_pages
-        table = [self._pages[s] + [-1] * (width - len(self._pages[s])) for s in seq_ids]
+        if any(len(self._pages[s]) > width for s in seq_ids):
+            raise ValueError(f"PagedKVCache.prepare: a sequence needs more than max_pages={width} pages")
+        rows = self._table.index_select(0, torch.tensor([self._row[s] for s in seq_ids], dtype=torch.long))
+        table = torch.full((len(seq_ids), width), -1, dtype=torch.int32)
+        used = min(width, rows.shape[1])
+        table[:, :used] = rows[:, :used]
+        slot_mapping = torch.cat([t if isinstance(t, torch.Tensor) else torch.tensor([t]) for t in slots]) \
+            if any(isinstance(t, torch.Tensor) for t in slots) else torch.tensor(slots, dtype=torch.int64)
         cu = None
         if not decode:
             cu = [0]
@@ -143,7 +180,7 @@ class PagedKVCache:
             cu = torch.tensor(cu, dtype=torch.int32, device=self.device)
         return BatchMetadata(
             seq_ids=list(seq_ids),
-            block_table=torch.tensor(table, dtype=torch.int32, device=self.device).reshape(len(seq_ids), width),
+            block_table=table.to(self.device),
             seq_lens=torch.tensor(lengths, dtype=torch.int32, device=self.device),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
+            slot_mapping=slot_mapping.to(torch.int64).to(self.device),
             cu_seqlens_q=cu)

@@ -46,3 +46,22 @@ def test_formats_carry_their_scales():
     assert set(nvfp4.write_args(0)) == {"k_cache", "v_cache", "kv_format", "k_block_scale", "v_block_scale"}
     with pytest.raises(ValueError, match="kv_format"):
         attnops.PagedKVCache(1, 4, 16, 2, 64, kv_format="int8")
+
+
+def test_block_table_matches_the_allocator_as_the_host_table_grows():
+    """More sequences than the host table's first rows and more pages than its first columns; freed rows reused."""
+    cache = attnops.PagedKVCache(1, 2000, 2, 1, 32, shuffle_pages=True)
+    seqs = list(range(20))
+    for s in seqs:
+        cache.allocate(s)
+    meta = cache.prepare(seqs, [3 + 11 * s for s in seqs], decode=False)  # up to 212 tokens: 106 pages
+    cache.free(3)
+    cache.allocate("new")
+    seqs = [s for s in seqs if s != 3] + ["new"]
+    meta = cache.prepare(seqs, [1] * len(seqs))
+    for row, s in zip(meta.block_table.tolist(), seqs):
+        pages = cache._pages[s]
+        assert row[: len(pages)] == pages and all(p == -1 for p in row[len(pages):])
+    lengths = meta.seq_lens.tolist()
+    expected_slots = [cache._pages[s][(n - 1) // 2] * 2 + (n - 1) % 2 for s, n in zip(seqs, lengths)]
+    assert meta.slot_mapping.tolist() == expected_slots
