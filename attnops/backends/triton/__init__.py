@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from ..base import AttentionCase, Backend, CacheWriteCase, common_reasons
+from ..base import AttentionCase, Backend, common_reasons
 
 HEAD_DIMS = (32, 64, 128, 256)
 KV_FORMATS = ("bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "nvfp4", "mxfp4")
@@ -45,13 +45,8 @@ class TritonBackend(Backend):
         devices = ("cuda", "cpu") if interpreting() else ("cuda",)
         reasons = common_reasons(case, devices=devices, q_dtypes=Q_DTYPES, kv_formats=KV_FORMATS,
                                  head_dims=HEAD_DIMS, archs=lambda arch: arch >= (8, 0))
-        if isinstance(case, AttentionCase):
-            if case.q_dtype == torch.bfloat16 and case.device_type == "cpu":
-                reasons.append("bf16 is not supported by the Triton interpreter (CPU)")
-        elif isinstance(case, CacheWriteCase):
-            if case.src_dtype == torch.bfloat16 and case.device_type == "cpu":
-                reasons.append("bf16 is not supported by the Triton interpreter (CPU)")
-        if case.kv_format == "bf16" and case.device_type == "cpu":
+        src_dtype = case.q_dtype if isinstance(case, AttentionCase) else case.src_dtype
+        if case.device_type == "cpu" and (src_dtype == torch.bfloat16 or case.kv_format == "bf16"):
             reasons.append("bf16 is not supported by the Triton interpreter (CPU)")
         if case.kv_format in ("fp8_e4m3", "nvfp4") and case.arch is not None and case.arch < (8, 9):
             # Triton has no fp8e4nv (e4m3: the fp8 format, and nvfp4's block scales) before sm_89

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ... import formats
-from .common import FMT_CODE, FMT_FP8, FMT_MXFP4, FMT_NVFP4, FMT_PLAIN, e8m0_to_f32, f32_to_fp8_bits
+from .common import FMT_CODE, FMT_FP8, FMT_MXFP4, FMT_NVFP4, e8m0_to_f32, f32_to_fp8_bits
 
 
 @triton.jit
