@@ -31,8 +31,12 @@ def info(args) -> None:
         print(f"  {name:<10} {'unavailable: ' + '; '.join(missing) if missing else 'ready'}  {backend.description}")
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     for device in devices:
-        print(f"\n{device}: order {' > '.join(STATIC_ORDER.get(device, ()))}; "
-              f"Hq/Hkv/D 32/8/128, page 16 unless noted")
+        from .checks import device_arch
+        from .dispatch import arch_table
+        measured = arch_table(device_arch(torch.device(device)))
+        order = (f"measured table for this GPU's arch ({len(measured)} case classes), then "
+                 if measured else "") + " > ".join(STATIC_ORDER.get(device, ()))
+        print(f"\n{device}: order {order}; Hq/Hkv/D 32/8/128, page 16 unless noted")
         q_dtype = torch.float32 if device == "cpu" else torch.bfloat16
         for kv_format in formats.KV_FORMATS:
             if kv_format == "fp32" and device != "cpu":
