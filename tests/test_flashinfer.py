@@ -80,3 +80,21 @@ def test_plans_once_per_step_and_replans_for_a_new_step(monkeypatch):
     assert len(calls) == 2
     assert relative_error(second, paged_attention_reference(**args, compute_dtype=torch.float64)) < 2e-2
     assert not torch.equal(first[0][0], second[0])
+
+
+def test_step_key_matches_only_the_same_unmodified_tensors():
+    """A plan is reused only for the very tensors it was made from, unwritten since: not for a new tensor that
+    happens to reuse a freed one's address, nor after an in-place update."""
+    from attnops.backends.flashinfer import _same_step, _step_key
+
+    table, lens = torch.zeros(2, 3, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    key = _step_key(table, lens, None)
+    assert _same_step(key, table, lens, None)
+    assert not _same_step(key, table, lens, torch.zeros(3, dtype=torch.int32))
+    lens.add_(1)  # written in place: a new step
+    assert not _same_step(key, table, lens, None)
+    key = _step_key(table, lens, None)
+    address = lens.data_ptr()
+    del lens
+    new_lens = torch.ones(2, dtype=torch.int32)  # may well land at the freed address, with version 0
+    assert not _same_step(key, table, new_lens, None), (address == new_lens.data_ptr())
