@@ -148,7 +148,8 @@ class PagedKVCache:
                      for s, n in zip(seq_ids, num_new_tokens))
         if needed > len(self._free_pages):
             raise RuntimeError(f"PagedKVCache: out of pages ({needed} needed, {len(self._free_pages)} free)")
-        slots, lengths = [], []  # slots: ints for short runs (decode), tensors for long ones (prefill)
+        # slots of short runs (decode) as Python ints, flushed as one tensor before each long run (prefill)
+        slot_runs, pending, lengths = [], [], []
         page_size = self.page_size
         for seq_id, n in zip(seq_ids, num_new_tokens):
             pages, start = self._pages[seq_id], self._lengths[seq_id]
@@ -156,11 +157,13 @@ class PagedKVCache:
             if missing > 0:
                 self._grow(seq_id, [self._free_pages.pop() for _ in range(missing)])
             if n <= 16:
-                slots.extend(pages[p // page_size] * page_size + p % page_size for p in range(start, start + n))
+                pending.extend(pages[p // page_size] * page_size + p % page_size for p in range(start, start + n))
             else:
+                slot_runs.append(torch.tensor(pending, dtype=torch.int64))
+                pending = []
                 positions = torch.arange(start, start + n)
                 row = self._table[self._row[seq_id]]
-                slots.append(row[positions // page_size].long() * page_size + positions % page_size)
+                slot_runs.append(row[positions // page_size].long() * page_size + positions % page_size)
             self._lengths[seq_id] = start + n
             lengths.append(start + n)
         width = max([len(self._pages[s]) for s in seq_ids] + [1]) if max_pages is None else max_pages
@@ -170,8 +173,8 @@ class PagedKVCache:
         table = torch.full((len(seq_ids), width), -1, dtype=torch.int32)
         used = min(width, rows.shape[1])
         table[:, :used] = rows[:, :used]
-        slot_mapping = torch.cat([t if isinstance(t, torch.Tensor) else torch.tensor([t]) for t in slots]) \
-            if any(isinstance(t, torch.Tensor) for t in slots) else torch.tensor(slots, dtype=torch.int64)
+        slot_runs.append(torch.tensor(pending, dtype=torch.int64))
+        slot_mapping = torch.cat(slot_runs) if len(slot_runs) > 1 else slot_runs[0]
         cu = None
         if not decode:
             cu = [0]
@@ -182,5 +185,5 @@ class PagedKVCache:
             seq_ids=list(seq_ids),
             block_table=table.to(self.device),
             seq_lens=torch.tensor(lengths, dtype=torch.int32, device=self.device),
-            slot_mapping=slot_mapping.to(torch.int64).to(self.device),
+            slot_mapping=slot_mapping.to(self.device),
             cu_seqlens_q=cu)

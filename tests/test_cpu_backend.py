@@ -239,7 +239,6 @@ def test_write_then_attend_through_paged_kv_cache():
     """The two ops together as a serving loop uses them: prefill, then decode steps, via PagedKVCache."""
     cache = attnops.PagedKVCache(1, 64, 16, 2, 64, kv_format="bf16", shuffle_pages=True)
     gen = torch.Generator().manual_seed(3)
-    keys, values, queries = {}, {}, {}
     seqs = ["a", "b", "c"]
     for s in seqs:
         cache.allocate(s)

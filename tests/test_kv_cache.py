@@ -55,6 +55,8 @@ def test_block_table_matches_the_allocator_as_the_host_table_grows():
     for s in seqs:
         cache.allocate(s)
     meta = cache.prepare(seqs, [3 + 11 * s for s in seqs], decode=False)  # up to 212 tokens: 106 pages
+    # short runs (<= 16 tokens) and long ones interleave: slots in order, each token at page[t // 2], t % 2
+    assert meta.slot_mapping.tolist() == [cache._pages[s][t // 2] * 2 + t % 2 for s in seqs for t in range(3 + 11 * s)]
     cache.free(3)
     cache.allocate("new")
     seqs = [s for s in seqs if s != 3] + ["new"]
