@@ -26,7 +26,9 @@ def values_checked() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)
 def device_arch(device: torch.device) -> tuple[int, int] | None:
+    """(major, minor) compute capability of a CUDA device (cached: asking the driver costs microseconds)."""
     if device.type != "cuda":
         return None
     return torch.cuda.get_device_capability(device)

@@ -2,7 +2,9 @@
 dominates: `torch.ops.attnops.paged_attention` minus FlashInfer's own planned `run()`, and minus the Triton
 backend's bare launch. Host-timed over many back-to-back calls (the GPU work is tiny, so the host is the limit).
 
-    python benchmarks/overhead.py [--json PATH]
+    python benchmarks/overhead.py [--json PATH] [--profile]
+
+--profile also runs each backend's op call under cProfile and prints where its host time goes.
 """
 import argparse
 import json
@@ -32,9 +34,29 @@ def per_call_us(fn, calls=3000, rounds=5):
     return sorted(best)[len(best) // 2]
 
 
+def profile(name, fn, calls=2000, top=14):
+    """The host functions that cost the most per op call (cProfile's own overhead inflates all of them alike)."""
+    import cProfile
+    import io
+    import pstats
+    for _ in range(100):
+        fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    stream = io.StringIO()
+    pstats.Stats(prof, stream=stream).sort_stats("tottime").print_stats(top)
+    print(f"--- {name}: cProfile of {calls} op calls, by own time\n" + stream.getvalue()[-4000:])
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json")
+    parser.add_argument("--profile", action="store_true", help="cProfile each backend's op call")
     args = parser.parse_args(argv)
     inputs = random_paged_inputs([512], num_q_heads=32, num_kv_heads=8, head_dim=128, kv_format="bf16",
                                  q_dtype=torch.bfloat16, device="cuda")
@@ -59,6 +81,9 @@ def main(argv=None):
             backend_us = per_call_us(lambda: backend.paged_attention(*kernel_args, **kernel_kwargs))
         else:
             bare_us = backend_us = per_call_us(lambda: backend.paged_attention(*kernel_args, **kernel_kwargs))
+        if args.profile:
+            with attnops.use_backend(name):
+                profile(name, lambda: torch.ops.attnops.paged_attention.out(**inputs, out=out))
         results[name] = dict(op_us=op_us, op_out_us=op_out_us, backend_call_us=backend_us, kernel_run_us=bare_us,
                              overhead_us=op_us - bare_us, overhead_out_us=op_out_us - bare_us)
     for name, r in results.items():

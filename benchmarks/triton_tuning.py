@@ -6,8 +6,9 @@
     python benchmarks/triton_tuning.py --formats bf16 fp8_e4m3 --cases 1x32768 128x4096 --json tune.json
 
 Stages (compiles are the expensive part, so constexpr tunables are searched on few cases, runtime ones on all):
-1. per format, tile configurations (BLOCK_N, num_warps, num_stages; FP8_ASM for e4m3, SCALE_BCAST for 4-bit,
-   FP4_ASM for nvfp4) on
+1. per format, tile configurations (BLOCK_N, num_warps, num_stages; WGMMA, the swapped wgmma-shaped dots, for
+   plain and fp8 caches; FP8_DOT, e4m3 score dots on the stored bytes, and FP8_ASM for e4m3; SCALE_BCAST for
+   4-bit, FP4_ASM for nvfp4) on
    two representative decode cases (128 x 4096: bandwidth; 1 x 32768: splits), keeping the best by the sum of the
    two times;
 2. per case, with that tile configuration, the split plan (CHUNK keys per program; MAX_SPLITS follows): runtime
@@ -15,6 +16,8 @@ Stages (compiles are the expensive part, so constexpr tunables are searched on f
 3. verify (4 and 8 tokens, 32 x 4096) and prefill (8 x 4096; 2048 new tokens on a 46,000 prefix), bf16: BLOCK_Q,
    BLOCK_N, num_warps, num_stages.
 Every configuration's output is compared with the reference before it is timed: a wrong config never wins.
+Times are CUDA-graph replays (benchmarks/bench.py's graph_time_us): the kernels' own time, without the host's
+launch cost, which on a 50 us decode would otherwise decide the ranking.
 Decode is reported as achieved TB/s (KV bytes as stored, scales included, + q + out over the median time);
 prefill as TFLOP/s of causal FLOPs. The heuristic's own choice is timed too, so the gain of tuning is visible.
 """
@@ -37,6 +40,7 @@ from attnops import formats  # noqa: E402
 from attnops.backends.reference import paged_attention_reference  # noqa: E402
 from attnops.backends.triton import decode as tdecode  # noqa: E402
 from attnops.testing import random_paged_inputs, relative_error  # noqa: E402
+from bench import graph_time_us  # noqa: E402
 from grid import ragged_lengths  # noqa: E402  (the benchmark suite's: the same ragged batches)
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
@@ -47,7 +51,7 @@ DECODE_CASES = {
     "ragged64": ragged_lengths(64, seed=64), "ragged256": ragged_lengths(256, seed=256),
 }
 TILE_CASES = ("128x4096", "1x32768")
-CHUNKS = (256, 512, 1024, 2048, 4096, 8192, None)  # None: one split per sequence
+CHUNKS = (128, 256, 512, 1024, 2048, 4096, 8192, None)  # None: one split per sequence
 
 
 def make_inputs(kv_lens, q_lens, fmt, seed=0):
@@ -103,8 +107,7 @@ class Runner:
             if not err < 2e-2:
                 print(f"    wrong output (rel. err {err:.3g}) with {config}", flush=True)
                 return None
-            return triton.testing.do_bench(lambda: self.call(config), warmup=25, rep=100,
-                                           return_mode="median") * 1e3
+            return graph_time_us(lambda: self.call(config))
         except Exception as e:  # a config that does not compile (too many registers, shared memory...)
             print(f"    failed with {config}: {type(e).__name__}: {str(e)[:160]}", flush=True)
             return None
@@ -133,7 +136,7 @@ def main():
 
     if opts.quick:
         tiles = [dict(BLOCK_N=n, num_warps=w, num_stages=s) for n, w, s in
-                 itertools.product((64, 128), (4,), (2, 3))]
+                 ((64, 4, 3), (128, 4, 3), (64, 8, 3), (128, 8, 3), (64, 4, 4), (128, 8, 2))]
     else:
         tiles = [dict(BLOCK_N=n, num_warps=w, num_stages=s) for n, w, s in
                  itertools.product((32, 64, 128), (4, 8), (2, 3, 4))]
@@ -145,8 +148,11 @@ def main():
         print(f"\n=== {fmt}: stage 1, tile configurations on {TILE_CASES}", flush=True)
         runners = {name: Runner(make_inputs(DECODE_CASES[name], None, fmt), fmt) for name in TILE_CASES}
         candidates = list(tiles)
-        if fmt == "fp8_e4m3":  # packed PTX e4m3 -> f16x2 conversion
-            candidates += [dict(t, FP8_ASM=True) for t in tiles]
+        if not formats.is_fp4(fmt):  # swapped dots: the KV tile is wgmma's 64+-row operand
+            candidates += [dict(t, WGMMA=True) for t in tiles]
+        if fmt == "fp8_e4m3":  # e4m3 score dots on K's bytes, with and without wgmma for PV; packed PTX conversion
+            candidates += [dict(t, FP8_DOT=True) for t in tiles] + [dict(t, FP8_DOT=True, WGMMA=True) for t in tiles]
+            candidates += [dict(t, FP8_ASM=True) for t in tiles[:2]]
         if formats.is_fp4(fmt):  # block scales loaded per value instead of once and repeated in registers
             candidates += [dict(t, SCALE_BCAST=False) for t in tiles]
         if fmt == "nvfp4":  # inline-PTX nibble decode, 4 values per register

@@ -133,6 +133,32 @@ def test_fp4_scales_loaded_per_value(kv_format, q_lens, q_dtype):
     assert relative_error(out, ref) < TOLERANCE[q_dtype]
 
 
+SWAPPED_DOT_CASES = [
+    ("fp16", None, dict(WGMMA=True), {}),
+    ("fp8_e4m3", None, dict(FP8_DOT=True), dict(soft_cap=5.0)),
+    ("fp8_e4m3", [3, 1, 5], dict(FP8_DOT=True, WGMMA=True), dict(window_left=50)),
+    ("fp8_e5m2", [4, 4, 4], dict(WGMMA=True), dict(soft_cap=5.0, window_left=30)),
+]
+
+
+@pytest.mark.parametrize("kv_format,q_lens,config,options", SWAPPED_DOT_CASES,
+                         ids=[f"{c[0]}-{'extend' if c[1] else 'decode'}-{'-'.join(c[2])}" for c in SWAPPED_DOT_CASES])
+@pytest.mark.parametrize("q_dtype", [F16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
+def test_swapped_and_fp8_dots(kv_format, q_lens, config, options, q_dtype):
+    """The tuning variants with swapped dots (WGMMA: (K q^T)^T and (V^T P^T)^T, the KV tile as wgmma's 64-row
+    operand) and e4m3 score dots on K's stored bytes with q as two e4m3 terms (FP8_DOT): same answers."""
+    from attnops.backends.triton.decode import launch
+    args = random_paged_inputs([200, 1, 77], q_lens, num_q_heads=8, num_kv_heads=2, head_dim=64,
+                               kv_format=kv_format, q_dtype=q_dtype, scale_kind="per_head", device=DEVICE, seed=3)
+    out = torch.full_like(args["q"], float("nan"))
+    launch(args["q"], args["k_cache"], args["v_cache"], args["block_table"], args["seq_lens"], args["cu_seqlens_q"],
+           scale=0.125, soft_cap=options.get("soft_cap", 0.0), window_left=options.get("window_left", -1),
+           kv_format=kv_format, k_scale=args.get("k_scale"), v_scale=args.get("v_scale"), out=out,
+           config=dict(config, BLOCK_N=64))
+    ref = paged_attention_reference(**args, scale=0.125, **options, compute_dtype=torch.float64)
+    assert relative_error(out, ref) < TOLERANCE[q_dtype]
+
+
 def test_strided_metadata_and_out():
     """A block table and seq_lens that are strided views, and an out= whose last dimension is strided."""
     args = random_paged_inputs([50, 0, 17], q_lens=[5, 0, 2], device=DEVICE, seed=8)
@@ -287,7 +313,12 @@ from triton.backends.compiler import GPUTarget
 from attnops.backends.triton import compile_check as cc
 target = GPUTarget("cuda", 90, 32)
 variants = list(cc.attention_variants(quick=True))
-for v in (variants[0], variants[1], variants[9], variants[-2]):  # bf16 decode/extend, nvfp4 extend, mxfp4 per-value scales
+picked = [variants[0], variants[1]]  # bf16 decode, extend
+picked += [v for v in variants if v["fmt"] == "nvfp4" and not v["decode"]][:1]
+picked += [v for v in variants if v["fmt"] == "mxfp4" and not v["scale_bcast"]][:1]  # per-value scales
+picked += [v for v in variants if v.get("fp8_dot")][:1] + [v for v in variants if v.get("wgmma")][:1]
+assert len(picked) == 6
+for v in picked:
     cc.compile_attention(v, target)
 cc.compile_cache_write("nvfp4", "bf16", 64, target)
 cc.compile_cache_write("fp8_e4m3", "fp32", 128, target)

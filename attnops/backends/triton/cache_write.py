@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ... import formats
-from .common import FMT_CODE, FMT_FP8, FMT_MXFP4, FMT_NVFP4, e8m0_to_f32, f32_to_fp8_bits
+from .common import FMT_CODE, FMT_FP8, FMT_MXFP4, FMT_NVFP4, e8m0_to_f32, to_fp8_bits
 
 
 @triton.jit
@@ -29,17 +29,6 @@ def _e2m1_encode(y):
             + (y > 1.75).to(tl.int32) + (y > 2.5).to(tl.int32) + (y > 3.5).to(tl.int32) + (y > 5.0).to(tl.int32))
     tie = (y == 0.75) | (y == 1.75) | (y == 3.5)  # the midpoints whose lower code (1, 3, 5) is odd
     return tl.where(tie, code + 1, code)
-
-
-@triton.jit
-def _to_fp8_bits(x, FP8_DTYPE: tl.constexpr, SOFT_FP8: tl.constexpr):
-    """fp32 -> fp8 bits (uint8), round to nearest even: the hardware conversion, or integer code under the
-    interpreter (see common.f32_to_fp8_bits)."""
-    if SOFT_FP8:
-        if FP8_DTYPE == tl.float8e4nv:
-            return f32_to_fp8_bits(x, 3, 7)
-        return f32_to_fp8_bits(x, 2, 15)
-    return x.to(FP8_DTYPE).to(tl.uint8, bitcast=True)
 
 
 @triton.jit
@@ -58,7 +47,7 @@ def _write_row(src_ptr, cache_ptr, scale_ptr, bscale_ptr, cache_off, bscale_off,
         amax = tl.maximum(tl.max(tl.abs(x_e), 1), tl.max(tl.abs(x_o), 1))  # [NB]
         if FMT == FMT_NVFP4:
             sc = tl.minimum(tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32)), 448.0)
-            stored_scale = _to_fp8_bits(sc, tl.float8e4nv, SOFT_FP8)
+            stored_scale = to_fp8_bits(sc, tl.float8e4nv, SOFT_FP8)
             scale = stored_scale.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         else:
             exponent_field = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # floor(log2(amax)) + 127
@@ -81,7 +70,7 @@ def _write_row(src_ptr, cache_ptr, scale_ptr, bscale_ptr, cache_off, bscale_off,
             y = tl.math.div_rn(x.to(tl.float32), tl.load(scale_ptr) + tl.zeros([HEAD_DIM], tl.float32))
             y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)  # saturate at the format's max
             # stored through a uint8 view of the cache
-            tl.store(cache_ptr + cache_off + offs_d, _to_fp8_bits(y, FP8_DTYPE, SOFT_FP8))
+            tl.store(cache_ptr + cache_off + offs_d, to_fp8_bits(y, FP8_DTYPE, SOFT_FP8))
         else:
             tl.store(cache_ptr + cache_off + offs_d, x.to(cache_ptr.dtype.element_ty))
 

@@ -118,6 +118,17 @@ def f32_to_fp8_bits(x, MANT: tl.constexpr, BIAS: tl.constexpr):
 
 
 @triton.jit
+def to_fp8_bits(x, FP8_DTYPE: tl.constexpr, SOFT_FP8: tl.constexpr):
+    """fp32 -> fp8 bits (uint8), round to nearest even: the hardware conversion, or integer code under the
+    interpreter (see f32_to_fp8_bits)."""
+    if SOFT_FP8:
+        if FP8_DTYPE == tl.float8e4nv:
+            return f32_to_fp8_bits(x, 3, 7)
+        return f32_to_fp8_bits(x, 2, 15)
+    return x.to(FP8_DTYPE).to(tl.uint8, bitcast=True)
+
+
+@triton.jit
 def e2m1x4_to_f16_scaled_asm(packed, HIGH: tl.constexpr):
     """Inline-PTX version of e2m1_to_f16_scaled on the low (HIGH=False) or high nibbles of uint8 `packed`: four
     bytes a 32-bit register, spread into 16-bit lanes with prmt, then masks and shifts on two lanes at once (about

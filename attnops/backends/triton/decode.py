@@ -27,8 +27,9 @@ import triton
 import triton.language as tl
 
 from ... import formats
-from .common import (FMT_CODE, FMT_FP8, FMT_MXFP4, FMT_NVFP4, LOG2E, e2m1_to_f16_scaled, e2m1_to_f32,
-                     e2m1x4_to_f16_scaled_asm, e8m0_to_f32, find_sequence, kv_plan)
+from . import interpreting
+from .common import (FMT_CODE, FMT_FP8, FMT_MXFP4, FMT_NVFP4, FMT_PLAIN, LOG2E, e2m1_to_f16_scaled, e2m1_to_f32,
+                     e2m1x4_to_f16_scaled_asm, e8m0_to_f32, find_sequence, kv_plan, to_fp8_bits)
 
 
 @triton.jit
@@ -112,7 +113,7 @@ def paged_attention_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr,
     IS_DECODE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FP8_ASM: tl.constexpr, FP8_DTYPE: tl.constexpr, SCALE_BCAST: tl.constexpr,
-    FP4_ASM: tl.constexpr,
+    FP4_ASM: tl.constexpr, FP8_DOT: tl.constexpr, WGMMA: tl.constexpr, SOFT_FP8: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
     if not IS_DECODE:
@@ -164,6 +165,17 @@ def paged_attention_kernel(
 
     IS_FP4: tl.constexpr = FMT == FMT_NVFP4 or FMT == FMT_MXFP4
     HALF: tl.constexpr = HEAD_DIM // 2
+    # Swapped dots, so that the KV tile is the 64+-row operand that Hopper's wgmma needs (decode has only 16 rows of
+    # q): scores as (K q^T)^T, and for plain formats (WGMMA) the output as (V^T P^T)^T, both tiles read by the
+    # tensor cores from shared memory where the pipelined load put them (fp8 tiles are converted in registers
+    # first).
+    # FP8_DOT (e4m3 caches): the swapped score dot in e4m3 on K's stored bytes, with no per-element conversion of
+    # K (on sm_90 only wgmma multiplies fp8, and its fp8 A operand must be K-major: K [BLOCK_N, D] is, V^T is not,
+    # so V keeps the conversion). q enters as two e4m3 terms, hi + lo / 16 (scaled per row): about bf16's
+    # precision.
+    FP8_QK: tl.constexpr = FMT == FMT_FP8 and FP8_DOT
+    SWAP_QK: tl.constexpr = FP8_QK or (not IS_FP4 and WGMMA)
+    SWAP_PV: tl.constexpr = not IS_FP4 and WGMMA
     if IS_FP4:
         offs_d = tl.arange(0, HALF)
         q_e = tl.load(q_ptr + q_row_off[:, None] + 2 * offs_d[None, :], mask=row_valid[:, None], other=0.0)
@@ -175,8 +187,26 @@ def paged_attention_kernel(
     else:
         offs_d = tl.arange(0, HEAD_DIM)
         q = tl.load(q_ptr + q_row_off[:, None] + offs_d[None, :], mask=row_valid[:, None], other=0.0)
-        q = q.to(DOT_DTYPE)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        if FP8_QK:
+            # per row, q x q_mul maps the row's largest |q| to 256 (e4m3 holds up to 448); score scale / q_mul
+            qf = q.to(tl.float32)
+            amax = tl.max(tl.abs(qf), 1)
+            q_mul = tl.where(amax > 0.0, 256.0 / tl.where(amax > 0.0, amax, 1.0), 1.0)
+            qs = qf * q_mul[:, None]
+            q_hi = to_fp8_bits(qs, tl.float8e4nv, SOFT_FP8).to(tl.float8e4nv, bitcast=True)
+            q_lo = to_fp8_bits((qs - q_hi.to(tl.float32)) * 16.0, tl.float8e4nv, SOFT_FP8).to(
+                tl.float8e4nv, bitcast=True)
+            q_hi_t = tl.trans(q_hi)  # [D, BLOCK_M]
+            q_lo_t = tl.trans(q_lo)
+            row_qk_scale = qk_scale / q_mul
+        else:
+            q = q.to(DOT_DTYPE)
+            if SWAP_QK:
+                q_t = tl.trans(q)  # [D, BLOCK_M]
+        if SWAP_PV:
+            acc = tl.zeros([HEAD_DIM, BLOCK_M], dtype=tl.float32)  # transposed
+        else:
+            acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
 
@@ -207,20 +237,37 @@ def paged_attention_kernel(
             qk = tl.dot(q_e, k_e, input_precision=DOT_PRECISION)
             qk = tl.dot(q_o, k_o, acc=qk, input_precision=DOT_PRECISION)
         else:
-            k = tl.load(k_ptr + tok_off[None, :] + offs_d[:, None], mask=kvalid[None, :], other=0.0)
-            if FMT == FMT_FP8:
-                k = _fp8_to_dot(k, FP8_DTYPE, DOT_DTYPE, FP8_ASM)
+            if FP8_QK:
+                k = tl.load(k_ptr + tok_off[:, None] + offs_d[None, :], mask=kvalid[:, None], other=0)
+                k = k.to(tl.float8e4nv, bitcast=True)  # [BLOCK_N, D]
+                qk_t = tl.dot(k, q_lo_t) * 0.0625
+                qk_t = tl.dot(k, q_hi_t, acc=qk_t)
+                qk = tl.trans(qk_t)
+            elif SWAP_QK:
+                k = tl.load(k_ptr + tok_off[:, None] + offs_d[None, :], mask=kvalid[:, None], other=0.0)
+                if FMT == FMT_FP8:
+                    k = _fp8_to_dot(k, FP8_DTYPE, DOT_DTYPE, FP8_ASM)
+                else:
+                    k = k.to(DOT_DTYPE)
+                qk = tl.trans(tl.dot(k, q_t))
             else:
-                k = k.to(DOT_DTYPE)
-            qk = tl.dot(q, k, input_precision=DOT_PRECISION)
+                k = tl.load(k_ptr + tok_off[None, :] + offs_d[:, None], mask=kvalid[None, :], other=0.0)
+                if FMT == FMT_FP8:
+                    k = _fp8_to_dot(k, FP8_DTYPE, DOT_DTYPE, FP8_ASM)
+                else:
+                    k = k.to(DOT_DTYPE)
+                qk = tl.dot(q, k, input_precision=DOT_PRECISION)
 
+        if FP8_QK:
+            qk = qk * row_qk_scale[:, None]
+        else:
+            qk = qk * qk_scale
         if HAS_SOFTCAP:
             # soft_cap * tanh(s / soft_cap), tanh through exp2 (stable: exp2 -> inf gives 1, -> 0 gives -1)
-            x = qk * (qk_scale / soft_cap)
-            t = tl.exp2(x * (2.0 * LOG2E))
+            t = tl.exp2(qk * (2.0 * LOG2E / soft_cap))
             s = (soft_cap * LOG2E) * (1.0 - 2.0 / (t + 1.0))
         else:
-            s = qk * qk_scale
+            s = qk
         # mask only the tiles at the causal/window/length edges
         needs_mask = start + BLOCK_N > full_hi
         if HAS_WINDOW:
@@ -237,12 +284,12 @@ def paged_attention_kernel(
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
-        p = p.to(DOT_DTYPE)
 
         if IS_FP4:
             vs_off = page_v * stride_vsp + in_page * stride_vst + kvh * stride_vsh
             v_e, v_o = _load_fp4_tile(v_ptr, vs_ptr, tok_off, vs_off, offs_d, kvalid, False, FMT, DOT_DTYPE,
                                       SCALE_BCAST, FP4_ASM)
+            p = p.to(DOT_DTYPE)
             acc = tl.dot(p, v_e, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
             acc_o = tl.dot(p, v_o, acc=acc_o * alpha[:, None], input_precision=DOT_PRECISION)
         else:
@@ -251,9 +298,14 @@ def paged_attention_kernel(
                 v = _fp8_to_dot(v, FP8_DTYPE, DOT_DTYPE, FP8_ASM)
             else:
                 v = v.to(DOT_DTYPE)
-            acc = tl.dot(p, v, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
+            if SWAP_PV:
+                acc = tl.dot(tl.trans(v), tl.trans(p.to(DOT_DTYPE)), acc=acc * alpha[None, :])
+            else:
+                acc = tl.dot(p.to(DOT_DTYPE), v, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
 
     # --- epilogue: normalized output, directly or as a split partial ---------------------------------------
+    if SWAP_PV:
+        acc = tl.trans(acc)
     has_keys = l_i > 0.0
     inv_l = tl.where(has_keys, v_mul / tl.where(has_keys, l_i, 1.0), 0.0)  # no key seen: the row is 0
     if IS_FP4:
@@ -325,7 +377,7 @@ WORKSPACE_BYTES = 64 * 2 ** 20  # the most split partials one call may allocate 
 
 # Tunables a caller (benchmarks/triton_tuning.py, tests) may force; None entries fall back to the heuristic.
 CONFIG_KEYS = ("BLOCK_N", "num_warps", "num_stages", "CHUNK", "MAX_SPLITS", "BLOCK_Q", "FP8_ASM", "SCALE_BCAST",
-               "FP4_ASM")
+               "FP4_ASM", "FP8_DOT", "WGMMA")
 
 
 @functools.lru_cache(maxsize=None)
@@ -392,7 +444,7 @@ def heuristic_config(device, decode: bool, batch: int, num_tokens: int, num_q_he
     # variant stays for the tuning sweep. SCALE_BCAST on: one load per 4-bit block scale instead of one per value
     # (sm_90 PTX of an nvfp4 decode: 17 global loads instead of 97, half the shared memory)
     return dict(BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, CHUNK=chunk, MAX_SPLITS=max_splits,
-                BLOCK_Q=block_q, FP8_ASM=False, SCALE_BCAST=True, FP4_ASM=False)
+                BLOCK_Q=block_q, FP8_ASM=False, SCALE_BCAST=True, FP4_ASM=False, FP8_DOT=False, WGMMA=False)
 
 
 def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, soft_cap, window_left, kv_format,
@@ -470,6 +522,9 @@ def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, s
         DOT_PRECISION="ieee" if ddt == torch.float32 else "tf32", FP8_ASM=fp8_asm,
         FP8_DTYPE=fp8_dtype, SCALE_BCAST=bool(cfg["SCALE_BCAST"]) and formats.is_fp4(kv_format),
         FP4_ASM=bool(cfg["FP4_ASM"]) and kv_format == "nvfp4" and ddt == torch.float16 and q.is_cuda,
+        FP8_DOT=bool(cfg["FP8_DOT"]) and kv_format == "fp8_e4m3" and q.dtype != torch.float32,
+        WGMMA=bool(cfg["WGMMA"]) and ddt != torch.float32,
+        SOFT_FP8=not q.is_cuda or interpreting(),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if max_splits > 1:
         merge_splits_kernel[(num_tokens, num_q_heads)](
