@@ -11,7 +11,6 @@ import contextlib
 import contextvars
 import functools
 import json
-import os
 import warnings
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -47,7 +46,7 @@ def pinned_backend() -> str | None:
     """The backend pinned by use_backend or, failing that, ATTNOPS_BACKEND ('auto' or unset: none)."""
     name = _pinned_backend.get()
     if name is None:
-        name = os.environ.get("ATTNOPS_BACKEND") or None
+        name = checks.environ_get("ATTNOPS_BACKEND") or None
         if name == "auto":
             name = None
     return name

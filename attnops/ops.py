@@ -42,7 +42,7 @@ def _run_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_
                                 v_scale=v_scale, out=out)
 
 
-@torch.library.register_kernel("attnops::paged_attention", DEVICES)
+@torch.library.impl("attnops::paged_attention", DEVICES)
 def _paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q=None, *, scale=None, soft_cap=0.0,
                      window_left=-1, kv_format="auto", k_scale=None, v_scale=None):
     out = torch.empty_like(q)
@@ -59,7 +59,7 @@ def _paged_attention_fake(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens
     return torch.empty_like(q)
 
 
-@torch.library.register_kernel("attnops::paged_attention.out", DEVICES)
+@torch.library.impl("attnops::paged_attention.out", DEVICES)
 def _paged_attention_out(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q=None, *, scale=None,
                          soft_cap=0.0, window_left=-1, kv_format="auto", k_scale=None, v_scale=None, out):
     _run_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left,
@@ -73,7 +73,7 @@ def _paged_attention_out_fake(q, k_cache, v_cache, block_table, seq_lens, cu_seq
                           kv_format, k_scale, v_scale, out)
 
 
-@torch.library.register_kernel("attnops::reshape_and_cache", DEVICES)
+@torch.library.impl("attnops::reshape_and_cache", DEVICES)
 def _reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, *, kv_format="auto", k_scale=None, v_scale=None,
                        k_block_scale=None, v_block_scale=None):
     case = check_reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, kv_format, k_scale, v_scale,

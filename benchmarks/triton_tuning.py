@@ -8,7 +8,7 @@
 Stages (compiles are the expensive part, so constexpr tunables are searched on few cases, runtime ones on all):
 1. per format, tile configurations (BLOCK_N, num_warps, num_stages; WGMMA, the swapped wgmma-shaped dots, for
    plain and fp8 caches; FP8_DOT, e4m3 score dots on the stored bytes, and FP8_ASM for e4m3; SCALE_BCAST for
-   4-bit, FP4_ASM for nvfp4) on
+   4-bit, FP4_ASM off for nvfp4) on
    two representative decode cases (128 x 4096: bandwidth; 1 x 32768: splits), keeping the best by the sum of the
    two times;
 2. per case, with that tile configuration, the split plan (CHUNK keys per program; MAX_SPLITS follows): runtime
@@ -120,21 +120,30 @@ def split_config(chunk, capacity):
 
 
 def main():
+    global HQ, HKV, D
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--formats", nargs="+", default=["bf16", "fp8_e4m3", "nvfp4", "mxfp4"])
     parser.add_argument("--cases", nargs="+", default=list(DECODE_CASES))
     parser.add_argument("--quick", action="store_true", help="fewer tile configurations")
+    parser.add_argument("--tiles", nargs="+", metavar="N,W,S",
+                        help="tile configurations to try, as BLOCK_N,num_warps,num_stages (default: a grid)")
+    parser.add_argument("--shape", nargs=3, type=int, metavar=("HQ", "HKV", "D"), default=(HQ, HKV, D),
+                        help="query heads, KV heads, head dim (default 32 8 128)")
     parser.add_argument("--no-extend", action="store_true", help="skip verify/prefill")
     parser.add_argument("--budget", type=float, default=540, help="seconds; later stages are skipped past it")
     parser.add_argument("--json", help="write all measurements here")
     opts = parser.parse_args()
     assert torch.cuda.is_available(), "the tuning script runs on a GPU"
+    HQ, HKV, D = opts.shape
     t0 = time.time()
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     records = []
     best_rows = []
 
-    if opts.quick:
+    if opts.tiles:
+        tiles = [dict(BLOCK_N=n, num_warps=w, num_stages=s) for n, w, s in
+                 (map(int, t.split(",")) for t in opts.tiles)]
+    elif opts.quick:
         tiles = [dict(BLOCK_N=n, num_warps=w, num_stages=s) for n, w, s in
                  ((64, 4, 3), (128, 4, 3), (64, 8, 3), (128, 8, 3), (64, 4, 4), (128, 8, 2))]
     else:
@@ -155,8 +164,8 @@ def main():
             candidates += [dict(t, FP8_ASM=True) for t in tiles[:2]]
         if formats.is_fp4(fmt):  # block scales loaded per value instead of once and repeated in registers
             candidates += [dict(t, SCALE_BCAST=False) for t in tiles]
-        if fmt == "nvfp4":  # inline-PTX nibble decode, 4 values per register
-            candidates += [dict(t, FP4_ASM=True) for t in tiles]
+        if fmt == "nvfp4":  # the default is the inline-PTX nibble decode (4 values per register): try without
+            candidates += [dict(t, FP4_ASM=False) for t in tiles]
         scored = []
         for tile in candidates:
             times = {name: r.time(tile) for name, r in runners.items()}
@@ -198,7 +207,7 @@ def main():
                 del ph
             if results:
                 us, chunk, cfg = min(results, key=lambda x: x[0])
-                line = (f"  {name:>10} {fmt:>9}: best CHUNK={chunk} {us:8.1f} us {nbytes / us / 1e6:5.2f} TB/s"
+                line = (f"  {name:>10} {fmt:>9} {HQ}/{HKV}/{D}: best CHUNK={chunk} {us:8.1f} us {nbytes / us / 1e6:5.2f} TB/s"
                         f" | heuristic {heuristic_us or float('nan'):8.1f} us"
                         f" | all: " + " ".join(f"{c}:{u:.0f}" for u, c, _ in results))
                 print(line, flush=True)

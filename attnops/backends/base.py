@@ -6,6 +6,7 @@ list of backends and takes the first with no reasons.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,13 @@ class AttentionCase:
     # "decode", "verify" (at most VERIFY_MAX_Q query tokens per sequence on average, from shapes: T / B) or
     # "prefill": the class the measured dispatch tables are keyed on
     shape_class: str = "decode"
+
+    def __hash__(self) -> int:  # computed once: dispatch looks a case up on every op call
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+            object.__setattr__(self, "_hash", cached)
+        return cached
 
 
 VERIFY_MAX_Q = 16

@@ -19,7 +19,7 @@ import weakref
 
 import torch
 
-from .. import formats
+from .. import checks, formats, graphs
 from .base import Backend, CacheWriteCase, common_reasons, shape_class
 
 log = logging.getLogger("attnops.flashinfer")
@@ -134,15 +134,12 @@ class FlashInferBackend(Backend):
     # ---------------------------------------------------------------------------------------------------------
     def _plan(self, q, k_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left):
         """The wrapper planned for this step's metadata: planned now if this step has not been seen yet."""
-        from ..checks import device_arch  # (cached per device) imported here: checks imports the backends
-        from ..graphs import current_capture
-
         plans = _plans(q.device)
         num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
-        kind = wrapper_kind(cu_seqlens_q is None, seq_lens.shape[0], q.shape[0], device_arch(q.device))
+        kind = wrapper_kind(cu_seqlens_q is None, seq_lens.shape[0], q.shape[0], checks.device_arch(q.device))
         signature = (q.dtype, k_cache.dtype, q.shape[1], num_kv_heads, head_dim, page_size, scale, soft_cap,
                      window_left)
-        graph = current_capture()
+        graph = graphs.current_capture()
         if graph is not None:
             if kind != "decode":
                 raise RuntimeError("attnops.graphs captures decode steps only (FlashInfer backend)")

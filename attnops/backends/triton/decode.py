@@ -65,17 +65,17 @@ def _load_fp4_tile(c_ptr, s_ptr, tok_off, s_off, offs_h, kvalid, TRANSPOSED: tl.
         else:
             sc = tl.load(s_ptr + s_off[:, None] + (offs_h // half_block)[None, :], mask=kvalid[:, None], other=0)
     if FMT == FMT_NVFP4 and DOT_DTYPE == tl.float16:
-        # all in fp16 and exact: (value x 2^-14) x 2^7 and (scale x 2^7) are exact fp16 numbers (e2m1 has 2
-        # significant bits, e4m3 4, fp16 11; 448 x 2^7 < 65504), and so is their product value x scale (at most
-        # 6 x 448, at least 0.5 x 2^-9, both normal in fp16). Two fp16 multiplies per value instead of fp32
-        # conversions and multiplies: 4-bit decode is ALU-bound, not byte-bound.
+        # all in fp16, one multiply per value, exact: (value x 2^-14) x (scale x 2^7) = value x scale x 2^-7, the
+        # caller folds the 2^7 back into its score and output scales (NVFP4_F16). scale x 2^7 <= 448 x 128 < 65504;
+        # the product has at most 6 significant bits (e2m1 2, e4m3 4) and lies in [2^-17, 21]: fp16 holds it
+        # exactly (its subnormals step by 2^-24). 4-bit decode is ALU-bound, not byte-bound: every op counts.
         scale16 = sc.to(tl.float8e4nv, bitcast=True).to(tl.float16) * 128.0
         if FP4_ASM:
-            even = (e2m1x4_to_f16_scaled_asm(packed, False) * 128.0) * scale16
-            odd = (e2m1x4_to_f16_scaled_asm(packed, True) * 128.0) * scale16
+            even = e2m1x4_to_f16_scaled_asm(packed, False) * scale16
+            odd = e2m1x4_to_f16_scaled_asm(packed, True) * scale16
         else:
-            even = (e2m1_to_f16_scaled(packed & 15) * 128.0) * scale16
-            odd = (e2m1_to_f16_scaled(packed >> 4) * 128.0) * scale16
+            even = e2m1_to_f16_scaled(packed & 15) * scale16
+            odd = e2m1_to_f16_scaled(packed >> 4) * scale16
         return even, odd
     if FMT == FMT_NVFP4:  # e4m3 scales arrive as bytes (masked lanes 0, not a NaN pattern)
         scale = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32)
@@ -160,6 +160,9 @@ def paged_attention_kernel(
     if FMT == FMT_FP8:
         qk_scale = qk_scale * tl.load(ks_ptr + kvh * stride_ksh)
         v_mul = tl.load(vs_ptr + kvh * stride_vsh)
+    if FMT == FMT_NVFP4 and DOT_DTYPE == tl.float16:  # _load_fp4_tile's fp16 values are value x scale x 2^-7
+        qk_scale = qk_scale * 128.0
+        v_mul = v_mul * 128.0
     if not HAS_SOFTCAP:
         qk_scale = qk_scale * LOG2E
 
@@ -407,7 +410,6 @@ def heuristic_config(device, decode: bool, batch: int, num_tokens: int, num_q_he
     tile sizes."""
     group = num_q_heads // num_kv_heads
     sms = _num_sms(device)
-    target = 4 * sms  # programs to fill the chip a few times over
     if decode:
         block_q = 1
     else:
@@ -415,10 +417,22 @@ def heuristic_config(device, decode: bool, batch: int, num_tokens: int, num_q_he
         max_rows = 64 if head_dim >= 256 else 128
         block_q = max(1, min(triton.next_power_of_2(avg_q), max(1, max_rows // group)))
     block_m = max(16, triton.next_power_of_2(block_q * group))
-    # about 16 KB of bf16 K per tile: 64 keys at D=128, 128 at D<=64 (small tiles of a short head were
-    # overhead-bound on the H200: MQA 16/1/64 read 1.2-1.5 TB/s with 64-key tiles), 32 at D=256 (registers).
-    # The interpreter keeps 64 so that CPU tests cover several tiles and splits with short sequences.
-    block_n = max(16, min(128, 8192 // head_dim)) if device.type == "cuda" else (32 if head_dim >= 256 else 64)
+    # decode, and verify blocks whose tokens x heads fit one 16-row tile: streaming the KV once is the whole job
+    decode_like = decode or block_m <= 16
+    # programs to fill the chip: the decode kernel holds about two programs per SM (registers), and on the H200
+    # (benchmarks/triton_tuning.py, benchmarks/results/h200-tune-*.json) 1.5 programs per SM beat more, shorter
+    # splits at every decode case (1 x 32768: 256 programs of 1024 keys took 41 us, 512 of 512 keys 50 us)
+    target = (3 * sms) // 2 if decode_like else 4 * sms
+    # Decode-like tiles: 128 keys up to D=128 (on the H200 every format's decode was fastest with 128, by 5% (bf16)
+    # to 36% (nvfp4) over 64). Larger query tiles: about 16 KB of bf16 K, 64 keys at D=128 (registers), 128 at
+    # D<=64. 32 at D=256. The interpreter keeps 64 so that CPU tests cover several tiles and splits with short
+    # sequences.
+    if device.type != "cuda":
+        block_n = 32 if head_dim >= 256 else 64
+    elif decode_like and head_dim <= 128:
+        block_n = 128
+    else:
+        block_n = max(16, min(128, 8192 // head_dim))
     # query blocks that do work (the grid's T // BLOCK_Q + B is an upper bound that counts partial blocks)
     num_q_blocks = batch if decode else max(batch, -(-num_tokens // block_q))
     base = num_q_blocks * num_kv_heads
@@ -427,11 +441,13 @@ def heuristic_config(device, decode: bool, batch: int, num_tokens: int, num_q_he
     elif base >= target and not decode:
         chunk, max_splits = capacity, 1  # prefill-like: enough programs without splitting, no workspace
     else:
-        # enough splits to fill the chip for the longest possible sequence, but no more than 2048 keys per
-        # program whatever the batch, so that one long sequence in a ragged batch does not become the tail
+        # enough splits to fill the chip for the longest possible sequence, but at least 1024 keys a program (a
+        # split's fixed costs: q, the epilogue, the merge) and no more than 4096 whatever the batch, so that one
+        # long sequence in a ragged batch does not become the tail
         splits_to_fill = -(-target // base)
-        chunk = triton.next_power_of_2(max(1, capacity // splits_to_fill))
-        chunk = max(4 * block_n, min(chunk, 2048))
+        chunk = 1 << max(0, (capacity // splits_to_fill).bit_length() - 1)  # a power of two, rounded down
+        low, high = (1024, 4096) if decode_like else (4 * block_n, 2048)
+        chunk = max(low, min(chunk, high))
         max_splits = max(1, min(-(-capacity // chunk), 256))
         if not decode:  # the workspace is per query token: split only as much as filling the chip needs
             max_splits = min(max_splits, splits_to_fill)
@@ -442,9 +458,11 @@ def heuristic_config(device, decode: bool, batch: int, num_tokens: int, num_q_he
     num_stages = 2 if head_dim >= 256 else 3
     # FP8_ASM off: Triton already lowers e4m3 -> fp16 to cvt.rn.f16x2.e4m3x2 on sm_89+ (seen in the PTX), the asm
     # variant stays for the tuning sweep. SCALE_BCAST on: one load per 4-bit block scale instead of one per value
-    # (sm_90 PTX of an nvfp4 decode: 17 global loads instead of 97, half the shared memory)
+    # (sm_90 PTX of an nvfp4 decode: 17 global loads instead of 97, half the shared memory). FP4_ASM on (GPU,
+    # nvfp4 with fp16 dots): 1.37x on the H200's 128 x 4096 decode. FP8_DOT and WGMMA off: 2-10% slower there.
     return dict(BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, CHUNK=chunk, MAX_SPLITS=max_splits,
-                BLOCK_Q=block_q, FP8_ASM=False, SCALE_BCAST=True, FP4_ASM=False, FP8_DOT=False, WGMMA=False)
+                BLOCK_Q=block_q, FP8_ASM=False, SCALE_BCAST=True, FP4_ASM=device.type == "cuda", FP8_DOT=False,
+                WGMMA=False)
 
 
 def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, soft_cap, window_left, kv_format,
