@@ -110,8 +110,22 @@ def bench_attnops(model, mode, batch, context, args, device, kv_format) -> float
         tokens = step(seq_ids, tokens).argmax(-1)
 
     elapsed = timed(one, device, args.warmup, args.steps)
+    attention_s = attention_seconds_per_step(cache, seq_ids, c) if mode == "compiled+graphs" else None
     del step, cache
-    return batch * args.steps / elapsed
+    return batch * args.steps / elapsed, attention_s
+
+
+def attention_seconds_per_step(cache, seq_ids, c) -> float:
+    """GPU time of one decode step's attention: one layer's paged_attention on this cache and batch (one more
+    token each, as the next step), replayed from a CUDA graph, times the number of layers."""
+    from bench import graph_time_us
+    meta = cache.prepare(seq_ids, 1)
+    q = torch.randn(len(seq_ids), c.num_attention_heads, c.head_dim, device=cache.device, dtype=torch.bfloat16)
+    args = cache.attention_args(0)
+
+    def attention():
+        torch.ops.attnops.paged_attention(q, block_table=meta.block_table, seq_lens=meta.seq_lens, **args)
+    return graph_time_us(attention) * 1e-6 * c.num_hidden_layers
 
 
 @torch.no_grad()
@@ -151,7 +165,7 @@ def bench_transformers(hf, batch, context, args, device) -> float:
 
     elapsed = timed(one, device, args.warmup, args.steps)
     del compiled, cache
-    return batch * args.steps / elapsed
+    return batch * args.steps / elapsed, None
 
 
 def plot(result, path) -> None:
@@ -217,36 +231,51 @@ def main(argv=None) -> dict:
 
     hf = hf_model(args, device, dtype)
     model = attnops_model(hf)
+    c = model.config
+    old_records = []
+    if args.json and args.append and Path(args.json).exists():
+        old_records = json.loads(Path(args.json).read_text())["records"]
     records = []
+
+    def save() -> dict:
+        """The result so far, written after every measurement: a run stopped by a time limit keeps its part."""
+        key = lambda r: (r["mode"], r["batch"], r["context"])  # noqa: E731
+        new_keys = {key(r) for r in records}
+        result = dict(environment=environment(device), dtype=str(dtype).replace("torch.", ""), kv_format=kv_format,
+                      model=f"{c.num_hidden_layers}L h{c.hidden_size} {c.num_attention_heads}/"
+                            f"{c.num_key_value_heads} d{c.head_dim}", checkpoint=args.checkpoint, steps=args.steps,
+                      warmup=args.warmup, page_size=args.page_size,
+                      records=[r for r in old_records if key(r) not in new_keys] + records)
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1))
+        return result
+
     for context in contexts:
         for batch in batches:
             for mode in modes:
                 torch._dynamo.reset()
                 try:
-                    tps = (bench_transformers(hf, batch, context, args, device) if mode == "transformers"
-                           else bench_attnops(model, mode, batch, context, args, device, kv_format))
+                    tps, attention_s = (bench_transformers(hf, batch, context, args, device) if mode == "transformers"
+                                        else bench_attnops(model, mode, batch, context, args, device, kv_format))
                     error = None
                 except Exception as e:  # record and go on: one failing mode must not lose the run
-                    tps, error = None, f"{type(e).__name__}: {e}"
+                    tps, attention_s, error = None, None, f"{type(e).__name__}: {e}"
                 gc.collect()
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-                records.append(dict(mode=mode, batch=batch, context=context, tokens_per_s=tps, error=error))
+                record = dict(mode=mode, batch=batch, context=context, tokens_per_s=tps, error=error)
+                if attention_s is not None:  # attention's share of the (graph-replayed) step time
+                    step_s = batch / tps
+                    record.update(step_ms=step_s * 1e3, attention_ms=attention_s * 1e3,
+                                  attention_share=attention_s / step_s)
+                records.append(record)
                 shown = f"{tps:10.1f} tokens/s" if tps else f"failed: {error}"
+                if attention_s is not None:
+                    shown += f"  (step {record['step_ms']:.2f} ms, attention {100 * record['attention_share']:.0f}%)"
                 print(f"context {context:>6}  batch {batch:>4}  {mode:<16} {shown}", flush=True)
+                save()
 
-    c = model.config
-    result = dict(environment=environment(device), dtype=str(dtype).replace("torch.", ""), kv_format=kv_format,
-                  model=f"{c.num_hidden_layers}L h{c.hidden_size} {c.num_attention_heads}/{c.num_key_value_heads}"
-                        f" d{c.head_dim}", checkpoint=args.checkpoint, steps=args.steps, warmup=args.warmup,
-                  page_size=args.page_size, records=records)
-    if args.json and args.append and Path(args.json).exists():
-        key = lambda r: (r["mode"], r["batch"], r["context"])  # noqa: E731
-        new_keys = {key(r) for r in records}
-        old = [r for r in json.loads(Path(args.json).read_text())["records"] if key(r) not in new_keys]
-        result["records"] = old + records
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+    result = save()
     if args.plot:
         plot(result, args.plot)
     return result

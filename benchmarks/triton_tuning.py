@@ -164,6 +164,9 @@ def main():
             candidates += [dict(t, FP8_ASM=True) for t in tiles[:2]]
         if formats.is_fp4(fmt):  # block scales loaded per value instead of once and repeated in registers
             candidates += [dict(t, SCALE_BCAST=False) for t in tiles]
+        # register caps: 3 (168) or 4 (128) resident 4-warp programs per SM instead of 2, against spills
+        if formats.is_fp8(fmt) or formats.is_fp4(fmt):  # (bf16 needs 128 already)
+            candidates += [dict(t, maxnreg=r) for t in tiles if t["num_warps"] == 4 for r in (168, 128)]
         if fmt == "nvfp4":  # the default is the inline-PTX nibble decode (4 values per register): try without
             candidates += [dict(t, FP4_ASM=False) for t in tiles]
         scored = []

@@ -380,7 +380,7 @@ WORKSPACE_BYTES = 64 * 2 ** 20  # the most split partials one call may allocate 
 
 # Tunables a caller (benchmarks/triton_tuning.py, tests) may force; None entries fall back to the heuristic.
 CONFIG_KEYS = ("BLOCK_N", "num_warps", "num_stages", "CHUNK", "MAX_SPLITS", "BLOCK_Q", "FP8_ASM", "SCALE_BCAST",
-               "FP4_ASM", "FP8_DOT", "WGMMA")
+               "FP4_ASM", "FP8_DOT", "WGMMA", "maxnreg")
 
 
 @functools.lru_cache(maxsize=None)
@@ -462,7 +462,7 @@ def heuristic_config(device, decode: bool, batch: int, num_tokens: int, num_q_he
     # nvfp4 with fp16 dots): 1.37x on the H200's 128 x 4096 decode. FP8_DOT and WGMMA off: 2-10% slower there.
     return dict(BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, CHUNK=chunk, MAX_SPLITS=max_splits,
                 BLOCK_Q=block_q, FP8_ASM=False, SCALE_BCAST=True, FP4_ASM=device.type == "cuda", FP8_DOT=False,
-                WGMMA=False)
+                WGMMA=False, maxnreg=None)
 
 
 def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, soft_cap, window_left, kv_format,
@@ -474,12 +474,12 @@ def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, s
     batch = seq_lens.shape[0]
     group = num_q_heads // num_kv_heads
     capacity = block_table.shape[1] * page_size
+    if num_tokens == 0 or batch == 0:
+        return
     cfg = dict(heuristic_config(q.device, decode, batch, num_tokens, num_q_heads, num_kv_heads, head_dim,
                                 page_size, capacity, kv_format))
     if config:
         cfg.update({k: v for k, v in config.items() if v is not None})
-    if num_tokens == 0 or batch == 0:
-        return
     # the kernels index these with unit inner strides (always so from the usual callers; copies are tiny)
     if block_table.stride(1) != 1:
         block_table = block_table.contiguous()
@@ -543,7 +543,9 @@ def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, s
         FP8_DOT=bool(cfg["FP8_DOT"]) and kv_format == "fp8_e4m3" and q.dtype != torch.float32,
         WGMMA=bool(cfg["WGMMA"]) and ddt != torch.float32,
         SOFT_FP8=not q.is_cuda or interpreting(),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        # a register cap (GPU compiler option): more resident programs per SM at the price of spills
+        **(dict(maxnreg=cfg["maxnreg"]) if cfg["maxnreg"] and q.is_cuda else {}))
     if max_splits > 1:
         merge_splits_kernel[(num_tokens, num_q_heads)](
             out, part_out, part_lse, seq_lens, cu, batch, int(window_left), max_splits, chunk,
