@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # One call on a lent GPU (device tool), as a list of steps run in order, each under its own time limit, logs and
-# JSON under $OUT. A lent machine starts bare and each call's limit is 10 minutes, so a call does a whole round:
+# JSON under $OUT (few files: the device tool brings back only a handful). A lent machine starts bare and each
+# call's limit is 10 minutes, so a call does a whole round:
 #   source .device/prelude.sh && bash benchmarks/gpu_session.sh build tune overhead tests
 # Steps:
 #   build     the extension against the device's torch (always first)
 #   tune      benchmarks/triton_tuning.py on a quiet GPU (TUNE_ARGS, TUNE_BUDGET seconds)
 #   overhead  benchmarks/overhead.py --profile (eager per-call cost of the op against the kernels)
 #   bench     benchmarks/bench.py $BENCH_ARGS (JSON + PNG), on a quiet GPU
-#   tests     every GPU test, in three parallel processes (Triton under pytest-xdist; FlashInfer + graphs; end
-#             to end), each with its own log; TESTS_TIMEOUT seconds
+#   tests     the GPU tests, suites in parallel processes (TEST_SUITES, default "triton flashinfer e2e": Triton
+#             under pytest-xdist; FlashInfer + graphs + devices; end to end), one log; TESTS_TIMEOUT seconds
 #   serve     benchmarks/serve_bench.py $SERVE_ARGS (JSON + PNG)
 set -uo pipefail
 out=${OUT:-gpu-out}; mkdir -p "$out"
@@ -17,9 +18,9 @@ export ATTNOPS_COMMIT=${ATTNOPS_COMMIT:-unknown}
 for step in "$@"; do
   case $step in
     build)
-      nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu --format=csv > "$out/gpu.txt"
-      python3 -m pip install --no-build-isolation --no-deps -e . > "$out/build.log" 2>&1 \
-        || { tail -30 "$out/build.log"; exit 1; }
+      nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu --format=csv,noheader
+      python3 -m pip install --no-build-isolation --no-deps -e . > /tmp/build.log 2>&1 \
+        || { tail -30 /tmp/build.log; exit 1; }
       stamp built ;;
     tune)
       timeout $(( ${TUNE_BUDGET:-240} + 60 )) python3 benchmarks/triton_tuning.py --budget ${TUNE_BUDGET:-240} \
@@ -30,23 +31,27 @@ for step in "$@"; do
         > "$out/overhead.log" 2>&1; grep -E "^(flashinfer|triton) " "$out/overhead.log"; stamp overhead ;;
     bench)
       timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench.py ${BENCH_ARGS:-} --json "$out/bench.json" \
-        --plot "$out/bench.png" > "$out/bench.txt" 2> "$out/bench.err"
+        --plot "$out/bench.png" > "$out/bench.txt" 2> /tmp/bench.err; tail -3 /tmp/bench.err
       grep -v unsupported "$out/bench.txt" | cut -c1-150 | tail -60; stamp bench ;;
     tests)
       limit=${TESTS_TIMEOUT:-240}
-      timeout $limit python3 -m pytest -q -p no:cacheprovider -m gpu -n 8 tests/test_triton.py \
-        > "$out/tests-triton.log" 2>&1 &
-      timeout $limit python3 -m pytest -q -p no:cacheprovider tests/test_flashinfer.py tests/test_graphs.py \
-        tests/test_devices.py > "$out/tests-flashinfer-graphs.log" 2>&1 &
-      timeout $limit python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_e2e.py \
-        > "$out/tests-e2e.log" 2>&1 &
+      suites=${TEST_SUITES:-triton flashinfer e2e}
+      for suite in $suites; do
+        case $suite in
+          triton) files="-m gpu -n 8 tests/test_triton.py" ;;
+          flashinfer) files="tests/test_flashinfer.py tests/test_graphs.py tests/test_devices.py" ;;
+          e2e) files="-m gpu tests/test_e2e.py" ;;
+        esac
+        timeout $limit python3 -m pytest -q -rA -p no:cacheprovider $files > "/tmp/tests-$suite.log" 2>&1 &
+      done
       wait
-      for f in triton flashinfer-graphs e2e; do echo "== $f"; grep -E "passed|failed|error|FAILED|ERROR" \
-        "$out/tests-$f.log" | tail -8; done; stamp tests ;;
+      for suite in $suites; do echo "===== $suite"; cat "/tmp/tests-$suite.log"; done > "$out/tests.log"
+      for suite in $suites; do echo "== $suite"; grep -E "passed|failed|error|FAILED|ERROR" \
+        "/tmp/tests-$suite.log" | grep -v "^PASSED" | tail -8; done; stamp tests ;;
     serve)
       timeout ${SERVE_TIMEOUT:-400} python3 benchmarks/serve_bench.py ${SERVE_ARGS:-} --json "$out/serve.json" \
-        --plot "$out/serve.png" > "$out/serve.txt" 2> "$out/serve.err"; tail -30 "$out/serve.txt"
-      tail -3 "$out/serve.err"; stamp serve ;;
+        --append --plot "$out/serve.png" >> "$out/serve.txt" 2> /tmp/serve.err; tail -30 "$out/serve.txt"
+      tail -3 /tmp/serve.err; stamp serve ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done
