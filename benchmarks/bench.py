@@ -234,6 +234,9 @@ def print_table(records, file=sys.stdout) -> None:
 
 
 def plot(result, path) -> None:
+    """Bars: achieved TB/s per decode/verify case and impl from the CUDA-graph replay (kernel time) where it was
+    measured, else eager; a black tick marks the eager op call (host launch cost included) where they differ.
+    Prefill: TFLOP/s against the bf16 matmul of the same run (a panel only when the run has prefill cases)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -243,32 +246,40 @@ def plot(result, path) -> None:
     prefill = [r for r in records if r["kind"] == "prefill"]
     cases = list(dict.fromkeys(r["case"] for r in decode))
     impls = list(dict.fromkeys(r["impl"] for r in records))
-    fig, axes = plt.subplots(2, 1, figsize=(max(12, len(cases) * 0.45), 11),
-                             gridspec_kw=dict(height_ratios=[3, 1]))
+    panels = 2 if prefill else 1
+    fig, axes = plt.subplots(panels, 1, figsize=(max(12, len(cases) * 0.45), 11 if prefill else 8),
+                             gridspec_kw=dict(height_ratios=[3, 1] if prefill else [1]), squeeze=False)
+    axes = axes[:, 0]
     width = 0.8 / max(1, len(impls))
     colors = {impl: plt.cm.tab10(i % 10) for i, impl in enumerate(impls)}
     for i, impl in enumerate(impls):
-        by_case = {r["case"]: r["tbps"] for r in decode if r["impl"] == impl}
-        xs = [c for c in range(len(cases)) if cases[c] in by_case]
-        axes[0].bar([x + i * width for x in xs], [by_case[cases[x]] for x in xs], width, label=impl,
-                    color=colors[impl])
+        mine = {r["case"]: r for r in decode if r["impl"] == impl}
+        xs = [c for c in range(len(cases)) if cases[c] in mine]
+        bars = [mine[cases[x]].get("graph_tbps", mine[cases[x]]["tbps"]) for x in xs]
+        axes[0].bar([x + i * width for x in xs], bars, width, label=impl, color=colors[impl])
+        eager = [(x + i * width, mine[cases[x]]["tbps"]) for x in xs if "graph_tbps" in mine[cases[x]]]
+        if eager:
+            axes[0].scatter(*zip(*eager), marker="_", color="black", s=40, zorder=3,
+                            label="eager op call" if i == 0 else None)
     axes[0].axhline(HBM_TBPS, color="red", linestyle="--", label=f"HBM ceiling {HBM_TBPS} TB/s")
     axes[0].set_xticks([x + 0.4 for x in range(len(cases))], cases, rotation=75, ha="right", fontsize=7)
-    axes[0].set_ylabel("achieved TB/s (stored bytes)")
+    axes[0].set_ylabel("achieved TB/s (stored bytes; CUDA-graph replay)")
     axes[0].set_title(f"decode / verify: {result['environment'].get('gpu') or result['environment'].get('cpu')}, "
                       f"commit {result['environment']['commit'][:8]}")
     axes[0].legend(fontsize=7, ncol=3)
-    pcases = list(dict.fromkeys(r["case"] for r in prefill))
-    for i, impl in enumerate(impls):
-        by_case = {r["case"]: r["tflops"] for r in prefill if r["impl"] == impl}
-        xs = [c for c in range(len(pcases)) if pcases[c] in by_case]
-        axes[1].bar([x + i * width for x in xs], [by_case[pcases[x]] for x in xs], width, color=colors[impl])
-    if result["environment"].get("matmul_tflops"):
-        axes[1].axhline(result["environment"]["matmul_tflops"], color="red", linestyle="--",
-                        label="bf16 matmul (measured)")
-        axes[1].legend(fontsize=7)
-    axes[1].set_xticks([x + 0.4 for x in range(len(pcases))], pcases, fontsize=7)
-    axes[1].set_ylabel("prefill TFLOP/s")
+    if prefill:
+        pcases = list(dict.fromkeys(r["case"] for r in prefill))
+        for i, impl in enumerate(impls):
+            by_case = {r["case"]: r["flops"] / (r.get("graph_us", r["median_us"]) * 1e6) for r in prefill
+                       if r["impl"] == impl}
+            xs = [c for c in range(len(pcases)) if pcases[c] in by_case]
+            axes[1].bar([x + i * width for x in xs], [by_case[pcases[x]] for x in xs], width, color=colors[impl])
+        if result["environment"].get("matmul_tflops"):
+            axes[1].axhline(result["environment"]["matmul_tflops"], color="red", linestyle="--",
+                            label="bf16 matmul (measured)")
+            axes[1].legend(fontsize=7)
+        axes[1].set_xticks([x + 0.4 for x in range(len(pcases))], pcases, fontsize=7)
+        axes[1].set_ylabel("prefill TFLOP/s")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
