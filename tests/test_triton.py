@@ -351,6 +351,21 @@ def test_attention_small_bf16(name, inputs, options):
 
 
 NUM_FAMILIES = 32  # structural combinations per sweep: each compiles once, the 320 cases vary data within them
+# Each sweep runs as SWEEP_PARTS tests (pytest-xdist spreads them over processes: compiles dominate); together
+# they draw every one of the 320 cases, in the same seeded order whatever the split.
+SWEEP_PARTS = 4
+
+
+def sweep_cases(rng_seed: int, part: int, make_family, make_case):
+    """The (index, case) pairs of one part of a 320-case sweep: all families and cases are drawn in order from
+    one seeded generator (so the set does not depend on SWEEP_PARTS), this part keeps the families
+    part, part + SWEEP_PARTS, ..."""
+    rng = random.Random(rng_seed)
+    families = [make_family(rng) for _ in range(NUM_FAMILIES)]
+    for i in range(320):
+        case = make_case(rng, families[i % NUM_FAMILIES])
+        if (i % NUM_FAMILIES) % SWEEP_PARTS == part:
+            yield i, case
 
 
 def random_family(rng: random.Random) -> dict:
@@ -389,40 +404,51 @@ def random_case(rng: random.Random, family: dict, multi_token: bool):
 
 
 @gpu
+@pytest.mark.parametrize("part", range(SWEEP_PARTS))
 @pytest.mark.parametrize("multi_token", [False, True], ids=["decode", "extend"])
-def test_random_sweep(multi_token):
-    """320 seeded random cases per kernel, all within tolerance; failures are collected and listed together."""
-    rng = random.Random(1234 + multi_token)
-    families = [random_family(rng) for _ in range(NUM_FAMILIES)]
-    failures = []
-    for i in range(320):
-        inputs, options = random_case(rng, families[i % NUM_FAMILIES], multi_token)
+def test_random_sweep(multi_token, part):
+    """320 seeded random cases per kernel (over the SWEEP_PARTS parts), all within tolerance; failures are
+    collected and listed together."""
+    failures, count = [], 0
+    for i, (inputs, options) in sweep_cases(1234 + multi_token, part, random_family,
+                                            lambda rng, family: random_case(rng, family, multi_token)):
         args = random_paged_inputs(**inputs, device=DEVICE, seed=i)
+        count += 1
         try:
             check_attention(args, **options)
         except AssertionError as e:
             failures.append(f"case {i}: {inputs} {options}: {e}")
-    assert not failures, f"{len(failures)} of 320 failed:\n" + "\n".join(failures[:20])
+    assert count == 320 // SWEEP_PARTS
+    assert not failures, f"{len(failures)} of {count} failed:\n" + "\n".join(failures[:20])
+
+
+def random_write_family(rng: random.Random) -> dict:
+    return dict(fmt=rng.choice(["bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "nvfp4", "mxfp4"]),
+                head_dim=rng.choice([32, 64, 128, 256]), page_size=rng.choice([1, 16, 64, 256]),
+                src_dtype=rng.choice([torch.bfloat16, torch.float16, torch.float32]),
+                scale_kind=rng.choice(["per_tensor", "per_head"]))
+
+
+def random_write_case(rng: random.Random, family: dict):
+    family = dict(family)
+    fmt, scale_kind = family.pop("fmt"), family.pop("scale_kind")
+    kw = dict(family, num_tokens=rng.randint(1, 200), num_kv_heads=rng.choice([1, 2, 8]))
+    kw["num_pages"] = -(-kw["num_tokens"] // kw["page_size"]) + 2
+    return fmt, scale_kind, kw
 
 
 @gpu
-def test_random_sweep_reshape_and_cache():
-    rng = random.Random(99)
-    families = [dict(fmt=rng.choice(["bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "nvfp4", "mxfp4"]),
-                     head_dim=rng.choice([32, 64, 128, 256]), page_size=rng.choice([1, 16, 64, 256]),
-                     src_dtype=rng.choice([torch.bfloat16, torch.float16, torch.float32]),
-                     scale_kind=rng.choice(["per_tensor", "per_head"])) for _ in range(NUM_FAMILIES)]
-    failures = []
-    for i in range(320):
-        family = dict(families[i % NUM_FAMILIES])
-        fmt, scale_kind = family.pop("fmt"), family.pop("scale_kind")
-        kw = dict(family, num_tokens=rng.randint(1, 200), num_kv_heads=rng.choice([1, 2, 8]), seed=i)
-        kw["num_pages"] = -(-kw["num_tokens"] // kw["page_size"]) + 2
+@pytest.mark.parametrize("part", range(SWEEP_PARTS))
+def test_random_sweep_reshape_and_cache(part):
+    failures, count = [], 0
+    for i, (fmt, scale_kind, kw) in sweep_cases(99, part, random_write_family, random_write_case):
+        count += 1
         try:
-            assert_cache_write_exact(fmt, scale_kind, **kw)
+            assert_cache_write_exact(fmt, scale_kind, **kw, seed=i)
         except AssertionError as e:
             failures.append(f"case {i}: {fmt} {kw}: {e}")
-    assert not failures, f"{len(failures)} of 320 failed:\n" + "\n".join(failures[:20])
+    assert count == 320 // SWEEP_PARTS
+    assert not failures, f"{len(failures)} of {count} failed:\n" + "\n".join(failures[:20])
 
 
 @gpu
