@@ -2,6 +2,10 @@
 benchmark JSON already made), and orders the backends of each case class (shape class / kv format / scale kind)
 by the geometric mean of their time over the cases of that class that all of them served correctly.
 
+Time is the CUDA-graph replay of the op (`graph_us`: kernel time, as a serving loop runs it) where a record has
+it, else the eager op call (`median_us`, which includes the host's launch cost); one case compares like with like
+(eager for all of its backends as soon as one lacks a graph time). Later files override earlier ones case by case.
+
     python -m attnops tune                                   # measure here, write attnops/tables/sm_XY.json
     python benchmarks/tune.py --from-json benchmarks/results/h200-grid-*.json --arch sm_90
 
@@ -33,14 +37,18 @@ def class_key(record) -> str:
 
 def build_table(records, backends) -> tuple[dict, list]:
     """(order per class, per-case check rows: chosen vs fastest)."""
-    times = defaultdict(dict)  # (class, case) -> backend -> us
+    measured = defaultdict(dict)  # (class, case) -> backend -> record
     for r in records:
         name = r["impl"] if r["impl_type"] == "backend" else None
         if name is None and "flashinfer" in backends and r["impl"] == FLASHINFER_PEER_FOR.get(r["kind"]):
             if not any(x["impl"] == "flashinfer" and x["case"] == r["case"] for x in records):
                 name = "flashinfer"
         if name in backends and r.get("status") == "ok":
-            times[(class_key(r), r["case"])][name] = r["median_us"]
+            measured[(class_key(r), r["case"])][name] = r
+    times = {}  # (class, case) -> backend -> us, one timing kind per case
+    for key, per_backend in measured.items():
+        field = "graph_us" if all("graph_us" in r for r in per_backend.values()) else "median_us"
+        times[key] = {name: r[field] for name, r in per_backend.items()}
     by_class = defaultdict(list)
     for (key, case), per_backend in times.items():
         by_class[key].append((case, per_backend))
