@@ -36,7 +36,6 @@ def values_checked() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-@functools.lru_cache(maxsize=None)
 def device_arch(device: torch.device) -> tuple[int, int] | None:
     """(major, minor) compute capability of a CUDA device (cached: asking the driver costs microseconds)."""
     if device.type != "cuda":

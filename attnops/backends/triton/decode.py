@@ -66,7 +66,7 @@ def _load_fp4_tile(c_ptr, s_ptr, tok_off, s_off, offs_h, kvalid, TRANSPOSED: tl.
             sc = tl.load(s_ptr + s_off[:, None] + (offs_h // half_block)[None, :], mask=kvalid[:, None], other=0)
     if FMT == FMT_NVFP4 and DOT_DTYPE == tl.float16:
         # all in fp16, one multiply per value, exact: (value x 2^-14) x (scale x 2^7) = value x scale x 2^-7, the
-        # caller folds the 2^7 back into its score and output scales (NVFP4_F16). scale x 2^7 <= 448 x 128 < 65504;
+        # kernel folds the 2^7 back into its score and output scales (qk_scale, v_mul). scale x 2^7 < 65504;
         # the product has at most 6 significant bits (e2m1 2, e4m3 4) and lies in [2^-17, 21]: fp16 holds it
         # exactly (its subnormals step by 2^-24). 4-bit decode is ALU-bound, not byte-bound: every op counts.
         scale16 = sc.to(tl.float8e4nv, bitcast=True).to(tl.float16) * 128.0
