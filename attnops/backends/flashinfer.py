@@ -71,7 +71,7 @@ class _Plans:
         self.wrappers: dict = {}  # (kind, plan signature), or ("graph", graph id, ...) -> wrapper
         self.planned_for: dict = {}  # same key -> step key the wrapper's current plan belongs to
         self.empty_rows: dict = {}  # same key -> bool [B, 1, 1]: decode rows of empty sequences, set at plan time
-        self.mask_empty: dict = {}  # same key -> whether run() must zero those rows (graphs: always)
+        self.row_mask: dict = {}  # same key -> empty_rows when run() must zero them (graphs: always), else None
         self.built: set = set()  # configurations already JIT-built (or loaded) in this process
 
     def make_wrapper(self, kind: str):
@@ -158,7 +158,7 @@ class FlashInferBackend(Backend):
                 plans.wrappers[key] = plans.make_wrapper(kind)
         wrapper = plans.wrappers[key]
         if _same_step(plans.planned_for.get(key), block_table, seq_lens, cu_seqlens_q):
-            return wrapper, plans.empty_rows.get(key) if plans.mask_empty.get(key) else None
+            return wrapper, plans.row_mask.get(key)
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("attnops.paged_attention (flashinfer): no plan for this step inside a CUDA graph "
                                "capture; capture through attnops.graphs, which plans before capture and replay")
@@ -186,13 +186,13 @@ class FlashInferBackend(Backend):
                 torch.eq(seq_lens, 0, out=empty.view(-1))
                 # eager steps with no empty sequence skip the masking launch: known on the host now, since
                 # planning syncs anyway; a captured graph masks always (its padding rows come and go)
-                plans.mask_empty[key] = graph is not None or bool(empty.any())
+                plans.row_mask[key] = empty if graph is not None or bool(empty.any()) else None
             plans.planned_for[key] = _step_key(block_table, seq_lens, cu_seqlens_q)
 
         plan()
         if graph is not None:  # the runner re-plans from its static metadata before every replay
             graph.replanners.append(plan)
-        return wrapper, plans.empty_rows.get(key) if plans.mask_empty.get(key) else None
+        return wrapper, plans.row_mask.get(key)
 
     def paged_attention(self, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, soft_cap,
                         window_left, kv_format, k_scale, v_scale, out) -> None:
