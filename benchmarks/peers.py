@@ -57,6 +57,8 @@ def flashinfer_prefill(backend: str):
             raise Unsupported("prefill wrapper is timed on verify/prefill cases")
         if backend == "fa3" and torch.cuda.get_device_capability(args["q"].device)[0] != 9:
             raise Unsupported("fa3 needs sm_90")
+        if backend == "fa3" and args["k_cache"].dtype != args["q"].dtype:
+            raise Unsupported("fa3 pairs no bf16/fp16 q with fp8 KV (FlashInfer's JIT build fails)")
         import flashinfer
         kv, scales = _flashinfer_kv(case, args)
         indptr, indices, last = page_metadata(args["block_table"], args["seq_lens"], case.page_size)

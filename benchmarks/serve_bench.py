@@ -8,7 +8,8 @@ best path on the same weights, at several batch sizes and context lengths, in on
 Modes (each a decode step of the whole batch: one new token per sequence, greedy, fed back):
   eager             attnops.generate.DecodeStep, eager PyTorch
   compiled          the same step under torch.compile(fullgraph=True, dynamic=False)
-  compiled+graphs   the compiled step captured by attnops.graphs.DecodeGraphRunner (CUDA only)
+  compiled+graphs   the compiled step captured by attnops.graphs.DecodeGraphRunner (CUDA only; the same compiled
+                    function as `compiled`, so one compilation per batch size serves both)
   transformers      transformers' LlamaForCausalLM on the same weights with a StaticCache and
                     torch.compile(mode="reduce-overhead", fullgraph=True) on the decode step (its documented fastest
                     path; "default" mode on the CPU, where there are no CUDA graphs)
@@ -36,14 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import environment  # noqa: E402
 
 from attnops.generate import DecodeStep  # noqa: E402
+from attnops.graphs import DecodeGraphRunner  # noqa: E402
 from attnops.kv_cache import PagedKVCache  # noqa: E402
 from attnops.model import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-try:  # the CUDA-graph runner (attnops/graphs.py)
-    from attnops import graphs as _graphs  # noqa: F401
-    HAVE_GRAPHS = True
-except ImportError:
-    HAVE_GRAPHS = False
 
 # Llama-3.2-1B's shape (random weights)
 GPU_MODEL = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
@@ -88,12 +85,14 @@ def timed(step, device, warmup, steps) -> float:
 
 
 @torch.no_grad()
-def bench_attnops(model, mode, batch, context, args, device, kv_format) -> float:
+def bench_attnops(model, modes, batch, context, args, device, kv_format):
+    """Yields (mode, tokens/s, attention seconds per step or None) for each of attnops' `modes`, on one cache:
+    compiled+graphs captures the very step that compiled timed (one compilation serves both)."""
     c = model.config
     page_size = args.page_size
-    total = context + args.warmup + args.steps + 1
-    pages = batch * -(-total // page_size)
-    cache = PagedKVCache(c.num_hidden_layers, pages, page_size, c.num_key_value_heads, c.head_dim,
+    total = context + len(modes) * (args.warmup + args.steps) + 1
+    max_pages = -(-total // page_size)
+    cache = PagedKVCache(c.num_hidden_layers, batch * max_pages, page_size, c.num_key_value_heads, c.head_dim,
                          kv_format=kv_format, device=device, shuffle_pages=True)
     for kv in cache.kv:
         kv.normal_() if kv.dtype.is_floating_point and kv.element_size() > 1 else None
@@ -101,18 +100,28 @@ def bench_attnops(model, mode, batch, context, args, device, kv_format) -> float
     for s in seq_ids:
         cache.allocate(s)
         cache.prepare([s], context, decode=False)  # `context` tokens "already in the cache"
-    step = DecodeStep(model, cache, max_batch=batch, max_pages=-(-total // page_size), buckets=(batch,),
-                      compile=mode != "eager", cuda_graphs=mode == "compiled+graphs")
     tokens = torch.randint(0, c.vocab_size, (batch,), device=device)
+    step = None
+    for mode in modes:
+        if mode == "eager" or step is None:
+            step = DecodeStep(model, cache, max_batch=batch, max_pages=max_pages, buckets=(batch,),
+                              compile=mode != "eager")
+        if mode == "compiled+graphs":
+            step.graph_runner = DecodeGraphRunner(step.step_fn, cache, buckets=(batch,), max_pages=max_pages)
 
-    def one():
-        nonlocal tokens
-        tokens = step(seq_ids, tokens).argmax(-1)
+        def one():
+            nonlocal tokens
+            tokens = step(seq_ids, tokens).argmax(-1)
 
-    elapsed = timed(one, device, args.warmup, args.steps)
-    attention_s = attention_seconds_per_step(cache, seq_ids, c) if mode == "compiled+graphs" else None
+        try:
+            elapsed = timed(one, device, args.warmup, args.steps)
+            attention_s = attention_seconds_per_step(cache, seq_ids, c) if mode == "compiled+graphs" else None
+            yield mode, batch * args.steps / elapsed, attention_s, None
+        except Exception as e:  # record and go on: one failing mode must not lose the run
+            yield mode, None, None, f"{type(e).__name__}: {e}"
+        if mode == "eager":
+            step = None
     del step, cache
-    return batch * args.steps / elapsed, attention_s
 
 
 def attention_seconds_per_step(cache, seq_ids, c) -> float:
@@ -165,7 +174,7 @@ def bench_transformers(hf, batch, context, args, device) -> float:
 
     elapsed = timed(one, device, args.warmup, args.steps)
     del compiled, cache
-    return batch * args.steps / elapsed, None
+    return batch * args.steps / elapsed
 
 
 def plot(result, path) -> None:
@@ -225,9 +234,9 @@ def main(argv=None) -> dict:
     args.steps = args.steps or (8 if args.small else 50)
     args.warmup = args.warmup or (2 if args.small else 5)
     modes = list(args.modes or MODES)
-    if "compiled+graphs" in modes and (device.type != "cuda" or not HAVE_GRAPHS):
+    if "compiled+graphs" in modes and device.type != "cuda":
         modes.remove("compiled+graphs")
-        print("compiled+graphs: skipped (needs CUDA and attnops.graphs)")
+        print("compiled+graphs: skipped (needs CUDA)")
 
     hf = hf_model(args, device, dtype)
     model = attnops_model(hf)
@@ -250,30 +259,34 @@ def main(argv=None) -> dict:
             Path(args.json).write_text(json.dumps(result, indent=1))
         return result
 
+    def record(mode, batch, context, tps, attention_s, error) -> None:
+        record = dict(mode=mode, batch=batch, context=context, tokens_per_s=tps, error=error)
+        if attention_s is not None:  # attention's share of the (graph-replayed) step time
+            step_s = batch / tps
+            record.update(step_ms=step_s * 1e3, attention_ms=attention_s * 1e3, attention_share=attention_s / step_s)
+        records.append(record)
+        shown = f"{tps:10.1f} tokens/s" if tps else f"failed: {error}"
+        if attention_s is not None:
+            shown += f"  (step {record['step_ms']:.2f} ms, attention {100 * record['attention_share']:.0f}%)"
+        print(f"context {context:>6}  batch {batch:>4}  {mode:<16} {shown}", flush=True)
+        save()
+
+    ours = [m for m in modes if m != "transformers"]
     for context in contexts:
         for batch in batches:
-            for mode in modes:
+            torch._dynamo.reset()
+            for mode, tps, attention_s, error in bench_attnops(model, ours, batch, context, args, device, kv_format):
+                record(mode, batch, context, tps, attention_s, error)
+            if "transformers" in modes:
                 torch._dynamo.reset()
                 try:
-                    tps, attention_s = (bench_transformers(hf, batch, context, args, device) if mode == "transformers"
-                                        else bench_attnops(model, mode, batch, context, args, device, kv_format))
-                    error = None
-                except Exception as e:  # record and go on: one failing mode must not lose the run
-                    tps, attention_s, error = None, None, f"{type(e).__name__}: {e}"
-                gc.collect()
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-                record = dict(mode=mode, batch=batch, context=context, tokens_per_s=tps, error=error)
-                if attention_s is not None:  # attention's share of the (graph-replayed) step time
-                    step_s = batch / tps
-                    record.update(step_ms=step_s * 1e3, attention_ms=attention_s * 1e3,
-                                  attention_share=attention_s / step_s)
-                records.append(record)
-                shown = f"{tps:10.1f} tokens/s" if tps else f"failed: {error}"
-                if attention_s is not None:
-                    shown += f"  (step {record['step_ms']:.2f} ms, attention {100 * record['attention_share']:.0f}%)"
-                print(f"context {context:>6}  batch {batch:>4}  {mode:<16} {shown}", flush=True)
-                save()
+                    tps, error = bench_transformers(hf, batch, context, args, device), None
+                except Exception as e:  # record and go on
+                    tps, error = None, f"{type(e).__name__}: {e}"
+                record("transformers", batch, context, tps, None, error)
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
 
     result = save()
     if args.plot:

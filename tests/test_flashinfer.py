@@ -51,12 +51,25 @@ def test_matches_reference(mode, kv_format, heads, page_size):
         assert out[1].abs().max() == 0
 
 
+def test_wrapper_kind_sends_long_prefills_to_fa3_only_when_q_and_kv_types_match():
+    from attnops.backends.flashinfer import wrapper_kind
+
+    bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
+    assert wrapper_kind(True, 8, 8, (9, 0), bf16, bf16) == "decode"
+    assert wrapper_kind(False, 2, 8, (9, 0), bf16, bf16) == "prefill-fa2"  # a verify block
+    assert wrapper_kind(False, 2, 4096, (9, 0), bf16, bf16) == "prefill-fa3"
+    assert wrapper_kind(False, 2, 4096, (9, 0), bf16, fp8) == "prefill-fa2"  # fa3 has no bf16 x e4m3 wgmma
+    assert wrapper_kind(False, 2, 4096, (8, 0), bf16, bf16) == "prefill-fa2"
+
+
 @gpu
-def test_prefill_long_goes_to_fa3_and_matches():
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8_e4m3"])
+def test_prefill_long_goes_to_fa3_and_matches(kv_format):
+    """A long prefill (fa3 on sm_90 for bf16; fa2 for fp8 KV, which fa3 cannot pair with a bf16 q)."""
     if BACKENDS["flashinfer"].unavailable():
         pytest.skip("; ".join(BACKENDS["flashinfer"].unavailable()))
     args = random_paged_inputs([2048, 700], [2048, 600], num_q_heads=32, num_kv_heads=8, head_dim=128,
-                               kv_format="bf16", q_dtype=torch.bfloat16, device="cuda", seed=3)
+                               kv_format=kv_format, q_dtype=torch.bfloat16, device="cuda", seed=3)
     with attnops.use_backend("flashinfer"):
         out = attnops.paged_attention(**args)
     assert relative_error(out, paged_attention_reference(**args, compute_dtype=torch.float64)) < 2e-2

@@ -53,13 +53,16 @@ def page_metadata(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: 
     return indptr, indices, last_page_len
 
 
-def wrapper_kind(decode: bool, batch: int, num_tokens: int, arch) -> str:
-    """Which FlashInfer entry point serves a call, from shapes only: verify blocks go to fa2, which the H200
-    measured at 3.7x faster than fa3 on 4-8 token blocks (benchmarks/results); long prefills to fa3 on sm_90."""
+def wrapper_kind(decode: bool, batch: int, num_tokens: int, arch, q_dtype, kv_dtype) -> str:
+    """Which FlashInfer entry point serves a call, from shapes and dtypes: verify blocks go to fa2, which the H200
+    measured at 3.7x faster than fa3 on 4-8 token blocks (benchmarks/results); long prefills to fa3 on sm_90,
+    unless the KV is fp8 under a bf16/fp16 q: fa3 has no mixed-type wgmma for it (FlashInfer 0.7's JIT build of
+    that configuration fails with "No eligible GMMA operator"), fa2 converts K/V in registers."""
     kind = shape_class(decode, num_tokens, batch)
     if kind == "decode":
         return "decode"
-    return "prefill-fa3" if kind == "prefill" and arch[0] == 9 else "prefill-fa2"
+    fa3 = kind == "prefill" and arch[0] == 9 and kv_dtype == q_dtype
+    return "prefill-fa3" if fa3 else "prefill-fa2"
 
 
 class _Plans:
@@ -136,7 +139,8 @@ class FlashInferBackend(Backend):
         """The wrapper planned for this step's metadata: planned now if this step has not been seen yet."""
         plans = _plans(q.device)
         num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
-        kind = wrapper_kind(cu_seqlens_q is None, seq_lens.shape[0], q.shape[0], checks.device_arch(q.device))
+        kind = wrapper_kind(cu_seqlens_q is None, seq_lens.shape[0], q.shape[0], checks.device_arch(q.device),
+                            q.dtype, k_cache.dtype)
         signature = (q.dtype, k_cache.dtype, q.shape[1], num_kv_heads, head_dim, page_size, scale, soft_cap,
                      window_left)
         graph = graphs.current_capture()
