@@ -95,10 +95,10 @@ class DecodeStep:
         (a view of the bucket's output, valid until the next call)."""
         batch = len(seq_ids)
         n = self.bucket_for(batch)
-        positions = torch.tensor([self.cache.seq_len(s) for s in seq_ids], dtype=torch.int64)
         meta = self.cache.prepare(seq_ids, 1, decode=True, max_pages=self.max_pages)
+        positions = meta.seq_lens.long() - 1  # each sequence's new token sits at its old length
         if self.graph_runner is not None:
-            return self.graph_runner(token_ids, positions.to(self.cache.device), meta)
+            return self.graph_runner(token_ids, positions, meta)
         buf = self.buffers[n]
         for name, live, pad in (("token_ids", token_ids, 0), ("positions", positions, 0),
                                 ("block_table", meta.block_table, -1), ("seq_lens", meta.seq_lens, 0),

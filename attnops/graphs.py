@@ -23,10 +23,12 @@ from .kv_cache import BatchMetadata, PagedKVCache
 
 @dataclass
 class CaptureContext:
-    """What a backend may attach to one captured graph: functions to run on the host before each replay."""
+    """What a backend may attach to one captured graph: functions to run on the host before each replay, and
+    what they may read there without a device sync: the step's sequence lengths as host ints (padding rows 0)."""
 
     bucket: int
     replanners: list = field(default_factory=list)
+    host_seq_lens: list = field(default_factory=list)
 
     def replan(self) -> None:
         for replan in self.replanners:
@@ -59,6 +61,10 @@ class DecodeGraphRunner:
         self.max_pages = max_pages or cache.num_pages
         self.graphs: dict = {}  # bucket -> (graph, static inputs, static output, context)
         self.pool = None  # one memory pool shared by all buckets' graphs
+        # Replanners stage plans in host buffers that a stream-ordered copy then reads (FlashInfer's pinned
+        # workspace): the next replan waits until that copy of the previous one has run on the stream. The host
+        # still runs up to one step ahead of the GPU (no wait for the previous replay itself).
+        self.replanned = None
 
     def bucket_for(self, batch: int) -> int:
         for b in self.buckets:
@@ -76,7 +82,7 @@ class DecodeGraphRunner:
 
     def _capture(self, bucket: int):
         static = self._static_inputs(bucket)
-        ctx = CaptureContext(bucket)
+        ctx = CaptureContext(bucket, host_seq_lens=[0] * bucket)
         # warm up on a side stream (Triton compiles, backends create and plan their graph buffers), all rows
         # padding: no cache writes, empty sequences
         side = torch.cuda.Stream()
@@ -114,6 +120,13 @@ class DecodeGraphRunner:
         static["seq_lens"][:batch].copy_(meta.seq_lens)
         static["slot_mapping"].fill_(-1)
         static["slot_mapping"][:batch].copy_(meta.slot_mapping)
-        ctx.replan()  # host planning for this step's metadata, once for all layers
+        if ctx.replanners:  # host planning for this step's metadata, once for all layers
+            host = meta.host_seq_lens if meta.host_seq_lens is not None else meta.seq_lens.tolist()
+            ctx.host_seq_lens = list(host) + [0] * (bucket - batch)
+            if self.replanned is not None:
+                self.replanned.synchronize()
+            ctx.replan()
+            self.replanned = torch.cuda.Event()
+            self.replanned.record()
         graph.replay()
         return out[:batch]

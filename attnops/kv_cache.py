@@ -22,6 +22,7 @@ class BatchMetadata:
     seq_lens: torch.Tensor  # int32 [B], counting this step's tokens
     slot_mapping: torch.Tensor  # int64 [T], where this step's tokens go
     cu_seqlens_q: torch.Tensor | None  # int32 [B+1]; None for decode (one token per sequence)
+    host_seq_lens: list[int] | None = None  # seq_lens as host ints, when the host knows them (planning needs no sync)
 
     @property
     def num_tokens(self) -> int:
@@ -180,10 +181,19 @@ class PagedKVCache:
             cu = [0]
             for n in num_new_tokens:
                 cu.append(cu[-1] + n)
-            cu = torch.tensor(cu, dtype=torch.int32, device=self.device)
+            cu = self._to_device(torch.tensor(cu, dtype=torch.int32))
         return BatchMetadata(
             seq_ids=list(seq_ids),
-            block_table=table.to(self.device),
-            seq_lens=torch.tensor(lengths, dtype=torch.int32, device=self.device),
-            slot_mapping=slot_mapping.to(self.device),
-            cu_seqlens_q=cu)
+            block_table=self._to_device(table),
+            seq_lens=self._to_device(torch.tensor(lengths, dtype=torch.int32)),
+            slot_mapping=self._to_device(slot_mapping),
+            cu_seqlens_q=cu,
+            host_seq_lens=lengths)
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """A host tensor's copy on the cache's device. CUDA: through pinned memory, non-blocking, because a copy
+        from pageable memory synchronizes the stream, which would stop the host from preparing step N+1 while
+        the GPU still runs step N (the caching host allocator keeps the pinned block until the copy is done)."""
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)

@@ -5,7 +5,8 @@ CPU (CI): fp32 logits equal transformers' LlamaForCausalLM (its own KV cache) wi
 and 32 greedy decode steps; the compiled decode step has no graph break and compiles once per batch bucket across
 64+ steps of changing lengths, with tokens identical to eager while requests join and leave; the default CPU
 backend and the pinned reference give the same tokens; sampling follows softmax(logits / T) and its seed.
-GPU (marked gpu): bf16 logits within bf16 tolerance; tokens identical across attention backends, bf16 and fp8 KV.
+GPU (marked gpu): bf16 logits within bf16 tolerance; tokens identical across attention backends, bf16 and fp8 KV
+(a request may part ways only at a near tie of its bf16 logits).
 """
 import copy
 import inspect
@@ -192,14 +193,23 @@ SCHEDULE = [(0, 5, 20), (0, 13, 9), (0, 30, 40), (3, 2, 25), (5, 21, 12), (9, 8,
 
 
 def serve(model, schedule, *, compile=False, cuda_graphs=False, backend=None, cache=None, buckets=(2, 4),
-          temperature=0.0, seed=0, out=None):
+          temperature=0.0, seed=0, out=None, margins=None):
     """Runs `schedule` to completion; returns ({req_id: tokens}, decode steps run, the cache). out: a dict that
-    receives the Generator."""
+    receives the Generator; margins: a dict that receives, per request and token, (top-1 - top-2 logit, top-1)."""
     cache = cache or new_cache(num_pages=24)
     gen = Generator(model, cache, max_batch=4, max_seq_len=96, buckets=buckets, compile=compile,
                     cuda_graphs=cuda_graphs, seed=seed)
     if out is not None:
         out["generator"] = gen
+    if margins is not None:
+        emit = gen._emit
+
+        def recording_emit(reqs, logits, new):
+            top2 = logits.float().topk(2, dim=-1).values.tolist()
+            for req, (first, second) in zip(reqs, top2):
+                margins.setdefault(req.req_id, []).append((first - second, first))
+            emit(reqs, logits, new)
+        gen._emit = recording_emit
     prompts = torch.Generator().manual_seed(123)
     steps, pending = 0, list(enumerate(schedule))
     with attnops.use_backend(backend):
@@ -302,24 +312,50 @@ def test_bf16_logits_match_transformers_on_gpu(gpu_checkpoint):
         assert err < max(2e-2, 2 * hf_err), (err, hf_err)
 
 
+# Two greedy choices are a near tie when the top-2 logits are within 2^-5 of the top one (4 bf16 ulps): bf16
+# logits tie exactly often enough (the H200 run saw top-2 gaps of 0 and 1 ulp at every disagreement between the
+# float64 reference, FlashInfer and Triton, teacher-forced), and two correct kernels that round P differently
+# may break such a tie either way.
+NEAR_TIE = 2.0 ** -5
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_format", ["bf16", "fp8_e4m3"])
 @torch.no_grad()
 def test_tokens_identical_across_backends_on_gpu(gpu_checkpoint, kv_format):
     """100+ decode steps with requests joining and leaving: the same greedy tokens whichever backend serves,
-    each KV format compared within itself."""
+    each KV format compared within itself. A request may part ways only at a near tie of the logits (then its
+    later tokens follow different prompts and are not compared); a backend that computes something else parts
+    ways where the model is decided."""
     path, _ = gpu_checkpoint
     model = LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device="cuda")
-    results = {}
+    results, margins = {}, {}
     for backend in ("flashinfer", "triton", None):
         if backend is not None and (backend not in BACKENDS or BACKENDS[backend].unavailable()):
             continue
+        name = backend or "auto"
         cache = new_cache(num_pages=24, kv_format=kv_format, device="cuda", head_dim=GPU_HEAD_DIM)
-        results[backend or "auto"] = serve(model, SCHEDULE, backend=backend, cache=cache)[0]
+        margins[name] = {}
+        results[name] = serve(model, SCHEDULE, backend=backend, cache=cache, margins=margins[name])[0]
     assert len(results) >= 2, results.keys()
-    first = next(iter(results.values()))
+    first = next(iter(results))
     for name, tokens in results.items():
-        assert tokens == first, f"{name} differs from {next(iter(results))} ({kv_format} KV)"
+        compared = 0
+        for req_id, ours in tokens.items():
+            theirs = results[first][req_id]
+            split = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+            if split is None:
+                assert ours == theirs
+                compared += len(ours)
+                continue
+            compared += split
+            gap = min(margins[name][req_id][split][0], margins[first][req_id][split][0])
+            top = abs(margins[first][req_id][split][1])
+            assert gap <= NEAR_TIE * top, (f"{name} differs from {first} ({kv_format} KV) at token {split} of "
+                                           f"{req_id}, where the top-2 logits are {gap:.3f} apart (top {top:.2f}): "
+                                           "not a near tie")
+        total = sum(len(t) for t in results[first].values())
+        assert compared >= total // 2, f"{name}: only {compared} of {total} tokens compared before near ties"
 
 
 @pytest.mark.gpu

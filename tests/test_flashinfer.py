@@ -51,6 +51,25 @@ def test_matches_reference(mode, kv_format, heads, page_size):
         assert out[1].abs().max() == 0
 
 
+def test_graph_page_metadata_equals_page_metadata_without_a_sync():
+    """The replan of a captured graph builds FlashInfer's CSR layout from host lengths plus a device scatter; it
+    must equal the eager (syncing) construction wherever FlashInfer reads: indptr, last_page_len, indices[:nnz]."""
+    from attnops.backends.flashinfer import graph_page_metadata, page_metadata
+
+    gen = torch.Generator().manual_seed(0)
+    for page_size in (1, 16, 64):
+        lens = torch.tensor([0, 1, 17, 64, 300, 0, 129], dtype=torch.int32)
+        width = int((lens.max() + page_size - 1) // page_size) + 2
+        table = torch.randperm(5000, generator=gen)[: len(lens) * width].view(len(lens), width).to(torch.int32)
+        pages = (lens + page_size - 1) // page_size
+        table[torch.arange(width)[None, :] >= pages[:, None]] = -1
+        indptr, indices, last = page_metadata(table, lens, page_size)
+        out = torch.full((table.numel() + 1,), -7, dtype=torch.int32)
+        g_indptr, g_indices, g_last = graph_page_metadata(lens.tolist(), table, lens, page_size, out)
+        assert torch.equal(g_indptr, indptr) and torch.equal(g_last, last)
+        assert torch.equal(g_indices[: indices.shape[0]], indices) and g_indices.shape[0] == table.numel()
+
+
 def test_wrapper_kind_sends_long_prefills_to_fa3_only_when_q_and_kv_types_match():
     from attnops.backends.flashinfer import wrapper_kind
 

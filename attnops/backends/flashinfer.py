@@ -4,9 +4,11 @@ prefill (fa2, and fa3 on sm_90) for extend / verify, bf16/fp16 KV and fp8 KV wit
 FlashInfer splits each call into plan() (host work: it reads the page layout on the host) and run(). attnops
 plans once per step, not once per layer: a plan is keyed on the step's metadata tensors themselves (identity
 and in-place version of seq_lens, block_table and cu_seqlens_q, which every layer of a step shares) and on
-the case, and it is never reused for other tensors or after they were written to. Planning syncs the host
-once per step; that is FlashInfer's design. For CUDA graphs, attnops.graphs plans outside the capture into
-fixed buffers (`plan_for_graph`) and the op then only runs.
+the case, and it is never reused for other tensors or after they were written to. An eager plan syncs the host
+once per step (FlashInfer reads the page layout on the host; ours is on the device). For CUDA graphs, the op
+builds fixed-size buffers at capture and registers a re-planner that attnops.graphs runs before every replay;
+it takes the lengths from the host (CaptureContext.host_seq_lens) and builds the page indices on the device, so
+replanning needs no sync and the host prepares step N+1 while the GPU runs step N.
 
 fp8 scales stay tensors (no host read): k_scale is folded into q (q * k_scale, a [T, Hq, D] multiply) and
 v_scale into the output, so a compiled graph neither syncs nor recompiles when scales change.
@@ -53,6 +55,28 @@ def page_metadata(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: 
     return indptr, indices, last_page_len
 
 
+def graph_page_metadata(host_seq_lens: list, block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
+                        indices_out: torch.Tensor):
+    """page_metadata for a captured graph's replan, with no device sync: indptr and last_page_len from the host's
+    lengths (pinned host tensors, which FlashInfer's plan reads on the host and copies without blocking), indices
+    scattered on the device from the static block table into `indices_out` ([B * width + 1]: entries past a
+    sequence's pages go to the spare last slot). The host lengths must be the ones the device seq_lens hold."""
+    lens = torch.tensor(host_seq_lens, dtype=torch.int32)
+    pages = (lens + page_size - 1) // page_size
+    indptr = torch.zeros(lens.shape[0] + 1, dtype=torch.int32)
+    torch.cumsum(pages, 0, out=indptr[1:])
+    last_page_len = torch.where(lens > 0, lens - (pages - 1) * page_size, 0).to(torch.int32)
+    device_pages = (seq_lens + page_size - 1) // page_size
+    start = torch.cumsum(device_pages, 0) - device_pages
+    column = torch.arange(block_table.shape[1], device=block_table.device)
+    target = torch.where(column[None, :] < device_pages[:, None], start[:, None] + column[None, :],
+                         indices_out.shape[0] - 1)
+    indices_out.scatter_(0, target.flatten().long(), block_table.flatten())
+    if block_table.is_cuda:
+        indptr, last_page_len = indptr.pin_memory(), last_page_len.pin_memory()
+    return indptr, indices_out[:-1], last_page_len
+
+
 def wrapper_kind(decode: bool, batch: int, num_tokens: int, arch, q_dtype, kv_dtype) -> str:
     """Which FlashInfer entry point serves a call, from shapes and dtypes: verify blocks go to fa2, which the H200
     measured at 3.7x faster than fa3 on 4-8 token blocks (benchmarks/results); long prefills to fa3 on sm_90,
@@ -76,6 +100,7 @@ class _Plans:
         self.empty_rows: dict = {}  # same key -> bool [B, 1, 1]: decode rows of empty sequences, set at plan time
         self.row_mask: dict = {}  # same key -> empty_rows when run() must zero them (graphs: always), else None
         self.built: set = set()  # configurations already JIT-built (or loaded) in this process
+        self.graph_indices: dict = {}  # graph key -> int32 [B * width + 1]: the CSR page indices, built on device
 
     def make_wrapper(self, kind: str):
         import flashinfer
@@ -172,8 +197,15 @@ class FlashInferBackend(Backend):
                         "once per machine; `python -m attnops warmup` does it ahead)", kind, build_key[1:])
             plans.built.add(build_key)
 
+        if graph is not None and key not in plans.graph_indices:
+            plans.graph_indices[key] = torch.empty(block_table.numel() + 1, dtype=torch.int32, device=q.device)
+
         def plan():
-            indptr, indices, last_page_len = page_metadata(block_table, seq_lens, page_size)
+            if graph is not None:  # before each replay: from the host's lengths, no sync
+                indptr, indices, last_page_len = graph_page_metadata(graph.host_seq_lens, block_table, seq_lens,
+                                                                     page_size, plans.graph_indices[key])
+            else:
+                indptr, indices, last_page_len = page_metadata(block_table, seq_lens, page_size)
             common = dict(q_data_type=q.dtype, kv_data_type=k_cache.dtype, sm_scale=scale,
                           logits_soft_cap=soft_cap if soft_cap > 0 else None, window_left=window_left)
             if kind == "decode":
