@@ -1,4 +1,4 @@
-"""`python -m attnops {info,demo,bench}`."""
+"""`python -m attnops {info,demo,warmup,bench,serve-bench,tune}`."""
 from __future__ import annotations
 
 import argparse
@@ -102,8 +102,9 @@ def run_benchmark_script(name: str, argv) -> None:
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] in (["bench"], ["tune"]):  # their own flags: see python -m attnops bench --help
-        return run_benchmark_script(argv[0], argv[1:])
+    scripts = {"bench": "bench", "serve-bench": "serve_bench", "tune": "tune"}
+    if argv[:1] and argv[0] in scripts:  # their own flags: see python -m attnops bench --help
+        return run_benchmark_script(scripts[argv[0]], argv[1:])
     parser = argparse.ArgumentParser(prog="python -m attnops",
                                      description="attnops: paged-KV-cache attention ops for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -133,6 +134,8 @@ def main(argv=None) -> None:
     p.add_argument("--device", default=None)
     p.set_defaults(func=warmup)
     sub.add_parser("bench", help="the benchmark grid against peers and the roofline (bench --help for flags)")
+    sub.add_parser("serve-bench", help="decode tokens/s of a Llama-shaped model: attnops eager, compiled, "
+                                       "compiled + CUDA graphs, and transformers (serve-bench --help)")
     sub.add_parser("tune", help="measure every backend on this GPU and write its dispatch table (tune --help)")
 
     args = parser.parse_args(argv)

@@ -1,7 +1,7 @@
 """Serving benchmark: decode tokens/s of a Llama-architecture model through attnops, against transformers' own
 best path on the same weights, at several batch sizes and context lengths, in one run.
 
-    python benchmarks/serve_bench.py --json benchmarks/results/h200-serve.json --plot benchmarks/results/h200-serve.png
+    python -m attnops serve-bench --json benchmarks/results/h200-serve.json --plot benchmarks/results/h200-serve.png
     python benchmarks/serve_bench.py --small --json /tmp/serve.json --plot /tmp/serve.png     # tiny, CPU
     python benchmarks/serve_bench.py --contexts 8192 --json X.json --append --plot X.png      # a part of the grid
 
@@ -207,7 +207,7 @@ def plot(result, path) -> None:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(prog="benchmarks/serve_bench.py", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m attnops serve-bench", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="tiny model and sizes (runs on the CPU in seconds)")
     parser.add_argument("--device", default=None, help="default: cuda if available (cpu with --small)")

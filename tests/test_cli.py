@@ -22,7 +22,9 @@ def test_demo_runs_a_decode_loop():
 
 def test_help_answers():
     out = run("--help")
-    assert "info" in out and "demo" in out
+    assert "info" in out and "demo" in out and "serve-bench" in out
+    out = run("serve-bench", "--help")
+    assert "--batches" in out and "transformers" in out
 
 
 def test_warmup_builds_each_mode():
