@@ -313,9 +313,10 @@ def test_bf16_logits_match_transformers_on_gpu(gpu_checkpoint):
 
 
 # Two greedy choices are a near tie when the top-2 logits are within 2^-5 of the top one (4 bf16 ulps): bf16
-# logits tie exactly often enough (the H200 run saw top-2 gaps of 0 and 1 ulp at every disagreement between the
-# float64 reference, FlashInfer and Triton, teacher-forced), and two correct kernels that round P differently
-# may break such a tie either way.
+# logits tie exactly often enough, and two correct kernels that round P differently may break such a tie either
+# way. Teacher-forced on the H200, every argmax disagreement between the float64 reference, FlashInfer and
+# Triton was at a top-2 gap of 0 to 0.125 with the top logit at 4-16, i.e. 0-3 ulps
+# (benchmarks/results/h200-e2e-backend-agreement.log).
 NEAR_TIE = 2.0 ** -5
 
 
