@@ -86,8 +86,9 @@ def timed(step, device, warmup, steps) -> float:
 
 @torch.no_grad()
 def bench_attnops(model, modes, batch, context, args, device, kv_format):
-    """Yields (mode, tokens/s, attention seconds per step or None) for each of attnops' `modes`, on one cache:
-    compiled+graphs captures the very step that compiled timed (one compilation serves both)."""
+    """Yields (mode, tokens/s, attention seconds per step or None, error or None) for each of attnops' `modes`
+    (in MODES' order), on one cache: compiled+graphs captures the very step that compiled timed (one compilation
+    serves both)."""
     c = model.config
     page_size = args.page_size
     total = context + len(modes) * (args.warmup + args.steps) + 1
@@ -260,18 +261,18 @@ def main(argv=None) -> dict:
         return result
 
     def record(mode, batch, context, tps, attention_s, error) -> None:
-        record = dict(mode=mode, batch=batch, context=context, tokens_per_s=tps, error=error)
+        row = dict(mode=mode, batch=batch, context=context, tokens_per_s=tps, error=error)
         if attention_s is not None:  # attention's share of the (graph-replayed) step time
             step_s = batch / tps
-            record.update(step_ms=step_s * 1e3, attention_ms=attention_s * 1e3, attention_share=attention_s / step_s)
-        records.append(record)
+            row.update(step_ms=step_s * 1e3, attention_ms=attention_s * 1e3, attention_share=attention_s / step_s)
+        records.append(row)
         shown = f"{tps:10.1f} tokens/s" if tps else f"failed: {error}"
         if attention_s is not None:
-            shown += f"  (step {record['step_ms']:.2f} ms, attention {100 * record['attention_share']:.0f}%)"
+            shown += f"  (step {row['step_ms']:.2f} ms, attention {100 * row['attention_share']:.0f}%)"
         print(f"context {context:>6}  batch {batch:>4}  {mode:<16} {shown}", flush=True)
         save()
 
-    ours = [m for m in modes if m != "transformers"]
+    ours = [m for m in MODES if m in modes and m != "transformers"]  # compiled before compiled+graphs
     for context in contexts:
         for batch in batches:
             torch._dynamo.reset()
