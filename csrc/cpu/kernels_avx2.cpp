@@ -6,20 +6,7 @@
 
 #pragma GCC push_options
 #pragma GCC target("avx2,avx,fma,f16c")
-// GCC's target pragma does not define the feature macros that vec.h and sleef.h test; a build with -mavx2 (or
-// -march=native) already has them.
-#ifndef __AVX2__
-#define __AVX2__ 1
-#endif
-#ifndef __AVX__
-#define __AVX__ 1
-#endif
-#ifndef __FMA__
-#define __FMA__ 1
-#endif
-#ifndef __F16C__
-#define __F16C__ 1
-#endif
+#include "isa_avx2_features.h"  // the feature macros the pragma does not define
 #define CPU_CAPABILITY AVX2
 #define CPU_CAPABILITY_AVX2
 

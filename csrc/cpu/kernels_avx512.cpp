@@ -14,18 +14,7 @@
 #define __AVX512VL__ 1
 #define __AVX512DQ__ 1
 #endif
-#ifndef __AVX2__
-#define __AVX2__ 1
-#endif
-#ifndef __AVX__
-#define __AVX__ 1
-#endif
-#ifndef __FMA__
-#define __FMA__ 1
-#endif
-#ifndef __F16C__
-#define __F16C__ 1
-#endif
+#include "isa_avx2_features.h"
 #define CPU_CAPABILITY AVX512
 #define CPU_CAPABILITY_AVX512
 
