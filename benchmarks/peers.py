@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from attnops import formats
-from attnops.backends.flashinfer import page_metadata
+from attnops.backends.flashinfer import fa3_serves, page_metadata
 
 
 class Unsupported(Exception):
@@ -55,10 +55,9 @@ def flashinfer_prefill(backend: str):
     def make(case, args):
         if case.q_lens is None:
             raise Unsupported("prefill wrapper is timed on verify/prefill cases")
-        if backend == "fa3" and torch.cuda.get_device_capability(args["q"].device)[0] != 9:
-            raise Unsupported("fa3 needs sm_90")
-        if backend == "fa3" and args["k_cache"].dtype != args["q"].dtype:
-            raise Unsupported("fa3 pairs no bf16/fp16 q with fp8 KV (FlashInfer's JIT build fails)")
+        if backend == "fa3" and not fa3_serves(torch.cuda.get_device_capability(args["q"].device),
+                                               args["q"].dtype, args["k_cache"].dtype):
+            raise Unsupported("fa3 serves sm_90 only, and no bf16/fp16 q with fp8 KV")
         import flashinfer
         kv, scales = _flashinfer_kv(case, args)
         indptr, indices, last = page_metadata(args["block_table"], args["seq_lens"], case.page_size)

@@ -77,16 +77,21 @@ def graph_page_metadata(host_seq_lens: list, block_table: torch.Tensor, seq_lens
     return indptr, indices_out[:-1], last_page_len
 
 
+def fa3_serves(arch, q_dtype, kv_dtype) -> bool:
+    """FlashInfer's fa3 prefill: sm_90 only, and no fp8 KV under a bf16/fp16 q (it has no mixed-type wgmma for
+    that; FlashInfer 0.7's JIT build of the configuration fails with "No eligible GMMA operator"). fa2 converts
+    K/V in registers and serves both."""
+    return arch[0] == 9 and kv_dtype == q_dtype
+
+
 def wrapper_kind(decode: bool, batch: int, num_tokens: int, arch, q_dtype, kv_dtype) -> str:
     """Which FlashInfer entry point serves a call, from shapes and dtypes: verify blocks go to fa2, which the H200
-    measured at 3.7x faster than fa3 on 4-8 token blocks (benchmarks/results); long prefills to fa3 on sm_90,
-    unless the KV is fp8 under a bf16/fp16 q: fa3 has no mixed-type wgmma for it (FlashInfer 0.7's JIT build of
-    that configuration fails with "No eligible GMMA operator"), fa2 converts K/V in registers."""
+    measured at 3.7x faster than fa3 on 4-8 token blocks (benchmarks/results); long prefills to fa3 where it
+    serves the types (fa3_serves), else fa2."""
     kind = shape_class(decode, num_tokens, batch)
     if kind == "decode":
         return "decode"
-    fa3 = kind == "prefill" and arch[0] == 9 and kv_dtype == q_dtype
-    return "prefill-fa3" if fa3 else "prefill-fa2"
+    return "prefill-fa3" if kind == "prefill" and fa3_serves(arch, q_dtype, kv_dtype) else "prefill-fa2"
 
 
 class _Plans:
