@@ -1,5 +1,6 @@
-"""Peers called directly, not through attnops: FlashInfer's paged decode (CUDA-core and tensor-core) and paged
-prefill (fa2, fa3), and PyTorch's scaled_dot_product_attention on pre-gathered contiguous KV.
+"""Peers called directly, not through attnops: FlashInfer's paged decode (CUDA-core and tensor-core, planned; and
+its plan-free block-table decode, which runs TensorRT-LLM's XQA kernel on sm_90), paged prefill (fa2, fa3), and
+PyTorch's scaled_dot_product_attention on pre-gathered contiguous KV.
 
 Each peer is a function (case, args) -> run, where `run()` computes the output with all host planning already
 done; it raises Unsupported with the reason for a case it cannot serve."""
@@ -49,6 +50,33 @@ def flashinfer_decode(use_tensor_cores: bool):
                      q_data_type=args["q"].dtype, kv_data_type=args["k_cache"].dtype)
         return lambda: wrapper.run(args["q"], kv, **scales)
     return make
+
+
+XQA_PAGE_SIZES = (16, 32, 64, 128)
+
+
+def flashinfer_xqa(case, args):
+    """FlashInfer's plan-free decode: block table and lengths go straight to the kernel (no host planning, so it
+    captures in a CUDA graph as is). On sm_90 this is XQA, the entry point that trtllm_batch_decode_with_kv_cache
+    picks there."""
+    if case.q_lens is not None:
+        raise Unsupported("timed on decode (one query token per sequence)")
+    if case.page_size not in XQA_PAGE_SIZES:
+        raise Unsupported(f"XQA takes page sizes {XQA_PAGE_SIZES}")
+    if case.kv_format == "fp8_e5m2":
+        raise Unsupported("XQA takes fp8 e4m3 KV only")
+    import flashinfer.decode
+    kv, scales = _flashinfer_kv(case, args)
+    workspace = torch.zeros(256 * 1024 * 1024, dtype=torch.uint8, device=args["q"].device)  # zeroed: semaphores
+    block_table = args["block_table"].to(torch.int32)
+    seq_lens = args["seq_lens"].to(torch.int32).view(torch.uint32)
+    max_seq_len = block_table.shape[1] * case.page_size
+    out = torch.empty_like(args["q"])
+    bmm1_scale = case.head_dim ** -0.5 * scales.get("k_scale", 1.0)
+    bmm2_scale = scales.get("v_scale", 1.0)
+    return lambda: flashinfer.decode.xqa_batch_decode_with_kv_cache(
+        args["q"], kv, workspace, block_table, seq_lens, max_seq_len, bmm1_scale=bmm1_scale, bmm2_scale=bmm2_scale,
+        out=out)
 
 
 def flashinfer_prefill(backend: str):
@@ -111,6 +139,7 @@ def sdpa_on_gathered(case, args, include_gather=False):
 GPU_PEERS = {
     "fi-decode-cuda-core": flashinfer_decode(False),
     "fi-decode-tensor-core": flashinfer_decode(True),
+    "fi-xqa": flashinfer_xqa,
     "fi-prefill-fa2": flashinfer_prefill("fa2"),
     "fi-prefill-fa3": flashinfer_prefill("fa3"),
     "sdpa-gathered": sdpa_on_gathered,
