@@ -113,6 +113,36 @@ class Runner:
             return None
 
 
+def parse_tile(text):
+    """'N,W,S[,KEY=VALUE...]' -> a config dict (values as ints)."""
+    n, w, st, *extra = text.split(",")
+    tile = dict(BLOCK_N=int(n), num_warps=int(w), num_stages=int(st))
+    for item in extra:
+        key, _, value = item.partition("=")
+        if key not in tdecode.CONFIG_KEYS:
+            raise SystemExit(f"--tiles: unknown tunable {key!r}; known: {tdecode.CONFIG_KEYS}")
+        tile[key] = int(value)
+    return tile
+
+
+def format_variants(fmt, tiles):
+    """The variants of each tile configuration worth trying for a format."""
+    candidates = []
+    if not formats.is_fp4(fmt):  # swapped dots: the KV tile is wgmma's 64+-row operand
+        candidates += [dict(t, WGMMA=True) for t in tiles]
+    if fmt == "fp8_e4m3":  # e4m3 score dots on K's bytes, with and without wgmma for PV; packed PTX conversion
+        candidates += [dict(t, FP8_DOT=True) for t in tiles] + [dict(t, FP8_DOT=True, WGMMA=True) for t in tiles]
+        candidates += [dict(t, FP8_ASM=True) for t in tiles[:2]]
+    if formats.is_fp4(fmt):  # block scales loaded per value instead of once and repeated in registers
+        candidates += [dict(t, SCALE_BCAST=False) for t in tiles]
+    # register caps: 3 (168) or 4 (128) resident 4-warp programs per SM instead of 2, against spills
+    if formats.is_fp8(fmt) or formats.is_fp4(fmt):  # (bf16 needs 128 already)
+        candidates += [dict(t, maxnreg=r) for t in tiles if t["num_warps"] == 4 for r in (168, 128)]
+    if fmt == "nvfp4":  # the default is the inline-PTX nibble decode (4 values per register): try without
+        candidates += [dict(t, FP4_ASM=False) for t in tiles]
+    return candidates
+
+
 def split_config(chunk, capacity):
     if chunk is None:
         return dict(CHUNK=capacity, MAX_SPLITS=1)
@@ -125,8 +155,13 @@ def main():
     parser.add_argument("--formats", nargs="+", default=["bf16", "fp8_e4m3", "nvfp4", "mxfp4"])
     parser.add_argument("--cases", nargs="+", default=list(DECODE_CASES))
     parser.add_argument("--quick", action="store_true", help="fewer tile configurations")
-    parser.add_argument("--tiles", nargs="+", metavar="N,W,S",
-                        help="tile configurations to try, as BLOCK_N,num_warps,num_stages (default: a grid)")
+    parser.add_argument("--tiles", nargs="+", metavar="N,W,S[,KEY=VALUE...]",
+                        help="tile configurations to try, as BLOCK_N,num_warps,num_stages and any other tunable of "
+                             "the kernel's CONFIG_KEYS, e.g. 128,4,3,HEADS_INNER=1 (default: a grid)")
+    parser.add_argument("--exact", action="store_true",
+                        help="stage 1 tries the --tiles exactly, without adding the per-format variants")
+    parser.add_argument("--tile-cases", nargs="+", default=list(TILE_CASES), choices=list(DECODE_CASES),
+                        help=f"decode cases stage 1 ranks tiles on (default: {' '.join(TILE_CASES)})")
     parser.add_argument("--shape", nargs=3, type=int, metavar=("HQ", "HKV", "D"), default=(HQ, HKV, D),
                         help="query heads, KV heads, head dim (default 32 8 128)")
     parser.add_argument("--no-extend", action="store_true", help="skip verify/prefill")
@@ -141,8 +176,7 @@ def main():
     best_rows = []
 
     if opts.tiles:
-        tiles = [dict(BLOCK_N=n, num_warps=w, num_stages=s) for n, w, s in
-                 (map(int, t.split(",")) for t in opts.tiles)]
+        tiles = [parse_tile(t) for t in opts.tiles]
     elif opts.quick:
         tiles = [dict(BLOCK_N=n, num_warps=w, num_stages=s) for n, w, s in
                  ((64, 4, 3), (128, 4, 3), (64, 8, 3), (128, 8, 3), (64, 4, 4), (128, 8, 2))]
@@ -154,21 +188,9 @@ def main():
         if time.time() - t0 > opts.budget:
             print(f"budget spent: skipping {fmt}")
             break
-        print(f"\n=== {fmt}: stage 1, tile configurations on {TILE_CASES}", flush=True)
-        runners = {name: Runner(make_inputs(DECODE_CASES[name], None, fmt), fmt) for name in TILE_CASES}
-        candidates = list(tiles)
-        if not formats.is_fp4(fmt):  # swapped dots: the KV tile is wgmma's 64+-row operand
-            candidates += [dict(t, WGMMA=True) for t in tiles]
-        if fmt == "fp8_e4m3":  # e4m3 score dots on K's bytes, with and without wgmma for PV; packed PTX conversion
-            candidates += [dict(t, FP8_DOT=True) for t in tiles] + [dict(t, FP8_DOT=True, WGMMA=True) for t in tiles]
-            candidates += [dict(t, FP8_ASM=True) for t in tiles[:2]]
-        if formats.is_fp4(fmt):  # block scales loaded per value instead of once and repeated in registers
-            candidates += [dict(t, SCALE_BCAST=False) for t in tiles]
-        # register caps: 3 (168) or 4 (128) resident 4-warp programs per SM instead of 2, against spills
-        if formats.is_fp8(fmt) or formats.is_fp4(fmt):  # (bf16 needs 128 already)
-            candidates += [dict(t, maxnreg=r) for t in tiles if t["num_warps"] == 4 for r in (168, 128)]
-        if fmt == "nvfp4":  # the default is the inline-PTX nibble decode (4 values per register): try without
-            candidates += [dict(t, FP4_ASM=False) for t in tiles]
+        print(f"\n=== {fmt}: stage 1, tile configurations on {opts.tile_cases}", flush=True)
+        runners = {name: Runner(make_inputs(DECODE_CASES[name], None, fmt), fmt) for name in opts.tile_cases}
+        candidates = list(tiles) if opts.exact else list(tiles) + format_variants(fmt, tiles)
         scored = []
         for tile in candidates:
             times = {name: r.time(tile) for name, r in runners.items()}
@@ -177,7 +199,7 @@ def main():
             scored.append((sum(times.values()), tile, times))
             records.append(dict(stage="tile", fmt=fmt, config=tile, us=times))
         scored.sort(key=lambda x: x[0])
-        for total, tile, times in scored[:5]:
+        for total, tile, times in scored if opts.exact else scored[:5]:
             print(f"  {tile}: " + ", ".join(f"{k} {v:.1f} us" for k, v in times.items()))
         best_tile = scored[0][1] if scored else {}
         del runners

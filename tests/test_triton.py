@@ -118,6 +118,21 @@ def test_attention_split_counts(max_splits, chunk):
     assert relative_error(out, ref) < 1e-5
 
 
+@pytest.mark.parametrize("heads_inner", [True, False])
+@pytest.mark.parametrize("q_lens", [None, [5, 0, 17, 1]], ids=["decode", "extend"])
+def test_grid_orders(q_lens, heads_inner):
+    """Both grid orders (KV heads fastest along axis 0, or on axis 1) give every (query block, head, split) its
+    program: GQA, ragged lengths with an empty sequence, several splits."""
+    from attnops.backends.triton.decode import launch
+    args = random_paged_inputs([300, 0, 77, 130], q_lens, num_q_heads=12, num_kv_heads=3, device=DEVICE, seed=5)
+    out = torch.full_like(args["q"], float("nan"))
+    launch(args["q"], args["k_cache"], args["v_cache"], args["block_table"], args["seq_lens"], args["cu_seqlens_q"],
+           scale=0.125, soft_cap=0.0, window_left=-1, kv_format="fp32", k_scale=None, v_scale=None, out=out,
+           config=dict(HEADS_INNER=heads_inner, MAX_SPLITS=4, CHUNK=64, BLOCK_N=32))
+    ref = paged_attention_reference(**args, scale=0.125)
+    assert relative_error(out, ref) < 1e-5
+
+
 @pytest.mark.parametrize("kv_format,q_lens,q_dtype", [("nvfp4", None, F16), ("mxfp4", [5, 9], F32),
                                                       ("nvfp4", [3, 1], F32)])
 def test_fp4_scales_loaded_per_value(kv_format, q_lens, q_dtype):

@@ -114,13 +114,24 @@ def paged_attention_kernel(
     IS_DECODE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FP8_ASM: tl.constexpr, FP8_DTYPE: tl.constexpr, SCALE_BCAST: tl.constexpr,
     FP4_ASM: tl.constexpr, FP8_DOT: tl.constexpr, WGMMA: tl.constexpr, SOFT_FP8: tl.constexpr,
+    HEADS_INNER: tl.constexpr,
 ):
-    pid_q = tl.program_id(0)
+    # HEADS_INNER: axis 0 walks (query block, KV head) with the heads fastest, so that the programs the GPU runs
+    # at the same time read every head of the same pages (an NHD page holds all heads of its tokens side by side)
+    # rather than one head of many pages; otherwise axis 0 walks query blocks and axis 1 the KV heads.
+    NUM_KV_HEADS: tl.constexpr = NUM_Q_HEADS // GROUP
+    if HEADS_INNER:
+        pid_q = tl.program_id(0) // NUM_KV_HEADS
+        kvh = tl.program_id(0) % NUM_KV_HEADS
+        num_q_programs = tl.num_programs(0) // NUM_KV_HEADS
+    else:
+        pid_q = tl.program_id(0)
+        kvh = tl.program_id(1)
+        num_q_programs = tl.num_programs(0)
     if not IS_DECODE:
         # heaviest first: a sequence's last query blocks see the most keys, and the grid runs roughly in order,
         # so walking it backwards leaves the short blocks for the tail (longest-processing-time scheduling)
-        pid_q = tl.num_programs(0) - 1 - pid_q
-    kvh = tl.program_id(1)
+        pid_q = num_q_programs - 1 - pid_q
     split = tl.program_id(2)
 
     # --- which sequence and which of its query tokens -------------------------------------------------------
@@ -380,7 +391,7 @@ WORKSPACE_BYTES = 64 * 2 ** 20  # the most split partials one call may allocate 
 
 # Tunables a caller (benchmarks/triton_tuning.py, tests) may force; None entries fall back to the heuristic.
 CONFIG_KEYS = ("BLOCK_N", "num_warps", "num_stages", "CHUNK", "MAX_SPLITS", "BLOCK_Q", "FP8_ASM", "SCALE_BCAST",
-               "FP4_ASM", "FP8_DOT", "WGMMA", "maxnreg")
+               "FP4_ASM", "FP8_DOT", "WGMMA", "maxnreg", "HEADS_INNER")
 
 
 @functools.lru_cache(maxsize=None)
@@ -466,7 +477,7 @@ def heuristic_config(device, decode: bool, batch: int, num_tokens: int, num_q_he
     # than 3. FP8_DOT and WGMMA off: 2-10% slower there.
     return dict(BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, CHUNK=chunk, MAX_SPLITS=max_splits,
                 BLOCK_Q=block_q, FP8_ASM=False, SCALE_BCAST=True, FP4_ASM=device.type == "cuda", FP8_DOT=False,
-                WGMMA=False, maxnreg=maxnreg)
+                WGMMA=False, maxnreg=maxnreg, HEADS_INNER=False)
 
 
 def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, soft_cap, window_left, kv_format,
@@ -531,7 +542,8 @@ def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, s
         part_out = part_lse = out  # unused: every program writes `out` directly
     cu = seq_lens if decode else cu_seqlens_q
     num_q_blocks = batch if decode else num_tokens // block_q + batch
-    grid = (num_q_blocks, num_kv_heads, max_splits)
+    heads_inner = bool(cfg["HEADS_INNER"])
+    grid = (num_q_blocks * num_kv_heads, 1, max_splits) if heads_inner else (num_q_blocks, num_kv_heads, max_splits)
     paged_attention_kernel[grid](
         q, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens, cu, out, part_out, part_lse,
         batch, float(scale), float(soft_cap), int(window_left), max_splits, chunk,
@@ -546,7 +558,7 @@ def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, s
         FP4_ASM=bool(cfg["FP4_ASM"]) and kv_format == "nvfp4" and ddt == torch.float16 and q.is_cuda,
         FP8_DOT=bool(cfg["FP8_DOT"]) and kv_format == "fp8_e4m3" and q.dtype != torch.float32,
         WGMMA=bool(cfg["WGMMA"]) and ddt != torch.float32,
-        SOFT_FP8=not q.is_cuda or interpreting(),
+        SOFT_FP8=not q.is_cuda or interpreting(), HEADS_INNER=heads_inner,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         # a register cap (GPU compiler option): more resident programs per SM at the price of spills
         **(dict(maxnreg=cfg["maxnreg"]) if cfg["maxnreg"] and q.is_cuda else {}))
