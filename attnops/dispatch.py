@@ -58,22 +58,36 @@ TABLES = Path(__file__).parent / "tables"
 @functools.lru_cache(maxsize=None)
 def arch_table(arch: tuple[int, int] | None) -> dict:
     """The measured order for a GPU arch (attnops/tables/sm_XY.json, written by `python -m attnops tune`):
-    {"decode/bf16/none": ["flashinfer", "triton"], ...}; empty where none was measured."""
+    {"decode/bf16/none/g4/d128": ["triton", "flashinfer"], "decode/bf16/none": [...], ...}; empty where none was
+    measured."""
     if arch is None:
         return {}
     path = TABLES / f"sm_{arch[0]}{arch[1]}.json"
     return json.loads(path.read_text())["order"] if path.exists() else {}
 
 
-def table_key(case: AttentionCase) -> str:
-    return f"{case.shape_class}/{case.kv_format}/{case.scale_kind}"
+def class_keys(shape_class: str, kv_format: str, scale_kind: str, group: int, head_dim: int) -> tuple[str, str]:
+    """The keys of a case's class in a measured table, finest first: shape class / KV format / scale kind / GQA
+    group / head dim (how the kernels tile a call: one KV head's group of query heads is one tile's rows), then
+    the same without group and head dim, for head shapes the tune grid did not measure."""
+    coarse = f"{shape_class}/{kv_format}/{scale_kind}"
+    return f"{coarse}/g{group}/d{head_dim}", coarse
+
+
+def table_key(case: AttentionCase) -> str | None:
+    """The key of `case`'s class in its arch's measured table (the finest one it has), or None."""
+    table = arch_table(case.arch)
+    keys = class_keys(case.shape_class, case.kv_format, case.scale_kind, case.num_q_heads // case.num_kv_heads,
+                      case.head_dim)
+    return next((key for key in keys if key in table), None)
 
 
 def policy(case: AttentionCase | CacheWriteCase) -> tuple[str, ...]:
     """The backends to try for `case`, in order: the arch's measured table where it has the case's class, then
     the static order for the rest."""
     static = STATIC_ORDER.get(case.device_type, ("reference",))
-    measured = arch_table(case.arch).get(table_key(case), []) if isinstance(case, AttentionCase) else []
+    key = table_key(case) if isinstance(case, AttentionCase) else None
+    measured = arch_table(case.arch)[key] if key else []
     return tuple(measured) + tuple(name for name in static if name not in measured)
 
 
@@ -94,8 +108,9 @@ class Explanation:
         lines = [f"case: {describe_case(self.case)}"]
         if self.pinned:
             how = f"pinned by {'use_backend' if _pinned_backend.get() else 'ATTNOPS_BACKEND'}"
-        elif isinstance(self.case, AttentionCase) and table_key(self.case) in arch_table(self.case.arch):
-            how = f"auto: order measured on sm_{self.case.arch[0]}{self.case.arch[1]} (attnops/tables)"
+        elif isinstance(self.case, AttentionCase) and table_key(self.case):
+            how = (f"auto: order measured on sm_{self.case.arch[0]}{self.case.arch[1]} for class "
+                   f"{table_key(self.case)} (attnops/tables)")
         else:
             how = "auto: static order"
         lines.append(f"chosen: {self.chosen or 'none'} ({how})")

@@ -1,6 +1,7 @@
 """Writes the dispatch table for this GPU's arch: runs the benchmark grid for every attnops backend (or reads
-benchmark JSON already made), and orders the backends of each case class (shape class / kv format / scale kind)
-by the geometric mean of their time over the cases of that class that all of them served correctly.
+benchmark JSON already made), and orders the backends of each case class (shape class / kv format / scale kind /
+GQA group / head dim, and the same without group and head dim for unmeasured head shapes: dispatch.class_keys) by
+the geometric mean of their time over the cases of that class that all of them served correctly.
 
 Time is the CUDA-graph replay of the op (`graph_us`: kernel time, as a serving loop runs it) where a record has
 it, else the eager op call (`median_us`, which includes the host's launch cost); one case compares like with like
@@ -25,47 +26,63 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from attnops import dispatch  # noqa: E402
+
 FLASHINFER_PEER_FOR = {"decode": "fi-decode-tensor-core", "verify": "fi-prefill-fa2", "prefill": "fi-prefill-fa3"}
 
 
-def class_key(record) -> str:
+def class_keys(record) -> tuple[str, str]:
+    """(fine, coarse) class keys of a benchmark record, as dispatch looks them up (attnops.dispatch.class_keys)."""
     fmt = record["kv_format"]
     scale = "none" if fmt in ("bf16", "fp16", "fp32") else ("block" if fmt in ("nvfp4", "mxfp4")
                                                              else record["scale_kind"])
-    return f"{record['kind']}/{fmt}/{scale}"
+    return dispatch.class_keys(record["kind"], fmt, scale, record["num_q_heads"] // record["num_kv_heads"],
+                               record["head_dim"])
+
+
+def rank(cases) -> list:
+    """Backends of a class, fastest first: by the geometric mean of their times over the cases every one of them
+    served (else by their best time). `cases`: [backend -> us]."""
+    names = sorted({n for t in cases for n in t})
+    common = [t for t in cases if all(n in t for n in names)]
+
+    def score(name):
+        if common:
+            return math.exp(sum(math.log(t[name]) for t in common) / len(common))
+        return min(t[name] for t in cases if name in t)
+    return sorted(names, key=score)
 
 
 def build_table(records, backends) -> tuple[dict, list]:
-    """(order per class, per-case check rows: chosen vs fastest)."""
-    measured = defaultdict(dict)  # (class, case) -> backend -> record
+    """(order per class, fine and coarse keys; per-case check rows: the choice of the case's fine class against
+    the fastest)."""
+    measured = defaultdict(dict)  # case -> backend -> record
+    keys = {}  # case -> (fine, coarse) class keys
     for r in records:
         name = r["impl"] if r["impl_type"] == "backend" else None
         if name is None and "flashinfer" in backends and r["impl"] == FLASHINFER_PEER_FOR.get(r["kind"]):
             if not any(x["impl"] == "flashinfer" and x["case"] == r["case"] for x in records):
                 name = "flashinfer"
         if name in backends and r.get("status") == "ok":
-            measured[(class_key(r), r["case"])][name] = r
-    times = {}  # (class, case) -> backend -> us, one timing kind per case
-    for key, per_backend in measured.items():
+            measured[r["case"]][name] = r
+            keys[r["case"]] = class_keys(r)
+    times = {}  # case -> backend -> us, one timing kind per case
+    for case, per_backend in measured.items():
         field = "graph_us" if all("graph_us" in r for r in per_backend.values()) else "median_us"
-        times[key] = {name: r[field] for name, r in per_backend.items()}
-    by_class = defaultdict(list)
-    for (key, case), per_backend in times.items():
-        by_class[key].append((case, per_backend))
-    order, checks = {}, []
-    for key, cases in sorted(by_class.items()):
-        names = sorted({n for _, t in cases for n in t})
-        common = [t for _, t in cases if all(n in t for n in names)]
-        def score(name):
-            if common:  # geometric mean over the cases every backend of the class served
-                return math.exp(sum(math.log(t[name]) for t in common) / len(common))
-            return min(t[name] for _, t in cases if name in t)
-        order[key] = sorted(names, key=score)
-        for case, t in cases:
-            chosen = next(n for n in order[key] if n in t)
-            checks.append(dict(case=case, cls=key, chosen=chosen, chosen_us=t[chosen], fastest=min(t, key=t.get),
-                               fastest_us=min(t.values()), slowdown=t[chosen] / min(t.values())))
-    return order, checks
+        times[case] = {name: r[field] for name, r in per_backend.items()}
+    order = {}
+    for level in (0, 1):  # fine classes, then coarse ones (for head shapes the grid did not measure)
+        by_class = defaultdict(list)
+        for case, t in times.items():
+            by_class[keys[case][level]].append(t)
+        order.update({key: rank(cases) for key, cases in sorted(by_class.items())})
+    checks = []
+    for case, t in sorted(times.items(), key=lambda item: keys[item[0]]):
+        cls = keys[case][0]
+        chosen = next(n for n in order[cls] if n in t)
+        checks.append(dict(case=case, cls=cls, chosen=chosen, chosen_us=t[chosen], fastest=min(t, key=t.get),
+                           fastest_us=min(t.values()), slowdown=t[chosen] / min(t.values())))
+    return dict(sorted(order.items())), checks
 
 
 def main(argv=None):
@@ -92,7 +109,7 @@ def main(argv=None):
     out.write_text(json.dumps(dict(arch=args.arch, sources=sources, order=order, per_case=checks), indent=1))
     print(f"wrote {out}")
     for key, names in order.items():
-        print(f"  {key:<28} {' > '.join(names)}")
+        print(f"  {key:<40} {' > '.join(names)}")
     worst = sorted(checks, key=lambda c: -c["slowdown"])
     print("cases where the class's choice is not the fastest:")
     for c in worst:

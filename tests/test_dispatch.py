@@ -95,20 +95,35 @@ def test_measured_table_orders_backends_for_its_arch():
     assert dispatch.policy(unmeasured) == dispatch.STATIC_ORDER["cuda"]
 
 
-def test_tune_orders_by_geometric_mean_and_reports_misses():
+def test_tune_orders_by_geometric_mean_and_reports_misses(monkeypatch):
     sys_path = __import__("sys").path
     sys_path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent / "benchmarks"))
     import tune
 
-    def rec(case, impl, us, kind="decode"):
+    def rec(case, impl, us, kind="decode", heads=(32, 8, 128)):
         return dict(case=case, impl=impl, impl_type="backend", kind=kind, kv_format="bf16", scale_kind="per_tensor",
-                    status="ok", median_us=us)
+                    num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=heads[2], status="ok", median_us=us)
     records = [rec("a", "triton", 100), rec("a", "flashinfer", 50), rec("b", "triton", 100),
-               rec("b", "flashinfer", 120), rec("c", "flashinfer", 10, "verify")]
+               rec("b", "flashinfer", 120), rec("c", "flashinfer", 10, "verify"),
+               rec("mha", "triton", 10, heads=(32, 32, 128)), rec("mha", "flashinfer", 30, heads=(32, 32, 128))]
     order, checks = tune.build_table(records, {"triton", "flashinfer"})
-    assert order == {"decode/bf16/none": ["flashinfer", "triton"], "verify/bf16/none": ["flashinfer"]}
+    assert order == {"decode/bf16/none/g4/d128": ["flashinfer", "triton"], "decode/bf16/none/g1/d128": [
+        "triton", "flashinfer"], "verify/bf16/none/g4/d128": ["flashinfer"], "verify/bf16/none": ["flashinfer"],
+        # over all decode cases: triton (100 * 100 * 10)^(1/3) = 46 against flashinfer (50 * 120 * 30)^(1/3) = 56
+        "decode/bf16/none": ["triton", "flashinfer"]}
     miss = [c for c in checks if c["slowdown"] > 1]
     assert [(c["case"], round(c["slowdown"], 2)) for c in miss] == [("b", 1.2)]
+    # dispatch takes the finest class the table has, then the coarse one, then the static order
+    monkeypatch.setattr(dispatch, "arch_table", lambda arch: order)
+    case = dispatch.describe_attention(device="cpu", q_dtype=torch.bfloat16, kv_format="bf16", arch=(9, 0))
+    case = dispatch.AttentionCase(**{**case.__dict__, "device_type": "cuda"})
+    assert dispatch.table_key(case) == "decode/bf16/none/g4/d128"
+    assert dispatch.policy(case) == ("flashinfer", "triton", "reference")
+    d64 = dispatch.AttentionCase(**{**case.__dict__, "head_dim": 64})
+    assert dispatch.table_key(d64) == "decode/bf16/none"
+    assert dispatch.policy(d64) == ("triton", "flashinfer", "reference")
+    fp8 = dispatch.AttentionCase(**{**case.__dict__, "kv_format": "fp8_e4m3", "scale_kind": "per_tensor"})
+    assert dispatch.table_key(fp8) is None and dispatch.policy(fp8) == dispatch.STATIC_ORDER["cuda"]
 
 
 def test_pinning_an_attention_only_backend_leaves_cache_writes_to_the_policy(monkeypatch, declining_backend):

@@ -456,6 +456,11 @@ def heuristic_config(device, decode: bool, batch: int, num_tokens: int, num_q_he
         # split's fixed costs: q, the epilogue, the merge) and no more than 4096 whatever the batch, so that one
         # long sequence in a ragged batch does not become the tail
         splits_to_fill = -(-target // base)
+        if decode_like and base >= 2 * target and kv_format != "mxfp4":
+            # three or more programs an SM without splitting, yet halves still paid on the H200 (CUDA-graph
+            # times, benchmarks/results/h200-tune-split-heads.log): 64 x 2048 bf16 134 against 142 us, nvfp4 132
+            # against 150, fp8 101 against 105; 128 x 4096 bf16 482 against 489. mxfp4 (ALU-bound) lost 3%.
+            splits_to_fill = 2
         chunk = 1 << max(0, (capacity // splits_to_fill).bit_length() - 1)  # a power of two, rounded down
         low, high = (1024, 4096) if decode_like else (4 * block_n, 2048)
         chunk = max(low, min(chunk, high))
@@ -474,10 +479,12 @@ def heuristic_config(device, decode: bool, batch: int, num_tokens: int, num_q_he
     # variant stays for the tuning sweep. SCALE_BCAST on: one load per 4-bit block scale instead of one per value
     # (sm_90 PTX of an nvfp4 decode: 17 global loads instead of 97, half the shared memory). FP4_ASM on (GPU,
     # nvfp4 with fp16 dots): 1.37x on the H200's 128 x 4096 decode, with 2 stages (175 registers, no spill) 5% faster
-    # than 3. FP8_DOT and WGMMA off: 2-10% slower there.
+    # than 3. FP8_DOT and WGMMA off: 2-10% slower there. HEADS_INNER for decode-like tiles: 1-6% faster on the
+    # H200 for bf16 and nvfp4 (256 x 8192 nvfp4 1811 against 1921 us), even for fp8, within 1% for mxfp4
+    # (h200-tune-split-heads.log); prefill tiles keep the query-block-major order their scheduling was tuned with.
     return dict(BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, CHUNK=chunk, MAX_SPLITS=max_splits,
                 BLOCK_Q=block_q, FP8_ASM=False, SCALE_BCAST=True, FP4_ASM=device.type == "cuda", FP8_DOT=False,
-                WGMMA=False, maxnreg=maxnreg, HEADS_INNER=False)
+                WGMMA=False, maxnreg=maxnreg, HEADS_INNER=decode_like)
 
 
 def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, soft_cap, window_left, kv_format,
