@@ -114,7 +114,7 @@ def paged_attention_kernel(
     IS_DECODE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FP8_ASM: tl.constexpr, FP8_DTYPE: tl.constexpr, SCALE_BCAST: tl.constexpr,
     FP4_ASM: tl.constexpr, FP8_DOT: tl.constexpr, WGMMA: tl.constexpr, SOFT_FP8: tl.constexpr,
-    HEADS_INNER: tl.constexpr, LPT_ORDER: tl.constexpr,
+    HEADS_INNER: tl.constexpr,
 ):
     # HEADS_INNER: axis 0 walks (query block, KV head) with the heads fastest, so that the programs the GPU runs
     # at the same time read every head of the same pages (an NHD page holds all heads of its tokens side by side)
@@ -128,7 +128,7 @@ def paged_attention_kernel(
         pid_q = tl.program_id(0)
         kvh = tl.program_id(1)
         num_q_programs = tl.num_programs(0)
-    if not IS_DECODE and LPT_ORDER:
+    if not IS_DECODE:
         # heaviest first: a sequence's last query blocks see the most keys, and the grid runs roughly in order,
         # so walking it backwards leaves the short blocks for the tail (longest-processing-time scheduling)
         pid_q = num_q_programs - 1 - pid_q
@@ -391,7 +391,7 @@ WORKSPACE_BYTES = 64 * 2 ** 20  # the most split partials one call may allocate 
 
 # Tunables a caller (benchmarks/triton_tuning.py, tests) may force; None entries fall back to the heuristic.
 CONFIG_KEYS = ("BLOCK_N", "num_warps", "num_stages", "CHUNK", "MAX_SPLITS", "BLOCK_Q", "FP8_ASM", "SCALE_BCAST",
-               "FP4_ASM", "FP8_DOT", "WGMMA", "maxnreg", "HEADS_INNER", "LPT_ORDER")
+               "FP4_ASM", "FP8_DOT", "WGMMA", "maxnreg", "HEADS_INNER")
 
 
 @functools.lru_cache(maxsize=None)
@@ -484,7 +484,7 @@ def heuristic_config(device, decode: bool, batch: int, num_tokens: int, num_q_he
     # (h200-tune-split-heads.log); prefill tiles keep the query-block-major order their scheduling was tuned with.
     return dict(BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, CHUNK=chunk, MAX_SPLITS=max_splits,
                 BLOCK_Q=block_q, FP8_ASM=False, SCALE_BCAST=True, FP4_ASM=device.type == "cuda", FP8_DOT=False,
-                WGMMA=False, maxnreg=maxnreg, HEADS_INNER=decode_like, LPT_ORDER=True)
+                WGMMA=False, maxnreg=maxnreg, HEADS_INNER=decode_like)
 
 
 def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, soft_cap, window_left, kv_format,
@@ -566,7 +566,6 @@ def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, s
         FP8_DOT=bool(cfg["FP8_DOT"]) and kv_format == "fp8_e4m3" and q.dtype != torch.float32,
         WGMMA=bool(cfg["WGMMA"]) and ddt != torch.float32,
         SOFT_FP8=not q.is_cuda or interpreting(), HEADS_INNER=heads_inner,
-        LPT_ORDER=bool(cfg["LPT_ORDER"]),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         # a register cap (GPU compiler option): more resident programs per SM at the price of spills
         **(dict(maxnreg=cfg["maxnreg"]) if cfg["maxnreg"] and q.is_cuda else {}))
