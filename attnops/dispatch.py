@@ -58,28 +58,27 @@ TABLES = Path(__file__).parent / "tables"
 @functools.lru_cache(maxsize=None)
 def arch_table(arch: tuple[int, int] | None) -> dict:
     """The measured order for a GPU arch (attnops/tables/sm_XY.json, written by `python -m attnops tune`):
-    {"decode/bf16/none/g4/d128": ["triton", "flashinfer"], "decode/bf16/none": [...], ...}; empty where none was
-    measured."""
+    {"decode/bf16/none/g4/d128": ["triton", "flashinfer"], ...}; empty where none was measured."""
     if arch is None:
         return {}
     path = TABLES / f"sm_{arch[0]}{arch[1]}.json"
     return json.loads(path.read_text())["order"] if path.exists() else {}
 
 
-def class_keys(shape_class: str, kv_format: str, scale_kind: str, group: int, head_dim: int) -> tuple[str, str]:
-    """The keys of a case's class in a measured table, finest first: shape class / KV format / scale kind / GQA
-    group / head dim (how the kernels tile a call: one KV head's group of query heads is one tile's rows), then
-    the same without group and head dim, for head shapes the tune grid did not measure."""
-    coarse = f"{shape_class}/{kv_format}/{scale_kind}"
-    return f"{coarse}/g{group}/d{head_dim}", coarse
+def class_key(shape_class: str, kv_format: str, scale_kind: str, group: int, head_dim: int) -> str:
+    """The key of a case's class in a measured table: shape class / KV format / scale kind / GQA group / head dim
+    (how the kernels tile a call: one KV head's group of query heads is one tile's rows). Head shapes the tune
+    grid did not measure fall to the static order: a coarser class (all bf16 decode) chose Triton for a 32/8/64
+    model it had not measured, and the H200 served 21% fewer tokens/s at 128 x 8K than with FlashInfer
+    (benchmarks/results/h200-serve-8k-coarse-class.json)."""
+    return f"{shape_class}/{kv_format}/{scale_kind}/g{group}/d{head_dim}"
 
 
 def table_key(case: AttentionCase) -> str | None:
-    """The key of `case`'s class in its arch's measured table (the finest one it has), or None."""
-    table = arch_table(case.arch)
-    keys = class_keys(case.shape_class, case.kv_format, case.scale_kind, case.num_q_heads // case.num_kv_heads,
-                      case.head_dim)
-    return next((key for key in keys if key in table), None)
+    """The key of `case`'s class if its arch's measured table has it, else None."""
+    key = class_key(case.shape_class, case.kv_format, case.scale_kind, case.num_q_heads // case.num_kv_heads,
+                    case.head_dim)
+    return key if key in arch_table(case.arch) else None
 
 
 def policy(case: AttentionCase | CacheWriteCase) -> tuple[str, ...]:

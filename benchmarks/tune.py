@@ -1,7 +1,6 @@
 """Writes the dispatch table for this GPU's arch: runs the benchmark grid for every attnops backend (or reads
 benchmark JSON already made), and orders the backends of each case class (shape class / kv format / scale kind /
-GQA group / head dim, and the same without group and head dim for unmeasured head shapes: dispatch.class_keys) by
-the geometric mean of their time over the cases of that class that all of them served correctly.
+GQA group / head dim: dispatch.class_key) by the geometric mean of their time over the cases of that class that all of them served correctly.
 
 Time is the CUDA-graph replay of the op (`graph_us`: kernel time, as a serving loop runs it) where a record has
 it, else the eager op call (`median_us`, which includes the host's launch cost); one case compares like with like
@@ -31,13 +30,13 @@ from attnops import dispatch  # noqa: E402
 FLASHINFER_PEER_FOR = {"decode": "fi-decode-tensor-core", "verify": "fi-prefill-fa2", "prefill": "fi-prefill-fa3"}
 
 
-def class_keys(record) -> tuple[str, str]:
-    """(fine, coarse) class keys of a benchmark record, as dispatch looks them up (attnops.dispatch.class_keys)."""
+def class_key(record) -> str:
+    """The class key of a benchmark record, as dispatch looks it up (attnops.dispatch.class_key)."""
     fmt = record["kv_format"]
     scale = "none" if fmt in ("bf16", "fp16", "fp32") else ("block" if fmt in ("nvfp4", "mxfp4")
                                                              else record["scale_kind"])
-    return dispatch.class_keys(record["kind"], fmt, scale, record["num_q_heads"] // record["num_kv_heads"],
-                               record["head_dim"])
+    return dispatch.class_key(record["kind"], fmt, scale, record["num_q_heads"] // record["num_kv_heads"],
+                              record["head_dim"])
 
 
 def rank(cases) -> list:
@@ -54,10 +53,9 @@ def rank(cases) -> list:
 
 
 def build_table(records, backends) -> tuple[dict, list]:
-    """(order per class, fine and coarse keys; per-case check rows: the choice of the case's fine class against
-    the fastest)."""
+    """(order per class; per-case check rows: the choice of the case's class against the fastest)."""
     measured = defaultdict(dict)  # case -> backend -> record
-    keys = {}  # case -> (fine, coarse) class keys
+    keys = {}  # case -> class key
     for r in records:
         name = r["impl"] if r["impl_type"] == "backend" else None
         if name is None and "flashinfer" in backends and r["impl"] == FLASHINFER_PEER_FOR.get(r["kind"]):
@@ -65,24 +63,21 @@ def build_table(records, backends) -> tuple[dict, list]:
                 name = "flashinfer"
         if name in backends and r.get("status") == "ok":
             measured[r["case"]][name] = r
-            keys[r["case"]] = class_keys(r)
+            keys[r["case"]] = class_key(r)
     times = {}  # case -> backend -> us, one timing kind per case
     for case, per_backend in measured.items():
         field = "graph_us" if all("graph_us" in r for r in per_backend.values()) else "median_us"
         times[case] = {name: r[field] for name, r in per_backend.items()}
-    order = {}
-    for level in (0, 1):  # fine classes, then coarse ones (for head shapes the grid did not measure)
-        by_class = defaultdict(list)
-        for case, t in times.items():
-            by_class[keys[case][level]].append(t)
-        order.update({key: rank(cases) for key, cases in sorted(by_class.items())})
+    by_class = defaultdict(list)
+    for case, t in times.items():
+        by_class[keys[case]].append(t)
+    order = {key: rank(cases) for key, cases in sorted(by_class.items())}
     checks = []
     for case, t in sorted(times.items(), key=lambda item: keys[item[0]]):
-        cls = keys[case][0]
-        chosen = next(n for n in order[cls] if n in t)
-        checks.append(dict(case=case, cls=cls, chosen=chosen, chosen_us=t[chosen], fastest=min(t, key=t.get),
+        chosen = next(n for n in order[keys[case]] if n in t)
+        checks.append(dict(case=case, cls=keys[case], chosen=chosen, chosen_us=t[chosen], fastest=min(t, key=t.get),
                            fastest_us=min(t.values()), slowdown=t[chosen] / min(t.values())))
-    return dict(sorted(order.items())), checks
+    return order, checks
 
 
 def main(argv=None):

@@ -436,11 +436,14 @@ def heuristic_config(device, decode: bool, batch: int, num_tokens: int, num_q_he
     target = (3 * sms) // 2 if decode_like else 4 * sms
     # Decode-like tiles: 128 keys up to D=128 (on the H200 every format's decode was fastest with 128, by 5% (bf16)
     # to 36% (nvfp4) over 64). Larger query tiles: about 16 KB of bf16 K, 64 keys at D=128 (registers), 128 at
-    # D<=64. 32 at D=256. The interpreter keeps 64 so that CPU tests cover several tiles and splits with short
-    # sequences.
+    # D<=64, 32 at D=256; but prefill tiles of 64+ rows at D=128 take 128 keys in 2 stages: 293 against 269
+    # TFLOP/s on the H200's 8 x 4096 prefill, 306 against 275 for 2048 new tokens after 46,000
+    # (benchmarks/results/h200-prefill-probe.log). The interpreter keeps 64 so that CPU tests cover several tiles
+    # and splits with short sequences.
+    prefill_128 = device.type == "cuda" and not decode_like and block_m >= 64 and head_dim == 128
     if device.type != "cuda":
         block_n = 32 if head_dim >= 256 else 64
-    elif decode_like and head_dim <= 128:
+    elif decode_like and head_dim <= 128 or prefill_128:
         block_n = 128
     else:
         block_n = max(16, min(128, 8192 // head_dim))
@@ -471,7 +474,7 @@ def heuristic_config(device, decode: bool, batch: int, num_tokens: int, num_q_he
         per_split = num_tokens * num_q_heads * head_dim * 4
         max_splits = max(1, min(max_splits, WORKSPACE_BYTES // per_split))
     num_warps = 8 if block_m >= 64 else 4
-    num_stages = 2 if head_dim >= 256 or (kv_format == "nvfp4" and decode_like) else 3
+    num_stages = 2 if head_dim >= 256 or (kv_format == "nvfp4" and decode_like) or prefill_128 else 3
     # fp8 decode tiles: capping registers at 168 (from 198) fits 3 programs per SM instead of 2, worth its
     # small spills: 356 against 380 us on the H200's 128 x 4096 (benchmarks/results/h200-tune-formats.log)
     maxnreg = 168 if formats.is_fp8(kv_format) and decode_like and device.type == "cuda" else None
