@@ -107,11 +107,10 @@ class Explanation:
         lines = [f"case: {describe_case(self.case)}"]
         if self.pinned:
             how = f"pinned by {'use_backend' if _pinned_backend.get() else 'ATTNOPS_BACKEND'}"
-        elif isinstance(self.case, AttentionCase) and table_key(self.case):
-            how = (f"auto: order measured on sm_{self.case.arch[0]}{self.case.arch[1]} for class "
-                   f"{table_key(self.case)} (attnops/tables)")
         else:
-            how = "auto: static order"
+            key = table_key(self.case) if isinstance(self.case, AttentionCase) else None
+            how = (f"auto: order measured on sm_{self.case.arch[0]}{self.case.arch[1]} for class {key} "
+                   f"(attnops/tables)" if key else "auto: static order")
         lines.append(f"chosen: {self.chosen or 'none'} ({how})")
         for name, reasons in self.rejected.items():
             lines.append(f"  passed over {name}: {'; '.join(reasons)}")

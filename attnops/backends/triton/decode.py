@@ -484,7 +484,8 @@ def heuristic_config(device, decode: bool, batch: int, num_tokens: int, num_q_he
     # nvfp4 with fp16 dots): 1.37x on the H200's 128 x 4096 decode, with 2 stages (175 registers, no spill) 5% faster
     # than 3. FP8_DOT and WGMMA off: 2-10% slower there. HEADS_INNER for decode-like tiles: 1-6% faster on the
     # H200 for bf16 and nvfp4 (256 x 8192 nvfp4 1811 against 1921 us), even for fp8, within 1% for mxfp4
-    # (h200-tune-split-heads.log); prefill tiles keep the query-block-major order their scheduling was tuned with.
+    # (h200-tune-split-heads.log). Prefill tiles keep the query-block-major order: HEADS_INNER there was 4% faster
+    # on 8 x 4096 but 1.5% slower on 2048 new tokens after 46,000 (h200-prefill-probe.log).
     return dict(BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, CHUNK=chunk, MAX_SPLITS=max_splits,
                 BLOCK_Q=block_q, FP8_ASM=False, SCALE_BCAST=True, FP4_ASM=device.type == "cuda", FP8_DOT=False,
                 WGMMA=False, maxnreg=maxnreg, HEADS_INNER=decode_like)
