@@ -1,6 +1,7 @@
-"""Builds attnops._C: the operator schemas (csrc/ops.cpp) and the CPU kernels (csrc/cpu), plus CUDA sources
-(csrc/cuda) where this torch has CUDA and nvcc is there. torch must be installed first; build with
-`pip install --no-build-isolation -e .` (an isolated build would fetch another torch)."""
+"""Builds attnops._C: the operator schemas (csrc/ops.cpp) and the CPU kernels (csrc/cpu), plus the CUDA kernel of
+paged_attention (csrc/cuda) where this torch has CUDA and FlashInfer's tvm-ffi headers are installed (build after
+FlashInfer to get it). torch must be installed first; build with `pip install --no-build-isolation -e .` (an
+isolated build would fetch another torch)."""
 import glob
 import os
 
@@ -8,8 +9,7 @@ from setuptools import setup
 from torch.utils import cpp_extension
 
 sources = ["csrc/ops.cpp", "csrc/python_module.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
-cuda_sources = sorted(glob.glob("csrc/cuda/*.cu"))
-use_cuda = bool(cuda_sources) and cpp_extension.CUDA_HOME is not None and os.environ.get("ATTNOPS_NO_CUDA") != "1"
+use_cuda = cpp_extension.CUDA_HOME is not None and os.environ.get("ATTNOPS_NO_CUDA") != "1"
 try:
     import torch
 
@@ -17,12 +17,30 @@ try:
 except ImportError:  # pragma: no cover - setup.py needs torch
     raise SystemExit("attnops: install torch first, then build with --no-build-isolation")
 
+
+def tvm_ffi_include_dirs() -> list[str]:
+    """tvm-ffi's C headers (FlashInfer's dependency apache-tvm-ffi), for csrc/cuda: the CUDA kernel of
+    paged_attention that replays FlashInfer calls from C++. Without them the CUDA calls stay in Python."""
+    if os.environ.get("ATTNOPS_NO_FLASHINFER_REPLAY") == "1":
+        return []
+    try:
+        from tvm_ffi import libinfo
+        return sorted({libinfo.find_include_path(), libinfo.find_dlpack_include_path()})
+    except Exception:
+        return []
+
+
+replay_includes = tvm_ffi_include_dirs() if use_cuda else []
 cxx_flags = ["-O3", "-std=c++17", "-fopenmp"]
-extension = cpp_extension.CUDAExtension if use_cuda else cpp_extension.CppExtension
+if replay_includes:
+    sources += sorted(glob.glob("csrc/cuda/*.cpp"))
+    cxx_flags.append("-DATTNOPS_FLASHINFER_REPLAY")
+extension = cpp_extension.CUDAExtension if replay_includes else cpp_extension.CppExtension
 ext = extension(
     name="attnops._C",
-    sources=sources + (cuda_sources if use_cuda else []),
-    extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17"]} if use_cuda else cxx_flags,
+    sources=sources,
+    include_dirs=replay_includes,
+    extra_compile_args=cxx_flags,
     extra_link_args=["-fopenmp"],
 )
 

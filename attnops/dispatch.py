@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from . import checks, formats
-from .backends import BACKENDS
+from .backends import BACKENDS, flashinfer_replay
 from .backends.base import AttentionCase, Backend, CacheWriteCase
 
 # Static order per device type, fastest first, used where no measured table for the arch exists.
@@ -36,10 +36,12 @@ def use_backend(name: str | None):
     if name is not None and name not in BACKENDS:
         raise ValueError(f"attnops.use_backend: unknown backend {name!r}; known: {sorted(BACKENDS)}")
     token = _pinned_backend.set(name)
+    flashinfer_replay.clear()  # replayed FlashInfer calls skip dispatch: none armed under the old pin may run
     try:
         yield
     finally:
         _pinned_backend.reset(token)
+        flashinfer_replay.clear()
 
 
 def pinned_backend() -> str | None:

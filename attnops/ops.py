@@ -2,7 +2,9 @@
 touches torch.library.
 
 Each real impl validates (shapes and dtypes; data too under ATTNOPS_CHECK=1), picks a backend through dispatch,
-and lets it write the output. Each fake validates the same way and allocates, reading no data, so that
+and lets it write the output. In CUDA builds with FlashInfer's tvm-ffi, paged_attention's CUDA kernel is C++
+(csrc/cuda/flashinfer_replay.cpp): it replays FlashInfer calls armed earlier in the step and hands every other call
+to _run_paged_attention here. Each fake validates the same way and allocates, reading no data, so that
 torch.compile reports bad input at trace time and traces the op without a graph break.
 """
 from __future__ import annotations
@@ -11,12 +13,15 @@ import contextlib
 
 import torch
 
-from . import _C  # noqa: F401  (loads the schemas: TORCH_LIBRARY(attnops, m) in csrc/ops.cpp)
+from . import _C  # loads the schemas: TORCH_LIBRARY(attnops, m) in csrc/ops.cpp
+from .backends import flashinfer_replay
 from .checks import (attention_case, check_paged_attention, check_paged_attention_values, check_reshape_and_cache,
                      check_reshape_and_cache_values, values_checked)
 from .dispatch import select_backend
 
 DEVICES = ("cpu", "cuda")
+# paged_attention's kernels: where the build has the C++ CUDA kernel, Python serves the CPU key (and the C++ kernel)
+PAGED_ATTENTION_DEVICES = ("cpu",) if flashinfer_replay.built() else DEVICES
 _NO_GUARD = contextlib.nullcontext()
 
 
@@ -45,7 +50,7 @@ def _run_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_
 # torch.library.impl rather than register_kernel: register_kernel wraps each kernel in a dynamo-disable frame
 # that costs microseconds per eager call; these kernels only ever run through the dispatcher (under torch.compile
 # the fakes are traced and the compiled code calls the op), which the compile tests check frame by frame.
-@torch.library.impl("attnops::paged_attention", DEVICES)
+@torch.library.impl("attnops::paged_attention", PAGED_ATTENTION_DEVICES)
 def _paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q=None, *, scale=None, soft_cap=0.0,
                      window_left=-1, kv_format="auto", k_scale=None, v_scale=None):
     out = torch.empty_like(q)
@@ -62,11 +67,15 @@ def _paged_attention_fake(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens
     return torch.empty_like(q)
 
 
-@torch.library.impl("attnops::paged_attention.out", DEVICES)
+@torch.library.impl("attnops::paged_attention.out", PAGED_ATTENTION_DEVICES)
 def _paged_attention_out(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q=None, *, scale=None,
                          soft_cap=0.0, window_left=-1, kv_format="auto", k_scale=None, v_scale=None, out):
     _run_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left,
                          kv_format, k_scale, v_scale, out)
+
+
+if flashinfer_replay.built():
+    _C.set_paged_attention_python_impl(_run_paged_attention)
 
 
 @torch.library.register_fake("attnops::paged_attention.out")

@@ -20,7 +20,8 @@ for step in "$@"; do
     build)
       nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu --format=csv,noheader
       python3 -m pip install --no-build-isolation --no-deps -e . > /tmp/build.log 2>&1 \
-        || { tail -30 /tmp/build.log; exit 1; }
+        || { grep -E "error|Error" /tmp/build.log | head -30; tail -30 /tmp/build.log; exit 1; }
+      python3 -c "from attnops.backends import flashinfer_replay as r; print('C++ FlashInfer replay built:', r.built(), 'usable:', r.enabled())"
       stamp built ;;
     tune)
       timeout $(( ${TUNE_BUDGET:-240} + 60 )) python3 benchmarks/triton_tuning.py --budget ${TUNE_BUDGET:-240} \

@@ -2,12 +2,16 @@
 dominates: `torch.ops.attnops.paged_attention` minus FlashInfer's own planned `run()`, and minus the Triton
 backend's bare launch. Host-timed over many back-to-back calls (the GPU work is tiny, so the host is the limit).
 
+For FlashInfer it also times the op with the C++ replay off (ATTNOPS_FLASHINFER_REPLAY=0: every call through
+attnops' Python and FlashInfer's run()), and reports how many calls the replay served.
+
     python benchmarks/overhead.py [--json PATH] [--profile]
 
 --profile also runs each backend's op call under cProfile and prints where its host time goes.
 """
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -16,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import attnops  # noqa: E402
-from attnops.backends import BACKENDS  # noqa: E402
+from attnops.backends import BACKENDS, flashinfer_replay  # noqa: E402
 from attnops.testing import random_paged_inputs  # noqa: E402
 
 
@@ -69,12 +73,23 @@ def main(argv=None):
     for name in ("flashinfer", "triton"):
         if BACKENDS[name].unavailable():
             continue
+        extra = {}
         with attnops.use_backend(name):
+            before = flashinfer_replay.stats()
             op_us = per_call_us(lambda: torch.ops.attnops.paged_attention(**inputs))
             op_out_us = per_call_us(lambda: torch.ops.attnops.paged_attention.out(**inputs, out=out))
+            after = flashinfer_replay.stats()
+            extra["replayed_calls"] = after["hits"] - before["hits"]
+            extra["python_calls"] = after["misses"] - before["misses"]
+            if name == "flashinfer" and flashinfer_replay.built():
+                os.environ["ATTNOPS_FLASHINFER_REPLAY"] = "0"
+                flashinfer_replay.clear()
+                extra["op_out_no_replay_us"] = per_call_us(
+                    lambda: torch.ops.attnops.paged_attention.out(**inputs, out=out))
+                del os.environ["ATTNOPS_FLASHINFER_REPLAY"]
         backend = BACKENDS[name]
         if name == "flashinfer":
-            wrapper, _ = backend._plan(inputs["q"], inputs["k_cache"], inputs["block_table"], inputs["seq_lens"], None,
+            wrapper, _, _ = backend._plan(inputs["q"], inputs["k_cache"], inputs["block_table"], inputs["seq_lens"], None,
                                     128 ** -0.5, 0.0, -1)
             kv = (inputs["k_cache"], inputs["v_cache"])
             bare_us = per_call_us(lambda: wrapper.run(inputs["q"], kv, out=out))
@@ -85,11 +100,16 @@ def main(argv=None):
             with attnops.use_backend(name):
                 profile(name, lambda: torch.ops.attnops.paged_attention.out(**inputs, out=out))
         results[name] = dict(op_us=op_us, op_out_us=op_out_us, backend_call_us=backend_us, kernel_run_us=bare_us,
-                             overhead_us=op_us - bare_us, overhead_out_us=op_out_us - bare_us)
+                             overhead_us=op_us - bare_us, overhead_out_us=op_out_us - bare_us, **extra)
+        if "op_out_no_replay_us" in extra:
+            results[name]["overhead_out_no_replay_us"] = extra["op_out_no_replay_us"] - bare_us
     for name, r in results.items():
         print(f"{name:<11} op {r['op_us']:6.1f} us  op.out {r['op_out_us']:6.1f} us  backend call "
               f"{r['backend_call_us']:6.1f} us  kernel run() {r['kernel_run_us']:6.1f} us  -> overhead "
-              f"{r['overhead_us']:5.1f} us (out= {r['overhead_out_us']:5.1f} us)")
+              f"{r['overhead_us']:5.1f} us (out= {r['overhead_out_us']:5.1f} us); calls replayed "
+              f"{r['replayed_calls']}, through Python {r['python_calls']}"
+              + (f"; replay off: op.out {r['op_out_no_replay_us']:6.1f} us -> overhead "
+                 f"{r['overhead_out_no_replay_us']:5.1f} us" if "op_out_no_replay_us" in r else ""))
     if args.json:
         Path(args.json).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                                                    results=results), indent=1))

@@ -114,6 +114,47 @@ def test_plans_once_per_step_and_replans_for_a_new_step(monkeypatch):
     assert not torch.equal(first[0][0], second[0])
 
 
+@gpu
+@pytest.mark.parametrize("mode", ["decode", "verify"])
+def test_replay_serves_the_later_calls_of_a_step_and_matches_reference(mode, monkeypatch):
+    """The C++ replay of FlashInfer's kernel call (csrc/cuda/flashinfer_replay.cpp): armed on a step's first call,
+    it serves the step's other layers (their own q, caches and out swapped in), never a new step, a new pin, a call
+    with other shapes, or a call under ATTNOPS_CHECK=1."""
+    from attnops.backends import flashinfer_replay
+    if BACKENDS["flashinfer"].unavailable():
+        pytest.skip("; ".join(BACKENDS["flashinfer"].unavailable()))
+    if not flashinfer_replay.enabled():
+        pytest.skip("this build has no C++ CUDA kernel (build with FlashInfer's tvm-ffi installed)")
+    lens, q_lens = [300, 45, 1000, 17], (None if mode == "decode" else [4, 1, 8, 3])
+    layers = [random_paged_inputs(lens, q_lens, num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
+                                  kv_format="bf16", q_dtype=torch.bfloat16, device="cuda", seed=seed)
+              for seed in range(3)]
+    step = {name: layers[0][name] for name in ("block_table", "seq_lens", "cu_seqlens_q")}  # shared by the layers
+
+    def check_layers(expected_hits):
+        before = flashinfer_replay.stats()["hits"]
+        for i, layer in enumerate(layers + layers):
+            args = {**layer, **step}
+            out = attnops.paged_attention(**args) if i % 2 else attnops.paged_attention(
+                **args, out=torch.full_like(args["q"], float("nan")))
+            assert relative_error(out, paged_attention_reference(**args, compute_dtype=torch.float64)) < 2e-2
+        assert flashinfer_replay.stats()["hits"] - before == expected_hits
+        assert flashinfer_replay.stats()["errors"] == 0
+
+    with attnops.use_backend("flashinfer"):
+        check_layers(5)  # the first call plans and arms; the other five (both overloads) replay
+        step["seq_lens"].add_(1)  # written in place: a new step, re-planned in Python, then replayed again
+        check_layers(5)
+        bad_out = torch.empty_like(layers[0]["q"], dtype=torch.float16)
+        with pytest.raises(ValueError, match="out must be"):  # another signature: validated in Python
+            attnops.paged_attention(**{**layers[0], **step}, out=bad_out)
+        monkeypatch.setenv("ATTNOPS_CHECK", "1")  # data checks on: no replay skips them
+        check_layers(0)
+        monkeypatch.delenv("ATTNOPS_CHECK")
+    with attnops.use_backend("triton"):  # a new pin drops every replay: these calls run Triton
+        check_layers(0)
+
+
 def test_step_key_matches_only_the_same_unmodified_tensors():
     """A plan is reused only for the very tensors it was made from, unwritten since: not for a new tensor that
     happens to reuse a freed one's address, nor after an in-place update."""

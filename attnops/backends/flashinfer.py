@@ -22,6 +22,7 @@ import weakref
 import torch
 
 from .. import checks, formats, graphs
+from . import flashinfer_replay
 from .base import Backend, CacheWriteCase, common_reasons, shape_class
 
 log = logging.getLogger("attnops.flashinfer")
@@ -166,7 +167,8 @@ class FlashInferBackend(Backend):
 
     # ---------------------------------------------------------------------------------------------------------
     def _plan(self, q, k_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left):
-        """The wrapper planned for this step's metadata: planned now if this step has not been seen yet."""
+        """The wrapper planned for this step's metadata (planned now if this step has not been seen yet), the rows
+        run() must zero (or None), and whether it was planned now."""
         plans = _plans(q.device)
         num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
         kind = wrapper_kind(cu_seqlens_q is None, seq_lens.shape[0], q.shape[0], checks.device_arch(q.device),
@@ -192,7 +194,7 @@ class FlashInferBackend(Backend):
                 plans.wrappers[key] = plans.make_wrapper(kind)
         wrapper = plans.wrappers[key]
         if _same_step(plans.planned_for.get(key), block_table, seq_lens, cu_seqlens_q):
-            return wrapper, plans.row_mask.get(key)
+            return wrapper, plans.row_mask.get(key), False
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("attnops.paged_attention (flashinfer): no plan for this step inside a CUDA graph "
                                "capture; capture through attnops.graphs, which plans before capture and replay")
@@ -211,6 +213,7 @@ class FlashInferBackend(Backend):
                                                                      page_size, plans.graph_indices[key])
             else:
                 indptr, indices, last_page_len = page_metadata(block_table, seq_lens, page_size)
+            flashinfer_replay.disarm(wrapper)  # a replay of the old plan must not run on the new one's buffers
             common = dict(q_data_type=q.dtype, kv_data_type=k_cache.dtype, sm_scale=scale,
                           logits_soft_cap=soft_cap if soft_cap > 0 else None, window_left=window_left)
             if kind == "decode":
@@ -233,16 +236,22 @@ class FlashInferBackend(Backend):
         plan()
         if graph is not None:  # the runner re-plans from its static metadata before every replay
             graph.replanners.append(plan)
-        return wrapper, plans.row_mask.get(key)
+        return wrapper, plans.row_mask.get(key), True
 
     def paged_attention(self, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, soft_cap,
                         window_left, kv_format, k_scale, v_scale, out) -> None:
-        wrapper, empty_rows = self._plan(q, k_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap,
-                                         window_left)
+        wrapper, empty_rows, planned_now = self._plan(q, k_cache, block_table, seq_lens, cu_seqlens_q, scale,
+                                                      soft_cap, window_left)
         fp8 = formats.is_fp8(kv_format)
         if fp8:
             q = q * k_scale.to(q.dtype)  # scores scale with k: fold k_scale into q, on the device
-        wrapper.run(q, (k_cache, v_cache), out=out)
+        # the first call of an eager plan arms the C++ replay of the kernel call for the step's other calls: only
+        # where run() is the whole call (no fp8 scaling or row masking around it) and no check reads the data
+        if (planned_now and not fp8 and empty_rows is None and graphs.current_capture() is None
+                and not checks.values_checked() and flashinfer_replay.enabled()):
+            flashinfer_replay.run_and_arm(wrapper, q, k_cache, v_cache, out)
+        else:
+            wrapper.run(q, (k_cache, v_cache), out=out)
         if fp8:
             out.mul_(v_scale.to(out.dtype))
         if empty_rows is not None:
