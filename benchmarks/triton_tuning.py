@@ -54,6 +54,15 @@ TILE_CASES = ("128x4096", "1x32768")
 CHUNKS = (128, 256, 512, 1024, 2048, 4096, 8192, None)  # None: one split per sequence
 
 
+# verify and prefill cases, bf16: name -> (KV lengths, query lengths)
+EXTEND_CASES = {
+    "verify4 32x4096": ([4096] * 32, [4] * 32),
+    "verify8 32x4096": ([4096] * 32, [8] * 32),
+    "prefill 8x4096": ([4096] * 8, [4096] * 8),
+    "chunked 2048 on 46000": ([48048], [2048]),
+}
+
+
 def make_inputs(kv_lens, q_lens, fmt, seed=0):
     """Random paged inputs built on the GPU: pages in random order (attnops.testing, as the benchmark suite)."""
     return random_paged_inputs(kv_lens, q_lens, num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=PAGE,
@@ -152,7 +161,8 @@ def split_config(chunk, capacity):
 def main():
     global HQ, HKV, D
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--formats", nargs="+", default=["bf16", "fp8_e4m3", "nvfp4", "mxfp4"])
+    parser.add_argument("--formats", nargs="*", default=["bf16", "fp8_e4m3", "nvfp4", "mxfp4"],
+                        help="decode formats to tune (none: only verify/prefill)")
     parser.add_argument("--cases", nargs="+", default=list(DECODE_CASES))
     parser.add_argument("--quick", action="store_true", help="fewer tile configurations")
     parser.add_argument("--tiles", nargs="+", metavar="N,W,S[,KEY=VALUE...]",
@@ -165,6 +175,11 @@ def main():
     parser.add_argument("--shape", nargs=3, type=int, metavar=("HQ", "HKV", "D"), default=(HQ, HKV, D),
                         help="query heads, KV heads, head dim (default 32 8 128)")
     parser.add_argument("--no-extend", action="store_true", help="skip verify/prefill")
+    parser.add_argument("--extend-cases", nargs="+", default=list(EXTEND_CASES), choices=list(EXTEND_CASES),
+                        metavar="CASE", help=f"verify/prefill cases (default: all of {list(EXTEND_CASES)})")
+    parser.add_argument("--extend-tiles", nargs="+", metavar="N,W,S[,KEY=VALUE...]",
+                        help="verify/prefill configurations to try instead of the grid, as for --tiles, e.g. "
+                             "128,8,2,BLOCK_Q=32,HEADS_INNER=1 (the heuristic's own choice is always timed)")
     parser.add_argument("--budget", type=float, default=540, help="seconds; later stages are skipped past it")
     parser.add_argument("--json", help="write all measurements here")
     opts = parser.parse_args()
@@ -243,20 +258,17 @@ def main():
 
     if not opts.no_extend and time.time() - t0 < opts.budget:
         print("\n=== bf16 verify / prefill: BLOCK_Q, BLOCK_N, num_warps, num_stages", flush=True)
-        extend_cases = {
-            "verify4 32x4096": ([4096] * 32, [4] * 32),
-            "verify8 32x4096": ([4096] * 32, [8] * 32),
-            "prefill 8x4096": ([4096] * 8, [4096] * 8),
-            "chunked 2048 on 46000": ([48048], [2048]),
-        }
-        for name, (kv_lens, q_lens) in extend_cases.items():
+        for name in opts.extend_cases:
+            kv_lens, q_lens = EXTEND_CASES[name]
             if time.time() - t0 > opts.budget:
                 print("budget spent: skipping the remaining extend cases")
                 break
             args = make_inputs(kv_lens, q_lens, PLAIN)
             runner = Runner(args, PLAIN)
             prefill = q_lens[0] > 16
-            if prefill:
+            if opts.extend_tiles:
+                space = [parse_tile(t) for t in opts.extend_tiles]
+            elif prefill:
                 space = [dict(BLOCK_Q=bq, BLOCK_N=n, num_warps=w, num_stages=s) for bq, n, w, s in
                          itertools.product((16, 32), (32, 64, 128), (4, 8), (2, 3))]
             else:
@@ -270,6 +282,8 @@ def main():
                 if us is not None:
                     results.append((us, cfg))
                     records.append(dict(stage="extend", case=name, config=cfg, us=us))
+                    if opts.extend_tiles:
+                        print(f"    {name:>22} {us:9.1f} us {cfg}", flush=True)
             if not results:
                 continue
             us, cfg = min(results, key=lambda x: x[0])
