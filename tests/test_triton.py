@@ -12,6 +12,7 @@ device memory of a call does not depend on the cache size).
 """
 from __future__ import annotations
 
+import itertools
 import os
 import random
 
@@ -172,6 +173,22 @@ def test_swapped_and_fp8_dots(kv_format, q_lens, config, options, q_dtype):
            config=dict(config, BLOCK_N=64))
     ref = paged_attention_reference(**args, scale=0.125, **options, compute_dtype=torch.float64)
     assert relative_error(out, ref) < TOLERANCE[q_dtype]
+
+
+def test_prefill_pipeline_depth_follows_shared_memory(monkeypatch):
+    """GPU tile choice, from device properties alone: 128-key prefill tiles of a 16-bit cache take 3 stages only
+    where a block may use 227 KB of shared memory (what the H200 measured), 2 elsewhere and for fp8 caches."""
+    from attnops.backends.triton import decode as tdecode
+    monkeypatch.setattr(tdecode, "_num_sms", lambda device: 132)
+    stages = {}
+    for shared, kv_format in itertools.product((232448, 166912), ("bf16", "fp8_e4m3")):
+        monkeypatch.setattr(tdecode, "_shared_memory_per_block", lambda device, shared=shared: shared)
+        tdecode.heuristic_config.cache_clear()
+        config = tdecode.heuristic_config(torch.device("cuda"), False, 8, 8 * 4096, 32, 8, 128, 16, 4096, kv_format)
+        assert (config["BLOCK_N"], config["BLOCK_Q"], config["num_warps"]) == (128, 32, 8)
+        stages[shared, kv_format] = config["num_stages"]
+    tdecode.heuristic_config.cache_clear()
+    assert stages == {(232448, "bf16"): 3, (232448, "fp8_e4m3"): 2, (166912, "bf16"): 2, (166912, "fp8_e4m3"): 2}
 
 
 def test_strided_metadata_and_out():

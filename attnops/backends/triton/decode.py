@@ -401,6 +401,13 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _shared_memory_per_block(device: torch.device) -> int:
+    """Bytes of shared memory a block may opt into (0 off the GPU, or where torch does not say)."""
+    if device.type != "cuda":
+        return 0
+    return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0)
+
+
 def dot_dtype(q_dtype: torch.dtype, kv_format: str) -> torch.dtype:
     """The dtype of tl.dot operands: fp32 for fp32 q (exact, input_precision="ieee"); fp16 for fp8 and nvfp4
     caches (their values fit fp16 exactly, fp16 keeps 3 more mantissa bits of q and P than bf16, and fp8 ->
@@ -436,9 +443,9 @@ def heuristic_config(device, decode: bool, batch: int, num_tokens: int, num_q_he
     target = (3 * sms) // 2 if decode_like else 4 * sms
     # Decode-like tiles: 128 keys up to D=128 (on the H200 every format's decode was fastest with 128, by 5% (bf16)
     # to 36% (nvfp4) over 64). Larger query tiles: about 16 KB of bf16 K, 64 keys at D=128 (registers), 128 at
-    # D<=64, 32 at D=256; but prefill tiles of 64+ rows at D=128 take 128 keys in 2 stages: 293 against 269
+    # D<=64, 32 at D=256; but prefill tiles of 64+ rows at D=128 take 128 keys (in 2 stages: 293 against 269
     # TFLOP/s on the H200's 8 x 4096 prefill, 306 against 275 for 2048 new tokens after 46,000
-    # (benchmarks/results/h200-prefill-probe.log). The interpreter keeps 64 so that CPU tests cover several tiles
+    # (benchmarks/results/h200-prefill-probe.log)). The interpreter keeps 64 so that CPU tests cover several tiles
     # and splits with short sequences.
     prefill_128 = device.type == "cuda" and not decode_like and block_m >= 64 and head_dim == 128
     if device.type != "cuda":
@@ -474,7 +481,13 @@ def heuristic_config(device, decode: bool, batch: int, num_tokens: int, num_q_he
         per_split = num_tokens * num_q_heads * head_dim * 4
         max_splits = max(1, min(max_splits, WORKSPACE_BYTES // per_split))
     num_warps = 8 if block_m >= 64 else 4
-    num_stages = 2 if head_dim >= 256 or (kv_format == "nvfp4" and decode_like) or prefill_128 else 3
+    # 128-key prefill tiles of a 16-bit cache pipeline 3 stages deep where a block may take 227 KB of shared
+    # memory (sm_90): 304 against 292 TFLOP/s on the H200's 8 x 4096 bf16 prefill, 324 against 305 for 2048 new
+    # tokens after 46,000 (benchmarks/results/h200-prefill-stages.log); 2 stages elsewhere (less shared memory)
+    deep_prefill = (prefill_128 and kv_format in ("bf16", "fp16")
+                    and _shared_memory_per_block(device) >= 227 * 1024)
+    num_stages = 2 if head_dim >= 256 or (kv_format == "nvfp4" and decode_like) or (
+        prefill_128 and not deep_prefill) else 3
     # fp8 decode tiles: capping registers at 168 (from 198) fits 3 programs per SM instead of 2, worth its
     # small spills: 356 against 380 us on the H200's 128 x 4096 (benchmarks/results/h200-tune-formats.log)
     maxnreg = 168 if formats.is_fp8(kv_format) and decode_like and device.type == "cuda" else None
