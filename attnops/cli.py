@@ -29,6 +29,14 @@ def info(args) -> None:
     for name, backend in BACKENDS.items():
         missing = backend.unavailable()
         print(f"  {name:<10} {'unavailable: ' + '; '.join(missing) if missing else 'ready'}  {backend.description}")
+    from .backends import flashinfer_replay
+    if not flashinfer_replay.built():
+        replay = "not in this build (build attnops with a CUDA torch after installing FlashInfer to get it)"
+    elif flashinfer_replay.enabled():
+        replay = "on"
+    else:
+        replay = "off (ATTNOPS_FLASHINFER_REPLAY=0, or tvm-ffi's library cannot be loaded)"
+    print(f"  a step's later FlashInfer calls replayed from C++: {replay}")
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     for device in devices:
         from .checks import device_arch

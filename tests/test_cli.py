@@ -2,6 +2,8 @@
 import subprocess
 import sys
 
+import torch
+
 
 def run(*args):
     result = subprocess.run([sys.executable, "-m", "attnops", *args], capture_output=True, text=True, timeout=300)
@@ -13,6 +15,10 @@ def test_info_lists_backends_and_choices():
     out = run("info")
     assert "backends:" in out and "reference" in out
     assert "nvfp4 decode" in out and "->" in out
+    replay = [line for line in out.splitlines() if "FlashInfer calls replayed from C++" in line]
+    assert len(replay) == 1
+    if not torch.cuda.is_available():  # a CPU torch never builds the C++ CUDA kernel
+        assert "not in this build" in replay[0]
 
 
 def test_demo_runs_a_decode_loop():
