@@ -89,8 +89,8 @@ def main(argv=None):
                 del os.environ["ATTNOPS_FLASHINFER_REPLAY"]
         backend = BACKENDS[name]
         if name == "flashinfer":
-            wrapper, _, _ = backend._plan(inputs["q"], inputs["k_cache"], inputs["block_table"], inputs["seq_lens"], None,
-                                    128 ** -0.5, 0.0, -1)
+            wrapper, _, _ = backend._plan(inputs["q"], inputs["k_cache"], inputs["block_table"], inputs["seq_lens"],
+                                          None, 128 ** -0.5, 0.0, -1)
             kv = (inputs["k_cache"], inputs["v_cache"])
             bare_us = per_call_us(lambda: wrapper.run(inputs["q"], kv, out=out))
             backend_us = per_call_us(lambda: backend.paged_attention(*kernel_args, **kernel_kwargs))

@@ -86,22 +86,19 @@ std::string env(const char* name) {
   return value == nullptr ? "" : value;
 }
 
+// A call's own q, k_cache, v_cache or out, as a kernel argument: CUDA tensors of a bf16/fp16 case (the only cases
+// Python arms; FlashInfer's own buffers travel as tvm-ffi objects).
 tvm::TensorArg tensor_arg(const at::Tensor& t) {
   tvm::TensorArg a;
   a.data = t.data_ptr();
-  a.device_type = t.is_cuda() ? 2 : 1;  // kDLCUDA, kDLCPU
-  a.device_id = t.is_cuda() ? t.get_device() : 0;
+  a.device_type = 2;  // kDLCUDA
+  a.device_id = t.get_device();
   a.ndim = static_cast<int32_t>(t.dim());
   a.shape = t.sizes().data();
   a.strides = t.strides().data();
   switch (t.scalar_type()) {
-    case at::kBFloat16: a.dtype_code = 4; a.dtype_bits = 16; break;
-    case at::kHalf: a.dtype_code = 2; a.dtype_bits = 16; break;
-    case at::kFloat: a.dtype_code = 2; a.dtype_bits = 32; break;
-    case at::kInt: a.dtype_code = 0; a.dtype_bits = 32; break;
-    case at::kLong: a.dtype_code = 0; a.dtype_bits = 64; break;
-    case at::kByte: a.dtype_code = 1; a.dtype_bits = 8; break;
-    case at::kChar: a.dtype_code = 0; a.dtype_bits = 8; break;
+    case at::kBFloat16: a.dtype_code = 4; a.dtype_bits = 16; break;  // kDLBfloat
+    case at::kHalf: a.dtype_code = 2; a.dtype_bits = 16; break;      // kDLFloat
     default: TORCH_CHECK(false, "attnops FlashInfer replay: unsupported tensor dtype ", t.scalar_type());
   }
   return a;
@@ -117,7 +114,6 @@ struct Entry {
   std::string kv_format;
   std::array<std::optional<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>>, 3> step;
   std::array<int64_t, 3> step_versions{};
-  std::array<bool, 3> step_defined{};
   std::thread::id thread;
   std::string env_backend, env_check;
 
@@ -146,7 +142,6 @@ struct Entry {
     kv_format = std::string(a.kv_format);
     const auto step_ = a.step_tensors();
     for (size_t i = 0; i < step_.size(); ++i) {
-      step_defined[i] = step_[i] != nullptr;
       if (step_[i] == nullptr) continue;
       step[i].emplace(step_[i]->getIntrusivePtr());
       step_versions[i] = version_of(*step_[i]);
@@ -167,7 +162,7 @@ struct Entry {
     }
     const auto step_ = a.step_tensors();
     for (size_t i = 0; i < step_.size(); ++i) {
-      if ((step_[i] != nullptr) != step_defined[i]) return false;
+      if ((step_[i] != nullptr) != step[i].has_value()) return false;
       if (step_[i] == nullptr) continue;
       // a weak reference keeps the TensorImpl's memory, so an equal address is the same live tensor
       if (step[i]->_unsafe_get_target() != step_[i]->unsafeGetTensorImpl() || version_of(*step_[i]) != step_versions[i]) {
