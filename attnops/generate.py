@@ -37,6 +37,17 @@ def default_buckets(max_batch: int) -> tuple[int, ...]:
     return tuple(sizes + [max_batch])
 
 
+def _decode_step_fn(model: torch.nn.Module, cache: PagedKVCache) -> Callable[..., torch.Tensor]:
+    """The decode step as a function of its tensor arguments only (what torch.compile and CUDA graphs take)."""
+
+    def step(token_ids, positions, block_table, seq_lens, slot_mapping):
+        meta = BatchMetadata(seq_ids=[], block_table=block_table, seq_lens=seq_lens, slot_mapping=slot_mapping,
+                             cu_seqlens_q=None)
+        return model(token_ids, positions, cache, meta)
+
+    return step
+
+
 class DecodeStep:
     """One decode step (one new token per sequence) at fixed shapes per batch-size bucket.
 
@@ -61,16 +72,16 @@ class DecodeStep:
                                 seq_lens=torch.zeros(n, dtype=torch.int32, device=device),
                                 slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=device))
                         for n in self.buckets}
+        # The step function closes over the model and the cache, not over self: a bound method or a lambda on self
+        # here would make a reference cycle, and a dropped DecodeStep would hold its model and KV cache (GPU
+        # memory, and under tensor parallelism the process group) until the cyclic garbage collector ran.
+        step_fn = _decode_step_fn(model, cache)
         # dynamic=False: each bucket is its own static-shape graph (what a CUDA graph per bucket needs), instead of
         # dynamo turning the batch dimension symbolic when it sees a second bucket.
         if compile:
             options = {"fullgraph": True, "dynamic": False, **(compile if isinstance(compile, dict) else {})}
-            self.step_fn = torch.compile(self._step, **options)
-        else:
-            self.step_fn = self._step
-        # The hook for CUDA graphs: a callable that replays bucket n's graph, captured over
-        # self.step_fn(**self.buffers[n]), and returns its static logits, may replace this.
-        self.launch: Callable[[int], torch.Tensor] = lambda n: self.step_fn(**self.buffers[n])
+            step_fn = torch.compile(step_fn, **options)
+        self.step_fn = step_fn
         # cuda_graphs=True: attnops.graphs.DecodeGraphRunner captures step_fn once per bucket (on first use) with
         # static inputs of its own, pads the batch itself and re-plans backends before each replay.
         self.graph_runner = None
@@ -78,10 +89,11 @@ class DecodeStep:
             from .graphs import DecodeGraphRunner
             self.graph_runner = DecodeGraphRunner(self.step_fn, cache, buckets=self.buckets, max_pages=max_pages)
 
-    def _step(self, token_ids, positions, block_table, seq_lens, slot_mapping):
-        meta = BatchMetadata(seq_ids=[], block_table=block_table, seq_lens=seq_lens, slot_mapping=slot_mapping,
-                             cu_seqlens_q=None)
-        return self.model(token_ids, positions, self.cache, meta)
+    def launch(self, n: int) -> torch.Tensor:
+        """Runs bucket n's step over self.buffers[n] and returns its logits [n, vocab]. The hook for CUDA graphs:
+        an instance attribute `launch`, a callable that replays bucket n's graph captured over
+        self.step_fn(**self.buffers[n]) and returns its static logits, may replace this method."""
+        return self.step_fn(**self.buffers[n])
 
     def bucket_for(self, batch: int) -> int:
         for n in self.buckets:

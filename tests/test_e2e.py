@@ -249,6 +249,27 @@ def test_compiled_decode_no_graph_break_no_recompile_tokens_equal_eager(checkpoi
 
 
 @torch.no_grad()
+def test_a_dropped_generator_frees_model_and_cache_at_once(checkpoint):
+    """No reference cycle through the Generator or its DecodeStep: the last reference gone, the model and the KV
+    cache go with it, without waiting for the cyclic collector. (A cycle kept a tensor-parallel model's process
+    group alive past destroy_process_group, and gloo aborted when the collector finally ran at exit.)"""
+    import gc
+    import weakref
+    path, _ = checkpoint
+    model = LlamaForCausalLM.from_pretrained(path)
+    gc.collect()
+    gc.disable()
+    try:
+        out = {}
+        serve(model, SCHEDULE[:3], out=out)
+        alive = [weakref.ref(model), weakref.ref(out["generator"].cache), weakref.ref(out["generator"])]
+        del model, out
+        assert [r() is not None for r in alive] == [False, False, False], "model, cache, generator still alive"
+    finally:
+        gc.enable()
+
+
+@torch.no_grad()
 def test_default_backend_and_reference_give_the_same_tokens(checkpoint):
     path, _ = checkpoint
     case = dict(device="cpu", q_dtype=torch.float32, kv_format="fp32", head_dim=TINY["head_dim"],

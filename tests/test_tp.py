@@ -48,6 +48,7 @@ def rank_main(rank, world, port, path):
         tokens = generate(shard(full_model(), rank, world), CONFIG.num_key_value_heads // world)
         if rank == 0:
             torch.save(tokens, path)
+        dist.barrier()  # no rank tears the group down while another still has collectives in flight
     finally:
         dist.destroy_process_group()
 
