@@ -4,6 +4,8 @@
                                                              # plus verify and prefill (bf16); ~8 minutes; --budget stops it in time
     python benchmarks/triton_tuning.py --quick               # fewer tile configurations
     python benchmarks/triton_tuning.py --formats bf16 fp8_e4m3 --cases 1x32768 128x4096 --json tune.json
+    python benchmarks/triton_tuning.py --compare FUSED_MERGE=1 # A/B: the heuristic with and without a tunable set,
+                                                             # every format and case, no sweep
 
 Stages (compiles are the expensive part, so constexpr tunables are searched on few cases, runtime ones on all):
 1. per format, tile configurations (BLOCK_N, num_warps, num_stages; WGMMA, the swapped wgmma-shaped dots, for
@@ -122,16 +124,47 @@ class Runner:
             return None
 
 
+def parse_overrides(items, option):
+    """['KEY=VALUE', ...] -> {KEY: int(VALUE)}, KEYs from the kernel's CONFIG_KEYS."""
+    config = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        if key not in tdecode.CONFIG_KEYS:
+            raise SystemExit(f"{option}: unknown tunable {key!r}; known: {tdecode.CONFIG_KEYS}")
+        config[key] = int(value)
+    return config
+
+
 def parse_tile(text):
     """'N,W,S[,KEY=VALUE...]' -> a config dict (values as ints)."""
     n, w, st, *extra = text.split(",")
-    tile = dict(BLOCK_N=int(n), num_warps=int(w), num_stages=int(st))
-    for item in extra:
-        key, _, value = item.partition("=")
-        if key not in tdecode.CONFIG_KEYS:
-            raise SystemExit(f"--tiles: unknown tunable {key!r}; known: {tdecode.CONFIG_KEYS}")
-        tile[key] = int(value)
-    return tile
+    return dict(BLOCK_N=int(n), num_warps=int(w), num_stages=int(st), **parse_overrides(extra, "--tiles"))
+
+
+def compare(opts, overrides, records, t0):
+    """--compare: per format and case, the heuristic's configuration (A) against it with `overrides` (B), timed
+    alternately (A B A B A B) so that clock drift hits both; prints the medians and B's speed-up."""
+    print(f"=== the heuristic (A) against the heuristic with {overrides} (B): CUDA-graph medians", flush=True)
+    cases = [(name, DECODE_CASES[name], None, fmt) for fmt in opts.formats for name in opts.cases]
+    if not opts.no_extend:
+        cases += [(name, *EXTEND_CASES[name], PLAIN) for name in opts.extend_cases]
+    for name, kv_lens, q_lens, fmt in cases:
+        if time.time() - t0 > opts.budget:
+            print("budget spent: skipping the remaining cases")
+            break
+        runner = Runner(make_inputs(kv_lens, q_lens, fmt), fmt)
+        a, b = [], []
+        for _ in range(3):
+            a.append(runner.time(None))
+            b.append(runner.time(overrides))
+        if None in a or None in b:
+            print(f"  {name:>22} {fmt:>9}: failed (A {a}, B {b})", flush=True)
+            continue
+        a_us, b_us = sorted(a)[1], sorted(b)[1]
+        print(f"  {name:>22} {fmt:>9}: A {a_us:9.1f} us  B {b_us:9.1f} us  B is x{a_us / b_us:.3f}", flush=True)
+        records.append(dict(stage="compare", case=name, fmt=fmt, overrides=overrides, a_us=a, b_us=b))
+        del runner
+        torch.cuda.empty_cache()
 
 
 def format_variants(fmt, tiles):
@@ -180,15 +213,25 @@ def main():
     parser.add_argument("--extend-tiles", nargs="+", metavar="N,W,S[,KEY=VALUE...]",
                         help="verify/prefill configurations to try instead of the grid, as for --tiles, e.g. "
                              "128,8,2,BLOCK_Q=32,HEADS_INNER=1 (the heuristic's own choice is always timed)")
+    parser.add_argument("--compare", nargs="+", metavar="KEY=VALUE",
+                        help="no sweep: per format and case (and verify/prefill unless --no-extend), the heuristic "
+                             "against the heuristic with these tunables set, e.g. FUSED_MERGE=1")
     parser.add_argument("--budget", type=float, default=540, help="seconds; later stages are skipped past it")
     parser.add_argument("--json", help="write all measurements here")
     opts = parser.parse_args()
+    overrides = parse_overrides(opts.compare, "--compare") if opts.compare else None
     assert torch.cuda.is_available(), "the tuning script runs on a GPU"
     HQ, HKV, D = opts.shape
     t0 = time.time()
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     records = []
     best_rows = []
+    if overrides:
+        compare(opts, overrides, records, t0)
+        if opts.json:
+            Path(opts.json).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), records=records), indent=1,
+                                                   default=str))
+        return
 
     if opts.tiles:
         tiles = [parse_tile(t) for t in opts.tiles]

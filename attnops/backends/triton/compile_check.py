@@ -96,6 +96,11 @@ def attention_variants(quick: bool):
         yield dict(fmt="bf16", q_dtype="bf16", decode=decode, head_dim=128, group=4, page=16,
                    block_q=1 if decode else 4, block_n=64, warps=4, window=not decode, soft_cap=False,
                    fp8_asm=False, scale_bcast=False, wgmma=True, heads_inner=decode)
+    # the merge fused into the last split (an atomic arrival count, then .cg loads of the partials)
+    for fmt, decode in (("bf16", True), ("nvfp4", True), ("fp8_e4m3", False)):
+        yield dict(fmt=fmt, q_dtype="bf16", decode=decode, head_dim=128, group=4, page=16,
+                   block_q=1 if decode else 4, block_n=64, warps=4, window=False, soft_cap=False,
+                   fp8_asm=False, scale_bcast=True, heads_inner=decode, fused_merge=True)
     # fp32 q (ieee dots), MQA with 16 heads a group
     yield dict(fmt="fp32", q_dtype="fp32", decode=True, head_dim=64, group=16, page=1, block_q=1, block_n=64,
                warps=4, window=True, soft_cap=False, fp8_asm=False, scale_bcast=False)
@@ -111,7 +116,7 @@ def compile_attention(v, target):
     qp = "*" + {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}[v["q_dtype"]]
     types = dict(q_ptr=qp, k_ptr=PTR[v["fmt"]], v_ptr=PTR[v["fmt"]], ks_ptr=scale_ptr, vs_ptr=scale_ptr,
                  bt_ptr="*i32", seq_lens_ptr="*i32", cu_ptr="*i32", out_ptr=qp, part_out_ptr="*fp32",
-                 part_lse_ptr="*fp32")
+                 part_lse_ptr="*fp32", arrivals_ptr="*i32")
     block_m = max(16, triton.next_power_of_2(v["block_q"] * v["group"]))
     constexprs = dict(NUM_Q_HEADS=8 * v["group"], HEAD_DIM=v["head_dim"], PAGE=v["page"], GROUP=v["group"],
                       BLOCK_Q=v["block_q"], BLOCK_M=block_m, BLOCK_N=v["block_n"], FMT=FMT_CODE[v["fmt"]],
@@ -119,7 +124,8 @@ def compile_attention(v, target):
                       DOT_PRECISION="ieee" if ddt == tl.float32 else "tf32", FP8_ASM=v["fp8_asm"],
                       FP8_DTYPE=tl.float8e4nv if v["fmt"] == "fp8_e4m3" else tl.float8e5,
                       SCALE_BCAST=v["scale_bcast"], FP4_ASM=v.get("fp4_asm", False), FP8_DOT=v.get("fp8_dot", False),
-                      WGMMA=v.get("wgmma", False), SOFT_FP8=False, HEADS_INNER=v.get("heads_inner", False))
+                      WGMMA=v.get("wgmma", False), SOFT_FP8=False, HEADS_INNER=v.get("heads_inner", False),
+                      FUSED_MERGE=v.get("fused_merge", False))
     stages = 2 if v["head_dim"] >= 256 else 3
     compiled = compile_one(paged_attention_kernel, types, constexprs, target, v["warps"], stages)
     merge = compile_one(merge_splits_kernel, dict(out_ptr=qp, part_out_ptr="*fp32", part_lse_ptr="*fp32",
