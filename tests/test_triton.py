@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import os
 import random
+import warnings
 
 import pytest
 import torch
@@ -210,11 +211,54 @@ def test_prefill_pipeline_depth_follows_shared_memory(monkeypatch):
     for shared, kv_format in itertools.product((232448, 166912), ("bf16", "fp8_e4m3")):
         monkeypatch.setattr(tdecode, "_shared_memory_per_block", lambda device, shared=shared: shared)
         tdecode.heuristic_config.cache_clear()
-        config = tdecode.heuristic_config(torch.device("cuda"), False, 8, 8 * 4096, 32, 8, 128, 16, 4096, kv_format)
+        config = tdecode.heuristic_config(torch.device("cuda"), False, 8, 8 * 4096, 32, 8, 128, 16, 4096, kv_format,
+                                          torch.bfloat16)
         assert (config["BLOCK_N"], config["BLOCK_Q"], config["num_warps"]) == (128, 32, 8)
         stages[shared, kv_format] = config["num_stages"]
+        # fp32 q (fp32 dots): 128 x 128 tiles take 256+ KB of shared memory at any depth; 64-key tiles
+        config = tdecode.heuristic_config(torch.device("cuda"), False, 8, 8 * 4096, 32, 8, 128, 16, 4096, kv_format,
+                                          torch.float32)
+        assert config["BLOCK_N"] == 64
     tdecode.heuristic_config.cache_clear()
     assert stages == {(232448, "bf16"): 3, (232448, "fp8_e4m3"): 2, (166912, "bf16"): 2, (166912, "fp8_e4m3"): 2}
+
+
+def test_a_tile_too_large_for_the_gpu_steps_down(monkeypatch):
+    """A tile that does not fit the GPU (Triton raises OutOfResources when it loads the kernel, before anything
+    runs, as on GPUs with less shared memory than the heuristic was measured on) is stepped down (stages, then
+    keys per tile) with a warning, the answer is right, and the shape's cached choice keeps the tile that fit.
+    The limit is simulated around the real kernel: here a tile needs BLOCK_N x num_stages <= 64."""
+    from triton.runtime.errors import OutOfResources
+    from attnops.backends.triton import decode as tdecode
+    kernel = tdecode.paged_attention_kernel
+    tried = []
+
+    class LimitedKernel:
+        def __getitem__(self, grid):
+            def run(*args, BLOCK_N, num_stages, **kwargs):
+                tried.append((BLOCK_N, num_stages))
+                if BLOCK_N * num_stages > 64:
+                    raise OutOfResources(BLOCK_N * num_stages * 1024, 64 * 1024, "shared memory")
+                return kernel[grid](*args, BLOCK_N=BLOCK_N, num_stages=num_stages, **kwargs)
+            return run
+
+    monkeypatch.setattr(tdecode, "paged_attention_kernel", LimitedKernel())
+    tdecode.heuristic_config.cache_clear()
+    args = random_paged_inputs([300, 0, 77], [9, 0, 4], device=DEVICE, seed=4)
+    for call in range(2):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = run_triton_attention(args)
+        messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+        if call == 0:  # one warning, saying from what to what
+            assert len(messages) == 1 and "64 keys in 3 stages" in messages[0] and "32 keys in 2 stages" in \
+                messages[0], messages
+        else:
+            assert not messages, messages
+        assert relative_error(out, paged_attention_reference(**args, compute_dtype=torch.float64)) < 1e-5
+    # the interpreter's tile (64 keys, 3 stages), then 2 stages, then 32 keys; the second call starts there
+    assert tried == [(64, 3), (64, 2), (32, 2), (32, 2)]
+    tdecode.heuristic_config.cache_clear()
 
 
 def test_strided_metadata_and_out():

@@ -4,6 +4,7 @@ for the Triton version installed.
 
     python -m attnops.backends.triton.compile_check            # sm_90 (H200), every format, decode and extend
     python -m attnops.backends.triton.compile_check --arch 89 --quick
+    python -m attnops.backends.triton.compile_check --heuristic   # the heuristic's own choices fit sm_90's 227 KB
 
 Each variant goes through Triton's full pipeline (TTIR -> TTGIR -> LLVM -> PTX -> cubin with ptxas), so a variant
 that compiles here loads on that GPU; what it cannot check is the numbers (tests/test_triton.py on the GPU does).
@@ -51,14 +52,15 @@ def signature(fn, types: dict, constexprs: dict) -> dict:
 NOT_DIVISIBLE = ("num_seqs", "window_left", "MAX_SPLITS", "CHUNK")  # do_not_specialize in the kernels
 
 
-def compile_one(fn, types, constexprs, target, num_warps, num_stages):
+def compile_one(fn, types, constexprs, target, num_warps, num_stages, maxnreg=None):
     sig = signature(fn, types, constexprs)
     # what the JIT sees at run time: 16-byte aligned pointers and strides divisible by 16 (the usual cache, q and
     # table layouts); without it loads stay scalar and the loop is not pipelined, unlike the real launch
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
              if sig[name].startswith("*") or (sig[name] == "i32" and name not in NOT_DIVISIBLE)}
     src = ASTSource(fn, sig, constexprs, attrs)
-    return triton.compile(src, target=target, options=dict(num_warps=num_warps, num_stages=num_stages))
+    options = dict(num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}))
+    return triton.compile(src, target=target, options=options)
 
 
 def attention_variants(quick: bool):
@@ -106,17 +108,66 @@ def attention_variants(quick: bool):
                warps=4, window=True, soft_cap=False, fp8_asm=False, scale_bcast=False)
 
 
+def attention_types(fmt: str, q_dtype: str) -> dict:
+    """Pointer types of the attention kernel's tensors, as launch() passes them (fp8 caches as bytes)."""
+    scale_ptr = {"nvfp4": "*u8", "mxfp4": "*u8", "fp8_e4m3": "*fp32", "fp8_e5m2": "*fp32"}.get(fmt, PTR[fmt])
+    qp = "*" + q_dtype
+    return dict(q_ptr=qp, k_ptr=PTR[fmt], v_ptr=PTR[fmt], ks_ptr=scale_ptr, vs_ptr=scale_ptr, bt_ptr="*i32",
+                seq_lens_ptr="*i32", cu_ptr="*i32", out_ptr=qp, part_out_ptr="*fp32", part_lse_ptr="*fp32",
+                arrivals_ptr="*i32")
+
+
+# The shapes whose heuristic choices --heuristic compiles: (name, decode, batch, tokens per sequence, capacity)
+HEURISTIC_SHAPES = [("decode 128 x 4096", True, 128, 1, 4096), ("decode 1 x 32768", True, 1, 1, 32768),
+                    ("verify 32 x 4 on 4096", False, 32, 4, 4096), ("verify 32 x 16 on 4096", False, 32, 16, 4096),
+                    ("chunk 4 x 300 on 8192", False, 4, 300, 8192), ("prefill 8 x 4096", False, 8, 4096, 4096)]
+
+
+def heuristic_configurations(sms: int, shared_per_block: int, quick: bool):
+    """(label, q dtype, format, constexprs, options): the heuristic's own choice for every format, q dtype, head
+    dim, GQA group and HEURISTIC_SHAPES case on a GPU of `sms` SMs whose blocks may take `shared_per_block` bytes
+    of shared memory, each distinct compilation once."""
+    import torch
+    from . import decode
+    decode._num_sms.cache_clear()
+    decode.heuristic_config.cache_clear()
+    saved = decode._num_sms, decode._shared_memory_per_block
+    decode._num_sms = lambda device: sms
+    decode._shared_memory_per_block = lambda device: shared_per_block
+    torch_dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    seen = set()
+    try:
+        fmts = ["bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "nvfp4", "mxfp4"]
+        for fmt, q_dtype, head_dim, group, (name, is_decode, batch, q_len, capacity) in itertools.product(
+                fmts if not quick else ["bf16", "fp8_e4m3", "nvfp4"], ["bf16", "fp16", "fp32"],
+                (64, 128, 256) if not quick else (128,), (1, 4, 16) if not quick else (4,), HEURISTIC_SHAPES):
+            num_kv_heads = 8 if group < 16 else 2
+            cfg = decode.heuristic_config(torch.device("cuda"), is_decode, batch, batch * q_len,
+                                          num_kv_heads * group, num_kv_heads, head_dim, 16, capacity, fmt,
+                                          torch_dtypes[q_dtype])
+            constexprs, options = decode.kernel_constexprs(
+                cfg, q_dtype=torch_dtypes[q_dtype], kv_format=fmt, decode=is_decode,
+                num_q_heads=num_kv_heads * group, head_dim=head_dim, group=group, page_size=16, window=False,
+                soft_cap=False, on_gpu=True)
+            key = (fmt, q_dtype, tuple(sorted((k, str(v)) for k, v in constexprs.items())),
+                   tuple(sorted(options.items())))
+            if key not in seen:
+                seen.add(key)
+                yield f"{name}, {fmt} cache, {q_dtype} q, D={head_dim}, group {group}", q_dtype, fmt, constexprs, \
+                    options
+    finally:
+        decode._num_sms, decode._shared_memory_per_block = saved
+        decode.heuristic_config.cache_clear()
+
+
 def compile_attention(v, target):
     from .decode import dot_dtype
     import torch
     torch_q = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[v["q_dtype"]]
     ddt = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[
         dot_dtype(torch_q, v["fmt"])]
-    scale_ptr = {"nvfp4": "*u8", "mxfp4": "*u8", "fp8_e4m3": "*fp32", "fp8_e5m2": "*fp32"}.get(v["fmt"], PTR[v["fmt"]])
-    qp = "*" + {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}[v["q_dtype"]]
-    types = dict(q_ptr=qp, k_ptr=PTR[v["fmt"]], v_ptr=PTR[v["fmt"]], ks_ptr=scale_ptr, vs_ptr=scale_ptr,
-                 bt_ptr="*i32", seq_lens_ptr="*i32", cu_ptr="*i32", out_ptr=qp, part_out_ptr="*fp32",
-                 part_lse_ptr="*fp32", arrivals_ptr="*i32")
+    qp = "*" + v["q_dtype"]
+    types = attention_types(v["fmt"], v["q_dtype"])
     block_m = max(16, triton.next_power_of_2(v["block_q"] * v["group"]))
     constexprs = dict(NUM_Q_HEADS=8 * v["group"], HEAD_DIM=v["head_dim"], PAGE=v["page"], GROUP=v["group"],
                       BLOCK_Q=v["block_q"], BLOCK_M=block_m, BLOCK_N=v["block_n"], FMT=FMT_CODE[v["fmt"]],
@@ -147,15 +198,59 @@ def compile_cache_write(fmt, src, head_dim, target):
     return compile_one(reshape_and_cache_kernel, types, constexprs, target, 2, 1)
 
 
+def check_heuristic(target, sms: int, shared_per_block: int, quick: bool) -> int:
+    """Compiles every distinct heuristic choice. A choice that does not fit the target's shared memory is stepped
+    down the way launch() does at run time (decode.smaller_tile) until one fits: "STEP" rows (the GPU would warn
+    once and run the smaller tile), "FAIL" rows where nothing fits or nothing compiles. Returns the FAIL count."""
+    from .decode import smaller_tile
+    failures = steps = 0
+    for label, q_dtype, fmt, constexprs, options in heuristic_configurations(sms, shared_per_block, quick):
+        tried = []
+        try:
+            while True:
+                compiled = compile_one(paged_attention_kernel, attention_types(fmt, q_dtype), constexprs, target,
+                                       **options)
+                tried.append(f"BLOCK_N {constexprs['BLOCK_N']}, {options['num_stages']} stages: "
+                             f"{compiled.metadata.shared} B")
+                if compiled.metadata.shared <= shared_per_block:
+                    break
+                smaller = smaller_tile(dict(BLOCK_N=constexprs["BLOCK_N"], num_stages=options["num_stages"]))
+                if smaller is None:
+                    raise RuntimeError("no tile fits")
+                constexprs = dict(constexprs, BLOCK_N=smaller["BLOCK_N"])
+                options = dict(options, num_stages=smaller["num_stages"])
+            status = "ok  " if len(tried) == 1 else "STEP"
+            steps += len(tried) > 1
+        except Exception as e:
+            failures += 1
+            status = f"FAIL ({type(e).__name__}: {str(e)[:300]})"
+        print(f"{status} {label}, BLOCK_Q {constexprs['BLOCK_Q']}, {options['num_warps']} warps"
+              f"{', maxnreg ' + str(options['maxnreg']) if 'maxnreg' in options else ''}: " + " -> ".join(tried),
+              flush=True)
+    print(f"{steps} choices stepped down to fit {shared_per_block} B")
+    return failures
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--heuristic", action="store_true",
+                        help="compile the heuristic's own choices (every format, q dtype, head dim, group, and the "
+                             "shapes of HEURISTIC_SHAPES) and check that each fits the target's shared memory, or "
+                             "that a smaller tile launch() would step down to does")
+    parser.add_argument("--sms", type=int, default=132, help="--heuristic: the target's SMs (132: H100/H200)")
+    parser.add_argument("--shared", type=int, default=232448,
+                        help="--heuristic: bytes of shared memory a block may take (232448, 227 KB: sm_90)")
     opts = parser.parse_args()
     target = GPUTarget("cuda", opts.arch, 32)
     print(f"triton {triton.__version__}, target sm_{opts.arch}")
     failures = 0
     t0 = time.time()
+    if opts.heuristic:
+        failures = check_heuristic(target, opts.sms, opts.shared, opts.quick)
+        print(f"{failures} failures, {time.time() - t0:.0f} s")
+        sys.exit(1 if failures else 0)
     for v in attention_variants(opts.quick):
         try:
             compiled, _ = compile_attention(v, target)

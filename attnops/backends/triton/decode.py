@@ -22,10 +22,12 @@ The multi-token (cu_seqlens_q) form shares this kernel (IS_DECODE=False); its ho
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from ... import formats
 from . import interpreting
@@ -459,10 +461,10 @@ def dot_dtype(q_dtype: torch.dtype, kv_format: str) -> torch.dtype:
 
 @functools.lru_cache(maxsize=4096)
 def heuristic_config(device, decode: bool, batch: int, num_tokens: int, num_q_heads: int, num_kv_heads: int,
-                     head_dim: int, page_size: int, capacity: int, kv_format: str) -> dict:
-    """Tunables from shapes only (cached per shape). The number of splits a sequence actually gets is decided
-    on the device (common.kv_plan); here: CHUNK (keys per program), MAX_SPLITS (grid size, workspace) and
-    tile sizes."""
+                     head_dim: int, page_size: int, capacity: int, kv_format: str, q_dtype: torch.dtype) -> dict:
+    """Tunables from shapes and dtypes only (cached per shape). The number of splits a sequence actually gets is
+    decided on the device (common.kv_plan); here: CHUNK (keys per program), MAX_SPLITS (grid size, workspace)
+    and tile sizes."""
     group = num_q_heads // num_kv_heads
     sms = _num_sms(device)
     if decode:
@@ -484,7 +486,10 @@ def heuristic_config(device, decode: bool, batch: int, num_tokens: int, num_q_he
     # TFLOP/s on the H200's 8 x 4096 prefill, 306 against 275 for 2048 new tokens after 46,000
     # (benchmarks/results/h200-prefill-probe.log)). The interpreter keeps 64 so that CPU tests cover several tiles
     # and splits with short sequences.
-    prefill_128 = device.type == "cuda" and not decode_like and block_m >= 64 and head_dim == 128
+    # (16-bit dots only: fp32 q's fp32 dots at 128 x 128 take 256+ KB of shared memory, more than sm_90's 227 KB,
+    # at 2 stages as at 3: `python -m attnops.backends.triton.compile_check --heuristic`)
+    prefill_128 = (device.type == "cuda" and not decode_like and block_m >= 64 and head_dim == 128
+                   and dot_dtype(q_dtype, kv_format) != torch.float32)
     if device.type != "cuda":
         block_n = 32 if head_dim >= 256 else 64
     elif decode_like and head_dim <= 128 or prefill_128:
@@ -541,6 +546,46 @@ def heuristic_config(device, decode: bool, batch: int, num_tokens: int, num_q_he
                 WGMMA=False, maxnreg=maxnreg, HEADS_INNER=decode_like, FUSED_MERGE=False)
 
 
+def smaller_tile(cfg: dict) -> dict | None:
+    """The configuration to try when `cfg`'s tile does not fit the GPU: one pipeline stage fewer down to 2, then
+    half the keys per tile down to 16, then 1 stage; None past that. (The split plan needs no change: the device
+    rounds splits to BLOCK_N multiples.)"""
+    if cfg["num_stages"] > 2:
+        return dict(cfg, num_stages=cfg["num_stages"] - 1)
+    if cfg["BLOCK_N"] > 16:
+        return dict(cfg, BLOCK_N=cfg["BLOCK_N"] // 2)
+    if cfg["num_stages"] > 1:
+        return dict(cfg, num_stages=1)
+    return None
+
+
+def kernel_constexprs(cfg: dict, *, q_dtype: torch.dtype, kv_format: str, decode: bool, num_q_heads: int,
+                      head_dim: int, group: int, page_size: int, window: bool, soft_cap: bool,
+                      on_gpu: bool) -> tuple[dict, dict]:
+    """The attention kernel's constexpr arguments and compiler options (num_warps, num_stages, maxnreg) for a
+    configuration: the one place that turns tunables into what Triton compiles, for launch() and for
+    compile_check (which compiles the heuristic's choices for a GPU target without one). Tunables that do not
+    apply to the format, q dtype or machine are switched off here. on_gpu: compiled for a GPU (not the
+    interpreter): inline PTX and register caps apply."""
+    ddt = dot_dtype(q_dtype, kv_format)
+    constexprs = dict(
+        NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, PAGE=page_size, GROUP=group, BLOCK_Q=cfg["BLOCK_Q"],
+        BLOCK_M=max(16, triton.next_power_of_2(cfg["BLOCK_Q"] * group)), BLOCK_N=cfg["BLOCK_N"],
+        FMT=FMT_CODE[kv_format], IS_DECODE=decode, HAS_WINDOW=window, HAS_SOFTCAP=soft_cap,
+        DOT_DTYPE=_TL_DTYPE[ddt], DOT_PRECISION="ieee" if ddt == torch.float32 else "tf32",
+        FP8_ASM=bool(cfg["FP8_ASM"]) and kv_format == "fp8_e4m3" and ddt == torch.float16 and on_gpu,
+        FP8_DTYPE=tl.float8e4nv if kv_format == "fp8_e4m3" else tl.float8e5,
+        SCALE_BCAST=bool(cfg["SCALE_BCAST"]) and formats.is_fp4(kv_format),
+        FP4_ASM=bool(cfg["FP4_ASM"]) and kv_format == "nvfp4" and ddt == torch.float16 and on_gpu,
+        FP8_DOT=bool(cfg["FP8_DOT"]) and kv_format == "fp8_e4m3" and q_dtype != torch.float32,
+        WGMMA=bool(cfg["WGMMA"]) and ddt != torch.float32, SOFT_FP8=not on_gpu,
+        HEADS_INNER=bool(cfg["HEADS_INNER"]), FUSED_MERGE=bool(cfg["FUSED_MERGE"]) and cfg["MAX_SPLITS"] > 1)
+    options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if cfg["maxnreg"] and on_gpu:  # a register cap: more resident programs per SM at the price of spills
+        options["maxnreg"] = cfg["maxnreg"]
+    return constexprs, options
+
+
 def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, soft_cap, window_left, kv_format,
            k_scale, v_scale, out, config=None):
     """Runs paged attention (decode when cu_seqlens_q is None) into `out`. Inputs are validated by the op."""
@@ -552,8 +597,9 @@ def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, s
     capacity = block_table.shape[1] * page_size
     if num_tokens == 0 or batch == 0:
         return
-    cfg = dict(heuristic_config(q.device, decode, batch, num_tokens, num_q_heads, num_kv_heads, head_dim,
-                                page_size, capacity, kv_format))
+    chosen = heuristic_config(q.device, decode, batch, num_tokens, num_q_heads, num_kv_heads, head_dim, page_size,
+                              capacity, kv_format, q.dtype)
+    cfg = dict(chosen)
     if config:
         cfg.update({k: v for k, v in config.items() if v is not None})
     # the kernels index these with unit inner strides (always so from the usual callers; copies are tiny)
@@ -570,14 +616,9 @@ def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, s
                config=config)
         out.copy_(result)
         return
-    block_q, block_n = cfg["BLOCK_Q"], cfg["BLOCK_N"]
-    block_m = max(16, triton.next_power_of_2(block_q * group))
+    block_q = cfg["BLOCK_Q"]
     max_splits, chunk = cfg["MAX_SPLITS"], cfg["CHUNK"]
-    assert block_n >= 16 and chunk >= 1  # split lengths are rounded up to BLOCK_N multiples on the device
-
-    fmt = FMT_CODE[kv_format]  # a plain int for the kernel's FMT
-    ddt = dot_dtype(q.dtype, kv_format)
-    fp8_asm = bool(cfg["FP8_ASM"]) and kv_format == "fp8_e4m3" and ddt == torch.float16 and q.is_cuda
+    assert cfg["BLOCK_N"] >= 16 and chunk >= 1  # split lengths are rounded up to BLOCK_N multiples on the device
     # scales: per tensor -> stride 0 (every head reads element 0); per head -> stride 1; 4-bit: paged strides
     if formats.is_fp8(kv_format):
         ks_strides = (0, 0, 0 if k_scale.numel() == 1 else k_scale.stride(0))
@@ -589,13 +630,16 @@ def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, s
         k_scale = v_scale = k_cache  # unused placeholders (the kernel never reads them)
         ks_strides = vs_strides = (0, 0, 0)
 
-    fp8_dtype = tl.float8e4nv if kv_format == "fp8_e4m3" else tl.float8e5
     if formats.is_fp8(kv_format):  # read fp8 as bytes (masked lanes load 0) and reinterpret in registers
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
 
     cu = seq_lens if decode else cu_seqlens_q
     num_q_blocks = batch if decode else num_tokens // block_q + batch
-    fused_merge = bool(cfg["FUSED_MERGE"]) and max_splits > 1
+    shape = dict(q_dtype=q.dtype, kv_format=kv_format, decode=decode, num_q_heads=num_q_heads, head_dim=head_dim,
+                 group=group, page_size=page_size, window=window_left >= 0, soft_cap=soft_cap > 0,
+                 on_gpu=q.is_cuda and not interpreting())
+    constexprs, options = kernel_constexprs(cfg, **shape)
+    fused_merge = constexprs["FUSED_MERGE"]
     if max_splits > 1:
         # one allocation for all (host time per call matters for short decode steps): partial outputs
         # [T, Hq, MAX_SPLITS, D], their LSEs [T, Hq, MAX_SPLITS], and with FUSED_MERGE an int32 arrival counter
@@ -609,30 +653,36 @@ def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, s
             arrivals.zero_()
     else:
         part_out = part_lse = arrivals = out  # unused: every program writes `out` directly
-    heads_inner = bool(cfg["HEADS_INNER"])
+    heads_inner = constexprs["HEADS_INNER"]
     grid = (num_q_blocks * num_kv_heads, 1, max_splits) if heads_inner else (num_q_blocks, num_kv_heads, max_splits)
-    paged_attention_kernel[grid](
-        q, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens, cu, out, part_out, part_lse, arrivals,
-        batch, float(scale), float(soft_cap), int(window_left), max_splits, chunk,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        *ks_strides, *vs_strides,
-        block_table.stride(0), out.stride(0), out.stride(1),
-        NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, PAGE=page_size, GROUP=group, BLOCK_Q=block_q,
-        BLOCK_M=block_m, BLOCK_N=block_n, FMT=fmt, IS_DECODE=decode, HAS_WINDOW=window_left >= 0,
-        HAS_SOFTCAP=soft_cap > 0, DOT_DTYPE=_TL_DTYPE[ddt],
-        DOT_PRECISION="ieee" if ddt == torch.float32 else "tf32", FP8_ASM=fp8_asm,
-        FP8_DTYPE=fp8_dtype, SCALE_BCAST=bool(cfg["SCALE_BCAST"]) and formats.is_fp4(kv_format),
-        FP4_ASM=bool(cfg["FP4_ASM"]) and kv_format == "nvfp4" and ddt == torch.float16 and q.is_cuda,
-        FP8_DOT=bool(cfg["FP8_DOT"]) and kv_format == "fp8_e4m3" and q.dtype != torch.float32,
-        WGMMA=bool(cfg["WGMMA"]) and ddt != torch.float32,
-        SOFT_FP8=not q.is_cuda or interpreting(), HEADS_INNER=heads_inner, FUSED_MERGE=fused_merge,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        # a register cap (GPU compiler option): more resident programs per SM at the price of spills
-        **(dict(maxnreg=cfg["maxnreg"]) if cfg["maxnreg"] and q.is_cuda else {}))
+    first_tile, error = (cfg["BLOCK_N"], cfg["num_stages"]), None
+    while True:
+        try:
+            paged_attention_kernel[grid](
+                q, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens, cu, out, part_out, part_lse, arrivals,
+                batch, float(scale), float(soft_cap), int(window_left), max_splits, chunk,
+                q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                *ks_strides, *vs_strides,
+                block_table.stride(0), out.stride(0), out.stride(1), **constexprs, **options)
+            break
+        except OutOfResources as e:
+            # Raised when the compiled kernel is loaded, before anything runs: the tile needs more shared
+            # memory (or registers) than this GPU has, as on GPUs the heuristic was not measured on. Step down
+            # and remember the step in the heuristic's cached choice, so later calls of the shape start there.
+            error, cfg = e, smaller_tile(cfg)
+            if cfg is None:
+                raise
+            if not config:
+                chosen.update(BLOCK_N=cfg["BLOCK_N"], num_stages=cfg["num_stages"])
+            constexprs, options = kernel_constexprs(cfg, **shape)
+    if error is not None:
+        warnings.warn(f"attnops Triton attention: a tile of {first_tile[0]} keys in {first_tile[1]} stages does "
+                      f"not fit this GPU ({error}); this shape now runs {cfg['BLOCK_N']} keys in "
+                      f"{cfg['num_stages']} stages", RuntimeWarning)
     if max_splits > 1 and not fused_merge:
         merge_splits_kernel[(num_tokens, num_q_heads)](
             out, part_out, part_lse, seq_lens, cu, batch, int(window_left), max_splits, chunk,
             out.stride(0), out.stride(1),
-            NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_Q=block_q, BLOCK_N=block_n,
+            NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_Q=block_q, BLOCK_N=cfg["BLOCK_N"],
             SPLITS_P2=max(2, triton.next_power_of_2(max_splits)), IS_DECODE=decode,
             HAS_WINDOW=window_left >= 0, num_warps=4 if head_dim >= 128 else 2)
