@@ -430,11 +430,19 @@ for v in picked:
     cc.compile_attention(v, target)
 cc.compile_cache_write("nvfp4", "bf16", 64, target)
 cc.compile_cache_write("fp8_e4m3", "fp32", 128, target)
+# the heuristic's own prefill tiles for fp32 and bf16 q fit sm_90's 227 KB of shared memory as chosen
+for label, q_dtype, fmt, constexprs, options in cc.heuristic_configurations(132, 232448, quick=True):
+    if label.startswith("chunk") and fmt == "bf16" and q_dtype in ("fp32", "bf16"):  # prefill-sized tiles
+        shared = cc.compile_one(cc.paged_attention_kernel, cc.attention_types(fmt, q_dtype), constexprs, target,
+                                **options).metadata.shared
+        assert shared <= 232448, (label, shared)
+        print("fits:", label, shared)
 print("compiled")
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
+    assert result.stdout.count("fits:") == 2, result.stdout
 
 
 # ----------------------------------------------------------------------------------------------------------------
