@@ -1,8 +1,5 @@
 """Tensor parallelism: the model sharded over 2 ranks (gloo, on the CPU here; NCCL on GPUs) gives the same greedy
 tokens as 1 rank for 64 steps of continuous batching, and logits equal within fp32 rounding."""
-import os
-import socket
-
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -41,9 +38,9 @@ def generate(model, num_kv_heads):
     return {r.req_id: r.output for r in list(gen.finished.values()) + list(gen.running.values())}
 
 
-def rank_main(rank, world, port, path):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def rank_main(rank, world, store, path):
+    # a file store, not a TCP port: no port to pick and lose to another process between picking and binding
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         tokens = generate(shard(full_model(), rank, world), CONFIG.num_key_value_heads // world)
         if rank == 0:
@@ -53,16 +50,10 @@ def rank_main(rank, world, port, path):
         dist.destroy_process_group()
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_tp2_greedy_tokens_equal_tp1(tmp_path):
     expected = generate(full_model(), CONFIG.num_key_value_heads)
     path = tmp_path / "tp2.pt"
-    mp.spawn(rank_main, args=(2, free_port(), str(path)), nprocs=2, join=True)
+    mp.spawn(rank_main, args=(2, str(tmp_path / "store"), str(path)), nprocs=2, join=True)
     got = torch.load(path)
     assert sorted(got) == sorted(expected) == list(range(6))
     assert sum(len(t) for t in expected.values()) > 150
