@@ -191,6 +191,12 @@ def split_config(chunk, capacity):
     return dict(CHUNK=chunk, MAX_SPLITS=max(1, min(-(-capacity // chunk), 256)))
 
 
+def write_json(path, best_rows, records):
+    if path:
+        Path(path).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), best=best_rows, records=records),
+                                         indent=1, default=str))
+
+
 def main():
     global HQ, HKV, D
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -228,9 +234,7 @@ def main():
     best_rows = []
     if overrides:
         compare(opts, overrides, records, t0)
-        if opts.json:
-            Path(opts.json).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), records=records), indent=1,
-                                                   default=str))
+        write_json(opts.json, best_rows, records)
         return
 
     if opts.tiles:
@@ -348,9 +352,7 @@ def main():
               f"{(str(round(row['tbps'], 2)) + ' TB/s') if 'tbps' in row else '':>10}  x{gain:.2f} over the "
               f"heuristic  {row['config']}")
     print(f"total {time.time() - t0:.0f} s")
-    if opts.json:
-        Path(opts.json).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), best=best_rows,
-                                                   records=records), indent=1, default=str))
+    write_json(opts.json, best_rows, records)
 
 
 if __name__ == "__main__":

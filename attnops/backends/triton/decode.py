@@ -648,8 +648,9 @@ def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, s
         counters = num_q_blocks * num_kv_heads if fused_merge else 0
         workspace = torch.empty(rows * (head_dim + 1) + counters, dtype=torch.float32, device=q.device)
         part_out, part_lse = workspace[: rows * head_dim], workspace[rows * head_dim: rows * (head_dim + 1)]
-        arrivals = workspace[rows * (head_dim + 1):].view(torch.int32)
+        arrivals = out  # unused without FUSED_MERGE (no view made: host time per call)
         if fused_merge:
+            arrivals = workspace[rows * (head_dim + 1):].view(torch.int32)
             arrivals.zero_()
     else:
         part_out = part_lse = arrivals = out  # unused: every program writes `out` directly
