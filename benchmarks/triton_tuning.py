@@ -10,7 +10,7 @@
 Stages (compiles are the expensive part, so constexpr tunables are searched on few cases, runtime ones on all):
 1. per format, tile configurations (BLOCK_N, num_warps, num_stages; WGMMA, the swapped wgmma-shaped dots, for
    plain and fp8 caches; FP8_DOT, e4m3 score dots on the stored bytes, and FP8_ASM for e4m3; SCALE_BCAST for
-   4-bit, FP4_ASM off for nvfp4) on
+   4-bit, FP4_ASM off) on
    two representative decode cases (128 x 4096: bandwidth; 1 x 32768: splits), keeping the best by the sum of the
    two times;
 2. per case, with that tile configuration, the split plan (CHUNK keys per program; MAX_SPLITS follows): runtime
@@ -180,7 +180,7 @@ def format_variants(fmt, tiles):
     # register caps: 3 (168) or 4 (128) resident 4-warp programs per SM instead of 2, against spills
     if formats.is_fp8(fmt) or formats.is_fp4(fmt):  # (bf16 needs 128 already)
         candidates += [dict(t, maxnreg=r) for t in tiles if t["num_warps"] == 4 for r in (168, 128)]
-    if fmt == "nvfp4":  # the default is the inline-PTX nibble decode (4 values per register): try without
+    if formats.is_fp4(fmt):  # the default is the inline-PTX nibble decode (4 values per register): try without
         candidates += [dict(t, FP4_ASM=False) for t in tiles]
     return candidates
 

@@ -26,7 +26,8 @@ import attnops
 from attnops import formats
 from attnops.backends import BACKENDS
 from attnops.backends.reference import paged_attention_reference, reshape_and_cache_reference
-from attnops.backends.triton.common import e2m1_to_f16_scaled
+from attnops.backends.triton.common import FMT_CODE
+from attnops.backends.triton.decode import _dequant_fp4, _fp4_scale, fp4_fold
 from attnops.testing import random_paged_inputs, relative_error
 
 CUDA = torch.cuda.is_available()
@@ -282,22 +283,39 @@ def test_separate_k_and_v_scale_kinds():
 
 
 @triton.jit
-def _nvfp4_decode_kernel(c_ptr, s_ptr, o_ptr, N: tl.constexpr):
-    offs = tl.arange(0, N)
-    scale16 = tl.load(s_ptr + offs).to(tl.float8e4nv, bitcast=True).to(tl.float16) * 128.0
-    tl.store(o_ptr + offs, (e2m1_to_f16_scaled(tl.load(c_ptr + offs)) * 128.0) * scale16)
+def _fp4_dequant_kernel(c_ptr, s_ptr, even_ptr, odd_ptr, FMT: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                        FP4_ASM: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    scale = _fp4_scale(tl.load(s_ptr + offs), FMT, DOT_DTYPE)
+    even, odd = _dequant_fp4(tl.load(c_ptr + offs), scale, FMT, DOT_DTYPE, FP4_ASM)
+    tl.store(even_ptr + offs, even.to(tl.float32) / fp4_fold(FMT, DOT_DTYPE))
+    tl.store(odd_ptr + offs, odd.to(tl.float32) / fp4_fold(FMT, DOT_DTYPE))
 
 
-def test_nvfp4_fp16_decode_is_exact():
-    """The in-kernel nvfp4 decode in fp16 ((value x 2^-14) x 2^7 x (scale x 2^7)) equals value x scale exactly,
-    for every code and every non-NaN e4m3 scale."""
-    codes = torch.arange(16, dtype=torch.uint8).repeat_interleave(256)
-    scales = torch.arange(256, dtype=torch.uint8).repeat(16)
-    out = torch.empty(4096, dtype=torch.float16, device=DEVICE)
-    _nvfp4_decode_kernel[(1,)](codes.to(DEVICE), scales.to(DEVICE), out, 4096)
-    expected = formats.unpack_fp4(codes[:, None])[:, 0] * scales.view(torch.float8_e4m3fn).float()
-    finite = (scales & 0x7F) != 0x7F  # 0x7F/0xFF are e4m3fn's NaN
-    assert torch.equal(out.float().cpu()[finite], expected[finite])
+@pytest.mark.parametrize("fmt,dot_dtype,asm", [
+    ("nvfp4", F16, False), ("nvfp4", F32, False), ("mxfp4", F16, False), ("mxfp4", F32, False),
+    pytest.param("nvfp4", F16, True, marks=pytest.mark.gpu), pytest.param("mxfp4", F16, True, marks=pytest.mark.gpu),
+    pytest.param("mxfp4", torch.bfloat16, False, marks=pytest.mark.gpu),
+    pytest.param("mxfp4", torch.bfloat16, True, marks=pytest.mark.gpu)])
+@pytest.mark.filterwarnings("ignore:overflow encountered")
+def test_fp4_dequant_is_exact(fmt, dot_dtype, asm):
+    """The kernels' 4-bit decode (the same helpers, each dot dtype's path) equals value x scale rounded once to the
+    dot dtype, for every packed byte (both nibbles) and every non-NaN scale: mxfp4's e8m0 from 2^-127 (a
+    subnormal) to 2^127, where products overflow fp16 and bf16 to inf and zeros stay 0."""
+    scales = torch.arange(255, dtype=torch.uint8) if fmt == "mxfp4" else \
+        torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)  # e4m3fn NaN: 0x7F, 0xFF
+    packed = torch.arange(256, dtype=torch.uint8).repeat_interleave(len(scales))
+    scales = scales.repeat(256)
+    n = len(packed)  # a multiple of 256
+    even, odd = (torch.empty(n, dtype=torch.float32, device=DEVICE) for _ in range(2))
+    _fp4_dequant_kernel[(n // 256,)](packed.to(DEVICE), scales.to(DEVICE), even, odd, FMT=FMT_CODE[fmt],
+                                      DOT_DTYPE={F16: tl.float16, F32: tl.float32, torch.bfloat16: tl.bfloat16}[
+                                          dot_dtype], FP4_ASM=asm, BLOCK=256)
+    scale = scales.view(torch.float8_e4m3fn).double() if fmt == "nvfp4" else torch.exp2(scales.double() - 127)
+    values = formats.unpack_fp4(packed[:, None]).double()  # [n, 2]: the low nibble, then the high one
+    for got, value in ((even, values[:, 0]), (odd, values[:, 1])):
+        expected = (value * scale).to(dot_dtype).float()
+        assert torch.equal(got.cpu(), expected), (got.cpu() != expected).nonzero()[:5]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -635,15 +653,17 @@ def test_call_memory_independent_of_cache_size(kv_format):
 
 
 @gpu
+@pytest.mark.parametrize("kv_format", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("q_lens", [None, [4, 4, 30]], ids=["decode", "extend"])
-def test_nvfp4_inline_ptx_decode(q_lens):
-    """FP4_ASM (the inline-PTX nibble decode, GPU only) against the reference."""
+def test_fp4_inline_ptx_decode(q_lens, kv_format):
+    """FP4_ASM (the inline-PTX nibble decode, GPU only) against the reference, bf16 q (nvfp4: fp16 dots, mxfp4:
+    bf16 dots)."""
     from attnops.backends.triton.decode import launch
-    args = random_paged_inputs([300, 17, 1000], q_lens, kv_format="nvfp4", q_dtype=torch.bfloat16, num_q_heads=8,
+    args = random_paged_inputs([300, 17, 1000], q_lens, kv_format=kv_format, q_dtype=torch.bfloat16, num_q_heads=8,
                                num_kv_heads=2, head_dim=128, device=DEVICE, seed=4)
     out = torch.full_like(args["q"], float("nan"))
     launch(args["q"], args["k_cache"], args["v_cache"], args["block_table"], args["seq_lens"], args["cu_seqlens_q"],
-           scale=128 ** -0.5, soft_cap=0.0, window_left=-1, kv_format="nvfp4", k_scale=args["k_scale"],
+           scale=128 ** -0.5, soft_cap=0.0, window_left=-1, kv_format=kv_format, k_scale=args["k_scale"],
            v_scale=args["v_scale"], out=out, config=dict(FP4_ASM=True))
     ref = paged_attention_reference(**args, compute_dtype=torch.float64)
     assert relative_error(out, ref) < 1e-2

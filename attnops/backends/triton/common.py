@@ -20,22 +20,24 @@ FMT_CODE = {"bf16": 0, "fp16": 0, "fp32": 0, "fp8_e4m3": 1, "fp8_e5m2": 1, "nvfp
 
 
 @triton.jit
-def e2m1_to_f32(code):
-    """4-bit e2m1 codes (uint8/int32 0..15: sign bit 3, magnitude bits 0-2) -> float32 values.
+def e2m1_to_f16_scaled(code):
+    """4-bit e2m1 codes (uint8/int32 0..15: sign bit 3, magnitude bits 0-2) -> fp16 values x 2^-14, exactly.
 
     The three magnitude bits are placed at bits 9..11 of an fp16: exponent field = the e2m1 exponent, top mantissa
     bit = the e2m1 mantissa bit. Read as fp16 that is value * 2^-14 exactly (e2m1's subnormal 0.5 lands on an fp16
-    subnormal, which fp16 keeps: no flush to zero), so one shift, one bitcast and one multiply decode it, with no
-    table lookup."""
-    return e2m1_to_f16_scaled(code).to(tl.float32) * 16384.0
-
-
-@triton.jit
-def e2m1_to_f16_scaled(code):
-    """4-bit e2m1 codes -> fp16 values x 2^-14, exactly (see e2m1_to_f32): no arithmetic, only bit moves."""
+    subnormal, which fp16 keeps: no flush to zero): bit moves only, no table lookup and no arithmetic."""
     c = code.to(tl.int16)
     bits = ((c & 7) << 9) | ((c & 8) << 12)
     return bits.to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def e2m1_to_bf16_scaled(code):
+    """4-bit e2m1 codes -> bf16 values x 2^-126, exactly: e2m1_to_f16_scaled's bit moves into bf16's lowest exponent
+    bits (bits 7..8) and top mantissa bit (6); e2m1's subnormal 0.5 lands on a bf16 subnormal."""
+    c = code.to(tl.int16)
+    bits = ((c & 7) << 6) | ((c & 8) << 12)
+    return bits.to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -128,43 +130,49 @@ def to_fp8_bits(x, FP8_DTYPE: tl.constexpr, SOFT_FP8: tl.constexpr):
     return x.to(FP8_DTYPE).to(tl.uint8, bitcast=True)
 
 
+def _e2m1x4_asm(high: bool, mantissa_shift: int) -> str:
+    """PTX that turns four packed bytes' low (or high) nibbles into four 16-bit floats: each byte goes to a 16-bit
+    lane (prmt), then, two lanes at once, the nibble's magnitude bits move to the float's lowest exponent bits and
+    top mantissa bit (bits 9..11 of fp16: mantissa_shift 9; bits 6..8 of bf16: 6) and its sign to bit 15."""
+    mag, sign = ("0x00700070", "0x00800080") if high else ("0x00070007", "0x00080008")
+    shift_mag, shift_sign = (mantissa_shift - 4, 8) if high else (mantissa_shift, 12)
+    lanes = [f"""
+        and.b32 u{i}, t{i}, {mag};
+        shl.b32 u{i}, u{i}, {shift_mag};
+        and.b32 t{i}, t{i}, {sign};
+        shl.b32 t{i}, t{i}, {shift_sign};
+        or.b32 ${i}, u{i}, t{i};""" for i in (0, 1)]
+    return """{
+        .reg .b32 t0, t1, u0, u1;
+        prmt.b32 t0, $2, 0, 0x4140;
+        prmt.b32 t1, $2, 0, 0x4342;""" + "".join(lanes) + "\n        }"
+
+
+# constexpr globals: Triton passes a module-level tl.constexpr string into inline asm as it is
+E2M1X4_F16_LOW, E2M1X4_F16_HIGH = tl.constexpr(_e2m1x4_asm(False, 9)), tl.constexpr(_e2m1x4_asm(True, 9))
+E2M1X4_BF16_LOW, E2M1X4_BF16_HIGH = tl.constexpr(_e2m1x4_asm(False, 6)), tl.constexpr(_e2m1x4_asm(True, 6))
+
+
 @triton.jit
-def e2m1x4_to_f16_scaled_asm(packed, HIGH: tl.constexpr):
-    """Inline-PTX version of e2m1_to_f16_scaled on the low (HIGH=False) or high nibbles of uint8 `packed`: four
-    bytes a 32-bit register, spread into 16-bit lanes with prmt, then masks and shifts on two lanes at once (about
-    3 instructions per value instead of 6). Same output: value x 2^-14 as fp16. GPU only (the interpreter cannot
-    run PTX); checked by tests/test_triton.py on the GPU and by the tuning script before timing."""
-    # pack=4: bytes 0..3 of the input register are elements 0..3; outputs: elements 0,1 in $0, 2,3 in $1. Each
-    # byte goes to a 16-bit lane (prmt), then the nibble's magnitude bits to fp16 bits 9..11, its sign to bit 15.
-    # (The PTX strings are literals in each branch: Triton treats a string assigned to a variable as a value.)
-    if HIGH:
-        return tl.inline_asm_elementwise(asm="""{
-        .reg .b32 t0, t1, u0, u1;
-        prmt.b32 t0, $2, 0, 0x4140;
-        prmt.b32 t1, $2, 0, 0x4342;
-        and.b32 u0, t0, 0x00700070;
-        shl.b32 u0, u0, 5;
-        and.b32 t0, t0, 0x00800080;
-        shl.b32 t0, t0, 8;
-        or.b32 $0, u0, t0;
-        and.b32 u1, t1, 0x00700070;
-        shl.b32 u1, u1, 5;
-        and.b32 t1, t1, 0x00800080;
-        shl.b32 t1, t1, 8;
-        or.b32 $1, u1, t1;
-        }""", constraints="=r,=r,r", args=[packed], dtype=tl.float16, is_pure=True, pack=4)
-    return tl.inline_asm_elementwise(asm="""{
-        .reg .b32 t0, t1, u0, u1;
-        prmt.b32 t0, $2, 0, 0x4140;
-        prmt.b32 t1, $2, 0, 0x4342;
-        and.b32 u0, t0, 0x00070007;
-        shl.b32 u0, u0, 9;
-        and.b32 t0, t0, 0x00080008;
-        shl.b32 t0, t0, 12;
-        or.b32 $0, u0, t0;
-        and.b32 u1, t1, 0x00070007;
-        shl.b32 u1, u1, 9;
-        and.b32 t1, t1, 0x00080008;
-        shl.b32 t1, t1, 12;
-        or.b32 $1, u1, t1;
-        }""", constraints="=r,=r,r", args=[packed], dtype=tl.float16, is_pure=True, pack=4)
+def e2m1x4_to_scaled_bits_asm(packed, HIGH: tl.constexpr, BF16: tl.constexpr):
+    """Inline-PTX version of e2m1_to_f16_scaled (BF16: e2m1_to_bf16_scaled) on the low (HIGH=False) or high
+    nibbles of uint8 `packed`: four bytes a 32-bit register, masks and shifts on two 16-bit lanes at once (about 3
+    instructions per value instead of 6). Same output, as int16 bits to bitcast: value x 2^-14 as fp16 (value x
+    2^-126 as bf16). GPU only (the interpreter cannot run PTX); checked by tests/test_triton.py on the GPU and by
+    the tuning script before timing."""
+    # pack=4: bytes 0..3 of the input register are elements 0..3; outputs: elements 0,1 in $0, 2,3 in $1
+    if BF16:
+        if HIGH:
+            bits = tl.inline_asm_elementwise(asm=E2M1X4_BF16_HIGH, constraints="=r,=r,r", args=[packed],
+                                             dtype=tl.int16, is_pure=True, pack=4)
+        else:
+            bits = tl.inline_asm_elementwise(asm=E2M1X4_BF16_LOW, constraints="=r,=r,r", args=[packed],
+                                             dtype=tl.int16, is_pure=True, pack=4)
+    else:
+        if HIGH:
+            bits = tl.inline_asm_elementwise(asm=E2M1X4_F16_HIGH, constraints="=r,=r,r", args=[packed],
+                                             dtype=tl.int16, is_pure=True, pack=4)
+        else:
+            bits = tl.inline_asm_elementwise(asm=E2M1X4_F16_LOW, constraints="=r,=r,r", args=[packed],
+                                             dtype=tl.int16, is_pure=True, pack=4)
+    return bits

@@ -83,9 +83,9 @@ def attention_variants(quick: bool):
     for fmt in ("nvfp4", "mxfp4"):
         yield dict(fmt=fmt, q_dtype="bf16", decode=True, head_dim=128, group=4, page=256, block_q=1, block_n=64,
                    warps=4, window=True, soft_cap=True, fp8_asm=False, scale_bcast=False)
-    # nvfp4 with the inline-PTX nibble decode (fp16 dots), decode and prefill tiles
-    for decode in (True, False):
-        yield dict(fmt="nvfp4", q_dtype="fp16", decode=decode, head_dim=128, group=4, page=16,
+    # the inline-PTX nibble decode: nvfp4 (fp16 dots) and mxfp4 (bf16 dots), decode and prefill tiles
+    for (fmt, q_dtype), decode in itertools.product((("nvfp4", "fp16"), ("mxfp4", "bf16")), (True, False)):
+        yield dict(fmt=fmt, q_dtype=q_dtype, decode=decode, head_dim=128, group=4, page=16,
                    block_q=1 if decode else 32, block_n=64, warps=4 if decode else 8, window=False, soft_cap=False,
                    fp8_asm=False, scale_bcast=True, fp4_asm=True)
     # e4m3 tensor-core dots on the stored K bytes, decode and verify tiles

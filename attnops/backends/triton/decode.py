@@ -31,14 +31,15 @@ from triton.runtime.errors import OutOfResources
 
 from ... import formats
 from . import interpreting
-from .common import (FMT_CODE, FMT_FP8, FMT_MXFP4, FMT_NVFP4, FMT_PLAIN, LOG2E, e2m1_to_f16_scaled, e2m1_to_f32,
-                     e2m1x4_to_f16_scaled_asm, e8m0_to_f32, find_sequence, kv_plan, to_fp8_bits)
+from .common import (FMT_CODE, FMT_FP8, FMT_MXFP4, FMT_NVFP4, FMT_PLAIN, LOG2E, e2m1_to_f16_scaled,
+                     e2m1x4_to_scaled_bits_asm, e2m1_to_bf16_scaled, e8m0_to_f32, find_sequence, kv_plan, to_fp8_bits)
 
 
 @triton.jit
 def _load_fp4_tile(c_ptr, s_ptr, tok_off, s_off, offs_h, kvalid, TRANSPOSED: tl.constexpr, FMT: tl.constexpr,
                    DOT_DTYPE: tl.constexpr, SCALE_BCAST: tl.constexpr, FP4_ASM: tl.constexpr):
-    """A tile of 4-bit K or V as its even and odd elements (D/2 columns each), dequantized to DOT_DTYPE.
+    """A tile of 4-bit K or V as its even and odd elements (D/2 columns each), dequantized to DOT_DTYPE, times
+    fp4_fold(FMT, DOT_DTYPE) (the kernel divides that back out of its score and output scales).
 
     Keeping even and odd elements apart avoids interleaving them in registers: the kernel multiplies the even
     half of q with the even half of K (and the odd with the odd) and accumulates V's halves separately.
@@ -53,40 +54,101 @@ def _load_fp4_tile(c_ptr, s_ptr, tok_off, s_off, offs_h, kvalid, TRANSPOSED: tl.
     else:
         packed = tl.load(c_ptr + tok_off[:, None] + offs_h[None, :], mask=kvalid[:, None], other=0)
     if SCALE_BCAST:
-        # one load per block scale ([NB, BLOCK_N]), repeated across its values in registers
+        # one load and one decode per block scale ([NB, BLOCK_N]), repeated across its values in registers
         offs_b = tl.arange(0, NB)
         if TRANSPOSED:
             sc = tl.load(s_ptr + s_off[None, :] + offs_b[:, None], mask=kvalid[None, :], other=0)
-            sc = tl.reshape(tl.broadcast_to(sc[:, None, :], (NB, half_block, BN)), (HALF, BN))
+            scale = _fp4_scale(sc, FMT, DOT_DTYPE)
+            scale = tl.reshape(tl.broadcast_to(scale[:, None, :], (NB, half_block, BN)), (HALF, BN))
         else:
             sc = tl.load(s_ptr + s_off[:, None] + offs_b[None, :], mask=kvalid[:, None], other=0)
-            sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BN, NB, half_block)), (BN, HALF))
+            scale = _fp4_scale(sc, FMT, DOT_DTYPE)
+            scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BN, NB, half_block)), (BN, HALF))
     else:
         # one (cached) load per value: simple layouts, more load instructions
         if TRANSPOSED:
             sc = tl.load(s_ptr + s_off[None, :] + (offs_h // half_block)[:, None], mask=kvalid[None, :], other=0)
         else:
             sc = tl.load(s_ptr + s_off[:, None] + (offs_h // half_block)[None, :], mask=kvalid[:, None], other=0)
-    if FMT == FMT_NVFP4 and DOT_DTYPE == tl.float16:
-        # all in fp16, one multiply per value, exact: (value x 2^-14) x (scale x 2^7) = value x scale x 2^-7, the
-        # kernel folds the 2^7 back into its score and output scales (qk_scale, v_mul). scale x 2^7 < 65504;
-        # the product has at most 6 significant bits (e2m1 2, e4m3 4) and lies in [2^-17, 21]: fp16 holds it
-        # exactly (its subnormals step by 2^-24). 4-bit decode is ALU-bound, not byte-bound: every op counts.
-        scale16 = sc.to(tl.float8e4nv, bitcast=True).to(tl.float16) * 128.0
+        scale = _fp4_scale(sc, FMT, DOT_DTYPE)
+    return _dequant_fp4(packed, scale, FMT, DOT_DTYPE, FP4_ASM)
+
+
+@triton.jit
+def _dequant_fp4(packed, scale, FMT: tl.constexpr, DOT_DTYPE: tl.constexpr, FP4_ASM: tl.constexpr):
+    """Packed nibbles (uint8: even element low, odd high) and their block scales (_fp4_scale, one per value) ->
+    the even and odd values in DOT_DTYPE, times fp4_fold(FMT, DOT_DTYPE), exactly (an e2m1 value has 2
+    significant bits, an e4m3 scale 4: every product fits the dot dtype).
+
+    4-bit decode is ALU-bound, not byte-bound (H200, sm_90 SASS: instructions per value decide the time), so each
+    case takes the fewest: the nibble's bits are moved into a 16-bit float (value x 2^-14 as fp16, value x 2^-126
+    as bf16; inline PTX on two values at once with FP4_ASM) and the scale applied in that float with packed
+    multiplies where the range allows, through fp32 only where it does not."""
+    # (one return at the end: Triton 3.6 refuses returns of different dtypes in constexpr branches)
+    if FMT == FMT_MXFP4 and DOT_DTYPE == tl.bfloat16:
+        # (value x 2^-126) x 2^126 x 2^(s-127), two packed bf16 multiplies a value pair: bf16 has fp32's exponent
+        # range, so every s is exact (s = 0 as a subnormal) with no conversion through fp32; one multiply by
+        # 2^(s-1) could not hold s > 128. (The fp32 route costs 2.4x the instructions a value: sm_90 SASS.)
         if FP4_ASM:
-            even = e2m1x4_to_f16_scaled_asm(packed, False) * scale16
-            odd = e2m1x4_to_f16_scaled_asm(packed, True) * scale16
+            even = e2m1x4_to_scaled_bits_asm(packed, False, True).to(tl.bfloat16, bitcast=True)
+            odd = e2m1x4_to_scaled_bits_asm(packed, True, True).to(tl.bfloat16, bitcast=True)
         else:
-            even = e2m1_to_f16_scaled(packed & 15) * scale16
-            odd = e2m1_to_f16_scaled(packed >> 4) * scale16
-        return even, odd
-    if FMT == FMT_NVFP4:  # e4m3 scales arrive as bytes (masked lanes 0, not a NaN pattern)
-        scale = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            even = e2m1_to_bf16_scaled(packed & 15)
+            odd = e2m1_to_bf16_scaled(packed >> 4)
+        even = (even * 8.507059173023462e37) * scale
+        odd = (odd * 8.507059173023462e37) * scale
+    else:
+        if FP4_ASM:
+            even = e2m1x4_to_scaled_bits_asm(packed, False, False).to(tl.float16, bitcast=True)
+            odd = e2m1x4_to_scaled_bits_asm(packed, True, False).to(tl.float16, bitcast=True)
+        else:
+            even = e2m1_to_f16_scaled(packed & 15)
+            odd = e2m1_to_f16_scaled(packed >> 4)
+        if FMT == FMT_NVFP4 and DOT_DTYPE == tl.float16:
+            # (value x 2^-14) x (scale x 2^7) = value x scale x 2^-7, one packed fp16 multiply a value pair: the
+            # product lies in [2^-17, 21], which fp16 holds exactly (its subnormals step by 2^-24)
+            even = even * scale
+            odd = odd * scale
+        else:
+            # fp32 (fp16 dots of mxfp4, whose scales overflow fp16; fp32 dots)
+            even = (even.to(tl.float32) * scale).to(DOT_DTYPE)
+            odd = (odd.to(tl.float32) * scale).to(DOT_DTYPE)
+    return even, odd
+
+
+@triton.jit
+def _fp4_scale(sc, FMT: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Stored block scales (bytes; masked lanes 0, not a NaN pattern) -> the factor _dequant_fp4 multiplies its
+    nibbles by: nvfp4 with fp16 dots, the e4m3 scale x 2^7 in fp16 (< 65504); mxfp4 with bf16 dots, 2^(s-127) in
+    bf16; otherwise the scale in fp32 (x 2^14 where fp4_fold is 1, to undo the fp16 nibble's 2^-14)."""
+    # (one return at the end: Triton 3.6 refuses returns of different dtypes in constexpr branches)
+    if FMT == FMT_NVFP4 and DOT_DTYPE == tl.float16:
+        scale = sc.to(tl.float8e4nv, bitcast=True).to(tl.float16) * 128.0
+    elif FMT == FMT_NVFP4:
+        scale = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 16384.0
+    elif DOT_DTYPE == tl.float16:
+        # capped at 2^127 (s > 240): fp16 cannot hold those blocks' nonzero values (inf either way), and a zero
+        # value must stay 0, not 0 x inf
+        scale = tl.minimum(e8m0_to_f32(sc) * 16384.0, 1.7014118346046923e38)
+    elif DOT_DTYPE == tl.bfloat16:
+        si = sc.to(tl.int16)
+        scale = tl.maximum(si << 7, 64).to(tl.int16).to(tl.bfloat16, bitcast=True)  # 2^(s-127); s = 0: 2^-127
     else:
         scale = e8m0_to_f32(sc)
-    even = (e2m1_to_f32(packed & 15) * scale).to(DOT_DTYPE)
-    odd = (e2m1_to_f32(packed >> 4) * scale).to(DOT_DTYPE)
-    return even, odd
+    return scale
+
+
+@triton.jit
+def fp4_fold(FMT: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """The power of two _dequant_fp4's values carry (the kernel divides it out of its score and output scales):
+    nvfp4 with fp16 dots 2^-7 (value x scale x 2^-7 stays inside fp16); mxfp4 with fp32 dots 2^-14 (the fp16
+    nibble's value x 2^-14 times the plain 2^(s-127), exact in fp32 for every s, where x 2^14 in the scale would
+    overflow for s > 240); 1 otherwise."""
+    if FMT == FMT_NVFP4 and DOT_DTYPE == tl.float16:
+        return 0.0078125
+    if FMT == FMT_MXFP4 and DOT_DTYPE == tl.float32:
+        return 0.00006103515625
+    return 1.0
 
 
 @triton.jit
@@ -200,9 +262,9 @@ def paged_attention_kernel(
     if FMT == FMT_FP8:
         qk_scale = qk_scale * tl.load(ks_ptr + kvh * stride_ksh)
         v_mul = tl.load(vs_ptr + kvh * stride_vsh)
-    if FMT == FMT_NVFP4 and DOT_DTYPE == tl.float16:  # _load_fp4_tile's fp16 values are value x scale x 2^-7
-        qk_scale = qk_scale * 128.0
-        v_mul = v_mul * 128.0
+    if FMT == FMT_NVFP4 or FMT == FMT_MXFP4:  # _load_fp4_tile's values are value x scale x fp4_fold
+        qk_scale = qk_scale / fp4_fold(FMT, DOT_DTYPE)
+        v_mul = v_mul / fp4_fold(FMT, DOT_DTYPE)
     if not HAS_SOFTCAP:
         qk_scale = qk_scale * LOG2E
 
@@ -576,7 +638,7 @@ def kernel_constexprs(cfg: dict, *, q_dtype: torch.dtype, kv_format: str, decode
         FP8_ASM=bool(cfg["FP8_ASM"]) and kv_format == "fp8_e4m3" and ddt == torch.float16 and on_gpu,
         FP8_DTYPE=tl.float8e4nv if kv_format == "fp8_e4m3" else tl.float8e5,
         SCALE_BCAST=bool(cfg["SCALE_BCAST"]) and formats.is_fp4(kv_format),
-        FP4_ASM=bool(cfg["FP4_ASM"]) and kv_format == "nvfp4" and ddt == torch.float16 and on_gpu,
+        FP4_ASM=bool(cfg["FP4_ASM"]) and formats.is_fp4(kv_format) and on_gpu,
         FP8_DOT=bool(cfg["FP8_DOT"]) and kv_format == "fp8_e4m3" and q_dtype != torch.float32,
         WGMMA=bool(cfg["WGMMA"]) and ddt != torch.float32, SOFT_FP8=not on_gpu,
         HEADS_INNER=bool(cfg["HEADS_INNER"]), FUSED_MERGE=bool(cfg["FUSED_MERGE"]) and cfg["MAX_SPLITS"] > 1)
