@@ -6,8 +6,8 @@
 # Steps:
 #   build     the extension against the device's torch (always first)
 #   tune      benchmarks/triton_tuning.py on a quiet GPU (TUNE_ARGS, TUNE_BUDGET seconds)
-#   compare   benchmarks/triton_tuning.py --compare $COMPARE (default FUSED_MERGE=1): the heuristic against it with
-#             those tunables set, every format and case (COMPARE_ARGS narrows it), no sweep
+#   compare   benchmarks/triton_tuning.py --compare $COMPARE (KEY=VALUE..., required): the heuristic against the
+#             heuristic with those tunables set, every format and case (COMPARE_ARGS narrows it), no sweep
 #   overhead  benchmarks/overhead.py --profile (eager per-call cost of the op against the kernels)
 #   bench     benchmarks/bench.py $BENCH_ARGS (JSON + PNG), on a quiet GPU
 #   tests     the GPU tests, suites in parallel processes (TEST_SUITES, default "triton flashinfer e2e": Triton
@@ -31,7 +31,7 @@ for step in "$@"; do
       sed -n '/=== best per case/,$p' "$out/tune.log"; stamp tune ;;
     compare)
       timeout $(( ${TUNE_BUDGET:-240} + 60 )) python3 benchmarks/triton_tuning.py --budget ${TUNE_BUDGET:-240} \
-        --compare ${COMPARE:-FUSED_MERGE=1} ${COMPARE_ARGS:-} --json "$out/compare.json" > "$out/compare.log" 2>&1
+        --compare ${COMPARE:?set COMPARE=KEY=VALUE...} ${COMPARE_ARGS:-} --json "$out/compare.json" > "$out/compare.log" 2>&1
       grep -E "^  |failed|Error" "$out/compare.log" | tail -40; stamp compare ;;
     overhead)
       timeout ${OVERHEAD_TIMEOUT:-120} python3 benchmarks/overhead.py --profile --json "$out/overhead.json" \

@@ -4,7 +4,7 @@
                                                              # plus verify and prefill (bf16); ~8 minutes; --budget stops it in time
     python benchmarks/triton_tuning.py --quick               # fewer tile configurations
     python benchmarks/triton_tuning.py --formats bf16 fp8_e4m3 --cases 1x32768 128x4096 --json tune.json
-    python benchmarks/triton_tuning.py --compare FUSED_MERGE=1 # A/B: the heuristic with and without a tunable set,
+    python benchmarks/triton_tuning.py --compare maxnreg=168  # A/B: the heuristic with and without a tunable set,
                                                              # every format and case, no sweep
 
 Stages (compiles are the expensive part, so constexpr tunables are searched on few cases, runtime ones on all):
@@ -221,7 +221,7 @@ def main():
                              "128,8,2,BLOCK_Q=32,HEADS_INNER=1 (the heuristic's own choice is always timed)")
     parser.add_argument("--compare", nargs="+", metavar="KEY=VALUE",
                         help="no sweep: per format and case (and verify/prefill unless --no-extend), the heuristic "
-                             "against the heuristic with these tunables set, e.g. FUSED_MERGE=1")
+                             "against the heuristic with these tunables set, e.g. maxnreg=168")
     parser.add_argument("--budget", type=float, default=540, help="seconds; later stages are skipped past it")
     parser.add_argument("--json", help="write all measurements here")
     opts = parser.parse_args()

@@ -136,18 +136,16 @@ def test_grid_orders(q_lens, heads_inner):
     assert relative_error(out, ref) < 1e-5
 
 
-FUSED_MERGE_CASES = [("fp32", None, {}), ("nvfp4", None, dict(window_left=90)), ("fp16", [5, 0, 17, 1], {}),
-                     ("mxfp4", [3, 0, 9, 2], dict(soft_cap=4.0))]
+MERGE_CASES = [("fp32", None, {}), ("nvfp4", None, dict(window_left=90)), ("fp16", [5, 0, 17, 1], {}),
+               ("mxfp4", [3, 0, 9, 2], dict(soft_cap=4.0))]
 
 
-@pytest.mark.parametrize("kv_format,q_lens,options", FUSED_MERGE_CASES,
-                         ids=[f"{c[0]}-{'extend' if c[1] else 'decode'}" for c in FUSED_MERGE_CASES])
-def test_fused_merge_by_the_last_split(kv_format, q_lens, options, monkeypatch):
-    """FUSED_MERGE: the last split program of a (query block, KV head) to arrive merges the block's partials,
-    and the merge kernel does not run. Ragged lengths with an empty sequence, a window that leaves whole splits
-    with no key (LSE -inf), 4-bit tiles (even/odd columns)."""
+@pytest.mark.parametrize("kv_format,q_lens,options", MERGE_CASES,
+                         ids=[f"{c[0]}-{'extend' if c[1] else 'decode'}" for c in MERGE_CASES])
+def test_splits_merged_by_lse(kv_format, q_lens, options):
+    """Five splits a block merged by the merge kernel: ragged lengths with an empty sequence, a window that leaves
+    whole splits with no key (LSE -inf), 4-bit tiles (partials written as even/odd columns)."""
     from attnops.backends.triton import decode
-    monkeypatch.setattr(decode, "merge_splits_kernel", None)  # launching it would raise
     q_dtype = F32 if kv_format in ("fp32", "mxfp4") else F16
     args = random_paged_inputs([300, 0, 77, 130], q_lens, num_q_heads=12, num_kv_heads=3, kv_format=kv_format,
                                q_dtype=q_dtype, device=DEVICE, seed=9)
@@ -155,8 +153,7 @@ def test_fused_merge_by_the_last_split(kv_format, q_lens, options, monkeypatch):
     decode.launch(args["q"], args["k_cache"], args["v_cache"], args["block_table"], args["seq_lens"],
                   args["cu_seqlens_q"], scale=0.125, soft_cap=options.get("soft_cap", 0.0),
                   window_left=options.get("window_left", -1), kv_format=kv_format, k_scale=args.get("k_scale"),
-                  v_scale=args.get("v_scale"), out=out, config=dict(FUSED_MERGE=True, MAX_SPLITS=5, CHUNK=64,
-                                                                    BLOCK_N=32))
+                  v_scale=args.get("v_scale"), out=out, config=dict(MAX_SPLITS=5, CHUNK=64, BLOCK_N=32))
     ref = paged_attention_reference(**args, scale=0.125, **options, compute_dtype=torch.float64)
     assert not out.isnan().any(), "a row no program wrote"
     assert relative_error(out, ref) < TOLERANCE[q_dtype]
@@ -442,8 +439,7 @@ picked = [variants[0], variants[1]]  # bf16 decode, extend
 picked += [v for v in variants if v["fmt"] == "nvfp4" and not v["decode"]][:1]
 picked += [v for v in variants if v["fmt"] == "mxfp4" and not v["scale_bcast"]][:1]  # per-value scales
 picked += [v for v in variants if v.get("fp8_dot")][:1] + [v for v in variants if v.get("wgmma")][:1]
-picked += [v for v in variants if v.get("fused_merge")][:1]  # the atomic arrival count and .cg loads
-assert len(picked) == 7
+assert len(picked) == 6
 for v in picked:
     cc.compile_attention(v, target)
 cc.compile_cache_write("nvfp4", "bf16", 64, target)
@@ -669,43 +665,9 @@ def test_fp4_inline_ptx_decode(q_lens, kv_format):
     assert relative_error(out, ref) < 1e-2
 
 
-def use_fused_merge(monkeypatch):
-    """Makes the op's Triton launches take FUSED_MERGE (the heuristic leaves it off)."""
-    from attnops.backends.triton import decode
-    heuristic = decode.heuristic_config
-    monkeypatch.setattr(decode, "heuristic_config", lambda *a: dict(heuristic(*a), FUSED_MERGE=True))
-    monkeypatch.setattr(decode, "merge_splits_kernel", None)  # launching it would raise
-
-
 @gpu
-@pytest.mark.parametrize("batch,length", [(1, 32768), (64, 2048), (7, 20000)])
-def test_fused_merge_under_load(batch, length, monkeypatch):
-    """FUSED_MERGE on the GPU, where splits finish in any order on 132 SMs: 30 calls a shape, each on new data,
-    every one within tolerance of the reference (a missing acquire/release shows as rows merged from stale
-    partials). 1 x 32768 has 32 splits per KV head; ragged lengths in the last shape."""
-    use_fused_merge(monkeypatch)
-    lens = [length] * batch if batch != 7 else [20000, 1, 0, 9000, 20000, 333, 15000]
-    args = random_paged_inputs(lens, num_q_heads=32, num_kv_heads=8, head_dim=128, kv_format="bf16",
-                               q_dtype=torch.bfloat16, device="cuda", seed=batch)
-    out = torch.empty_like(args["q"])
-    errors = []
-    with attnops.use_backend("triton"):
-        for _ in range(30):
-            args["q"].normal_()
-            out.fill_(float("nan"))
-            attnops.paged_attention(**args, out=out)
-            ref = paged_attention_reference(**args, compute_dtype=torch.float64)
-            errors.append(relative_error(out, ref))
-    assert all(e < 1e-2 for e in errors), errors  # NaN fails too
-
-
-@gpu
-@pytest.mark.parametrize("fused_merge", [False, True], ids=["merge-kernel", "fused-merge"])
-def test_cuda_graph_capture_and_replay_with_new_lengths(fused_merge, monkeypatch):
-    """Captured once, replayed with new seq_lens and block tables: the split count is decided on the device
-    (with FUSED_MERGE the arrival counters are zeroed inside the graph, before each replay's kernel)."""
-    if fused_merge:
-        use_fused_merge(monkeypatch)
+def test_cuda_graph_capture_and_replay_with_new_lengths():
+    """Captured once, replayed with new seq_lens and block tables: the split count is decided on the device."""
     # built for 3000 keys each (every table row has its pages), replayed with any lengths up to that
     args = random_paged_inputs([3000, 3000, 3000, 3000], num_q_heads=32, num_kv_heads=8, head_dim=128, kv_format="bf16",
                                q_dtype=torch.bfloat16, device="cuda", seed=0)

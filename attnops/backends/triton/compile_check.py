@@ -98,11 +98,6 @@ def attention_variants(quick: bool):
         yield dict(fmt="bf16", q_dtype="bf16", decode=decode, head_dim=128, group=4, page=16,
                    block_q=1 if decode else 4, block_n=64, warps=4, window=not decode, soft_cap=False,
                    fp8_asm=False, scale_bcast=False, wgmma=True, heads_inner=decode)
-    # the merge fused into the last split (an atomic arrival count, then .cg loads of the partials)
-    for fmt, decode in (("bf16", True), ("nvfp4", True), ("fp8_e4m3", False)):
-        yield dict(fmt=fmt, q_dtype="bf16", decode=decode, head_dim=128, group=4, page=16,
-                   block_q=1 if decode else 4, block_n=64, warps=4, window=False, soft_cap=False,
-                   fp8_asm=False, scale_bcast=True, heads_inner=decode, fused_merge=True)
     # fp32 q (ieee dots), MQA with 16 heads a group
     yield dict(fmt="fp32", q_dtype="fp32", decode=True, head_dim=64, group=16, page=1, block_q=1, block_n=64,
                warps=4, window=True, soft_cap=False, fp8_asm=False, scale_bcast=False)
@@ -113,8 +108,7 @@ def attention_types(fmt: str, q_dtype: str) -> dict:
     scale_ptr = {"nvfp4": "*u8", "mxfp4": "*u8", "fp8_e4m3": "*fp32", "fp8_e5m2": "*fp32"}.get(fmt, PTR[fmt])
     qp = "*" + q_dtype
     return dict(q_ptr=qp, k_ptr=PTR[fmt], v_ptr=PTR[fmt], ks_ptr=scale_ptr, vs_ptr=scale_ptr, bt_ptr="*i32",
-                seq_lens_ptr="*i32", cu_ptr="*i32", out_ptr=qp, part_out_ptr="*fp32", part_lse_ptr="*fp32",
-                arrivals_ptr="*i32")
+                seq_lens_ptr="*i32", cu_ptr="*i32", out_ptr=qp, part_out_ptr="*fp32", part_lse_ptr="*fp32")
 
 
 # The shapes whose heuristic choices --heuristic compiles: (name, decode, batch, tokens per sequence, capacity)
@@ -175,8 +169,7 @@ def compile_attention(v, target):
                       DOT_PRECISION="ieee" if ddt == tl.float32 else "tf32", FP8_ASM=v["fp8_asm"],
                       FP8_DTYPE=tl.float8e4nv if v["fmt"] == "fp8_e4m3" else tl.float8e5,
                       SCALE_BCAST=v["scale_bcast"], FP4_ASM=v.get("fp4_asm", False), FP8_DOT=v.get("fp8_dot", False),
-                      WGMMA=v.get("wgmma", False), SOFT_FP8=False, HEADS_INNER=v.get("heads_inner", False),
-                      FUSED_MERGE=v.get("fused_merge", False))
+                      WGMMA=v.get("wgmma", False), SOFT_FP8=False, HEADS_INNER=v.get("heads_inner", False))
     stages = 2 if v["head_dim"] >= 256 else 3
     compiled = compile_one(paged_attention_kernel, types, constexprs, target, v["warps"], stages)
     merge = compile_one(merge_splits_kernel, dict(out_ptr=qp, part_out_ptr="*fp32", part_lse_ptr="*fp32",

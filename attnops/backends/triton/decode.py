@@ -14,8 +14,7 @@ One program handles (query block, KV head, split):
   into the score scale and the output, 4-bit with per-block scales applied per element): there is no
   dequantized copy of the cache anywhere.
 A program whose sequence needs only one split writes the normalized output directly; otherwise it writes its
-partial output and LSE to a workspace of [T, Hq, MAX_SPLITS] rows and the merge kernel combines them (with
-FUSED_MERGE, the block's last split program to finish does, and the merge kernel is not launched).
+partial output and LSE to a workspace of [T, Hq, MAX_SPLITS] rows and the merge kernel combines them.
 
 The multi-token (cu_seqlens_q) form shares this kernel (IS_DECODE=False); its host side is extend.py.
 """
@@ -165,38 +164,12 @@ def _fp8_to_dot(x, FP8_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, FP8_ASM: tl
     return x.to(FP8_DTYPE, bitcast=True).to(DOT_DTYPE)
 
 
-@triton.jit
-def _merge_rows(out_ptr, part_out_ptr, part_lse_ptr, first_row, n_splits, tok, row_head, row_valid, stride_ot,
-                stride_oh, HEAD_DIM: tl.constexpr):
-    """Combines the n_splits partials (outputs and LSEs at rows first_row + s of the workspace) of a tile's rows by
-    their LSE, in one pass with a running maximum, and writes the rows of `out`. The loads bypass L1 (.cg):
-    other SMs wrote the partials."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    m = tl.full(row_valid.shape, float("-inf"), dtype=tl.float32)
-    denom = tl.zeros(row_valid.shape, dtype=tl.float32)
-    acc = tl.zeros([row_valid.shape[0], HEAD_DIM], dtype=tl.float32)
-    for s in range(0, n_splits):
-        lse = tl.load(part_lse_ptr + first_row + s, mask=row_valid, other=float("-inf"), cache_modifier=".cg")
-        part = tl.load(part_out_ptr + (first_row + s)[:, None] * HEAD_DIM + offs_d[None, :],
-                       mask=row_valid[:, None], other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m, lse)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no split has seen a key yet: no NaN
-        alpha = tl.exp2(m - m_use)
-        w = tl.exp2(lse - m_use)
-        acc = acc * alpha[:, None] + w[:, None] * part
-        denom = denom * alpha + w
-        m = m_new
-    o = acc / tl.where(denom > 0.0, denom, 1.0)[:, None]
-    o_ptr = out_ptr + tok[:, None] * stride_ot + row_head.to(tl.int64)[:, None] * stride_oh + offs_d[None, :]
-    tl.store(o_ptr, o.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
-
-
 # Runtime values that change from call to call (batch size, window, split plan) must not be specialized on
 # (Triton compiles a variant for an int argument equal to 1): a batch of 1 or MAX_SPLITS=1 reuses the same binary.
 @triton.jit(do_not_specialize=["num_seqs", "window_left", "MAX_SPLITS", "CHUNK"])
 def paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_lens_ptr, cu_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    arrivals_ptr, num_seqs, sm_scale, soft_cap, window_left, MAX_SPLITS, CHUNK,
+    num_seqs, sm_scale, soft_cap, window_left, MAX_SPLITS, CHUNK,
     stride_qt, stride_qh, stride_kp, stride_kt, stride_kh,
     stride_ksp, stride_kst, stride_ksh, stride_vsp, stride_vst, stride_vsh,
     stride_bt, stride_ot, stride_oh,
@@ -205,7 +178,7 @@ def paged_attention_kernel(
     IS_DECODE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FP8_ASM: tl.constexpr, FP8_DTYPE: tl.constexpr, SCALE_BCAST: tl.constexpr,
     FP4_ASM: tl.constexpr, FP8_DOT: tl.constexpr, WGMMA: tl.constexpr, SOFT_FP8: tl.constexpr,
-    HEADS_INNER: tl.constexpr, FUSED_MERGE: tl.constexpr,
+    HEADS_INNER: tl.constexpr,
 ):
     # HEADS_INNER: axis 0 walks (query block, KV head) with the heads fastest, so that the programs the GPU runs
     # at the same time read every head of the same pages (an NHD page holds all heads of its tokens side by side)
@@ -430,16 +403,6 @@ def paged_attention_kernel(
             tl.store(p_ptr + 1, acc_o * inv_l[:, None], mask=row_valid[:, None])
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + part_row, lse, mask=row_valid)
-        if FUSED_MERGE:
-            # The last of the block's splits to finish merges them all, so no second kernel runs. Every thread's
-            # stores above come before the barrier, and the barrier before the arrival's release, so a program
-            # that sees n_splits - 1 earlier arrivals (acquire) sees every split's partials. The counters are
-            # zeroed before each launch (host side).
-            tl.debug_barrier()
-            arrived = tl.atomic_add(arrivals_ptr + pid_q * NUM_KV_HEADS + kvh, 1, sem="acq_rel", scope="gpu")
-            if arrived == n_splits - 1:
-                _merge_rows(out_ptr, part_out_ptr, part_lse_ptr, part_row - split, n_splits, tok, row_head,
-                            row_valid, stride_ot, stride_oh, HEAD_DIM)
 
 
 @triton.jit(do_not_specialize=["num_seqs", "window_left", "MAX_SPLITS", "CHUNK"])
@@ -492,7 +455,7 @@ WORKSPACE_BYTES = 64 * 2 ** 20  # the most split partials one call may allocate 
 
 # Tunables a caller (benchmarks/triton_tuning.py, tests) may force; None entries fall back to the heuristic.
 CONFIG_KEYS = ("BLOCK_N", "num_warps", "num_stages", "CHUNK", "MAX_SPLITS", "BLOCK_Q", "FP8_ASM", "SCALE_BCAST",
-               "FP4_ASM", "FP8_DOT", "WGMMA", "maxnreg", "HEADS_INNER", "FUSED_MERGE")
+               "FP4_ASM", "FP8_DOT", "WGMMA", "maxnreg", "HEADS_INNER")
 
 
 @functools.lru_cache(maxsize=None)
@@ -605,7 +568,7 @@ def heuristic_config(device, decode: bool, batch: int, num_tokens: int, num_q_he
     # on 8 x 4096 but 1.5% slower on 2048 new tokens after 46,000 (h200-prefill-probe.log).
     return dict(BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, CHUNK=chunk, MAX_SPLITS=max_splits,
                 BLOCK_Q=block_q, FP8_ASM=False, SCALE_BCAST=True, FP4_ASM=device.type == "cuda", FP8_DOT=False,
-                WGMMA=False, maxnreg=maxnreg, HEADS_INNER=decode_like, FUSED_MERGE=False)
+                WGMMA=False, maxnreg=maxnreg, HEADS_INNER=decode_like)
 
 
 def smaller_tile(cfg: dict) -> dict | None:
@@ -641,7 +604,7 @@ def kernel_constexprs(cfg: dict, *, q_dtype: torch.dtype, kv_format: str, decode
         FP4_ASM=bool(cfg["FP4_ASM"]) and formats.is_fp4(kv_format) and on_gpu,
         FP8_DOT=bool(cfg["FP8_DOT"]) and kv_format == "fp8_e4m3" and q_dtype != torch.float32,
         WGMMA=bool(cfg["WGMMA"]) and ddt != torch.float32, SOFT_FP8=not on_gpu,
-        HEADS_INNER=bool(cfg["HEADS_INNER"]), FUSED_MERGE=bool(cfg["FUSED_MERGE"]) and cfg["MAX_SPLITS"] > 1)
+        HEADS_INNER=bool(cfg["HEADS_INNER"]))
     options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if cfg["maxnreg"] and on_gpu:  # a register cap: more resident programs per SM at the price of spills
         options["maxnreg"] = cfg["maxnreg"]
@@ -701,28 +664,21 @@ def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, s
                  group=group, page_size=page_size, window=window_left >= 0, soft_cap=soft_cap > 0,
                  on_gpu=q.is_cuda and not interpreting())
     constexprs, options = kernel_constexprs(cfg, **shape)
-    fused_merge = constexprs["FUSED_MERGE"]
     if max_splits > 1:
-        # one allocation for all (host time per call matters for short decode steps): partial outputs
-        # [T, Hq, MAX_SPLITS, D], their LSEs [T, Hq, MAX_SPLITS], and with FUSED_MERGE an int32 arrival counter
-        # per (query block, KV head), zeroed here (a memset, not a kernel)
+        # one allocation for both (host time per call matters for short decode steps): partial outputs
+        # [T, Hq, MAX_SPLITS, D] and their LSEs [T, Hq, MAX_SPLITS]
         rows = num_tokens * num_q_heads * max_splits
-        counters = num_q_blocks * num_kv_heads if fused_merge else 0
-        workspace = torch.empty(rows * (head_dim + 1) + counters, dtype=torch.float32, device=q.device)
-        part_out, part_lse = workspace[: rows * head_dim], workspace[rows * head_dim: rows * (head_dim + 1)]
-        arrivals = out  # unused without FUSED_MERGE (no view made: host time per call)
-        if fused_merge:
-            arrivals = workspace[rows * (head_dim + 1):].view(torch.int32)
-            arrivals.zero_()
+        workspace = torch.empty(rows * (head_dim + 1), dtype=torch.float32, device=q.device)
+        part_out, part_lse = workspace[: rows * head_dim], workspace[rows * head_dim:]
     else:
-        part_out = part_lse = arrivals = out  # unused: every program writes `out` directly
+        part_out = part_lse = out  # unused: every program writes `out` directly
     heads_inner = constexprs["HEADS_INNER"]
     grid = (num_q_blocks * num_kv_heads, 1, max_splits) if heads_inner else (num_q_blocks, num_kv_heads, max_splits)
     first_tile, error = (cfg["BLOCK_N"], cfg["num_stages"]), None
     while True:
         try:
             paged_attention_kernel[grid](
-                q, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens, cu, out, part_out, part_lse, arrivals,
+                q, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens, cu, out, part_out, part_lse,
                 batch, float(scale), float(soft_cap), int(window_left), max_splits, chunk,
                 q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                 *ks_strides, *vs_strides,
@@ -742,7 +698,7 @@ def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, s
         warnings.warn(f"attnops Triton attention: a tile of {first_tile[0]} keys in {first_tile[1]} stages does "
                       f"not fit this GPU ({error}); this shape now runs {cfg['BLOCK_N']} keys in "
                       f"{cfg['num_stages']} stages", RuntimeWarning)
-    if max_splits > 1 and not fused_merge:
+    if max_splits > 1:
         merge_splits_kernel[(num_tokens, num_q_heads)](
             out, part_out, part_lse, seq_lens, cu, batch, int(window_left), max_splits, chunk,
             out.stride(0), out.stride(1),
