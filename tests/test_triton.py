@@ -441,7 +441,11 @@ picked += [v for v in variants if v["fmt"] == "mxfp4" and not v["scale_bcast"]][
 picked += [v for v in variants if v.get("fp8_dot")][:1] + [v for v in variants if v.get("wgmma")][:1]
 assert len(picked) == 6
 for v in picked:
-    cc.compile_attention(v, target)
+    compiled, _ = cc.compile_attention(v, target)
+    if v is picked[0]:  # --sass's reading of the SASS: the decode loop, with its mma, inside the kernel
+        prof = cc.sass_profile(compiled.asm["cubin"])
+        assert prof["ops"]["HMMA"] > 0 and 100 < prof["loop"] < prof["instructions"], prof
+        assert prof["registers"] > 0, prof
 cc.compile_cache_write("nvfp4", "bf16", 64, target)
 cc.compile_cache_write("fp8_e4m3", "fp32", 128, target)
 # the heuristic's own prefill tiles for fp32 and bf16 q fit sm_90's 227 KB of shared memory as chosen

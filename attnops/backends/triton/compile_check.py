@@ -5,6 +5,7 @@ for the Triton version installed.
     python -m attnops.backends.triton.compile_check            # sm_90 (H200), every format, decode and extend
     python -m attnops.backends.triton.compile_check --arch 89 --quick
     python -m attnops.backends.triton.compile_check --heuristic   # the heuristic's own choices fit sm_90's 227 KB
+    python -m attnops.backends.triton.compile_check --sass nvfp4 mxfp4   # instructions a decode step issues
 
 Each variant goes through Triton's full pipeline (TTIR -> TTGIR -> LLVM -> PTX -> cubin with ptxas), so a variant
 that compiles here loads on that GPU; what it cannot check is the numbers (tests/test_triton.py on the GPU does).
@@ -12,8 +13,13 @@ that compiles here loads on that GPU; what it cannot check is the numbers (tests
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import itertools
 import os
+import re
+import shutil
+import subprocess
 import sys
 import time
 
@@ -123,14 +129,9 @@ def heuristic_configurations(sms: int, shared_per_block: int, quick: bool):
     of shared memory, each distinct compilation once."""
     import torch
     from . import decode
-    decode._num_sms.cache_clear()
-    decode.heuristic_config.cache_clear()
-    saved = decode._num_sms, decode._shared_memory_per_block
-    decode._num_sms = lambda device: sms
-    decode._shared_memory_per_block = lambda device: shared_per_block
     torch_dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     seen = set()
-    try:
+    with _heuristic_for(sms, shared_per_block):
         fmts = ["bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "nvfp4", "mxfp4"]
         for fmt, q_dtype, head_dim, group, (name, is_decode, batch, q_len, capacity) in itertools.product(
                 fmts if not quick else ["bf16", "fp8_e4m3", "nvfp4"], ["bf16", "fp16", "fp32"],
@@ -149,6 +150,19 @@ def heuristic_configurations(sms: int, shared_per_block: int, quick: bool):
                 seen.add(key)
                 yield f"{name}, {fmt} cache, {q_dtype} q, D={head_dim}, group {group}", q_dtype, fmt, constexprs, \
                     options
+
+
+@contextlib.contextmanager
+def _heuristic_for(sms: int, shared_per_block: int):
+    """decode.heuristic_config as it decides on a GPU of `sms` SMs and `shared_per_block` bytes of shared memory a
+    block (there is none here to ask)."""
+    from . import decode
+    saved = decode._num_sms, decode._shared_memory_per_block
+    decode.heuristic_config.cache_clear()
+    decode._num_sms = lambda device: sms
+    decode._shared_memory_per_block = lambda device: shared_per_block
+    try:
+        yield
     finally:
         decode._num_sms, decode._shared_memory_per_block = saved
         decode.heuristic_config.cache_clear()
@@ -189,6 +203,63 @@ def compile_cache_write(fmt, src, head_dim, target):
                       FP8_DTYPE=tl.float8e5 if fmt == "fp8_e5m2" else tl.float8e4nv,
                       FP8_MAX=57344.0 if fmt == "fp8_e5m2" else 448.0, SOFT_FP8=False)
     return compile_one(reshape_and_cache_kernel, types, constexprs, target, 2, 1)
+
+
+def _cuobjdump() -> str:
+    """Triton's own cuobjdump (its wheel ships one with ptxas), else one on PATH."""
+    bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    found = bundled if os.path.exists(bundled) else shutil.which("cuobjdump")
+    if not found:
+        raise SystemExit("--sass needs cuobjdump (Triton's nvidia backend ships one; or put CUDA's on PATH)")
+    return found
+
+
+def sass_profile(cubin: bytes) -> dict:
+    """Registers, stack bytes and the main loop of a cubin: the longest backward branch's body in its SASS, as an
+    instruction count (what one thread issues per KV step) and a histogram of opcodes."""
+    import tempfile
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([_cuobjdump(), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([_cuobjdump(), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    regs, stack = map(int, re.search(r"REG:(\d+) STACK:(\d+)", usage).groups())
+    code = [(int(m.group(1), 16), m.group(2).strip()) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;/]*);", sass)]
+    index = {address: i for i, (address, _) in enumerate(code)}
+    loops = []
+    for i, (address, text) in enumerate(code):
+        target = re.search(r"BRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < address:
+            loops.append((index.get(int(target.group(1), 16), 0), i))
+    first, last = max(loops, key=lambda loop: loop[1] - loop[0]) if loops else (0, len(code) - 1)
+    ops = collections.Counter()
+    for _, text in code[first:last + 1]:
+        words = text.split()
+        ops[(words[1] if words[0].startswith("@") and len(words) > 1 else words[0]).split(".")[0]] += 1
+    return dict(registers=regs, stack=stack, instructions=len(code), loop=last - first + 1, ops=ops)
+
+
+def print_sass(formats_: list, q_dtype: str, target, sms: int, shared_per_block: int) -> None:
+    """For each format, the heuristic's decode tile for 128 x 4096 (32 q / 8 KV heads, D=128, pages of 16) on the
+    target: its registers and the instructions one thread issues per step of BLOCK_N keys. Decode of a quantized
+    cache is bound by instructions issued, not bytes, when these are high: this is the number to lower."""
+    import torch
+    from . import decode
+    torch_q = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[q_dtype]
+    for fmt in formats_:
+        with _heuristic_for(sms, shared_per_block):
+            cfg = decode.heuristic_config(torch.device("cuda"), True, 128, 128, 32, 8, 128, 16, 4096, fmt, torch_q)
+        constexprs, options = decode.kernel_constexprs(cfg, q_dtype=torch_q, kv_format=fmt, decode=True,
+                                                       num_q_heads=32, head_dim=128, group=4, page_size=16,
+                                                       window=False, soft_cap=False, on_gpu=True)
+        compiled = compile_one(paged_attention_kernel, attention_types(fmt, q_dtype), constexprs, target, **options)
+        prof = sass_profile(compiled.asm["cubin"])
+        values = constexprs["BLOCK_N"] * 128 * 2 / (32 * options["num_warps"])  # K and V values a thread, a step
+        top = ", ".join(f"{op} {n}" for op, n in prof["ops"].most_common(12))
+        print(f"{fmt} ({q_dtype} q): BLOCK_N {constexprs['BLOCK_N']}, {options['num_warps']} warps, "
+              f"{options['num_stages']} stages{', maxnreg ' + str(options['maxnreg']) if 'maxnreg' in options else ''}"
+              f": {prof['registers']} registers, {prof['stack']} stack bytes; main loop {prof['loop']} instructions a "
+              f"thread a step ({prof['loop'] / values:.1f} per K/V value): {top}", flush=True)
 
 
 def check_heuristic(target, sms: int, shared_per_block: int, quick: bool) -> int:
@@ -232,14 +303,22 @@ def main():
                         help="compile the heuristic's own choices (every format, q dtype, head dim, group, and the "
                              "shapes of HEURISTIC_SHAPES) and check that each fits the target's shared memory, or "
                              "that a smaller tile launch() would step down to does")
-    parser.add_argument("--sms", type=int, default=132, help="--heuristic: the target's SMs (132: H100/H200)")
+    parser.add_argument("--sass", nargs="+", metavar="FORMAT",
+                        help="for these KV formats, the heuristic decode tile's registers and the SASS instructions "
+                             "its main loop issues a step, by opcode (needs cuobjdump: Triton ships one)")
+    parser.add_argument("--q-dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="--sass: q's dtype")
+    parser.add_argument("--sms", type=int, default=132,
+                        help="--heuristic/--sass: the target's SMs (132: H100/H200)")
     parser.add_argument("--shared", type=int, default=232448,
-                        help="--heuristic: bytes of shared memory a block may take (232448, 227 KB: sm_90)")
+                        help="--heuristic/--sass: bytes of shared memory a block may take (232448, 227 KB: sm_90)")
     opts = parser.parse_args()
     target = GPUTarget("cuda", opts.arch, 32)
     print(f"triton {triton.__version__}, target sm_{opts.arch}")
     failures = 0
     t0 = time.time()
+    if opts.sass:
+        print_sass(opts.sass, opts.q_dtype, target, opts.sms, opts.shared)
+        return
     if opts.heuristic:
         failures = check_heuristic(target, opts.sms, opts.shared, opts.quick)
         print(f"{failures} failures, {time.time() - t0:.0f} s")
