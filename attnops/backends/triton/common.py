@@ -176,3 +176,11 @@ def e2m1x4_to_scaled_bits_asm(packed, HIGH: tl.constexpr, BF16: tl.constexpr):
             bits = tl.inline_asm_elementwise(asm=E2M1X4_F16_LOW, constraints="=r,=r,r", args=[packed],
                                              dtype=tl.int16, is_pure=True, pack=4)
     return bits
+
+
+@triton.jit
+def opaque_one(x):
+    """1.0 (fp32) from inline PTX, which Triton's layout passes cannot see through (ptxas folds a multiply by it
+    away); `x` is any scalar, only there because inline asm needs an argument. GPU only."""
+    return tl.inline_asm_elementwise(asm="mov.b32 $0, 0x3F800000;", constraints="=r,r", args=[x], dtype=tl.float32,
+                                     is_pure=True, pack=1)

@@ -99,6 +99,11 @@ def attention_variants(quick: bool):
         yield dict(fmt="fp8_e4m3", q_dtype="bf16", decode=decode, head_dim=128, group=4, page=16,
                    block_q=1 if decode else 4, block_n=64, warps=4, window=False, soft_cap=not decode,
                    fp8_asm=False, scale_bcast=False, fp8_dot=True)
+    # fp8 V converted in the load's layout and read by ldmatrix.trans (FP8_V_LDSM): decode, and verify with wgmma
+    for fmt, decode in (("fp8_e4m3", True), ("fp8_e5m2", False)):
+        yield dict(fmt=fmt, q_dtype="bf16", decode=decode, head_dim=128, group=4, page=16, block_q=1 if decode else 4,
+                   block_n=128 if decode else 64, warps=4, window=False, soft_cap=False, fp8_asm=False,
+                   scale_bcast=False, fp8_v_ldsm=True, wgmma=not decode)
     # swapped (wgmma-shaped) dots for plain formats, decode and verify tiles
     for decode in (True, False):
         yield dict(fmt="bf16", q_dtype="bf16", decode=decode, head_dim=128, group=4, page=16,
@@ -183,6 +188,7 @@ def compile_attention(v, target):
                       DOT_PRECISION="ieee" if ddt == tl.float32 else "tf32", FP8_ASM=v["fp8_asm"],
                       FP8_DTYPE=tl.float8e4nv if v["fmt"] == "fp8_e4m3" else tl.float8e5,
                       SCALE_BCAST=v["scale_bcast"], FP4_ASM=v.get("fp4_asm", False), FP8_DOT=v.get("fp8_dot", False),
+                      FP8_V_LDSM=v.get("fp8_v_ldsm", False),
                       WGMMA=v.get("wgmma", False), SOFT_FP8=False, HEADS_INNER=v.get("heads_inner", False))
     stages = 2 if v["head_dim"] >= 256 else 3
     compiled = compile_one(paged_attention_kernel, types, constexprs, target, v["warps"], stages)

@@ -30,8 +30,9 @@ from triton.runtime.errors import OutOfResources
 
 from ... import formats
 from . import interpreting
-from .common import (FMT_CODE, FMT_FP8, FMT_MXFP4, FMT_NVFP4, FMT_PLAIN, LOG2E, e2m1_to_f16_scaled,
-                     e2m1x4_to_scaled_bits_asm, e2m1_to_bf16_scaled, e8m0_to_f32, find_sequence, kv_plan, to_fp8_bits)
+from .common import (FMT_CODE, FMT_FP8, FMT_MXFP4, FMT_NVFP4, FMT_PLAIN, LOG2E, e2m1_to_bf16_scaled,
+                     e2m1_to_f16_scaled, e2m1x4_to_scaled_bits_asm, e8m0_to_f32, find_sequence, kv_plan, opaque_one,
+                     to_fp8_bits)
 
 
 @triton.jit
@@ -178,6 +179,7 @@ def paged_attention_kernel(
     IS_DECODE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FP8_ASM: tl.constexpr, FP8_DTYPE: tl.constexpr, SCALE_BCAST: tl.constexpr,
     FP4_ASM: tl.constexpr, FP8_DOT: tl.constexpr, WGMMA: tl.constexpr, SOFT_FP8: tl.constexpr,
+    FP8_V_LDSM: tl.constexpr,
     HEADS_INNER: tl.constexpr,
 ):
     # HEADS_INNER: axis 0 walks (query block, KV head) with the heads fastest, so that the programs the GPU runs
@@ -374,6 +376,13 @@ def paged_attention_kernel(
             v = tl.load(v_ptr + tok_off[:, None] + offs_d[None, :], mask=kvalid[:, None], other=0.0)
             if FMT == FMT_FP8:
                 v = _fp8_to_dot(v, FP8_DTYPE, DOT_DTYPE, FP8_ASM)
+                if FP8_V_LDSM:
+                    # Triton moves a bare conversion behind the change to the mma operand layout, where fp8 V
+                    # (k = tokens, not contiguous) takes one shared-memory load a byte (128 a thread per 128-key
+                    # step, sm_90 SASS). A multiply by a 1.0 it cannot see through keeps the conversion in the load's
+                    # layout: fp16 V goes through shared memory and ldmatrix.trans like bf16 V, and ptxas drops
+                    # the multiply (1419 -> 989 instructions a step; shared memory 41 -> 74 KB at 3 stages).
+                    v = v * opaque_one(sm_scale).to(DOT_DTYPE)
             else:
                 v = v.to(DOT_DTYPE)
             if SWAP_PV:
@@ -455,7 +464,7 @@ WORKSPACE_BYTES = 64 * 2 ** 20  # the most split partials one call may allocate 
 
 # Tunables a caller (benchmarks/triton_tuning.py, tests) may force; None entries fall back to the heuristic.
 CONFIG_KEYS = ("BLOCK_N", "num_warps", "num_stages", "CHUNK", "MAX_SPLITS", "BLOCK_Q", "FP8_ASM", "SCALE_BCAST",
-               "FP4_ASM", "FP8_DOT", "WGMMA", "maxnreg", "HEADS_INNER")
+               "FP4_ASM", "FP8_DOT", "WGMMA", "maxnreg", "HEADS_INNER", "FP8_V_LDSM")
 
 
 @functools.lru_cache(maxsize=None)
@@ -568,7 +577,7 @@ def heuristic_config(device, decode: bool, batch: int, num_tokens: int, num_q_he
     # on 8 x 4096 but 1.5% slower on 2048 new tokens after 46,000 (h200-prefill-probe.log).
     return dict(BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, CHUNK=chunk, MAX_SPLITS=max_splits,
                 BLOCK_Q=block_q, FP8_ASM=False, SCALE_BCAST=True, FP4_ASM=device.type == "cuda", FP8_DOT=False,
-                WGMMA=False, maxnreg=maxnreg, HEADS_INNER=decode_like)
+                WGMMA=False, maxnreg=maxnreg, HEADS_INNER=decode_like, FP8_V_LDSM=False)
 
 
 def smaller_tile(cfg: dict) -> dict | None:
@@ -603,6 +612,7 @@ def kernel_constexprs(cfg: dict, *, q_dtype: torch.dtype, kv_format: str, decode
         SCALE_BCAST=bool(cfg["SCALE_BCAST"]) and formats.is_fp4(kv_format),
         FP4_ASM=bool(cfg["FP4_ASM"]) and formats.is_fp4(kv_format) and on_gpu,
         FP8_DOT=bool(cfg["FP8_DOT"]) and kv_format == "fp8_e4m3" and q_dtype != torch.float32,
+        FP8_V_LDSM=bool(cfg["FP8_V_LDSM"]) and formats.is_fp8(kv_format) and on_gpu,
         WGMMA=bool(cfg["WGMMA"]) and ddt != torch.float32, SOFT_FP8=not on_gpu,
         HEADS_INNER=bool(cfg["HEADS_INNER"]))
     options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
