@@ -670,21 +670,23 @@ def test_fp4_inline_ptx_decode(q_lens, kv_format):
 
 
 @gpu
-@pytest.mark.parametrize("kv_format,scale_kind", [("fp8_e4m3", "per_tensor"), ("fp8_e5m2", "per_head")])
+@pytest.mark.parametrize("kv_format,scale_kind", [("fp8_e4m3", "per_tensor"), ("fp8_e5m2", "per_head"),
+                                                  ("nvfp4", None), ("mxfp4", None)])
 @pytest.mark.parametrize("q_lens", [None, [4, 4, 30]], ids=["decode", "extend"])
-def test_fp8_v_converted_before_the_dot_layout(q_lens, kv_format, scale_kind):
-    """FP8_V_LDSM (V converted in its load's layout, kept there by a multiply by an inline-PTX 1.0; GPU only):
-    same answers as the reference, in the plain and the swapped (wgmma) PV dot."""
+def test_v_dequantized_before_the_dot_layout(q_lens, kv_format, scale_kind):
+    """V_DEQUANT_FIRST (V converted in its load's layout, kept there by a multiply by an inline-PTX 1.0; GPU only):
+    same answers as the reference, with the plain and (fp8) the swapped wgmma PV dot."""
     from attnops.backends.triton.decode import launch
-    args = random_paged_inputs([300, 17, 1000], q_lens, kv_format=kv_format, scale_kind=scale_kind,
+    args = random_paged_inputs([300, 17, 1000], q_lens, kv_format=kv_format, scale_kind=scale_kind or "per_tensor",
                                q_dtype=torch.bfloat16, num_q_heads=8, num_kv_heads=2, head_dim=128, device=DEVICE,
                                seed=6)
     ref = paged_attention_reference(**args, compute_dtype=torch.float64)
-    for wgmma in (False, True):
+    for wgmma in (False, True) if scale_kind else (False,):
         out = torch.full_like(args["q"], float("nan"))
         launch(args["q"], args["k_cache"], args["v_cache"], args["block_table"], args["seq_lens"],
                args["cu_seqlens_q"], scale=128 ** -0.5, soft_cap=0.0, window_left=-1, kv_format=kv_format,
-               k_scale=args["k_scale"], v_scale=args["v_scale"], out=out, config=dict(FP8_V_LDSM=True, WGMMA=wgmma))
+               k_scale=args["k_scale"], v_scale=args["v_scale"], out=out,
+               config=dict(V_DEQUANT_FIRST=True, WGMMA=wgmma))
         assert relative_error(out, ref) < 1e-2, wgmma
 
 

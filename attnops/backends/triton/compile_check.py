@@ -99,11 +99,13 @@ def attention_variants(quick: bool):
         yield dict(fmt="fp8_e4m3", q_dtype="bf16", decode=decode, head_dim=128, group=4, page=16,
                    block_q=1 if decode else 4, block_n=64, warps=4, window=False, soft_cap=not decode,
                    fp8_asm=False, scale_bcast=False, fp8_dot=True)
-    # fp8 V converted in the load's layout and read by ldmatrix.trans (FP8_V_LDSM): decode, and verify with wgmma
-    for fmt, decode in (("fp8_e4m3", True), ("fp8_e5m2", False)):
+    # V converted in its load's layout and read by ldmatrix.trans (V_DEQUANT_FIRST): fp8 decode, and verify with
+    # wgmma; 4-bit decode
+    for fmt, decode in (("fp8_e4m3", True), ("fp8_e5m2", False), ("nvfp4", True), ("mxfp4", True)):
         yield dict(fmt=fmt, q_dtype="bf16", decode=decode, head_dim=128, group=4, page=16, block_q=1 if decode else 4,
                    block_n=128 if decode else 64, warps=4, window=False, soft_cap=False, fp8_asm=False,
-                   scale_bcast=False, fp8_v_ldsm=True, wgmma=not decode)
+                   scale_bcast=fmt.endswith("fp4"), fp4_asm=fmt.endswith("fp4"), v_dequant_first=True,
+                   wgmma=fmt == "fp8_e5m2")
     # swapped (wgmma-shaped) dots for plain formats, decode and verify tiles
     for decode in (True, False):
         yield dict(fmt="bf16", q_dtype="bf16", decode=decode, head_dim=128, group=4, page=16,
@@ -188,7 +190,7 @@ def compile_attention(v, target):
                       DOT_PRECISION="ieee" if ddt == tl.float32 else "tf32", FP8_ASM=v["fp8_asm"],
                       FP8_DTYPE=tl.float8e4nv if v["fmt"] == "fp8_e4m3" else tl.float8e5,
                       SCALE_BCAST=v["scale_bcast"], FP4_ASM=v.get("fp4_asm", False), FP8_DOT=v.get("fp8_dot", False),
-                      FP8_V_LDSM=v.get("fp8_v_ldsm", False),
+                      V_DEQUANT_FIRST=v.get("v_dequant_first", False),
                       WGMMA=v.get("wgmma", False), SOFT_FP8=False, HEADS_INNER=v.get("heads_inner", False))
     stages = 2 if v["head_dim"] >= 256 else 3
     compiled = compile_one(paged_attention_kernel, types, constexprs, target, v["warps"], stages)
@@ -245,16 +247,18 @@ def sass_profile(cubin: bytes) -> dict:
     return dict(registers=regs, stack=stack, instructions=len(code), loop=last - first + 1, ops=ops)
 
 
-def print_sass(formats_: list, q_dtype: str, target, sms: int, shared_per_block: int) -> None:
+def print_sass(formats_: list, q_dtype: str, target, sms: int, shared_per_block: int, overrides: dict) -> None:
     """For each format, the heuristic's decode tile for 128 x 4096 (32 q / 8 KV heads, D=128, pages of 16) on the
-    target: its registers and the instructions one thread issues per step of BLOCK_N keys. Decode of a quantized
-    cache is bound by instructions issued, not bytes, when these are high: this is the number to lower."""
+    target, with `overrides` (tunables, e.g. {"V_DEQUANT_FIRST": 1}; maxnreg 0 = no cap): its registers and the
+    instructions one thread issues per step of BLOCK_N keys. Decode of a quantized cache is bound by its
+    instructions, not bytes, when these are high: this is the number to lower."""
     import torch
     from . import decode
     torch_q = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[q_dtype]
     for fmt in formats_:
         with _heuristic_for(sms, shared_per_block):
-            cfg = decode.heuristic_config(torch.device("cuda"), True, 128, 128, 32, 8, 128, 16, 4096, fmt, torch_q)
+            cfg = dict(decode.heuristic_config(torch.device("cuda"), True, 128, 128, 32, 8, 128, 16, 4096, fmt,
+                                               torch_q), **overrides)
         constexprs, options = decode.kernel_constexprs(cfg, q_dtype=torch_q, kv_format=fmt, decode=True,
                                                        num_q_heads=32, head_dim=128, group=4, page_size=16,
                                                        window=False, soft_cap=False, on_gpu=True)
@@ -313,6 +317,8 @@ def main():
                         help="for these KV formats, the heuristic decode tile's registers and the SASS instructions "
                              "its main loop issues a step, by opcode (needs cuobjdump: Triton ships one)")
     parser.add_argument("--q-dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="--sass: q's dtype")
+    parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="--sass: tunables to set on the heuristic's tile, e.g. V_DEQUANT_FIRST=1 maxnreg=0")
     parser.add_argument("--sms", type=int, default=132,
                         help="--heuristic/--sass: the target's SMs (132: H100/H200)")
     parser.add_argument("--shared", type=int, default=232448,
@@ -323,7 +329,8 @@ def main():
     failures = 0
     t0 = time.time()
     if opts.sass:
-        print_sass(opts.sass, opts.q_dtype, target, opts.sms, opts.shared)
+        overrides = {key: int(value) for key, value in (item.split("=", 1) for item in opts.set)}
+        print_sass(opts.sass, opts.q_dtype, target, opts.sms, opts.shared, overrides)
         return
     if opts.heuristic:
         failures = check_heuristic(target, opts.sms, opts.shared, opts.quick)

@@ -179,7 +179,7 @@ def paged_attention_kernel(
     IS_DECODE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FP8_ASM: tl.constexpr, FP8_DTYPE: tl.constexpr, SCALE_BCAST: tl.constexpr,
     FP4_ASM: tl.constexpr, FP8_DOT: tl.constexpr, WGMMA: tl.constexpr, SOFT_FP8: tl.constexpr,
-    FP8_V_LDSM: tl.constexpr,
+    V_DEQUANT_FIRST: tl.constexpr,
     HEADS_INNER: tl.constexpr,
 ):
     # HEADS_INNER: axis 0 walks (query block, KV head) with the heads fastest, so that the programs the GPU runs
@@ -244,6 +244,13 @@ def paged_attention_kernel(
         qk_scale = qk_scale * LOG2E
 
     IS_FP4: tl.constexpr = FMT == FMT_NVFP4 or FMT == FMT_MXFP4
+    # V_DEQUANT_FIRST (fp8, 4-bit): Triton moves V's conversion (a cast, or the 4-bit decode) behind the change to
+    # the mma operand layout, where V's operand pairs run along tokens, not memory: fp8 V then takes one
+    # shared-memory load a byte and 4-bit V one load per scale per value pair. A multiply by a 1.0 it cannot see
+    # through (inline PTX; ptxas drops the multiply) keeps the conversion in the load's layout, so the converted
+    # 16-bit tile goes through shared memory and ldmatrix.trans like a bf16 V tile. sm_90 SASS of the default
+    # decode tiles (Triton 3.6), instructions a thread per 128-key step: fp8 1419 -> 989, nvfp4 1866 -> 1545,
+    # mxfp4 2074 -> 1665 (doing the same to K adds instructions). Off until measured on the GPU.
     HALF: tl.constexpr = HEAD_DIM // 2
     # Swapped dots, so that the KV tile is the 64+-row operand that Hopper's wgmma needs (decode has only 16 rows of
     # q): scores as (K q^T)^T, and for plain formats (WGMMA) the output as (V^T P^T)^T, both tiles read by the
@@ -369,6 +376,9 @@ def paged_attention_kernel(
             vs_off = page_v * stride_vsp + in_page * stride_vst + kvh * stride_vsh
             v_e, v_o = _load_fp4_tile(v_ptr, vs_ptr, tok_off, vs_off, offs_d, kvalid, False, FMT, DOT_DTYPE,
                                       SCALE_BCAST, FP4_ASM)
+            if V_DEQUANT_FIRST:
+                v_e = v_e * opaque_one(sm_scale).to(DOT_DTYPE)
+                v_o = v_o * opaque_one(sm_scale).to(DOT_DTYPE)
             p = p.to(DOT_DTYPE)
             acc = tl.dot(p, v_e, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
             acc_o = tl.dot(p, v_o, acc=acc_o * alpha[:, None], input_precision=DOT_PRECISION)
@@ -376,12 +386,7 @@ def paged_attention_kernel(
             v = tl.load(v_ptr + tok_off[:, None] + offs_d[None, :], mask=kvalid[:, None], other=0.0)
             if FMT == FMT_FP8:
                 v = _fp8_to_dot(v, FP8_DTYPE, DOT_DTYPE, FP8_ASM)
-                if FP8_V_LDSM:
-                    # Triton moves a bare conversion behind the change to the mma operand layout, where fp8 V
-                    # (k = tokens, not contiguous) takes one shared-memory load a byte (128 a thread per 128-key
-                    # step, sm_90 SASS). A multiply by a 1.0 it cannot see through keeps the conversion in the load's
-                    # layout: fp16 V goes through shared memory and ldmatrix.trans like bf16 V, and ptxas drops
-                    # the multiply (1419 -> 989 instructions a step; shared memory 41 -> 74 KB at 3 stages).
+                if V_DEQUANT_FIRST:
                     v = v * opaque_one(sm_scale).to(DOT_DTYPE)
             else:
                 v = v.to(DOT_DTYPE)
@@ -464,7 +469,7 @@ WORKSPACE_BYTES = 64 * 2 ** 20  # the most split partials one call may allocate 
 
 # Tunables a caller (benchmarks/triton_tuning.py, tests) may force; None entries fall back to the heuristic.
 CONFIG_KEYS = ("BLOCK_N", "num_warps", "num_stages", "CHUNK", "MAX_SPLITS", "BLOCK_Q", "FP8_ASM", "SCALE_BCAST",
-               "FP4_ASM", "FP8_DOT", "WGMMA", "maxnreg", "HEADS_INNER", "FP8_V_LDSM")
+               "FP4_ASM", "FP8_DOT", "WGMMA", "maxnreg", "HEADS_INNER", "V_DEQUANT_FIRST")
 
 
 @functools.lru_cache(maxsize=None)
@@ -577,7 +582,7 @@ def heuristic_config(device, decode: bool, batch: int, num_tokens: int, num_q_he
     # on 8 x 4096 but 1.5% slower on 2048 new tokens after 46,000 (h200-prefill-probe.log).
     return dict(BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, CHUNK=chunk, MAX_SPLITS=max_splits,
                 BLOCK_Q=block_q, FP8_ASM=False, SCALE_BCAST=True, FP4_ASM=device.type == "cuda", FP8_DOT=False,
-                WGMMA=False, maxnreg=maxnreg, HEADS_INNER=decode_like, FP8_V_LDSM=False)
+                WGMMA=False, maxnreg=maxnreg, HEADS_INNER=decode_like, V_DEQUANT_FIRST=False)
 
 
 def smaller_tile(cfg: dict) -> dict | None:
@@ -612,7 +617,7 @@ def kernel_constexprs(cfg: dict, *, q_dtype: torch.dtype, kv_format: str, decode
         SCALE_BCAST=bool(cfg["SCALE_BCAST"]) and formats.is_fp4(kv_format),
         FP4_ASM=bool(cfg["FP4_ASM"]) and formats.is_fp4(kv_format) and on_gpu,
         FP8_DOT=bool(cfg["FP8_DOT"]) and kv_format == "fp8_e4m3" and q_dtype != torch.float32,
-        FP8_V_LDSM=bool(cfg["FP8_V_LDSM"]) and formats.is_fp8(kv_format) and on_gpu,
+        V_DEQUANT_FIRST=bool(cfg["V_DEQUANT_FIRST"]) and (formats.is_fp8(kv_format) or formats.is_fp4(kv_format)) and on_gpu,
         WGMMA=bool(cfg["WGMMA"]) and ddt != torch.float32, SOFT_FP8=not on_gpu,
         HEADS_INNER=bool(cfg["HEADS_INNER"]))
     options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
