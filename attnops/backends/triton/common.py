@@ -20,27 +20,6 @@ FMT_CODE = {"bf16": 0, "fp16": 0, "fp32": 0, "fp8_e4m3": 1, "fp8_e5m2": 1, "nvfp
 
 
 @triton.jit
-def e2m1_to_f16_scaled(code):
-    """4-bit e2m1 codes (uint8/int32 0..15: sign bit 3, magnitude bits 0-2) -> fp16 values x 2^-14, exactly.
-
-    The three magnitude bits are placed at bits 9..11 of an fp16: exponent field = the e2m1 exponent, top mantissa
-    bit = the e2m1 mantissa bit. Read as fp16 that is value * 2^-14 exactly (e2m1's subnormal 0.5 lands on an fp16
-    subnormal, which fp16 keeps: no flush to zero): bit moves only, no table lookup and no arithmetic."""
-    c = code.to(tl.int16)
-    bits = ((c & 7) << 9) | ((c & 8) << 12)
-    return bits.to(tl.float16, bitcast=True)
-
-
-@triton.jit
-def e2m1_to_bf16_scaled(code):
-    """4-bit e2m1 codes -> bf16 values x 2^-126, exactly: e2m1_to_f16_scaled's bit moves into bf16's lowest exponent
-    bits (bits 7..8) and top mantissa bit (6); e2m1's subnormal 0.5 lands on a bf16 subnormal."""
-    c = code.to(tl.int16)
-    bits = ((c & 7) << 6) | ((c & 8) << 12)
-    return bits.to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
 def e8m0_to_f32(s):
     """mxfp4 e8m0 block scales (uint8 s) -> 2^(s-127) as float32, built from the exponent bits (exact; s = 0 is
     the subnormal 2^-127)."""
@@ -154,28 +133,34 @@ E2M1X4_BF16_LOW, E2M1X4_BF16_HIGH = tl.constexpr(_e2m1x4_asm(False, 6)), tl.cons
 
 
 @triton.jit
-def e2m1x4_to_scaled_bits_asm(packed, HIGH: tl.constexpr, BF16: tl.constexpr):
-    """Inline-PTX version of e2m1_to_f16_scaled (BF16: e2m1_to_bf16_scaled) on the low (HIGH=False) or high
-    nibbles of uint8 `packed`: four bytes a 32-bit register, masks and shifts on two 16-bit lanes at once (about 3
-    instructions per value instead of 6). Same output, as int16 bits to bitcast: value x 2^-14 as fp16 (value x
-    2^-126 as bf16). GPU only (the interpreter cannot run PTX); checked by tests/test_triton.py on the GPU and by
-    the tuning script before timing."""
-    # pack=4: bytes 0..3 of the input register are elements 0..3; outputs: elements 0,1 in $0, 2,3 in $1
-    if BF16:
-        if HIGH:
-            bits = tl.inline_asm_elementwise(asm=E2M1X4_BF16_HIGH, constraints="=r,=r,r", args=[packed],
-                                             dtype=tl.int16, is_pure=True, pack=4)
+def e2m1_nibbles(packed, BF16: tl.constexpr, ASM: tl.constexpr):
+    """The low (even element) and high (odd element) nibbles of uint8 `packed`, e2m1 codes (sign bit 3, magnitude
+    bits 0-2), as 16-bit floats times a power of two, exactly, by bit moves only (no table, no arithmetic): the
+    magnitude bits become the float's lowest exponent bits and top mantissa bit, the sign its bit 15. fp16: value
+    x 2^-14 (bits 9..11); BF16: value x 2^-126 (bits 6..8). e2m1's subnormal 0.5 lands on a float subnormal,
+    which both keep. ASM (GPU only: the interpreter cannot run PTX): four bytes a 32-bit register, two 16-bit
+    lanes at once, about 3 instructions a value instead of 6; checked by tests/test_triton.py on the GPU."""
+    if ASM:
+        # pack=4: bytes 0..3 of the input register are elements 0..3; outputs: elements 0,1 in $0, 2,3 in $1
+        # (the PTX is named by a module-level constexpr in each call: Triton takes a string held in a local
+        # variable for a value, not a constant)
+        if BF16:
+            even = tl.inline_asm_elementwise(E2M1X4_BF16_LOW, "=r,=r,r", [packed], tl.int16, True, 4)
+            odd = tl.inline_asm_elementwise(E2M1X4_BF16_HIGH, "=r,=r,r", [packed], tl.int16, True, 4)
         else:
-            bits = tl.inline_asm_elementwise(asm=E2M1X4_BF16_LOW, constraints="=r,=r,r", args=[packed],
-                                             dtype=tl.int16, is_pure=True, pack=4)
+            even = tl.inline_asm_elementwise(E2M1X4_F16_LOW, "=r,=r,r", [packed], tl.int16, True, 4)
+            odd = tl.inline_asm_elementwise(E2M1X4_F16_HIGH, "=r,=r,r", [packed], tl.int16, True, 4)
     else:
-        if HIGH:
-            bits = tl.inline_asm_elementwise(asm=E2M1X4_F16_HIGH, constraints="=r,=r,r", args=[packed],
-                                             dtype=tl.int16, is_pure=True, pack=4)
-        else:
-            bits = tl.inline_asm_elementwise(asm=E2M1X4_F16_LOW, constraints="=r,=r,r", args=[packed],
-                                             dtype=tl.int16, is_pure=True, pack=4)
-    return bits
+        SHIFT: tl.constexpr = 6 if BF16 else 9
+        c = packed.to(tl.int16)
+        even = ((c & 7) << SHIFT) | ((c & 8) << 12)
+        odd = (((c >> 4) & 7) << SHIFT) | (((c >> 4) & 8) << 12)
+    # (one return: Triton 3.6 refuses returns of different dtypes in constexpr branches)
+    if BF16:
+        even_f, odd_f = even.to(tl.bfloat16, bitcast=True), odd.to(tl.bfloat16, bitcast=True)
+    else:
+        even_f, odd_f = even.to(tl.float16, bitcast=True), odd.to(tl.float16, bitcast=True)
+    return even_f, odd_f
 
 
 @triton.jit
