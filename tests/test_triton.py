@@ -691,6 +691,38 @@ def test_v_dequantized_before_the_dot_layout(q_lens, kv_format, scale_kind):
 
 
 @gpu
+@pytest.mark.parametrize("q_lens", [None, [4, 1, 30]], ids=["decode", "extend"])
+def test_merge_as_programmatic_dependent_launch(q_lens):
+    """PDL (the merge kernel launched as a programmatic dependent of the attention kernel, sm_90+; the heuristic
+    leaves it off): right answers with many splits, 20 times on new data eagerly, then replayed in a CUDA graph
+    (a missing griddepcontrol.wait shows as rows merged from stale partials)."""
+    from attnops.backends.triton.decode import launch
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90+")
+    args = random_paged_inputs([20000, 1, 0, 9000], q_lens, num_q_heads=32, num_kv_heads=8, head_dim=128,
+                               kv_format="bf16", q_dtype=torch.bfloat16, device="cuda", seed=3)
+    out = torch.empty_like(args["q"])
+    run = lambda: launch(args["q"], args["k_cache"], args["v_cache"], args["block_table"], args["seq_lens"],  # noqa
+                         args["cu_seqlens_q"], scale=128 ** -0.5, soft_cap=0.0, window_left=-1, kv_format="bf16",
+                         k_scale=None, v_scale=None, out=out, config=dict(PDL=True, MAX_SPLITS=32, CHUNK=512))
+    errors = []
+    for _ in range(20):
+        args["q"].normal_()
+        out.fill_(float("nan"))
+        run()
+        errors.append(relative_error(out, paged_attention_reference(**args, compute_dtype=torch.float64)))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for _ in range(5):
+        args["q"].normal_()
+        out.fill_(float("nan"))
+        graph.replay()
+        errors.append(relative_error(out, paged_attention_reference(**args, compute_dtype=torch.float64)))
+    assert all(e < 1e-2 for e in errors), errors  # NaN fails too
+
+
+@gpu
 def test_cuda_graph_capture_and_replay_with_new_lengths():
     """Captured once, replayed with new seq_lens and block tables: the split count is decided on the device."""
     # built for 3000 keys each (every table row has its pages), replayed with any lengths up to that

@@ -69,7 +69,7 @@ def compile_one(fn, types, constexprs, target, num_warps, num_stages, maxnreg=No
     return triton.compile(src, target=target, options=options)
 
 
-def attention_variants(quick: bool):
+def attention_variants(quick: bool, arch: int = 90):
     formats = ["bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "nvfp4", "mxfp4"]
     q_dtypes = ["bf16", "fp16"] if not quick else ["bf16"]
     for fmt, q_dtype, decode, head_dim in itertools.product(formats, q_dtypes, (True, False), (64, 128, 256)):
@@ -106,6 +106,10 @@ def attention_variants(quick: bool):
                    block_n=128 if decode else 64, warps=4, window=False, soft_cap=False, fp8_asm=False,
                    scale_bcast=fmt.endswith("fp4"), fp4_asm=fmt.endswith("fp4"), v_dequant_first=True,
                    wgmma=fmt == "fp8_e5m2")
+    # the merge kernel as a programmatic dependent launch of the attention kernel (PDL, sm_90+)
+    if arch >= 90:
+        yield dict(fmt="bf16", q_dtype="bf16", decode=True, head_dim=128, group=4, page=16, block_q=1, block_n=128,
+                   warps=4, window=False, soft_cap=False, fp8_asm=False, scale_bcast=False, pdl=True)
     # swapped (wgmma-shaped) dots for plain formats, decode and verify tiles
     for decode in (True, False):
         yield dict(fmt="bf16", q_dtype="bf16", decode=decode, head_dim=128, group=4, page=16,
@@ -190,14 +194,15 @@ def compile_attention(v, target):
                       DOT_PRECISION="ieee" if ddt == tl.float32 else "tf32", FP8_ASM=v["fp8_asm"],
                       FP8_DTYPE=tl.float8e4nv if v["fmt"] == "fp8_e4m3" else tl.float8e5,
                       SCALE_BCAST=v["scale_bcast"], FP4_ASM=v.get("fp4_asm", False), FP8_DOT=v.get("fp8_dot", False),
-                      V_DEQUANT_FIRST=v.get("v_dequant_first", False),
+                      V_DEQUANT_FIRST=v.get("v_dequant_first", False), PDL=v.get("pdl", False),
                       WGMMA=v.get("wgmma", False), SOFT_FP8=False, HEADS_INNER=v.get("heads_inner", False))
     stages = 2 if v["head_dim"] >= 256 else 3
     compiled = compile_one(paged_attention_kernel, types, constexprs, target, v["warps"], stages)
     merge = compile_one(merge_splits_kernel, dict(out_ptr=qp, part_out_ptr="*fp32", part_lse_ptr="*fp32",
                                                   seq_lens_ptr="*i32", cu_ptr="*i32"),
                         dict(NUM_Q_HEADS=32, HEAD_DIM=v["head_dim"], BLOCK_Q=v["block_q"], BLOCK_N=v["block_n"],
-                             SPLITS_P2=64, IS_DECODE=v["decode"], HAS_WINDOW=v["window"]), target, 4, 2)
+                             SPLITS_P2=64, IS_DECODE=v["decode"], HAS_WINDOW=v["window"], PDL=v.get("pdl", False)),
+                        target, 4, 2)
     return compiled, merge
 
 
@@ -336,7 +341,7 @@ def main():
         failures = check_heuristic(target, opts.sms, opts.shared, opts.quick)
         print(f"{failures} failures, {time.time() - t0:.0f} s")
         sys.exit(1 if failures else 0)
-    for v in attention_variants(opts.quick):
+    for v in attention_variants(opts.quick, opts.arch):
         try:
             compiled, _ = compile_attention(v, target)
             ttgir = compiled.asm["ttgir"]

@@ -26,6 +26,7 @@ import warnings
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime.errors import OutOfResources
 
 from ... import formats
@@ -171,7 +172,10 @@ def paged_attention_kernel(
     FP4_ASM: tl.constexpr, FP8_DOT: tl.constexpr, WGMMA: tl.constexpr, SOFT_FP8: tl.constexpr,
     V_DEQUANT_FIRST: tl.constexpr,
     HEADS_INNER: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # the merge kernel may start now: its programs wait (griddepcontrol.wait) before reading partials
+        gdc_launch_dependents()
     # HEADS_INNER: axis 0 walks (query block, KV head) with the heads fastest, so that the programs the GPU runs
     # at the same time read every head of the same pages (an NHD page holds all heads of its tokens side by side)
     # rather than one head of many pages; otherwise axis 0 walks query blocks and axis 1 the KV heads.
@@ -414,11 +418,13 @@ def merge_splits_kernel(
     out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, cu_ptr, num_seqs, window_left, MAX_SPLITS, CHUNK,
     stride_ot, stride_oh,
     NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLITS_P2: tl.constexpr, IS_DECODE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    SPLITS_P2: tl.constexpr, IS_DECODE: tl.constexpr, HAS_WINDOW: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program per (query token, query head): combines the token's split partials by their LSE. It
     recomputes the split plan of the attention kernel (same kv_plan) and leaves single-split rows alone (the
-    attention kernel wrote them directly)."""
+    attention kernel wrote them directly). PDL (launched as a programmatic dependent of the attention kernel):
+    the split plan, from inputs the attention kernel does not write, is worked out while that kernel finishes, and
+    the partials are read after griddepcontrol.wait."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     if IS_DECODE:
@@ -435,6 +441,8 @@ def merge_splits_kernel(
                                       HAS_WINDOW)
     if n_splits <= 1:
         return
+    if PDL:
+        gdc_wait()
     row = (t.to(tl.int64) * NUM_Q_HEADS + h) * MAX_SPLITS
     offs_s = tl.arange(0, SPLITS_P2)
     lse = tl.load(part_lse_ptr + row + offs_s, mask=offs_s < n_splits, other=float("-inf"))
@@ -459,7 +467,7 @@ WORKSPACE_BYTES = 64 * 2 ** 20  # the most split partials one call may allocate 
 
 # Tunables a caller (benchmarks/triton_tuning.py, tests) may force; None entries fall back to the heuristic.
 CONFIG_KEYS = ("BLOCK_N", "num_warps", "num_stages", "CHUNK", "MAX_SPLITS", "BLOCK_Q", "FP8_ASM", "SCALE_BCAST",
-               "FP4_ASM", "FP8_DOT", "WGMMA", "maxnreg", "HEADS_INNER", "V_DEQUANT_FIRST")
+               "FP4_ASM", "FP8_DOT", "WGMMA", "maxnreg", "HEADS_INNER", "V_DEQUANT_FIRST", "PDL")
 
 
 @functools.lru_cache(maxsize=None)
@@ -572,7 +580,7 @@ def heuristic_config(device, decode: bool, batch: int, num_tokens: int, num_q_he
     # on 8 x 4096 but 1.5% slower on 2048 new tokens after 46,000 (h200-prefill-probe.log).
     return dict(BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, CHUNK=chunk, MAX_SPLITS=max_splits,
                 BLOCK_Q=block_q, FP8_ASM=False, SCALE_BCAST=True, FP4_ASM=device.type == "cuda", FP8_DOT=False,
-                WGMMA=False, maxnreg=maxnreg, HEADS_INNER=decode_like, V_DEQUANT_FIRST=False)
+                WGMMA=False, maxnreg=maxnreg, HEADS_INNER=decode_like, V_DEQUANT_FIRST=False, PDL=False)
 
 
 def smaller_tile(cfg: dict) -> dict | None:
@@ -607,7 +615,9 @@ def kernel_constexprs(cfg: dict, *, q_dtype: torch.dtype, kv_format: str, decode
         SCALE_BCAST=bool(cfg["SCALE_BCAST"]) and formats.is_fp4(kv_format),
         FP4_ASM=bool(cfg["FP4_ASM"]) and formats.is_fp4(kv_format) and on_gpu,
         FP8_DOT=bool(cfg["FP8_DOT"]) and kv_format == "fp8_e4m3" and q_dtype != torch.float32,
-        V_DEQUANT_FIRST=bool(cfg["V_DEQUANT_FIRST"]) and (formats.is_fp8(kv_format) or formats.is_fp4(kv_format)) and on_gpu,
+        V_DEQUANT_FIRST=bool(cfg["V_DEQUANT_FIRST"]) and (formats.is_fp8(kv_format) or formats.is_fp4(kv_format))
+        and on_gpu,
+        PDL=bool(cfg["PDL"]) and cfg["MAX_SPLITS"] > 1 and on_gpu,
         WGMMA=bool(cfg["WGMMA"]) and ddt != torch.float32, SOFT_FP8=not on_gpu,
         HEADS_INNER=bool(cfg["HEADS_INNER"]))
     options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
@@ -632,6 +642,8 @@ def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, s
     cfg = dict(chosen)
     if config:
         cfg.update({k: v for k, v in config.items() if v is not None})
+    if cfg["PDL"] and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] < 9:
+        cfg["PDL"] = False  # griddepcontrol (programmatic dependent launch) is sm_90+
     # the kernels index these with unit inner strides (always so from the usual callers; copies are tiny)
     if block_table.stride(1) != 1:
         block_table = block_table.contiguous()
@@ -709,4 +721,5 @@ def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, s
             out.stride(0), out.stride(1),
             NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_Q=block_q, BLOCK_N=cfg["BLOCK_N"],
             SPLITS_P2=max(2, triton.next_power_of_2(max_splits)), IS_DECODE=decode,
-            HAS_WINDOW=window_left >= 0, num_warps=4 if head_dim >= 128 else 2)
+            HAS_WINDOW=window_left >= 0, PDL=constexprs["PDL"], launch_pdl=constexprs["PDL"],
+            num_warps=4 if head_dim >= 128 else 2)
