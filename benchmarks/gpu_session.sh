@@ -6,8 +6,9 @@
 # Steps:
 #   build     the extension against the device's torch (always first)
 #   tune      benchmarks/triton_tuning.py on a quiet GPU (TUNE_ARGS, TUNE_BUDGET seconds)
-#   compare   benchmarks/triton_tuning.py --compare $COMPARE (KEY=VALUE..., required): the heuristic against the
-#             heuristic with those tunables set, every format and case (COMPARE_ARGS narrows it), no sweep
+#   compare   benchmarks/triton_tuning.py --compare for each set in $COMPARE (KEY=VALUE..., sets separated by ;):
+#             the heuristic against the heuristic with those tunables set, every format and case (COMPARE_ARGS
+#             narrows it), no sweep; e.g. COMPARE="V_DEQUANT_FIRST=1;PDL=1" 
 #   overhead  benchmarks/overhead.py --profile (eager per-call cost of the op against the kernels)
 #   bench     benchmarks/bench.py $BENCH_ARGS (JSON + PNG), on a quiet GPU
 #   tests     the GPU tests, suites in parallel processes (TEST_SUITES, default "triton flashinfer e2e": Triton
@@ -30,9 +31,12 @@ for step in "$@"; do
         ${TUNE_ARGS:-} --json "$out/tune.json" > "$out/tune.log" 2>&1
       sed -n '/=== best per case/,$p' "$out/tune.log"; stamp tune ;;
     compare)
-      timeout $(( ${TUNE_BUDGET:-240} + 60 )) python3 benchmarks/triton_tuning.py --budget ${TUNE_BUDGET:-240} \
-        --compare ${COMPARE:?set COMPARE=KEY=VALUE...} ${COMPARE_ARGS:-} --json "$out/compare.json" > "$out/compare.log" 2>&1
-      grep -E "^  |failed|Error" "$out/compare.log" | tail -40; stamp compare ;;
+      IFS=';' read -ra sets <<< "${COMPARE:?set COMPARE=KEY=VALUE... (several A/B runs: separate them with ;)}"
+      for i in "${!sets[@]}"; do
+        timeout $(( ${TUNE_BUDGET:-240} + 60 )) python3 benchmarks/triton_tuning.py --budget ${TUNE_BUDGET:-240} \
+          --compare ${sets[$i]} ${COMPARE_ARGS:-} --json "$out/compare-$i.json" > "$out/compare-$i.log" 2>&1
+        echo "== ${sets[$i]}"; grep -E "^  |failed|Error" "$out/compare-$i.log" | tail -40
+      done; stamp compare ;;
     overhead)
       timeout ${OVERHEAD_TIMEOUT:-120} python3 benchmarks/overhead.py --profile --json "$out/overhead.json" \
         > "$out/overhead.log" 2>&1; grep -E "^(flashinfer|triton) " "$out/overhead.log"; stamp overhead ;;
