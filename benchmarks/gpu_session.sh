@@ -2,7 +2,9 @@
 # One call on a lent GPU (device tool), as a list of steps run in order, each under its own time limit, logs and
 # JSON under $OUT (few files: the device tool brings back only a handful). A lent machine starts bare and each
 # call's limit is 10 minutes, so a call does a whole round:
-#   source .device/prelude.sh && bash benchmarks/gpu_session.sh build tune overhead tests
+#   source .device/prelude.sh && ATTNOPS_COMMIT=<sha> bash benchmarks/gpu_session.sh build tune overhead tests
+# ATTNOPS_COMMIT: the commit being measured, written into the JSON and plots; type in this machine's
+# `git rev-parse --short HEAD` (on the lent machine git HEAD is the last landed commit, not the tree it runs).
 # Steps:
 #   build     the extension against the device's torch (always first)
 #   tune      benchmarks/triton_tuning.py on a quiet GPU (TUNE_ARGS, TUNE_BUDGET seconds)
