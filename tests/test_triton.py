@@ -27,7 +27,7 @@ from attnops import formats
 from attnops.backends import BACKENDS
 from attnops.backends.reference import paged_attention_reference, reshape_and_cache_reference
 from attnops.backends.triton.common import FMT_CODE
-from attnops.backends.triton.decode import _dequant_fp4, _fp4_scale, fp4_fold
+from attnops.backends.triton.decode import _TL_DTYPE, _dequant_fp4, _fp4_scale, fp4_fold
 from attnops.testing import random_paged_inputs, relative_error
 
 CUDA = torch.cuda.is_available()
@@ -306,8 +306,7 @@ def test_fp4_dequant_is_exact(fmt, dot_dtype, asm):
     n = len(packed)  # a multiple of 256
     even, odd = (torch.empty(n, dtype=torch.float32, device=DEVICE) for _ in range(2))
     _fp4_dequant_kernel[(n // 256,)](packed.to(DEVICE), scales.to(DEVICE), even, odd, FMT=FMT_CODE[fmt],
-                                      DOT_DTYPE={F16: tl.float16, F32: tl.float32, torch.bfloat16: tl.bfloat16}[
-                                          dot_dtype], FP4_ASM=asm, BLOCK=256)
+                                      DOT_DTYPE=_TL_DTYPE[dot_dtype], FP4_ASM=asm, BLOCK=256)
     scale = scales.view(torch.float8_e4m3fn).double() if fmt == "nvfp4" else torch.exp2(scales.double() - 127)
     values = formats.unpack_fp4(packed[:, None]).double()  # [n, 2]: the low nibble, then the high one
     for got, value in ((even, values[:, 0]), (odd, values[:, 1])):

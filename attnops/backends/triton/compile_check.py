@@ -25,6 +25,7 @@ import time
 
 os.environ.pop("TRITON_INTERPRET", None)  # compile for real
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -32,11 +33,11 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from .cache_write import reshape_and_cache_kernel  # noqa: E402
 from .common import FMT_CODE  # noqa: E402
-from .decode import merge_splits_kernel, paged_attention_kernel  # noqa: E402
+from .decode import _TL_DTYPE, merge_splits_kernel, paged_attention_kernel  # noqa: E402
 
 PTR = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32", "fp8_e4m3": "*u8", "fp8_e5m2": "*u8", "nvfp4": "*u8",
        "mxfp4": "*u8"}
-TL = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}
+TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # q dtypes by name
 
 
 def signature(fn, types: dict, constexprs: dict) -> dict:
@@ -138,9 +139,7 @@ def heuristic_configurations(sms: int, shared_per_block: int, quick: bool):
     """(label, q dtype, format, constexprs, options): the heuristic's own choice for every format, q dtype, head
     dim, GQA group and HEURISTIC_SHAPES case on a GPU of `sms` SMs whose blocks may take `shared_per_block` bytes
     of shared memory, each distinct compilation once."""
-    import torch
     from . import decode
-    torch_dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     seen = set()
     with _heuristic_for(sms, shared_per_block):
         fmts = ["bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "nvfp4", "mxfp4"]
@@ -150,9 +149,9 @@ def heuristic_configurations(sms: int, shared_per_block: int, quick: bool):
             num_kv_heads = 8 if group < 16 else 2
             cfg = decode.heuristic_config(torch.device("cuda"), is_decode, batch, batch * q_len,
                                           num_kv_heads * group, num_kv_heads, head_dim, 16, capacity, fmt,
-                                          torch_dtypes[q_dtype])
+                                          TORCH_DTYPE[q_dtype])
             constexprs, options = decode.kernel_constexprs(
-                cfg, q_dtype=torch_dtypes[q_dtype], kv_format=fmt, decode=is_decode,
+                cfg, q_dtype=TORCH_DTYPE[q_dtype], kv_format=fmt, decode=is_decode,
                 num_q_heads=num_kv_heads * group, head_dim=head_dim, group=group, page_size=16, window=False,
                 soft_cap=False, on_gpu=True)
             key = (fmt, q_dtype, tuple(sorted((k, str(v)) for k, v in constexprs.items())),
@@ -181,10 +180,7 @@ def _heuristic_for(sms: int, shared_per_block: int):
 
 def compile_attention(v, target):
     from .decode import dot_dtype
-    import torch
-    torch_q = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[v["q_dtype"]]
-    ddt = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[
-        dot_dtype(torch_q, v["fmt"])]
+    ddt = _TL_DTYPE[dot_dtype(TORCH_DTYPE[v["q_dtype"]], v["fmt"])]
     qp = "*" + v["q_dtype"]
     types = attention_types(v["fmt"], v["q_dtype"])
     block_m = max(16, triton.next_power_of_2(v["block_q"] * v["group"]))
@@ -257,9 +253,8 @@ def print_sass(formats_: list, q_dtype: str, target, sms: int, shared_per_block:
     target, with `overrides` (tunables, e.g. {"V_DEQUANT_FIRST": 1}; maxnreg 0 = no cap): its registers and the
     instructions one thread issues per step of BLOCK_N keys. Decode of a quantized cache is bound by its
     instructions, not bytes, when these are high: this is the number to lower."""
-    import torch
     from . import decode
-    torch_q = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[q_dtype]
+    torch_q = TORCH_DTYPE[q_dtype]
     for fmt in formats_:
         with _heuristic_for(sms, shared_per_block):
             cfg = dict(decode.heuristic_config(torch.device("cuda"), True, 128, 128, 32, 8, 128, 16, 4096, fmt,

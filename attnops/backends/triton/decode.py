@@ -371,8 +371,9 @@ def paged_attention_kernel(
             v_e, v_o = _load_fp4_tile(v_ptr, vs_ptr, tok_off, vs_off, offs_d, kvalid, False, FMT, DOT_DTYPE,
                                       SCALE_BCAST, FP4_ASM)
             if V_DEQUANT_FIRST:
-                v_e = v_e * opaque_one(sm_scale).to(DOT_DTYPE)
-                v_o = v_o * opaque_one(sm_scale).to(DOT_DTYPE)
+                one = opaque_one(sm_scale).to(DOT_DTYPE)
+                v_e = v_e * one
+                v_o = v_o * one
             p = p.to(DOT_DTYPE)
             acc = tl.dot(p, v_e, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
             acc_o = tl.dot(p, v_o, acc=acc_o * alpha[:, None], input_precision=DOT_PRECISION)
