@@ -205,6 +205,7 @@ def test_prefill_pipeline_depth_follows_shared_memory(monkeypatch):
     where a block may use 227 KB of shared memory (what the H200 measured), 2 elsewhere and for fp8 caches."""
     from attnops.backends.triton import decode as tdecode
     monkeypatch.setattr(tdecode, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(tdecode, "_capability", lambda device: 9)
     stages = {}
     for shared, kv_format in itertools.product((232448, 166912), ("bf16", "fp8_e4m3")):
         monkeypatch.setattr(tdecode, "_shared_memory_per_block", lambda device, shared=shared: shared)
@@ -448,7 +449,7 @@ for v in picked:
 cc.compile_cache_write("nvfp4", "bf16", 64, target)
 cc.compile_cache_write("fp8_e4m3", "fp32", 128, target)
 # the heuristic's own prefill tiles for fp32 and bf16 q fit sm_90's 227 KB of shared memory as chosen
-for label, q_dtype, fmt, constexprs, options in cc.heuristic_configurations(132, 232448, quick=True):
+for label, q_dtype, fmt, constexprs, options in cc.heuristic_configurations(90, 132, 232448, quick=True):
     if label.startswith("chunk") and fmt == "bf16" and q_dtype in ("fp32", "bf16"):  # prefill-sized tiles
         shared = cc.compile_one(cc.paged_attention_kernel, cc.attention_types(fmt, q_dtype), constexprs, target,
                                 **options).metadata.shared
@@ -690,11 +691,11 @@ def test_v_dequantized_before_the_dot_layout(q_lens, kv_format, scale_kind):
 
 
 @gpu
-@pytest.mark.parametrize("q_lens", [None, [4, 1, 30]], ids=["decode", "extend"])
+@pytest.mark.parametrize("q_lens", [None, [4, 1, 0, 30]], ids=["decode", "extend"])
 def test_merge_as_programmatic_dependent_launch(q_lens):
-    """PDL (the merge kernel launched as a programmatic dependent of the attention kernel, sm_90+; the heuristic
-    leaves it off): right answers with many splits, 20 times on new data eagerly, then replayed in a CUDA graph
-    (a missing griddepcontrol.wait shows as rows merged from stale partials)."""
+    """PDL (the merge kernel launched as a programmatic dependent of the attention kernel; the heuristic's choice
+    on sm_90+): right answers with many splits, 20 times on new data eagerly, then replayed in a CUDA graph (a
+    missing griddepcontrol.wait shows as rows merged from stale partials)."""
     from attnops.backends.triton.decode import launch
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs sm_90+")

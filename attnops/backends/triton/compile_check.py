@@ -135,13 +135,13 @@ HEURISTIC_SHAPES = [("decode 128 x 4096", True, 128, 1, 4096), ("decode 1 x 3276
                     ("chunk 4 x 300 on 8192", False, 4, 300, 8192), ("prefill 8 x 4096", False, 8, 4096, 4096)]
 
 
-def heuristic_configurations(sms: int, shared_per_block: int, quick: bool):
+def heuristic_configurations(arch: int, sms: int, shared_per_block: int, quick: bool):
     """(label, q dtype, format, constexprs, options): the heuristic's own choice for every format, q dtype, head
     dim, GQA group and HEURISTIC_SHAPES case on a GPU of `sms` SMs whose blocks may take `shared_per_block` bytes
     of shared memory, each distinct compilation once."""
     from . import decode
     seen = set()
-    with _heuristic_for(sms, shared_per_block):
+    with _heuristic_for(arch, sms, shared_per_block):
         fmts = ["bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "nvfp4", "mxfp4"]
         for fmt, q_dtype, head_dim, group, (name, is_decode, batch, q_len, capacity) in itertools.product(
                 fmts if not quick else ["bf16", "fp8_e4m3", "nvfp4"], ["bf16", "fp16", "fp32"],
@@ -163,18 +163,19 @@ def heuristic_configurations(sms: int, shared_per_block: int, quick: bool):
 
 
 @contextlib.contextmanager
-def _heuristic_for(sms: int, shared_per_block: int):
-    """decode.heuristic_config as it decides on a GPU of `sms` SMs and `shared_per_block` bytes of shared memory a
-    block (there is none here to ask)."""
+def _heuristic_for(arch: int, sms: int, shared_per_block: int):
+    """decode.heuristic_config as it decides on an sm_`arch` GPU of `sms` SMs and `shared_per_block` bytes of
+    shared memory a block (there is none here to ask)."""
     from . import decode
-    saved = decode._num_sms, decode._shared_memory_per_block
+    saved = decode._capability, decode._num_sms, decode._shared_memory_per_block
     decode.heuristic_config.cache_clear()
+    decode._capability = lambda device: arch // 10
     decode._num_sms = lambda device: sms
     decode._shared_memory_per_block = lambda device: shared_per_block
     try:
         yield
     finally:
-        decode._num_sms, decode._shared_memory_per_block = saved
+        decode._capability, decode._num_sms, decode._shared_memory_per_block = saved
         decode.heuristic_config.cache_clear()
 
 
@@ -256,7 +257,7 @@ def print_sass(formats_: list, q_dtype: str, target, sms: int, shared_per_block:
     from . import decode
     torch_q = TORCH_DTYPE[q_dtype]
     for fmt in formats_:
-        with _heuristic_for(sms, shared_per_block):
+        with _heuristic_for(target.arch, sms, shared_per_block):
             cfg = dict(decode.heuristic_config(torch.device("cuda"), True, 128, 128, 32, 8, 128, 16, 4096, fmt,
                                                torch_q), **overrides)
         constexprs, options = decode.kernel_constexprs(cfg, q_dtype=torch_q, kv_format=fmt, decode=True,
@@ -278,7 +279,8 @@ def check_heuristic(target, sms: int, shared_per_block: int, quick: bool) -> int
     once and run the smaller tile), "FAIL" rows where nothing fits or nothing compiles. Returns the FAIL count."""
     from .decode import smaller_tile
     failures = steps = 0
-    for label, q_dtype, fmt, constexprs, options in heuristic_configurations(sms, shared_per_block, quick):
+    choices = heuristic_configurations(target.arch, sms, shared_per_block, quick)
+    for label, q_dtype, fmt, constexprs, options in choices:
         tried = []
         try:
             while True:
