@@ -456,9 +456,16 @@ def merge_splits_kernel(
     denom = tl.sum(tl.exp2(lse - mx), 0)
     offs_d = tl.arange(0, HEAD_DIM)
     acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
-    for s in range(0, n_splits):
-        w = tl.exp2(tl.load(part_lse_ptr + row + s) - mx)
-        acc += w * tl.load(part_out_ptr + (row + s) * HEAD_DIM + offs_d)
+    # partials a tile of SPLIT_TILE splits at a time, all of a tile's loads in flight together: one split a
+    # loop turn made 1 x 32768's merge (32 programs, 32 splits each) a chain of 32 dependent L2 round trips
+    SPLIT_TILE: tl.constexpr = min(SPLITS_P2, 4096 // HEAD_DIM)
+    offs_t = tl.arange(0, SPLIT_TILE)
+    for s0 in range(0, n_splits, SPLIT_TILE):
+        valid = s0 + offs_t < n_splits
+        w = tl.exp2(tl.load(part_lse_ptr + row + s0 + offs_t, mask=valid, other=float("-inf")) - mx)
+        part = tl.load(part_out_ptr + (row + s0 + offs_t)[:, None] * HEAD_DIM + offs_d[None, :],
+                       mask=valid[:, None], other=0.0)
+        acc += tl.sum(w[:, None] * part, 0)
     o = acc / tl.where(denom > 0.0, denom, 1.0)
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
 
