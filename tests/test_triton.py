@@ -159,6 +159,21 @@ def test_splits_merged_by_lse(kv_format, q_lens, options):
     assert relative_error(out, ref) < TOLERANCE[q_dtype]
 
 
+def test_merge_over_several_split_tiles():
+    """More splits than the merge kernel reads at once (4096 // D = 16 at D=256): its loop over tiles of splits,
+    the last one partial, with a window that empties the first splits (LSE -inf)."""
+    from attnops.backends.triton import decode
+    args = random_paged_inputs([700, 0, 650], num_q_heads=2, num_kv_heads=1, head_dim=256, kv_format="fp32",
+                               device=DEVICE, seed=4)
+    for window_left in (-1, 200):
+        out = torch.full_like(args["q"], float("nan"))
+        decode.launch(args["q"], args["k_cache"], args["v_cache"], args["block_table"], args["seq_lens"], None,
+                      scale=0.0625, soft_cap=0.0, window_left=window_left, kv_format="fp32", k_scale=None,
+                      v_scale=None, out=out, config=dict(MAX_SPLITS=21, CHUNK=32, BLOCK_N=32))
+        ref = paged_attention_reference(**args, scale=0.0625, window_left=window_left, compute_dtype=torch.float64)
+        assert relative_error(out, ref) < 1e-5, window_left
+
+
 @pytest.mark.parametrize("kv_format,q_lens,q_dtype", [("nvfp4", None, F16), ("mxfp4", [5, 9], F32),
                                                       ("nvfp4", [3, 1], F32)])
 def test_fp4_scales_loaded_per_value(kv_format, q_lens, q_dtype):
