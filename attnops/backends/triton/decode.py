@@ -174,11 +174,9 @@ def paged_attention_kernel(
     HEADS_INNER: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    if PDL:
-        # launched as a programmatic dependent of the previous kernel in the stream (its launch and scheduling
-        # overlap that kernel's tail): nothing is read before the wait. Then the merge kernel may start: its
-        # programs wait again before reading partials.
-        gdc_wait()
+    if PDL:  # the merge kernel may start now: its programs wait (griddepcontrol.wait) before reading partials
+        # (this kernel launched as a dependent of the previous one too, waiting before its first read, measured
+        # no faster on the H200: h200-compare-pdl-b7b15fe.log)
         gdc_launch_dependents()
     # HEADS_INNER: axis 0 walks (query block, KV head) with the heads fastest, so that the programs the GPU runs
     # at the same time read every head of the same pages (an NHD page holds all heads of its tokens side by side)
@@ -427,9 +425,9 @@ def merge_splits_kernel(
 ):
     """One program per (query token, query head): combines the token's split partials by their LSE. It
     recomputes the split plan of the attention kernel (same kv_plan) and leaves single-split rows alone (the
-    attention kernel wrote them directly). PDL (launched as a programmatic dependent of the attention kernel,
-    which passed its own wait before letting this one start): the split plan, from inputs the attention kernel
-    does not write, is worked out while that kernel finishes, and the partials are read after the wait."""
+    attention kernel wrote them directly). PDL (launched as a programmatic dependent of the attention kernel):
+    the split plan, from inputs the attention kernel does not write, is worked out while that kernel finishes, and
+    the partials are read after griddepcontrol.wait."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     if IS_DECODE:
@@ -726,8 +724,7 @@ def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, s
                 batch, float(scale), float(soft_cap), int(window_left), max_splits, chunk,
                 q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                 *ks_strides, *vs_strides,
-                block_table.stride(0), out.stride(0), out.stride(1), **constexprs, **options,
-                launch_pdl=constexprs["PDL"])
+                block_table.stride(0), out.stride(0), out.stride(1), **constexprs, **options)
             break
         except OutOfResources as e:
             # Raised when the compiled kernel is loaded, before anything runs: the tile needs more shared
