@@ -597,7 +597,7 @@ def heuristic_config(device, decode: bool, batch: int, num_tokens: int, num_q_he
     # on 8 x 4096 but 1.5% slower on 2048 new tokens after 46,000 (h200-prefill-probe.log).
     # V_DEQUANT_FIRST for mxfp4 decode-like tiles only: on the H200 5-7% faster for mxfp4 (256 x 8192 1740 against
     # 1869 us) but 4-7% slower for fp8 and nvfp4, although their SASS has fewer instructions too (fp8 989 against
-    # 1419 a step): the converted V's extra trip through shared memory and its barrier cost more there
+    # 1419 a step): likely the converted V's extra trip through shared memory and its barrier
     # (h200-compare-v-dequant-first-3eaba47.log). PDL where the GPU has it (sm_90+): with the merge kernel alone
     # launched as a dependent, 2.5-3% off 1 x 32768 (bf16 40.6 -> 39.5 us), the same elsewhere
     # (h200-compare-pdl-3eaba47.log).
