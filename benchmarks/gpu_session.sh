@@ -12,6 +12,8 @@
 #             the heuristic against the heuristic with those tunables set, every format and case (COMPARE_ARGS
 #             narrows it), no sweep; e.g. COMPARE="V_DEQUANT_FIRST=1;PDL=1" 
 #   overhead  benchmarks/overhead.py --profile (eager per-call cost of the op against the kernels)
+#   breakdown benchmarks/decode_breakdown.py $BREAKDOWN_ARGS (a decode's time by stage: op, attention kernel
+#             alone, merge, a plain read of the same bytes, one launch)
 #   bench     benchmarks/bench.py $BENCH_ARGS (JSON + PNG), on a quiet GPU
 #   tests     the GPU tests, suites in parallel processes (TEST_SUITES, default "triton flashinfer e2e": Triton
 #             under pytest-xdist; FlashInfer + graphs + devices; end to end), one log; TESTS_TIMEOUT seconds
@@ -42,6 +44,9 @@ for step in "$@"; do
     overhead)
       timeout ${OVERHEAD_TIMEOUT:-120} python3 benchmarks/overhead.py --profile --json "$out/overhead.json" \
         > "$out/overhead.log" 2>&1; grep -E "^(flashinfer|triton) " "$out/overhead.log"; stamp overhead ;;
+    breakdown)
+      timeout ${BREAKDOWN_TIMEOUT:-180} python3 benchmarks/decode_breakdown.py ${BREAKDOWN_ARGS:-} \
+        --json "$out/breakdown.json" > "$out/breakdown.log" 2>&1; tail -20 "$out/breakdown.log"; stamp breakdown ;;
     bench)
       timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench.py ${BENCH_ARGS:-} --json "$out/bench.json" \
         --plot "$out/bench.png" > "$out/bench.txt" 2> /tmp/bench.err; tail -3 /tmp/bench.err
