@@ -245,7 +245,9 @@ def sass_profile(cubin: bytes) -> dict:
     ops = collections.Counter()
     for _, text in code[first:last + 1]:
         words = text.split()
-        ops[(words[1] if words[0].startswith("@") and len(words) > 1 else words[0]).split(".")[0]] += 1
+        opcode = words[1] if words[0].startswith("@") and len(words) > 1 else words[0]
+        # IMAD.MOV is a register move on the integer pipe (operand shuffling), not arithmetic: counted apart
+        ops["IMAD.MOV" if opcode.startswith("IMAD.MOV") else opcode.split(".")[0]] += 1
     return dict(registers=regs, stack=stack, instructions=len(code), loop=last - first + 1, ops=ops)
 
 
