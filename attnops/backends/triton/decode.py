@@ -81,9 +81,9 @@ def _dequant_fp4(packed, scale, FMT: tl.constexpr, DOT_DTYPE: tl.constexpr, FP4_
     significant bits, an e4m3 scale 4: every product fits the dot dtype).
 
     4-bit decode is bound by its instructions, not bytes (H200: 43% fewer instructions a step made mxfp4 decode
-    1.74x faster), so each case takes the fewest: the nibble's bits are moved into a 16-bit float (value x 2^-14 as fp16, value x 2^-126
-    as bf16; inline PTX on two values at once with FP4_ASM) and the scale applied in that float with packed
-    multiplies where the range allows, through fp32 only where it does not."""
+    1.74x faster), so each case takes the fewest: the nibble's bits are moved into a 16-bit float (value x 2^-14
+    as fp16, value x 2^-126 as bf16; inline PTX on two values at once with FP4_ASM) and the scale applied in that
+    float with packed multiplies where the range allows, through fp32 only where it does not."""
     # (one return at the end: Triton 3.6 refuses returns of different dtypes in constexpr branches)
     if FMT == FMT_MXFP4 and DOT_DTYPE == tl.bfloat16:
         # (value x 2^-126) x 2^126 x 2^(s-127), two packed bf16 multiplies a value pair: bf16 has fp32's exponent
@@ -170,9 +170,7 @@ def paged_attention_kernel(
     IS_DECODE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FP8_ASM: tl.constexpr, FP8_DTYPE: tl.constexpr, SCALE_BCAST: tl.constexpr,
     FP4_ASM: tl.constexpr, FP8_DOT: tl.constexpr, WGMMA: tl.constexpr, SOFT_FP8: tl.constexpr,
-    V_DEQUANT_FIRST: tl.constexpr,
-    HEADS_INNER: tl.constexpr,
-    PDL: tl.constexpr,
+    V_DEQUANT_FIRST: tl.constexpr, HEADS_INNER: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:  # the merge kernel may start now: its programs wait (griddepcontrol.wait) before reading partials
         # (this kernel launched as a dependent of the previous one too, waiting before its first read, measured
@@ -487,6 +485,7 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
 def _capability(device: torch.device) -> int:
     """The GPU's compute capability major (0 off the GPU)."""
     if device.type != "cuda":
@@ -667,8 +666,8 @@ def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, s
     cfg = dict(chosen)
     if config:
         cfg.update({k: v for k, v in config.items() if v is not None})
-    if cfg["PDL"] and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] < 9:
-        cfg["PDL"] = False  # griddepcontrol (programmatic dependent launch) is sm_90+
+    if cfg["PDL"] and _capability(q.device) < 9:
+        cfg["PDL"] = False  # a forced PDL: griddepcontrol (programmatic dependent launch) is sm_90+
     # the kernels index these with unit inner strides (always so from the usual callers; copies are tiny)
     if block_table.stride(1) != 1:
         block_table = block_table.contiguous()
