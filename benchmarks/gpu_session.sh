@@ -10,7 +10,7 @@
 #   tune      benchmarks/triton_tuning.py on a quiet GPU (TUNE_ARGS, TUNE_BUDGET seconds)
 #   compare   benchmarks/triton_tuning.py --compare for each set in $COMPARE (KEY=VALUE..., sets separated by ;):
 #             the heuristic against the heuristic with those tunables set, every format and case (COMPARE_ARGS
-#             narrows it), no sweep; e.g. COMPARE="V_DEQUANT_FIRST=1;PDL=1" 
+#             narrows it), no sweep; e.g. COMPARE="V_DEQUANT_FIRST=1;PDL=0"
 #   overhead  benchmarks/overhead.py --profile (eager per-call cost of the op against the kernels)
 #   breakdown benchmarks/decode_breakdown.py $BREAKDOWN_ARGS (a decode's time by stage: op, attention kernel
 #             alone, merge, a plain read of the same bytes, one launch)
