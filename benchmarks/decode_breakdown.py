@@ -10,6 +10,8 @@ Per case and format, CUDA-graph medians (ten calls a graph, as benchmarks/bench.
   read        a plain Triton kernel reading the same bytes of the cache pool, contiguously, with as many
               programs as the attention kernel: the DRAM read rate this much parallelism reaches
   read-chip   the same with 4 programs an SM: what the bytes cost at full occupancy
+  read-best   the fastest plain read of those bytes over 1-16 programs an SM, 4 or 8 warps, 2-8K words a load
+              step: no kernel that reads the bytes once can beat it by much
   launch      an empty kernel: the floor of one launch inside a graph
 For 1 x 32768 (bar: 1.3x FlashInfer) the op's distance to `read-chip` is what ramp-up, tail and merge cost.
 """
@@ -68,12 +70,18 @@ def attention_programs(runner: Runner, fmt: str) -> int:
     return HKV * sum(splits)
 
 
-def read_time_us(nbytes: int, programs: int) -> float:
-    words = nbytes // 4
+def read_time_us(nbytes: int, programs: int, block: int = 2048, num_warps: int = 8) -> float:
+    words = int(nbytes) // 4  # (4-bit formats count their scales' bytes as a float)
     src = torch.empty(words, dtype=torch.int32, device="cuda").random_()
     sink = torch.empty(programs, dtype=torch.int32, device="cuda")
     per_program = -(-words // programs)
-    return graph_time_us(lambda: _read_kernel[(programs,)](src, sink, words, per_program, BLOCK=2048, num_warps=8))
+    return graph_time_us(lambda: _read_kernel[(programs,)](src, sink, words, per_program, BLOCK=block,
+                                                           num_warps=num_warps))
+
+
+def best_read_us(nbytes: int, sms: int) -> float:
+    return min(read_time_us(nbytes, per_sm * sms, block, warps)
+               for per_sm in (1, 2, 4, 8, 16) for warps in (4, 8) for block in (2048, 8192))
 
 
 def breakdown(case: str, fmt: str) -> dict:
@@ -93,7 +101,9 @@ def breakdown(case: str, fmt: str) -> dict:
     del runner
     torch.cuda.empty_cache()
     row["read"] = read_time_us(nbytes, row["programs"])
-    row["read-chip"] = read_time_us(nbytes, 4 * torch.cuda.get_device_properties(0).multi_processor_count)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    row["read-chip"] = read_time_us(nbytes, 4 * sms)
+    row["read-best"] = best_read_us(nbytes, sms)
     sink = torch.empty(1, dtype=torch.int32, device="cuda")
     row["launch"] = graph_time_us(lambda: _empty_kernel[(1,)](sink))
     return row
@@ -109,14 +119,14 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("decode_breakdown.py times GPU kernels: it needs a CUDA GPU")
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-    stages = ("op", "attention", "merge", "read", "read-chip", "launch")
+    stages = ("op", "attention", "merge", "read", "read-chip", "read-best", "launch")
     print(f"{'case':>10} {'format':>9} {'programs':>8} " + " ".join(f"{s:>10}" for s in stages) + "  (us; TB/s)")
     rows = []
     for case in opts.cases:
         for fmt in opts.formats:
             row = breakdown(case, fmt)
             rows.append(row)
-            tbps = {s: row["bytes"] / row[s] / 1e6 for s in ("op", "attention", "read", "read-chip")}
+            tbps = {s: row["bytes"] / row[s] / 1e6 for s in ("op", "attention", "read", "read-chip", "read-best")}
             print(f"{case:>10} {fmt:>9} {row['programs']:>8} " + " ".join(f"{row[s]:>10.1f}" for s in stages))
             print(f"{'':>29} " + " ".join(f"{tbps[s]:>10.2f}" if s in tbps else f"{'':>10}" for s in stages),
                   flush=True)

@@ -705,6 +705,27 @@ def test_v_dequantized_before_the_dot_layout(q_lens, kv_format, scale_kind):
         assert relative_error(out, ref) < 1e-2, wgmma
 
 
+@pytest.mark.parametrize("pairs", [dict(FP8_V_PAIRS=True), dict(FP8_K_PAIRS=True),
+                                   dict(FP8_V_PAIRS=True, FP8_K_PAIRS=True)], ids=["v", "k", "kv"])
+@pytest.mark.parametrize("kv_format,scale_kind", [("fp8_e4m3", "per_tensor"), ("fp8_e5m2", "per_head")])
+@pytest.mark.parametrize("q_lens,window,soft_cap", [(None, -1, 0.0), ([4, 1, 0, 30], 40, 30.0)],
+                         ids=["decode", "extend-window-softcap"])
+@pytest.mark.parametrize("q_dtype", [F16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
+def test_fp8_read_as_byte_pairs(q_lens, window, soft_cap, kv_format, scale_kind, pairs, q_dtype):
+    """FP8_V_PAIRS / FP8_K_PAIRS (fp8 V / K read as 16-bit words, split into even and odd elements: on the GPU by
+    inline PTX, under the interpreter by casts) give the reference's answers, output columns in place, decode and
+    extend."""
+    from attnops.backends.triton.decode import launch
+    args = random_paged_inputs([300, 17, 0, 1], q_lens, kv_format=kv_format, scale_kind=scale_kind,
+                               q_dtype=q_dtype, num_q_heads=8, num_kv_heads=2, head_dim=64, device=DEVICE, seed=9)
+    ref = paged_attention_reference(**args, window_left=window, soft_cap=soft_cap, compute_dtype=torch.float64)
+    out = torch.full_like(args["q"], float("nan"))
+    launch(args["q"], args["k_cache"], args["v_cache"], args["block_table"], args["seq_lens"], args["cu_seqlens_q"],
+           scale=64 ** -0.5, soft_cap=soft_cap, window_left=window, kv_format=kv_format, k_scale=args["k_scale"],
+           v_scale=args["v_scale"], out=out, config=pairs)
+    assert relative_error(out, ref) < 1e-2
+
+
 @gpu
 @pytest.mark.parametrize("q_lens", [None, [4, 1, 0, 30]], ids=["decode", "extend"])
 def test_merge_as_programmatic_dependent_launch(q_lens):

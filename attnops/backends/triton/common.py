@@ -169,3 +169,24 @@ def opaque_one(x):
     away); `x` is any scalar, only there because inline asm needs an argument. GPU only."""
     return tl.inline_asm_elementwise(asm="mov.b32 $0, 0x3F800000;", constraints="=r,r", args=[x], dtype=tl.float32,
                                      is_pure=True, pack=1)
+
+
+def _fp8_pair_asm(odd: bool, e4m3: bool) -> str:
+    """PTX for two 16-bit words (two fp8 elements each, in one 32-bit register) -> their even (low byte) or odd
+    (high byte) elements as two fp16: a byte permute gathers the two bytes, then e4m3 takes the packed conversion
+    and e5m2, fp16's top byte, is placed as it is (low bytes zero)."""
+    if e4m3:
+        select = "0x3031" if odd else "0x2020"  # bytes 1,3 (or 0,2) into the low half
+        return f"""{{
+        .reg .b32 t;
+        .reg .b16 lo, hi;
+        prmt.b32 t, $1, 0, {select};
+        mov.b32 {{lo, hi}}, t;
+        cvt.rn.f16x2.e4m3x2 $0, lo;
+        }}"""
+    select = "0x3414" if odd else "0x2404"  # each byte to the top of its 16-bit half, zero below
+    return f"prmt.b32 $0, $1, 0, {select};"
+
+
+FP8_PAIR_E4M3_EVEN, FP8_PAIR_E4M3_ODD = tl.constexpr(_fp8_pair_asm(False, True)), tl.constexpr(_fp8_pair_asm(True, True))
+FP8_PAIR_E5M2_EVEN, FP8_PAIR_E5M2_ODD = tl.constexpr(_fp8_pair_asm(False, False)), tl.constexpr(_fp8_pair_asm(True, False))

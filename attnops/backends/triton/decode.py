@@ -31,8 +31,9 @@ from triton.runtime.errors import OutOfResources
 
 from ... import formats
 from . import interpreting
-from .common import (FMT_CODE, FMT_FP8, FMT_MXFP4, FMT_NVFP4, FMT_PLAIN, LOG2E, e2m1_nibbles, e8m0_to_f32,
-                     find_sequence, kv_plan, opaque_one, to_fp8_bits)
+from .common import (FMT_CODE, FMT_FP8, FMT_MXFP4, FMT_NVFP4, FMT_PLAIN, FP8_PAIR_E4M3_EVEN, FP8_PAIR_E4M3_ODD,
+                     FP8_PAIR_E5M2_EVEN, FP8_PAIR_E5M2_ODD, LOG2E, e2m1_nibbles, e8m0_to_f32, find_sequence, kv_plan,
+                     opaque_one, to_fp8_bits)
 
 
 @triton.jit
@@ -143,6 +144,37 @@ def fp4_fold(FMT: tl.constexpr, DOT_DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _load_fp8_pairs(c_ptr, tok_off, offs_h, kvalid, TRANSPOSED: tl.constexpr, FP8_DTYPE: tl.constexpr,
+                    ASM: tl.constexpr):
+    """A tile of fp8 K or V read as 16-bit words (two neighbouring elements each), returned as its even and odd
+    elements in fp16: [D/2, BLOCK_N] tiles (K^T) if TRANSPOSED, else [BLOCK_N, D/2] (V).
+
+    Why: as the B operand of P @ V, fp8 V's register pairs run along keys, not memory, so an 8-bit tile reaches the
+    mma layout one shared-memory byte load at a time; a 16-bit tile gets there by ldmatrix.trans, and each
+    register pair (two keys' words) then splits into two fp16 pairs with one byte permute and one packed
+    conversion each. The kernel multiplies P with both halves and interleaves the output columns at the end. For
+    K (FP8_K_PAIRS) the gain is q's operand: next to a 16-bit K it is loaded by ldmatrix rather than rebuilt from
+    64-bit loads and register moves every step."""
+    if TRANSPOSED:
+        words = tl.load(c_ptr.to(tl.pointer_type(tl.uint16)) + (tok_off // 2)[None, :] + offs_h[:, None],
+                        mask=kvalid[None, :], other=0)
+    else:
+        words = tl.load(c_ptr.to(tl.pointer_type(tl.uint16)) + (tok_off // 2)[:, None] + offs_h[None, :],
+                        mask=kvalid[:, None], other=0)
+    if ASM:
+        if FP8_DTYPE == tl.float8e4nv:
+            even = tl.inline_asm_elementwise(FP8_PAIR_E4M3_EVEN, "=r,r", [words], tl.float16, True, 2)
+            odd = tl.inline_asm_elementwise(FP8_PAIR_E4M3_ODD, "=r,r", [words], tl.float16, True, 2)
+        else:
+            even = tl.inline_asm_elementwise(FP8_PAIR_E5M2_EVEN, "=r,r", [words], tl.float16, True, 2)
+            odd = tl.inline_asm_elementwise(FP8_PAIR_E5M2_ODD, "=r,r", [words], tl.float16, True, 2)
+    else:
+        even = (words & 0xFF).to(tl.uint8).to(FP8_DTYPE, bitcast=True).to(tl.float16)
+        odd = (words >> 8).to(tl.uint8).to(FP8_DTYPE, bitcast=True).to(tl.float16)
+    return even, odd
+
+
+@triton.jit
 def _fp8_to_dot(x, FP8_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, FP8_ASM: tl.constexpr):
     """fp8 bytes (loaded as uint8, so that masked lanes are a plain 0, never a NaN pattern) -> DOT_DTYPE.
     FP8_ASM (sm_89+, fp16 target, e4m3 only): the packed PTX conversion that turns two e4m3 values into two fp16
@@ -170,7 +202,8 @@ def paged_attention_kernel(
     IS_DECODE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FP8_ASM: tl.constexpr, FP8_DTYPE: tl.constexpr, SCALE_BCAST: tl.constexpr,
     FP4_ASM: tl.constexpr, FP8_DOT: tl.constexpr, WGMMA: tl.constexpr, SOFT_FP8: tl.constexpr,
-    V_DEQUANT_FIRST: tl.constexpr, HEADS_INNER: tl.constexpr, PDL: tl.constexpr,
+    V_DEQUANT_FIRST: tl.constexpr, HEADS_INNER: tl.constexpr, PDL: tl.constexpr, FP8_V_PAIRS: tl.constexpr,
+    FP8_K_PAIRS: tl.constexpr,
 ):
     if PDL:  # the merge kernel may start now: its programs wait (griddepcontrol.wait) before reading partials
         # (this kernel launched as a dependent of the previous one too, waiting before its first read, measured
@@ -254,17 +287,20 @@ def paged_attention_kernel(
     # K (on sm_90 only wgmma multiplies fp8, and its fp8 A operand must be K-major: K [BLOCK_N, D] is, V^T is not,
     # so V keeps the conversion). q enters as two e4m3 terms, hi + lo / 16 (scaled per row): about bf16's
     # precision.
-    FP8_QK: tl.constexpr = FMT == FMT_FP8 and FP8_DOT
-    SWAP_QK: tl.constexpr = FP8_QK or (not IS_FP4 and WGMMA)
-    SWAP_PV: tl.constexpr = not IS_FP4 and WGMMA
-    if IS_FP4:
+    # q's and K's even and odd elements in two tiles each, two score dots: 4-bit, and fp8 with FP8_K_PAIRS
+    PAIRED_K: tl.constexpr = IS_FP4 or (FMT == FMT_FP8 and FP8_K_PAIRS)
+    FP8_QK: tl.constexpr = FMT == FMT_FP8 and FP8_DOT and not PAIRED_K
+    SWAP_QK: tl.constexpr = FP8_QK or (not PAIRED_K and WGMMA)
+    # V's even and odd elements in two tiles and two accumulators (output columns interleaved at the end): 4-bit
+    # (_load_fp4_tile) and, with FP8_V_PAIRS, fp8 (_load_fp8_pairs)
+    PAIRED_V: tl.constexpr = IS_FP4 or (FMT == FMT_FP8 and FP8_V_PAIRS)
+    SWAP_PV: tl.constexpr = not PAIRED_V and WGMMA
+    if PAIRED_K:
         offs_d = tl.arange(0, HALF)
         q_e = tl.load(q_ptr + q_row_off[:, None] + 2 * offs_d[None, :], mask=row_valid[:, None], other=0.0)
         q_o = tl.load(q_ptr + q_row_off[:, None] + 2 * offs_d[None, :] + 1, mask=row_valid[:, None], other=0.0)
         q_e = q_e.to(DOT_DTYPE)
         q_o = q_o.to(DOT_DTYPE)
-        acc = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
-        acc_o = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
     else:
         offs_d = tl.arange(0, HEAD_DIM)
         q = tl.load(q_ptr + q_row_off[:, None] + offs_d[None, :], mask=row_valid[:, None], other=0.0)
@@ -284,10 +320,13 @@ def paged_attention_kernel(
             q = q.to(DOT_DTYPE)
             if SWAP_QK:
                 q_t = tl.trans(q)  # [D, BLOCK_M]
-        if SWAP_PV:
-            acc = tl.zeros([HEAD_DIM, BLOCK_M], dtype=tl.float32)  # transposed
-        else:
-            acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    if PAIRED_V:
+        acc = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
+        acc_o = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
+    elif SWAP_PV:
+        acc = tl.zeros([HEAD_DIM, BLOCK_M], dtype=tl.float32)  # transposed
+    else:
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
 
@@ -311,7 +350,11 @@ def paged_attention_kernel(
         # int64: page index x page stride passes 2^31 elements on large caches
         tok_off = page_v * stride_kp + in_page * stride_kt + head_off
 
-        if IS_FP4:
+        if FMT == FMT_FP8 and PAIRED_K:
+            k_e, k_o = _load_fp8_pairs(k_ptr, tok_off, offs_d, kvalid, True, FP8_DTYPE, not SOFT_FP8)
+            qk = tl.dot(q_e, k_e, input_precision=DOT_PRECISION)
+            qk = tl.dot(q_o, k_o, acc=qk, input_precision=DOT_PRECISION)
+        elif IS_FP4:
             ks_off = page_v * stride_ksp + in_page * stride_kst + kvh * stride_ksh
             k_e, k_o = _load_fp4_tile(k_ptr, ks_ptr, tok_off, ks_off, offs_d, kvalid, True, FMT, DOT_DTYPE,
                                       SCALE_BCAST, FP4_ASM)
@@ -377,8 +420,13 @@ def paged_attention_kernel(
             p = p.to(DOT_DTYPE)
             acc = tl.dot(p, v_e, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
             acc_o = tl.dot(p, v_o, acc=acc_o * alpha[:, None], input_precision=DOT_PRECISION)
+        elif PAIRED_V:
+            v_e, v_o = _load_fp8_pairs(v_ptr, tok_off, tl.arange(0, HALF), kvalid, False, FP8_DTYPE, not SOFT_FP8)
+            p = p.to(DOT_DTYPE)
+            acc = tl.dot(p, v_e, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
+            acc_o = tl.dot(p, v_o, acc=acc_o * alpha[:, None], input_precision=DOT_PRECISION)
         else:
-            v = tl.load(v_ptr + tok_off[:, None] + offs_d[None, :], mask=kvalid[:, None], other=0.0)
+            v = tl.load(v_ptr + tok_off[:, None] + tl.arange(0, HEAD_DIM)[None, :], mask=kvalid[:, None], other=0.0)
             if FMT == FMT_FP8:
                 v = _fp8_to_dot(v, FP8_DTYPE, DOT_DTYPE, FP8_ASM)
                 if V_DEQUANT_FIRST:
@@ -395,20 +443,20 @@ def paged_attention_kernel(
         acc = tl.trans(acc)
     has_keys = l_i > 0.0
     inv_l = tl.where(has_keys, v_mul / tl.where(has_keys, l_i, 1.0), 0.0)  # no key seen: the row is 0
-    if IS_FP4:
-        col = 2 * offs_d
+    if PAIRED_V:
+        col = 2 * tl.arange(0, HALF)
     else:
-        col = offs_d
+        col = tl.arange(0, HEAD_DIM)
     if n_splits == 1:
         o_ptr = out_ptr + tok[:, None] * stride_ot + row_head.to(tl.int64)[:, None] * stride_oh + col[None, :]
         tl.store(o_ptr, (acc * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
-        if IS_FP4:
+        if PAIRED_V:
             tl.store(o_ptr + 1, (acc_o * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
     else:
         part_row = (tok * NUM_Q_HEADS + row_head) * MAX_SPLITS + split  # int64
         p_ptr = part_out_ptr + part_row[:, None] * HEAD_DIM + col[None, :]
         tl.store(p_ptr, acc * inv_l[:, None], mask=row_valid[:, None])
-        if IS_FP4:
+        if PAIRED_V:
             tl.store(p_ptr + 1, acc_o * inv_l[:, None], mask=row_valid[:, None])
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + part_row, lse, mask=row_valid)
@@ -475,7 +523,8 @@ WORKSPACE_BYTES = 64 * 2 ** 20  # the most split partials one call may allocate 
 
 # Tunables a caller (benchmarks/triton_tuning.py, tests) may force; None entries fall back to the heuristic.
 CONFIG_KEYS = ("BLOCK_N", "num_warps", "num_stages", "CHUNK", "MAX_SPLITS", "BLOCK_Q", "FP8_ASM", "SCALE_BCAST",
-               "FP4_ASM", "FP8_DOT", "WGMMA", "maxnreg", "HEADS_INNER", "V_DEQUANT_FIRST", "PDL")
+               "FP4_ASM", "FP8_DOT", "WGMMA", "maxnreg", "HEADS_INNER", "V_DEQUANT_FIRST", "PDL",
+               "FP8_V_PAIRS", "FP8_K_PAIRS")
 
 
 @functools.lru_cache(maxsize=None)
@@ -604,7 +653,8 @@ def heuristic_config(device, decode: bool, batch: int, num_tokens: int, num_q_he
                 BLOCK_Q=block_q, FP8_ASM=False, SCALE_BCAST=True, FP4_ASM=device.type == "cuda", FP8_DOT=False,
                 WGMMA=False, maxnreg=maxnreg, HEADS_INNER=decode_like,
                 V_DEQUANT_FIRST=kv_format == "mxfp4" and decode_like and device.type == "cuda",
-                PDL=_capability(device) >= 9)
+                PDL=_capability(device) >= 9, FP8_V_PAIRS=False,
+                FP8_K_PAIRS=False)
 
 
 def smaller_tile(cfg: dict) -> dict | None:
@@ -643,7 +693,9 @@ def kernel_constexprs(cfg: dict, *, q_dtype: torch.dtype, kv_format: str, decode
         and on_gpu,
         PDL=bool(cfg["PDL"]) and cfg["MAX_SPLITS"] > 1 and on_gpu,
         WGMMA=bool(cfg["WGMMA"]) and ddt != torch.float32, SOFT_FP8=not on_gpu,
-        HEADS_INNER=bool(cfg["HEADS_INNER"]))
+        HEADS_INNER=bool(cfg["HEADS_INNER"]),
+        FP8_V_PAIRS=bool(cfg["FP8_V_PAIRS"]) and formats.is_fp8(kv_format) and ddt == torch.float16,
+        FP8_K_PAIRS=bool(cfg["FP8_K_PAIRS"]) and formats.is_fp8(kv_format) and ddt == torch.float16)
     options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if cfg["maxnreg"] and on_gpu:  # a register cap: more resident programs per SM at the price of spills
         options["maxnreg"] = cfg["maxnreg"]
