@@ -107,6 +107,15 @@ def attention_variants(quick: bool, arch: int = 90):
                    block_n=128 if decode else 64, warps=4, window=False, soft_cap=False, fp8_asm=False,
                    scale_bcast=fmt.endswith("fp4"), fp4_asm=fmt.endswith("fp4"), v_dequant_first=True,
                    wgmma=fmt == "fp8_e5m2")
+    # fp8 V (and K) read as 16-bit words and split into even/odd halves by inline PTX (FP8_V_PAIRS, FP8_K_PAIRS)
+    for fmt, q_dtype, decode, head_dim, k_pairs in itertools.product(("fp8_e4m3", "fp8_e5m2"), ("bf16", "fp16"),
+                                                                      (True, False), (64, 128, 256), (False, True)):
+        if quick and (head_dim != 128 or q_dtype != "bf16"):
+            continue
+        yield dict(fmt=fmt, q_dtype=q_dtype, decode=decode, head_dim=head_dim, group=4, page=16,
+                   block_q=1 if decode else 16, block_n=32 if head_dim >= 256 else 128 if decode else 64,
+                   warps=4 if decode else 8, window=not decode, soft_cap=decode, fp8_asm=False, scale_bcast=False,
+                   fp8_v_pairs=True, fp8_k_pairs=k_pairs)
     # the merge kernel as a programmatic dependent launch of the attention kernel (PDL, sm_90+)
     if arch >= 90:
         yield dict(fmt="bf16", q_dtype="bf16", decode=True, head_dim=128, group=4, page=16, block_q=1, block_n=128,
