@@ -10,7 +10,7 @@
 Stages (compiles are the expensive part, so constexpr tunables are searched on few cases, runtime ones on all):
 1. per format, tile configurations (BLOCK_N, num_warps, num_stages; WGMMA, the swapped wgmma-shaped dots, for
    plain and fp8 caches; FP8_DOT, e4m3 score dots on the stored bytes, and FP8_ASM for e4m3; SCALE_BCAST for 4-bit,
-   FP4_ASM off; V_DEQUANT_FIRST flipped for quantized caches) on
+   FP4_ASM off; V_DEQUANT_FIRST flipped for quantized caches; fp8 read as bytes instead of 16-bit pairs) on
    two representative decode cases (128 x 4096: bandwidth; 1 x 32768: splits), keeping the best by the sum of the
    two times;
 2. per case, with that tile configuration, the split plan (CHUNK keys per program; MAX_SPLITS follows): runtime
@@ -178,6 +178,9 @@ def format_variants(fmt, tiles):
     if formats.is_fp8(fmt) or formats.is_fp4(fmt):  # V converted in its load's layout (ldmatrix.trans) or not:
         # the setting the heuristic does not take (it takes it for mxfp4 only)
         candidates += [dict(t, V_DEQUANT_FIRST=fmt != "mxfp4") for t in tiles]
+    if formats.is_fp8(fmt):  # K and V read as bytes (the fp8 path before FP8_V_PAIRS/FP8_K_PAIRS), V pairs only
+        candidates += [dict(t, FP8_V_PAIRS=False, FP8_K_PAIRS=False) for t in tiles[:2]]
+        candidates += [dict(t, FP8_K_PAIRS=False) for t in tiles[:2]]
     if formats.is_fp4(fmt):  # block scales loaded per value instead of once and repeated in registers
         candidates += [dict(t, SCALE_BCAST=False) for t in tiles]
     # register caps: 3 (168) or 4 (128) resident 4-warp programs per SM instead of 2, against spills

@@ -188,5 +188,7 @@ def _fp8_pair_asm(odd: bool, e4m3: bool) -> str:
     return f"prmt.b32 $0, $1, 0, {select};"
 
 
-FP8_PAIR_E4M3_EVEN, FP8_PAIR_E4M3_ODD = tl.constexpr(_fp8_pair_asm(False, True)), tl.constexpr(_fp8_pair_asm(True, True))
-FP8_PAIR_E5M2_EVEN, FP8_PAIR_E5M2_ODD = tl.constexpr(_fp8_pair_asm(False, False)), tl.constexpr(_fp8_pair_asm(True, False))
+FP8_PAIR_E4M3_EVEN = tl.constexpr(_fp8_pair_asm(False, True))
+FP8_PAIR_E4M3_ODD = tl.constexpr(_fp8_pair_asm(True, True))
+FP8_PAIR_E5M2_EVEN = tl.constexpr(_fp8_pair_asm(False, False))
+FP8_PAIR_E5M2_ODD = tl.constexpr(_fp8_pair_asm(True, False))

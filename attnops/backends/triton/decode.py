@@ -650,7 +650,9 @@ def heuristic_config(device, decode: bool, batch: int, num_tokens: int, num_q_he
     # launched as a dependent, 2.5-3% off 1 x 32768 (bf16 40.6 -> 39.5 us), the same elsewhere
     # (h200-compare-pdl-3eaba47.log).
     # FP8_V_PAIRS and FP8_K_PAIRS for fp8 decode-like tiles (GPU: the split is inline PTX): sm_90 SASS of the
-    # default decode tile, 1419 -> 839 instructions a step (bf16's is 850). Prefill tiles are not measured yet.
+    # default decode tile, 1419 -> 839 instructions a step (bf16's is 850); on the H200 128 x 4096 e4m3 361 -> 296
+    # us, 256 x 8192 1423 -> 1134 (h200-bench-fp8-6a53eb2 against h200-bench-89ccd54), and K pairs on top of V
+    # pairs 0.3-2.3% faster (h200-compare-fp8-k-pairs-6a53eb2.log). Prefill tiles are not measured: off there.
     fp8_pairs = formats.is_fp8(kv_format) and decode_like and device.type == "cuda"
     return dict(BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, CHUNK=chunk, MAX_SPLITS=max_splits,
                 BLOCK_Q=block_q, FP8_ASM=False, SCALE_BCAST=True, FP4_ASM=device.type == "cuda", FP8_DOT=False,
@@ -697,8 +699,11 @@ def kernel_constexprs(cfg: dict, *, q_dtype: torch.dtype, kv_format: str, decode
         PDL=bool(cfg["PDL"]) and cfg["MAX_SPLITS"] > 1 and on_gpu,
         WGMMA=bool(cfg["WGMMA"]) and ddt != torch.float32, SOFT_FP8=not on_gpu,
         HEADS_INNER=bool(cfg["HEADS_INNER"]),
-        FP8_V_PAIRS=bool(cfg["FP8_V_PAIRS"]) and formats.is_fp8(kv_format) and ddt == torch.float16,
-        FP8_K_PAIRS=bool(cfg["FP8_K_PAIRS"]) and formats.is_fp8(kv_format) and ddt == torch.float16)
+        # (a forced V_DEQUANT_FIRST or WGMMA, FP8_DOT, is another way to read V, K: it turns the pairs off)
+        FP8_V_PAIRS=bool(cfg["FP8_V_PAIRS"]) and formats.is_fp8(kv_format) and ddt == torch.float16
+        and not cfg["V_DEQUANT_FIRST"] and not cfg["WGMMA"],
+        FP8_K_PAIRS=bool(cfg["FP8_K_PAIRS"]) and formats.is_fp8(kv_format) and ddt == torch.float16
+        and not cfg["FP8_DOT"] and not cfg["WGMMA"])
     options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if cfg["maxnreg"] and on_gpu:  # a register cap: more resident programs per SM at the price of spills
         options["maxnreg"] = cfg["maxnreg"]
