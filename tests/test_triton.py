@@ -726,6 +726,28 @@ def test_fp8_read_as_byte_pairs(q_lens, window, soft_cap, kv_format, scale_kind,
     assert relative_error(out, ref) < 1e-2
 
 
+@pytest.mark.parametrize("q_dtype", [F16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
+def test_fp8_pairs_on_a_cache_at_an_odd_address(q_dtype):
+    """A cache view that starts at an odd byte cannot be read as 16-bit words: launch() falls back to bytes (on the
+    GPU a word load there would be a misaligned-address fault), with the reference's answers."""
+    from attnops.backends.triton.decode import launch
+    args = random_paged_inputs([300, 17, 1], None, kv_format="fp8_e4m3", q_dtype=q_dtype, num_q_heads=8,
+                               num_kv_heads=2, head_dim=64, device=DEVICE, seed=4)
+    for name in ("k_cache", "v_cache"):
+        cache = args[name]
+        buffer = torch.empty(cache.numel() + 1, dtype=torch.uint8, device=DEVICE)
+        shifted = buffer[1:].view(cache.dtype).view(cache.shape)
+        shifted.copy_(cache)
+        assert shifted.data_ptr() % 2 == 1
+        args[name] = shifted
+    ref = paged_attention_reference(**args, compute_dtype=torch.float64)
+    out = torch.full_like(args["q"], float("nan"))
+    launch(args["q"], args["k_cache"], args["v_cache"], args["block_table"], args["seq_lens"], None,
+           scale=64 ** -0.5, soft_cap=0.0, window_left=-1, kv_format="fp8_e4m3", k_scale=args["k_scale"],
+           v_scale=args["v_scale"], out=out, config=dict(FP8_V_PAIRS=True, FP8_K_PAIRS=True))
+    assert relative_error(out, ref) < 1e-2
+
+
 @gpu
 @pytest.mark.parametrize("q_lens", [None, [4, 1, 0, 30]], ids=["decode", "extend"])
 def test_merge_as_programmatic_dependent_launch(q_lens):

@@ -758,6 +758,9 @@ def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, s
 
     if formats.is_fp8(kv_format):  # read fp8 as bytes (masked lanes load 0) and reinterpret in registers
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+        if not all(c.data_ptr() % 2 == 0 and all(st % 2 == 0 for st in c.stride()[:3]) for c in (k_cache, v_cache)):
+            # FP8_V_PAIRS/FP8_K_PAIRS read 16-bit words: an odd address (a view at an odd offset) reads bytes
+            cfg = dict(cfg, FP8_V_PAIRS=False, FP8_K_PAIRS=False)
 
     cu = seq_lens if decode else cu_seqlens_q
     num_q_blocks = batch if decode else num_tokens // block_q + batch
