@@ -161,7 +161,7 @@ def _load_fp8_pairs(c_ptr, tok_off, offs_h, kvalid, TRANSPOSED: tl.constexpr, FP
     else:
         words = tl.load(c_ptr.to(tl.pointer_type(tl.uint16)) + (tok_off // 2)[:, None] + offs_h[None, :],
                         mask=kvalid[:, None], other=0)
-    if ASM:
+    if ASM:  # (pack=2: one register holds two keys' words; the PTX is a module constexpr, as in e2m1_nibbles)
         if FP8_DTYPE == tl.float8e4nv:
             even = tl.inline_asm_elementwise(FP8_PAIR_E4M3_EVEN, "=r,r", [words], tl.float16, True, 2)
             odd = tl.inline_asm_elementwise(FP8_PAIR_E4M3_ODD, "=r,r", [words], tl.float16, True, 2)
