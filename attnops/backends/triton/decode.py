@@ -650,8 +650,8 @@ def heuristic_config(device, decode: bool, batch: int, num_tokens: int, num_q_he
     # launched as a dependent, 2.5-3% off 1 x 32768 (bf16 40.6 -> 39.5 us), the same elsewhere
     # (h200-compare-pdl-3eaba47.log).
     # FP8_V_PAIRS and FP8_K_PAIRS for fp8 decode-like tiles (GPU: the split is inline PTX): sm_90 SASS of the
-    # default decode tile, 1419 -> 839 instructions a step (bf16's is 850); on the H200 128 x 4096 e4m3 361 -> 296
-    # us, 256 x 8192 1423 -> 1134 (h200-bench-fp8-6a53eb2 against h200-bench-89ccd54), and K pairs on top of V
+    # default decode tile, 1419 -> 839 instructions a step (bf16's is 850); on the H200 128 x 4096 e4m3 365 -> 292
+    # us, 256 x 8192 1431 -> 1123, same run (h200-compare-fp8-pairs-61a554c.log), and K pairs on top of V
     # pairs 0.3-2.3% faster (h200-compare-fp8-k-pairs-6a53eb2.log). Prefill tiles are not measured: off there.
     fp8_pairs = formats.is_fp8(kv_format) and decode_like and device.type == "cuda"
     return dict(BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, CHUNK=chunk, MAX_SPLITS=max_splits,
