@@ -350,14 +350,13 @@ def paged_attention_kernel(
         # int64: page index x page stride passes 2^31 elements on large caches
         tok_off = page_v * stride_kp + in_page * stride_kt + head_off
 
-        if FMT == FMT_FP8 and PAIRED_K:
-            k_e, k_o = _load_fp8_pairs(k_ptr, tok_off, offs_d, kvalid, True, FP8_DTYPE, not SOFT_FP8)
-            qk = tl.dot(q_e, k_e, input_precision=DOT_PRECISION)
-            qk = tl.dot(q_o, k_o, acc=qk, input_precision=DOT_PRECISION)
-        elif IS_FP4:
-            ks_off = page_v * stride_ksp + in_page * stride_kst + kvh * stride_ksh
-            k_e, k_o = _load_fp4_tile(k_ptr, ks_ptr, tok_off, ks_off, offs_d, kvalid, True, FMT, DOT_DTYPE,
-                                      SCALE_BCAST, FP4_ASM)
+        if PAIRED_K:
+            if IS_FP4:
+                ks_off = page_v * stride_ksp + in_page * stride_kst + kvh * stride_ksh
+                k_e, k_o = _load_fp4_tile(k_ptr, ks_ptr, tok_off, ks_off, offs_d, kvalid, True, FMT, DOT_DTYPE,
+                                          SCALE_BCAST, FP4_ASM)
+            else:
+                k_e, k_o = _load_fp8_pairs(k_ptr, tok_off, offs_d, kvalid, True, FP8_DTYPE, not SOFT_FP8)
             qk = tl.dot(q_e, k_e, input_precision=DOT_PRECISION)
             qk = tl.dot(q_o, k_o, acc=qk, input_precision=DOT_PRECISION)
         else:
@@ -409,19 +408,18 @@ def paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
 
-        if IS_FP4:
-            vs_off = page_v * stride_vsp + in_page * stride_vst + kvh * stride_vsh
-            v_e, v_o = _load_fp4_tile(v_ptr, vs_ptr, tok_off, vs_off, offs_d, kvalid, False, FMT, DOT_DTYPE,
-                                      SCALE_BCAST, FP4_ASM)
-            if V_DEQUANT_FIRST:
-                one = opaque_one(sm_scale).to(DOT_DTYPE)
-                v_e = v_e * one
-                v_o = v_o * one
-            p = p.to(DOT_DTYPE)
-            acc = tl.dot(p, v_e, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
-            acc_o = tl.dot(p, v_o, acc=acc_o * alpha[:, None], input_precision=DOT_PRECISION)
-        elif PAIRED_V:
-            v_e, v_o = _load_fp8_pairs(v_ptr, tok_off, tl.arange(0, HALF), kvalid, False, FP8_DTYPE, not SOFT_FP8)
+        if PAIRED_V:
+            if IS_FP4:
+                vs_off = page_v * stride_vsp + in_page * stride_vst + kvh * stride_vsh
+                v_e, v_o = _load_fp4_tile(v_ptr, vs_ptr, tok_off, vs_off, offs_d, kvalid, False, FMT, DOT_DTYPE,
+                                          SCALE_BCAST, FP4_ASM)
+                if V_DEQUANT_FIRST:
+                    one = opaque_one(sm_scale).to(DOT_DTYPE)
+                    v_e = v_e * one
+                    v_o = v_o * one
+            else:
+                v_e, v_o = _load_fp8_pairs(v_ptr, tok_off, tl.arange(0, HALF), kvalid, False, FP8_DTYPE,
+                                           not SOFT_FP8)
             p = p.to(DOT_DTYPE)
             acc = tl.dot(p, v_e, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
             acc_o = tl.dot(p, v_o, acc=acc_o * alpha[:, None], input_precision=DOT_PRECISION)
@@ -658,8 +656,7 @@ def heuristic_config(device, decode: bool, batch: int, num_tokens: int, num_q_he
                 BLOCK_Q=block_q, FP8_ASM=False, SCALE_BCAST=True, FP4_ASM=device.type == "cuda", FP8_DOT=False,
                 WGMMA=False, maxnreg=maxnreg, HEADS_INNER=decode_like,
                 V_DEQUANT_FIRST=kv_format == "mxfp4" and decode_like and device.type == "cuda",
-                PDL=_capability(device) >= 9, FP8_V_PAIRS=fp8_pairs,
-                FP8_K_PAIRS=fp8_pairs)
+                PDL=_capability(device) >= 9, FP8_V_PAIRS=fp8_pairs, FP8_K_PAIRS=fp8_pairs)
 
 
 def smaller_tile(cfg: dict) -> dict | None:
@@ -684,6 +681,8 @@ def kernel_constexprs(cfg: dict, *, q_dtype: torch.dtype, kv_format: str, decode
     apply to the format, q dtype or machine are switched off here. on_gpu: compiled for a GPU (not the
     interpreter): inline PTX and register caps apply."""
     ddt = dot_dtype(q_dtype, kv_format)
+    # fp8 pairs need fp16 dots; a forced WGMMA (or V_DEQUANT_FIRST, FP8_DOT) is another way to read V (K)
+    fp8_pairs = formats.is_fp8(kv_format) and ddt == torch.float16 and not cfg["WGMMA"]
     constexprs = dict(
         NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, PAGE=page_size, GROUP=group, BLOCK_Q=cfg["BLOCK_Q"],
         BLOCK_M=max(16, triton.next_power_of_2(cfg["BLOCK_Q"] * group)), BLOCK_N=cfg["BLOCK_N"],
@@ -699,11 +698,8 @@ def kernel_constexprs(cfg: dict, *, q_dtype: torch.dtype, kv_format: str, decode
         PDL=bool(cfg["PDL"]) and cfg["MAX_SPLITS"] > 1 and on_gpu,
         WGMMA=bool(cfg["WGMMA"]) and ddt != torch.float32, SOFT_FP8=not on_gpu,
         HEADS_INNER=bool(cfg["HEADS_INNER"]),
-        # (a forced V_DEQUANT_FIRST or WGMMA, FP8_DOT, is another way to read V, K: it turns the pairs off)
-        FP8_V_PAIRS=bool(cfg["FP8_V_PAIRS"]) and formats.is_fp8(kv_format) and ddt == torch.float16
-        and not cfg["V_DEQUANT_FIRST"] and not cfg["WGMMA"],
-        FP8_K_PAIRS=bool(cfg["FP8_K_PAIRS"]) and formats.is_fp8(kv_format) and ddt == torch.float16
-        and not cfg["FP8_DOT"] and not cfg["WGMMA"])
+        FP8_V_PAIRS=bool(cfg["FP8_V_PAIRS"]) and fp8_pairs and not cfg["V_DEQUANT_FIRST"],
+        FP8_K_PAIRS=bool(cfg["FP8_K_PAIRS"]) and fp8_pairs and not cfg["FP8_DOT"])
     options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if cfg["maxnreg"] and on_gpu:  # a register cap: more resident programs per SM at the price of spills
         options["maxnreg"] = cfg["maxnreg"]
@@ -758,7 +754,8 @@ def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, s
 
     if formats.is_fp8(kv_format):  # read fp8 as bytes (masked lanes load 0) and reinterpret in registers
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-        if not all(c.data_ptr() % 2 == 0 and all(st % 2 == 0 for st in c.stride()[:3]) for c in (k_cache, v_cache)):
+        if (cfg["FP8_V_PAIRS"] or cfg["FP8_K_PAIRS"]) and not all(
+                c.data_ptr() % 2 == 0 and all(st % 2 == 0 for st in c.stride()[:3]) for c in (k_cache, v_cache)):
             # FP8_V_PAIRS/FP8_K_PAIRS read 16-bit words: an odd address (a view at an odd offset) reads bytes
             cfg = dict(cfg, FP8_V_PAIRS=False, FP8_K_PAIRS=False)
 
