@@ -7,40 +7,20 @@ only when ATTNOPS_CHECK=1.
 """
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 
 from . import formats
-from .backends.base import AttentionCase, CacheWriteCase, shape_class
+from .cases import AttentionCase, CacheWriteCase, shape_class
+from .env import device_arch, environ_get
 
 HEAD_DIMS = (32, 64, 128, 256)
 MAX_PAGE_SIZE = 256
 Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def environ_get(name: str) -> str | None:
-    """os.environ.get(name) for the op's hot path: on POSIX, a lookup in os.environ's own bytes dict (which
-    every os.environ write updates) without the key encoding that costs microseconds per read."""
-    data = getattr(os.environ, "_data", None)
-    if os.name != "posix" or data is None:
-        return os.environ.get(name)
-    value = data.get(name.encode())
-    return None if value is None else value.decode()
-
-
 def values_checked() -> bool:
     """Whether the data-reading checks run (ATTNOPS_CHECK=1): they sync the host, so they are opt-in."""
     return environ_get("ATTNOPS_CHECK") not in (None, "", "0")
-
-
-@functools.lru_cache(maxsize=None)
-def device_arch(device: torch.device) -> tuple[int, int] | None:
-    """(major, minor) compute capability of a CUDA device (cached: asking the driver costs microseconds)."""
-    if device.type != "cuda":
-        return None
-    return torch.cuda.get_device_capability(device)
 
 
 def _fail(op: str, error: type, message: str):
@@ -191,7 +171,8 @@ def check_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens
         device_type=q.device.type, arch=device_arch(q.device), q_dtype=q.dtype, kv_format=fmt, head_dim=head_dim,
         page_size=page_size, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, decode=cu_seqlens_q is None,
         soft_cap=soft_cap > 0, sliding_window=window_left >= 0, scale_kind=scale_kind,
-        shape_class=shape_class(cu_seqlens_q is None, num_tokens, batch))
+        shape_class=shape_class(cu_seqlens_q is None, num_tokens, batch), batch=batch,
+        max_kv_len=block_table.shape[1] * page_size)
 
 
 def _signature(t):

@@ -39,11 +39,12 @@ def info(args) -> None:
     print(f"  a step's later FlashInfer calls replayed from C++: {replay}")
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     for device in devices:
-        from .checks import device_arch
-        from .dispatch import arch_table
-        measured = arch_table(device_arch(torch.device(device)))
-        order = (f"measured table for this GPU's arch ({len(measured)} case classes), then "
-                 if measured else "") + " > ".join(STATIC_ORDER.get(device, ()))
+        from .dispatch import arch_table, rule_arch
+        from .env import device_arch
+        arch = rule_arch(device_arch(torch.device(device)))
+        measured = arch_table(arch).get("rule") if arch else None
+        order = (f"the rule measured on sm_{arch[0]}{arch[1]} (attnops/tables; `python -m attnops tune` prints it), "
+                 f"then " if measured else "") + " > ".join(STATIC_ORDER.get(device, ()))
         print(f"\n{device}: order {order}; Hq/Hkv/D 32/8/128, page 16 unless noted")
         q_dtype = torch.float32 if device == "cpu" else torch.bfloat16
         for kv_format in formats.KV_FORMATS:

@@ -1,9 +1,13 @@
-"""The dispatch policy: which backend serves a case, decided from shapes, dtypes and flags only.
+"""The dispatch policy: which backend serves a case, decided from shapes, dtypes and flags only, and from the
+CUDA-graph capture the call is in.
 
-For each case the policy gives an ordered list of backend names (per device type; per GPU arch once a measured
-table exists for it); dispatch takes the first backend that is available and has no reason to decline. A
-backend is pinned with ATTNOPS_BACKEND=<name> or `with attnops.use_backend(name):`; a pinned backend that cannot
-serve a case is an error naming why, never a silent fallback.
+For each case the policy gives an ordered list of backend names: on a GPU, the order of the measured rule
+(attnops/rules.py) fitted on that arch (or, for an arch with no table, on the nearest measured one); on the CPU,
+STATIC_ORDER. Dispatch takes the first backend that is available and has no reason to decline. Inside a capture
+that nobody re-plans (attnops.capture: plain torch.cuda.graph, torch.compile's cudagraph trees), backends that
+plan on the host decline, since their replay would run a stale plan. A backend is pinned with
+ATTNOPS_BACKEND=<name> or `with attnops.use_backend(name):`; a pinned backend that cannot serve a case is an
+error naming why, never a silent fallback.
 """
 from __future__ import annotations
 
@@ -17,11 +21,12 @@ from pathlib import Path
 
 import torch
 
-from . import checks, formats
-from .backends import BACKENDS, flashinfer_replay
+from . import capture, checks, formats, rules
+from .backends import BACKENDS
 from .backends.base import AttentionCase, Backend, CacheWriteCase
+from .env import device_arch, environ_get
 
-# Static order per device type, fastest first, used where no measured table for the arch exists.
+# Order per device type where no rule was measured: the CPU, cache writes, and a GPU with no table at all.
 STATIC_ORDER = {
     "cpu": ("cpu", "reference"),
     "cuda": ("flashinfer", "triton", "reference"),
@@ -36,19 +41,24 @@ def use_backend(name: str | None):
     if name is not None and name not in BACKENDS:
         raise ValueError(f"attnops.use_backend: unknown backend {name!r}; known: {sorted(BACKENDS)}")
     token = _pinned_backend.set(name)
-    flashinfer_replay.clear()  # replayed FlashInfer calls skip dispatch: none armed under the old pin may run
+    _forget_steps()
     try:
         yield
     finally:
         _pinned_backend.reset(token)
-        flashinfer_replay.clear()
+        _forget_steps()
+
+
+def _forget_steps() -> None:
+    for backend in BACKENDS.values():
+        backend.forget_steps()
 
 
 def pinned_backend() -> str | None:
     """The backend pinned by use_backend or, failing that, ATTNOPS_BACKEND ('auto' or unset: none)."""
     name = _pinned_backend.get()
     if name is None:
-        name = checks.environ_get("ATTNOPS_BACKEND") or None
+        name = environ_get("ATTNOPS_BACKEND") or None
         if name == "auto":
             name = None
     return name
@@ -59,41 +69,59 @@ TABLES = Path(__file__).parent / "tables"
 
 @functools.lru_cache(maxsize=None)
 def arch_table(arch: tuple[int, int] | None) -> dict:
-    """The measured order for a GPU arch (attnops/tables/sm_XY.json, written by `python -m attnops tune`):
-    {"decode/bf16/none/g4/d128": ["triton", "flashinfer"], ...}; empty where none was measured."""
+    """The measured table of a GPU arch (attnops/tables/sm_XY.json, written by `python -m attnops tune`): its
+    "rule" (attnops/rules.py) and what it was fitted to; empty where none was measured."""
     if arch is None:
         return {}
     path = TABLES / f"sm_{arch[0]}{arch[1]}.json"
-    return json.loads(path.read_text())["order"] if path.exists() else {}
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
-def class_key(shape_class: str, kv_format: str, scale_kind: str, group: int, head_dim: int) -> str:
-    """The key of a case's class in a measured table: shape class / KV format / scale kind / GQA group / head dim
-    (how the kernels tile a call: one KV head's group of query heads is one tile's rows). Head shapes the tune
-    grid did not measure fall to the static order: a coarser class (all bf16 decode) chose Triton for a 32/8/64
-    model it had not measured, and the H200 served 21% fewer tokens/s at 128 x 8K than with FlashInfer
-    (benchmarks/results/h200-serve-8k-coarse-class.json)."""
-    return f"{shape_class}/{kv_format}/{scale_kind}/g{group}/d{head_dim}"
+@functools.lru_cache(maxsize=None)
+def rule_arch(arch: tuple[int, int] | None) -> tuple[int, int] | None:
+    """The arch whose measured rule orders `arch`'s cases: its own, else the nearest measured one (the same major
+    version first, then the closest below, then the closest above); None where nothing was measured."""
+    if arch is None:
+        return None
+    measured = sorted(tuple(int(c) for c in (p.stem[3:-1], p.stem[-1])) for p in TABLES.glob("sm_*.json"))
+    if not measured:
+        return None
+    return min(measured, key=lambda a: (a != arch, a[0] != arch[0], a > arch, abs(a[0] - arch[0]), abs(a[1] - arch[1])))
 
 
-def table_key(case: AttentionCase) -> str | None:
-    """The key of `case`'s class if its arch's measured table has it, else None."""
-    key = class_key(case.shape_class, case.kv_format, case.scale_kind, case.num_q_heads // case.num_kv_heads,
-                    case.head_dim)
-    return key if key in arch_table(case.arch) else None
+def rule_leaf(case: AttentionCase) -> tuple[dict, list[str], tuple[int, int]] | None:
+    """(the leaf of the measured rule that orders `case`, the questions that led there, the arch it was measured
+    on), or None where no rule applies (the CPU; no table)."""
+    if case.device_type != "cuda":
+        return None
+    arch = rule_arch(case.arch)
+    rule = arch_table(arch).get("rule") if arch else None
+    if not rule:
+        return None
+    leaf, path = rules.decide(rule, rules.features(case))
+    return leaf, path, arch
 
 
 def policy(case: AttentionCase | CacheWriteCase) -> tuple[str, ...]:
-    """The backends to try for `case`, in order: the arch's measured table where it has the case's class, then
-    the static order for the rest."""
+    """The backends to try for `case`, in order: the measured rule's order for attention on a GPU, then the
+    static order for the rest."""
     static = STATIC_ORDER.get(case.device_type, ("reference",))
-    key = table_key(case) if isinstance(case, AttentionCase) else None
-    measured = arch_table(case.arch)[key] if key else []
+    decided = rule_leaf(case) if isinstance(case, AttentionCase) else None
+    measured = decided[0]["order"] if decided else []
     return tuple(measured) + tuple(name for name in static if name not in measured)
 
 
-def reasons_against(backend: Backend, case) -> list[str]:
-    return backend.unavailable() + backend.supports(case)
+def capture_reasons(backend: Backend, capture_state: str) -> list[str]:
+    if backend.plans_on_host and capture_state == capture.FOREIGN:
+        return ["inside a CUDA graph capture that nobody re-plans (plain torch.cuda.graph, torch.compile "
+                "mode='reduce-overhead'): its host-made plan would replay stale once the lengths change; capture "
+                "through attnops.graphs.DecodeGraphRunner (or drive attnops.capture.capturing yourself), or use "
+                "a plan-free backend (triton)"]
+    return []
+
+
+def reasons_against(backend: Backend, case, capture_state: str = capture.NONE) -> list[str]:
+    return backend.unavailable() + backend.supports(case) + capture_reasons(backend, capture_state)
 
 
 @dataclass
@@ -104,19 +132,36 @@ class Explanation:
     chosen: str | None
     rejected: dict[str, list[str]] = field(default_factory=dict)
     pinned: str | None = None
+    capture_state: str = capture.NONE
 
     def __str__(self) -> str:
         lines = [f"case: {describe_case(self.case)}"]
+        if self.capture_state != capture.NONE:
+            lines.append(f"capture: {CAPTURE_WORDS[self.capture_state]}")
         if self.pinned:
             how = f"pinned by {'use_backend' if _pinned_backend.get() else 'ATTNOPS_BACKEND'}"
         else:
-            key = table_key(self.case) if isinstance(self.case, AttentionCase) else None
-            how = (f"auto: order measured on sm_{self.case.arch[0]}{self.case.arch[1]} for class {key} "
-                   f"(attnops/tables)" if key else "auto: static order")
+            how = self.rule_text() or "auto: static order"
         lines.append(f"chosen: {self.chosen or 'none'} ({how})")
         for name, reasons in self.rejected.items():
             lines.append(f"  passed over {name}: {'; '.join(reasons)}")
         return "\n".join(lines)
+
+    def rule_text(self) -> str | None:
+        decided = rule_leaf(self.case) if isinstance(self.case, AttentionCase) else None
+        if decided is None:
+            return None
+        leaf, path, arch = decided
+        where = f"sm_{arch[0]}{arch[1]}"
+        if arch != self.case.arch:
+            where += f", the nearest measured arch (none for sm_{self.case.arch[0]}{self.case.arch[1]})"
+        return (f"auto: rule measured on {where}, attnops/tables: {' and '.join(path) or 'every case'} -> "
+                f"{rules.describe_leaf(leaf)}")
+
+
+CAPTURE_WORDS = {capture.REPLANNED: "a CUDA graph whose driver re-plans before each replay (attnops.capture)",
+                 capture.FOREIGN: "a CUDA graph nobody re-plans (plain torch.cuda.graph or torch.compile's "
+                                  "cudagraph trees): host-planned backends are passed over"}
 
 
 def describe_case(case) -> str:
@@ -129,7 +174,7 @@ def describe_case(case) -> str:
     return ", ".join(parts)
 
 
-def _explain_case(case, pinned: str | None) -> Explanation:
+def _explain_case(case, pinned: str | None, capture_state: str = capture.NONE) -> Explanation:
     if pinned is not None and isinstance(case, CacheWriteCase) and pinned in BACKENDS \
             and not BACKENDS[pinned].writes_cache:
         pinned = None  # a pinned attention-only backend (FlashInfer): cache writes go by the policy
@@ -137,14 +182,15 @@ def _explain_case(case, pinned: str | None) -> Explanation:
         if pinned not in BACKENDS:
             raise ValueError(f"attnops: unknown backend {pinned!r} (ATTNOPS_BACKEND or use_backend); "
                              f"known: {sorted(BACKENDS)}")
-        reasons = reasons_against(BACKENDS[pinned], case)
-        return Explanation(case, None if reasons else pinned, {pinned: reasons} if reasons else {}, pinned)
-    explanation = Explanation(case, None)
+        reasons = reasons_against(BACKENDS[pinned], case, capture_state)
+        return Explanation(case, None if reasons else pinned, {pinned: reasons} if reasons else {}, pinned,
+                           capture_state)
+    explanation = Explanation(case, None, capture_state=capture_state)
     for name in policy(case):
         if name not in BACKENDS:
             explanation.rejected[name] = ["not built into this version of attnops"]
             continue
-        reasons = reasons_against(BACKENDS[name], case)
+        reasons = reasons_against(BACKENDS[name], case, capture_state)
         if not reasons:
             explanation.chosen = name
             break
@@ -153,8 +199,8 @@ def _explain_case(case, pinned: str | None) -> Explanation:
 
 
 @functools.lru_cache(maxsize=4096)
-def _select_cached(case, pinned: str | None) -> Backend:
-    explanation = _explain_case(case, pinned)
+def _select_cached(case, pinned: str | None, capture_state: str) -> Backend:
+    explanation = _explain_case(case, pinned, capture_state)
     if explanation.chosen is None:
         what = f"pinned backend {pinned!r} cannot serve" if pinned else "no backend can serve"
         raise ValueError(f"attnops: {what} this case.\n{explanation}")
@@ -164,9 +210,11 @@ def _select_cached(case, pinned: str | None) -> Backend:
     return BACKENDS[explanation.chosen]
 
 
-def select_backend(case) -> Backend:
-    """The backend that serves `case` (raises ValueError listing every backend's reasons if none can)."""
-    return _select_cached(case, pinned_backend())
+def select_backend(case, device: torch.device | None = None) -> Backend:
+    """The backend that serves `case` on `device` in the capture state the call is in there (raises ValueError
+    listing every backend's reasons if none can)."""
+    state = capture.capture_state(device) if device is not None else capture.NONE
+    return _select_cached(case, pinned_backend(), state)
 
 
 def explain(**kwargs) -> Explanation:
@@ -175,8 +223,10 @@ def explain(**kwargs) -> Explanation:
     Either the op's own arguments (`q=..., k_cache=..., v_cache=..., block_table=..., seq_lens=...` and any
     keyword of paged_attention; meta tensors are fine; `key=..., value=...` etc. for reshape_and_cache), or a
     case description: any fields of AttentionCase, the rest defaulting to a Llama-3-8B-like bf16 decode on the
-    current device."""
+    current device. `capture_state=` ("none", "replanned", "foreign": attnops.capture) asks about a call made in
+    that state of CUDA-graph capture; by default, the state of the current stream."""
     pinned = pinned_backend()
+    state = kwargs.pop("capture_state", None)
     if "q" in kwargs:
         defaults = dict(cu_seqlens_q=None, scale=None, soft_cap=0.0, window_left=-1, kv_format="auto",
                         k_scale=None, v_scale=None)
@@ -186,7 +236,12 @@ def explain(**kwargs) -> Explanation:
         case = checks.check_reshape_and_cache(**{**defaults, **kwargs})
     else:
         case = describe_attention(**kwargs)
-    return _explain_case(case, pinned)
+    if state is None:
+        state = capture.capture_state(torch.device(case.device_type)) if case.device_type == "cuda" else capture.NONE
+    elif state not in CAPTURE_WORDS and state != capture.NONE:
+        raise ValueError(f"attnops.explain: capture_state must be one of {capture.NONE!r}, {capture.REPLANNED!r}, "
+                         f"{capture.FOREIGN!r} (got {state!r})")
+    return _explain_case(case, pinned, state)
 
 
 def describe_attention(device: str | None = None, **fields_) -> AttentionCase:
@@ -196,10 +251,10 @@ def describe_attention(device: str | None = None, **fields_) -> AttentionCase:
     if kv_format not in formats.KV_FORMATS:
         raise ValueError(f"attnops.explain: kv_format must be one of {formats.KV_FORMATS} (got {kv_format!r})")
     scale_kind = "per_tensor" if formats.is_fp8(kv_format) else "block" if formats.is_fp4(kv_format) else "none"
-    values = dict(device_type=device.type, arch=checks.device_arch(device),
+    values = dict(device_type=device.type, arch=device_arch(device),
                   q_dtype=torch.float32 if device.type == "cpu" else torch.bfloat16, kv_format=kv_format,
                   head_dim=128, page_size=16, num_q_heads=32, num_kv_heads=8, decode=True, soft_cap=False,
-                  sliding_window=False, scale_kind=scale_kind)
+                  sliding_window=False, scale_kind=scale_kind, batch=1, max_kv_len=4096)
     unknown = set(fields_) - set(values)
     if unknown:
         raise TypeError(f"attnops.explain: unknown case fields {sorted(unknown)}; known: {sorted(values)}")

@@ -8,48 +8,14 @@ torch.compile'd): [B] tokens in, whatever out, calling attnops' ops with the met
 keeps static copies of those inputs per bucket, pads a batch up to its bucket (padding rows have seq_len 0 and
 slot -1: nothing is written, their output rows are 0), and before each replay does the host-side planning that
 backends need (FlashInfer's plan()), once per step, not once per layer: during capture a backend registers a
-re-planner with `current_capture()`, and the runner calls each one before every replay.
+re-planner with `attnops.capture.current_capture()`, and the runner calls each one before every replay.
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from dataclasses import dataclass, field
-
 import torch
 
+from .capture import CaptureContext, capturing, current_capture  # noqa: F401  (current_capture: re-exported)
 from .kv_cache import BatchMetadata, PagedKVCache
-
-
-@dataclass
-class CaptureContext:
-    """What a backend may attach to one captured graph: functions to run on the host before each replay, and
-    what they may read there without a device sync: the step's sequence lengths as host ints (padding rows 0)."""
-
-    bucket: int
-    replanners: list = field(default_factory=list)
-    host_seq_lens: list = field(default_factory=list)
-
-    def replan(self) -> None:
-        for replan in self.replanners:
-            replan()
-
-
-_current: contextvars.ContextVar[CaptureContext | None] = contextvars.ContextVar("attnops_capture", default=None)
-
-
-def current_capture() -> CaptureContext | None:
-    """The graph being prepared or captured by a DecodeGraphRunner on this thread, if any."""
-    return _current.get()
-
-
-@contextlib.contextmanager
-def _capturing(ctx: CaptureContext):
-    token = _current.set(ctx)
-    try:
-        yield
-    finally:
-        _current.reset(token)
 
 
 class DecodeGraphRunner:
@@ -87,12 +53,12 @@ class DecodeGraphRunner:
         # padding: no cache writes, empty sequences
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), _capturing(ctx):
+        with torch.cuda.stream(side), capturing(ctx):
             for _ in range(2):
                 self.step(**static)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with _capturing(ctx), torch.cuda.graph(graph, pool=self.pool):
+        with capturing(ctx), torch.cuda.graph(graph, pool=self.pool):
             out = self.step(**static)
         self.pool = graph.pool()
         self.graphs[bucket] = (graph, static, out, ctx)

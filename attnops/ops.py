@@ -39,7 +39,7 @@ def _run_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_
                           kv_format, k_scale, v_scale, out)
     if values_checked():
         check_paged_attention_values(q, k_cache, block_table, seq_lens, cu_seqlens_q)
-    backend = select_backend(case)
+    backend = select_backend(case, q.device)
     with on_device(q.device):
         backend.paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
                                 scale=q.shape[-1] ** -0.5 if scale is None else scale, soft_cap=soft_cap,

@@ -12,6 +12,7 @@ fraction of a bf16 matmul measured in the same run. ../shared/BENCH.md (docs/ben
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import fnmatch
 import json
@@ -78,20 +79,28 @@ def time_us(fn, device_type: str, rep_ms: int = 100) -> float:
 GRAPH_CALLS = 10  # calls captured per graph: the replay's own launch is shared by ten
 
 
-def graph_time_us(fn, rep_ms: int = 100) -> float:
+def graph_time_us(fn, rep_ms: int = 100, host_seq_lens=None) -> float:
     """Median GPU time of one fn() replayed from a CUDA graph, as a serving loop runs it: the host's launch cost
     (Python, the op layer, Triton's launcher, FlashInfer's run()) is out of the number, so it is the kernels'
-    own time and the gaps between them. Raises if fn cannot be captured (host syncs, a plan inside capture)."""
+    own time and the gaps between them. Raises if fn cannot be captured (host syncs, a plan inside capture).
+
+    With `host_seq_lens` the capture is one that re-plans (attnops.capture.capturing, as attnops.graphs captures a
+    decode step), so dispatch chooses as it does in a served decode loop; the lengths never change between these
+    replays, so none re-plans. Without, a plain capture (where the op passes over host-planned backends)."""
     import triton
+    from attnops.capture import CaptureContext, capturing
+    ctx = capturing(CaptureContext(len(host_seq_lens), host_seq_lens=list(host_seq_lens))) \
+        if host_seq_lens is not None else contextlib.nullcontext()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the capture: compiles, plans, allocator
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(GRAPH_CALLS):
+    with ctx:
+        with torch.cuda.stream(side):  # warm-up off the capture: compiles, plans, allocator
             fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(GRAPH_CALLS):
+                fn()
     us = triton.testing.do_bench(graph.replay, warmup=25, rep=rep_ms, return_mode="median") * 1e3 / GRAPH_CALLS
     del graph
     return us
@@ -135,6 +144,12 @@ def backend_runner(name, case, args):
     return op, bare
 
 
+def auto_runner(args):
+    """The op under automatic dispatch, and the backend it chooses in eager calls and in a re-planned capture."""
+    op_args = dict(args)
+    return (lambda: torch.ops.attnops.paged_attention(**op_args)), attnops.explain(**op_args).chosen
+
+
 def git_commit() -> str:
     if os.environ.get("ATTNOPS_COMMIT"):  # set by the caller where the tree has no git history (a lent GPU)
         return os.environ["ATTNOPS_COMMIT"]
@@ -164,8 +179,10 @@ def environment(device) -> dict:
     return env
 
 
-def run_case(case, impls, device, q_dtype, timing_rep_ms, progress) -> list:
-    """Every impl of `impls` on one case: check, then time. Returns one record per impl."""
+def run_case(case, impls, device, q_dtype, timing_rep_ms, progress, graph_only=False) -> list:
+    """Every impl of `impls` on one case: check, then time. Returns one record per impl. Backends and auto time
+    a decode case's graph in a re-planned capture (as attnops.graphs runs it), other cases' graphs through the
+    backend's own call (`bare`: the kernels the op launches), auto's not at all (its choice is recorded)."""
     args = make_args(case, device, q_dtype)
     reference = paged_attention_reference(**args, compute_dtype=torch.float32)
     tolerance = TOLERANCE["fp32" if q_dtype == torch.float32 and case.kv_format == "fp32" else "bf16"]
@@ -177,6 +194,8 @@ def run_case(case, impls, device, q_dtype, timing_rep_ms, progress) -> list:
         try:
             if impl_type == "backend":
                 op, bare = backend_runner(impl_name, case, args)
+            elif impl_type == "auto":
+                (op, record["chosen"]), bare = auto_runner(args), None
             else:
                 op, bare = make(case, args), None
             out = op()
@@ -185,18 +204,24 @@ def run_case(case, impls, device, q_dtype, timing_rep_ms, progress) -> list:
             if not err <= tolerance:  # NaN fails too
                 record.update(status="wrong", reason=f"relative error {err:.3g} > {tolerance:g}: not timed")
             else:
-                record["median_us"] = time_us(op, device.type, timing_rep_ms)
-                if bare is not None:
-                    record["bare_us"] = time_us(bare, device.type, timing_rep_ms)
-                    record["dispatch_overhead_us"] = record["median_us"] - record["bare_us"]
-                if getattr(op, "gather", None) is not None:
-                    record["gather_us"] = time_us(op.gather, device.type, timing_rep_ms)
-                if device.type == "cuda":
+                if not graph_only or device.type != "cuda":
+                    record["median_us"] = time_us(op, device.type, timing_rep_ms)
+                    if bare is not None:
+                        record["bare_us"] = time_us(bare, device.type, timing_rep_ms)
+                        record["dispatch_overhead_us"] = record["median_us"] - record["bare_us"]
+                    if getattr(op, "gather", None) is not None:
+                        record["gather_us"] = time_us(op.gather, device.type, timing_rep_ms)
+                if device.type == "cuda" and (impl_type != "auto" or case.q_lens is None):
+                    decode_op = impl_type != "peer" and case.q_lens is None
                     try:
-                        record["graph_us"] = graph_time_us(op, timing_rep_ms)
+                        record["graph_us"] = graph_time_us(
+                            op if decode_op or bare is None else bare, timing_rep_ms,
+                            host_seq_lens=case.kv_lens if decode_op else None)
                         record["graph_tbps"] = nbytes / record["graph_us"] / 1e6
                     except Exception as e:  # not capturable: the eager numbers stand alone
                         record["graph_error"] = f"{type(e).__name__}: {e}"[:300]
+                if "median_us" not in record:
+                    record.update(median_us=record.get("graph_us", float("nan")), median_is_graph=True)
                 seconds = record["median_us"] * 1e-6
                 record["tbps"] = nbytes / seconds / 1e12
                 record["gbps"] = record["tbps"] * 1e3
@@ -291,7 +316,7 @@ def select(items, patterns):
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(prog="benchmarks/bench.py", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m attnops bench", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu", action="store_true", help="the small CPU grid, on the CPU")
     parser.add_argument("--grid", choices=sorted(grid_module.GRIDS), help="default: gpu, or cpu with --cpu")
@@ -301,6 +326,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--backends", nargs="*", help="attnops backends (default: every one but reference)")
     parser.add_argument("--peers", nargs="*", help="peers (default: all for the device)")
     parser.add_argument("--rep-ms", type=int, default=100, help="timing budget per measurement (ms)")
+    parser.add_argument("--auto", action="store_true",
+                        help="also time the op under automatic dispatch (impl 'auto'; its choice is recorded)")
+    parser.add_argument("--graph-only", action="store_true",
+                        help="on a GPU, time CUDA-graph replays only (no eager op or bare-backend timings)")
     parser.add_argument("--json", help="write the records here")
     parser.add_argument("--plot", help="write a PNG here (matplotlib)")
     args = parser.parse_args(argv)
@@ -322,6 +351,8 @@ def main(argv=None) -> dict:
     peer_names = args.peers if args.peers is not None else list(all_peers)
     impls = {n: ("backend", None) for n in backend_names}
     impls.update({n: ("peer", all_peers[n]) for n in peer_names})
+    if args.auto:
+        impls["auto"] = ("auto", None)
 
     env = environment(device)
     if device.type == "cuda":
@@ -331,11 +362,11 @@ def main(argv=None) -> dict:
     with tqdm(total=len(cases) * len(impls), desc="attnops bench", unit="run", file=sys.stderr) as progress:
         for case in cases:
             progress.set_postfix_str(case.name)
-            records += run_case(case, impls, device, q_dtype, args.rep_ms, progress)
+            records += run_case(case, impls, device, q_dtype, args.rep_ms, progress, args.graph_only)
+            if args.json:  # after every case: a run stopped part-way keeps what it measured
+                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.json).write_text(json.dumps(dict(environment=env, records=records), indent=1, default=str))
     result = dict(environment=env, records=records)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1, default=str))
     if args.plot:
         plot(result, args.plot)
     print_table(records)

@@ -1,10 +1,8 @@
 #!/usr/bin/env bash
-# One call on a lent GPU (device tool), as a list of steps run in order, each under its own time limit, logs and
-# JSON under $OUT (few files: the device tool brings back only a handful). A lent machine starts bare and each
-# call's limit is 10 minutes, so a call does a whole round:
-#   source .device/prelude.sh && ATTNOPS_COMMIT=<sha> bash benchmarks/gpu_session.sh build tune overhead tests
-# ATTNOPS_COMMIT: the commit being measured, written into the JSON and plots; type in this machine's
-# `git rev-parse --short HEAD` (on the lent machine git HEAD is the last landed commit, not the tree it runs).
+# A round of GPU work on a CUDA machine, as a list of steps run in order, each under its own time limit; logs and
+# JSON go to the directory $OUT (default gpu-out/), a few files in all:
+#   OUT=results ATTNOPS_COMMIT=<sha> bash benchmarks/gpu_session.sh build jit tests models
+# ATTNOPS_COMMIT: the commit being measured, written into the JSON and plots (where the tree has no git history).
 # Steps:
 #   build     the extension against the device's torch (always first)
 #   tune      benchmarks/triton_tuning.py on a quiet GPU (TUNE_ARGS, TUNE_BUDGET seconds)
@@ -15,8 +13,13 @@
 #   breakdown benchmarks/decode_breakdown.py $BREAKDOWN_ARGS (a decode's time by stage: op, attention kernel
 #             alone, merge, a plain read of the same bytes, one launch)
 #   bench     benchmarks/bench.py $BENCH_ARGS (JSON + PNG), on a quiet GPU
-#   tests     the GPU tests, suites in parallel processes (TEST_SUITES, default "triton flashinfer e2e": Triton
-#             under pytest-xdist; FlashInfer + graphs + devices; end to end), one log; TESTS_TIMEOUT seconds
+#   jit       FlashInfer's kernels for every head dim (64, 128, 256) x KV type (bf16, fp8) of the models grid,
+#             JIT-built in parallel processes (`python -m attnops warmup` with FlashInfer pinned)
+#   tests     the GPU tests, suites in parallel processes (TEST_SUITES, default "capture triton flashinfer e2e":
+#             captures of the op; Triton under pytest-xdist; FlashInfer + graphs + devices; end to end), one log;
+#             TESTS_TIMEOUT seconds
+#   models    python -m attnops tune on the models grid (MODELS_ARGS narrows it), writing the table to
+#             $out/sm_XY.json and the records to $out/models.json
 #   serve     benchmarks/serve_bench.py $SERVE_ARGS (JSON + PNG)
 set -uo pipefail
 out=${OUT:-gpu-out}; mkdir -p "$out"
@@ -51,11 +54,23 @@ for step in "$@"; do
       timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench.py ${BENCH_ARGS:-} --json "$out/bench.json" \
         --plot "$out/bench.png" > "$out/bench.txt" 2> /tmp/bench.err; tail -3 /tmp/bench.err
       grep -v unsupported "$out/bench.txt" | cut -c1-150 | tail -60; stamp bench ;;
+    jit)
+      for d in 64 128 256; do for kv in bf16 fp8_e4m3; do
+        ATTNOPS_BACKEND=flashinfer timeout ${JIT_TIMEOUT:-300} python3 -m attnops warmup --head-dim $d \
+          --num-q-heads 32 --num-kv-heads 8 --kv-format $kv > /tmp/jit-$d-$kv.log 2>&1 &
+      done; done
+      wait; grep -h -iE "error|Traceback" /tmp/jit-*.log | head -20; stamp jit ;;
+    models)
+      arch=$(python3 -c "import torch; print('sm_%d%d' % torch.cuda.get_device_capability())")
+      timeout ${MODELS_TIMEOUT:-540} python3 benchmarks/tune.py --out "$out/$arch.json" --rep-ms ${REP_MS:-50} \
+        --json "$out/models.json" ${MODELS_ARGS:-} > "$out/models.log" 2> /tmp/models.err
+      tail -3 /tmp/models.err; sed -n '/^the rule on/,$p' "$out/models.log" | head -60; stamp models ;;
     tests)
       limit=${TESTS_TIMEOUT:-240}
-      suites=${TEST_SUITES:-triton flashinfer e2e}
+      suites=${TEST_SUITES:-capture triton flashinfer e2e}
       for suite in $suites; do
         case $suite in
+          capture) files="-m gpu tests/test_capture.py" ;;
           triton) files="-m gpu -n 8 tests/test_triton.py" ;;
           flashinfer) files="tests/test_flashinfer.py tests/test_graphs.py tests/test_devices.py" ;;
           e2e) files="-m gpu tests/test_e2e.py" ;;

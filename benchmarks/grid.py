@@ -30,7 +30,8 @@ class Case:
     def describe(self) -> dict:
         d = asdict(self)
         d.update(kind=self.kind, batch=len(self.kv_lens), kv_tokens=sum(self.kv_lens),
-                 q_tokens=len(self.kv_lens) if self.q_lens is None else sum(self.q_lens))
+                 q_tokens=len(self.kv_lens) if self.q_lens is None else sum(self.q_lens),
+                 max_kv_len=-(-max(self.kv_lens) // self.page_size) * self.page_size)
         del d["kv_lens"], d["q_lens"]
         return d
 
@@ -75,6 +76,39 @@ def gpu_grid() -> list:
     return cases
 
 
+# Head shapes people serve (num_q_heads, num_kv_heads, head_dim): the models grid the dispatch rule is fitted to
+MODEL_HEADS = {
+    "llama-3.2-1b": (32, 8, 64), "llama-3-8b": (32, 8, 128), "llama-3-70b": (64, 8, 128),
+    "qwen2.5-7b": (28, 4, 128), "gpt-oss": (64, 8, 64), "mha-7b": (32, 32, 128), "gemma-2-2b": (8, 4, 256),
+    "mqa": (16, 1, 128), "qwen3-14b": (40, 8, 128), "gemma-2-9b": (16, 8, 256),
+}
+MODEL_DECODE = [(1, 32768), (32, 8192), (128, 2048), (128, 4096)]
+MODEL_FORMATS = [("bf16", "none"), ("fp8_e4m3", "per_tensor"), ("fp8_e4m3", "per_head"), ("nvfp4", "block"),
+                 ("mxfp4", "block")]
+TWO_BACKEND_FORMATS = ("bf16", "fp8_e4m3/per_tensor")  # where both FlashInfer and Triton serve on sm_90
+
+
+def models_grid() -> list:
+    """Every head shape of MODEL_HEADS x every KV format and scale kind: decode at MODEL_DECODE and a ragged
+    batch of 64; for the formats two backends serve, also verify (4 and 8 tokens), prefill and a chunked extend."""
+    cases = []
+    for model, (hq, hkv, d) in MODEL_HEADS.items():
+        heads = dict(num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
+        for fmt, scale_kind in MODEL_FORMATS:
+            label = fmt if scale_kind in ("none", "block") else f"{fmt}/{scale_kind}"
+            fmt_args = dict(kv_format=fmt, scale_kind="per_tensor" if scale_kind in ("none", "block") else scale_kind)
+            shapes = [(f"{b}x{n}", [n] * b, None) for b, n in MODEL_DECODE]
+            shapes.append(("ragged64", ragged_lengths(64, seed=64), None))
+            if label in TWO_BACKEND_FORMATS:
+                shapes += [(f"verify32x4096q{q}", [4096] * 32, [q] * 32) for q in (4, 8)]
+                shapes += [("prefill4x4096", [4096] * 4, [4096] * 4),
+                           ("extend2048on16384", [16384 + 2048], [2048])]
+            for shape, kv_lens, q_lens in shapes:
+                cases.append(Case(f"{model}-{hq}-{hkv}-{d}/{label}/{shape}", "models", kv_lens, q_lens, **heads,
+                                  **fmt_args))
+    return cases
+
+
 def cpu_grid() -> list:
     """For CI and CPU users: small, fp32 and bf16, the CPU backend against gather + SDPA."""
     cases = []
@@ -92,4 +126,4 @@ def cpu_issue_grid() -> list:
             for fmt in ("fp32", "bf16") for b, n in ((8, 2048), (1, 16384))]
 
 
-GRIDS = {"gpu": gpu_grid, "cpu": cpu_grid, "cpu-issue": cpu_issue_grid}
+GRIDS = {"gpu": gpu_grid, "models": models_grid, "cpu": cpu_grid, "cpu-issue": cpu_issue_grid}

@@ -1,16 +1,14 @@
-"""Writes the dispatch table for this GPU's arch: runs the benchmark grid for every attnops backend (or reads
-benchmark JSON already made), and orders the backends of each case class (shape class / kv format / scale kind /
-GQA group / head dim: dispatch.class_key) by the geometric mean of their time over the cases of that class that all of them served correctly.
+"""Writes the dispatch table for this GPU's arch: runs the models grid (benchmarks/grid.py: the head shapes people
+serve x every KV format x decode, verify, prefill and extend shapes) for every attnops backend and auto dispatch,
+or reads benchmark JSON already made, and fits the dispatch rule (attnops/rules.py) to the times.
 
-Time is the CUDA-graph replay of the op (`graph_us`: kernel time, as a serving loop runs it) where a record has
-it, else the eager op call (`median_us`, which includes the host's launch cost); one case compares like with like
-(eager for all of its backends as soon as one lacks a graph time). Later files override earlier ones case by case.
+Time is the CUDA-graph replay of the op (`graph_us`: kernel time, as a serving loop runs it) where every backend
+of a case has one, else the eager op call (`median_us`). Later files override earlier ones case by case. The
+table keeps, per case, the rule's choice against the fastest backend, and the same check for rules fitted
+without each head shape in turn (how the rule does on a model it has never seen).
 
-    python -m attnops tune                                   # measure here, write attnops/tables/sm_XY.json
-    python benchmarks/tune.py --from-json benchmarks/results/h200-grid-*.json --arch sm_90
-
-With --from-json, runs where the flashinfer backend was not measured stand in the FlashInfer peers it calls:
-decode -> tensor-core decode wrapper, verify -> fa2 paged prefill, prefill -> fa3 (the backend's own choice).
+    python -m attnops tune                                  # measure here, write attnops/tables/sm_XY.json
+    python -m attnops tune --from-json results.json --arch sm_90 --out table.json
 """
 from __future__ import annotations
 
@@ -25,63 +23,105 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from attnops import dispatch  # noqa: E402
+from attnops import rules  # noqa: E402
+from attnops.cases import shape_class  # noqa: E402
 
 FLASHINFER_PEER_FOR = {"decode": "fi-decode-tensor-core", "verify": "fi-prefill-fa2", "prefill": "fi-prefill-fa3"}
 
 
-def class_key(record) -> str:
-    """The class key of a benchmark record, as dispatch looks it up (attnops.dispatch.class_key)."""
-    fmt = record["kv_format"]
-    scale = "none" if fmt in ("bf16", "fp16", "fp32") else ("block" if fmt in ("nvfp4", "mxfp4")
-                                                             else record["scale_kind"])
-    return dispatch.class_key(record["kind"], fmt, scale, record["num_q_heads"] // record["num_kv_heads"],
-                              record["head_dim"])
+def record_features(r) -> dict:
+    """The rule's features of a benchmark record (what attnops.rules.features gives for the op's case)."""
+    fmt = r["kv_format"]
+    scale = "none" if fmt in ("bf16", "fp16", "fp32") else "block" if fmt in ("nvfp4", "mxfp4") else r["scale_kind"]
+    decode = r["kind"] == "decode"
+    batch = r.get("batch") or 1
+    return dict(kv_format=fmt, shape_class=shape_class(decode, r.get("q_tokens", batch), batch), scale_kind=scale,
+                group=r["num_q_heads"] // r["num_kv_heads"], head_dim=r["head_dim"], num_kv_heads=r["num_kv_heads"],
+                batch=batch, work=batch * r["num_kv_heads"], max_kv_len=r.get("max_kv_len", 0))
 
 
-def rank(cases) -> list:
-    """Backends of a class, fastest first: by the geometric mean of their times over the cases every one of them
-    served (else by their best time). `cases`: [backend -> us]."""
-    names = sorted({n for t in cases for n in t})
-    common = [t for t in cases if all(n in t for n in names)]
-
-    def score(name):
-        if common:
-            return math.exp(sum(math.log(t[name]) for t in common) / len(common))
-        return min(t[name] for t in cases if name in t)
-    return sorted(names, key=score)
+def head_shape(record) -> str:
+    return f"{record['num_q_heads']}/{record['num_kv_heads']}/{record['head_dim']}"
 
 
-def build_table(records, backends) -> tuple[dict, list]:
-    """(order per class; per-case check rows: the choice of the case's class against the fastest)."""
-    measured = defaultdict(dict)  # case -> backend -> record
-    keys = {}  # case -> class key
+def collect(records, backends):
+    """{case: (features, {backend: us}, head shape, auto's record or None)}, one timing kind per case."""
+    measured, autos = defaultdict(dict), {}
     for r in records:
+        if r.get("status") != "ok":
+            continue
+        if r["impl_type"] == "auto":
+            autos[r["case"]] = r
+            continue
         name = r["impl"] if r["impl_type"] == "backend" else None
         if name is None and "flashinfer" in backends and r["impl"] == FLASHINFER_PEER_FOR.get(r["kind"]):
             if not any(x["impl"] == "flashinfer" and x["case"] == r["case"] for x in records):
                 name = "flashinfer"
-        if name in backends and r.get("status") == "ok":
+        if name in backends:
             measured[r["case"]][name] = r
-            keys[r["case"]] = class_key(r)
-    times = {}  # case -> backend -> us, one timing kind per case
+    cases = {}
     for case, per_backend in measured.items():
         field = "graph_us" if all("graph_us" in r for r in per_backend.values()) else "median_us"
-        times[case] = {name: r[field] for name, r in per_backend.items()}
-    by_class = defaultdict(list)
-    for case, t in times.items():
-        by_class[keys[case]].append(t)
-    order = {key: rank(cases) for key, cases in sorted(by_class.items())}
-    checks = []
-    for case, t in sorted(times.items(), key=lambda item: keys[item[0]]):
-        chosen = next(n for n in order[keys[case]] if n in t)
-        checks.append(dict(case=case, cls=keys[case], chosen=chosen, chosen_us=t[chosen], fastest=min(t, key=t.get),
-                           fastest_us=min(t.values()), slowdown=t[chosen] / min(t.values())))
-    return order, checks
+        first = next(iter(per_backend.values()))
+        times = {name: r[field] for name, r in per_backend.items() if math.isfinite(r.get(field, math.nan))}
+        cases[case] = (record_features(first), times, head_shape(first), autos.get(case))
+    return cases
+
+
+def check(rule, cases, names) -> list:
+    """Per case timed on every backend of `names`: the rule's choice against the fastest."""
+    rows = []
+    for case, (features, times, heads, _) in sorted(cases.items()):
+        if not all(n in times for n in names):
+            continue
+        leaf, _ = rules.decide(rule, features)
+        chosen = leaf["order"][0]
+        fastest = min(times, key=times.get)
+        rows.append(dict(case=case, heads=heads, chosen=chosen, chosen_us=round(times[chosen], 2), fastest=fastest,
+                         fastest_us=round(times[fastest], 2), slowdown=round(times[chosen] / times[fastest], 4)))
+    return rows
+
+
+def cross_validate(cases, names) -> list:
+    """For each head shape: the rule fitted without it, checked on its cases."""
+    rows = []
+    for heads in sorted({c[2] for c in cases.values()}):
+        train = [(f, t) for f, t, h, _ in cases.values() if h != heads]
+        held_out = {k: c for k, c in cases.items() if c[2] == heads}
+        if train and held_out:
+            rows += check(rules.fit(train, names), held_out, names)
+    return rows
+
+
+def auto_rows(cases) -> list:
+    """Auto dispatch as measured in the same run: its time (its own graph time for decode; the chosen backend's
+    otherwise) against the fastest backend of the case."""
+    rows = []
+    for case, (_, times, heads, auto) in sorted(cases.items()):
+        if auto is None or len(times) < 2:
+            continue
+        us = auto.get("graph_us") or times.get(auto.get("chosen"))
+        if us is None:
+            continue
+        fastest = min(times, key=times.get)
+        rows.append(dict(case=case, heads=heads, chosen=auto.get("chosen"), auto_us=round(us, 2), fastest=fastest,
+                         fastest_us=round(times[fastest], 2), slowdown=round(us / times[fastest], 4)))
+    return rows
+
+
+def summary(rows, label) -> str:
+    if not rows:
+        return f"{label}: no case"
+    worst = max(rows, key=lambda r: r["slowdown"])
+    within = sum(1 for r in rows if r["slowdown"] <= rules.TOLERANCE)
+    geo = math.exp(sum(math.log(r["slowdown"]) for r in rows) / len(rows))
+    return (f"{label}: {within}/{len(rows)} cases within {round((rules.TOLERANCE - 1) * 100)}% of the fastest; "
+            f"geometric-mean slowdown {geo:.4f}; worst {worst['case']} {worst['slowdown']:.3f}x")
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m attnops tune", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m attnops tune", description=__doc__.split("\n\n")[0],
+                                     epilog="Other options go to the benchmark (python -m attnops bench --help).")
     parser.add_argument("--from-json", nargs="*", help="benchmark JSON files to read instead of measuring")
     parser.add_argument("--arch", help="sm_XY (default: this GPU's)")
     parser.add_argument("--out", help="default: attnops/tables/<arch>.json")
@@ -91,26 +131,34 @@ def main(argv=None):
         records = [r for path in args.from_json for r in json.loads(Path(path).read_text())["records"]]
         sources = args.from_json
     else:
-        import bench
         import torch
-        result = bench.main(["--backends", *args.backends, "--peers", *bench_args])
-        records, sources = result["records"], ["measured by python -m attnops tune"]
+        if not torch.cuda.is_available():
+            parser.error("measuring needs a CUDA GPU; on another machine, fit from benchmark JSON (--from-json)")
+        import bench
+        if "--grid" not in bench_args:
+            bench_args += ["--grid", "models"]
+        result = bench.main(["--backends", *args.backends, "--peers", "--auto", "--graph-only", *bench_args])
+        records, sources = result["records"], ["measured by python -m attnops tune " + " ".join(bench_args)]
         args.arch = args.arch or "sm_%d%d" % torch.cuda.get_device_capability()
     if not args.arch:
         parser.error("--arch is needed with --from-json")
-    order, checks = build_table(records, set(args.backends))
+    names = list(args.backends)
+    cases = collect(records, set(names))
+    rule = rules.fit([(f, t) for f, t, _, _ in cases.values()], names)
+    per_case, held_out, autos = check(rule, cases, names), cross_validate(cases, names), auto_rows(cases)
     out = Path(args.out or ROOT / "attnops" / "tables" / f"{args.arch}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(arch=args.arch, sources=sources, order=order, per_case=checks), indent=1))
-    print(f"wrote {out}")
-    for key, names in order.items():
-        print(f"  {key:<40} {' > '.join(names)}")
-    worst = sorted(checks, key=lambda c: -c["slowdown"])
-    print("cases where the class's choice is not the fastest:")
-    for c in worst:
-        if c["slowdown"] > 1.0:
-            print(f"  {c['case']:<44} chose {c['chosen']} {c['chosen_us']:.1f} us, fastest {c['fastest']} "
-                  f"{c['fastest_us']:.1f} us ({(c['slowdown'] - 1) * 100:.1f}% slower)")
+    out.write_text(json.dumps(dict(arch=args.arch, sources=sources, backends=names, rule=rule, per_case=per_case,
+                                   held_out_head_shapes=held_out, auto_measured=autos), indent=1))
+    print(f"wrote {out}\n\nthe rule:\n{rules.render(rule)}")
+    print(summary(per_case, "the rule on the cases it was fitted to"))
+    print(summary(held_out, "fitted without each head shape, on that head shape's cases"))
+    print(summary(autos, "auto dispatch as timed in this run"))
+    for label, rows in (("rule", per_case), ("held out", held_out), ("auto", autos)):
+        for r in rows:
+            if r["slowdown"] > rules.TOLERANCE:
+                print(f"  {label}: {r['case']:<48} chose {r['chosen']} ({r['slowdown']:.3f}x the fastest, "
+                      f"{r['fastest']})")
 
 
 if __name__ == "__main__":

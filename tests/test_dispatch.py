@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import attnops
-from attnops import dispatch
+import attnops.rules
+from attnops import capture, dispatch
 from attnops.backends import BACKENDS
 from attnops.backends.base import Backend
 from attnops.testing import random_paged_inputs
@@ -81,49 +82,119 @@ def test_dispatch_reads_no_tensor_data():
     assert {**real.__dict__, "device_type": None} == {**fake.__dict__, "device_type": None}
 
 
-def test_measured_table_orders_backends_for_its_arch():
-    """The shipped sm_90 table (benchmarks/tune.py over the committed H200 runs) puts its measured order first."""
+def _cuda_case(**fields):
+    """A CUDA AttentionCase on sm_90 described on a machine that may have no GPU."""
+    case = dispatch.describe_attention(device="cpu", q_dtype=torch.bfloat16, kv_format="bf16", arch=(9, 0))
+    return dispatch.AttentionCase(**{**case.__dict__, "device_type": "cuda", **fields})
+
+
+def test_measured_rule_orders_backends_for_its_arch_and_the_nearest():
+    """The shipped sm_90 table (benchmarks/tune.py over the H200 models grid) holds a fitted rule; dispatch follows
+    it on sm_90, and on an arch with no table follows the nearest measured one, never a fixed habit."""
     table = dispatch.arch_table((9, 0))
-    assert table, "attnops/tables/sm_90.json is missing from the package"
-    bf16 = dispatch.describe_attention(device="cpu", q_dtype=torch.bfloat16, kv_format="bf16", arch=(9, 0))
-    bf16 = dispatch.AttentionCase(**{**bf16.__dict__, "device_type": "cuda"})
-    measured = table[dispatch.table_key(bf16)]
-    assert dispatch.policy(bf16)[: len(measured)] == tuple(measured)
+    assert table.get("rule"), "attnops/tables/sm_90.json (with its rule) is missing from the package"
+    bf16 = _cuda_case()
+    leaf, path, arch = dispatch.rule_leaf(bf16)
+    assert arch == (9, 0) and dispatch.policy(bf16)[: len(leaf["order"])] == tuple(leaf["order"])
     assert dispatch.policy(bf16)[-1] == "reference"
-    per_head = dispatch.AttentionCase(**{**bf16.__dict__, "kv_format": "fp8_e4m3", "scale_kind": "per_head"})
-    assert dispatch.policy(per_head)[0] == "triton"
-    unmeasured = dispatch.AttentionCase(**{**bf16.__dict__, "arch": (12, 0)})
-    assert dispatch.policy(unmeasured) == dispatch.STATIC_ORDER["cuda"]
+    per_head = _cuda_case(kv_format="fp8_e4m3", scale_kind="per_head")
+    assert set(dispatch.policy(per_head)) == {"triton", "flashinfer", "reference"}
+    blackwell = _cuda_case(arch=(12, 0))
+    assert dispatch.rule_arch((12, 0)) == (9, 0) and dispatch.rule_leaf(blackwell)[2] == (9, 0)
+    text = str(dispatch._explain_case(blackwell, None))
+    assert "rule measured on sm_90, the nearest measured arch (none for sm_120)" in text
+    assert dispatch.policy(dispatch.AttentionCase(**{**bf16.__dict__, "device_type": "cpu", "arch": None})) == \
+        dispatch.STATIC_ORDER["cpu"]
 
 
-def test_tune_orders_by_geometric_mean_and_reports_misses(monkeypatch):
+def _tune():
     sys_path = __import__("sys").path
     sys_path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent / "benchmarks"))
     import tune
+    return tune
 
-    def rec(case, impl, us, kind="decode", heads=(32, 8, 128)):
-        return dict(case=case, impl=impl, impl_type="backend", kind=kind, kv_format="bf16", scale_kind="per_tensor",
-                    num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=heads[2], status="ok", median_us=us)
-    records = [rec("a", "triton", 100), rec("a", "flashinfer", 50), rec("b", "triton", 100),
-               rec("b", "flashinfer", 120), rec("c", "flashinfer", 10, "verify"),
-               rec("mha", "triton", 10, heads=(32, 32, 128)), rec("mha", "flashinfer", 30, heads=(32, 32, 128))]
-    order, checks = tune.build_table(records, {"triton", "flashinfer"})
-    assert order == {"decode/bf16/none/g4/d128": ["flashinfer", "triton"], "decode/bf16/none/g1/d128": [
-        "triton", "flashinfer"], "verify/bf16/none/g4/d128": ["flashinfer"]}
-    miss = [c for c in checks if c["slowdown"] > 1]
-    assert [(c["case"], round(c["slowdown"], 2)) for c in miss] == [("b", 1.2)]
-    # dispatch looks the case's class up; a head shape the table did not measure gets the static order
-    monkeypatch.setattr(dispatch, "arch_table", lambda arch: order)
-    case = dispatch.describe_attention(device="cpu", q_dtype=torch.bfloat16, kv_format="bf16", arch=(9, 0))
-    case = dispatch.AttentionCase(**{**case.__dict__, "device_type": "cuda"})
-    assert dispatch.table_key(case) == "decode/bf16/none/g4/d128"
-    assert dispatch.policy(case) == ("flashinfer", "triton", "reference")
-    mha = dispatch.AttentionCase(**{**case.__dict__, "num_kv_heads": 32})
-    assert dispatch.policy(mha) == ("triton", "flashinfer", "reference")
-    d64 = dispatch.AttentionCase(**{**case.__dict__, "head_dim": 64})
-    assert dispatch.table_key(d64) is None and dispatch.policy(d64) == dispatch.STATIC_ORDER["cuda"]
-    fp8 = dispatch.AttentionCase(**{**case.__dict__, "kv_format": "fp8_e4m3", "scale_kind": "per_tensor"})
-    assert dispatch.table_key(fp8) is None and dispatch.policy(fp8) == dispatch.STATIC_ORDER["cuda"]
+
+def _record(case, impl, us, kind="decode", heads=(32, 8, 128), fmt="bf16", batch=32, max_kv_len=8192):
+    return dict(case=case, impl=impl, impl_type="backend", kind=kind, kv_format=fmt, scale_kind="per_tensor",
+                num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=heads[2], status="ok", graph_us=us,
+                batch=batch, q_tokens=batch if kind == "decode" else 8 * batch, max_kv_len=max_kv_len)
+
+
+def test_rule_fits_the_measured_choices_and_generalises_by_features(monkeypatch):
+    """tune fits a tree that makes every measured choice (where the backends differ by more than noise), and a
+    case it never measured (another head shape, another batch) follows the questions the data asked."""
+    tune = _tune()
+    records = []
+    for heads in ((32, 8, 128), (64, 8, 128), (28, 4, 128)):
+        for batch in (1, 32, 128):
+            # fp8: triton always 30% faster; bf16: flashinfer faster at batch >= 32, triton at batch 1
+            records += [_record(f"{heads}/fp8/{batch}", "triton", 70, heads=heads, fmt="fp8_e4m3", batch=batch),
+                        _record(f"{heads}/fp8/{batch}", "flashinfer", 100, heads=heads, fmt="fp8_e4m3", batch=batch),
+                        _record(f"{heads}/bf16/{batch}", "triton", 100 if batch > 1 else 50, heads=heads, batch=batch),
+                        _record(f"{heads}/bf16/{batch}", "flashinfer", 80, heads=heads, batch=batch)]
+        records += [_record(f"{heads}/verify", "triton", 100, "verify", heads=heads),
+                    _record(f"{heads}/verify", "flashinfer", 60, "verify", heads=heads)]
+    names = ["flashinfer", "triton"]
+    cases = tune.collect(records, set(names))
+    rule = attnops.rules.fit([(f, t) for f, t, _, _ in cases.values()], names)
+    assert all(row["slowdown"] == 1.0 for row in tune.check(rule, cases, names))
+    assert all(row["slowdown"] == 1.0 for row in tune.cross_validate(cases, names))
+    monkeypatch.setattr(dispatch, "arch_table", lambda arch: {"rule": rule})
+    monkeypatch.setattr(dispatch, "rule_arch", lambda arch: (9, 0))
+    # unmeasured head shapes and batches
+    assert dispatch.policy(_cuda_case(num_q_heads=16, num_kv_heads=1, kv_format="fp8_e4m3",
+                                      scale_kind="per_tensor", batch=64))[0] == "triton"
+    assert dispatch.policy(_cuda_case(num_q_heads=40, num_kv_heads=8, batch=64))[0] == "flashinfer"
+    assert dispatch.policy(_cuda_case(num_q_heads=40, num_kv_heads=8, batch=2))[0] == "triton"
+    assert dispatch.policy(_cuda_case(shape_class="verify", decode=False, batch=16))[0] == "flashinfer"
+    text = str(dispatch._explain_case(_cuda_case(kv_format="fp8_e4m3", scale_kind="per_tensor"), None))
+    assert "auto: rule measured on sm_90" in text and "kv_format" in text
+    assert "triton within 3% of the fastest in 9" in text and "flashinfer 1.43x its time" in text
+
+
+def test_rule_fit_needs_cases_timed_on_every_backend():
+    with pytest.raises(ValueError, match="no case was timed on every backend"):
+        attnops.rules.fit([({"kv_format": "bf16"}, {"triton": 1.0})], ["flashinfer", "triton"])
+
+
+class PlansOnHost(Backend):
+    name = "plans"
+    plans_on_host = True
+
+    def supports(self, case):
+        return []
+
+
+def test_capture_state_passes_over_host_planned_backends(monkeypatch):
+    """Inside a capture nobody re-plans, auto never picks a backend that plans on the host, and a pinned one is
+    an error naming the way that works; eager and re-planned captures keep it. The three states are cached
+    apart."""
+    monkeypatch.setitem(BACKENDS, "plans", PlansOnHost())
+    monkeypatch.setitem(dispatch.STATIC_ORDER, "cpu", ("plans", "cpu", "reference"))
+    dispatch._select_cached.cache_clear()
+    try:
+        case = dispatch.describe_attention(device="cpu")
+        assert dispatch._select_cached(case, None, capture.NONE).name == "plans"
+        assert dispatch._select_cached(case, None, capture.REPLANNED).name == "plans"
+        assert dispatch._select_cached(case, None, capture.FOREIGN).name == "cpu"
+        assert dispatch._select_cached(case, None, capture.NONE).name == "plans"
+        with pytest.raises(ValueError, match="(?s)pinned backend .plans. cannot serve.*attnops.graphs.DecodeGraphRunner"):
+            dispatch._select_cached(case, "plans", capture.FOREIGN)
+        foreign = attnops.explain(device="cpu", capture_state="foreign")
+        assert foreign.chosen == "cpu" and "nobody re-plans" in str(foreign)
+        assert "passed over plans: inside a CUDA graph capture" in str(foreign)
+        with pytest.raises(ValueError, match="capture_state must be one of"):
+            attnops.explain(device="cpu", capture_state="sometimes")
+    finally:
+        dispatch._select_cached.cache_clear()
+
+
+def test_capture_state_reads_the_runners_context_and_the_stream():
+    assert capture.capture_state(torch.device("cpu")) == capture.NONE
+    with capture.capturing(capture.CaptureContext(1)):
+        assert capture.current_capture() is not None
+        assert capture.capture_state(torch.device("cpu")) == capture.NONE  # CPU calls are never captured
+    assert capture.current_capture() is None
 
 
 def test_pinning_an_attention_only_backend_leaves_cache_writes_to_the_policy(monkeypatch, declining_backend):

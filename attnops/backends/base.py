@@ -6,61 +6,9 @@ list of backends and takes the first with no reasons.
 """
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass(frozen=True)
-class AttentionCase:
-    """Everything dispatch may look at for one paged_attention call: shapes, dtypes and flags, never values."""
-
-    device_type: str
-    arch: tuple[int, int] | None  # CUDA compute capability, None on the CPU
-    q_dtype: torch.dtype
-    kv_format: str  # resolved: "bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "nvfp4", "mxfp4"
-    head_dim: int
-    page_size: int
-    num_q_heads: int
-    num_kv_heads: int
-    decode: bool  # one query token per sequence (cu_seqlens_q is None)
-    soft_cap: bool
-    sliding_window: bool
-    scale_kind: str  # "none", "per_tensor", "per_head" (fp8) or "block" (4-bit)
-    # "decode", "verify" (at most VERIFY_MAX_Q query tokens per sequence on average, from shapes: T / B) or
-    # "prefill": the class the measured dispatch tables are keyed on
-    shape_class: str = "decode"
-
-    def __hash__(self) -> int:  # computed once: dispatch looks a case up on every op call
-        cached = self.__dict__.get("_hash")
-        if cached is None:
-            cached = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
-            object.__setattr__(self, "_hash", cached)
-        return cached
-
-
-VERIFY_MAX_Q = 16
-
-
-def shape_class(decode: bool, num_tokens: int, batch: int) -> str:
-    if decode:
-        return "decode"
-    return "verify" if num_tokens <= VERIFY_MAX_Q * max(batch, 1) else "prefill"
-
-
-@dataclass(frozen=True)
-class CacheWriteCase:
-    """Everything dispatch may look at for one reshape_and_cache call."""
-
-    device_type: str
-    arch: tuple[int, int] | None
-    src_dtype: torch.dtype
-    kv_format: str
-    head_dim: int
-    page_size: int
-    num_kv_heads: int
-    scale_kind: str
+from ..cases import AttentionCase, CacheWriteCase, VERIFY_MAX_Q, shape_class  # noqa: F401  (re-exported)
 
 
 class Backend:
@@ -69,6 +17,14 @@ class Backend:
     name: str = ""
     description: str = ""
     writes_cache: bool = True  # False: reshape_and_cache is always another backend's, even when this one is pinned
+    # True: its kernels run a plan made on the host from the step's lengths, so a CUDA graph that captures them
+    # replays correctly only if its driver re-plans before each replay (attnops.capture); dispatch passes such a
+    # backend over inside any other capture
+    plans_on_host: bool = False
+
+    def forget_steps(self) -> None:
+        """Drops whatever the backend keeps from one call to the next of a step (plans, replays); dispatch calls it
+        when the pinned backend changes."""
 
     def unavailable(self) -> list[str]:
         """Reasons this backend cannot run at all here (a package missing, no GPU). Empty if it can."""

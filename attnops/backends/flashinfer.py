@@ -21,7 +21,8 @@ import weakref
 
 import torch
 
-from .. import checks, formats, graphs
+from .. import capture, checks, formats
+from ..env import device_arch
 from . import flashinfer_replay
 from .base import Backend, CacheWriteCase, common_reasons, shape_class
 
@@ -144,6 +145,10 @@ class FlashInferBackend(Backend):
     description = ("FlashInfer's CUDA kernels: tensor-core paged decode, fa2/fa3 paged prefill for verify and "
                    "extend; bf16/fp16 and fp8 (per-tensor scale) KV; planned once per step")
     writes_cache = False
+    plans_on_host = True
+
+    def forget_steps(self) -> None:
+        flashinfer_replay.clear()  # replayed calls skip dispatch: none armed under an old pin may run
 
     def unavailable(self) -> list[str]:
         error = _import_error()
@@ -171,11 +176,11 @@ class FlashInferBackend(Backend):
         run() must zero (or None), and whether it was planned now."""
         plans = _plans(q.device)
         num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
-        kind = wrapper_kind(cu_seqlens_q is None, seq_lens.shape[0], q.shape[0], checks.device_arch(q.device),
+        kind = wrapper_kind(cu_seqlens_q is None, seq_lens.shape[0], q.shape[0], device_arch(q.device),
                             q.dtype, k_cache.dtype)
         signature = (q.dtype, k_cache.dtype, q.shape[1], num_kv_heads, head_dim, page_size, scale, soft_cap,
                      window_left)
-        graph = graphs.current_capture()
+        graph = capture.current_capture()
         if graph is not None:
             if kind != "decode":
                 raise RuntimeError("attnops.graphs captures decode steps only (FlashInfer backend)")
@@ -195,7 +200,7 @@ class FlashInferBackend(Backend):
         wrapper = plans.wrappers[key]
         if _same_step(plans.planned_for.get(key), block_table, seq_lens, cu_seqlens_q):
             return wrapper, plans.row_mask.get(key), False
-        if torch.cuda.is_current_stream_capturing():
+        if torch.cuda.is_current_stream_capturing():  # dispatch keeps foreign captures away; this is the backstop
             raise RuntimeError("attnops.paged_attention (flashinfer): no plan for this step inside a CUDA graph "
                                "capture; capture through attnops.graphs, which plans before capture and replay")
         build_key = (kind, q.dtype, k_cache.dtype, head_dim, soft_cap > 0, window_left >= 0)
@@ -247,7 +252,7 @@ class FlashInferBackend(Backend):
             q = q * k_scale.to(q.dtype)  # scores scale with k: fold k_scale into q, on the device
         # the first call of an eager plan arms the C++ replay of the kernel call for the step's other calls: only
         # where run() is the whole call (no fp8 scaling or row masking around it) and no check reads the data
-        if (planned_now and not fp8 and empty_rows is None and graphs.current_capture() is None
+        if (planned_now and not fp8 and empty_rows is None and capture.current_capture() is None
                 and not checks.values_checked() and flashinfer_replay.enabled()):
             flashinfer_replay.run_and_arm(wrapper, q, k_cache, v_cache, out)
         else:
