@@ -29,7 +29,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from attnops.backends.triton import decode as tdecode  # noqa: E402
+from attnops.backends.triton import heuristics as theur, launch as tlaunch  # noqa: E402
 from bench import graph_time_us  # noqa: E402
 from triton_tuning import DECODE_CASES, HKV, Runner, kv_bytes, make_inputs  # noqa: E402
 
@@ -63,7 +63,7 @@ def attention_programs(runner: Runner, fmt: str) -> int:
     """Programs of the heuristic's attention grid that have work: KV heads x sequences x splits (about: the
     device lengthens splits past MAX_SPLITS)."""
     a = runner.args
-    cfg = tdecode.heuristic_config(a["q"].device, True, a["seq_lens"].numel(), a["q"].shape[0], a["q"].shape[1],
+    cfg = theur.heuristic_config(a["q"].device, True, a["seq_lens"].numel(), a["q"].shape[0], a["q"].shape[1],
                                    HKV, a["q"].shape[2], a["k_cache"].shape[1],
                                    a["block_table"].shape[1] * a["k_cache"].shape[1], fmt, a["q"].dtype)
     splits = [min(cfg["MAX_SPLITS"], max(1, -(-int(n) // cfg["CHUNK"]))) for n in a["seq_lens"].tolist()]
@@ -91,12 +91,12 @@ def breakdown(case: str, fmt: str) -> dict:
     if op_us is None:
         raise RuntimeError(f"{case} {fmt}: the op failed or gave a wrong answer")
     row = dict(case=case, fmt=fmt, bytes=nbytes, programs=attention_programs(runner, fmt), op=op_us)
-    saved = tdecode.merge_splits_kernel
-    tdecode.merge_splits_kernel = _NoMerge()
+    saved = tlaunch.merge_splits_kernel
+    tlaunch.merge_splits_kernel = _NoMerge()
     try:
         row["attention"] = graph_time_us(lambda: runner.call(None))
     finally:
-        tdecode.merge_splits_kernel = saved
+        tlaunch.merge_splits_kernel = saved
     row["merge"] = row["op"] - row["attention"]
     del runner
     torch.cuda.empty_cache()

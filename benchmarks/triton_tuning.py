@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from attnops import formats  # noqa: E402
 from attnops.backends.reference import paged_attention_reference  # noqa: E402
-from attnops.backends.triton import decode as tdecode  # noqa: E402
+from attnops.backends.triton import heuristics as theur, launch as tlaunch  # noqa: E402
 from attnops.testing import random_paged_inputs, relative_error  # noqa: E402
 from bench import graph_time_us  # noqa: E402
 from grid import ragged_lengths  # noqa: E402  (the benchmark suite's: the same ragged batches)
@@ -103,7 +103,7 @@ class Runner:
 
     def call(self, config):
         a = self.args
-        tdecode.launch(a["q"], a["k_cache"], a["v_cache"], a["block_table"], a["seq_lens"], a["cu_seqlens_q"],
+        tlaunch.launch(a["q"], a["k_cache"], a["v_cache"], a["block_table"], a["seq_lens"], a["cu_seqlens_q"],
                        scale=D ** -0.5, soft_cap=0.0, window_left=-1,
                        kv_format=formats.resolve_kv_format(a["kv_format"], a["k_cache"].dtype),
                        k_scale=a.get("k_scale"), v_scale=a.get("v_scale"), out=self.out, config=config)
@@ -129,8 +129,8 @@ def parse_overrides(items, option):
     config = {}
     for item in items:
         key, _, value = item.partition("=")
-        if key not in tdecode.CONFIG_KEYS:
-            raise SystemExit(f"{option}: unknown tunable {key!r}; known: {tdecode.CONFIG_KEYS}")
+        if key not in theur.CONFIG_KEYS:
+            raise SystemExit(f"{option}: unknown tunable {key!r}; known: {theur.CONFIG_KEYS}")
         config[key] = int(value)
     return config
 

@@ -27,7 +27,7 @@ from attnops import formats
 from attnops.backends import BACKENDS
 from attnops.backends.reference import paged_attention_reference, reshape_and_cache_reference
 from attnops.backends.triton.common import FMT_CODE
-from attnops.backends.triton.decode import _TL_DTYPE, _dequant_fp4, _fp4_scale, fp4_fold
+from attnops.backends.triton.kernel import TL_DTYPE as _TL_DTYPE, _dequant_fp4, _fp4_scale, fp4_fold
 from attnops.testing import random_paged_inputs, relative_error
 
 CUDA = torch.cuda.is_available()
@@ -111,7 +111,7 @@ def test_attention_small(name, inputs, options):
 def test_attention_split_counts(max_splits, chunk):
     """The direct-write path (one split, CHUNK not a BLOCK_N multiple as when it is the table's capacity), a split
     count that does not divide the ranges evenly, and a CHUNK that leaves trailing splits empty."""
-    from attnops.backends.triton.decode import launch
+    from attnops.backends.triton.launch import launch
     args = random_paged_inputs([300, 0, 77, 1], device=DEVICE, seed=11)
     out = torch.full_like(args["q"], float("nan"))
     launch(args["q"], args["k_cache"], args["v_cache"], args["block_table"], args["seq_lens"], None,
@@ -126,7 +126,7 @@ def test_attention_split_counts(max_splits, chunk):
 def test_grid_orders(q_lens, heads_inner):
     """Both grid orders (KV heads fastest along axis 0, or on axis 1) give every (query block, head, split) its
     program: GQA, ragged lengths with an empty sequence, several splits."""
-    from attnops.backends.triton.decode import launch
+    from attnops.backends.triton.launch import launch
     args = random_paged_inputs([300, 0, 77, 130], q_lens, num_q_heads=12, num_kv_heads=3, device=DEVICE, seed=5)
     out = torch.full_like(args["q"], float("nan"))
     launch(args["q"], args["k_cache"], args["v_cache"], args["block_table"], args["seq_lens"], args["cu_seqlens_q"],
@@ -145,12 +145,12 @@ MERGE_CASES = [("fp32", None, {}), ("nvfp4", None, dict(window_left=90)), ("fp16
 def test_splits_merged_by_lse(kv_format, q_lens, options):
     """Five splits a block merged by the merge kernel: ragged lengths with an empty sequence, a window that leaves
     whole splits with no key (LSE -inf), 4-bit tiles (partials written as even/odd columns)."""
-    from attnops.backends.triton import decode
+    from attnops.backends.triton import launch as tlaunch
     q_dtype = F32 if kv_format in ("fp32", "mxfp4") else F16
     args = random_paged_inputs([300, 0, 77, 130], q_lens, num_q_heads=12, num_kv_heads=3, kv_format=kv_format,
                                q_dtype=q_dtype, device=DEVICE, seed=9)
     out = torch.full_like(args["q"], float("nan"))
-    decode.launch(args["q"], args["k_cache"], args["v_cache"], args["block_table"], args["seq_lens"],
+    tlaunch.launch(args["q"], args["k_cache"], args["v_cache"], args["block_table"], args["seq_lens"],
                   args["cu_seqlens_q"], scale=0.125, soft_cap=options.get("soft_cap", 0.0),
                   window_left=options.get("window_left", -1), kv_format=kv_format, k_scale=args.get("k_scale"),
                   v_scale=args.get("v_scale"), out=out, config=dict(MAX_SPLITS=5, CHUNK=64, BLOCK_N=32))
@@ -162,12 +162,12 @@ def test_splits_merged_by_lse(kv_format, q_lens, options):
 def test_merge_over_several_split_tiles():
     """More splits than the merge kernel reads at once (4096 // D = 16 at D=256): its loop over tiles of splits,
     the last one partial, with a window that empties the first splits (LSE -inf)."""
-    from attnops.backends.triton import decode
+    from attnops.backends.triton import launch as tlaunch
     args = random_paged_inputs([700, 0, 650], num_q_heads=2, num_kv_heads=1, head_dim=256, kv_format="fp32",
                                device=DEVICE, seed=4)
     for window_left in (-1, 200):
         out = torch.full_like(args["q"], float("nan"))
-        decode.launch(args["q"], args["k_cache"], args["v_cache"], args["block_table"], args["seq_lens"], None,
+        tlaunch.launch(args["q"], args["k_cache"], args["v_cache"], args["block_table"], args["seq_lens"], None,
                       scale=0.0625, soft_cap=0.0, window_left=window_left, kv_format="fp32", k_scale=None,
                       v_scale=None, out=out, config=dict(MAX_SPLITS=21, CHUNK=32, BLOCK_N=32))
         ref = paged_attention_reference(**args, scale=0.0625, window_left=window_left, compute_dtype=torch.float64)
@@ -179,7 +179,7 @@ def test_merge_over_several_split_tiles():
 def test_fp4_scales_loaded_per_value(kv_format, q_lens, q_dtype):
     """The SCALE_BCAST=False variant (one cached load per value instead of one per block scale repeated in
     registers, the default) gives the same answer."""
-    from attnops.backends.triton.decode import launch
+    from attnops.backends.triton.launch import launch
     args = random_paged_inputs([77, 40], q_lens, kv_format=kv_format, q_dtype=q_dtype, device=DEVICE, seed=2)
     out = torch.full_like(args["q"], float("nan"))
     launch(args["q"], args["k_cache"], args["v_cache"], args["block_table"], args["seq_lens"], args["cu_seqlens_q"],
@@ -203,7 +203,7 @@ SWAPPED_DOT_CASES = [
 def test_swapped_and_fp8_dots(kv_format, q_lens, config, options, q_dtype):
     """The tuning variants with swapped dots (WGMMA: (K q^T)^T and (V^T P^T)^T, the KV tile as wgmma's 64-row
     operand) and e4m3 score dots on K's stored bytes with q as two e4m3 terms (FP8_DOT): same answers."""
-    from attnops.backends.triton.decode import launch
+    from attnops.backends.triton.launch import launch
     args = random_paged_inputs([200, 1, 77], q_lens, num_q_heads=8, num_kv_heads=2, head_dim=64,
                                kv_format=kv_format, q_dtype=q_dtype, scale_kind="per_head", device=DEVICE, seed=3)
     out = torch.full_like(args["q"], float("nan"))
@@ -218,22 +218,22 @@ def test_swapped_and_fp8_dots(kv_format, q_lens, config, options, q_dtype):
 def test_prefill_pipeline_depth_follows_shared_memory(monkeypatch):
     """GPU tile choice, from device properties alone: 128-key prefill tiles of a 16-bit cache take 3 stages only
     where a block may use 227 KB of shared memory (what the H200 measured), 2 elsewhere and for fp8 caches."""
-    from attnops.backends.triton import decode as tdecode
-    monkeypatch.setattr(tdecode, "_num_sms", lambda device: 132)
-    monkeypatch.setattr(tdecode, "_capability", lambda device: 9)
+    from attnops.backends.triton import heuristics as theur
+    monkeypatch.setattr(theur, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(theur, "_capability", lambda device: 9)
     stages = {}
     for shared, kv_format in itertools.product((232448, 166912), ("bf16", "fp8_e4m3")):
-        monkeypatch.setattr(tdecode, "_shared_memory_per_block", lambda device, shared=shared: shared)
-        tdecode.heuristic_config.cache_clear()
-        config = tdecode.heuristic_config(torch.device("cuda"), False, 8, 8 * 4096, 32, 8, 128, 16, 4096, kv_format,
+        monkeypatch.setattr(theur, "_shared_memory_per_block", lambda device, shared=shared: shared)
+        theur.heuristic_config.cache_clear()
+        config = theur.heuristic_config(torch.device("cuda"), False, 8, 8 * 4096, 32, 8, 128, 16, 4096, kv_format,
                                           torch.bfloat16)
         assert (config["BLOCK_N"], config["BLOCK_Q"], config["num_warps"]) == (128, 32, 8)
         stages[shared, kv_format] = config["num_stages"]
         # fp32 q (fp32 dots): 128 x 128 tiles take 256+ KB of shared memory at any depth; 64-key tiles
-        config = tdecode.heuristic_config(torch.device("cuda"), False, 8, 8 * 4096, 32, 8, 128, 16, 4096, kv_format,
+        config = theur.heuristic_config(torch.device("cuda"), False, 8, 8 * 4096, 32, 8, 128, 16, 4096, kv_format,
                                           torch.float32)
         assert config["BLOCK_N"] == 64
-    tdecode.heuristic_config.cache_clear()
+    theur.heuristic_config.cache_clear()
     assert stages == {(232448, "bf16"): 3, (232448, "fp8_e4m3"): 2, (166912, "bf16"): 2, (166912, "fp8_e4m3"): 2}
 
 
@@ -243,8 +243,8 @@ def test_a_tile_too_large_for_the_gpu_steps_down(monkeypatch):
     keys per tile) with a warning, the answer is right, and the shape's cached choice keeps the tile that fit.
     The limit is simulated around the real kernel: here a tile needs BLOCK_N x num_stages <= 64."""
     from triton.runtime.errors import OutOfResources
-    from attnops.backends.triton import decode as tdecode
-    kernel = tdecode.paged_attention_kernel
+    from attnops.backends.triton import heuristics as theur, launch as tlaunch
+    kernel = tlaunch.paged_attention_kernel
     tried = []
 
     class LimitedKernel:
@@ -256,8 +256,8 @@ def test_a_tile_too_large_for_the_gpu_steps_down(monkeypatch):
                 return kernel[grid](*args, BLOCK_N=BLOCK_N, num_stages=num_stages, **kwargs)
             return run
 
-    monkeypatch.setattr(tdecode, "paged_attention_kernel", LimitedKernel())
-    tdecode.heuristic_config.cache_clear()
+    monkeypatch.setattr(tlaunch, "paged_attention_kernel", LimitedKernel())
+    theur.heuristic_config.cache_clear()
     args = random_paged_inputs([300, 0, 77], [9, 0, 4], device=DEVICE, seed=4)
     for call in range(2):
         with warnings.catch_warnings(record=True) as caught:
@@ -272,7 +272,7 @@ def test_a_tile_too_large_for_the_gpu_steps_down(monkeypatch):
         assert relative_error(out, paged_attention_reference(**args, compute_dtype=torch.float64)) < 1e-5
     # the interpreter's tile (64 keys, 3 stages), then 2 stages, then 32 keys; the second call starts there
     assert tried == [(64, 3), (64, 2), (32, 2), (32, 2)]
-    tdecode.heuristic_config.cache_clear()
+    theur.heuristic_config.cache_clear()
 
 
 def test_strided_metadata_and_out():
@@ -673,7 +673,7 @@ def test_call_memory_independent_of_cache_size(kv_format):
 def test_fp4_inline_ptx_decode(q_lens, kv_format):
     """FP4_ASM (the inline-PTX nibble decode, GPU only) against the reference, bf16 q (nvfp4: fp16 dots, mxfp4:
     bf16 dots)."""
-    from attnops.backends.triton.decode import launch
+    from attnops.backends.triton.launch import launch
     args = random_paged_inputs([300, 17, 1000], q_lens, kv_format=kv_format, q_dtype=torch.bfloat16, num_q_heads=8,
                                num_kv_heads=2, head_dim=128, device=DEVICE, seed=4)
     out = torch.full_like(args["q"], float("nan"))
@@ -691,7 +691,7 @@ def test_fp4_inline_ptx_decode(q_lens, kv_format):
 def test_v_dequantized_before_the_dot_layout(q_lens, kv_format, scale_kind):
     """V_DEQUANT_FIRST (V converted in its load's layout, kept there by a multiply by an inline-PTX 1.0; GPU only):
     same answers as the reference, with the plain and (fp8) the swapped wgmma PV dot."""
-    from attnops.backends.triton.decode import launch
+    from attnops.backends.triton.launch import launch
     args = random_paged_inputs([300, 17, 1000], q_lens, kv_format=kv_format, scale_kind=scale_kind or "per_tensor",
                                q_dtype=torch.bfloat16, num_q_heads=8, num_kv_heads=2, head_dim=128, device=DEVICE,
                                seed=6)
@@ -715,7 +715,7 @@ def test_fp8_read_as_byte_pairs(q_lens, window, soft_cap, kv_format, scale_kind,
     """FP8_V_PAIRS / FP8_K_PAIRS (fp8 V / K read as 16-bit words, split into even and odd elements: on the GPU by
     inline PTX, under the interpreter by casts) give the reference's answers, output columns in place, decode and
     extend."""
-    from attnops.backends.triton.decode import launch
+    from attnops.backends.triton.launch import launch
     args = random_paged_inputs([300, 17, 0, 1], q_lens, kv_format=kv_format, scale_kind=scale_kind,
                                q_dtype=q_dtype, num_q_heads=8, num_kv_heads=2, head_dim=64, device=DEVICE, seed=9)
     ref = paged_attention_reference(**args, window_left=window, soft_cap=soft_cap, compute_dtype=torch.float64)
@@ -730,7 +730,7 @@ def test_fp8_read_as_byte_pairs(q_lens, window, soft_cap, kv_format, scale_kind,
 def test_fp8_pairs_on_a_cache_at_an_odd_address(q_dtype):
     """A cache view that starts at an odd byte cannot be read as 16-bit words: launch() falls back to bytes (on the
     GPU a word load there would be a misaligned-address fault), with the reference's answers."""
-    from attnops.backends.triton.decode import launch
+    from attnops.backends.triton.launch import launch
     args = random_paged_inputs([300, 17, 1], None, kv_format="fp8_e4m3", q_dtype=q_dtype, num_q_heads=8,
                                num_kv_heads=2, head_dim=64, device=DEVICE, seed=4)
     for name in ("k_cache", "v_cache"):
@@ -754,7 +754,7 @@ def test_merge_as_programmatic_dependent_launch(q_lens):
     """PDL (the merge kernel launched as a programmatic dependent of the attention kernel; the heuristic's choice
     on sm_90+): right answers with many splits, 20 times on new data eagerly, then replayed in a CUDA graph (a
     missing griddepcontrol.wait shows as rows merged from stale partials)."""
-    from attnops.backends.triton.decode import launch
+    from attnops.backends.triton.launch import launch
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs sm_90+")
     args = random_paged_inputs([20000, 1, 0, 9000], q_lens, num_q_heads=32, num_kv_heads=8, head_dim=128,

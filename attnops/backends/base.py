@@ -6,8 +6,6 @@ list of backends and takes the first with no reasons.
 """
 from __future__ import annotations
 
-import torch
-
 from ..cases import AttentionCase, CacheWriteCase, VERIFY_MAX_Q, shape_class  # noqa: F401  (re-exported)
 
 

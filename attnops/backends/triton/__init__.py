@@ -56,11 +56,8 @@ class TritonBackend(Backend):
 
     def paged_attention(self, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, soft_cap,
                         window_left, kv_format, k_scale, v_scale, out) -> None:
-        if cu_seqlens_q is None:
-            from .decode import launch as run
-        else:
-            from .extend import extend as run
-        run(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale=scale, soft_cap=soft_cap,
+        from .launch import launch
+        launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale=scale, soft_cap=soft_cap,
             window_left=window_left, kv_format=kv_format, k_scale=k_scale, v_scale=v_scale, out=out)
 
     def reshape_and_cache(self, key, value, k_cache, v_cache, slot_mapping, *, kv_format, k_scale, v_scale,

@@ -33,7 +33,8 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from .cache_write import reshape_and_cache_kernel  # noqa: E402
 from .common import FMT_CODE  # noqa: E402
-from .decode import _TL_DTYPE, merge_splits_kernel, paged_attention_kernel  # noqa: E402
+from . import heuristics  # noqa: E402
+from .kernel import TL_DTYPE, merge_splits_kernel, paged_attention_kernel  # noqa: E402
 
 PTR = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32", "fp8_e4m3": "*u8", "fp8_e5m2": "*u8", "nvfp4": "*u8",
        "mxfp4": "*u8"}
@@ -156,7 +157,7 @@ def heuristic_configurations(arch: int, sms: int, shared_per_block: int, quick: 
                 fmts if not quick else ["bf16", "fp8_e4m3", "nvfp4"], ["bf16", "fp16", "fp32"],
                 (64, 128, 256) if not quick else (128,), (1, 4, 16) if not quick else (4,), HEURISTIC_SHAPES):
             num_kv_heads = 8 if group < 16 else 2
-            cfg = decode.heuristic_config(torch.device("cuda"), is_decode, batch, batch * q_len,
+            cfg = heuristics.heuristic_config(torch.device("cuda"), is_decode, batch, batch * q_len,
                                           num_kv_heads * group, num_kv_heads, head_dim, 16, capacity, fmt,
                                           TORCH_DTYPE[q_dtype])
             constexprs, options = decode.kernel_constexprs(
@@ -173,24 +174,23 @@ def heuristic_configurations(arch: int, sms: int, shared_per_block: int, quick: 
 
 @contextlib.contextmanager
 def _heuristic_for(arch: int, sms: int, shared_per_block: int):
-    """decode.heuristic_config as it decides on an sm_`arch` GPU of `sms` SMs and `shared_per_block` bytes of
+    """heuristics.heuristic_config as it decides on an sm_`arch` GPU of `sms` SMs and `shared_per_block` bytes of
     shared memory a block (there is none here to ask)."""
-    from . import decode
-    saved = decode._capability, decode._num_sms, decode._shared_memory_per_block
-    decode.heuristic_config.cache_clear()
-    decode._capability = lambda device: arch // 10
-    decode._num_sms = lambda device: sms
-    decode._shared_memory_per_block = lambda device: shared_per_block
+    saved = heuristics._capability, heuristics._num_sms, heuristics._shared_memory_per_block
+    heuristics.heuristic_config.cache_clear()
+    heuristics._capability = lambda device: arch // 10
+    heuristics._num_sms = lambda device: sms
+    heuristics._shared_memory_per_block = lambda device: shared_per_block
     try:
         yield
     finally:
-        decode._capability, decode._num_sms, decode._shared_memory_per_block = saved
-        decode.heuristic_config.cache_clear()
+        heuristics._capability, heuristics._num_sms, heuristics._shared_memory_per_block = saved
+        heuristics.heuristic_config.cache_clear()
 
 
 def compile_attention(v, target):
-    from .decode import dot_dtype
-    ddt = _TL_DTYPE[dot_dtype(TORCH_DTYPE[v["q_dtype"]], v["fmt"])]
+    from .heuristics import dot_dtype
+    ddt = TL_DTYPE[dot_dtype(TORCH_DTYPE[v["q_dtype"]], v["fmt"])]
     qp = "*" + v["q_dtype"]
     types = attention_types(v["fmt"], v["q_dtype"])
     block_m = max(16, triton.next_power_of_2(v["block_q"] * v["group"]))
@@ -270,7 +270,7 @@ def print_sass(formats_: list, q_dtype: str, target, sms: int, shared_per_block:
     torch_q = TORCH_DTYPE[q_dtype]
     for fmt in formats_:
         with _heuristic_for(target.arch, sms, shared_per_block):
-            cfg = dict(decode.heuristic_config(torch.device("cuda"), True, 128, 128, 32, 8, 128, 16, 4096, fmt,
+            cfg = dict(heuristics.heuristic_config(torch.device("cuda"), True, 128, 128, 32, 8, 128, 16, 4096, fmt,
                                                torch_q), **overrides)
         constexprs, options = decode.kernel_constexprs(cfg, q_dtype=torch_q, kv_format=fmt, decode=True,
                                                        num_q_heads=32, head_dim=128, group=4, page_size=16,
@@ -289,7 +289,7 @@ def check_heuristic(target, sms: int, shared_per_block: int, quick: bool) -> int
     """Compiles every distinct heuristic choice. A choice that does not fit the target's shared memory is stepped
     down the way launch() does at run time (decode.smaller_tile) until one fits: "STEP" rows (the GPU would warn
     once and run the smaller tile), "FAIL" rows where nothing fits or nothing compiles. Returns the FAIL count."""
-    from .decode import smaller_tile
+    from .heuristics import smaller_tile
     failures = steps = 0
     choices = heuristic_configurations(target.arch, sms, shared_per_block, quick)
     for label, q_dtype, fmt, constexprs, options in choices:
