@@ -6,7 +6,7 @@
 Each call is served by the fastest backend that supports it (see `attnops.explain` and `python -m attnops info`).
 """
 from .dispatch import explain, use_backend
-from .kv_cache import BatchMetadata, PagedKVCache
+from .serving.kv_cache import BatchMetadata, PagedKVCache
 from .ops import paged_attention, reshape_and_cache
 
 __version__ = "0.1.0"

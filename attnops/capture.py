@@ -3,7 +3,7 @@ kernels right on every replay.
 
 A captured graph replays its kernels with the arguments they had at capture. A kernel planned on the host from
 the step's lengths (FlashInfer's plan(): work split, page layout) therefore replays a stale plan once the lengths
-change, unless something re-plans before each replay. attnops.graphs.DecodeGraphRunner does (and an engine can do
+change, unless something re-plans before each replay. attnops.serving.graphs.DecodeGraphRunner does (and an engine can do
 the same): it opens a CaptureContext around warm-up and capture with `capturing(ctx)`; backends register
 re-planners on it; before each replay the driver sets `ctx.host_seq_lens` and calls `ctx.replan()`.
 

@@ -11,16 +11,11 @@ import torch
 
 from . import formats
 from .cases import AttentionCase, CacheWriteCase, shape_class
-from .env import device_arch, environ_get
+from .env import device_arch
 
 HEAD_DIMS = (32, 64, 128, 256)
 MAX_PAGE_SIZE = 256
 Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def values_checked() -> bool:
-    """Whether the data-reading checks run (ATTNOPS_CHECK=1): they sync the host, so they are opt-in."""
-    return environ_get("ATTNOPS_CHECK") not in (None, "", "0")
 
 
 def _fail(op: str, error: type, message: str):
@@ -60,7 +55,8 @@ def _check_caches(op, k_cache, v_cache, kv_format):
         _fail(op, ValueError, f"kv_format must be 'auto' or one of {formats.KV_FORMATS} (got {kv_format!r})")
     fmt = formats.resolve_kv_format(kv_format, k_cache.dtype)
     if fmt is None:
-        expected = "uint8" if kv_format in formats.FP4_BLOCK else "a float or float8 dtype"
+        expected = (str(formats.FORMATS[kv_format].storage_dtype).replace("torch.", "") if kv_format != "auto"
+                    else "a float or float8 dtype")
         _fail(op, TypeError, f"k_cache of dtype {k_cache.dtype} cannot hold kv_format {kv_format!r} "
                              f"(expected {expected})")
     _, page_size, num_kv_heads, stored_dim = k_cache.shape
@@ -96,8 +92,8 @@ def _check_scales(op, fmt, k_cache, num_kv_heads, head_dim, names, k_scale, v_sc
                                       f"(per head) (got {list(s.shape)})")
         return "per_tensor" if k_scale.numel() == 1 and v_scale.numel() == 1 else "per_head"
     if formats.is_fp4(fmt):
-        expected = (*k_cache.shape[:3], head_dim // formats.FP4_BLOCK[fmt])
-        dtype = formats.FP4_SCALE_DTYPE[fmt]
+        expected = formats.FORMATS[fmt].block_scale_shape(tuple(k_cache.shape), head_dim)
+        dtype = formats.FORMATS[fmt].scale_dtype
         for name, s in ((k_name, k_scale), (v_name, v_scale)):
             if s is None:
                 _fail(op, ValueError, f"kv_format {fmt} needs {name} ({str(dtype).replace('torch.', '')} "

@@ -70,7 +70,7 @@ def warmup(args) -> None:
     from tqdm import tqdm
 
     from .dispatch import explain
-    from .kv_cache import PagedKVCache
+    from .serving.kv_cache import PagedKVCache
 
     shape = dict(num_q_heads=args.num_q_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim)
     if args.config:  # a Hugging Face config.json
@@ -130,7 +130,7 @@ def main(argv=None) -> None:
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (fullgraph)")
     p.add_argument("--graphs", action="store_true", help="capture the decode step in CUDA graphs (GPU)")
     p.add_argument("--checkpoint", default=None, help="a Hugging Face Llama checkpoint directory (default: random)")
-    p.set_defaults(func=lambda a: __import__("attnops.demo", fromlist=["main"]).main(a))
+    p.set_defaults(func=lambda a: __import__("attnops.serving.demo", fromlist=["main"]).main(a))
     p = sub.add_parser("warmup", help="build every kernel configuration a model needs now (FlashInfer JIT, "
                                       "Triton compile), so a server does not stall on its first request")
     p.add_argument("--config", help="a Hugging Face config.json (heads and head_dim read from it)")

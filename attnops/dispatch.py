@@ -115,7 +115,7 @@ def capture_reasons(backend: Backend, capture_state: str) -> list[str]:
     if backend.plans_on_host and capture_state == capture.FOREIGN:
         return ["inside a CUDA graph capture that nobody re-plans (plain torch.cuda.graph, torch.compile "
                 "mode='reduce-overhead'): its host-made plan would replay stale once the lengths change; capture "
-                "through attnops.graphs.DecodeGraphRunner (or drive attnops.capture.capturing yourself), or use "
+                "through attnops.serving.graphs.DecodeGraphRunner (or drive attnops.capture.capturing yourself), or use "
                 "a plan-free backend (triton)"]
     return []
 
@@ -250,7 +250,7 @@ def describe_attention(device: str | None = None, **fields_) -> AttentionCase:
     kv_format = fields_.pop("kv_format", "bf16")
     if kv_format not in formats.KV_FORMATS:
         raise ValueError(f"attnops.explain: kv_format must be one of {formats.KV_FORMATS} (got {kv_format!r})")
-    scale_kind = "per_tensor" if formats.is_fp8(kv_format) else "block" if formats.is_fp4(kv_format) else "none"
+    scale_kind = formats.FORMATS[kv_format].default_scale_kind
     values = dict(device_type=device.type, arch=device_arch(device),
                   q_dtype=torch.float32 if device.type == "cpu" else torch.bfloat16, kv_format=kv_format,
                   head_dim=128, page_size=16, num_q_heads=32, num_kv_heads=8, decode=True, soft_cap=False,

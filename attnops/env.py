@@ -18,6 +18,11 @@ def environ_get(name: str) -> str | None:
     return None if value is None else value.decode()
 
 
+def values_checked() -> bool:
+    """Whether the checks that read tensor data run (ATTNOPS_CHECK=1): they sync the host, so they are opt-in."""
+    return environ_get("ATTNOPS_CHECK") not in (None, "", "0")
+
+
 @functools.lru_cache(maxsize=None)
 def device_arch(device: torch.device) -> tuple[int, int] | None:
     """(major, minor) compute capability of a CUDA device (cached: asking the driver costs microseconds)."""

@@ -11,46 +11,87 @@ tested against it, and `reshape_and_cache`'s reference path quantizes through it
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-PLAIN_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-FP8_FORMATS = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
-FP8_DTYPES = {name: dtype for dtype, name in FP8_FORMATS.items()}
-FP4_BLOCK = {"nvfp4": 16, "mxfp4": 32}  # values per block scale
-FP4_SCALE_DTYPE = {"nvfp4": torch.float8_e4m3fn, "mxfp4": torch.uint8}
-KV_FORMATS = tuple(PLAIN_FORMATS.values()) + tuple(FP8_FORMATS.values()) + tuple(FP4_BLOCK)
 
-# e2m1: sign bit 3, then 3 magnitude bits indexing these values.
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-E2M1_MAX = 6.0
-_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+@dataclass(frozen=True)
+class KVFormat:
+    """One KV-cache format: everything the ops, dispatch, the cache, the kernels' launch code, the tests and the
+    benchmarks need to know about it. A new format is a new entry here, its (de)quantization below, and the
+    kernels that read it."""
+
+    name: str
+    storage_dtype: torch.dtype  # the cache tensor's dtype
+    value_bits: int  # bits a value takes in the cache (scales apart)
+    scale: str  # "none"; "tensor" (fp8: float32, per tensor or per KV head); "block" (4-bit: paged like the cache)
+    block: int = 0  # values per block scale ("block" formats)
+    scale_dtype: torch.dtype | None = None  # the block scales' dtype
+    kernel_code: int = 0  # what the kernels' FMT constexpr is for this format (0: read as is, converted on load)
+
+    @property
+    def default_scale_kind(self) -> str:
+        """The scale kind of a case in this format unless its scales say otherwise (fp8 may be per_head)."""
+        return {"none": "none", "tensor": "per_tensor", "block": "block"}[self.scale]
+
+    def stored_head_dim(self, head_dim: int) -> int:
+        """The cache's last dimension for `head_dim` values (two 4-bit values a byte)."""
+        return head_dim * self.value_bits // (8 * self.storage_dtype.itemsize)
+
+    def block_scale_shape(self, cache_shape: tuple, head_dim: int) -> tuple:
+        """The block scales' shape for a cache (or cache slice) of `cache_shape` [..., D or D/2]."""
+        return (*cache_shape[:-1], head_dim // self.block)
+
+    def bytes_per_value(self) -> float:
+        """Cache bytes a value costs, block scales included."""
+        scales = self.scale_dtype.itemsize / self.block if self.scale == "block" else 0.0
+        return self.value_bits / 8 + scales
+
+
+FORMATS = {f.name: f for f in (
+    KVFormat("bf16", torch.bfloat16, 16, "none"),
+    KVFormat("fp16", torch.float16, 16, "none"),
+    KVFormat("fp32", torch.float32, 32, "none"),
+    KVFormat("fp8_e4m3", torch.float8_e4m3fn, 8, "tensor", kernel_code=1),
+    KVFormat("fp8_e5m2", torch.float8_e5m2, 8, "tensor", kernel_code=1),
+    KVFormat("nvfp4", torch.uint8, 4, "block", block=16, scale_dtype=torch.float8_e4m3fn, kernel_code=2),
+    KVFormat("mxfp4", torch.uint8, 4, "block", block=32, scale_dtype=torch.uint8, kernel_code=3),
+)}
+KV_FORMATS = tuple(FORMATS)
+# formats found from the cache's dtype alone (kv_format="auto"): the plain and fp8 ones
+_BY_DTYPE = {f.storage_dtype: f.name for f in FORMATS.values() if f.scale != "block"}
 
 
 def resolve_kv_format(kv_format: str, cache_dtype: torch.dtype) -> str | None:
     """The format name for a cache of `cache_dtype` asked for as `kv_format`, or None if they do not fit."""
     if kv_format == "auto":
-        return PLAIN_FORMATS.get(cache_dtype) or FP8_FORMATS.get(cache_dtype)
-    if kv_format in FP4_BLOCK:
-        return kv_format if cache_dtype == torch.uint8 else None
-    by_dtype = PLAIN_FORMATS.get(cache_dtype) or FP8_FORMATS.get(cache_dtype)
-    return kv_format if kv_format == by_dtype else None
+        return _BY_DTYPE.get(cache_dtype)
+    fmt = FORMATS.get(kv_format)
+    return kv_format if fmt is not None and fmt.storage_dtype == cache_dtype else None
 
 
 def is_fp8(fmt: str) -> bool:
-    return fmt in FP8_DTYPES
+    return FORMATS[fmt].scale == "tensor"
 
 
 def is_fp4(fmt: str) -> bool:
-    return fmt in FP4_BLOCK
+    return FORMATS[fmt].scale == "block"
 
 
 def stored_head_dim(fmt: str, head_dim: int) -> int:
     """The cache's last dimension for `head_dim` values in format `fmt`."""
-    return head_dim // 2 if is_fp4(fmt) else head_dim
+    return FORMATS[fmt].stored_head_dim(head_dim)
 
 
 def fp8_max(fmt: str) -> float:
-    return torch.finfo(FP8_DTYPES[fmt]).max
+    return torch.finfo(FORMATS[fmt].storage_dtype).max
+
+
+# e2m1: sign bit 3, then 3 magnitude bits indexing these values.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_MAX = 6.0
+_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -69,7 +110,7 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor
     """x / scale, saturated at the format's max, rounded to the fp8 dtype. x is [..., Hkv, D]."""
     limit = fp8_max(fmt)
     y = (x.float() / broadcast_scale(scale)).clamp(-limit, limit)
-    return y.to(FP8_DTYPES[fmt])
+    return y.to(FORMATS[fmt].storage_dtype)
 
 
 def dequantize_fp8(stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -91,7 +132,7 @@ def _e2m1_encode(magnitude_over_scale: torch.Tensor) -> torch.Tensor:
 
 def fp4_block_scales(x: torch.Tensor, fmt: str) -> torch.Tensor:
     """The stored block scales for x [..., D]: [..., D/block] of float8_e4m3fn (nvfp4) or uint8 e8m0 (mxfp4)."""
-    block = FP4_BLOCK[fmt]
+    block = FORMATS[fmt].block
     amax = x.float().unflatten(-1, (-1, block)).abs().amax(-1)
     if fmt == "nvfp4":
         # the scale that maps the block's largest magnitude onto e2m1's largest value, rounded to e4m3
@@ -110,7 +151,7 @@ def fp4_scale_values(block_scale: torch.Tensor, fmt: str) -> torch.Tensor:
 
 def quantize_fp4(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] -> (packed uint8 [..., D/2], block scales [..., D/block])."""
-    block = FP4_BLOCK[fmt]
+    block = FORMATS[fmt].block
     block_scale = fp4_block_scales(x, fmt)
     scale = fp4_scale_values(block_scale, fmt).repeat_interleave(block, dim=-1)
     xf = x.float()
@@ -133,7 +174,7 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
 def dequantize_fp4(packed: torch.Tensor, block_scale: torch.Tensor, fmt: str,
                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
     values = unpack_fp4(packed)
-    scale = fp4_scale_values(block_scale, fmt).repeat_interleave(FP4_BLOCK[fmt], dim=-1)
+    scale = fp4_scale_values(block_scale, fmt).repeat_interleave(FORMATS[fmt].block, dim=-1)
     return (values * scale).to(dtype)
 
 

@@ -16,8 +16,9 @@ import torch
 from . import _C  # loads the schemas: TORCH_LIBRARY(attnops, m) in csrc/ops.cpp
 from .backends import flashinfer_replay
 from .checks import (attention_case, check_paged_attention, check_paged_attention_values, check_reshape_and_cache,
-                     check_reshape_and_cache_values, values_checked)
+                     check_reshape_and_cache_values)
 from .dispatch import select_backend
+from .env import values_checked
 
 DEVICES = ("cpu", "cuda")
 # paged_attention's kernels: where the build has the C++ CUDA kernel, Python serves the CPU key (and the C++ kernel)

@@ -29,12 +29,12 @@ def random_paged_inputs(kv_lens, q_lens=None, *, num_q_heads=4, num_kv_heads=2, 
         table[b, :n] = order[start:start + n]
         start += n
 
-    stored_dim = formats.stored_head_dim(kv_format, head_dim)
-    shape = (num_pages, 2, page_size, num_kv_heads, stored_dim)
+    fmt = formats.FORMATS[kv_format]
+    shape = (num_pages, 2, page_size, num_kv_heads, fmt.stored_head_dim(head_dim))
     k_scale = v_scale = None
-    if formats.is_fp4(kv_format):
+    if fmt.scale == "block":
         kv = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8, device=device)
-        scale_shape = (*shape[:4], head_dim // formats.FP4_BLOCK[kv_format])
+        scale_shape = fmt.block_scale_shape(shape, head_dim)
         if kv_format == "nvfp4":
             block_scales = (torch.rand(scale_shape, generator=gen, device=device) * 0.3 + 0.02).to(
                 torch.float8_e4m3fn)
@@ -50,7 +50,7 @@ def random_paged_inputs(kv_lens, q_lens=None, *, num_q_heads=4, num_kv_heads=2, 
             kv = torch.stack((formats.quantize_fp8(values[:, 0], k_scale, kv_format),
                               formats.quantize_fp8(values[:, 1], v_scale, kv_format)), dim=1)
         else:
-            kv = values.to({v: k for k, v in formats.PLAIN_FORMATS.items()}[kv_format])
+            kv = values.to(fmt.storage_dtype)
         del values
 
     if q_lens is None:

@@ -46,10 +46,7 @@ TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2, "fp16": 2e-2}  # vs the reference on th
 def case_bytes(case, q_dtype) -> int:
     """KV bytes read in the stored format (scales included), plus q read and out written."""
     tokens = sum(case.kv_lens)
-    elem = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}.get(case.kv_format, 0.5)
-    kv = 2 * tokens * case.num_kv_heads * case.head_dim * elem
-    if formats.is_fp4(case.kv_format):
-        kv += 2 * tokens * case.num_kv_heads * case.head_dim // formats.FP4_BLOCK[case.kv_format]
+    kv = 2 * tokens * case.num_kv_heads * case.head_dim * formats.FORMATS[case.kv_format].bytes_per_value()
     q_tokens = len(case.kv_lens) if case.q_lens is None else sum(case.q_lens)
     qo = 2 * q_tokens * case.num_q_heads * case.head_dim * torch.finfo(q_dtype).bits // 8
     return int(kv + qo)
@@ -84,7 +81,7 @@ def graph_time_us(fn, rep_ms: int = 100, host_seq_lens=None) -> float:
     (Python, the op layer, Triton's launcher, FlashInfer's run()) is out of the number, so it is the kernels'
     own time and the gaps between them. Raises if fn cannot be captured (host syncs, a plan inside capture).
 
-    With `host_seq_lens` the capture is one that re-plans (attnops.capture.capturing, as attnops.graphs captures a
+    With `host_seq_lens` the capture is one that re-plans (attnops.capture.capturing, as attnops.serving.graphs captures a
     decode step), so dispatch chooses as it does in a served decode loop; the lengths never change between these
     replays, so none re-plans. Without, a plain capture (where the op passes over host-planned backends)."""
     import triton
@@ -181,7 +178,7 @@ def environment(device) -> dict:
 
 def run_case(case, impls, device, q_dtype, timing_rep_ms, progress, graph_only=False) -> list:
     """Every impl of `impls` on one case: check, then time. Returns one record per impl. Backends and auto time
-    a decode case's graph in a re-planned capture (as attnops.graphs runs it), other cases' graphs through the
+    a decode case's graph in a re-planned capture (as attnops.serving.graphs runs it), other cases' graphs through the
     backend's own call (`bare`: the kernels the op launches), auto's not at all (its choice is recorded)."""
     args = make_args(case, device, q_dtype)
     reference = paged_attention_reference(**args, compute_dtype=torch.float32)

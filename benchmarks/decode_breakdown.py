@@ -29,6 +29,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from attnops import formats  # noqa: E402
 from attnops.backends.triton import heuristics as theur, launch as tlaunch  # noqa: E402
 from bench import graph_time_us  # noqa: E402
 from triton_tuning import DECODE_CASES, HKV, Runner, kv_bytes, make_inputs  # noqa: E402
@@ -113,7 +114,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", nargs="+", default=["1x32768"], choices=sorted(DECODE_CASES))
     parser.add_argument("--formats", nargs="+", default=["bf16"],
-                        choices=["bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "nvfp4", "mxfp4"])
+                        choices=[f for f in formats.KV_FORMATS if f != "fp32"])
     parser.add_argument("--json", help="write the rows here")
     opts = parser.parse_args()
     if not torch.cuda.is_available():

@@ -6,9 +6,9 @@ best path on the same weights, at several batch sizes and context lengths, in on
     python benchmarks/serve_bench.py --contexts 8192 --json X.json --append --plot X.png      # a part of the grid
 
 Modes (each a decode step of the whole batch: one new token per sequence, greedy, fed back):
-  eager             attnops.generate.DecodeStep, eager PyTorch
+  eager             attnops.serving.generate.DecodeStep, eager PyTorch
   compiled          the same step under torch.compile(fullgraph=True, dynamic=False)
-  compiled+graphs   the compiled step captured by attnops.graphs.DecodeGraphRunner (CUDA only; the same compiled
+  compiled+graphs   the compiled step captured by attnops.serving.graphs.DecodeGraphRunner (CUDA only; the same compiled
                     function as `compiled`, so one compilation per batch size serves both)
   transformers      transformers' LlamaForCausalLM on the same weights with a StaticCache and
                     torch.compile(mode="reduce-overhead", fullgraph=True) on the decode step (its documented fastest
@@ -36,10 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import environment  # noqa: E402
 
-from attnops.generate import DecodeStep  # noqa: E402
-from attnops.graphs import DecodeGraphRunner  # noqa: E402
-from attnops.kv_cache import PagedKVCache  # noqa: E402
-from attnops.model import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from attnops.serving.generate import DecodeStep  # noqa: E402
+from attnops.serving.graphs import DecodeGraphRunner  # noqa: E402
+from attnops.serving.kv_cache import PagedKVCache  # noqa: E402
+from attnops.serving.model import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 
 # Llama-3.2-1B's shape (random weights)

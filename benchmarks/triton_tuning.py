@@ -81,10 +81,7 @@ def per_head_variant(args):
 
 def kv_bytes(args, fmt):
     tokens = int(args["seq_lens"].sum())
-    elem = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}.get(fmt, 0.5)
-    total = 2 * tokens * HKV * D * elem
-    if formats.is_fp4(fmt):
-        total += 2 * tokens * HKV * (D // formats.FP4_BLOCK[fmt])
+    total = 2 * tokens * HKV * D * formats.FORMATS[fmt].bytes_per_value()
     return total + 2 * args["q"].numel() * args["q"].element_size()
 
 

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from attnops import rules  # noqa: E402
+from attnops import formats, rules  # noqa: E402
 from attnops.cases import shape_class  # noqa: E402
 
 FLASHINFER_PEER_FOR = {"decode": "fi-decode-tensor-core", "verify": "fi-prefill-fa2", "prefill": "fi-prefill-fa3"}
@@ -32,7 +32,7 @@ FLASHINFER_PEER_FOR = {"decode": "fi-decode-tensor-core", "verify": "fi-prefill-
 def record_features(r) -> dict:
     """The rule's features of a benchmark record (what attnops.rules.features gives for the op's case)."""
     fmt = r["kv_format"]
-    scale = "none" if fmt in ("bf16", "fp16", "fp32") else "block" if fmt in ("nvfp4", "mxfp4") else r["scale_kind"]
+    scale = r["scale_kind"] if formats.is_fp8(fmt) else formats.FORMATS[fmt].default_scale_kind
     decode = r["kind"] == "decode"
     batch = r.get("batch") or 1
     return dict(kv_format=fmt, shape_class=shape_class(decode, r.get("q_tokens", batch), batch), scale_kind=scale,

@@ -213,7 +213,7 @@ def test_reshape_and_cache_bit_exact(kv_format, src_dtype, page_size, scale_kind
     gen = torch.Generator().manual_seed(page_size + len(kv_format))
     heads, dim, tokens = 2, 64, 40
     num_pages = tokens // page_size + 3
-    storage = {**{v: k for k, v in formats.PLAIN_FORMATS.items()}, **formats.FP8_DTYPES}[kv_format]
+    storage = formats.FORMATS[kv_format].storage_dtype
     kv = torch.randn(num_pages, 2, page_size, heads, dim, generator=gen).to(storage)  # old contents, kept
     key = (torch.randn(tokens, heads, dim, generator=gen) * 4).to(src_dtype)
     value = (torch.randn(tokens, heads, dim, generator=gen) * 4).to(src_dtype)

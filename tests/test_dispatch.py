@@ -178,7 +178,7 @@ def test_capture_state_passes_over_host_planned_backends(monkeypatch):
         assert dispatch._select_cached(case, None, capture.REPLANNED).name == "plans"
         assert dispatch._select_cached(case, None, capture.FOREIGN).name == "cpu"
         assert dispatch._select_cached(case, None, capture.NONE).name == "plans"
-        with pytest.raises(ValueError, match="(?s)pinned backend .plans. cannot serve.*attnops.graphs.DecodeGraphRunner"):
+        with pytest.raises(ValueError, match="(?s)pinned backend .plans. cannot serve.*attnops.serving.graphs.DecodeGraphRunner"):
             dispatch._select_cached(case, "plans", capture.FOREIGN)
         foreign = attnops.explain(device="cpu", capture_state="foreign")
         assert foreign.chosen == "cpu" and "nobody re-plans" in str(foreign)

@@ -1,5 +1,5 @@
-"""End to end: a Llama checkpoint written by transformers itself, loaded by attnops.model, served by
-attnops.generate through the paged ops.
+"""End to end: a Llama checkpoint written by transformers itself, loaded by attnops.serving.model, served by
+attnops.serving.generate through the paged ops.
 
 CPU (CI): fp32 logits equal transformers' LlamaForCausalLM (its own KV cache) within 1e-4 relative for a prefill
 and 32 greedy decode steps; the compiled decode step has no graph break and compiles once per batch bucket across
@@ -22,8 +22,8 @@ pytest.importorskip("safetensors")
 
 import attnops  # noqa: E402
 from attnops.backends import BACKENDS  # noqa: E402
-from attnops.generate import DecodeStep, Generator, sample  # noqa: E402
-from attnops.model import LlamaForCausalLM  # noqa: E402
+from attnops.serving.generate import DecodeStep, Generator, sample  # noqa: E402
+from attnops.serving.model import LlamaForCausalLM  # noqa: E402
 from attnops.testing import relative_error  # noqa: E402
 
 # head_dim 32: attnops serves head_dim 32/64/128/256. A wide init (0.2, not transformers' 0.02) gives logits with

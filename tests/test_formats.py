@@ -59,10 +59,10 @@ def test_round_trip(kv_format, scale_kind):
             # a relative rounding of half an ulp: 2^-4 (e4m3) or 2^-3 (e5m2), plus the subnormal floor
             mantissa_bits = 3 if kv_format == "fp8_e4m3" else 2
             s = scale.double().reshape(-1, 1) if scale.numel() > 1 else scale.double()
-            floor = s * torch.finfo(formats.FP8_DTYPES[kv_format]).smallest_normal
+            floor = s * torch.finfo(formats.FORMATS[kv_format].storage_dtype).smallest_normal
             assert (err <= src.abs() * 2.0 ** -(mantissa_bits + 1) + floor).all()
         else:
-            block = formats.FP4_BLOCK[kv_format]
+            block = formats.FORMATS[kv_format].block
             amax = src.unflatten(-1, (-1, block)).abs().amax(-1, keepdim=True)
             # nvfp4: the scale is amax/6 rounded to e4m3, half the widest e2m1 gap (1.0) times it bounds the error;
             # mxfp4: a power-of-two scale in (amax/8, amax/4], values past 6 saturate: 2 steps of it at most

@@ -5,7 +5,7 @@ import torch
 
 import attnops
 from attnops.backends import BACKENDS
-from attnops.graphs import DecodeGraphRunner
+from attnops.serving.graphs import DecodeGraphRunner
 
 LAYERS, HQ, HKV, D = 3, 16, 4, 128
 

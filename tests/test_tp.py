@@ -4,10 +4,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from attnops.generate import Generator
-from attnops.kv_cache import PagedKVCache
-from attnops.model import LlamaConfig, LlamaForCausalLM
-from attnops.tp import shard
+from attnops.serving.generate import Generator
+from attnops.serving.kv_cache import PagedKVCache
+from attnops.serving.model import LlamaConfig, LlamaForCausalLM
+from attnops.serving.tp import shard
 
 CONFIG = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                      num_attention_heads=8, num_key_value_heads=2)

@@ -352,8 +352,7 @@ def cache_write_inputs(fmt, scale_kind, *, num_tokens=9, num_kv_heads=2, head_di
     slots = torch.randperm(num_pages * page_size, generator=gen)[:num_tokens].long()
     slots[num_tokens // 2] = -1  # padding: skipped
     stored_dim = formats.stored_head_dim(fmt, head_dim)
-    storage = {"fp16": torch.float16, "fp32": torch.float32, "bf16": torch.bfloat16}.get(fmt) or \
-        formats.FP8_DTYPES.get(fmt, torch.uint8)
+    storage = formats.FORMATS[fmt].storage_dtype
     shape = (num_pages, 2, page_size, num_kv_heads, stored_dim)
     kv = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
     kv = kv.view(storage) if storage.itemsize == 1 else torch.randn(shape, generator=gen).to(storage)
@@ -364,8 +363,8 @@ def cache_write_inputs(fmt, scale_kind, *, num_tokens=9, num_kv_heads=2, head_di
         kwargs.update(k_scale=(torch.rand(n, generator=gen) + 0.05).reshape(() if n == 1 else (n,)).to(device),
                       v_scale=(torch.rand(n, generator=gen) + 0.05).reshape(() if n == 1 else (n,)).to(device))
     if formats.is_fp4(fmt):
-        block_scales = torch.randint(0, 256, (*shape[:4], head_dim // formats.FP4_BLOCK[fmt]), generator=gen,
-                                     dtype=torch.uint8).view(formats.FP4_SCALE_DTYPE[fmt]).to(device)
+        block_scales = torch.randint(0, 256, (*shape[:4], head_dim // formats.FORMATS[fmt].block), generator=gen,
+                                     dtype=torch.uint8).view(formats.FORMATS[fmt].scale_dtype).to(device)
     return (key.to(src_dtype).to(device), value.to(src_dtype).to(device), kv.to(device), slots.to(device),
             block_scales, kwargs)
 
@@ -649,8 +648,8 @@ def test_call_memory_independent_of_cache_size(kv_format):
         if formats.is_fp8(kv_format):
             args.update(k_scale=torch.tensor(1.0, device="cuda"), v_scale=torch.tensor(1.0, device="cuda"))
         elif formats.is_fp4(kv_format):
-            block_scales = torch.zeros((num_pages, 2, page_size, num_kv_heads, head_dim // formats.FP4_BLOCK[kv_format]),
-                                       dtype=torch.uint8, device="cuda").view(formats.FP4_SCALE_DTYPE[kv_format])
+            block_scales = torch.zeros((num_pages, 2, page_size, num_kv_heads, head_dim // formats.FORMATS[kv_format].block),
+                                       dtype=torch.uint8, device="cuda").view(formats.FORMATS[kv_format].scale_dtype)
             args.update(k_scale=block_scales[:, 0], v_scale=block_scales[:, 1])
         out = torch.empty_like(args["q"])
         with attnops.use_backend("triton"):

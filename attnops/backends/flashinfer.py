@@ -6,7 +6,7 @@ plans once per step, not once per layer: a plan is keyed on the step's metadata 
 and in-place version of seq_lens, block_table and cu_seqlens_q, which every layer of a step shares) and on
 the case, and it is never reused for other tensors or after they were written to. An eager plan syncs the host
 once per step (FlashInfer reads the page layout on the host; ours is on the device). For CUDA graphs, the op
-builds fixed-size buffers at capture and registers a re-planner that attnops.graphs runs before every replay;
+builds fixed-size buffers at capture and registers a re-planner that attnops.serving.graphs runs before every replay;
 it takes the lengths from the host (CaptureContext.host_seq_lens) and builds the page indices on the device, so
 replanning needs no sync and the host prepares step N+1 while the GPU runs step N.
 
@@ -21,8 +21,8 @@ import weakref
 
 import torch
 
-from .. import capture, checks, formats
-from ..env import device_arch
+from .. import capture, formats
+from ..env import device_arch, values_checked
 from . import flashinfer_replay
 from .base import Backend, CacheWriteCase, common_reasons, shape_class
 
@@ -183,7 +183,7 @@ class FlashInferBackend(Backend):
         graph = capture.current_capture()
         if graph is not None:
             if kind != "decode":
-                raise RuntimeError("attnops.graphs captures decode steps only (FlashInfer backend)")
+                raise RuntimeError("attnops.serving.graphs captures decode steps only (FlashInfer backend)")
             key = ("graph", id(graph), kind, signature)
             if key not in plans.wrappers:  # fixed buffers sized for the captured batch, as CUDA graphs need
                 import flashinfer
@@ -202,7 +202,7 @@ class FlashInferBackend(Backend):
             return wrapper, plans.row_mask.get(key), False
         if torch.cuda.is_current_stream_capturing():  # dispatch keeps foreign captures away; this is the backstop
             raise RuntimeError("attnops.paged_attention (flashinfer): no plan for this step inside a CUDA graph "
-                               "capture; capture through attnops.graphs, which plans before capture and replay")
+                               "capture; capture through attnops.serving.graphs, which plans before capture and replay")
         build_key = (kind, q.dtype, k_cache.dtype, head_dim, soft_cap > 0, window_left >= 0)
         if build_key not in plans.built:
             log.warning("attnops: first use of FlashInfer %s for %s; FlashInfer may JIT-build it now (15-100 s, "
@@ -253,7 +253,7 @@ class FlashInferBackend(Backend):
         # the first call of an eager plan arms the C++ replay of the kernel call for the step's other calls: only
         # where run() is the whole call (no fp8 scaling or row masking around it) and no check reads the data
         if (planned_now and not fp8 and empty_rows is None and capture.current_capture() is None
-                and not checks.values_checked() and flashinfer_replay.enabled()):
+                and not values_checked() and flashinfer_replay.enabled()):
             flashinfer_replay.run_and_arm(wrapper, q, k_cache, v_cache, out)
         else:
             wrapper.run(q, (k_cache, v_cache), out=out)

@@ -10,10 +10,11 @@ import os
 
 import torch
 
+from ... import formats
 from ..base import AttentionCase, Backend, common_reasons
 
 HEAD_DIMS = (32, 64, 128, 256)
-KV_FORMATS = ("bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "nvfp4", "mxfp4")
+KV_FORMATS = formats.KV_FORMATS  # every format: the kernels read each in place
 Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 

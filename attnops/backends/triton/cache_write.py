@@ -124,7 +124,7 @@ def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, *, kv_format, 
         ks_h = 0 if k_scale.numel() == 1 else k_scale.stride(0)  # per tensor: every head reads element 0
         vs_h = 0 if v_scale.numel() == 1 else v_scale.stride(0)
     elif formats.is_fp4(kv_format):
-        scale_block = formats.FP4_BLOCK[kv_format]
+        scale_block = formats.FORMATS[kv_format].block
         kb_strides, vb_strides = k_block_scale.stride()[:3], v_block_scale.stride()[:3]
         # e4m3 block scales are written as their bytes
         k_block_scale = k_block_scale.view(torch.uint8)

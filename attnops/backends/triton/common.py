@@ -9,14 +9,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ...formats import FORMATS
+
 # Globals a kernel reads must be tl.constexpr: Triton 3.6 refuses plain Python globals in compiled kernels (its
 # interpreter accepts them, so only the GPU catches this).
 LOG2E = tl.constexpr(1.4426950408889634)
 
 # Format codes (constexpr in the kernels). Plain formats share one code: the load converts to the dot dtype.
 FMT_PLAIN, FMT_FP8, FMT_NVFP4, FMT_MXFP4 = (tl.constexpr(code) for code in range(4))
-# The code each format passes as the kernels' FMT argument (plain ints on the host).
-FMT_CODE = {"bf16": 0, "fp16": 0, "fp32": 0, "fp8_e4m3": 1, "fp8_e5m2": 1, "nvfp4": 2, "mxfp4": 3}
+# The code each format passes as the kernels' FMT argument (plain ints on the host): attnops.formats defines it.
+FMT_CODE = {name: f.kernel_code for name, f in FORMATS.items()}
 
 
 @triton.jit

@@ -33,11 +33,12 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from .cache_write import reshape_and_cache_kernel  # noqa: E402
 from .common import FMT_CODE  # noqa: E402
+from ...formats import FORMATS, KV_FORMATS  # noqa: E402
 from . import heuristics  # noqa: E402
 from .kernel import TL_DTYPE, merge_splits_kernel, paged_attention_kernel  # noqa: E402
 
-PTR = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32", "fp8_e4m3": "*u8", "fp8_e5m2": "*u8", "nvfp4": "*u8",
-       "mxfp4": "*u8"}
+# the caches' pointer types as launch() passes them: 8- and 4-bit formats as bytes
+PTR = {name: "*u8" if f.storage_dtype.itemsize == 1 else "*" + name for name, f in FORMATS.items()}
 TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # q dtypes by name
 
 
@@ -133,7 +134,7 @@ def attention_variants(quick: bool, arch: int = 90):
 
 def attention_types(fmt: str, q_dtype: str) -> dict:
     """Pointer types of the attention kernel's tensors, as launch() passes them (fp8 caches as bytes)."""
-    scale_ptr = {"nvfp4": "*u8", "mxfp4": "*u8", "fp8_e4m3": "*fp32", "fp8_e5m2": "*fp32"}.get(fmt, PTR[fmt])
+    scale_ptr = {"block": "*u8", "tensor": "*fp32"}.get(FORMATS[fmt].scale, PTR[fmt])
     qp = "*" + q_dtype
     return dict(q_ptr=qp, k_ptr=PTR[fmt], v_ptr=PTR[fmt], ks_ptr=scale_ptr, vs_ptr=scale_ptr, bt_ptr="*i32",
                 seq_lens_ptr="*i32", cu_ptr="*i32", out_ptr=qp, part_out_ptr="*fp32", part_lse_ptr="*fp32")
@@ -152,7 +153,7 @@ def heuristic_configurations(arch: int, sms: int, shared_per_block: int, quick: 
     from . import decode
     seen = set()
     with _heuristic_for(arch, sms, shared_per_block):
-        fmts = ["bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "nvfp4", "mxfp4"]
+        fmts = list(KV_FORMATS)
         for fmt, q_dtype, head_dim, group, (name, is_decode, batch, q_len, capacity) in itertools.product(
                 fmts if not quick else ["bf16", "fp8_e4m3", "nvfp4"], ["bf16", "fp16", "fp32"],
                 (64, 128, 256) if not quick else (128,), (1, 4, 16) if not quick else (4,), HEURISTIC_SHAPES):
@@ -360,7 +361,7 @@ def main():
         except Exception as e:
             failures += 1
             print(f"FAIL attention {v}: {type(e).__name__}: {str(e)[:2000]}", flush=True)
-    for fmt, src, head_dim in itertools.product(["bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "nvfp4", "mxfp4"],
+    for fmt, src, head_dim in itertools.product(list(KV_FORMATS),
                                                 ["bf16", "fp32"], [32, 128]):
         try:
             compile_cache_write(fmt, src, head_dim, target)

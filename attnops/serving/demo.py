@@ -1,4 +1,4 @@
-"""`python -m attnops demo`: continuous-batching generation (attnops.generate) on a Llama-architecture model
+"""`python -m attnops demo`: continuous-batching generation (attnops.serving.generate) on a Llama-architecture model
 whose attention runs through attnops' ops.
 
 A random model by default (on a GPU a Llama-3.2-1B-shaped one in bf16; on the CPU a tiny fp32 one), or a Hugging
@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from .dispatch import explain
+from ..dispatch import explain
 from .generate import Generator
 from .kv_cache import PagedKVCache
 from .model import LlamaConfig, LlamaForCausalLM

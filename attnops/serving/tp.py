@@ -1,4 +1,4 @@
-"""Tensor parallelism for the Llama model of attnops.model, over torch.distributed (NCCL on GPUs, gloo on CPUs).
+"""Tensor parallelism for the Llama model of attnops.serving.model, over torch.distributed (NCCL on GPUs, gloo on CPUs).
 
 Each rank keeps 1/N of the heads and of the MLP: q/k/v and gate/up projections split by output rows (column
 parallel), o_proj and down_proj by input columns (row parallel) followed by one all-reduce each, so every
@@ -6,7 +6,7 @@ decoder block costs two all-reduces (attention, MLP) and the embeddings, norms a
 rank's KV cache holds its own KV heads. The all-reduce is the functional collective, which torch.compile
 traces without a graph break.
 
-    torchrun --nproc-per-node 2 -m attnops.tp --batch 32     # the demo's decode loop, TP over 2 GPUs
+    torchrun --nproc-per-node 2 -m attnops.serving.tp --batch 32     # the demo's decode loop, TP over 2 GPUs
 """
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def main(argv=None) -> None:
     from .generate import Generator
     from .kv_cache import PagedKVCache
 
-    parser = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m attnops.tp")
+    parser = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m attnops.serving.tp")
     parser.add_argument("--batch", type=int, nargs="*", default=[32, 128])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=64)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import formats
+from .. import formats
 
 
 @dataclass
@@ -45,14 +45,12 @@ class PagedKVCache:
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.num_kv_heads, self.head_dim, self.kv_format = num_kv_heads, head_dim, kv_format
         self.device = torch.device(device)
-        storage_dtype = {v: k for k, v in {**formats.PLAIN_FORMATS, **formats.FP8_FORMATS}.items()}.get(
-            kv_format, torch.uint8)
-        shape = (num_pages, 2, page_size, num_kv_heads, formats.stored_head_dim(kv_format, head_dim))
-        self.kv = [torch.zeros(shape, dtype=storage_dtype, device=self.device) for _ in range(num_layers)]
+        fmt = formats.FORMATS[kv_format]
+        shape = (num_pages, 2, page_size, num_kv_heads, fmt.stored_head_dim(head_dim))
+        self.kv = [torch.zeros(shape, dtype=fmt.storage_dtype, device=self.device) for _ in range(num_layers)]
         self.block_scales = None
-        if formats.is_fp4(kv_format):
-            scale_shape = (*shape[:4], head_dim // formats.FP4_BLOCK[kv_format])
-            self.block_scales = [torch.zeros(scale_shape, dtype=formats.FP4_SCALE_DTYPE[kv_format],
+        if fmt.scale == "block":
+            self.block_scales = [torch.zeros(fmt.block_scale_shape(shape, head_dim), dtype=fmt.scale_dtype,
                                              device=self.device) for _ in range(num_layers)]
         self.k_scale = self.v_scale = None
         if formats.is_fp8(kv_format):

@@ -13,7 +13,7 @@ The decode step (DecodeStep) runs at fixed shapes: the batch is padded up to a b
 padding rows (slot_mapping -1: the cache write skips them; seq_lens 0: attention gives them 0) and the block table
 has a fixed width (the pages of max_seq_len), so the lengths and pages changing from step to step never change a
 shape, and torch.compile(fullgraph=True, dynamic=False) compiles it once per bucket. The same fixed shapes are what
-a CUDA graph needs: cuda_graphs=True hands the (compiled) step function to attnops.graphs.DecodeGraphRunner, one
+a CUDA graph needs: cuda_graphs=True hands the (compiled) step function to attnops.serving.graphs.DecodeGraphRunner, one
 graph per bucket. (DecodeStep.buffers[bucket] and DecodeStep.launch(bucket) are the static inputs and the call to
 replace for a graph helper of another shape.)
 """
@@ -25,16 +25,8 @@ from typing import Callable
 
 import torch
 
+from .batching import StaticDecodeInputs, default_buckets
 from .kv_cache import BatchMetadata, PagedKVCache
-
-
-def default_buckets(max_batch: int) -> tuple[int, ...]:
-    """Powers of two below max_batch, and max_batch: padding wastes at most half a step."""
-    sizes, n = [], 1
-    while n < max_batch:
-        sizes.append(n)
-        n *= 2
-    return tuple(sizes + [max_batch])
 
 
 def _decode_step_fn(model: torch.nn.Module, cache: PagedKVCache) -> Callable[..., torch.Tensor]:
@@ -64,14 +56,8 @@ class DecodeStep:
         self.buckets = tuple(sorted(buckets or default_buckets(max_batch)))
         if self.buckets[-1] < max_batch:
             raise ValueError(f"DecodeStep: the largest bucket ({self.buckets[-1]}) is below max_batch ({max_batch})")
-        device = cache.device
-        # Static inputs per bucket, at their padding values; __call__ overwrites the live rows in place each step.
-        self.buffers = {n: dict(token_ids=torch.zeros(n, dtype=torch.int64, device=device),
-                                positions=torch.zeros(n, dtype=torch.int64, device=device),
-                                block_table=torch.full((n, max_pages), -1, dtype=torch.int32, device=device),
-                                seq_lens=torch.zeros(n, dtype=torch.int32, device=device),
-                                slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=device))
-                        for n in self.buckets}
+        # Static inputs per bucket, at their padding values; __call__ overwrites them in place each step.
+        self.buffers = StaticDecodeInputs(self.buckets, max_pages, cache.device, owner="DecodeStep")
         # The step function closes over the model and the cache, not over self: a bound method or a lambda on self
         # here would make a reference cycle, and a dropped DecodeStep would hold its model and KV cache (GPU
         # memory, and under tensor parallelism the process group) until the cyclic garbage collector ran.
@@ -82,12 +68,12 @@ class DecodeStep:
             options = {"fullgraph": True, "dynamic": False, **(compile if isinstance(compile, dict) else {})}
             step_fn = torch.compile(step_fn, **options)
         self.step_fn = step_fn
-        # cuda_graphs=True: attnops.graphs.DecodeGraphRunner captures step_fn once per bucket (on first use) with
-        # static inputs of its own, pads the batch itself and re-plans backends before each replay.
+        # cuda_graphs=True: attnops.serving.graphs.DecodeGraphRunner captures step_fn once per bucket (on first use)
+        # over these same static inputs and re-plans backends before each replay.
         self.graph_runner = None
         if cuda_graphs:
             from .graphs import DecodeGraphRunner
-            self.graph_runner = DecodeGraphRunner(self.step_fn, cache, buckets=self.buckets, max_pages=max_pages)
+            self.graph_runner = DecodeGraphRunner(self.step_fn, cache, inputs=self.buffers)
 
     def launch(self, n: int) -> torch.Tensor:
         """Runs bucket n's step over self.buffers[n] and returns its logits [n, vocab]. The hook for CUDA graphs:
@@ -96,28 +82,19 @@ class DecodeStep:
         return self.step_fn(**self.buffers[n])
 
     def bucket_for(self, batch: int) -> int:
-        for n in self.buckets:
-            if n >= batch:
-                return n
-        raise ValueError(f"DecodeStep: batch {batch} exceeds the largest bucket {self.buckets[-1]}")
+        return self.buffers.bucket_for(batch)
 
     @torch.no_grad()
     def __call__(self, seq_ids: list, token_ids: torch.Tensor) -> torch.Tensor:
         """Writes each sequence's token `token_ids[b]` at its next position and returns the logits [B, vocab]
         (a view of the bucket's output, valid until the next call)."""
         batch = len(seq_ids)
-        n = self.bucket_for(batch)
+        self.bucket_for(batch)  # a batch too large fails before the cache is touched
         meta = self.cache.prepare(seq_ids, 1, decode=True, max_pages=self.max_pages)
         positions = meta.seq_lens.long() - 1  # each sequence's new token sits at its old length
         if self.graph_runner is not None:
             return self.graph_runner(token_ids, positions, meta)
-        buf = self.buffers[n]
-        for name, live, pad in (("token_ids", token_ids, 0), ("positions", positions, 0),
-                                ("block_table", meta.block_table, -1), ("seq_lens", meta.seq_lens, 0),
-                                ("slot_mapping", meta.slot_mapping, -1)):
-            buf[name][:batch].copy_(live, non_blocking=True)
-            if batch < n:
-                buf[name][batch:].fill_(pad)  # rows a previous, larger batch left behind become padding again
+        n, _ = self.buffers.fill(token_ids, positions, meta)
         return self.launch(n)[:batch]
 
 
@@ -144,7 +121,7 @@ def sample(logits: torch.Tensor, temperatures: list[float], generator: torch.Gen
 
 
 class Generator:
-    """Continuous batching over `cache` with `model` (attnops.model.LlamaForCausalLM or the same interface).
+    """Continuous batching over `cache` with `model` (attnops.serving.model.LlamaForCausalLM or the same interface).
 
     max_batch: most requests decoded together; max_seq_len: longest prompt + max_new_tokens accepted (it fixes
     the block table's width); compile, cuda_graphs: see DecodeStep (prefill stays eager: its shapes change
