@@ -8,9 +8,7 @@
                                                              # every format and case, no sweep
 
 Stages (compiles are the expensive part, so constexpr tunables are searched on few cases, runtime ones on all):
-1. per format, tile configurations (BLOCK_N, num_warps, num_stages; WGMMA, the swapped wgmma-shaped dots, for
-   plain and fp8 caches; FP8_DOT, e4m3 score dots on the stored bytes, and FP8_ASM for e4m3; SCALE_BCAST for 4-bit,
-   FP4_ASM off; V_DEQUANT_FIRST flipped for quantized caches; fp8 read as bytes instead of 16-bit pairs) on
+1. per format, tile configurations (BLOCK_N, num_warps, num_stages; SCALE_BCAST for 4-bit, FP4_ASM off; V_DEQUANT_FIRST flipped for quantized caches; fp8 read as bytes instead of 16-bit pairs) on
    two representative decode cases (128 x 4096: bandwidth; 1 x 32768: splits), keeping the best by the sum of the
    two times;
 2. per case, with that tile configuration, the split plan (CHUNK keys per program; MAX_SPLITS follows): runtime
@@ -167,11 +165,6 @@ def compare(opts, overrides, records, t0):
 def format_variants(fmt, tiles):
     """The variants of each tile configuration worth trying for a format."""
     candidates = []
-    if not formats.is_fp4(fmt):  # swapped dots: the KV tile is wgmma's 64+-row operand
-        candidates += [dict(t, WGMMA=True) for t in tiles]
-    if fmt == "fp8_e4m3":  # e4m3 score dots on K's bytes, with and without wgmma for PV; packed PTX conversion
-        candidates += [dict(t, FP8_DOT=True) for t in tiles] + [dict(t, FP8_DOT=True, WGMMA=True) for t in tiles]
-        candidates += [dict(t, FP8_ASM=True) for t in tiles[:2]]
     if formats.is_fp8(fmt) or formats.is_fp4(fmt):  # V converted in its load's layout (ldmatrix.trans) or not:
         # the setting the heuristic does not take (it takes it for mxfp4 only)
         candidates += [dict(t, V_DEQUANT_FIRST=fmt != "mxfp4") for t in tiles]

@@ -189,32 +189,6 @@ def test_fp4_scales_loaded_per_value(kv_format, q_lens, q_dtype):
     assert relative_error(out, ref) < TOLERANCE[q_dtype]
 
 
-SWAPPED_DOT_CASES = [
-    ("fp16", None, dict(WGMMA=True), {}),
-    ("fp8_e4m3", None, dict(FP8_DOT=True), dict(soft_cap=5.0)),
-    ("fp8_e4m3", [3, 1, 5], dict(FP8_DOT=True, WGMMA=True), dict(window_left=50)),
-    ("fp8_e5m2", [4, 4, 4], dict(WGMMA=True), dict(soft_cap=5.0, window_left=30)),
-]
-
-
-@pytest.mark.parametrize("kv_format,q_lens,config,options", SWAPPED_DOT_CASES,
-                         ids=[f"{c[0]}-{'extend' if c[1] else 'decode'}-{'-'.join(c[2])}" for c in SWAPPED_DOT_CASES])
-@pytest.mark.parametrize("q_dtype", [F16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
-def test_swapped_and_fp8_dots(kv_format, q_lens, config, options, q_dtype):
-    """The tuning variants with swapped dots (WGMMA: (K q^T)^T and (V^T P^T)^T, the KV tile as wgmma's 64-row
-    operand) and e4m3 score dots on K's stored bytes with q as two e4m3 terms (FP8_DOT): same answers."""
-    from attnops.backends.triton.launch import launch
-    args = random_paged_inputs([200, 1, 77], q_lens, num_q_heads=8, num_kv_heads=2, head_dim=64,
-                               kv_format=kv_format, q_dtype=q_dtype, scale_kind="per_head", device=DEVICE, seed=3)
-    out = torch.full_like(args["q"], float("nan"))
-    launch(args["q"], args["k_cache"], args["v_cache"], args["block_table"], args["seq_lens"], args["cu_seqlens_q"],
-           scale=0.125, soft_cap=options.get("soft_cap", 0.0), window_left=options.get("window_left", -1),
-           kv_format=kv_format, k_scale=args.get("k_scale"), v_scale=args.get("v_scale"), out=out,
-           config=dict(config, BLOCK_N=64))
-    ref = paged_attention_reference(**args, scale=0.125, **options, compute_dtype=torch.float64)
-    assert relative_error(out, ref) < TOLERANCE[q_dtype]
-
-
 def test_prefill_pipeline_depth_follows_shared_memory(monkeypatch):
     """GPU tile choice, from device properties alone: 128-key prefill tiles of a 16-bit cache take 3 stages only
     where a block may use 227 KB of shared memory (what the H200 measured), 2 elsewhere and for fp8 caches."""
@@ -452,7 +426,7 @@ variants = list(cc.attention_variants(quick=True))
 picked = [variants[0], variants[1]]  # bf16 decode, extend
 picked += [v for v in variants if v["fmt"] == "nvfp4" and not v["decode"]][:1]
 picked += [v for v in variants if v["fmt"] == "mxfp4" and not v["scale_bcast"]][:1]  # per-value scales
-picked += [v for v in variants if v.get("fp8_dot")][:1] + [v for v in variants if v.get("wgmma")][:1]
+picked += [v for v in variants if v.get("fp8_v_pairs")][:1] + [v for v in variants if v.get("heads_inner")][:1]
 assert len(picked) == 6
 for v in picked:
     compiled, _ = cc.compile_attention(v, target)
@@ -689,19 +663,17 @@ def test_fp4_inline_ptx_decode(q_lens, kv_format):
 @pytest.mark.parametrize("q_lens", [None, [4, 4, 30]], ids=["decode", "extend"])
 def test_v_dequantized_before_the_dot_layout(q_lens, kv_format, scale_kind):
     """V_DEQUANT_FIRST (V converted in its load's layout, kept there by a multiply by an inline-PTX 1.0; GPU only):
-    same answers as the reference, with the plain and (fp8) the swapped wgmma PV dot."""
+    same answers as the reference."""
     from attnops.backends.triton.launch import launch
     args = random_paged_inputs([300, 17, 1000], q_lens, kv_format=kv_format, scale_kind=scale_kind or "per_tensor",
                                q_dtype=torch.bfloat16, num_q_heads=8, num_kv_heads=2, head_dim=128, device=DEVICE,
                                seed=6)
     ref = paged_attention_reference(**args, compute_dtype=torch.float64)
-    for wgmma in (False, True) if scale_kind else (False,):
-        out = torch.full_like(args["q"], float("nan"))
-        launch(args["q"], args["k_cache"], args["v_cache"], args["block_table"], args["seq_lens"],
-               args["cu_seqlens_q"], scale=128 ** -0.5, soft_cap=0.0, window_left=-1, kv_format=kv_format,
-               k_scale=args["k_scale"], v_scale=args["v_scale"], out=out,
-               config=dict(V_DEQUANT_FIRST=True, WGMMA=wgmma))
-        assert relative_error(out, ref) < 1e-2, wgmma
+    out = torch.full_like(args["q"], float("nan"))
+    launch(args["q"], args["k_cache"], args["v_cache"], args["block_table"], args["seq_lens"], args["cu_seqlens_q"],
+           scale=128 ** -0.5, soft_cap=0.0, window_left=-1, kv_format=kv_format, k_scale=args["k_scale"],
+           v_scale=args["v_scale"], out=out, config=dict(V_DEQUANT_FIRST=True))
+    assert relative_error(out, ref) < 1e-2
 
 
 @pytest.mark.parametrize("pairs", [dict(FP8_V_PAIRS=True), dict(FP8_K_PAIRS=True),

@@ -87,9 +87,9 @@ def fa3_serves(arch, q_dtype, kv_dtype) -> bool:
 
 
 def wrapper_kind(decode: bool, batch: int, num_tokens: int, arch, q_dtype, kv_dtype) -> str:
-    """Which FlashInfer entry point serves a call, from shapes and dtypes: verify blocks go to fa2, which the H200
-    measured at 3.7x faster than fa3 on 4-8 token blocks (benchmarks/results); long prefills to fa3 where it
-    serves the types (fa3_serves), else fa2."""
+    """Which FlashInfer entry point serves a call, from shapes and dtypes: verify blocks go to fa2 (several times
+    faster than fa3 on 4-8 token blocks: docs/bench.md); long prefills to fa3 where it serves the types
+    (fa3_serves), else fa2."""
     kind = shape_class(decode, num_tokens, batch)
     if kind == "decode":
         return "decode"

@@ -4,7 +4,7 @@
 // kind: a call that FlashInfer served in this step before, with arguments of the same shapes, strides, dtypes and
 // devices. For those, attnops/backends/flashinfer_replay.py recorded the arguments that FlashInfer's run() handed
 // its JIT-built kernel (the "paged_run" tvm-ffi function) and armed an entry here; the call replays them with this
-// call's q, caches and out swapped in. That skips ~40 us of Python per call (FlashInfer's run() alone is ~15 us of
+// call's q, caches and out swapped in. That skips the Python of every later call (FlashInfer's run() alone is most of
 // it) where launch cost dominates: benchmarks/overhead.py measures it.
 //
 // An entry applies only while everything the Python path would decide from stays the same: the argument signature

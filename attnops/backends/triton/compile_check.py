@@ -84,31 +84,21 @@ def attention_variants(quick: bool, arch: int = 90):
         else:
             block_q, block_n, warps = (16 if head_dim >= 256 else 32), (32 if head_dim >= 256 else 64), 8
         yield dict(fmt=fmt, q_dtype=q_dtype, decode=decode, head_dim=head_dim, group=group, page=page,
-                   block_q=block_q, block_n=block_n, warps=warps, window=not decode, soft_cap=decode,
-                   fp8_asm=False, scale_bcast=True)
+                   block_q=block_q, block_n=block_n, warps=warps, window=not decode, soft_cap=decode, scale_bcast=True)
     # the other variants the tuning script tries, and a page larger than the tile
-    yield dict(fmt="fp8_e4m3", q_dtype="bf16", decode=True, head_dim=128, group=4, page=16, block_q=1, block_n=64,
-               warps=4, window=False, soft_cap=False, fp8_asm=True, scale_bcast=False)
     for fmt in ("nvfp4", "mxfp4"):
         yield dict(fmt=fmt, q_dtype="bf16", decode=True, head_dim=128, group=4, page=256, block_q=1, block_n=64,
-                   warps=4, window=True, soft_cap=True, fp8_asm=False, scale_bcast=False)
+                   warps=4, window=True, soft_cap=True, scale_bcast=False)
     # the inline-PTX nibble decode: nvfp4 (fp16 dots) and mxfp4 (bf16 dots), decode and prefill tiles
     for (fmt, q_dtype), decode in itertools.product((("nvfp4", "fp16"), ("mxfp4", "bf16")), (True, False)):
         yield dict(fmt=fmt, q_dtype=q_dtype, decode=decode, head_dim=128, group=4, page=16,
-                   block_q=1 if decode else 32, block_n=64, warps=4 if decode else 8, window=False, soft_cap=False,
-                   fp8_asm=False, scale_bcast=True, fp4_asm=True)
-    # e4m3 tensor-core dots on the stored K bytes, decode and verify tiles
-    for decode in (True, False):
-        yield dict(fmt="fp8_e4m3", q_dtype="bf16", decode=decode, head_dim=128, group=4, page=16,
-                   block_q=1 if decode else 4, block_n=64, warps=4, window=False, soft_cap=not decode,
-                   fp8_asm=False, scale_bcast=False, fp8_dot=True)
-    # V converted in its load's layout and read by ldmatrix.trans (V_DEQUANT_FIRST): fp8 decode, and verify with
-    # wgmma; 4-bit decode
+                   block_q=1 if decode else 32, block_n=64, warps=4 if decode else 8, window=False, soft_cap=False, scale_bcast=True, fp4_asm=True)
+    # V converted in its load's layout and read by ldmatrix.trans (V_DEQUANT_FIRST): fp8 decode and verify, 4-bit
+    # decode
     for fmt, decode in (("fp8_e4m3", True), ("fp8_e5m2", False), ("nvfp4", True), ("mxfp4", True)):
         yield dict(fmt=fmt, q_dtype="bf16", decode=decode, head_dim=128, group=4, page=16, block_q=1 if decode else 4,
-                   block_n=128 if decode else 64, warps=4, window=False, soft_cap=False, fp8_asm=False,
-                   scale_bcast=fmt.endswith("fp4"), fp4_asm=fmt.endswith("fp4"), v_dequant_first=True,
-                   wgmma=fmt == "fp8_e5m2")
+                   block_n=128 if decode else 64, warps=4, window=False, soft_cap=False,
+                   scale_bcast=fmt.endswith("fp4"), fp4_asm=fmt.endswith("fp4"), v_dequant_first=True)
     # fp8 V (and K) read as 16-bit words and split into even/odd halves by inline PTX (FP8_V_PAIRS, FP8_K_PAIRS)
     for fmt, q_dtype, decode, head_dim, k_pairs in itertools.product(("fp8_e4m3", "fp8_e5m2"), ("bf16", "fp16"),
                                                                       (True, False), (64, 128, 256), (False, True)):
@@ -116,20 +106,20 @@ def attention_variants(quick: bool, arch: int = 90):
             continue
         yield dict(fmt=fmt, q_dtype=q_dtype, decode=decode, head_dim=head_dim, group=4, page=16,
                    block_q=1 if decode else 16, block_n=32 if head_dim >= 256 else 128 if decode else 64,
-                   warps=4 if decode else 8, window=not decode, soft_cap=decode, fp8_asm=False, scale_bcast=False,
+                   warps=4 if decode else 8, window=not decode, soft_cap=decode, scale_bcast=False,
                    fp8_v_pairs=True, fp8_k_pairs=k_pairs)
     # the merge kernel as a programmatic dependent launch of the attention kernel (PDL, sm_90+)
     if arch >= 90:
         yield dict(fmt="bf16", q_dtype="bf16", decode=True, head_dim=128, group=4, page=16, block_q=1, block_n=128,
-                   warps=4, window=False, soft_cap=False, fp8_asm=False, scale_bcast=False, pdl=True)
-    # swapped (wgmma-shaped) dots for plain formats, decode and verify tiles
+                   warps=4, window=False, soft_cap=False, scale_bcast=False, pdl=True)
+    # the heads-inner grid order, decode and verify tiles
     for decode in (True, False):
         yield dict(fmt="bf16", q_dtype="bf16", decode=decode, head_dim=128, group=4, page=16,
                    block_q=1 if decode else 4, block_n=64, warps=4, window=not decode, soft_cap=False,
-                   fp8_asm=False, scale_bcast=False, wgmma=True, heads_inner=decode)
+                   scale_bcast=False, heads_inner=decode)
     # fp32 q (ieee dots), MQA with 16 heads a group
     yield dict(fmt="fp32", q_dtype="fp32", decode=True, head_dim=64, group=16, page=1, block_q=1, block_n=64,
-               warps=4, window=True, soft_cap=False, fp8_asm=False, scale_bcast=False)
+               warps=4, window=True, soft_cap=False, scale_bcast=False)
 
 
 def attention_types(fmt: str, q_dtype: str) -> dict:
@@ -150,7 +140,6 @@ def heuristic_configurations(arch: int, sms: int, shared_per_block: int, quick: 
     """(label, q dtype, format, constexprs, options): the heuristic's own choice for every format, q dtype, head
     dim, GQA group and HEURISTIC_SHAPES case on a GPU of `sms` SMs whose blocks may take `shared_per_block` bytes
     of shared memory, each distinct compilation once."""
-    from . import decode
     seen = set()
     with _heuristic_for(arch, sms, shared_per_block):
         fmts = list(KV_FORMATS)
@@ -161,7 +150,7 @@ def heuristic_configurations(arch: int, sms: int, shared_per_block: int, quick: 
             cfg = heuristics.heuristic_config(torch.device("cuda"), is_decode, batch, batch * q_len,
                                           num_kv_heads * group, num_kv_heads, head_dim, 16, capacity, fmt,
                                           TORCH_DTYPE[q_dtype])
-            constexprs, options = decode.kernel_constexprs(
+            constexprs, options = heuristics.kernel_constexprs(
                 cfg, q_dtype=TORCH_DTYPE[q_dtype], kv_format=fmt, decode=is_decode,
                 num_q_heads=num_kv_heads * group, head_dim=head_dim, group=group, page_size=16, window=False,
                 soft_cap=False, on_gpu=True)
@@ -198,11 +187,11 @@ def compile_attention(v, target):
     constexprs = dict(NUM_Q_HEADS=8 * v["group"], HEAD_DIM=v["head_dim"], PAGE=v["page"], GROUP=v["group"],
                       BLOCK_Q=v["block_q"], BLOCK_M=block_m, BLOCK_N=v["block_n"], FMT=FMT_CODE[v["fmt"]],
                       IS_DECODE=v["decode"], HAS_WINDOW=v["window"], HAS_SOFTCAP=v["soft_cap"], DOT_DTYPE=ddt,
-                      DOT_PRECISION="ieee" if ddt == tl.float32 else "tf32", FP8_ASM=v["fp8_asm"],
+                      DOT_PRECISION="ieee" if ddt == tl.float32 else "tf32",
                       FP8_DTYPE=tl.float8e4nv if v["fmt"] == "fp8_e4m3" else tl.float8e5,
-                      SCALE_BCAST=v["scale_bcast"], FP4_ASM=v.get("fp4_asm", False), FP8_DOT=v.get("fp8_dot", False),
+                      SCALE_BCAST=v["scale_bcast"], FP4_ASM=v.get("fp4_asm", False),
                       V_DEQUANT_FIRST=v.get("v_dequant_first", False), PDL=v.get("pdl", False),
-                      WGMMA=v.get("wgmma", False), SOFT_FP8=False, HEADS_INNER=v.get("heads_inner", False),
+                      SOFT_FP8=False, HEADS_INNER=v.get("heads_inner", False),
                       FP8_V_PAIRS=v.get("fp8_v_pairs", False), FP8_K_PAIRS=v.get("fp8_k_pairs", False))
     stages = 2 if v["head_dim"] >= 256 else 3
     compiled = compile_one(paged_attention_kernel, types, constexprs, target, v["warps"], stages)
@@ -267,13 +256,12 @@ def print_sass(formats_: list, q_dtype: str, target, sms: int, shared_per_block:
     target, with `overrides` (tunables, e.g. {"V_DEQUANT_FIRST": 1}; maxnreg 0 = no cap): its registers and the
     instructions one thread issues per step of BLOCK_N keys. Decode of a quantized cache is bound by its
     instructions, not bytes, when these are high: this is the number to lower."""
-    from . import decode
     torch_q = TORCH_DTYPE[q_dtype]
     for fmt in formats_:
         with _heuristic_for(target.arch, sms, shared_per_block):
             cfg = dict(heuristics.heuristic_config(torch.device("cuda"), True, 128, 128, 32, 8, 128, 16, 4096, fmt,
                                                torch_q), **overrides)
-        constexprs, options = decode.kernel_constexprs(cfg, q_dtype=torch_q, kv_format=fmt, decode=True,
+        constexprs, options = heuristics.kernel_constexprs(cfg, q_dtype=torch_q, kv_format=fmt, decode=True,
                                                        num_q_heads=32, head_dim=128, group=4, page_size=16,
                                                        window=False, soft_cap=False, on_gpu=True)
         compiled = compile_one(paged_attention_kernel, attention_types(fmt, q_dtype), constexprs, target, **options)
@@ -288,7 +276,7 @@ def print_sass(formats_: list, q_dtype: str, target, sms: int, shared_per_block:
 
 def check_heuristic(target, sms: int, shared_per_block: int, quick: bool) -> int:
     """Compiles every distinct heuristic choice. A choice that does not fit the target's shared memory is stepped
-    down the way launch() does at run time (decode.smaller_tile) until one fits: "STEP" rows (the GPU would warn
+    down the way launch() does at run time (heuristics.smaller_tile) until one fits: "STEP" rows (the GPU would warn
     once and run the smaller tile), "FAIL" rows where nothing fits or nothing compiles. Returns the FAIL count."""
     from .heuristics import smaller_tile
     failures = steps = 0

@@ -17,9 +17,8 @@ from .kernel import TL_DTYPE
 WORKSPACE_BYTES = 64 * 2 ** 20  # the most split partials one call may allocate (heuristic; tuning may exceed it)
 
 # Tunables a caller (benchmarks/triton_tuning.py, tests) may force; None entries fall back to the heuristic.
-CONFIG_KEYS = ("BLOCK_N", "num_warps", "num_stages", "CHUNK", "MAX_SPLITS", "BLOCK_Q", "FP8_ASM", "SCALE_BCAST",
-               "FP4_ASM", "FP8_DOT", "WGMMA", "maxnreg", "HEADS_INNER", "V_DEQUANT_FIRST", "PDL",
-               "FP8_V_PAIRS", "FP8_K_PAIRS")
+CONFIG_KEYS = ("BLOCK_N", "num_warps", "num_stages", "CHUNK", "MAX_SPLITS", "BLOCK_Q", "SCALE_BCAST", "FP4_ASM",
+               "maxnreg", "HEADS_INNER", "V_DEQUANT_FIRST", "PDL", "FP8_V_PAIRS", "FP8_K_PAIRS")
 
 
 @functools.lru_cache(maxsize=None)
@@ -73,18 +72,13 @@ def heuristic_config(device, decode: bool, batch: int, num_tokens: int, num_q_he
     block_m = max(16, triton.next_power_of_2(block_q * group))
     # decode, and verify blocks whose tokens x heads fit one 16-row tile: streaming the KV once is the whole job
     decode_like = decode or block_m <= 16
-    # programs to fill the chip: the decode kernel holds about two programs per SM (registers), and on the H200
-    # (benchmarks/triton_tuning.py, benchmarks/results/h200-tune-*.json) 1.5 programs per SM beat more, shorter
-    # splits at every decode case (1 x 32768: 256 programs of 1024 keys took 41 us, 512 of 512 keys 50 us)
+    # programs to fill the chip: the decode kernel holds about two programs per SM (registers); 1.5 per SM beat
+    # more, shorter splits at every measured decode case
     target = (3 * sms) // 2 if decode_like else 4 * sms
-    # Decode-like tiles: 128 keys up to D=128 (on the H200 every format's decode was fastest with 128, by 5% (bf16)
-    # to 36% (nvfp4) over 64). Larger query tiles: about 16 KB of bf16 K, 64 keys at D=128 (registers), 128 at
-    # D<=64, 32 at D=256; but prefill tiles of 64+ rows at D=128 take 128 keys (in 2 stages: 293 against 269
-    # TFLOP/s on the H200's 8 x 4096 prefill, 306 against 275 for 2048 new tokens after 46,000
-    # (benchmarks/results/h200-prefill-probe.log)). The interpreter keeps 64 so that CPU tests cover several tiles
-    # and splits with short sequences.
-    # (16-bit dots only: fp32 q's fp32 dots at 128 x 128 take 256+ KB of shared memory, more than sm_90's 227 KB,
-    # at 2 stages as at 3: `python -m attnops.backends.triton.compile_check --heuristic`)
+    # Decode-like tiles: 128 keys up to D=128 (every format's fastest). Larger query tiles: about 16 KB of bf16 K
+    # (64 keys at D=128 for registers, 128 at D<=64, 32 at D=256), except prefill tiles of 64+ rows at D=128,
+    # which take 128 keys. The interpreter keeps 64 so that CPU tests cover several tiles and splits.
+    # (16-bit dots only: fp32 dots at 128 x 128 need more shared memory than sm_90 has: compile_check --heuristic)
     prefill_128 = (device.type == "cuda" and not decode_like and block_m >= 64 and head_dim == 128
                    and dot_dtype(q_dtype, kv_format) != torch.float32)
     if device.type != "cuda":
@@ -106,9 +100,7 @@ def heuristic_config(device, decode: bool, batch: int, num_tokens: int, num_q_he
         # long sequence in a ragged batch does not become the tail
         splits_to_fill = -(-target // base)
         if decode_like and base >= 2 * target and kv_format != "mxfp4":
-            # three or more programs an SM without splitting, yet halves still paid on the H200 (CUDA-graph
-            # times, benchmarks/results/h200-tune-split-heads.log): 64 x 2048 bf16 134 against 142 us, nvfp4 132
-            # against 150, fp8 101 against 105; 128 x 4096 bf16 482 against 489. mxfp4 (ALU-bound) lost 3%.
+            # three or more programs an SM without splitting, yet halves still paid (mxfp4, ALU-bound, lost)
             splits_to_fill = 2
         chunk = 1 << max(0, (capacity // splits_to_fill).bit_length() - 1)  # a power of two, rounded down
         low, high = (1024, 4096) if decode_like else (4 * block_n, 2048)
@@ -121,37 +113,24 @@ def heuristic_config(device, decode: bool, batch: int, num_tokens: int, num_q_he
         max_splits = max(1, min(max_splits, WORKSPACE_BYTES // per_split))
     num_warps = 8 if block_m >= 64 else 4
     # 128-key prefill tiles of a 16-bit cache pipeline 3 stages deep where a block may take 227 KB of shared
-    # memory (sm_90): 304 against 292 TFLOP/s on the H200's 8 x 4096 bf16 prefill, 324 against 305 for 2048 new
-    # tokens after 46,000 (benchmarks/results/h200-prefill-stages.log); 2 stages elsewhere (less shared memory)
+    # memory (sm_90), 2 elsewhere
     deep_prefill = (prefill_128 and kv_format in ("bf16", "fp16")
                     and _shared_memory_per_block(device) >= 227 * 1024)
     num_stages = 2 if head_dim >= 256 or (kv_format == "nvfp4" and decode_like) or (
         prefill_128 and not deep_prefill) else 3
-    # fp8 decode tiles: capping registers at 168 (from 198) fits 3 programs per SM instead of 2, worth its
-    # small spills: 356 against 380 us on the H200's 128 x 4096 (benchmarks/results/h200-tune-formats.log)
+    # fp8 decode tiles: capping registers at 168 (from 198) fits 3 programs per SM instead of 2, worth its spills
     maxnreg = 168 if formats.is_fp8(kv_format) and decode_like and device.type == "cuda" else None
-    # FP8_ASM off: Triton already lowers e4m3 -> fp16 to cvt.rn.f16x2.e4m3x2 on sm_89+ (seen in the PTX), the asm
-    # variant stays for the tuning sweep. SCALE_BCAST on: one load per 4-bit block scale instead of one per value
-    # (sm_90 PTX of an nvfp4 decode: 17 global loads instead of 97, half the shared memory). FP4_ASM on (GPU,
-    # nvfp4 with fp16 dots): 1.37x on the H200's 128 x 4096 decode, with 2 stages (175 registers, no spill) 5% faster
-    # than 3. FP8_DOT and WGMMA off: 2-10% slower there. HEADS_INNER for decode-like tiles: 1-6% faster on the
-    # H200 for bf16 and nvfp4 (256 x 8192 nvfp4 1811 against 1921 us), even for fp8, within 1% for mxfp4
-    # (h200-tune-split-heads.log). Prefill tiles keep the query-block-major order: HEADS_INNER there was 4% faster
-    # on 8 x 4096 but 1.5% slower on 2048 new tokens after 46,000 (h200-prefill-probe.log).
-    # V_DEQUANT_FIRST for mxfp4 decode-like tiles only: on the H200 5-7% faster for mxfp4 (256 x 8192 1740 against
-    # 1869 us) but 4-7% slower for fp8 and nvfp4, although their SASS has fewer instructions too (fp8 989 against
-    # 1419 a step): likely the converted V's extra trip through shared memory and its barrier
-    # (h200-compare-v-dequant-first-3eaba47.log). PDL where the GPU has it (sm_90+): with the merge kernel alone
-    # launched as a dependent, 2.5-3% off 1 x 32768 (bf16 40.6 -> 39.5 us), the same elsewhere
-    # (h200-compare-pdl-3eaba47.log).
-    # FP8_V_PAIRS and FP8_K_PAIRS for fp8 decode-like tiles (GPU: the split is inline PTX): sm_90 SASS of the
-    # default decode tile, 1419 -> 839 instructions a step (bf16's is 850); on the H200 128 x 4096 e4m3 365 -> 292
-    # us, 256 x 8192 1431 -> 1123, same run (h200-compare-fp8-pairs-61a554c.log), and K pairs on top of V
-    # pairs 0.3-2.3% faster (h200-compare-fp8-k-pairs-6a53eb2.log). Prefill tiles are not measured: off there.
+    # SCALE_BCAST: one load per 4-bit block scale, not one per value. FP4_ASM: the inline-PTX nibble decode (4 values
+    # a register). HEADS_INNER for decode-like tiles: neighbouring programs read every head of the same pages.
+    # V_DEQUANT_FIRST for mxfp4 decode-like tiles only (slower for fp8 and nvfp4 despite fewer instructions).
+    # PDL where the GPU has it (sm_90+): the merge kernel launches as a dependent of the attention kernel.
+    # FP8_V_PAIRS/FP8_K_PAIRS for fp8 decode-like tiles on the GPU (the split is inline PTX): the tile reaches the
+    # mma layout by ldmatrix instead of a shared-memory load a byte; prefill tiles are not measured, so off there.
+    # The measurements behind each choice: this package's README.
     fp8_pairs = formats.is_fp8(kv_format) and decode_like and device.type == "cuda"
     return dict(BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, CHUNK=chunk, MAX_SPLITS=max_splits,
-                BLOCK_Q=block_q, FP8_ASM=False, SCALE_BCAST=True, FP4_ASM=device.type == "cuda", FP8_DOT=False,
-                WGMMA=False, maxnreg=maxnreg, HEADS_INNER=decode_like,
+                BLOCK_Q=block_q, SCALE_BCAST=True, FP4_ASM=device.type == "cuda", maxnreg=maxnreg,
+                HEADS_INNER=decode_like,
                 V_DEQUANT_FIRST=kv_format == "mxfp4" and decode_like and device.type == "cuda",
                 PDL=_capability(device) >= 9, FP8_V_PAIRS=fp8_pairs, FP8_K_PAIRS=fp8_pairs)
 
@@ -178,25 +157,23 @@ def kernel_constexprs(cfg: dict, *, q_dtype: torch.dtype, kv_format: str, decode
     apply to the format, q dtype or machine are switched off here. on_gpu: compiled for a GPU (not the
     interpreter): inline PTX and register caps apply."""
     ddt = dot_dtype(q_dtype, kv_format)
-    # fp8 pairs need fp16 dots; a forced WGMMA (or V_DEQUANT_FIRST, FP8_DOT) is another way to read V (K)
-    fp8_pairs = formats.is_fp8(kv_format) and ddt == torch.float16 and not cfg["WGMMA"]
+    # fp8 pairs need fp16 dots; a forced V_DEQUANT_FIRST is another way to read V
+    fp8_pairs = formats.is_fp8(kv_format) and ddt == torch.float16
     constexprs = dict(
         NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, PAGE=page_size, GROUP=group, BLOCK_Q=cfg["BLOCK_Q"],
         BLOCK_M=max(16, triton.next_power_of_2(cfg["BLOCK_Q"] * group)), BLOCK_N=cfg["BLOCK_N"],
         FMT=FMT_CODE[kv_format], IS_DECODE=decode, HAS_WINDOW=window, HAS_SOFTCAP=soft_cap,
         DOT_DTYPE=TL_DTYPE[ddt], DOT_PRECISION="ieee" if ddt == torch.float32 else "tf32",
-        FP8_ASM=bool(cfg["FP8_ASM"]) and kv_format == "fp8_e4m3" and ddt == torch.float16 and on_gpu,
         FP8_DTYPE=tl.float8e4nv if kv_format == "fp8_e4m3" else tl.float8e5,
         SCALE_BCAST=bool(cfg["SCALE_BCAST"]) and formats.is_fp4(kv_format),
         FP4_ASM=bool(cfg["FP4_ASM"]) and formats.is_fp4(kv_format) and on_gpu,
-        FP8_DOT=bool(cfg["FP8_DOT"]) and kv_format == "fp8_e4m3" and q_dtype != torch.float32,
         V_DEQUANT_FIRST=bool(cfg["V_DEQUANT_FIRST"]) and (formats.is_fp8(kv_format) or formats.is_fp4(kv_format))
         and on_gpu,
         PDL=bool(cfg["PDL"]) and cfg["MAX_SPLITS"] > 1 and on_gpu,
-        WGMMA=bool(cfg["WGMMA"]) and ddt != torch.float32, SOFT_FP8=not on_gpu,
+        SOFT_FP8=not on_gpu,
         HEADS_INNER=bool(cfg["HEADS_INNER"]),
         FP8_V_PAIRS=bool(cfg["FP8_V_PAIRS"]) and fp8_pairs and not cfg["V_DEQUANT_FIRST"],
-        FP8_K_PAIRS=bool(cfg["FP8_K_PAIRS"]) and fp8_pairs and not cfg["FP8_DOT"])
+        FP8_K_PAIRS=bool(cfg["FP8_K_PAIRS"]) and fp8_pairs)
     options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if cfg["maxnreg"] and on_gpu:  # a register cap: more resident programs per SM at the price of spills
         options["maxnreg"] = cfg["maxnreg"]

@@ -28,7 +28,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .common import (FMT_FP8, FMT_MXFP4, FMT_NVFP4, FP8_PAIR_E4M3_EVEN, FP8_PAIR_E4M3_ODD,
                      FP8_PAIR_E5M2_EVEN, FP8_PAIR_E5M2_ODD, LOG2E, e2m1_nibbles, e8m0_to_f32, find_sequence, kv_plan,
-                     opaque_one, to_fp8_bits)
+                     opaque_one)
 
 # torch dtypes of tl.dot operands as Triton's
 TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -79,8 +79,8 @@ def _dequant_fp4(packed, scale, FMT: tl.constexpr, DOT_DTYPE: tl.constexpr, FP4_
     the even and odd values in DOT_DTYPE, times fp4_fold(FMT, DOT_DTYPE), exactly (an e2m1 value has 2
     significant bits, an e4m3 scale 4: every product fits the dot dtype).
 
-    4-bit decode is bound by its instructions, not bytes (H200: 43% fewer instructions a step made mxfp4 decode
-    1.74x faster), so each case takes the fewest: the nibble's bits are moved into a 16-bit float (value x 2^-14
+    4-bit decode is bound by its instructions, not bytes (the package README has the measurements), so each case
+    takes the fewest: the nibble's bits are moved into a 16-bit float (value x 2^-14
     as fp16, value x 2^-126 as bf16; inline PTX on two values at once with FP4_ASM) and the scale applied in that
     float with packed multiplies where the range allows, through fp32 only where it does not."""
     # (one return at the end: Triton 3.6 refuses returns of different dtypes in constexpr branches)
@@ -173,16 +173,9 @@ def _load_fp8_pairs(c_ptr, tok_off, offs_h, kvalid, TRANSPOSED: tl.constexpr, FP
 
 
 @triton.jit
-def _fp8_to_dot(x, FP8_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, FP8_ASM: tl.constexpr):
-    """fp8 bytes (loaded as uint8, so that masked lanes are a plain 0, never a NaN pattern) -> DOT_DTYPE.
-    FP8_ASM (sm_89+, fp16 target, e4m3 only): the packed PTX conversion that turns two e4m3 values into two fp16
-    per instruction."""
-    if FP8_ASM:
-        return tl.inline_asm_elementwise(
-            # pack=2: two uint8 inputs arrive in one 16-bit register, two fp16 outputs leave in one 32-bit one
-            asm="cvt.rn.f16x2.e4m3x2 $0, $1;",
-            constraints="=r,h",
-            args=[x], dtype=tl.float16, is_pure=True, pack=2)
+def _fp8_to_dot(x, FP8_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """fp8 bytes (loaded as uint8, so that masked lanes are a plain 0, never a NaN pattern) -> DOT_DTYPE (on
+    sm_89+ Triton lowers e4m3 -> fp16 to the packed cvt.rn.f16x2.e4m3x2 itself)."""
     return x.to(FP8_DTYPE, bitcast=True).to(DOT_DTYPE)
 
 
@@ -198,14 +191,12 @@ def paged_attention_kernel(
     NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr,
     IS_DECODE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, FP8_ASM: tl.constexpr, FP8_DTYPE: tl.constexpr, SCALE_BCAST: tl.constexpr,
-    FP4_ASM: tl.constexpr, FP8_DOT: tl.constexpr, WGMMA: tl.constexpr, SOFT_FP8: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FP8_DTYPE: tl.constexpr, SCALE_BCAST: tl.constexpr,
+    FP4_ASM: tl.constexpr, SOFT_FP8: tl.constexpr,
     V_DEQUANT_FIRST: tl.constexpr, HEADS_INNER: tl.constexpr, PDL: tl.constexpr, FP8_V_PAIRS: tl.constexpr,
     FP8_K_PAIRS: tl.constexpr,
 ):
     if PDL:  # the merge kernel may start now: its programs wait (griddepcontrol.wait) before reading partials
-        # (this kernel launched as a dependent of the previous one too, waiting before its first read, measured
-        # no faster on the H200: h200-compare-pdl-b7b15fe.log)
         gdc_launch_dependents()
     # HEADS_INNER: axis 0 walks (query block, KV head) with the heads fastest, so that the programs the GPU runs
     # at the same time read every head of the same pages (an NHD page holds all heads of its tokens side by side)
@@ -277,22 +268,11 @@ def paged_attention_kernel(
     # decode tiles (Triton 3.6), instructions a thread per 128-key step: fp8 1419 -> 989, nvfp4 1866 -> 1545,
     # mxfp4 2074 -> 1665 (doing the same to K adds instructions). On by default for mxfp4 only (heuristic_config).
     HALF: tl.constexpr = HEAD_DIM // 2
-    # Swapped dots, so that the KV tile is the 64+-row operand that Hopper's wgmma needs (decode has only 16 rows of
-    # q): scores as (K q^T)^T, and for plain formats (WGMMA) the output as (V^T P^T)^T, both tiles read by the
-    # tensor cores from shared memory where the pipelined load put them (fp8 tiles are converted in registers
-    # first).
-    # FP8_DOT (e4m3 caches): the swapped score dot in e4m3 on K's stored bytes, with no per-element conversion of
-    # K (on sm_90 only wgmma multiplies fp8, and its fp8 A operand must be K-major: K [BLOCK_N, D] is, V^T is not,
-    # so V keeps the conversion). q enters as two e4m3 terms, hi + lo / 16 (scaled per row): about bf16's
-    # precision.
     # q's and K's even and odd elements in two tiles each, two score dots: 4-bit, and fp8 with FP8_K_PAIRS
     PAIRED_K: tl.constexpr = IS_FP4 or (FMT == FMT_FP8 and FP8_K_PAIRS)
-    FP8_QK: tl.constexpr = FMT == FMT_FP8 and FP8_DOT and not PAIRED_K
-    SWAP_QK: tl.constexpr = FP8_QK or (not PAIRED_K and WGMMA)
     # V's even and odd elements in two tiles and two accumulators (output columns interleaved at the end): 4-bit
     # (_load_fp4_tile) and, with FP8_V_PAIRS, fp8 (_load_fp8_pairs)
     PAIRED_V: tl.constexpr = IS_FP4 or (FMT == FMT_FP8 and FP8_V_PAIRS)
-    SWAP_PV: tl.constexpr = not PAIRED_V and WGMMA
     if PAIRED_K:
         offs_d = tl.arange(0, HALF)
         q_e = tl.load(q_ptr + q_row_off[:, None] + 2 * offs_d[None, :], mask=row_valid[:, None], other=0.0)
@@ -302,27 +282,10 @@ def paged_attention_kernel(
     else:
         offs_d = tl.arange(0, HEAD_DIM)
         q = tl.load(q_ptr + q_row_off[:, None] + offs_d[None, :], mask=row_valid[:, None], other=0.0)
-        if FP8_QK:
-            # per row, q x q_mul maps the row's largest |q| to 256 (e4m3 holds up to 448); score scale / q_mul
-            qf = q.to(tl.float32)
-            amax = tl.max(tl.abs(qf), 1)
-            q_mul = tl.where(amax > 0.0, 256.0 / tl.where(amax > 0.0, amax, 1.0), 1.0)
-            qs = qf * q_mul[:, None]
-            q_hi = to_fp8_bits(qs, tl.float8e4nv, SOFT_FP8).to(tl.float8e4nv, bitcast=True)
-            q_lo = to_fp8_bits((qs - q_hi.to(tl.float32)) * 16.0, tl.float8e4nv, SOFT_FP8).to(
-                tl.float8e4nv, bitcast=True)
-            q_hi_t = tl.trans(q_hi)  # [D, BLOCK_M]
-            q_lo_t = tl.trans(q_lo)
-            row_qk_scale = qk_scale / q_mul
-        else:
-            q = q.to(DOT_DTYPE)
-            if SWAP_QK:
-                q_t = tl.trans(q)  # [D, BLOCK_M]
+        q = q.to(DOT_DTYPE)
     if PAIRED_V:
         acc = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
         acc_o = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
-    elif SWAP_PV:
-        acc = tl.zeros([HEAD_DIM, BLOCK_M], dtype=tl.float32)  # transposed
     else:
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -358,31 +321,14 @@ def paged_attention_kernel(
             qk = tl.dot(q_e, k_e, input_precision=DOT_PRECISION)
             qk = tl.dot(q_o, k_o, acc=qk, input_precision=DOT_PRECISION)
         else:
-            if FP8_QK:
-                k = tl.load(k_ptr + tok_off[:, None] + offs_d[None, :], mask=kvalid[:, None], other=0)
-                k = k.to(tl.float8e4nv, bitcast=True)  # [BLOCK_N, D]
-                qk_t = tl.dot(k, q_lo_t) * 0.0625
-                qk_t = tl.dot(k, q_hi_t, acc=qk_t)
-                qk = tl.trans(qk_t)
-            elif SWAP_QK:
-                k = tl.load(k_ptr + tok_off[:, None] + offs_d[None, :], mask=kvalid[:, None], other=0.0)
-                if FMT == FMT_FP8:
-                    k = _fp8_to_dot(k, FP8_DTYPE, DOT_DTYPE, FP8_ASM)
-                else:
-                    k = k.to(DOT_DTYPE)
-                qk = tl.trans(tl.dot(k, q_t))
+            k = tl.load(k_ptr + tok_off[None, :] + offs_d[:, None], mask=kvalid[None, :], other=0.0)
+            if FMT == FMT_FP8:
+                k = _fp8_to_dot(k, FP8_DTYPE, DOT_DTYPE)
             else:
-                k = tl.load(k_ptr + tok_off[None, :] + offs_d[:, None], mask=kvalid[None, :], other=0.0)
-                if FMT == FMT_FP8:
-                    k = _fp8_to_dot(k, FP8_DTYPE, DOT_DTYPE, FP8_ASM)
-                else:
-                    k = k.to(DOT_DTYPE)
-                qk = tl.dot(q, k, input_precision=DOT_PRECISION)
+                k = k.to(DOT_DTYPE)
+            qk = tl.dot(q, k, input_precision=DOT_PRECISION)
 
-        if FP8_QK:
-            qk = qk * row_qk_scale[:, None]
-        else:
-            qk = qk * qk_scale
+        qk = qk * qk_scale
         if HAS_SOFTCAP:
             # soft_cap * tanh(s / soft_cap), tanh through exp2 (stable: exp2 -> inf gives 1, -> 0 gives -1)
             t = tl.exp2(qk * (2.0 * LOG2E / soft_cap))
@@ -424,19 +370,14 @@ def paged_attention_kernel(
         else:
             v = tl.load(v_ptr + tok_off[:, None] + tl.arange(0, HEAD_DIM)[None, :], mask=kvalid[:, None], other=0.0)
             if FMT == FMT_FP8:
-                v = _fp8_to_dot(v, FP8_DTYPE, DOT_DTYPE, FP8_ASM)
+                v = _fp8_to_dot(v, FP8_DTYPE, DOT_DTYPE)
                 if V_DEQUANT_FIRST:
                     v = v * opaque_one(sm_scale).to(DOT_DTYPE)
             else:
                 v = v.to(DOT_DTYPE)
-            if SWAP_PV:
-                acc = tl.dot(tl.trans(v), tl.trans(p.to(DOT_DTYPE)), acc=acc * alpha[None, :])
-            else:
-                acc = tl.dot(p.to(DOT_DTYPE), v, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
+            acc = tl.dot(p.to(DOT_DTYPE), v, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
 
     # --- epilogue: normalized output, directly or as a split partial ---------------------------------------
-    if SWAP_PV:
-        acc = tl.trans(acc)
     has_keys = l_i > 0.0
     inv_l = tl.where(has_keys, v_mul / tl.where(has_keys, l_i, 1.0), 0.0)  # no key seen: the row is 0
     if PAIRED_V:
