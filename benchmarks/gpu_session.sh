@@ -15,6 +15,10 @@
 #   bench     benchmarks/bench.py $BENCH_ARGS (JSON + PNG), on a quiet GPU
 #   jit       FlashInfer's kernels for every head dim (64, 128, 256) x KV type (bf16, fp8) of the models grid,
 #             JIT-built in parallel processes (`python -m attnops warmup` with FlashInfer pinned)
+#   autocheck auto dispatch against every backend, same run: the models grid's two-backend cases and the unseen
+#             grid (head shapes and batches the rule was not fitted to): $out/autocheck.json, $out/unseen.json
+#   ab        an A/B of the Triton kernels of two source trees in one run: builds the tree in $AB_OLD in place and
+#             runs each tree's benchmark on $AB_ARGS (Triton only): $out/ab-old.json, $out/ab-new.json
 #   tests     the GPU tests, suites in parallel processes (TEST_SUITES, default "capture triton flashinfer e2e":
 #             captures of the op; Triton under pytest-xdist; FlashInfer + graphs + devices; end to end), one log;
 #             TESTS_TIMEOUT seconds
@@ -65,6 +69,20 @@ for step in "$@"; do
       timeout ${MODELS_TIMEOUT:-540} python3 benchmarks/tune.py --out "$out/$arch.json" --rep-ms ${REP_MS:-50} \
         --json "$out/models.json" ${MODELS_ARGS:-} > "$out/models.log" 2> /tmp/models.err
       tail -3 /tmp/models.err; sed -n '/^the rule on/,$p' "$out/models.log" | head -60; stamp models ;;
+    autocheck)
+      for g in "models --cases /bf16/ /fp8_e4m3/per_tensor/:autocheck" "models-unseen:unseen"; do
+        timeout ${AUTOCHECK_TIMEOUT:-240} python3 benchmarks/bench.py --grid ${g%%:*} --backends flashinfer triton \
+          --peers --auto --graph-only --rep-ms ${REP_MS:-30} --json "$out/${g##*:}.json" > /tmp/${g##*:}.txt 2>&1
+        tail -1 /tmp/${g##*:}.txt
+      done; stamp autocheck ;;
+    ab)
+      (cd "${AB_OLD:?set AB_OLD to the other tree}" && python3 setup.py -q build_ext --inplace > /tmp/ab-build.log 2>&1) \
+        || { tail -20 /tmp/ab-build.log; exit 1; }
+      PYTHONPATH="$AB_OLD" python3 -c "import attnops; print('A:', attnops.__file__)"
+      PYTHONPATH="$AB_OLD" timeout 200 python3 "$AB_OLD/benchmarks/bench.py" --backends triton --peers \
+        --rep-ms 50 ${AB_ARGS:-} --json "$out/ab-old.json" > /tmp/ab-old.txt 2>&1; tail -2 /tmp/ab-old.txt
+      timeout 200 python3 benchmarks/bench.py --backends triton --peers --graph-only --rep-ms 50 ${AB_ARGS:-} \
+        --json "$out/ab-new.json" > /tmp/ab-new.txt 2>&1; tail -2 /tmp/ab-new.txt; stamp ab ;;
     tests)
       limit=${TESTS_TIMEOUT:-240}
       suites=${TEST_SUITES:-capture triton flashinfer e2e}

@@ -109,6 +109,29 @@ def models_grid() -> list:
     return cases
 
 
+# Head shapes and batches the models grid does not have: how the fitted rule does on what it never saw
+UNSEEN_HEADS = {"qwen2.5-3b": (16, 2, 128), "qwen2.5-0.5b": (14, 2, 64), "qwen2-1.5b": (12, 2, 128),
+                "gemma-3-27b": (32, 16, 128), "yi-34b": (56, 8, 128)}
+UNSEEN_DECODE = [(8, 16384), (64, 1024), (16, 4096), (256, 2048)]
+
+
+def models_unseen_grid() -> list:
+    """UNSEEN_HEADS x (bf16, fp8 per tensor) x decode at UNSEEN_DECODE and a ragged 32, verify 6 tokens on 16 x 2048,
+    and 1024 new tokens on 8192: a check of the dispatch rule on cases it was not fitted to."""
+    cases = []
+    for model, (hq, hkv, d) in UNSEEN_HEADS.items():
+        heads = dict(num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
+        for fmt in ("bf16", "fp8_e4m3"):
+            label = fmt if fmt == "bf16" else f"{fmt}/per_tensor"
+            shapes = [(f"{b}x{n}", [n] * b, None) for b, n in UNSEEN_DECODE]
+            shapes += [("ragged32", ragged_lengths(32, seed=7), None), ("verify16x2048q6", [2048] * 16, [6] * 16),
+                       ("extend1024on8192", [8192 + 1024], [1024])]
+            for shape, kv_lens, q_lens in shapes:
+                cases.append(Case(f"{model}-{hq}-{hkv}-{d}/{label}/{shape}", "models-unseen", kv_lens, q_lens,
+                                  **heads, kv_format=fmt))
+    return cases
+
+
 def cpu_grid() -> list:
     """For CI and CPU users: small, fp32 and bf16, the CPU backend against gather + SDPA."""
     cases = []
@@ -126,4 +149,5 @@ def cpu_issue_grid() -> list:
             for fmt in ("fp32", "bf16") for b, n in ((8, 2048), (1, 16384))]
 
 
-GRIDS = {"gpu": gpu_grid, "models": models_grid, "cpu": cpu_grid, "cpu-issue": cpu_issue_grid}
+GRIDS = {"gpu": gpu_grid, "models": models_grid, "models-unseen": models_unseen_grid, "cpu": cpu_grid,
+         "cpu-issue": cpu_issue_grid}
