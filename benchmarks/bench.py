@@ -148,7 +148,7 @@ def auto_runner(args):
 
 
 def git_commit() -> str:
-    if os.environ.get("ATTNOPS_COMMIT"):  # set by the caller where the tree has no git history (a lent GPU)
+    if os.environ.get("ATTNOPS_COMMIT"):  # set by the caller where the tree has no git history
         return os.environ["ATTNOPS_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,

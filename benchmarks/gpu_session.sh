@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A round of GPU work on a CUDA machine, as a list of steps run in order, each under its own time limit; logs and
-# JSON go to the directory $OUT (default gpu-out/), a few files in all:
-#   OUT=results ATTNOPS_COMMIT=<sha> bash benchmarks/gpu_session.sh build jit tests models
+# JSON go to the directory $ATTNOPS_OUT (default gpu-out/), a few files in all:
+#   ATTNOPS_OUT=results ATTNOPS_COMMIT=<sha> bash benchmarks/gpu_session.sh build jit tests models
 # ATTNOPS_COMMIT: the commit being measured, written into the JSON and plots (where the tree has no git history).
 # Steps:
 #   build     the extension against the device's torch (always first)
@@ -26,7 +26,7 @@
 #             $out/sm_XY.json and the records to $out/models.json
 #   serve     benchmarks/serve_bench.py $SERVE_ARGS (JSON + PNG)
 set -uo pipefail
-out=${OUT:-gpu-out}; mkdir -p "$out"
+out=${ATTNOPS_OUT:-gpu-out}; mkdir -p "$out"
 t0=$(date +%s); stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 export ATTNOPS_COMMIT=${ATTNOPS_COMMIT:-unknown}
 for step in "$@"; do

@@ -309,7 +309,7 @@ def test_temperature_generation_is_reproducible_by_seed(checkpoint):
     assert a == b and a != c
 
 
-# --- GPU (the lent H200) ---------------------------------------------------------------------------------------
+# --- GPU ------------------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
 @torch.no_grad()

@@ -1,4 +1,4 @@
-"""The FlashInfer backend against the float64 reference (GPU only: run on the lent H200), its declines, and the
+"""The FlashInfer backend against the float64 reference (GPU only), its declines, and the
 plan-once-per-step rule."""
 import pytest
 import torch
@@ -33,7 +33,7 @@ MODES = {"decode": None, "verify": [4, 1, 8, 3], "extend": [9, 1, 0, 30]}
 @pytest.mark.parametrize("mode", MODES)
 def test_matches_reference(mode, kv_format, heads, page_size):
     if kv_format == "fp16" and mode != "decode":
-        pytest.skip("fp16 KV: decode only, to bound FlashInfer's JIT builds (15-100 s each) on the lent GPU")
+        pytest.skip("fp16 KV: decode only, to bound FlashInfer's JIT builds (15-100 s each)")
     if BACKENDS["flashinfer"].unavailable():
         pytest.skip("; ".join(BACKENDS["flashinfer"].unavailable()))
     q_dtype = torch.float16 if kv_format == "fp16" else torch.bfloat16

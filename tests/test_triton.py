@@ -6,7 +6,7 @@ caches; windows, soft cap, GQA/MQA, page sizes 1/16/64, lengths 0 and 1; reshape
 format. Quantized caches are compared with the reference fed the same stored cache, so the test checks the
 kernel, not the format. Outputs are poisoned (NaN) before each run.
 
-GPU (marked gpu; run on the lent H200): the same plus bf16, 300+ seeded random cases per kernel, a decode on a
+GPU (marked gpu): the same plus bf16, 300+ seeded random cases per kernel, a decode on a
 cache of more than 2^31 elements, CUDA-graph capture and replay with new lengths, and the memory test (the extra
 device memory of a call does not depend on the cache size).
 """

@@ -73,7 +73,7 @@ def compile_one(fn, types, constexprs, target, num_warps, num_stages, maxnreg=No
 
 
 def attention_variants(quick: bool, arch: int = 90):
-    formats = ["bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "nvfp4", "mxfp4"]
+    formats = [f for f in KV_FORMATS if f != "fp32"]  # (fp32: its own variant below)
     q_dtypes = ["bf16", "fp16"] if not quick else ["bf16"]
     for fmt, q_dtype, decode, head_dim in itertools.product(formats, q_dtypes, (True, False), (64, 128, 256)):
         if quick and head_dim != 128:
@@ -209,7 +209,7 @@ def compile_cache_write(fmt, src, head_dim, target):
     sp = "*" + src
     types = dict(key_ptr=sp, value_ptr=sp, k_cache_ptr=cache_ptr, v_cache_ptr=cache_ptr, slot_ptr="*i64",
                  k_scale_ptr=scale_ptr, v_scale_ptr=scale_ptr, kb_ptr="*u8", vb_ptr="*u8")
-    constexprs = dict(PAGE=16, HEAD_DIM=head_dim, FMT=FMT_CODE[fmt], SCALE_BLOCK=32 if fmt == "mxfp4" else 16,
+    constexprs = dict(PAGE=16, HEAD_DIM=head_dim, FMT=FMT_CODE[fmt], SCALE_BLOCK=FORMATS[fmt].block or 16,
                       FP8_DTYPE=tl.float8e5 if fmt == "fp8_e5m2" else tl.float8e4nv,
                       FP8_MAX=57344.0 if fmt == "fp8_e5m2" else 448.0, SOFT_FP8=False)
     return compile_one(reshape_and_cache_kernel, types, constexprs, target, 2, 1)
