@@ -119,6 +119,30 @@ def summary(rows, label) -> str:
             f"geometric-mean slowdown {geo:.4f}; worst {worst['case']} {worst['slowdown']:.3f}x")
 
 
+def plot(per_case, held_out, autos, path, arch) -> None:
+    """Each check's cases sorted by slowdown (chosen time / fastest time, same run): how many cases sit at 1.0,
+    and how far the misses go."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for rows, label in ((per_case, "rule, on the cases it was fitted to"),
+                        (held_out, "rule fitted without the case's head shape"),
+                        (autos, "auto dispatch as timed (rule of the run's tree)")):
+        if rows:
+            values = sorted(r["slowdown"] for r in rows)
+            ax.plot(range(1, len(values) + 1), values, marker=".", linewidth=1,
+                    label=f"{label} ({sum(v <= rules.TOLERANCE for v in values)}/{len(values)} within 3%)")
+    ax.axhline(rules.TOLERANCE, color="grey", linestyle="--", linewidth=0.8)
+    ax.set_yscale("log")
+    ax.set_xlabel("cases, sorted")
+    ax.set_ylabel("time of the chosen backend / fastest")
+    ax.set_title(f"attnops dispatch on {arch}: chosen backend against the fastest, CUDA-graph times")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m attnops tune", description=__doc__.split("\n\n")[0],
                                      epilog="Other options go to the benchmark (python -m attnops bench --help).")
@@ -126,6 +150,7 @@ def main(argv=None):
     parser.add_argument("--arch", help="sm_XY (default: this GPU's)")
     parser.add_argument("--out", help="default: attnops/tables/<arch>.json")
     parser.add_argument("--backends", nargs="*", default=["flashinfer", "triton"])
+    parser.add_argument("--plot", help="a PNG of the checks: each case's time under the rule over its fastest")
     args, bench_args = parser.parse_known_args(argv)
     if args.from_json:
         records = [r for path in args.from_json for r in json.loads(Path(path).read_text())["records"]]
@@ -153,7 +178,10 @@ def main(argv=None):
     print(f"wrote {out}\n\nthe rule:\n{rules.render(rule)}")
     print(summary(per_case, "the rule on the cases it was fitted to"))
     print(summary(held_out, "fitted without each head shape, on that head shape's cases"))
-    print(summary(autos, "auto dispatch as timed in this run"))
+    print(summary(autos, "auto dispatch as timed in the runs read (with the rule installed when they ran)"))
+    if args.plot:
+        plot(per_case, held_out, autos, args.plot, args.arch)
+        print(f"wrote {args.plot}")
     for label, rows in (("rule", per_case), ("held out", held_out), ("auto", autos)):
         for r in rows:
             if r["slowdown"] > rules.TOLERANCE:
