@@ -6,8 +6,10 @@
 Each call is served by the fastest backend that supports it (see `attnops.explain` and `python -m attnops info`).
 """
 from .dispatch import explain, use_backend
-from .serving.kv_cache import BatchMetadata, PagedKVCache
 from .ops import paged_attention, reshape_and_cache
+from .serving.graphs import DecodeGraphRunner
+from .serving.kv_cache import BatchMetadata, PagedKVCache
 
 __version__ = "0.1.0"
-__all__ = ["BatchMetadata", "PagedKVCache", "explain", "paged_attention", "reshape_and_cache", "use_backend"]
+__all__ = ["BatchMetadata", "DecodeGraphRunner", "PagedKVCache", "explain", "paged_attention", "reshape_and_cache",
+           "use_backend"]

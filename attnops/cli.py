@@ -7,6 +7,8 @@ import sys
 
 import torch
 
+from .formats import KV_FORMATS
+
 
 def info(args) -> None:
     from . import __version__, formats
@@ -28,7 +30,8 @@ def info(args) -> None:
     print("\nbackends:")
     for name, backend in BACKENDS.items():
         missing = backend.unavailable()
-        print(f"  {name:<10} {'unavailable: ' + '; '.join(missing) if missing else 'ready'}  {backend.description}")
+        print(f"  {name:<10} {backend.description}")
+        print(f"  {'':<10} {'unavailable: ' + '; '.join(missing) if missing else 'ready'}")
     from .backends import flashinfer_replay
     if not flashinfer_replay.built():
         replay = "not in this build (build attnops with a CUDA torch after installing FlashInfer to get it)"
@@ -118,13 +121,14 @@ def main(argv=None) -> None:
                                      description="attnops: paged-KV-cache attention ops for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("info", help="environment, GPU arch, backends, and which backend serves which case")
-    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="also print the full explanation of one case (32/8/128 bf16 decode on this device)")
     p.set_defaults(func=info)
 
     p = sub.add_parser("demo", help="a paged decode loop on a small random Llama-shaped model")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--batch", type=int, default=4, help="sequences decoded together (default 4)")
+    p.add_argument("--prompt-len", type=int, default=32, help="tokens of each random prompt (default 32)")
+    p.add_argument("--steps", type=int, default=32, help="tokens generated per sequence (default 32)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--kv-format", default=None, help="bf16 (GPU default), fp32 (CPU default), fp8_e4m3, nvfp4...")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (fullgraph)")
@@ -134,13 +138,13 @@ def main(argv=None) -> None:
     p = sub.add_parser("warmup", help="build every kernel configuration a model needs now (FlashInfer JIT, "
                                       "Triton compile), so a server does not stall on its first request")
     p.add_argument("--config", help="a Hugging Face config.json (heads and head_dim read from it)")
-    p.add_argument("--num-q-heads", type=int, default=32)
-    p.add_argument("--num-kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
-    p.add_argument("--kv-format", default="bf16", help="bf16, fp16, fp8_e4m3, fp8_e5m2, nvfp4, mxfp4")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--device", default=None)
+    p.add_argument("--num-q-heads", type=int, default=32, help="query heads (default 32; or from --config)")
+    p.add_argument("--num-kv-heads", type=int, default=8, help="KV heads (default 8; or from --config)")
+    p.add_argument("--head-dim", type=int, default=128, help="head dim (default 128; or from --config)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="q, key and value dtype")
+    p.add_argument("--kv-format", default="bf16", help="the cache's format: " + ", ".join(KV_FORMATS))
+    p.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.set_defaults(func=warmup)
     sub.add_parser("bench", help="the benchmark grid against peers and the roofline (bench --help for flags)")
     sub.add_parser("serve-bench", help="decode tokens/s of a Llama-shaped model: attnops eager, compiled, "

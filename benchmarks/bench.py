@@ -242,17 +242,25 @@ def run_case(case, impls, device, q_dtype, timing_rep_ms, progress, graph_only=F
 
 
 def print_table(records, file=sys.stdout) -> None:
-    header = (f"{'case':<44} {'impl':<22} {'status':<11} {'us':>9} {'GB/s':>7} {'TFLOP/s':>8} {'vs peer':>8} "
-              f"{'ovh us':>7} {'graph us':>9} {'vs peer':>8}")
+    """One row per case and impl. `x peer`: the best peer's time over this impl's (above 1: faster than every
+    peer), eager and graph; `op-bare`: the op's eager time minus the bare backend call's (dispatch and validation
+    cost; on a loaded host it is noise and may come out negative)."""
+    header = (f"{'case':<44} {'impl':<22} {'status':<11} {'us':>9} {'GB/s':>7} {'TFLOP/s':>8} {'x peer':>7} "
+              f"{'op-bare':>8} {'graph us':>9} {'graph x peer':>12}")
     print(header, file=file)
     print("-" * len(header), file=file)
     for r in records:
         def fmt(key, spec):
             return format(r[key], spec) if key in r else ""
         print(f"{r['case']:<44} {r['impl']:<22} {r['status']:<11} {fmt('median_us', '9.1f')} {fmt('gbps', '7.0f')} "
-              f"{fmt('tflops', '8.1f')} {fmt('speedup_vs_best_peer', '8.2f')} {fmt('dispatch_overhead_us', '7.1f')} "
-              f"{fmt('graph_us', '9.1f')} {fmt('graph_speedup_vs_best_peer', '8.2f')}",
+              f"{fmt('tflops', '8.1f')} {fmt('speedup_vs_best_peer', '7.2f')} {fmt('dispatch_overhead_us', '8.1f')} "
+              f"{fmt('graph_us', '9.1f')} {fmt('graph_speedup_vs_best_peer', '12.2f')}",
               file=file)
+    print("x peer: the best peer's time / this impl's (eager; graph: CUDA-graph replay). op-bare: eager op time "
+          "minus the bare backend call (us).", file=file)
+    if any(r.get("dispatch_overhead_us", 0) < 0 for r in records):
+        print("note: some op-bare values are negative: the host was busy or the two timings are within noise; "
+              "rerun on a quiet machine for overheads.", file=file)
 
 
 def plot(result, path) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import sys
 import time
@@ -208,6 +209,10 @@ def plot(result, path) -> None:
 
 
 def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if importlib.util.find_spec("transformers") is None and not {"-h", "--help"} & set(argv):
+        raise SystemExit("python -m attnops serve-bench: needs transformers (its Llama builds the weights every mode "
+                         "shares): pip install 'attnops[bench]'")
     parser = argparse.ArgumentParser(prog="python -m attnops serve-bench", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="tiny model and sizes (runs on the CPU in seconds)")
@@ -217,7 +222,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--modes", nargs="*", choices=MODES, help="default: all that this machine can run")
     parser.add_argument("--kv-format", default=None, help="attnops' KV format (default: the model dtype)")
     parser.add_argument("--checkpoint", help="a Hugging Face Llama checkpoint (default: random, Llama-3.2-1B-shaped)")
-    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
     parser.add_argument("--steps", type=int, default=None, help="timed decode steps (default 50; 8 with --small)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 5; 2 with --small)")
     parser.add_argument("--json", help="write the results here")

@@ -149,7 +149,8 @@ def main(argv=None):
     parser.add_argument("--from-json", nargs="*", help="benchmark JSON files to read instead of measuring")
     parser.add_argument("--arch", help="sm_XY (default: this GPU's)")
     parser.add_argument("--out", help="default: attnops/tables/<arch>.json")
-    parser.add_argument("--backends", nargs="*", default=["flashinfer", "triton"])
+    parser.add_argument("--backends", nargs="*", default=["flashinfer", "triton"],
+                        help="the backends to order (default: flashinfer triton)")
     parser.add_argument("--plot", help="a PNG of the checks: each case's time under the rule over its fastest")
     args, bench_args = parser.parse_known_args(argv)
     if args.from_json:

@@ -1,14 +1,54 @@
 """The command line: `python -m attnops info` and `python -m attnops demo` run and say what they should."""
+import re
 import subprocess
 import sys
 
 import torch
 
 
-def run(*args):
+import pytest
+
+SUBCOMMANDS = ("info", "demo", "warmup", "bench", "serve-bench", "tune")
+
+
+def run(*args, ok=True):
     result = subprocess.run([sys.executable, "-m", "attnops", *args], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    return result.stdout
+    if ok:
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+    return result
+
+
+@pytest.mark.parametrize("command", SUBCOMMANDS)
+def test_every_subcommand_answers_help(command):
+    out = run(command, "--help")
+    assert out.startswith(f"usage: python -m attnops {command}"), out[:200]
+    # every option says what it is for: its help follows on the same line (after a gap) or the next one
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.rstrip().endswith(("options:", "arguments:")))
+    silent = []
+    for i, line in enumerate(lines[start + 1:], start + 1):
+        if not line.startswith("  -"):
+            continue
+        described = re.search(r"\S\s{2,}\S", line.strip()) or (
+            i + 1 < len(lines) and lines[i + 1].startswith(" " * 8) and not lines[i + 1].strip().startswith("-"))
+        if not described:
+            silent.append(line.strip())
+    assert not silent, f"options without help in `{command} --help`: {silent}"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU behaviour of GPU-only commands")
+def test_gpu_only_commands_refuse_in_one_line_on_a_cpu():
+    result = run("tune", ok=False)
+    assert result.returncode != 0
+    message = result.stderr.strip().splitlines()[-1]
+    assert "needs a CUDA GPU" in message and "--from-json" in message
+    assert "Traceback" not in result.stderr
+
+
+def test_bench_runs_the_cpu_grid():
+    out = run("bench", "--cpu", "--cases", "cpu-decode/4x512/fp32", "--rep-ms", "20", "--auto")
+    assert "cpu-decode/4x512/fp32" in out and "x peer" in out and "auto" in out
 
 
 def test_info_lists_backends_and_choices():

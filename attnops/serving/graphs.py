@@ -20,6 +20,10 @@ from .kv_cache import BatchMetadata, PagedKVCache
 
 
 class DecodeGraphRunner:
+    """Captures `step` once per batch-size bucket in a CUDA graph and replays it for every decode step, padding
+    the batch up to its bucket and re-planning host-planned backends (FlashInfer) before each replay; see the
+    module's docstring for the step's signature."""
+
     def __init__(self, step, cache: PagedKVCache, buckets=(1, 2, 4, 8, 16, 32, 64, 128), max_pages: int | None = None,
                  inputs: StaticDecodeInputs | None = None):
         """`inputs`: the static inputs to capture over (a DecodeStep passes its own, so there is one set); by

@@ -39,7 +39,10 @@ class TritonBackend(Backend):
 
     def unavailable(self) -> list[str]:
         error = _import_error()
-        return [error] if error else []
+        reasons = [error] if error else []
+        if not torch.cuda.is_available() and not interpreting():
+            reasons.append("no CUDA GPU (TRITON_INTERPRET=1 runs its kernels on the CPU, slowly: for tests)")
+        return reasons
 
     def supports(self, case) -> list[str]:
         # CUDA tensors; CPU tensors only under the interpreter (tests)
