@@ -100,23 +100,17 @@ def warmup(args) -> None:
         torch.cuda.synchronize()
 
 
-def run_benchmark_script(name: str, argv) -> None:
-    """A thin front for benchmarks/<name>.py, which lives in the source checkout (not in the installed package)."""
+def run_benchmark(module: str, argv) -> None:
+    """The benchmark commands live in attnops.bench (installed with the package) and parse their own flags."""
     import importlib
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
-    if not script.exists():
-        raise SystemExit(f"python -m attnops {name}: needs a source checkout of attnops (benchmarks/{name}.py)")
-    sys.path.insert(0, str(script.parent))
-    importlib.import_module(name).main(argv)
+    importlib.import_module(f"attnops.bench.{module}").main(argv)
 
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    scripts = {"bench": "bench", "serve-bench": "serve_bench", "tune": "tune"}
-    if argv[:1] and argv[0] in scripts:  # their own flags: see python -m attnops bench --help
-        return run_benchmark_script(scripts[argv[0]], argv[1:])
+    benchmarks = {"bench": "run", "serve-bench": "serve", "tune": "tune"}
+    if argv[:1] and argv[0] in benchmarks:  # their own flags: see python -m attnops bench --help
+        return run_benchmark(benchmarks[argv[0]], argv[1:])
     parser = argparse.ArgumentParser(prog="python -m attnops",
                                      description="attnops: paged-KV-cache attention ops for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True)

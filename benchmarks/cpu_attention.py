@@ -8,7 +8,7 @@ pages in random order (as a real allocator leaves them). Compared, all through t
 - attnops: `torch.ops.attnops.paged_attention` with the CPU backend (and the bare kernel, for the dispatch cost);
 - gather+SDPA: the sequence's pages gathered into a dense K/V, then F.scaled_dot_product_attention. The gather is
   timed with it: on the CPU nothing else is paged, so it is what a user would pay. Two ways are timed and the bar
-  is the faster one: "gqa" (dense [B, Hkv, L, D] copies, enable_gqa=True, as benchmarks/peers.py does) and
+  is the faster one: "gqa" (dense [B, Hkv, L, D] copies, enable_gqa=True, as attnops/bench/peers.py does) and
   "rows" (the group's query heads as a query block of a [B, Hkv, G, D] q, against the gathered pages without a
   further copy);
 - the reference backend (plain PyTorch, one sequence at a time): few repetitions, it is slow.
@@ -116,7 +116,7 @@ def gathered_pages(args, length):
 
 
 def make_sdpa_gqa(args, length):
-    """Gather into dense [B, Hkv, L, D] K/V, then SDPA with enable_gqa (what benchmarks/peers.py times)."""
+    """Gather into dense [B, Hkv, L, D] K/V, then SDPA with enable_gqa (what attnops/bench/peers.py times)."""
     q = args["q"]
 
     def run():

@@ -3,7 +3,7 @@
     python benchmarks/decode_breakdown.py                          # 1 x 32768 bf16 (GPU)
     python benchmarks/decode_breakdown.py --cases 1x32768 128x4096 --formats bf16 fp8_e4m3 --json breakdown.json
 
-Per case and format, CUDA-graph medians (ten calls a graph, as benchmarks/bench.py times the op) of:
+Per case and format, CUDA-graph medians (ten calls a graph, as `python -m attnops bench` times the op) of:
   op          the attention kernel and, where the sequence is split, the merge kernel (decode.launch)
   attention   the attention kernel alone (the merge launch left out; its output is then not the answer)
   merge       op - attention: the merge kernel and the gap before it
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from attnops import formats  # noqa: E402
 from attnops.backends.triton import heuristics as theur, launch as tlaunch  # noqa: E402
-from bench import graph_time_us  # noqa: E402
+from attnops.bench.run import graph_time_us  # noqa: E402
 from triton_tuning import DECODE_CASES, HKV, Runner, kv_bytes, make_inputs  # noqa: E402
 
 

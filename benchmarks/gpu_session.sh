@@ -12,19 +12,20 @@
 #   overhead  benchmarks/overhead.py --profile (eager per-call cost of the op against the kernels)
 #   breakdown benchmarks/decode_breakdown.py $BREAKDOWN_ARGS (a decode's time by stage: op, attention kernel
 #             alone, merge, a plain read of the same bytes, one launch)
-#   bench     benchmarks/bench.py $BENCH_ARGS (JSON + PNG), on a quiet GPU
+#   bench     python -m attnops bench $BENCH_ARGS (JSON + PNG), on a quiet GPU
 #   jit       FlashInfer's kernels for every head dim (64, 128, 256) x KV type (bf16, fp8) of the models grid,
 #             JIT-built in parallel processes (`python -m attnops warmup` with FlashInfer pinned)
 #   autocheck auto dispatch against every backend, same run: the models grid's two-backend cases and the unseen
 #             grid (head shapes and batches the rule was not fitted to): $out/autocheck.json, $out/unseen.json
 #   ab        an A/B of the Triton kernels of two source trees in one run: builds the tree in $AB_OLD in place and
-#             runs each tree's benchmark on $AB_ARGS (Triton only): $out/ab-old.json, $out/ab-new.json
+#             runs each tree's benchmark on $AB_ARGS (Triton only; the A tree's must be benchmarks/bench.py, as
+#             before attnops.bench): $out/ab-old.json, $out/ab-new.json
 #   tests     the GPU tests, suites in parallel processes (TEST_SUITES, default "capture triton flashinfer e2e":
 #             captures of the op; Triton under pytest-xdist; FlashInfer + graphs + devices; end to end), one log;
 #             TESTS_TIMEOUT seconds
 #   models    python -m attnops tune on the models grid (MODELS_ARGS narrows it), writing the table to
 #             $out/sm_XY.json and the records to $out/models.json
-#   serve     benchmarks/serve_bench.py $SERVE_ARGS (JSON + PNG)
+#   serve     python -m attnops serve-bench $SERVE_ARGS (JSON + PNG)
 set -uo pipefail
 out=${ATTNOPS_OUT:-gpu-out}; mkdir -p "$out"
 t0=$(date +%s); stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
@@ -55,7 +56,7 @@ for step in "$@"; do
       timeout ${BREAKDOWN_TIMEOUT:-180} python3 benchmarks/decode_breakdown.py ${BREAKDOWN_ARGS:-} \
         --json "$out/breakdown.json" > "$out/breakdown.log" 2>&1; tail -20 "$out/breakdown.log"; stamp breakdown ;;
     bench)
-      timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench.py ${BENCH_ARGS:-} --json "$out/bench.json" \
+      timeout ${BENCH_TIMEOUT:-300} python3 -m attnops bench ${BENCH_ARGS:-} --json "$out/bench.json" \
         --plot "$out/bench.png" > "$out/bench.txt" 2> /tmp/bench.err; tail -3 /tmp/bench.err
       grep -v unsupported "$out/bench.txt" | cut -c1-150 | tail -60; stamp bench ;;
     jit)
@@ -66,22 +67,27 @@ for step in "$@"; do
       wait; grep -h -iE "error|Traceback" /tmp/jit-*.log | head -20; stamp jit ;;
     models)
       arch=$(python3 -c "import torch; print('sm_%d%d' % torch.cuda.get_device_capability())")
-      timeout ${MODELS_TIMEOUT:-540} python3 benchmarks/tune.py --out "$out/$arch.json" --rep-ms ${REP_MS:-50} \
+      timeout ${MODELS_TIMEOUT:-540} python3 -m attnops tune --out "$out/$arch.json" --rep-ms ${REP_MS:-50} \
         --json "$out/models.json" ${MODELS_ARGS:-} > "$out/models.log" 2> /tmp/models.err
       tail -3 /tmp/models.err; sed -n '/^the rule on/,$p' "$out/models.log" | head -60; stamp models ;;
     autocheck)
       for g in "models --cases /bf16/ /fp8_e4m3/per_tensor/:autocheck" "models-unseen:unseen"; do
-        timeout ${AUTOCHECK_TIMEOUT:-240} python3 benchmarks/bench.py --grid ${g%%:*} --backends flashinfer triton \
+        timeout ${AUTOCHECK_TIMEOUT:-240} python3 -m attnops bench --grid ${g%%:*} --backends flashinfer triton \
           --peers --auto --graph-only --rep-ms ${REP_MS:-30} --json "$out/${g##*:}.json" > /tmp/${g##*:}.txt 2>&1
         tail -1 /tmp/${g##*:}.txt
       done; stamp autocheck ;;
     ab)
+      # the other tree's package must be the one imported: an editable install of this tree would win over
+      # PYTHONPATH, so it is uninstalled for the A run and installed again for the B run
       (cd "${AB_OLD:?set AB_OLD to the other tree}" && python3 setup.py -q build_ext --inplace > /tmp/ab-build.log 2>&1) \
         || { tail -20 /tmp/ab-build.log; exit 1; }
-      PYTHONPATH="$AB_OLD" python3 -c "import attnops; print('A:', attnops.__file__)"
-      PYTHONPATH="$AB_OLD" timeout 200 python3 "$AB_OLD/benchmarks/bench.py" --backends triton --peers \
-        --rep-ms 50 ${AB_ARGS:-} --json "$out/ab-old.json" > /tmp/ab-old.txt 2>&1; tail -2 /tmp/ab-old.txt
-      timeout 200 python3 benchmarks/bench.py --backends triton --peers --graph-only --rep-ms 50 ${AB_ARGS:-} \
+      python3 -m pip uninstall -q -y attnops
+      (cd "$AB_OLD" && python3 -c "import attnops; print('A:', attnops.__file__)" && timeout 200 python3 \
+        benchmarks/bench.py --backends triton --peers --rep-ms 50 ${AB_ARGS:-} --json "$out/ab-old.json" \
+        > /tmp/ab-old.txt 2>&1); tail -2 /tmp/ab-old.txt
+      python3 -m pip install -q --no-build-isolation --no-deps -e . > /tmp/build.log 2>&1
+      python3 -c "import attnops; print('B:', attnops.__file__)"
+      timeout 200 python3 -m attnops bench --backends triton --peers --graph-only --rep-ms 50 ${AB_ARGS:-} \
         --json "$out/ab-new.json" > /tmp/ab-new.txt 2>&1; tail -2 /tmp/ab-new.txt; stamp ab ;;
     tests)
       limit=${TESTS_TIMEOUT:-240}
@@ -100,7 +106,7 @@ for step in "$@"; do
       for suite in $suites; do echo "== $suite"; grep -E "passed|failed|error|FAILED|ERROR" \
         "/tmp/tests-$suite.log" | grep -v "^PASSED" | tail -8; done; stamp tests ;;
     serve)
-      timeout ${SERVE_TIMEOUT:-400} python3 benchmarks/serve_bench.py ${SERVE_ARGS:-} --json "$out/serve.json" \
+      timeout ${SERVE_TIMEOUT:-400} python3 -m attnops serve-bench ${SERVE_ARGS:-} --json "$out/serve.json" \
         --append --plot "$out/serve.png" >> "$out/serve.txt" 2> /tmp/serve.err; tail -30 "$out/serve.txt"
       tail -3 /tmp/serve.err; stamp serve ;;
     *) echo "unknown step $step"; exit 2 ;;

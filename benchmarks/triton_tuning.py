@@ -16,7 +16,7 @@ Stages (compiles are the expensive part, so constexpr tunables are searched on f
 3. verify (4 and 8 tokens, 32 x 4096) and prefill (8 x 4096; 2048 new tokens on a 46,000 prefix), bf16: BLOCK_Q,
    BLOCK_N, num_warps, num_stages.
 Every configuration's output is compared with the reference before it is timed: a wrong config never wins.
-Times are CUDA-graph replays (benchmarks/bench.py's graph_time_us): the kernels' own time, without the host's
+Times are CUDA-graph replays (attnops.bench.run.graph_time_us): the kernels' own time, without the host's
 launch cost, which on a 50 us decode would otherwise decide the ranking.
 Decode is reported as achieved TB/s (KV bytes as stored, scales included, + q + out over the median time);
 prefill as TFLOP/s of causal FLOPs. The heuristic's own choice is timed too, so the gain of tuning is visible.
@@ -40,8 +40,8 @@ from attnops import formats  # noqa: E402
 from attnops.backends.reference import paged_attention_reference  # noqa: E402
 from attnops.backends.triton import heuristics as theur, launch as tlaunch  # noqa: E402
 from attnops.testing import random_paged_inputs, relative_error  # noqa: E402
-from bench import graph_time_us  # noqa: E402
-from grid import ragged_lengths  # noqa: E402  (the benchmark suite's: the same ragged batches)
+from attnops.bench.run import graph_time_us  # noqa: E402
+from attnops.bench.grid import ragged_lengths  # noqa: E402  (the benchmark suite's: the same ragged batches)
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 DEV, Q_DTYPE, PLAIN = "cuda", torch.bfloat16, "bf16"  # module globals so that a smoke run can shrink them

@@ -11,8 +11,9 @@ import pytest
 SUBCOMMANDS = ("info", "demo", "warmup", "bench", "serve-bench", "tune")
 
 
-def run(*args, ok=True):
-    result = subprocess.run([sys.executable, "-m", "attnops", *args], capture_output=True, text=True, timeout=300)
+def run(*args, ok=True, cwd=None):
+    result = subprocess.run([sys.executable, "-m", "attnops", *args], capture_output=True, text=True, timeout=300,
+                            cwd=cwd)
     if ok:
         assert result.returncode == 0, result.stderr
         return result.stdout
@@ -46,8 +47,8 @@ def test_gpu_only_commands_refuse_in_one_line_on_a_cpu():
     assert "Traceback" not in result.stderr
 
 
-def test_bench_runs_the_cpu_grid():
-    out = run("bench", "--cpu", "--cases", "cpu-decode/4x512/fp32", "--rep-ms", "20", "--auto")
+def test_bench_runs_the_cpu_grid_outside_a_source_checkout(tmp_path):
+    out = run("bench", "--cpu", "--cases", "cpu-decode/4x512/fp32", "--rep-ms", "20", "--auto", cwd=tmp_path)
     assert "cpu-decode/4x512/fp32" in out and "x peer" in out and "auto" in out
 
 

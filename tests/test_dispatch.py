@@ -89,7 +89,7 @@ def _cuda_case(**fields):
 
 
 def test_measured_rule_orders_backends_for_its_arch_and_the_nearest():
-    """The shipped sm_90 table (benchmarks/tune.py over the H200 models grid) holds a fitted rule; dispatch follows
+    """The shipped sm_90 table (attnops/bench/tune.py over the H200 models grids) holds a fitted rule; dispatch follows
     it on sm_90, and on an arch with no table follows the nearest measured one, never a fixed habit."""
     table = dispatch.arch_table((9, 0))
     assert table.get("rule"), "attnops/tables/sm_90.json (with its rule) is missing from the package"
@@ -108,9 +108,7 @@ def test_measured_rule_orders_backends_for_its_arch_and_the_nearest():
 
 
 def _tune():
-    sys_path = __import__("sys").path
-    sys_path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent / "benchmarks"))
-    import tune
+    from attnops.bench import tune
     return tune
 
 

@@ -407,15 +407,9 @@ def test_eager_compiled_and_graph_replayed_tokens_identical_on_gpu(gpu_checkpoin
 
 
 def test_serve_bench_small_runs_and_writes_json_and_png(tmp_path):
-    """benchmarks/serve_bench.py --small on the CPU: every mode asked for gives a positive tokens/s (a mode that
-    fails is recorded, so check for errors), and the JSON and PNG are written."""
-    import importlib.util
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "serve_bench.py"
-    spec = importlib.util.spec_from_file_location("serve_bench", script)
-    serve_bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(serve_bench)
+    """`python -m attnops serve-bench --small` on the CPU: every mode asked for gives a positive tokens/s (a mode
+    that fails is recorded, so check for errors), and the JSON and PNG are written."""
+    from attnops.bench import serve as serve_bench
     result = serve_bench.main(["--small", "--modes", "eager", "transformers", "--batches", "2", "--contexts", "40",
                                "--steps", "2", "--warmup", "1", "--json", str(tmp_path / "s.json"),
                                "--plot", str(tmp_path / "s.png")])

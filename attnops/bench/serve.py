@@ -2,8 +2,8 @@
 best path on the same weights, at several batch sizes and context lengths, in one run.
 
     python -m attnops serve-bench --json benchmarks/results/h200-serve.json --plot benchmarks/results/h200-serve.png
-    python benchmarks/serve_bench.py --small --json /tmp/serve.json --plot /tmp/serve.png     # tiny, CPU
-    python benchmarks/serve_bench.py --contexts 8192 --json X.json --append --plot X.png      # a part of the grid
+    python -m attnops serve-bench --small --json /tmp/serve.json --plot /tmp/serve.png     # tiny, CPU
+    python -m attnops serve-bench --contexts 8192 --json X.json --append --plot X.png      # a part of the grid
 
 Modes (each a decode step of the whole batch: one new token per sequence, greedy, fed back):
   eager             attnops.serving.generate.DecodeStep, eager PyTorch
@@ -32,15 +32,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from .run import environment
 
-from bench import environment  # noqa: E402
-
-from attnops.serving.generate import DecodeStep  # noqa: E402
-from attnops.serving.graphs import DecodeGraphRunner  # noqa: E402
-from attnops.serving.kv_cache import PagedKVCache  # noqa: E402
-from attnops.serving.model import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from ..serving.generate import DecodeStep
+from ..serving.graphs import DecodeGraphRunner
+from ..serving.kv_cache import PagedKVCache
+from ..serving.model import LlamaConfig, LlamaForCausalLM
 
 
 # Llama-3.2-1B's shape (random weights)
@@ -129,7 +126,7 @@ def bench_attnops(model, modes, batch, context, args, device, kv_format):
 def attention_seconds_per_step(cache, seq_ids, c) -> float:
     """GPU time of one decode step's attention: one layer's paged_attention on this cache and batch (one more
     token each, as the next step), replayed from a CUDA graph, times the number of layers."""
-    from bench import graph_time_us
+    from .run import graph_time_us
     meta = cache.prepare(seq_ids, 1)
     q = torch.randn(len(seq_ids), c.num_attention_heads, c.head_dim, device=cache.device, dtype=torch.bfloat16)
     args = cache.attention_args(0)

@@ -1,4 +1,4 @@
-"""Writes the dispatch table for this GPU's arch: runs the models grid (benchmarks/grid.py: the head shapes people
+"""Writes the dispatch table for this GPU's arch: runs the models grid (attnops/bench/grid.py: the head shapes people
 serve x every KV format x decode, verify, prefill and extend shapes) for every attnops backend and auto dispatch,
 or reads benchmark JSON already made, and fits the dispatch rule (attnops/rules.py) to the times.
 
@@ -15,16 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from collections import defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from attnops import formats, rules  # noqa: E402
-from attnops.cases import shape_class  # noqa: E402
+from .. import formats, rules
+from ..cases import shape_class
+from ..dispatch import TABLES
 
 FLASHINFER_PEER_FOR = {"decode": "fi-decode-tensor-core", "verify": "fi-prefill-fa2", "prefill": "fi-prefill-fa3"}
 
@@ -160,7 +156,7 @@ def main(argv=None):
         import torch
         if not torch.cuda.is_available():
             parser.error("measuring needs a CUDA GPU; on another machine, fit from benchmark JSON (--from-json)")
-        import bench
+        from . import run as bench
         if "--grid" not in bench_args:
             bench_args += ["--grid", "models"]
         result = bench.main(["--backends", *args.backends, "--peers", "--auto", "--graph-only", *bench_args])
@@ -172,7 +168,7 @@ def main(argv=None):
     cases = collect(records, set(names))
     rule = rules.fit([(f, t) for f, t, _, _ in cases.values()], names)
     per_case, held_out, autos = check(rule, cases, names), cross_validate(cases, names), auto_rows(cases)
-    out = Path(args.out or ROOT / "attnops" / "tables" / f"{args.arch}.json")
+    out = Path(args.out or TABLES / f"{args.arch}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(arch=args.arch, sources=sources, backends=names, rule=rule, per_case=per_case,
                                    held_out_head_shapes=held_out, auto_measured=autos), indent=1))

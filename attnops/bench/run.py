@@ -1,9 +1,8 @@
 """The benchmark suite: every case of the grid, for every attnops backend that supports it and every peer, checked
 against the reference before it is timed (a fast wrong kernel must not score).
 
-    python benchmarks/bench.py --json benchmarks/results/h200.json --plot benchmarks/results/h200.png
-    python benchmarks/bench.py --cpu                      # the small CPU grid (CI, CPU users)
-    python -m attnops bench ...                           # the same, from a source checkout
+    python -m attnops bench --json h200.json --plot h200.png
+    python -m attnops bench --cpu                        # the small CPU grid (CI, CPU users)
 
 Decode is reported as achieved TB/s (KV bytes read in the stored format with scales, plus q and out, over the
 median time) and as a fraction of the 4.8 TB/s datasheet ceiling; prefill as TFLOP/s (causal FLOPs) and as a
@@ -26,18 +25,15 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import attnops
 
-import grid as grid_module  # noqa: E402
-import peers as peers_module  # noqa: E402
-
-import attnops  # noqa: E402
-from attnops import formats  # noqa: E402
-from attnops.backends import BACKENDS  # noqa: E402
-from attnops.backends.reference import paged_attention_reference  # noqa: E402
-from attnops.checks import check_paged_attention  # noqa: E402
-from attnops.testing import random_paged_inputs, relative_error  # noqa: E402
+from .. import formats
+from ..backends import BACKENDS
+from ..backends.reference import paged_attention_reference
+from ..checks import check_paged_attention
+from ..testing import random_paged_inputs, relative_error
+from . import grid as grid_module
+from . import peers as peers_module
 
 HBM_TBPS = 4.8  # H200 datasheet
 TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2, "fp16": 2e-2}  # vs the reference on the same stored cache
