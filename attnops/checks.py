@@ -7,6 +7,8 @@ only when ATTNOPS_CHECK=1.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import formats
@@ -156,17 +158,17 @@ def check_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens
             _fail(op, ValueError, f"out must be {_describe(q)} like q (got {_describe(out)})")
     _check_same_device(op, "q", q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, seq_lens=seq_lens,
                        cu_seqlens_q=cu_seqlens_q, k_scale=k_scale, v_scale=v_scale, out=out)
-    if scale is not None and not scale > 0:
-        _fail(op, ValueError, f"scale must be > 0 (got {scale})")
-    if not soft_cap >= 0:
-        _fail(op, ValueError, f"soft_cap must be >= 0 (got {soft_cap})")
+    if scale is not None and not (math.isfinite(scale) and scale > 0):
+        _fail(op, ValueError, f"scale must be finite and > 0 (got {scale})")
+    if not soft_cap >= 0:  # NaN fails too; inf is allowed and means no cap
+        _fail(op, ValueError, f"soft_cap must be >= 0: 0 or inf for no cap (got {soft_cap})")
     if window_left < -1:
         _fail(op, ValueError, f"window_left must be -1 (no window) or >= 0 (got {window_left})")
 
     return AttentionCase(
         device_type=q.device.type, arch=device_arch(q.device), q_dtype=q.dtype, kv_format=fmt, head_dim=head_dim,
         page_size=page_size, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, decode=cu_seqlens_q is None,
-        soft_cap=soft_cap > 0, sliding_window=window_left >= 0, scale_kind=scale_kind,
+        soft_cap=0 < soft_cap < math.inf, sliding_window=window_left >= 0, scale_kind=scale_kind,
         shape_class=shape_class(cu_seqlens_q is None, num_tokens, batch), batch=batch,
         max_kv_len=block_table.shape[1] * page_size)
 
@@ -198,10 +200,18 @@ def attention_case(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, sca
     return case
 
 
-def check_paged_attention_values(q, k_cache, block_table, seq_lens, cu_seqlens_q) -> None:
+def _check_fp8_scale_values(op, k_scale, v_scale) -> None:
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if s is not None and s.dtype == torch.float32 and not bool(torch.isfinite(s).all() and (s > 0).all()):
+            _fail(op, ValueError, f"{name} must be finite and > 0 (got {s.tolist()})")
+
+
+def check_paged_attention_values(q, k_cache, block_table, seq_lens, cu_seqlens_q, k_scale=None,
+                                 v_scale=None) -> None:
     """The checks that read data (ATTNOPS_CHECK=1 only): lengths fit the table, used pages exist, query rows
     are ordered and no sequence has more queries than keys."""
     op = "paged_attention"
+    _check_fp8_scale_values(op, k_scale, v_scale)
     num_pages, page_size = k_cache.shape[0], k_cache.shape[1]
     lengths = seq_lens.tolist()
     if any(n < 0 for n in lengths):
@@ -266,7 +276,8 @@ def check_reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, kv_forma
                           scale_kind=scale_kind)
 
 
-def check_reshape_and_cache_values(k_cache, slot_mapping) -> None:
+def check_reshape_and_cache_values(k_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+    _check_fp8_scale_values("reshape_and_cache", k_scale, v_scale)
     slots = k_cache.shape[0] * k_cache.shape[1]
     if slot_mapping.numel() and (slot_mapping.min().item() < -1 or slot_mapping.max().item() >= slots):
         _fail("reshape_and_cache", ValueError, f"slot_mapping entries must be -1 (padding) or in [0, {slots}) "

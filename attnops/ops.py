@@ -13,7 +13,7 @@ import contextlib
 
 import torch
 
-from . import _C  # loads the schemas: TORCH_LIBRARY(attnops, m) in csrc/ops.cpp
+from . import _C, formats  # _C loads the schemas: TORCH_LIBRARY(attnops, m) in csrc/ops.cpp
 from .backends import flashinfer_replay
 from .checks import (attention_case, check_paged_attention, check_paged_attention_values, check_reshape_and_cache,
                      check_reshape_and_cache_values)
@@ -39,7 +39,9 @@ def _run_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_
     case = attention_case(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left,
                           kv_format, k_scale, v_scale, out)
     if values_checked():
-        check_paged_attention_values(q, k_cache, block_table, seq_lens, cu_seqlens_q)
+        check_paged_attention_values(q, k_cache, block_table, seq_lens, cu_seqlens_q, k_scale, v_scale)
+    if not case.soft_cap:
+        soft_cap = 0.0  # inf: no cap
     backend = select_backend(case, q.device)
     with on_device(q.device):
         backend.paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
@@ -92,7 +94,8 @@ def _reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, *, kv_format=
     case = check_reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, kv_format, k_scale, v_scale,
                                    k_block_scale, v_block_scale)
     if values_checked():
-        check_reshape_and_cache_values(k_cache, slot_mapping)
+        check_reshape_and_cache_values(k_cache, slot_mapping, k_scale if formats.is_fp8(case.kv_format) else None,
+                                       v_scale if formats.is_fp8(case.kv_format) else None)
     with on_device(key.device):
         select_backend(case).reshape_and_cache(key, value, k_cache, v_cache, slot_mapping,
                                                kv_format=case.kv_format, k_scale=k_scale, v_scale=v_scale,
@@ -106,9 +109,18 @@ def _reshape_and_cache_fake(key, value, k_cache, v_cache, slot_mapping, *, kv_fo
                             k_block_scale, v_block_scale)
 
 
+def _scales_are_tensors(op: str, **scales) -> None:
+    for name, s in scales.items():
+        if s is not None and not isinstance(s, torch.Tensor):
+            raise TypeError(f"attnops.{op}: {name} must be a tensor (float32, 0-d or [num_kv_heads] for fp8), not "
+                            f"{type(s).__name__}: pass torch.tensor({s!r}, device=...) once and reuse it (a tensor "
+                            f"scale can change without recompiling a compiled graph)")
+
+
 def paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q=None, *, scale=None, soft_cap=0.0,
                     window_left=-1, kv_format="auto", k_scale=None, v_scale=None, out=None):
     """`torch.ops.attnops.paged_attention`, or its `.out` overload when `out` is given (then returns `out`)."""
+    _scales_are_tensors("paged_attention", k_scale=k_scale, v_scale=v_scale)
     if out is None:
         return torch.ops.attnops.paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
                                                  scale=scale, soft_cap=soft_cap, window_left=window_left,
@@ -122,6 +134,7 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q=Non
 def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, *, kv_format="auto", k_scale=None, v_scale=None,
                       k_block_scale=None, v_block_scale=None) -> None:
     """`torch.ops.attnops.reshape_and_cache`: writes key/value into the cache slots, quantizing on the way."""
+    _scales_are_tensors("reshape_and_cache", k_scale=k_scale, v_scale=v_scale)
     torch.ops.attnops.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, kv_format=kv_format,
                                         k_scale=k_scale, v_scale=v_scale, k_block_scale=k_block_scale,
                                         v_block_scale=v_block_scale)

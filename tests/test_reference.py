@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import attnops
 from attnops.backends.reference import paged_attention_reference
 from attnops.testing import random_paged_inputs, relative_error
 
@@ -131,3 +132,38 @@ def test_empty_sequence_rows_are_zero_not_nan():
     out = paged_attention_reference(**args)
     assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.equal(out[2], torch.zeros_like(out[2]))
     assert out[1].abs().sum() > 0
+
+
+def test_reference_writes_nothing_when_a_slot_is_bad():
+    """An out-of-range slot is an error before any write: K and V never disagree."""
+    from attnops.backends.reference import reshape_and_cache_reference
+    cache = attnops.PagedKVCache(1, 4, 16, 2, 64, kv_format="fp32")
+    k_cache, v_cache = cache.write_args(0)["k_cache"], cache.write_args(0)["v_cache"]
+    before = cache.kv[0].clone()
+    key = torch.randn(3, 2, 64)
+    for slots in ([0, 1, 64], [0, -2, 1]):
+        with pytest.raises(ValueError, match="slot_mapping"):
+            reshape_and_cache_reference(key, key, k_cache, v_cache, torch.tensor(slots))
+        assert torch.equal(cache.kv[0], before)
+
+
+def test_reference_rejects_pages_outside_the_cache():
+    args = random_paged_inputs([40, 7], page_size=16)
+    args["block_table"][0, 1] = -1  # inside sequence 0's 40 tokens
+    with pytest.raises(ValueError, match="block_table row 0 points outside"):
+        paged_attention_reference(**args)
+
+
+def test_nan_reaches_exactly_the_rows_that_read_it():
+    """NaN in q, K or V propagates to the rows that read it and to no other (as SDPA does); an empty row is 0."""
+    args = random_paged_inputs([40, 33, 0], [3, 2, 0], num_q_heads=4, num_kv_heads=2, head_dim=64, seed=1)
+    page = args["block_table"][0, 39 // 16].item()
+    v_nan = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
+    v_nan["v_cache"][page, 39 % 16, 0, 5] = float("nan")  # key 39 of sequence 0, KV head 0: only query 39 sees it
+    assert paged_attention_reference(**v_nan).isnan().any(-1).nonzero().tolist() == [[2, 0], [2, 1]]
+    k_nan = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
+    k_nan["k_cache"][page, 39 % 16, 1, 0] = float("nan")  # K of KV head 1: heads 2 and 3 of query 39
+    assert paged_attention_reference(**k_nan).isnan().any(-1).nonzero().tolist() == [[2, 2], [2, 3]]
+    q_nan = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
+    q_nan["q"][4, 1, 0] = float("nan")
+    assert paged_attention_reference(**q_nan).isnan().any(-1).nonzero().tolist() == [[4, 1]]

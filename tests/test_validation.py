@@ -72,6 +72,9 @@ BAD_ATTENTION = {
         **caches((8, 16, 2, 64), torch.uint8), kv_format="nvfp4")),
     "4-bit format on a float cache": (TypeError, "k_cache", lambda: good_attention_args(kv_format="mxfp4")),
     "negative soft_cap": (ValueError, "soft_cap", lambda: good_attention_args(soft_cap=-1.0)),
+    "NaN soft_cap": (ValueError, "soft_cap", lambda: good_attention_args(soft_cap=float("nan"))),
+    "infinite scale": (ValueError, "scale", lambda: good_attention_args(scale=float("inf"))),
+    "NaN scale": (ValueError, "scale", lambda: good_attention_args(scale=float("nan"))),
     "bad window_left": (ValueError, "window_left", lambda: good_attention_args(window_left=-5)),
 }
 
@@ -158,3 +161,36 @@ def test_slot_mapping_range_checked_under_attnops_check(monkeypatch):
     monkeypatch.setenv("ATTNOPS_CHECK", "1")
     with pytest.raises(ValueError, match="slot_mapping"):
         torch.ops.attnops.reshape_and_cache(**args)
+
+
+def test_soft_cap_inf_means_no_cap():
+    args = good_attention_args()
+    torch.testing.assert_close(torch.ops.attnops.paged_attention(**args, soft_cap=float("inf")),
+                               torch.ops.attnops.paged_attention(**args))
+    assert not attnops.explain(**args, soft_cap=float("inf")).case.soft_cap
+
+
+def test_python_float_scales_get_a_message_that_says_to_pass_a_tensor():
+    args = fp8_args()
+    with pytest.raises(TypeError, match=r"attnops\.paged_attention: k_scale must be a tensor .*torch\.tensor"):
+        attnops.paged_attention(**{**args, "k_scale": 0.5})
+    write = good_write_args("fp8_e4m3")
+    with pytest.raises(TypeError, match=r"attnops\.reshape_and_cache: v_scale must be a tensor"):
+        attnops.reshape_and_cache(**{**write, "v_scale": 1.0})
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("inf"), float("nan")])
+def test_fp8_scales_must_be_finite_and_positive_under_attnops_check(bad, monkeypatch):
+    monkeypatch.setenv("ATTNOPS_CHECK", "1")
+    args = fp8_args(k_scale=torch.tensor(bad))
+    with pytest.raises(ValueError, match=r"attnops\.paged_attention: k_scale must be finite and > 0"):
+        torch.ops.attnops.paged_attention(**args)
+    write = good_write_args("fp8_e4m3", v_scale=torch.tensor(bad))
+    with pytest.raises(ValueError, match=r"attnops\.reshape_and_cache: v_scale must be finite and > 0"):
+        torch.ops.attnops.reshape_and_cache(**write)
+
+
+def test_slots_below_minus_one_are_bad_indices_not_padding(monkeypatch):
+    monkeypatch.setenv("ATTNOPS_CHECK", "1")
+    with pytest.raises(ValueError, match="slot_mapping"):
+        torch.ops.attnops.reshape_and_cache(**good_write_args(slot_mapping=torch.tensor([0, 1, -2, 3, 4, 5])))

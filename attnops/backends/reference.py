@@ -34,18 +34,25 @@ def paged_attention_reference(q, k_cache, v_cache, block_table, seq_lens, cu_seq
 
     lengths = seq_lens.tolist()
     starts = list(range(len(lengths) + 1)) if cu_seqlens_q is None else cu_seqlens_q.tolist()
+    num_pages = k_cache.shape[0]
     for b, kv_len in enumerate(lengths):
         q_start, q_end = starts[b], starts[b + 1]
         num_queries = q_end - q_start
         if num_queries == 0 or kv_len == 0:
             continue  # an empty sequence's rows stay 0
+        if not 0 < kv_len <= block_table.shape[1] * page_size:
+            raise ValueError(f"attnops.paged_attention (reference): seq_lens[{b}] = {kv_len} is outside "
+                             f"[0, {block_table.shape[1] * page_size}] (block_table's capacity)")
         pages = block_table[b, : (kv_len + page_size - 1) // page_size].long()
+        if pages.numel() and not bool(((pages >= 0) & (pages < num_pages)).all()):
+            raise ValueError(f"attnops.paged_attention (reference): block_table row {b} points outside the cache's "
+                             f"{num_pages} pages within its seq_lens (entries {pages.tolist()})")
         k = _gather_sequence(k_cache, k_scale, pages, kv_len, fmt, compute_dtype).repeat_interleave(group, dim=1)
         v = _gather_sequence(v_cache, v_scale, pages, kv_len, fmt, compute_dtype).repeat_interleave(group, dim=1)
         queries = q[q_start:q_end].to(compute_dtype)  # [n, Hq, D]
 
         scores = torch.einsum("qhd,khd->hqk", queries, k) * scale
-        if soft_cap > 0:
+        if 0 < soft_cap < float("inf"):  # inf: no cap
             scores = soft_cap * torch.tanh(scores / soft_cap)
         # the queries are the sequence's last num_queries positions; each sees keys at positions <= its own
         query_pos = torch.arange(kv_len - num_queries, kv_len, device=q.device)[:, None]
@@ -54,8 +61,16 @@ def paged_attention_reference(q, k_cache, v_cache, block_table, seq_lens, cu_seq
         if window_left >= 0:
             visible &= query_pos - key_pos <= window_left
         scores = scores.masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row that sees no key (bad input) gives 0
-        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v)
+        # a row that sees no key is 0; NaN in a visible score (from q or K) or in V reaches exactly the rows that
+        # read it, as in SDPA (masked keys are -inf before the softmax, so a NaN key outside a row's view is not read)
+        sees_a_key = visible.any(-1)  # [n]
+        probs = torch.softmax(torch.where(sees_a_key[None, :, None], scores, 0.0), dim=-1)
+        if bool(torch.isfinite(v).all()):
+            rows = torch.einsum("hqk,khd->qhd", probs, v)
+        else:  # 0 x NaN is NaN: each row reads only the values it sees
+            rows = torch.stack([torch.einsum("hk,khd->hd", probs[:, i, seen], v[seen])
+                                for i, seen in enumerate(visible)])
+        out[q_start:q_end] = torch.where(sees_a_key[:, None, None], rows, 0.0)
     return out.to(q.dtype)
 
 
@@ -64,6 +79,11 @@ def reshape_and_cache_reference(key, value, k_cache, v_cache, slot_mapping, *, k
     """Writes each token t to slot slot_mapping[t] (page * page_size + offset), quantizing; slot -1 is skipped."""
     fmt = formats.resolve_kv_format(kv_format, k_cache.dtype)
     page_size = k_cache.shape[1]
+    num_slots = k_cache.shape[0] * page_size
+    bad = (slot_mapping < -1) | (slot_mapping >= num_slots)
+    if bool(bad.any()):  # checked before anything is written: nothing half-written
+        raise ValueError(f"attnops.reshape_and_cache (reference): slot_mapping entries must be -1 (padding) or in "
+                         f"[0, {num_slots}) (got {slot_mapping[bad].tolist()[:8]})")
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     pages, offsets = slots // page_size, slots % page_size
@@ -87,7 +107,7 @@ class ReferenceBackend(Backend):
         out.copy_(paged_attention_reference(
             q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale=scale, soft_cap=soft_cap,
             window_left=window_left, kv_format=kv_format, k_scale=k_scale, v_scale=v_scale,
-            compute_dtype=torch.float32))
+            compute_dtype=torch.float64))
 
     def reshape_and_cache(self, key, value, k_cache, v_cache, slot_mapping, *, kv_format, k_scale, v_scale,
                           k_block_scale, v_block_scale) -> None:

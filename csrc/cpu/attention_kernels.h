@@ -53,6 +53,11 @@ inline float hsum(const Vec& v) {
 #endif
 }
 
+// max that keeps a NaN (std::max drops one in its second argument): a NaN score must reach its row's output
+inline float nan_max(float a, float b) {
+  return (std::isnan(a) || std::isnan(b)) ? std::numeric_limits<float>::quiet_NaN() : std::max(a, b);
+}
+
 inline float hmax(const Vec& v) {
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
   return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, v);
@@ -60,7 +65,7 @@ inline float hmax(const Vec& v) {
   float lanes[kVec];
   v.store(lanes);
   float s = lanes[0];
-  for (int64_t i = 1; i < kVec; ++i) s = std::max(s, lanes[i]);
+  for (int64_t i = 1; i < kVec; ++i) s = nan_max(s, lanes[i]);
   return s;
 #endif
 }
@@ -467,7 +472,7 @@ void attend_impl(const AttentionParams& p, const Loader& ld, const Tile& tile, c
       Vec vmax(kNegInf);
       for (int64_t j = 0; j < kKeyChunk; j += kVec) vmax = at::vec::maximum(vmax, Vec::loadu(s + j));
       const float m_old = row_max[r];
-      const float m_new = std::max(m_old, hmax(vmax));
+      const float m_new = nan_max(m_old, hmax(vmax));
       if (m_new == kNegInf) {  // the row has seen no visible key yet: nothing to add
         std::fill(s, s + kKeyChunk, 0.f);
         continue;
@@ -507,8 +512,9 @@ void attend_impl(const AttentionParams& p, const Loader& ld, const Tile& tile, c
   for (int64_t r = 0; r < rows.total; ++r) {
     QT* dst =
         out + (tile.q_begin + rows.token(p, r)) * p.out_stride_token + rows.q_head(p, tile, r) * p.out_stride_head;
-    // a row that saw no key (an empty sequence) is 0, never NaN
-    const float norm = row_sum[r] > 0.f ? p.v_scale[tile.kv_head + r / rows.per_head] / row_sum[r] : 0.f;
+    // a row that saw no key (an empty sequence) is 0; one that read a NaN is NaN
+    const float norm = row_sum[r] > 0.f ? p.v_scale[tile.kv_head + r / rows.per_head] / row_sum[r]
+                       : std::isnan(row_sum[r]) ? std::numeric_limits<float>::quiet_NaN() : 0.f;
     const float* a = acc + r * D;
     for (int64_t d = 0; d < D; ++d) dst[d * p.out_stride_dim] = from_float<QT>(a[d] * norm);
   }
@@ -525,7 +531,7 @@ void merge_impl(const AttentionParams& p, const Tile& tile, int64_t first_slot, 
     // log-sum-exp merge: out = sum_s acc_s * exp(m_s - M) / sum_s l_s * exp(m_s - M), M = max_s m_s
     float m = kNegInf;
     for (int64_t s = first_slot; s < first_slot + num_slots; ++s)
-      m = std::max(m, partials.max[s * p.max_tile_rows + r]);
+      m = nan_max(m, partials.max[s * p.max_tile_rows + r]);
     std::fill(merged, merged + D, 0.f);
     float l = 0.f;
     if (m != kNegInf) {
@@ -540,7 +546,8 @@ void merge_impl(const AttentionParams& p, const Tile& tile, int64_t first_slot, 
           at::vec::fmadd(Vec::loadu(a + d), vw, Vec::loadu(merged + d)).store(merged + d);
       }
     }
-    const float norm = l > 0.f ? p.v_scale[tile.kv_head + r / rows.per_head] / l : 0.f;
+    const float norm = l > 0.f ? p.v_scale[tile.kv_head + r / rows.per_head] / l
+                       : std::isnan(l) ? std::numeric_limits<float>::quiet_NaN() : 0.f;
     QT* dst =
         out + (tile.q_begin + rows.token(p, r)) * p.out_stride_token + rows.q_head(p, tile, r) * p.out_stride_head;
     for (int64_t d = 0; d < D; ++d) dst[d * p.out_stride_dim] = from_float<QT>(merged[d] * norm);

@@ -21,7 +21,8 @@
 
 namespace attnops::cpu {
 
-#define ATTNOPS_ARG_CHECK(op, cond, ...) TORCH_CHECK(cond, "attnops.", op, ": ", __VA_ARGS__)
+// TORCH_CHECK_VALUE: a ValueError in Python, as the contract says for bad input
+#define ATTNOPS_ARG_CHECK(op, cond, ...) TORCH_CHECK_VALUE(cond, "attnops.", op, ": ", __VA_ARGS__)
 
 inline bool is_fp8(at::ScalarType t) { return t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2; }
 
