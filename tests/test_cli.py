@@ -62,9 +62,11 @@ def test_info_lists_backends_and_choices():
         assert "not in this build" in replay[0]
 
 
-def test_demo_runs_a_decode_loop():
-    out = run("demo", "--batch", "2", "--prompt-len", "8", "--steps", "4")
-    assert "tokens/s" in out and "backend: prefill ->" in out
+def test_demo_runs_a_decode_loop_and_prints_only_its_own_lines():
+    result = run("demo", "--batch", "2", "--prompt-len", "8", "--steps", "4", ok=False)
+    assert result.returncode == 0, result.stderr
+    assert "tokens/s" in result.stdout and "backend: prefill ->" in result.stdout
+    assert "USDT" not in result.stderr + result.stdout  # the profiler's native trace lines
 
 
 def test_help_answers():

@@ -14,6 +14,9 @@ attention and the rest:
 """
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import time
 
 import torch
@@ -106,10 +109,16 @@ def run_demo(batch: int = 4, prompt_len: int = 32, steps: int = 32, device: str 
     step_s = (time.perf_counter() - start) / steps
 
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_gpu else [])
-    with torch.profiler.profile(activities=activities) as prof:
+    prof = torch.profiler.profile(activities=activities)
+    with _native_stderr_silenced():
+        prof.start()
+    try:
         for _ in range(profile_steps):
             gen.step()
         sync()
+    finally:
+        with _native_stderr_silenced():
+            prof.stop()
     attention_us = sum((e.device_time_total if on_gpu else e.cpu_time_total)
                        for e in prof.key_averages() if e.key in ATTENTION_OPS)
     attention_s = attention_us * 1e-6 / profile_steps
@@ -120,6 +129,21 @@ def run_demo(batch: int = 4, prompt_len: int = 32, steps: int = 32, device: str 
                 steps=steps, first_step_s=first_step_s, step_ms=step_s * 1e3, tokens_per_s=batch / step_s,
                 attention_ms=min(attention_s, step_s) * 1e3, rest_ms=max(step_s - attention_s, 0.0) * 1e3,
                 tokens=[gen.finished[b].output for b in range(batch)] if not gen.has_work() else None)
+
+
+@contextlib.contextmanager
+def _native_stderr_silenced():
+    """The profiler's native start and stop write trace lines ("USDT: ... profiler_start") straight to file
+    descriptor 2; the demo keeps them out of its output (only around those two calls)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def main(args) -> None:
