@@ -16,18 +16,18 @@
 #   jit       FlashInfer's kernels for every head dim (64, 128, 256) x KV type (bf16, fp8) of the models grid,
 #             JIT-built in parallel processes (`python -m attnops warmup` with FlashInfer pinned)
 #   autocheck auto dispatch against every backend, same run: the models grid's two-backend cases and the unseen
-#             grid (head shapes and batches the rule was not fitted to): $out/autocheck.json, $out/unseen.json
+#             grid (head shapes and batches the rule was not fitted to): $results/autocheck.json, $results/unseen.json
 #   ab        an A/B of the Triton kernels of two source trees in one run: builds the tree in $AB_OLD in place and
 #             runs each tree's benchmark on $AB_ARGS (Triton only; the A tree's must be benchmarks/bench.py, as
-#             before attnops.bench): $out/ab-old.json, $out/ab-new.json
+#             before attnops.bench): $results/ab-old.json, $results/ab-new.json
 #   tests     the GPU tests, suites in parallel processes (TEST_SUITES, default "capture triton flashinfer e2e":
 #             captures of the op; Triton under pytest-xdist; FlashInfer + graphs + devices; end to end), one log;
 #             TESTS_TIMEOUT seconds
 #   models    python -m attnops tune on the models grid (MODELS_ARGS narrows it), writing the table to
-#             $out/sm_XY.json and the records to $out/models.json
+#             $results/sm_XY.json and the records to $results/models.json
 #   serve     python -m attnops serve-bench $SERVE_ARGS (JSON + PNG)
 set -uo pipefail
-out=${ATTNOPS_OUT:-gpu-out}; mkdir -p "$out"
+results=${ATTNOPS_OUT:-gpu-out}; mkdir -p "$results"
 t0=$(date +%s); stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 export ATTNOPS_COMMIT=${ATTNOPS_COMMIT:-unknown}
 for step in "$@"; do
@@ -40,25 +40,25 @@ for step in "$@"; do
       stamp built ;;
     tune)
       timeout $(( ${TUNE_BUDGET:-240} + 60 )) python3 benchmarks/triton_tuning.py --budget ${TUNE_BUDGET:-240} \
-        ${TUNE_ARGS:-} --json "$out/tune.json" > "$out/tune.log" 2>&1
-      sed -n '/=== best per case/,$p' "$out/tune.log"; stamp tune ;;
+        ${TUNE_ARGS:-} --json "$results/tune.json" > "$results/tune.log" 2>&1
+      sed -n '/=== best per case/,$p' "$results/tune.log"; stamp tune ;;
     compare)
       IFS=';' read -ra sets <<< "${COMPARE:?set COMPARE=KEY=VALUE... (several A/B runs: separate them with ;)}"
       for i in "${!sets[@]}"; do
         timeout $(( ${TUNE_BUDGET:-240} + 60 )) python3 benchmarks/triton_tuning.py --budget ${TUNE_BUDGET:-240} \
-          --compare ${sets[$i]} ${COMPARE_ARGS:-} --json "$out/compare-$i.json" > "$out/compare-$i.log" 2>&1
-        echo "== ${sets[$i]}"; grep -E "^  |failed|Error" "$out/compare-$i.log" | tail -40
+          --compare ${sets[$i]} ${COMPARE_ARGS:-} --json "$results/compare-$i.json" > "$results/compare-$i.log" 2>&1
+        echo "== ${sets[$i]}"; grep -E "^  |failed|Error" "$results/compare-$i.log" | tail -40
       done; stamp compare ;;
     overhead)
-      timeout ${OVERHEAD_TIMEOUT:-120} python3 benchmarks/overhead.py --profile --json "$out/overhead.json" \
-        > "$out/overhead.log" 2>&1; grep -E "^(flashinfer|triton) " "$out/overhead.log"; stamp overhead ;;
+      timeout ${OVERHEAD_TIMEOUT:-120} python3 benchmarks/overhead.py --profile --json "$results/overhead.json" \
+        > "$results/overhead.log" 2>&1; grep -E "^(flashinfer|triton) " "$results/overhead.log"; stamp overhead ;;
     breakdown)
       timeout ${BREAKDOWN_TIMEOUT:-180} python3 benchmarks/decode_breakdown.py ${BREAKDOWN_ARGS:-} \
-        --json "$out/breakdown.json" > "$out/breakdown.log" 2>&1; tail -20 "$out/breakdown.log"; stamp breakdown ;;
+        --json "$results/breakdown.json" > "$results/breakdown.log" 2>&1; tail -20 "$results/breakdown.log"; stamp breakdown ;;
     bench)
-      timeout ${BENCH_TIMEOUT:-300} python3 -m attnops bench ${BENCH_ARGS:-} --json "$out/bench.json" \
-        --plot "$out/bench.png" > "$out/bench.txt" 2> /tmp/bench.err; tail -3 /tmp/bench.err
-      grep -v unsupported "$out/bench.txt" | cut -c1-150 | tail -60; stamp bench ;;
+      timeout ${BENCH_TIMEOUT:-300} python3 -m attnops bench ${BENCH_ARGS:-} --json "$results/bench.json" \
+        --plot "$results/bench.png" > "$results/bench.txt" 2> /tmp/bench.err; tail -3 /tmp/bench.err
+      grep -v unsupported "$results/bench.txt" | cut -c1-150 | tail -60; stamp bench ;;
     jit)
       for d in 64 128 256; do for kv in bf16 fp8_e4m3; do
         ATTNOPS_BACKEND=flashinfer timeout ${JIT_TIMEOUT:-300} python3 -m attnops warmup --head-dim $d \
@@ -67,13 +67,13 @@ for step in "$@"; do
       wait; grep -h -iE "error|Traceback" /tmp/jit-*.log | head -20; stamp jit ;;
     models)
       arch=$(python3 -c "import torch; print('sm_%d%d' % torch.cuda.get_device_capability())")
-      timeout ${MODELS_TIMEOUT:-540} python3 -m attnops tune --out "$out/$arch.json" --rep-ms ${REP_MS:-50} \
-        --json "$out/models.json" ${MODELS_ARGS:-} > "$out/models.log" 2> /tmp/models.err
-      tail -3 /tmp/models.err; sed -n '/^the rule on/,$p' "$out/models.log" | head -60; stamp models ;;
+      timeout ${MODELS_TIMEOUT:-540} python3 -m attnops tune --out "$results/$arch.json" --rep-ms ${REP_MS:-50} \
+        --json "$results/models.json" ${MODELS_ARGS:-} > "$results/models.log" 2> /tmp/models.err
+      tail -3 /tmp/models.err; sed -n '/^the rule on/,$p' "$results/models.log" | head -60; stamp models ;;
     autocheck)
       for g in "models --cases /bf16/ /fp8_e4m3/per_tensor/:autocheck" "models-unseen:unseen"; do
         timeout ${AUTOCHECK_TIMEOUT:-240} python3 -m attnops bench --grid ${g%%:*} --backends flashinfer triton \
-          --peers --auto --graph-only --rep-ms ${REP_MS:-30} --json "$out/${g##*:}.json" > /tmp/${g##*:}.txt 2>&1
+          --peers --auto --graph-only --rep-ms ${REP_MS:-30} --json "$results/${g##*:}.json" > /tmp/${g##*:}.txt 2>&1
         tail -1 /tmp/${g##*:}.txt
       done; stamp autocheck ;;
     ab)
@@ -83,12 +83,12 @@ for step in "$@"; do
         || { tail -20 /tmp/ab-build.log; exit 1; }
       python3 -m pip uninstall -q -y attnops
       (cd "$AB_OLD" && python3 -c "import attnops; print('A:', attnops.__file__)" && timeout 200 python3 \
-        benchmarks/bench.py --backends triton --peers --rep-ms 50 ${AB_ARGS:-} --json "$out/ab-old.json" \
+        benchmarks/bench.py --backends triton --peers --rep-ms 50 ${AB_ARGS:-} --json "$results/ab-old.json" \
         > /tmp/ab-old.txt 2>&1); tail -2 /tmp/ab-old.txt
       python3 -m pip install -q --no-build-isolation --no-deps -e . > /tmp/build.log 2>&1
       python3 -c "import attnops; print('B:', attnops.__file__)"
       timeout 200 python3 -m attnops bench --backends triton --peers --graph-only --rep-ms 50 ${AB_ARGS:-} \
-        --json "$out/ab-new.json" > /tmp/ab-new.txt 2>&1; tail -2 /tmp/ab-new.txt; stamp ab ;;
+        --json "$results/ab-new.json" > /tmp/ab-new.txt 2>&1; tail -2 /tmp/ab-new.txt; stamp ab ;;
     tests)
       limit=${TESTS_TIMEOUT:-240}
       suites=${TEST_SUITES:-capture triton flashinfer e2e}
@@ -102,12 +102,12 @@ for step in "$@"; do
         timeout $limit python3 -m pytest -q -rA -p no:cacheprovider $files > "/tmp/tests-$suite.log" 2>&1 &
       done
       wait
-      for suite in $suites; do echo "===== $suite"; cat "/tmp/tests-$suite.log"; done > "$out/tests.log"
+      for suite in $suites; do echo "===== $suite"; cat "/tmp/tests-$suite.log"; done > "$results/tests.log"
       for suite in $suites; do echo "== $suite"; grep -E "passed|failed|error|FAILED|ERROR" \
         "/tmp/tests-$suite.log" | grep -v "^PASSED" | tail -8; done; stamp tests ;;
     serve)
-      timeout ${SERVE_TIMEOUT:-400} python3 -m attnops serve-bench ${SERVE_ARGS:-} --json "$out/serve.json" \
-        --append --plot "$out/serve.png" >> "$out/serve.txt" 2> /tmp/serve.err; tail -30 "$out/serve.txt"
+      timeout ${SERVE_TIMEOUT:-400} python3 -m attnops serve-bench ${SERVE_ARGS:-} --json "$results/serve.json" \
+        --append --plot "$results/serve.png" >> "$results/serve.txt" 2> /tmp/serve.err; tail -30 "$results/serve.txt"
       tail -3 /tmp/serve.err; stamp serve ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
