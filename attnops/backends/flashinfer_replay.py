@@ -4,10 +4,10 @@ attnops' own Python out of repeated eager calls.
 FlashInfer's wrapper.run() spends most of its time in Python, checking and assembling the arguments of one tvm-ffi
 function (its JIT-built "paged_run"), and attnops' op adds its own validation and dispatch: together several times
 the kernel's own time on short decode steps (docs/bench.md has the numbers). Within one plan (one step: attnops
-plans once per step) every layer's call passes that function the same arguments but q, the layer's caches and out. So on the first call of a plan the
-backend runs wrapper.run() once while recording the call it makes into the tvm-ffi function, and hands the record
-to the op's C++ CUDA kernel, which replays it, with the next call's tensors swapped in, for every later call of the
-same signature in the step (the conditions are in the C++ file).
+plans once per step) every layer's call passes that function the same arguments but q, the layer's caches and out.
+So on the first call of a plan the backend runs wrapper.run() once while recording the call it makes into the
+tvm-ffi function, and hands the record to the op's C++ CUDA kernel, which replays it, with the next call's tensors
+swapped in, for every later call of the same signature in the step (the conditions are in the C++ file).
 
 A record is only armed when every one of its arguments is accounted for: q, k_cache, v_cache and out themselves
 (by identity), tensors the wrapper owns (its plan's buffers, which stay fixed until it re-plans) or FlashInfer

@@ -92,7 +92,8 @@ def attention_variants(quick: bool, arch: int = 90):
     # the inline-PTX nibble decode: nvfp4 (fp16 dots) and mxfp4 (bf16 dots), decode and prefill tiles
     for (fmt, q_dtype), decode in itertools.product((("nvfp4", "fp16"), ("mxfp4", "bf16")), (True, False)):
         yield dict(fmt=fmt, q_dtype=q_dtype, decode=decode, head_dim=128, group=4, page=16,
-                   block_q=1 if decode else 32, block_n=64, warps=4 if decode else 8, window=False, soft_cap=False, scale_bcast=True, fp4_asm=True)
+                   block_q=1 if decode else 32, block_n=64, warps=4 if decode else 8, window=False, soft_cap=False,
+                   scale_bcast=True, fp4_asm=True)
     # V converted in its load's layout and read by ldmatrix.trans (V_DEQUANT_FIRST): fp8 decode and verify, 4-bit
     # decode
     for fmt, decode in (("fp8_e4m3", True), ("fp8_e5m2", False), ("nvfp4", True), ("mxfp4", True)):
