@@ -201,6 +201,7 @@ def attention_case(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, sca
 
 
 def _check_fp8_scale_values(op, k_scale, v_scale) -> None:
+    """fp8 scales (float32; 4-bit block scales have other dtypes and are not checked here)."""
     for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
         if s is not None and s.dtype == torch.float32 and not bool(torch.isfinite(s).all() and (s > 0).all()):
             _fail(op, ValueError, f"{name} must be finite and > 0 (got {s.tolist()})")

@@ -254,10 +254,11 @@ def describe_attention(device: str | None = None, **fields_) -> AttentionCase:
     values = dict(device_type=device.type, arch=device_arch(device),
                   q_dtype=torch.float32 if device.type == "cpu" else torch.bfloat16, kv_format=kv_format,
                   head_dim=128, page_size=16, num_q_heads=32, num_kv_heads=8, decode=True, soft_cap=False,
-                  sliding_window=False, scale_kind=scale_kind, batch=1, max_kv_len=4096)
+                  sliding_window=False, scale_kind=scale_kind, batch=1, max_kv_len=4096, shape_class=None)
     unknown = set(fields_) - set(values)
     if unknown:
         raise TypeError(f"attnops.explain: unknown case fields {sorted(unknown)}; known: {sorted(values)}")
     values.update(fields_)
-    values.setdefault("shape_class", "decode" if values["decode"] else "prefill")
+    if values["shape_class"] is None:
+        values["shape_class"] = "decode" if values["decode"] else "prefill"
     return AttentionCase(**values)

@@ -13,7 +13,7 @@ import contextlib
 
 import torch
 
-from . import _C, formats  # _C loads the schemas: TORCH_LIBRARY(attnops, m) in csrc/ops.cpp
+from . import _C  # loads the schemas: TORCH_LIBRARY(attnops, m) in csrc/ops.cpp
 from .backends import flashinfer_replay
 from .checks import (attention_case, check_paged_attention, check_paged_attention_values, check_reshape_and_cache,
                      check_reshape_and_cache_values)
@@ -94,8 +94,7 @@ def _reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, *, kv_format=
     case = check_reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, kv_format, k_scale, v_scale,
                                    k_block_scale, v_block_scale)
     if values_checked():
-        check_reshape_and_cache_values(k_cache, slot_mapping, k_scale if formats.is_fp8(case.kv_format) else None,
-                                       v_scale if formats.is_fp8(case.kv_format) else None)
+        check_reshape_and_cache_values(k_cache, slot_mapping, k_scale, v_scale)
     with on_device(key.device):
         select_backend(case).reshape_and_cache(key, value, k_cache, v_cache, slot_mapping,
                                                kv_format=case.kv_format, k_scale=k_scale, v_scale=v_scale,

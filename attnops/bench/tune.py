@@ -20,20 +20,23 @@ from pathlib import Path
 
 from .. import formats, rules
 from ..cases import shape_class
-from ..dispatch import TABLES
+from ..dispatch import TABLES, describe_attention
 
 FLASHINFER_PEER_FOR = {"decode": "fi-decode-tensor-core", "verify": "fi-prefill-fa2", "prefill": "fi-prefill-fa3"}
 
 
 def record_features(r) -> dict:
-    """The rule's features of a benchmark record (what attnops.rules.features gives for the op's case)."""
+    """The rule's features of a benchmark record: rules.features of the case the op saw (one definition of them)."""
     fmt = r["kv_format"]
-    scale = r["scale_kind"] if formats.is_fp8(fmt) else formats.FORMATS[fmt].default_scale_kind
     decode = r["kind"] == "decode"
     batch = r.get("batch") or 1
-    return dict(kv_format=fmt, shape_class=shape_class(decode, r.get("q_tokens", batch), batch), scale_kind=scale,
-                group=r["num_q_heads"] // r["num_kv_heads"], head_dim=r["head_dim"], num_kv_heads=r["num_kv_heads"],
-                batch=batch, work=batch * r["num_kv_heads"], max_kv_len=r.get("max_kv_len", 0))
+    case = describe_attention(
+        device="cpu", arch=None, kv_format=fmt, head_dim=r["head_dim"], page_size=r.get("page_size", 16),
+        num_q_heads=r["num_q_heads"], num_kv_heads=r["num_kv_heads"], decode=decode,
+        scale_kind=r["scale_kind"] if formats.is_fp8(fmt) else formats.FORMATS[fmt].default_scale_kind,
+        shape_class=shape_class(decode, r.get("q_tokens", batch), batch), batch=batch,
+        max_kv_len=r.get("max_kv_len", 0))
+    return rules.features(case)
 
 
 def head_shape(record) -> str:

@@ -47,6 +47,13 @@ class StaticDecodeInputs:
                 slot_mapping=torch.full((bucket,), PADDING["slot_mapping"], dtype=torch.int64, device=dev))
         return self._buffers[bucket]
 
+    def pad(self, bucket: int) -> dict:
+        """Makes every row of the bucket's inputs padding; returns them."""
+        inputs = self[bucket]
+        for name, tensor in inputs.items():
+            tensor.fill_(PADDING[name])
+        return inputs
+
     def fill(self, token_ids: torch.Tensor, positions: torch.Tensor, meta: BatchMetadata) -> tuple[int, dict]:
         """Writes a batch's live rows into its bucket's inputs and pads the rest; returns (bucket, inputs)."""
         batch, width = meta.block_table.shape

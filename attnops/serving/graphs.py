@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..capture import CaptureContext, capturing
-from .batching import PADDING, StaticDecodeInputs
+from .batching import StaticDecodeInputs
 from .kv_cache import BatchMetadata, PagedKVCache
 
 
@@ -45,9 +45,7 @@ class DecodeGraphRunner:
         return self.inputs.bucket_for(batch)
 
     def _capture(self, bucket: int):
-        static = self.inputs[bucket]
-        for name, tensor in static.items():  # capture with every row padding: no cache writes, empty sequences
-            tensor.fill_(PADDING[name])
+        static = self.inputs.pad(bucket)  # capture with every row padding: no cache writes, empty sequences
         ctx = CaptureContext(bucket, host_seq_lens=[0] * bucket)
         # warm up on a side stream (Triton compiles, backends create and plan their graph buffers)
         side = torch.cuda.Stream()
