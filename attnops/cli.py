@@ -125,8 +125,9 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=32, help="tokens generated per sequence (default 32)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--kv-format", default=None, help="bf16 (GPU default), fp32 (CPU default), fp8_e4m3, nvfp4...")
-    p.add_argument("--compile", action="store_true", help="torch.compile the decode step (fullgraph)")
-    p.add_argument("--graphs", action="store_true", help="capture the decode step in CUDA graphs (GPU)")
+    p.add_argument("--modes", nargs="+", choices=("compiled+graphs", "compiled", "eager"),
+                   help="how the decode step runs, each mode a run of its own: compiled+graphs = torch.compile'd and "
+                        "CUDA-graph replayed (GPU only). Default: compiled+graphs then eager on a GPU, eager on a CPU")
     p.add_argument("--checkpoint", default=None, help="a Hugging Face Llama checkpoint directory (default: random)")
     p.set_defaults(func=lambda a: __import__("attnops.serving.demo", fromlist=["main"]).main(a))
     p = sub.add_parser("warmup", help="build every kernel configuration a model needs now (FlashInfer JIT, "

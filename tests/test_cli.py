@@ -69,6 +69,13 @@ def test_demo_runs_a_decode_loop_and_prints_only_its_own_lines():
     assert "USDT" not in result.stderr + result.stdout  # the profiler's native trace lines
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's refusal")
+def test_demo_refuses_cuda_graphs_on_a_cpu_in_one_line():
+    result = run("demo", "--modes", "compiled+graphs", ok=False)
+    assert result.returncode != 0
+    assert result.stderr.strip().count("\n") == 0 and "needs a CUDA device" in result.stderr, result.stderr
+
+
 def test_help_answers():
     out = run("--help")
     assert "info" in out and "demo" in out and "serve-bench" in out

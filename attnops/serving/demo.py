@@ -2,9 +2,9 @@
 whose attention runs through attnops' ops.
 
 A random model by default (on a GPU a Llama-3.2-1B-shaped one in bf16; on the CPU a tiny fp32 one), or a Hugging
-Face checkpoint directory with --checkpoint. Prints which backend serves each op, tokens/s of the decode steps
-(eager, torch.compile'd with --compile, CUDA-graph replayed with --graphs), and the decode step time split into
-attention and the rest:
+Face checkpoint directory with --checkpoint. Prints which backend serves each op, and for each mode (on a GPU by
+default the recommended one, torch.compile'd and CUDA-graph replayed, then eager beside it; on the CPU eager) the
+tokens/s of the decode steps and the step time split into attention and the rest:
 
   attention = time inside the attnops ops (paged_attention + reshape_and_cache, all layers), read from
               torch.profiler over a few extra steps: CPU time of the op calls on the CPU, the op's CUDA kernel
@@ -35,6 +35,13 @@ GPU_CONFIG = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=
 CPU_CONFIG = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                          num_attention_heads=8, num_key_value_heads=2)  # head_dim 32
 ATTENTION_OPS = ("attnops::paged_attention", "attnops::reshape_and_cache")
+MODES = ("compiled+graphs", "compiled", "eager")
+
+
+def default_modes(device: torch.device) -> tuple[str, ...]:
+    """The recommended path first and eager beside it on a GPU; eager alone on the CPU (compiling a model there
+    takes longer than the demo itself, and CUDA graphs need a GPU)."""
+    return ("compiled+graphs", "eager") if device.type == "cuda" else ("eager",)
 
 
 def random_model(config: LlamaConfig, device, dtype, seed: int) -> LlamaForCausalLM:
@@ -66,19 +73,25 @@ def op_backends(cache: PagedKVCache, config: LlamaConfig, dtype) -> dict:
 
 @torch.no_grad()
 def run_demo(batch: int = 4, prompt_len: int = 32, steps: int = 32, device: str | None = None,
-             kv_format: str | None = None, page_size: int = 16, seed: int = 0, compile: bool = False,
-             checkpoint: str | None = None, graphs: bool = False, profile_steps: int = 4) -> dict:
+             kv_format: str | None = None, page_size: int = 16, seed: int = 0, mode: str = "eager",
+             checkpoint: str | None = None, model: LlamaForCausalLM | None = None, profile_steps: int = 4) -> dict:
+    """One mode's run (see MODES); `model` reuses a model built by an earlier run (a fresh cache each run)."""
+    if mode not in MODES:
+        raise ValueError(f"run_demo: mode must be one of {MODES}, got {mode!r}")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     on_gpu = device.type == "cuda"
+    if mode == "compiled+graphs" and not on_gpu:
+        raise ValueError(f"run_demo: mode {mode!r} needs a CUDA device (CUDA graphs), got {device}")
+    compile, graphs = mode != "eager", mode == "compiled+graphs"
     dtype = torch.bfloat16 if on_gpu else torch.float32
     kv_format = kv_format or ("bf16" if on_gpu else "fp32")
-    if checkpoint:
+    if model is None and checkpoint:
         model = LlamaForCausalLM.from_pretrained(checkpoint, dtype=dtype, device=device)
-    else:
+    elif model is None:
         model = random_model(GPU_CONFIG if on_gpu else CPU_CONFIG, device, dtype, seed)
     config = model.config
 
-    warmup = 2  # the first decode steps compile (with --compile) and warm caches: not timed
+    warmup = 2  # the first decode steps compile (modes other than eager) and warm caches: not timed
     new_tokens = 1 + warmup + steps + profile_steps  # the prefill's token, then the decode steps
     max_seq_len = prompt_len + new_tokens
     pages_per_seq = -(-max_seq_len // page_size)
@@ -124,8 +137,8 @@ def run_demo(batch: int = 4, prompt_len: int = 32, steps: int = 32, device: str 
     attention_s = attention_us * 1e-6 / profile_steps
     assert not gen.has_work() or all(len(r.output) == new_tokens for r in gen.running.values())
 
-    return dict(device=str(device), model=config, dtype=dtype, kv_format=kv_format, checkpoint=checkpoint,
-                compiled=compile, graphs=graphs, backends=op_backends(cache, config, dtype), batch=batch, prompt_len=prompt_len,
+    return dict(device=str(device), model=config, module=model, dtype=dtype, kv_format=kv_format,
+                checkpoint=checkpoint, mode=mode, backends=op_backends(cache, config, dtype), batch=batch, prompt_len=prompt_len,
                 steps=steps, first_step_s=first_step_s, step_ms=step_s * 1e3, tokens_per_s=batch / step_s,
                 attention_ms=min(attention_s, step_s) * 1e3, rest_ms=max(step_s - attention_s, 0.0) * 1e3,
                 tokens=[gen.finished[b].output for b in range(batch)] if not gen.has_work() else None)
@@ -147,25 +160,42 @@ def _native_stderr_silenced():
 
 
 def main(args) -> None:
-    result = run_demo(batch=args.batch, prompt_len=args.prompt_len, steps=args.steps, device=args.device,
-                      kv_format=args.kv_format, compile=getattr(args, "compile", False),
-                      checkpoint=getattr(args, "checkpoint", None), graphs=getattr(args, "graphs", False))
-    c = result["model"]
-    what = result["checkpoint"] or "random Llama-shaped model"
-    print(f"attnops demo on {result['device']}: {what}, {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
-          f"heads {c.num_attention_heads}/{c.num_key_value_heads}, head_dim {c.head_dim}, "
-          f"{str(result['dtype']).replace('torch.', '')}, KV {result['kv_format']}")
-    b = result["backends"]
-    print(f"backend: prefill -> {b['paged_attention (prefill)']}, decode -> {b['paged_attention (decode)']}, "
-          f"cache write -> {b['reshape_and_cache']}")
-    mode = " + ".join(m for m, on in (("torch.compile'd", result["compiled"]), ("CUDA graphs", result["graphs"]))
-                      if on) or "eager"
-    print(f"batch {result['batch']}, prompt {result['prompt_len']}, {result['steps']} decode steps ({mode}): "
-          f"{result['tokens_per_s']:.1f} tokens/s, {result['step_ms']:.2f} ms/step "
-          f"(prefill + first step {result['first_step_s']:.2f} s)")
-    share = result["attention_ms"] / result["step_ms"] * 100 if result["step_ms"] else 0.0
-    print(f"step time: attention {result['attention_ms']:.2f} ms ({share:.0f}%), rest {result['rest_ms']:.2f} ms "
-          f"(attention = time inside the attnops ops per step, from torch.profiler "
-          f"{'CUDA kernel time' if result['device'].startswith('cuda') else 'CPU time'}; rest = step time - that)")
-    if result["tokens"]:
-        print(f"first sequence's tokens: {result['tokens'][0][:16]}")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    modes = args.modes or default_modes(device)
+    if "compiled+graphs" in modes and device.type != "cuda":
+        sys.exit(f"demo: mode compiled+graphs needs a CUDA device (CUDA graphs); this run is on {device}: "
+                 f"use --modes eager or compiled")
+    model, results = None, []
+    for i, mode in enumerate(modes):
+        if mode != "eager":
+            print(f"[{mode}] the first step compiles the model{' and captures a CUDA graph' if 'graphs' in mode else ''}"
+                  f" (and on first use builds kernels: FlashInfer JIT, Triton; `python -m attnops warmup` does that "
+                  f"ahead of time): up to a few minutes", flush=True)
+        result = run_demo(batch=args.batch, prompt_len=args.prompt_len, steps=args.steps, device=str(device),
+                          kv_format=args.kv_format, mode=mode, checkpoint=args.checkpoint, model=model)
+        model = result["module"]
+        if i == 0:
+            c = result["model"]
+            what = result["checkpoint"] or "random Llama-shaped model"
+            print(f"attnops demo on {result['device']}: {what}, {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
+                  f"heads {c.num_attention_heads}/{c.num_key_value_heads}, head_dim {c.head_dim}, "
+                  f"{str(result['dtype']).replace('torch.', '')}, KV {result['kv_format']}")
+            b = result["backends"]
+            print(f"backend: prefill -> {b['paged_attention (prefill)']}, decode -> {b['paged_attention (decode)']}, "
+                  f"cache write -> {b['reshape_and_cache']}")
+        label = {"compiled+graphs": "torch.compile'd + CUDA graphs (recommended)", "compiled": "torch.compile'd",
+                 "eager": "eager"}[mode]
+        print(f"batch {result['batch']}, prompt {result['prompt_len']}, {result['steps']} decode steps, {label}: "
+              f"{result['tokens_per_s']:.1f} tokens/s, {result['step_ms']:.2f} ms/step "
+              f"(prefill + first step {result['first_step_s']:.2f} s)")
+        share = result["attention_ms"] / result["step_ms"] * 100 if result["step_ms"] else 0.0
+        print(f"  step time: attention {result['attention_ms']:.2f} ms ({share:.0f}%), rest {result['rest_ms']:.2f} ms")
+        results.append(result)
+    print(f"(attention = time inside the attnops ops per step, from torch.profiler "
+          f"{'CUDA kernel time' if device.type == 'cuda' else 'CPU time'}; rest = step time - that)")
+    if len(results) > 1 and results[0]["tokens"] and results[-1]["tokens"]:
+        same = results[0]["tokens"] == results[-1]["tokens"]
+        print(f"tokens of {results[0]['mode']} and {results[-1]['mode']}: "
+              f"{'identical' if same else 'differ (bf16 rounding differs between compiled and eager kernels)'}")
+    if results[0]["tokens"]:
+        print(f"first sequence's tokens: {results[0]['tokens'][0][:16]}")
