@@ -26,6 +26,7 @@
 #   models    python -m attnops tune on the models grid (MODELS_ARGS narrows it), writing the table to
 #             $results/sm_XY.json and the records to $results/models.json
 #   serve     python -m attnops serve-bench $SERVE_ARGS (JSON + PNG)
+#   demo      python -m attnops demo $DEMO_ARGS, as a newcomer runs it: $results/demo.txt
 set -uo pipefail
 results=${ATTNOPS_OUT:-gpu-out}; mkdir -p "$results"
 t0=$(date +%s); stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
@@ -109,6 +110,9 @@ for step in "$@"; do
       timeout ${SERVE_TIMEOUT:-400} python3 -m attnops serve-bench ${SERVE_ARGS:-} --json "$results/serve.json" \
         --append --plot "$results/serve.png" >> "$results/serve.txt" 2> /tmp/serve.err; tail -30 "$results/serve.txt"
       tail -3 /tmp/serve.err; stamp serve ;;
+    demo)
+      timeout ${DEMO_TIMEOUT:-300} python3 -m attnops demo ${DEMO_ARGS:-} > "$results/demo.txt" 2>&1
+      cat "$results/demo.txt"; stamp demo ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done
