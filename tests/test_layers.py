@@ -16,6 +16,7 @@ LAYERS = [
     ("attnops.dispatch",),  # which backend serves a case
     ("attnops.ops",),  # the torch.library registrations
     ("attnops.serving",),  # the serving kit: cache, graphs, models, generation, tp, demo
+    ("attnops.hf",),  # transformers models through the ops and the serving kit
     ("attnops.cli", "attnops.__main__", "attnops.bench", "attnops"),  # the facade, the command line, benchmarks
 ]
 

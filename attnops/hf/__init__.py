@@ -1,0 +1,49 @@
+"""Hugging Face transformers decoders through attnops: the model code stays transformers', attention, the KV
+cache and the decode loop are attnops'.
+
+    import attnops.hf                                  # registers attn_implementation="attnops" with transformers
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="attnops")
+    cache = attnops.hf.PagedCache(model.config, max_cache_len=2048, kv_format="fp8_e4m3")
+    out = model.generate(input_ids, attention_mask=mask, past_key_values=cache, max_new_tokens=64)
+
+    # continuous batching, torch.compile and CUDA graphs per batch bucket (attnops.serving.generate.Generator):
+    served = attnops.hf.serving_model(model)
+    kv = attnops.hf.paged_kv_cache(model.config, num_pages=4096, kv_format="bf16", device="cuda")
+    gen = Generator(served, kv, max_batch=64, max_seq_len=4096, compile=True, cuda_graphs=True)
+
+Every attention layer writes its new keys and values with `torch.ops.attnops.reshape_and_cache` and attends with
+`torch.ops.attnops.paged_attention` (prefill in the cu_seqlens_q form, decode with cu_seqlens_q=None), with the
+layer's own sliding window, soft cap, scaling and (gpt-oss) sinks. Without a PagedCache (a plain forward, or
+generate's default cache) the same function pages the keys and values transformers hands it for each call: right,
+but a copy of the whole history per layer and step; pass a PagedCache to keep the KV in attnops pages.
+"""
+from __future__ import annotations
+
+try:
+    import transformers
+except ImportError as e:  # pragma: no cover - the extra is missing
+    raise ImportError("attnops.hf needs transformers>=5.17: pip install 'attnops[hf]'") from e
+
+from .attention import ATTN_IMPLEMENTATION, attention_forward, padding_mask, register, supports_sinks
+from .cache import PagedCache
+from .serving import ModelShape, ServingModel, model_shape, paged_kv_cache, serving_model
+
+MIN_TRANSFORMERS = (5, 17)
+
+
+def _version(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in text.split(".")[:2]:
+        digits = "".join(c for c in piece if c.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+if _version(transformers.__version__) < MIN_TRANSFORMERS:
+    raise ImportError(f"attnops.hf needs transformers>=5.17 (found {transformers.__version__}): "
+                      f"pip install 'attnops[hf]'")
+
+register()
+
+__all__ = ["ATTN_IMPLEMENTATION", "ModelShape", "PagedCache", "ServingModel", "attention_forward", "model_shape",
+           "padding_mask", "paged_kv_cache", "serving_model", "supports_sinks"]

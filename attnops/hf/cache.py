@@ -1,0 +1,183 @@
+"""PagedCache: a transformers `Cache` whose keys and values live in an attnops PagedKVCache (any KV format), for
+`model.generate(..., past_key_values=PagedCache(model.config, max_cache_len=...))` with
+attn_implementation="attnops".
+
+Each row of the batch is one sequence of the PagedKVCache. transformers calls `update(key, value, layer)` in each
+attention layer before its attention function; `update` writes nothing (which tokens are padding is known only from
+the attention mask, which the attention function gets): it hands the cache to that layer's attention call, which
+writes the valid new tokens with reshape_and_cache and attends with paged_attention. The step's metadata (slots,
+block table, lengths) is built once per forward, at its first layer.
+
+Lengths follow transformers' convention: `get_seq_length()` counts the columns processed so far, padding included
+(what generate's attention mask and positions are laid out on); the PagedKVCache holds only the valid tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import Cache
+
+from .. import formats
+from ..serving.kv_cache import BatchMetadata, PagedKVCache
+from .attention import PLAIN_FORMATS, _index, _rows, _unpack, hand_over, pending_hand_over
+from .serving import model_shape
+
+
+@dataclass
+class _Step:
+    """One forward's metadata, shared by its layers."""
+
+    meta: BatchMetadata
+    index: torch.Tensor | None  # flat rows of the valid new tokens, or None when every one is valid
+    batch: int
+    q_len: int
+
+
+class PagedCache(Cache):
+    """The KV cache of `config`'s model in attnops pages.
+
+    max_cache_len: the most tokens a row holds (prompt and generated, padding excluded); the pages, batch x
+    max_cache_len / page_size unless num_pages is given, are allocated at the first forward, on its device.
+    kv_format: any of attnops' formats ("bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "nvfp4", "mxfp4"); default:
+    the model's activation dtype. k_scale/v_scale: fp8 scales (per tensor or [num_kv_heads]; default 1.0).
+    One batch per cache: `reset()` empties it for the next one.
+    """
+
+    def __init__(self, config, *, max_cache_len: int, kv_format: str | None = None, page_size: int = 16,
+                 num_pages: int | None = None, k_scale=None, v_scale=None):
+        super().__init__(layers=[])
+        self.shape = model_shape(config)
+        if not isinstance(max_cache_len, int) or max_cache_len < 1:
+            raise ValueError(f"PagedCache: max_cache_len must be a positive int (got {max_cache_len!r})")
+        if kv_format is not None and kv_format not in formats.KV_FORMATS:
+            raise ValueError(f"PagedCache: kv_format must be one of {formats.KV_FORMATS} (got {kv_format!r})")
+        if num_pages is not None and (not isinstance(num_pages, int) or num_pages < 1):
+            raise ValueError(f"PagedCache: num_pages must be a positive int (got {num_pages!r})")
+        self._max_cache_len, self.kv_format, self.page_size, self.num_pages = max_cache_len, kv_format, page_size, \
+            num_pages
+        self.k_scale, self.v_scale = k_scale, v_scale
+        self.kv: PagedKVCache | None = None  # made at the first forward (its batch, device and dtype)
+        self._batch = 0  # rows (sequences) in the cache; 0 until the first forward, and after reset()
+        self._columns = 0  # positions processed per row, padding included
+        self._last_layer = None  # the layer of the latest update: a layer at or below it starts a new forward
+        self._step: _Step | None = None
+
+    # --- what transformers asks of a Cache ---------------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if pending_hand_over() is self:
+            raise ValueError("PagedCache: an attention layer did not read the cache it was handed; PagedCache "
+                             "needs the model loaded with attn_implementation='attnops' (import attnops.hf first)")
+        if self._last_layer is None or layer_idx <= self._last_layer:  # a new forward
+            self._columns += key_states.shape[2]
+            self._step = None
+        self._last_layer = layer_idx
+        hand_over(self, layer_idx, key_states)
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._columns
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self._columns + query_length, 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self._columns
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return self._max_cache_len
+
+    @property
+    def is_compileable(self) -> bool:
+        # building a step's metadata reads the padding mask on the host; attnops' own serving loop is the
+        # compiled path (attnops.hf.serving_model)
+        return False
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.kv is not None
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch or -1
+
+    def __len__(self) -> int:
+        return self.shape.num_hidden_layers
+
+    def reset(self) -> None:
+        """Empties the cache (its pages stay allocated) for a new batch."""
+        if self.kv is not None:
+            for b in range(self._batch):
+                self.kv.free(b)
+        self._batch, self._columns, self._last_layer, self._step = 0, 0, None, None
+
+    def reorder_cache(self, beam_idx: torch.LongTensor):
+        raise ValueError("PagedCache: beam search (reorder_cache) is not supported: rows would share pages")
+
+    def crop(self, max_length: int) -> None:
+        raise ValueError("PagedCache: crop (assisted decoding) is not supported")
+
+    def batch_repeat_interleave(self, repeats: int):
+        raise ValueError("PagedCache: batch_repeat_interleave is not supported: expand the inputs before the first "
+                         "forward (generate's num_return_sequences does)")
+
+    def batch_select_indices(self, indices: torch.Tensor):
+        raise ValueError("PagedCache: batch_select_indices is not supported")
+
+    # --- attnops ---------------------------------------------------------------------------------------------
+    def _pages_for(self, batch: int, key: torch.Tensor) -> None:
+        """The PagedKVCache and one sequence per row, at the first forward."""
+        kv_format = self.kv_format or PLAIN_FORMATS.get(key.dtype)
+        if kv_format is None:
+            raise TypeError(f"PagedCache: keys of dtype {key.dtype} need an explicit kv_format")
+        if self.kv is None:
+            num_pages = self.num_pages or batch * -(-self._max_cache_len // self.page_size)
+            self.kv = PagedKVCache(self.shape.num_hidden_layers, num_pages, self.page_size,
+                                   self.shape.num_key_value_heads, self.shape.head_dim, kv_format=kv_format,
+                                   device=key.device, k_scale=self.k_scale, v_scale=self.v_scale)
+        for b in range(batch):
+            self.kv.allocate(b)
+        self._batch = batch
+
+    def _prepare(self, query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None) -> _Step:
+        batch, q_len = query.shape[0], query.shape[2]
+        if not self._batch:
+            self._pages_for(batch, key)
+        elif batch != self._batch:
+            raise ValueError(f"PagedCache: this cache holds a batch of {self._batch} rows, the forward has {batch}: "
+                             f"reset() it for a new batch")
+        if attention_mask is None:
+            counts, index = [q_len] * batch, None
+        else:
+            if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, self._columns):
+                raise ValueError(f"attnops attention: attention_mask must be a 2D padding mask [batch, past + new "
+                                 f"tokens] = [{batch}, {self._columns}] (got {list(attention_mask.shape)})")
+            valid = attention_mask[:, -q_len:].bool().cpu()  # the page allocator works on the host
+            counts = valid.sum(-1).tolist()
+            index = None if all(n == q_len for n in counts) else _index(valid, query.device)
+        for b, n in enumerate(counts):
+            if self.kv.seq_len(b) + n > self._max_cache_len:
+                raise ValueError(f"PagedCache: row {b} would hold {self.kv.seq_len(b) + n} tokens, over "
+                                 f"max_cache_len={self._max_cache_len}")
+        meta = self.kv.prepare(list(range(batch)), counts, decode=q_len == 1 and index is None)
+        return _Step(meta, index, batch, q_len)
+
+    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: torch.Tensor | None, options: dict) -> torch.Tensor:
+        """Writes the layer's valid new keys and values into the pages and attends; returns [B, S, Hq, D]."""
+        if self._step is None:
+            self._step = self._prepare(query, key, attention_mask)
+        step = self._step
+        keys, values, queries = _rows(key), _rows(value), _rows(query)
+        if step.index is not None:
+            keys, values, queries = (t.index_select(0, step.index) for t in (keys, values, queries))
+        meta = step.meta
+        torch.ops.attnops.reshape_and_cache(keys, values, slot_mapping=meta.slot_mapping, **self.kv.write_args(layer))
+        out = torch.ops.attnops.paged_attention(queries, block_table=meta.block_table, seq_lens=meta.seq_lens,
+                                                cu_seqlens_q=meta.cu_seqlens_q, **self.kv.attention_args(layer),
+                                                **options)
+        return _unpack(out, step.index, step.batch, step.q_len)
