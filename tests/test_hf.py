@@ -1,0 +1,344 @@
+"""transformers models through attnops (attnops.hf): attn_implementation="attnops", PagedCache, serving_model.
+
+For tiny random configs of each family (fp32, CPU), against the same weights under transformers' "eager":
+- a prefill and 32 decode steps of a left-padded batch: logits within 1e-4 relative, with the KV in a PagedCache
+  and with none (a plain forward of the whole sequence);
+- model.generate, unchanged, greedy and sampled, with a PagedCache: identical tokens;
+- fp8 KV: the greedy token at each position (teacher-forced) that of the fp32 run on at least 90% of positions;
+- attnops.serving.generate.Generator serving the model through serving_model (continuous batching, requests joining
+  and leaving): each request's tokens are generate's for its prompt alone; the compiled decode step has no graph
+  break (fullgraph=True), one graph per batch bucket.
+Each family's special attention feature (sliding windows, soft cap, query_pre_attn_scalar, sinks) is checked to
+change eager's logits, so that a function ignoring it could not pass.
+"""
+import copy
+import inspect
+import json
+import sys
+
+import pytest
+import torch
+import torch._dynamo
+import torch._dynamo.testing
+
+transformers = pytest.importorskip("transformers")
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface  # noqa: E402
+
+import attnops.hf  # noqa: E402
+from attnops.serving.generate import Generator  # noqa: E402
+from attnops.testing import relative_error  # noqa: E402
+
+# head_dim 32 (attnops serves 32/64/128/256). A wide init (0.2) gives clear gaps between the top logits, so greedy
+# choices are the model's, not rounding's, and vary.
+BASE = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, max_position_embeddings=512, initializer_range=0.2,
+            bos_token_id=None, eos_token_id=None, pad_token_id=0)  # no eos: every run makes all its tokens
+# model_type, config overrides, and the features that must matter (names of attention_options keys)
+FAMILIES = {
+    "llama": ("llama", {}),
+    "qwen2": ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),  # layer 1 slides
+    "qwen3": ("qwen3", {}),  # qk-norm (transformers' code, before attention)
+    "mistral": ("mistral", dict(sliding_window=8)),
+    # untied: a tied Gemma-2 this small repeats one token
+    "gemma2": ("gemma2", dict(sliding_window=8, attn_logit_softcapping=5.0, final_logit_softcapping=5.0,
+                              query_pre_attn_scalar=24, tie_word_embeddings=False)),
+    "gpt-oss": ("gpt_oss", dict(sliding_window=8, num_local_experts=4, num_experts_per_tok=2, intermediate_size=128,
+                                max_position_embeddings=131072)),  # yarn's factor 32 x 4096
+}
+# what each family's eager logits must depend on: config changes that switch a feature off
+FEATURES = {
+    "qwen2": {"sliding window": dict(use_sliding_window=False, sliding_window=None)},
+    "mistral": {"sliding window": dict(sliding_window=None)},
+    "gemma2": {"sliding window": dict(sliding_window=4096), "soft cap": dict(attn_logit_softcapping=None),
+               "query_pre_attn_scalar": dict(query_pre_attn_scalar=32)},
+    "gpt-oss": {"sliding window": dict(sliding_window=4096)},
+}
+# fp8 KV against fp32: weights at transformers' default init scale (0.02). At 0.2 a model this small and random
+# is chaotic: fp8's rounding (2^-4 relative) moves its logits by 13%, and its top-2 gaps are 8% (median).
+FP8_INIT = 0.02
+PROMPTS = [list(range(40, 57)), [3, 17, 99, 5, 250, 7, 7, 8, 9, 10, 11], [200, 1, 2, 3, 4]]  # 17, 11, 5 tokens
+STEPS = 32
+needs_sinks = pytest.mark.skipif(not attnops.hf.supports_sinks(),
+                                 reason="gpt-oss needs paged_attention's sinks argument, which this build lacks")
+
+
+def family_params():
+    return [pytest.param(f, marks=needs_sinks) if f == "gpt-oss" else f for f in FAMILIES]
+
+
+def make_config(family, **overrides):
+    model_type, extra = FAMILIES[family]
+    return transformers.AutoConfig.for_model(model_type, **{**BASE, **extra, **overrides})
+
+
+def build(config, implementation, state=None):
+    # from_config sets the implementation on the config it is given: each model gets its own copy
+    model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=implementation)
+    if state is not None:
+        model.load_state_dict(state)
+    return model.eval().requires_grad_(False)
+
+
+_MODELS: dict = {}
+
+
+def models(family, init=None):
+    """(transformers' eager model, the same weights with attn_implementation="attnops"), built once."""
+    key = family, init
+    if key not in _MODELS:
+        overrides = {} if init is None else dict(initializer_range=init)
+        torch.manual_seed(0)
+        eager = build(make_config(family, **overrides), "eager")
+        _MODELS[key] = eager, build(make_config(family, **overrides), attnops.hf.ATTN_IMPLEMENTATION,
+                                    eager.state_dict())
+    return _MODELS[key]
+
+
+def cache_arg(model):
+    """The cache's keyword: transformers 5.2x renamed past_key_values to cache (the old name warns)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def left_padded(prompts):
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+def paged(model, kv_format="fp32", max_cache_len=64):
+    return attnops.hf.PagedCache(model.config, max_cache_len=max_cache_len, kv_format=kv_format)
+
+
+@torch.no_grad()
+def steps(model, cache, tokens=None, prompts=PROMPTS, n=STEPS):
+    """A prefill of the left-padded prompts, then n decode steps, driven as generate drives the model (positions
+    from the mask). Feeds `tokens` [B, n] if given, else its own greedy choices. Returns (prefill logits [B, S, V],
+    each step's last-position logits [B, n + 1, V], the tokens fed [B, n])."""
+    ids, mask = left_padded(prompts)
+    arg = cache_arg(model)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                **({} if cache is None else {arg: cache}))
+    prefill, last, fed = out.logits, [out.logits[:, -1]], []
+    for i in range(n):
+        token = tokens[:, i] if tokens is not None else last[-1].argmax(-1)
+        fed.append(token)
+        mask = torch.cat((mask, torch.ones_like(mask[:, :1])), 1)
+        positions = positions[:, -1:] + 1
+        out = model(token[:, None], attention_mask=mask, position_ids=positions, use_cache=True,
+                    **{arg: getattr(out, arg)})
+        last.append(out.logits[:, -1])
+    return prefill, torch.stack(last, 1), torch.stack(fed, 1)
+
+
+def agreement(run, reference) -> float:
+    """The share of positions (each valid prompt position, each decode step) where two runs of `steps` over the
+    same tokens choose the same greedy token."""
+    _, mask = left_padded(PROMPTS)
+    same = torch.cat(((run[0].argmax(-1) == reference[0].argmax(-1))[mask.bool()],
+                      (run[1][:, 1:].argmax(-1) == reference[1][:, 1:].argmax(-1)).flatten()))
+    return same.float().mean().item()
+
+
+def generate(model, prompts=PROMPTS, cache=None, n=STEPS, **options):
+    ids, mask = left_padded(prompts)
+    extra = {} if cache is None else {cache_arg(model): cache}
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=n, **extra, **options)
+    return out[:, ids.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("family", family_params())
+def test_logits_match_eager_prefill_and_32_decode_steps(family):
+    eager, ours = models(family)
+    ref_prefill, ref_steps, tokens = steps(eager, None)
+    assert len(set(tokens.flatten().tolist())) > 10, "the model repeats itself: a weak check"
+    _, mask = left_padded(PROMPTS)
+    for name, cache in (("PagedCache", paged(ours)), ("no cache", None)):
+        prefill, decoded, _ = steps(ours, cache, tokens)
+        for b in range(len(PROMPTS)):
+            valid = mask[b].bool()
+            err = relative_error(prefill[b, valid], ref_prefill[b, valid])
+            assert err < 1e-4, f"{name}: prefill of row {b}: relative error {err:.2e}"
+            for i in range(STEPS + 1):
+                err = relative_error(decoded[b, i], ref_steps[b, i])
+                assert err < 1e-4, f"{name}: row {b}, step {i}: relative error {err:.2e}"
+        assert torch.equal(decoded[:, :-1].argmax(-1), tokens), f"{name}: greedy choices differ from eager's"
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f in FEATURES])
+def test_the_family_features_change_eager_logits(family):
+    """The comparison above would catch an attention function that ignored a window, a cap or the scaling."""
+    if family == "gpt-oss" and not attnops.hf.supports_sinks():
+        pytest.skip("gpt-oss needs paged_attention's sinks argument, which this build lacks")
+    eager, _ = models(family)
+    _, reference, tokens = steps(eager, None, n=12)
+    for feature, off in FEATURES[family].items():
+        without = build(make_config(family, **off), "eager", eager.state_dict())
+        _, logits, _ = steps(without, None, tokens, n=12)
+        assert relative_error(logits, reference) > 1e-2, f"{family}: {feature} does not change the logits"
+
+
+@pytest.mark.parametrize("family", family_params())
+def test_generate_unchanged_greedy_and_sampled(family):
+    eager, ours = models(family)
+    assert generate(ours, cache=paged(ours)) == generate(eager)
+    sampled = {}
+    for name, model, cache in (("eager", eager, None), ("attnops", ours, paged(ours))):
+        torch.manual_seed(7)
+        sampled[name] = generate(model, cache=cache, do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
+    assert sampled["attnops"] == sampled["eager"]
+
+
+def eager_with_fp8_kv(module, query, key, value, attention_mask, **kwargs):
+    """transformers' own eager attention of the module's family over keys and values rounded to fp8 e4m3 (scale
+    1): what a model with an fp8 KV cache computes, in transformers' code."""
+    eager = sys.modules[type(module).__module__].eager_attention_forward
+    return eager(module, query, key.to(torch.float8_e4m3fn).to(key.dtype), value.to(torch.float8_e4m3fn).to(key.dtype),
+                 attention_mask, **kwargs)
+
+
+transformers.AttentionInterface.register("eager_fp8_kv", eager_with_fp8_kv)
+AttentionMaskInterface.register("eager_fp8_kv", ALL_MASK_ATTENTION_FUNCTIONS["eager"])
+
+
+@pytest.mark.parametrize("family", family_params())
+def test_fp8_kv_is_the_format_and_nothing_more(family):
+    """attnops with an fp8 KV cache computes what transformers' eager attention computes over the same fp8-rounded
+    keys and values: logits within 1e-4 over a prefill and 32 decode steps."""
+    eager, ours = models(family, FP8_INIT)
+    fp8_eager = build(make_config(family, initializer_range=FP8_INIT), "eager_fp8_kv", eager.state_dict())
+    ref_prefill, ref_steps, tokens = steps(fp8_eager, None)
+    prefill, decoded, _ = steps(ours, paged(ours, "fp8_e4m3"), tokens)
+    _, mask = left_padded(PROMPTS)
+    valid = mask.bool()
+    assert relative_error(prefill[valid], ref_prefill[valid]) < 1e-4
+    assert relative_error(decoded, ref_steps) < 1e-4
+
+
+@pytest.mark.parametrize("family", family_params())
+def test_fp8_kv_tokens_match_fp32_on_90_percent_of_positions(family):
+    """Teacher-forced with the fp32 run's tokens, so that each position (every prompt position and 32 decode
+    steps) is compared on the same history."""
+    _, ours = models(family, FP8_INIT)
+    reference = steps(ours, paged(ours))
+    agree = agreement(steps(ours, paged(ours, "fp8_e4m3"), reference[2]), reference)
+    assert agree >= 0.9, f"fp8 KV agrees with fp32 on {agree:.0%} of the positions"
+    assert len(generate(ours, cache=paged(ours, "fp8_e4m3"))[0]) == STEPS
+
+
+# the least share of positions whose greedy token a KV format keeps (teacher-forced, against fp32 KV)
+FORMAT_AGREEMENT = {"bf16": 0.95, "fp16": 0.95, "fp8_e5m2": 0.8, "nvfp4": 0.7, "mxfp4": 0.7}
+
+
+@pytest.mark.parametrize("kv_format", list(FORMAT_AGREEMENT))
+def test_every_kv_format_serves_generate(kv_format):
+    """Every other attnops KV format through generate and teacher-forced steps (Llama): the model stays on track
+    (a broken format's tokens would be near random)."""
+    _, ours = models("llama", FP8_INIT)
+    reference = steps(ours, paged(ours), n=8)
+    cache = paged(ours, kv_format)
+    agree = agreement(steps(ours, cache, reference[2], n=8), reference)
+    assert cache.kv.kv_format == kv_format
+    assert agree >= FORMAT_AGREEMENT[kv_format], f"{kv_format} keeps {agree:.0%} of the greedy tokens"
+    assert len(generate(ours, cache=paged(ours, kv_format), n=4)[0]) == 4
+
+
+# (step at which a request is queued, prompt, max_new_tokens): with max_batch 2 the decode batch runs at 1 and 2
+# rows, requests finish and free pages that later ones reuse
+SCHEDULE = [(0, PROMPTS[0], 12), (0, PROMPTS[2], 20), (2, PROMPTS[1], 16), (5, [9, 8, 7, 6, 5, 4, 3], 10)]
+
+
+@torch.no_grad()
+def serve(model, compile=False, schedule=SCHEDULE, buckets=None):
+    kv = attnops.hf.paged_kv_cache(model.config, num_pages=16, page_size=8, kv_format="fp32")
+    gen = Generator(attnops.hf.serving_model(model), kv, max_batch=2, max_seq_len=48, compile=compile,
+                    buckets=buckets)
+    step = 0
+    while step == 0 or gen.has_work():
+        for i, (at, prompt, n) in enumerate(schedule):
+            if at == step:
+                gen.add_request(i, prompt, n)
+        gen.step()
+        step += 1
+    return {i: gen.finished[i].output for i in range(len(schedule))}
+
+
+@pytest.mark.parametrize("family", family_params())
+def test_generator_serves_the_model_like_generate_and_compiles_without_graph_break(family):
+    eager, ours = models(family)
+    expected = {i: generate(eager, [prompt], n=n)[0] for i, (_, prompt, n) in enumerate(SCHEDULE)}
+    assert serve(ours) == expected
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounter()
+    # DecodeStep compiles with fullgraph=True: a graph break is an error
+    assert serve(ours, compile={"backend": counter}) == expected
+    assert counter.frame_count == 2, f"one graph per bucket used (1 and 2), got {counter.frame_count}"
+
+
+def test_inductor_compiled_decode_step_gives_eager_tokens():
+    """Inductor's code for a transformers model's decode step (Gemma-2: windows and caps) gives eager's tokens
+    (one bucket: one compilation)."""
+    _, ours = models("gemma2")
+    schedule = SCHEDULE[:2]
+    expected = serve(ours, schedule=schedule, buckets=(2,))
+    torch._dynamo.reset()
+    assert serve(ours, compile=True, schedule=schedule, buckets=(2,)) == expected
+
+
+def test_without_sinks_support_a_model_with_sinks_is_refused():
+    if attnops.hf.supports_sinks():
+        pytest.skip("this build's paged_attention takes sinks")
+    torch.manual_seed(0)
+    model = build(make_config("gpt-oss"), attnops.hf.ATTN_IMPLEMENTATION)
+    with pytest.raises(ValueError, match="sinks"):
+        generate(model, cache=paged(model), n=2)
+
+
+def test_errors_name_the_argument():
+    eager, ours = models("llama")
+    with pytest.raises(ValueError, match="attn_implementation='attnops'"):
+        generate(eager, cache=paged(eager), n=2)
+    with pytest.raises(ValueError, match="attn_implementation"):
+        attnops.hf.serving_model(eager)
+    with pytest.raises(ValueError, match="max_cache_len=20"):
+        generate(ours, cache=paged(ours, max_cache_len=20), n=8)
+    with pytest.raises(ValueError, match="kv_format"):
+        paged(ours, "int8")
+    with pytest.raises(ValueError, match="max_cache_len"):
+        attnops.hf.PagedCache(ours.config, max_cache_len=0)
+    cache = paged(ours)
+    generate(ours, cache=cache, n=2)
+    with pytest.raises(ValueError, match="reset"):
+        generate(ours, [PROMPTS[0]], cache=cache, n=2)
+    cache.reset()
+    assert generate(ours, [PROMPTS[0]], cache=cache, n=4) == generate(eager, [PROMPTS[0]], n=4)
+    bad = copy.deepcopy(ours.config)
+    bad.layer_types = ["full_attention", "linear_attention"]
+    with pytest.raises(ValueError, match="layer_types"):
+        attnops.hf.model_shape(bad)
+
+
+def test_demo_serves_a_family(capsys):
+    import argparse
+
+    from attnops.serving import demo
+    from attnops import cli
+    args = argparse.Namespace(batch=2, prompt_len=8, steps=4, device="cpu", kv_format=None, modes=None,
+                              checkpoint=None, model="qwen3")
+    cli.run_demo(args)
+    out = capsys.readouterr().out
+    assert "qwen3" in out and "tokens/s" in out, out
+    assert demo  # the serving kit's demo loop ran it
+
+
+def test_serve_bench_small_families(tmp_path):
+    from attnops.bench import serve as serve_bench
+    result = serve_bench.main(["--small", "--family", "qwen2", "gemma2", "--modes", "eager", "transformers",
+                               "--batches", "2", "--contexts", "40", "--steps", "2", "--warmup", "1",
+                               "--json", str(tmp_path / "s.json")])
+    rows = [(r["family"], r["mode"], r["error"]) for r in result["records"]]
+    assert rows == [(f, m, None) for f in ("qwen2", "gemma2") for m in ("eager", "transformers")], rows
+    assert all(r["tokens_per_s"] > 0 for r in result["records"])
+    assert json.loads((tmp_path / "s.json").read_text())["records"] == result["records"]
