@@ -300,13 +300,15 @@ def test_a_tree_mask_narrower_than_a_block_is_an_error_when_checked(monkeypatch)
         torch.ops.attnops.paged_attention(**args, tree_mask=narrow)
 
 
-@pytest.mark.parametrize("with_tree", [False, True])
-def test_opcheck_with_sinks_and_tree_mask(with_tree):
+@pytest.mark.parametrize("given", ["sinks", "tree_mask", "both"])
+def test_opcheck_with_sinks_and_tree_mask(given):
     args = _verify_args()
     q, k, v, table, lens, cu = (args.pop(n) for n in ("q", "k_cache", "v_cache", "block_table", "seq_lens",
                                                       "cu_seqlens_q"))
-    kwargs = dict(args, sinks=torch.randn(4), window_left=5, soft_cap=3.0)
-    if with_tree:
+    kwargs = dict(args, window_left=5, soft_cap=3.0)
+    if given in ("sinks", "both"):
+        kwargs["sinks"] = torch.randn(4)
+    if given in ("tree_mask", "both"):
         kwargs["tree_mask"] = attnops.tree_mask_from_parents([[-1, 0, 0, 2], [-1, 0, 1]])
     torch.library.opcheck(torch.ops.attnops.paged_attention.default, (q, k, v, table, lens, cu), kwargs)
     out = torch.empty_like(q)
