@@ -9,7 +9,8 @@ from .dispatch import explain, use_backend
 from .ops import paged_attention, reshape_and_cache
 from .serving.graphs import DecodeGraphRunner
 from .serving.kv_cache import BatchMetadata, PagedKVCache
+from .serving.spec import tree_mask_from_parents
 
 __version__ = "0.1.0"
 __all__ = ["BatchMetadata", "DecodeGraphRunner", "PagedKVCache", "explain", "paged_attention", "reshape_and_cache",
-           "use_backend"]
+           "tree_mask_from_parents", "use_backend"]

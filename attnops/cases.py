@@ -29,6 +29,8 @@ class AttentionCase:
     shape_class: str = "decode"
     batch: int = 1  # sequences (seq_lens.shape[0])
     max_kv_len: int = 0  # the block table's capacity in tokens (its width x page_size): a shape, not the lengths
+    sinks: bool = False  # a per-head sink logit joins each row's softmax denominator
+    tree_mask: bool = False  # a draft tree's mask replaces the causal rule inside each query block
 
     def __hash__(self) -> int:  # computed once: dispatch looks a case up on every op call
         cached = self.__dict__.get("_hash")

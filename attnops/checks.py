@@ -115,7 +115,7 @@ def _check_scales(op, fmt, k_cache, num_kv_heads, head_dim, names, k_scale, v_sc
 
 
 def check_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left,
-                          kv_format, k_scale, v_scale, out=None) -> AttentionCase:
+                          kv_format, k_scale, v_scale, sinks=None, tree_mask=None, out=None) -> AttentionCase:
     op = "paged_attention"
     _check_tensor(op, "q", q)
     if q.dtype not in Q_DTYPES:
@@ -152,12 +152,32 @@ def check_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens
         if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] != batch + 1:
             _fail(op, ValueError, f"cu_seqlens_q must be [B+1] = [{batch + 1}] (got {_describe(cu_seqlens_q)})")
     scale_kind = _check_scales(op, fmt, k_cache, num_kv_heads, head_dim, ("k_scale", "v_scale"), k_scale, v_scale)
+    if sinks is not None:
+        _check_tensor(op, "sinks", sinks)
+        if sinks.dtype != torch.float32:
+            _fail(op, TypeError, f"sinks must be float32 (got {sinks.dtype})")
+        if tuple(sinks.shape) != (num_q_heads,):
+            _fail(op, ValueError, f"sinks must be [num_q_heads] = [{num_q_heads}] (got {list(sinks.shape)})")
+    if tree_mask is not None:
+        _check_tensor(op, "tree_mask", tree_mask)
+        if cu_seqlens_q is None:
+            _fail(op, ValueError, "tree_mask needs cu_seqlens_q: a tree mask orders the query rows of a draft "
+                                  "block, and decode (cu_seqlens_q=None) has one row per sequence")
+        if tree_mask.dtype != torch.bool:
+            _fail(op, TypeError, f"tree_mask must be bool (got {tree_mask.dtype})")
+        if tree_mask.dim() != 2 or tree_mask.shape[0] != num_tokens or tree_mask.shape[1] < 1:
+            _fail(op, ValueError, f"tree_mask must be [num_query_rows, Q] = [{num_tokens}, Q >= 1], Q at least "
+                                  f"the longest query block (got {list(tree_mask.shape)})")
+        if tree_mask.stride(-1) != 1:
+            _fail(op, ValueError, f"tree_mask must be contiguous in its last dimension (strides "
+                                  f"{tree_mask.stride()})")
     if out is not None:
         _check_tensor(op, "out", out)
         if out.shape != q.shape or out.dtype != q.dtype:
             _fail(op, ValueError, f"out must be {_describe(q)} like q (got {_describe(out)})")
     _check_same_device(op, "q", q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, seq_lens=seq_lens,
-                       cu_seqlens_q=cu_seqlens_q, k_scale=k_scale, v_scale=v_scale, out=out)
+                       cu_seqlens_q=cu_seqlens_q, k_scale=k_scale, v_scale=v_scale, sinks=sinks,
+                       tree_mask=tree_mask, out=out)
     if scale is not None and not (math.isfinite(scale) and scale > 0):
         _fail(op, ValueError, f"scale must be finite and > 0 (got {scale})")
     if not soft_cap >= 0:  # NaN fails too; inf is allowed and means no cap
@@ -170,7 +190,7 @@ def check_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens
         page_size=page_size, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, decode=cu_seqlens_q is None,
         soft_cap=0 < soft_cap < math.inf, sliding_window=window_left >= 0, scale_kind=scale_kind,
         shape_class=shape_class(cu_seqlens_q is None, num_tokens, batch), batch=batch,
-        max_kv_len=block_table.shape[1] * page_size)
+        max_kv_len=block_table.shape[1] * page_size, sinks=sinks is not None, tree_mask=tree_mask is not None)
 
 
 def _signature(t):
@@ -182,19 +202,19 @@ _VALID_ATTENTION: dict = {}  # signature of valid arguments -> their case: valid
 
 
 def attention_case(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left,
-                   kv_format, k_scale, v_scale, out=None) -> AttentionCase:
+                   kv_format, k_scale, v_scale, sinks=None, tree_mask=None, out=None) -> AttentionCase:
     """check_paged_attention, memoized on everything it reads (shapes, strides, dtypes, devices, flags): the
     op's hot path validates a signature once and then only looks it up."""
     try:
         key = (_signature(q), _signature(k_cache), _signature(v_cache), _signature(block_table),
                _signature(seq_lens), _signature(cu_seqlens_q), scale, soft_cap, window_left, kv_format,
-               _signature(k_scale), _signature(v_scale), _signature(out))
+               _signature(k_scale), _signature(v_scale), _signature(sinks), _signature(tree_mask), _signature(out))
     except AttributeError:  # a non-tensor where a tensor belongs: let the full check name it
         key = None
     case = _VALID_ATTENTION.get(key)
     if case is None:
         case = check_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap,
-                                     window_left, kv_format, k_scale, v_scale, out)
+                                     window_left, kv_format, k_scale, v_scale, sinks, tree_mask, out)
         if key is not None and len(_VALID_ATTENTION) < 4096:
             _VALID_ATTENTION[key] = case
     return case
@@ -208,9 +228,10 @@ def _check_fp8_scale_values(op, k_scale, v_scale) -> None:
 
 
 def check_paged_attention_values(q, k_cache, block_table, seq_lens, cu_seqlens_q, k_scale=None,
-                                 v_scale=None) -> None:
+                                 v_scale=None, tree_mask=None) -> None:
     """The checks that read data (ATTNOPS_CHECK=1 only): lengths fit the table, used pages exist, query rows
-    are ordered and no sequence has more queries than keys."""
+    are ordered, no sequence has more queries than keys, and a tree mask has a column for every query of the
+    longest block."""
     op = "paged_attention"
     _check_fp8_scale_values(op, k_scale, v_scale)
     num_pages, page_size = k_cache.shape[0], k_cache.shape[1]
@@ -236,6 +257,10 @@ def check_paged_attention_values(q, k_cache, block_table, seq_lens, cu_seqlens_q
         if starts[b + 1] - starts[b] > n:
             _fail(op, ValueError, f"sequence {b} has {starts[b + 1] - starts[b]} query tokens but seq_lens {n}: "
                                   f"seq_lens counts this step's tokens too")
+    longest = max((b - a for a, b in zip(starts, starts[1:])), default=0)
+    if tree_mask is not None and tree_mask.shape[1] < longest:
+        _fail(op, ValueError, f"tree_mask has {tree_mask.shape[1]} columns but the longest query block has "
+                              f"{longest} rows: Q must be at least that")
 
 
 def check_reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, kv_format, k_scale, v_scale,

@@ -229,7 +229,7 @@ def explain(**kwargs) -> Explanation:
     state = kwargs.pop("capture_state", None)
     if "q" in kwargs:
         defaults = dict(cu_seqlens_q=None, scale=None, soft_cap=0.0, window_left=-1, kv_format="auto",
-                        k_scale=None, v_scale=None)
+                        k_scale=None, v_scale=None, sinks=None, tree_mask=None)
         case = checks.check_paged_attention(**{**defaults, **kwargs})
     elif "key" in kwargs:
         defaults = dict(kv_format="auto", k_scale=None, v_scale=None, k_block_scale=None, v_block_scale=None)
@@ -254,7 +254,8 @@ def describe_attention(device: str | None = None, **fields_) -> AttentionCase:
     values = dict(device_type=device.type, arch=device_arch(device),
                   q_dtype=torch.float32 if device.type == "cpu" else torch.bfloat16, kv_format=kv_format,
                   head_dim=128, page_size=16, num_q_heads=32, num_kv_heads=8, decode=True, soft_cap=False,
-                  sliding_window=False, scale_kind=scale_kind, batch=1, max_kv_len=4096, shape_class=None)
+                  sliding_window=False, scale_kind=scale_kind, batch=1, max_kv_len=4096, shape_class=None,
+                  sinks=False, tree_mask=False)
     unknown = set(fields_) - set(values)
     if unknown:
         raise TypeError(f"attnops.explain: unknown case fields {sorted(unknown)}; known: {sorted(values)}")

@@ -35,11 +35,11 @@ def on_device(device: torch.device):
 
 
 def _run_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left,
-                         kv_format, k_scale, v_scale, out) -> None:
+                         kv_format, k_scale, v_scale, sinks, tree_mask, out) -> None:
     case = attention_case(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left,
-                          kv_format, k_scale, v_scale, out)
+                          kv_format, k_scale, v_scale, sinks, tree_mask, out)
     if values_checked():
-        check_paged_attention_values(q, k_cache, block_table, seq_lens, cu_seqlens_q, k_scale, v_scale)
+        check_paged_attention_values(q, k_cache, block_table, seq_lens, cu_seqlens_q, k_scale, v_scale, tree_mask)
     if not case.soft_cap:
         soft_cap = 0.0  # inf: no cap
     backend = select_backend(case, q.device)
@@ -47,7 +47,7 @@ def _run_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_
         backend.paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
                                 scale=q.shape[-1] ** -0.5 if scale is None else scale, soft_cap=soft_cap,
                                 window_left=window_left, kv_format=case.kv_format, k_scale=k_scale,
-                                v_scale=v_scale, out=out)
+                                v_scale=v_scale, sinks=sinks, tree_mask=tree_mask, out=out)
 
 
 # torch.library.impl rather than register_kernel: register_kernel wraps each kernel in a dynamo-disable frame
@@ -55,26 +55,28 @@ def _run_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_
 # the fakes are traced and the compiled code calls the op), which the compile tests check frame by frame.
 @torch.library.impl("attnops::paged_attention", PAGED_ATTENTION_DEVICES)
 def _paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q=None, *, scale=None, soft_cap=0.0,
-                     window_left=-1, kv_format="auto", k_scale=None, v_scale=None):
+                     window_left=-1, kv_format="auto", k_scale=None, v_scale=None, sinks=None, tree_mask=None):
     out = torch.empty_like(q)
     _run_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left,
-                         kv_format, k_scale, v_scale, out)
+                         kv_format, k_scale, v_scale, sinks, tree_mask, out)
     return out
 
 
 @torch.library.register_fake("attnops::paged_attention")
 def _paged_attention_fake(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q=None, *, scale=None,
-                          soft_cap=0.0, window_left=-1, kv_format="auto", k_scale=None, v_scale=None):
+                          soft_cap=0.0, window_left=-1, kv_format="auto", k_scale=None, v_scale=None, sinks=None,
+                          tree_mask=None):
     check_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left,
-                          kv_format, k_scale, v_scale)
+                          kv_format, k_scale, v_scale, sinks, tree_mask)
     return torch.empty_like(q)
 
 
 @torch.library.impl("attnops::paged_attention.out", PAGED_ATTENTION_DEVICES)
 def _paged_attention_out(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q=None, *, scale=None,
-                         soft_cap=0.0, window_left=-1, kv_format="auto", k_scale=None, v_scale=None, out):
+                         soft_cap=0.0, window_left=-1, kv_format="auto", k_scale=None, v_scale=None, sinks=None,
+                         tree_mask=None, out):
     _run_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left,
-                         kv_format, k_scale, v_scale, out)
+                         kv_format, k_scale, v_scale, sinks, tree_mask, out)
 
 
 if flashinfer_replay.built():
@@ -83,9 +85,10 @@ if flashinfer_replay.built():
 
 @torch.library.register_fake("attnops::paged_attention.out")
 def _paged_attention_out_fake(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q=None, *, scale=None,
-                              soft_cap=0.0, window_left=-1, kv_format="auto", k_scale=None, v_scale=None, out):
+                              soft_cap=0.0, window_left=-1, kv_format="auto", k_scale=None, v_scale=None,
+                              sinks=None, tree_mask=None, out):
     check_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left,
-                          kv_format, k_scale, v_scale, out)
+                          kv_format, k_scale, v_scale, sinks, tree_mask, out)
 
 
 @torch.library.impl("attnops::reshape_and_cache", DEVICES)
@@ -108,25 +111,34 @@ def _reshape_and_cache_fake(key, value, k_cache, v_cache, slot_mapping, *, kv_fo
                             k_block_scale, v_block_scale)
 
 
+_EXPECTED = {"k_scale": "float32, 0-d or [num_kv_heads] for fp8", "v_scale": "float32, 0-d or [num_kv_heads] for fp8",
+             "sinks": "float32 [num_q_heads]"}
+
+
 def _scales_are_tensors(op: str, **scales) -> None:
+    """Python numbers where the schema takes a tensor get a TypeError that says what to pass (the dispatcher's
+    own error names no argument)."""
     for name, s in scales.items():
         if s is not None and not isinstance(s, torch.Tensor):
-            raise TypeError(f"attnops.{op}: {name} must be a tensor (float32, 0-d or [num_kv_heads] for fp8), not "
+            raise TypeError(f"attnops.{op}: {name} must be a tensor ({_EXPECTED[name]}), not "
                             f"{type(s).__name__}: pass torch.tensor({s!r}, device=...) once and reuse it (a tensor "
-                            f"scale can change without recompiling a compiled graph)")
+                            f"can change without recompiling a compiled graph)")
 
 
 def paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q=None, *, scale=None, soft_cap=0.0,
-                    window_left=-1, kv_format="auto", k_scale=None, v_scale=None, out=None):
+                    window_left=-1, kv_format="auto", k_scale=None, v_scale=None, sinks=None, tree_mask=None,
+                    out=None):
     """`torch.ops.attnops.paged_attention`, or its `.out` overload when `out` is given (then returns `out`)."""
-    _scales_are_tensors("paged_attention", k_scale=k_scale, v_scale=v_scale)
+    _scales_are_tensors("paged_attention", k_scale=k_scale, v_scale=v_scale, sinks=sinks)
     if out is None:
         return torch.ops.attnops.paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
                                                  scale=scale, soft_cap=soft_cap, window_left=window_left,
-                                                 kv_format=kv_format, k_scale=k_scale, v_scale=v_scale)
+                                                 kv_format=kv_format, k_scale=k_scale, v_scale=v_scale,
+                                                 sinks=sinks, tree_mask=tree_mask)
     torch.ops.attnops.paged_attention.out(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale=scale,
                                           soft_cap=soft_cap, window_left=window_left, kv_format=kv_format,
-                                          k_scale=k_scale, v_scale=v_scale, out=out)
+                                          k_scale=k_scale, v_scale=v_scale, sinks=sinks, tree_mask=tree_mask,
+                                          out=out)
     return out
 
 

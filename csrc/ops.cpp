@@ -6,11 +6,13 @@ TORCH_LIBRARY(attnops, m) {
   m.def(
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
       "Tensor? cu_seqlens_q=None, *, float? scale=None, float soft_cap=0.0, int window_left=-1, "
-      "str kv_format=\"auto\", Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
+      "str kv_format=\"auto\", Tensor? k_scale=None, Tensor? v_scale=None, Tensor? sinks=None, "
+      "Tensor? tree_mask=None) -> Tensor");
   m.def(
       "paged_attention.out(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
       "Tensor? cu_seqlens_q=None, *, float? scale=None, float soft_cap=0.0, int window_left=-1, "
-      "str kv_format=\"auto\", Tensor? k_scale=None, Tensor? v_scale=None, Tensor(a!) out) -> ()");
+      "str kv_format=\"auto\", Tensor? k_scale=None, Tensor? v_scale=None, Tensor? sinks=None, "
+      "Tensor? tree_mask=None, Tensor(a!) out) -> ()");
   m.def(
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, *, "
       "str kv_format=\"auto\", Tensor? k_scale=None, Tensor? v_scale=None, "

@@ -44,3 +44,27 @@ def test_cpu_mode_schema_and_correctness_gate(tmp_path, monkeypatch):
     assert all("dispatch_overhead_us" in r for r in reference)
     assert (tmp_path / "bench.png").stat().st_size > 0
     assert torch.isfinite(torch.tensor([r["median_us"] for r in reference])).all()
+
+
+def test_spec_grid_cases_carry_sinks_and_tree_masks_to_the_kernels():
+    from attnops.backends.reference import paged_attention_reference
+    from attnops.bench import grid
+    from attnops.bench import peers
+    from attnops.testing import relative_error
+    cases = grid.spec_grid()
+    assert any(c.sinks for c in cases) and {c.tree for c in cases} >= {2, 3, 4}
+    assert {tuple(c.q_lens or ()) for c in cases if c.tree} == {(16,) * 32, (64,) * 32}
+    small = grid.Case("tiny-tree", "spec-tree", [70, 40], [9, 5], num_q_heads=8, num_kv_heads=2, head_dim=64,
+                      kv_format="fp32", sinks=True, tree=3)
+    args = bench.make_args(small, torch.device("cpu"), torch.float32)
+    assert args["tree_mask"].shape == (14, 9) and args["sinks"].shape == (8,)
+    op, bare = bench.backend_runner("cpu", small, args)
+    expected = paged_attention_reference(**args)
+    assert relative_error(op(), expected) < 1e-5 and relative_error(bare(), expected) < 1e-5
+    plain = {k: v for k, v in args.items() if k not in ("sinks", "tree_mask")}
+    assert relative_error(paged_attention_reference(**plain), expected) > 1e-2  # they were applied
+    try:
+        peers.sdpa_on_gathered(small, args)
+        raise AssertionError("a peer timed a case without its sinks and tree mask")
+    except peers.Unsupported:
+        pass

@@ -318,7 +318,7 @@ def test_cpp_checks_keep_reads_in_bounds():
     args = random_paged_inputs([40, 7], page_size=16)
     out = torch.empty_like(args["q"])
     call = lambda table, lens: torch.ops.attnops.cpu_paged_attention(  # noqa: E731
-        args["q"], args["k_cache"], args["v_cache"], table, lens, None, 0.125, 0.0, -1, None, None, out)
+        args["q"], args["k_cache"], args["v_cache"], table, lens, None, 0.125, 0.0, -1, None, None, None, None, out)
     bad_table = args["block_table"].clone()
     bad_table[0, 1] = args["k_cache"].shape[0]
     with pytest.raises(ValueError, match="outside the cache"):

@@ -33,9 +33,11 @@ class Backend:
         raise NotImplementedError
 
     def paged_attention(self, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale: float,
-                        soft_cap: float, window_left: int, kv_format: str, k_scale, v_scale, out) -> None:
+                        soft_cap: float, window_left: int, kv_format: str, k_scale, v_scale, out, sinks=None,
+                        tree_mask=None) -> None:
         """Writes the attention output into `out` ([T, Hq, D], q's dtype). Inputs are already validated;
-        `kv_format` is resolved and `scale` is a float."""
+        `kv_format` is resolved and `scale` is a float. `sinks` and `tree_mask` come only to a backend whose
+        `supports` accepted a case with them."""
         raise NotImplementedError
 
     def reshape_and_cache(self, key, value, k_cache, v_cache, slot_mapping, *, kv_format: str, k_scale, v_scale,
@@ -44,7 +46,8 @@ class Backend:
 
 
 def common_reasons(case, *, devices=None, q_dtypes=None, kv_formats=None, head_dims=None,
-                   soft_cap: bool = True, sliding_window: bool = True, archs=None) -> list[str]:
+                   soft_cap: bool = True, sliding_window: bool = True, sinks: bool = True, tree_mask: bool = True,
+                   archs=None) -> list[str]:
     """The reasons shared by most backends' `supports`, from what each declares as data."""
     reasons = []
     if devices is not None and case.device_type not in devices:
@@ -63,4 +66,8 @@ def common_reasons(case, *, devices=None, q_dtypes=None, kv_formats=None, head_d
             reasons.append("soft_cap not supported")
         if case.sliding_window and not sliding_window:
             reasons.append("sliding window not supported")
+        if case.sinks and not sinks:
+            reasons.append("sinks not supported")
+        if case.tree_mask and not tree_mask:
+            reasons.append("tree_mask not supported")
     return reasons

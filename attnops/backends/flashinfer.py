@@ -161,7 +161,8 @@ class FlashInferBackend(Backend):
         if isinstance(case, CacheWriteCase):
             return ["writes the cache through attnops' own kernels (FlashInfer has no fp8-scaled/4-bit cache write)"]
         reasons = common_reasons(case, devices=("cuda",), q_dtypes=Q_DTYPES, kv_formats=KV_FORMATS,
-                                 head_dims=HEAD_DIMS, archs=lambda arch: arch >= (8, 0))
+                                 head_dims=HEAD_DIMS, archs=lambda arch: arch >= (8, 0), sinks=False,
+                                 tree_mask=False)
         if case.scale_kind == "per_head":
             reasons.append("per-head fp8 scales: FlashInfer takes one scale per tensor")
         if formats.is_fp4(case.kv_format):
@@ -244,7 +245,7 @@ class FlashInferBackend(Backend):
         return wrapper, plans.row_mask.get(key), True
 
     def paged_attention(self, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, soft_cap,
-                        window_left, kv_format, k_scale, v_scale, out) -> None:
+                        window_left, kv_format, k_scale, v_scale, out, sinks=None, tree_mask=None) -> None:
         wrapper, empty_rows, planned_now = self._plan(q, k_cache, block_table, seq_lens, cu_seqlens_q, scale,
                                                       soft_cap, window_left)
         fp8 = formats.is_fp8(kv_format)

@@ -23,8 +23,12 @@ def _gather_sequence(cache: torch.Tensor, scale: torch.Tensor | None, pages: tor
 
 def paged_attention_reference(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q=None, *, scale=None,
                               soft_cap=0.0, window_left=-1, kv_format="auto", k_scale=None, v_scale=None,
-                              compute_dtype=torch.float64) -> torch.Tensor:
-    """Paged attention, one sequence at a time, in `compute_dtype`. Returns [T, Hq, D] in q's dtype."""
+                              sinks=None, tree_mask=None, compute_dtype=torch.float64) -> torch.Tensor:
+    """Paged attention, one sequence at a time, in `compute_dtype`. Returns [T, Hq, D] in q's dtype.
+
+    sinks [Hq]: a logit per head that joins every row's softmax denominator (and nothing of V). tree_mask
+    [T, Q] bool: inside its query block, row i of a sequence sees block key j iff tree_mask[row, j] (j < Q),
+    in place of the causal rule; keys before the block stay visible."""
     fmt = formats.resolve_kv_format(kv_format, k_cache.dtype)
     num_tokens, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -54,17 +58,31 @@ def paged_attention_reference(q, k_cache, v_cache, block_table, seq_lens, cu_seq
         scores = torch.einsum("qhd,khd->hqk", queries, k) * scale
         if 0 < soft_cap < float("inf"):  # inf: no cap
             scores = soft_cap * torch.tanh(scores / soft_cap)
-        # the queries are the sequence's last num_queries positions; each sees keys at positions <= its own
-        query_pos = torch.arange(kv_len - num_queries, kv_len, device=q.device)[:, None]
+        # the queries are the sequence's last num_queries positions; each sees keys at positions <= its own, or
+        # with a tree mask, every key before the block and the block's keys its mask row names
+        block_start = kv_len - num_queries
+        query_pos = torch.arange(block_start, kv_len, device=q.device)[:, None]
         key_pos = torch.arange(kv_len, device=q.device)[None, :]
-        visible = key_pos <= query_pos
+        if tree_mask is None:
+            visible = key_pos <= query_pos
+        else:
+            in_block = torch.zeros(num_queries, num_queries, dtype=torch.bool, device=q.device)
+            cols = min(num_queries, tree_mask.shape[1])  # columns past Q: not visible
+            in_block[:, :cols] = tree_mask[q_start:q_end, :cols]
+            visible = torch.cat([torch.ones(num_queries, block_start, dtype=torch.bool, device=q.device),
+                                 in_block], dim=1)
         if window_left >= 0:
             visible &= query_pos - key_pos <= window_left
         scores = scores.masked_fill(~visible, float("-inf"))
         # a row that sees no key is 0; NaN in a visible score (from q or K) or in V reaches exactly the rows that
         # read it, as in SDPA (masked keys are -inf before the softmax, so a NaN key outside a row's view is not read)
         sees_a_key = visible.any(-1)  # [n]
-        probs = torch.softmax(torch.where(sees_a_key[None, :, None], scores, 0.0), dim=-1)
+        scores = torch.where(sees_a_key[None, :, None], scores, 0.0)
+        if sinks is None:
+            probs = torch.softmax(scores, dim=-1)
+        else:  # the sink is one more logit in the denominator, with no value: its column is dropped after
+            sink = sinks.to(compute_dtype)[:, None, None].expand(num_q_heads, num_queries, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
         if bool(torch.isfinite(v).all()):
             rows = torch.einsum("hqk,khd->qhd", probs, v)
         else:  # 0 x NaN is NaN: each row reads only the values it sees
@@ -103,11 +121,11 @@ class ReferenceBackend(Backend):
         return []  # the oracle serves every valid case
 
     def paged_attention(self, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, soft_cap,
-                        window_left, kv_format, k_scale, v_scale, out) -> None:
+                        window_left, kv_format, k_scale, v_scale, out, sinks=None, tree_mask=None) -> None:
         out.copy_(paged_attention_reference(
             q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale=scale, soft_cap=soft_cap,
-            window_left=window_left, kv_format=kv_format, k_scale=k_scale, v_scale=v_scale,
-            compute_dtype=torch.float64))
+            window_left=window_left, kv_format=kv_format, k_scale=k_scale, v_scale=v_scale, sinks=sinks,
+            tree_mask=tree_mask, compute_dtype=torch.float64))
 
     def reshape_and_cache(self, key, value, k_cache, v_cache, slot_mapping, *, kv_format, k_scale, v_scale,
                           k_block_scale, v_block_scale) -> None:

@@ -19,6 +19,8 @@ class Case:
     kv_format: str = "bf16"
     scale_kind: str = "per_tensor"
     page_size: int = 16
+    sinks: bool = False  # a random per-head sink logit
+    tree: int = 0  # > 0: each query block is a complete draft tree of this branching (tree_mask), else causal
     tags: list = field(default_factory=list)
 
     @property
@@ -132,6 +134,35 @@ def models_unseen_grid() -> list:
     return cases
 
 
+def tree_parents(n: int, branching: int) -> list:
+    """A complete draft tree of n tokens in breadth-first order: token i's parent is (i - 1) // branching."""
+    return [-1] + [(i - 1) // branching for i in range(1, n)]
+
+
+def spec_grid() -> list:
+    """Sinks and draft trees against the same batch without them: decode with and without sinks (llama-3-8b and
+    gpt-oss heads, bf16 and fp8), and verify of 16- and 64-token trees of branching 2-4 next to a decode step and
+    a causal verify of the same batch."""
+    cases = []
+    for model in ("llama-3-8b", "gpt-oss"):
+        hq, hkv, d = MODEL_HEADS[model]
+        heads = dict(num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
+        for fmt in ("bf16", "fp8_e4m3"):
+            for b, n in ((1, 32768), (32, 4096), (128, 4096)):
+                for sinks in (False, True):
+                    cases.append(Case(f"{model}-{hq}-{hkv}-{d}/{fmt}/decode{b}x{n}{'/sinks' if sinks else ''}",
+                                      "spec-sinks", [n] * b, **heads, kv_format=fmt, sinks=sinks))
+    for fmt in ("bf16", "fp8_e4m3"):
+        base = f"llama-3-8b-32-8-128/{fmt}/32x4096"
+        cases.append(Case(f"{base}/decode", "spec-tree", [4096] * 32, kv_format=fmt))
+        for q in (16, 64):
+            cases.append(Case(f"{base}/causal-q{q}", "spec-tree", [4096] * 32, [q] * 32, kv_format=fmt))
+            for branching in (2, 3, 4):
+                cases.append(Case(f"{base}/tree-q{q}-b{branching}", "spec-tree", [4096] * 32, [q] * 32,
+                                  kv_format=fmt, tree=branching))
+    return cases
+
+
 def cpu_grid() -> list:
     """For CI and CPU users: small, fp32 and bf16, the CPU backend against gather + SDPA."""
     cases = []
@@ -149,5 +180,5 @@ def cpu_issue_grid() -> list:
             for fmt in ("fp32", "bf16") for b, n in ((8, 2048), (1, 16384))]
 
 
-GRIDS = {"gpu": gpu_grid, "models": models_grid, "models-unseen": models_unseen_grid, "cpu": cpu_grid,
-         "cpu-issue": cpu_issue_grid}
+GRIDS = {"gpu": gpu_grid, "models": models_grid, "models-unseen": models_unseen_grid, "spec": spec_grid,
+         "cpu": cpu_grid, "cpu-issue": cpu_issue_grid}

@@ -26,7 +26,13 @@ def _workspace(device):
     return _WORKSPACE[device]
 
 
+def _no_spec_features(case):
+    if case.sinks or case.tree:
+        raise Unsupported("timed without sinks and tree masks (the peer's call would not apply them)")
+
+
 def _flashinfer_kv(case, args):
+    _no_spec_features(case)
     if formats.is_fp4(case.kv_format):
         raise Unsupported("FlashInfer has no paged nvfp4/mxfp4 decode on sm_90")
     if case.scale_kind == "per_head" and formats.is_fp8(case.kv_format):
@@ -115,6 +121,7 @@ def gather_dense(args, case, dtype):
 
 
 def sdpa_on_gathered(case, args, include_gather=False):
+    _no_spec_features(case)
     if len(set(case.kv_lens)) != 1 or (case.q_lens is not None and len(set(case.q_lens)) != 1):
         raise Unsupported("SDPA needs equal lengths (a ragged batch would need padding)")
     q = args["q"]

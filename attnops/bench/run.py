@@ -31,6 +31,7 @@ from .. import formats
 from ..backends import BACKENDS
 from ..backends.reference import paged_attention_reference
 from ..checks import check_paged_attention
+from ..serving.spec import tree_mask_from_parents
 from ..testing import random_paged_inputs, relative_error
 from . import grid as grid_module
 from . import peers as peers_module
@@ -106,10 +107,16 @@ def matmul_tflops(device) -> float:
 
 
 def make_args(case, device, q_dtype):
-    return random_paged_inputs(case.kv_lens, case.q_lens, num_q_heads=case.num_q_heads,
+    args = random_paged_inputs(case.kv_lens, case.q_lens, num_q_heads=case.num_q_heads,
                                num_kv_heads=case.num_kv_heads, head_dim=case.head_dim, page_size=case.page_size,
                                kv_format=case.kv_format, q_dtype=q_dtype, scale_kind=case.scale_kind, device=device,
                                seed=sum(case.kv_lens) % 9973, table_padding=0)
+    if case.sinks:
+        args["sinks"] = torch.randn(case.num_q_heads, generator=torch.Generator().manual_seed(1)).to(device)
+    if case.tree:
+        args["tree_mask"] = tree_mask_from_parents([grid_module.tree_parents(n, case.tree) for n in case.q_lens],
+                                                   device=device)
+    return args
 
 
 def backend_runner(name, case, args):
@@ -118,7 +125,8 @@ def backend_runner(name, case, args):
     op_args = dict(args)
     attention_case = check_paged_attention(
         op_args["q"], op_args["k_cache"], op_args["v_cache"], op_args["block_table"], op_args["seq_lens"],
-        op_args["cu_seqlens_q"], None, 0.0, -1, op_args["kv_format"], op_args.get("k_scale"), op_args.get("v_scale"))
+        op_args["cu_seqlens_q"], None, 0.0, -1, op_args["kv_format"], op_args.get("k_scale"), op_args.get("v_scale"),
+        op_args.get("sinks"), op_args.get("tree_mask"))
     reasons = backend.unavailable() + backend.supports(attention_case)
     if reasons:
         raise peers_module.Unsupported("; ".join(reasons))
@@ -132,7 +140,8 @@ def backend_runner(name, case, args):
         backend.paged_attention(args["q"], args["k_cache"], args["v_cache"], args["block_table"], args["seq_lens"],
                                 args["cu_seqlens_q"], scale=case.head_dim ** -0.5, soft_cap=0.0, window_left=-1,
                                 kv_format=attention_case.kv_format, k_scale=args.get("k_scale"),
-                                v_scale=args.get("v_scale"), out=out)
+                                v_scale=args.get("v_scale"), sinks=args.get("sinks"),
+                                tree_mask=args.get("tree_mask"), out=out)
         return out
     return op, bare
 

@@ -131,6 +131,41 @@ class PagedKVCache:
     def seq_len(self, seq_id) -> int:
         return self._lengths[seq_id]
 
+    def truncate(self, seq_id, length: int) -> None:
+        """Drops the sequence's tokens from position `length` on; pages left empty go back to the free list."""
+        if not 0 <= length <= self._lengths[seq_id]:
+            raise ValueError(f"PagedKVCache.truncate: length must be in [0, {self._lengths[seq_id]}] for sequence "
+                             f"{seq_id!r} (got {length})")
+        pages = self._pages[seq_id]
+        keep = -(-length // self.page_size)
+        self._free_pages.extend(reversed(pages[keep:]))
+        self._table[self._row[seq_id], keep:len(pages)] = -1
+        del pages[keep:]
+        self._lengths[seq_id] = length
+
+    def keep_path(self, seq_id, block_start: int, path: list[int]) -> None:
+        """After a draft tree's verification: the tokens of the block that starts at position `block_start`
+        whose indices in the block are `path` (increasing: the accepted root-to-leaf path) move to positions
+        block_start, block_start + 1, ..., in every layer (keys, values and block scales), and the sequence ends
+        after them."""
+        end = self._lengths[seq_id]
+        if not 0 <= block_start <= end:
+            raise ValueError(f"PagedKVCache.keep_path: block_start must be in [0, {end}] (got {block_start})")
+        if any(not 0 <= i < end - block_start for i in path) or any(a >= b for a, b in zip(path, path[1:])):
+            raise ValueError(f"PagedKVCache.keep_path: path must be increasing indices into the block's "
+                             f"{end - block_start} tokens (got {path})")
+        if list(path) != list(range(len(path))):
+            pages = torch.tensor(self._pages[seq_id], dtype=torch.long)
+            src = torch.tensor(path, dtype=torch.long) + block_start
+            dst = torch.arange(block_start, block_start + len(path))
+            src_page, src_off = pages[src // self.page_size].to(self.device), (src % self.page_size).to(self.device)
+            dst_page, dst_off = pages[dst // self.page_size].to(self.device), (dst % self.page_size).to(self.device)
+            for storage in self.kv + (self.block_scales or []):  # [pages, 2 (K, V), page_size, ...]
+                if storage.element_size() == 1:  # as bytes: indexing kernels do not all take float8 dtypes
+                    storage = storage.view(torch.uint8)
+                storage[dst_page, :, dst_off] = storage[src_page, :, src_off]  # the gather copies first
+        self.truncate(seq_id, block_start + len(path))
+
     def prepare(self, seq_ids: list, num_new_tokens: list[int] | int = 1, *, decode: bool | None = None,
                 max_pages: int | None = None) -> BatchMetadata:
         """Reserves slots for each sequence's new tokens and returns the step's metadata.

@@ -366,7 +366,31 @@ struct RowLimits {
 
 inline RowLimits token_limits(const AttentionParams& p, const Tile& tile, int64_t token) {
   const int64_t pos = tile.first_pos + token;
-  return {p.window_left >= 0 ? std::max<int64_t>(0, pos - p.window_left) : 0, pos};
+  // with a tree mask, keys of the block after the row's own position may be visible: the mask decides those
+  return {p.window_left >= 0 ? std::max<int64_t>(0, pos - p.window_left) : 0,
+          p.tree_mask != nullptr ? tile.kv_end - 1 : pos};
+}
+
+// Whether row `token` of a tile sees the key at `pos` of its sequence's query block (pos >= tile.block_start),
+// by the tree mask: columns at or past the mask's width are not visible.
+inline bool tree_visible(const AttentionParams& p, const Tile& tile, int64_t token, int64_t pos) {
+  const int64_t col = pos - tile.block_start;
+  return col < p.tree_mask_cols && p.tree_mask[(tile.q_begin + token) * p.tree_mask_stride + col];
+}
+
+// The factor that turns a row's accumulator (sum_j e^(x_j - m) v_j over its keys, with running max m and sum l)
+// into its output, v_scale included: 1/l, or with a sink s e^(m - M) / (l e^(m - M) + e^(s - M)), M = max(m, s).
+// A row that saw no key is 0; one that read a NaN is NaN.
+inline float output_norm(const AttentionParams& p, const Tile& tile, const TileRows& rows, int64_t r, float m,
+                         float l) {
+  const float v_scale = p.v_scale[tile.kv_head + r / rows.per_head];
+  if (std::isnan(l)) return std::numeric_limits<float>::quiet_NaN();
+  if (!(l > 0.f)) return 0.f;
+  if (p.sinks == nullptr) return v_scale / l;
+  const float s = p.sinks[rows.q_head(p, tile, r)];
+  const float big = nan_max(m, s);
+  const float keep = std::exp(m - big);
+  return v_scale * keep / (l * keep + std::exp(s - big));
 }
 
 template <typename QT, typename Loader>
@@ -396,7 +420,8 @@ void attend_impl(const AttentionParams& p, const Loader& ld, const Tile& tile, c
   // Tokens whose limits lie strictly inside a chunk need masking there; for the rest of the range the whole chunk
   // is visible to every row. The tile's tokens are consecutive positions, so the tightest limits are those of the
   // first token (causal: smallest hi) and the last (window: largest lo).
-  const int64_t min_hi = tile.first_pos;
+  // (with a tree mask, the block's keys are masked by the mask: every chunk that reaches the block needs it)
+  const int64_t min_hi = p.tree_mask != nullptr ? tile.block_start - 1 : tile.first_pos;
   const int64_t max_lo = token_limits(p, tile, rows.tokens - 1).lo;
 
   const KT* k_cache = static_cast<const KT*>(p.k_cache);
@@ -463,9 +488,14 @@ void attend_impl(const AttentionParams& p, const Loader& ld, const Tile& tile, c
       for (int64_t j = n; j < kKeyChunk; ++j) s[j] = kNegInf;
       // ...and for the keys this row cannot see
       if (needs_mask) {
-        const RowLimits lim = token_limits(p, tile, rows.token(p, r));
+        const int64_t token = rows.token(p, r);
+        const RowLimits lim = token_limits(p, tile, token);
         for (int64_t j = 0; j < n; ++j)
           if (c0 + j < lim.lo || c0 + j > lim.hi) s[j] = kNegInf;
+        if (p.tree_mask != nullptr) {
+          for (int64_t j = std::max<int64_t>(0, tile.block_start - c0); j < n; ++j)
+            if (!tree_visible(p, tile, token, c0 + j)) s[j] = kNegInf;
+        }
       }
 
       // online softmax: fold this chunk into the row's running max and sum
@@ -512,9 +542,7 @@ void attend_impl(const AttentionParams& p, const Loader& ld, const Tile& tile, c
   for (int64_t r = 0; r < rows.total; ++r) {
     QT* dst =
         out + (tile.q_begin + rows.token(p, r)) * p.out_stride_token + rows.q_head(p, tile, r) * p.out_stride_head;
-    // a row that saw no key (an empty sequence) is 0; one that read a NaN is NaN
-    const float norm = row_sum[r] > 0.f ? p.v_scale[tile.kv_head + r / rows.per_head] / row_sum[r]
-                       : std::isnan(row_sum[r]) ? std::numeric_limits<float>::quiet_NaN() : 0.f;
+    const float norm = output_norm(p, tile, rows, r, row_max[r], row_sum[r]);
     const float* a = acc + r * D;
     for (int64_t d = 0; d < D; ++d) dst[d * p.out_stride_dim] = from_float<QT>(a[d] * norm);
   }
@@ -546,8 +574,7 @@ void merge_impl(const AttentionParams& p, const Tile& tile, int64_t first_slot, 
           at::vec::fmadd(Vec::loadu(a + d), vw, Vec::loadu(merged + d)).store(merged + d);
       }
     }
-    const float norm = l > 0.f ? p.v_scale[tile.kv_head + r / rows.per_head] / l
-                       : std::isnan(l) ? std::numeric_limits<float>::quiet_NaN() : 0.f;
+    const float norm = output_norm(p, tile, rows, r, m, l);
     QT* dst =
         out + (tile.q_begin + rows.token(p, r)) * p.out_stride_token + rows.q_head(p, tile, r) * p.out_stride_head;
     for (int64_t d = 0; d < D; ++d) dst[d * p.out_stride_dim] = from_float<QT>(merged[d] * norm);

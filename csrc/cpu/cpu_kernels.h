@@ -43,6 +43,13 @@ struct AttentionParams {
   const float* k_scale;
   const float* v_scale;
 
+  // [Hq] a logit per query head that joins every row's softmax denominator (null: none)
+  const float* sinks;
+  // bool [T, tree_mask_cols] (null: causal): inside its sequence's query block, row t sees block key j iff
+  // tree_mask[t * tree_mask_stride + j], for j < tree_mask_cols; keys before the block stay visible
+  const bool* tree_mask;
+  int64_t tree_mask_stride, tree_mask_cols;
+
   int64_t max_tile_rows;  // rows (query tokens x heads of a group) of the largest tile: sizes the scratch
 };
 
@@ -54,6 +61,7 @@ struct Tile {
   int64_t kv_head, num_heads;
   int64_t q_begin, q_end;    // rows of q (absolute)
   int64_t first_pos;         // position in the sequence of query row q_begin (queries are the sequence's last ones)
+  int64_t block_start;       // position of the sequence's first query (its query block starts there)
   int64_t kv_begin, kv_end;  // keys any row of the tile can see
 };
 

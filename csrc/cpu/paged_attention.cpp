@@ -59,7 +59,8 @@ void paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const a
                          const at::Tensor& block_table, const at::Tensor& seq_lens,
                          const std::optional<at::Tensor>& cu_seqlens_q, double scale, double soft_cap,
                          int64_t window_left, const std::optional<at::Tensor>& k_scale,
-                         const std::optional<at::Tensor>& v_scale, const at::Tensor& out) {
+                         const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& sinks,
+                         const std::optional<at::Tensor>& tree_mask, const at::Tensor& out) {
   const char* op = "paged_attention";
   const int page_shift = check_caches(op, k_cache, v_cache);
   ATTNOPS_ARG_CHECK(op, q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1,
@@ -95,6 +96,20 @@ void paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const a
   }
   ATTNOPS_ARG_CHECK(op, scale > 0 && soft_cap >= 0 && window_left >= -1,
                     "need scale > 0, soft_cap >= 0, window_left >= -1");
+  if (sinks.has_value()) {
+    ATTNOPS_ARG_CHECK(op,
+                      sinks->device().is_cpu() && sinks->scalar_type() == at::kFloat && sinks->dim() == 1 &&
+                          sinks->size(0) == num_q_heads && sinks->stride(0) == 1,
+                      "sinks must be a contiguous float32 CPU tensor [num_q_heads]");
+  }
+  if (tree_mask.has_value()) {
+    ATTNOPS_ARG_CHECK(op, !decode, "tree_mask needs cu_seqlens_q (decode has one query row per sequence)");
+    ATTNOPS_ARG_CHECK(op,
+                      tree_mask->device().is_cpu() && tree_mask->scalar_type() == at::kBool &&
+                          tree_mask->dim() == 2 && tree_mask->size(0) == num_tokens && tree_mask->size(1) >= 1 &&
+                          tree_mask->stride(1) == 1,
+                      "tree_mask must be a bool CPU tensor [num_tokens, Q], contiguous in its last dimension");
+  }
   const bool fp8 = is_fp8(k_cache.scalar_type());
   const std::vector<float> k_scales = unpack_scale(op, "k_scale", k_scale, fp8, num_kv_heads);
   const std::vector<float> v_scales = unpack_scale(op, "v_scale", v_scale, fp8, num_kv_heads);
@@ -128,6 +143,10 @@ void paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const a
   p.window_left = window_left;
   p.k_scale = k_scales.data();
   p.v_scale = v_scales.data();
+  p.sinks = sinks.has_value() ? sinks->const_data_ptr<float>() : nullptr;
+  p.tree_mask = tree_mask.has_value() ? tree_mask->const_data_ptr<bool>() : nullptr;
+  p.tree_mask_stride = tree_mask.has_value() ? tree_mask->stride(0) : 0;
+  p.tree_mask_cols = tree_mask.has_value() ? tree_mask->size(1) : 0;
 
   // Tiles. Lengths and offsets are read from host memory (CPU tensors: no device sync), and checked so that no key
   // or page outside the tensors is ever read.
@@ -155,13 +174,15 @@ void paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const a
     }
     for (int64_t t0 = q_begin; t0 < q_end; t0 += tokens_per_tile) {
       const int64_t t1 = std::min(t0 + tokens_per_tile, q_end);
-      // the queries are the sequence's last q_len positions; each sees keys at positions <= its own
-      const int64_t first_pos = kv_len - (q_end - q_begin) + (t0 - q_begin);
+      // the queries are the sequence's last q_len positions; each sees keys at positions <= its own (with a tree
+      // mask, any key of the block its mask row names: the whole sequence is in range)
+      const int64_t block_start = kv_len - (q_end - q_begin);
+      const int64_t first_pos = block_start + (t0 - q_begin);
       const int64_t last_pos = first_pos + (t1 - t0) - 1;
-      const int64_t kv_end = std::clamp<int64_t>(last_pos + 1, 0, kv_len);
+      const int64_t kv_end = std::clamp<int64_t>(p.tree_mask != nullptr ? kv_len : last_pos + 1, 0, kv_len);
       // keys before the window of the block's first token are never read (whole pages of them are skipped)
       const int64_t kv_begin = window_left >= 0 ? std::clamp<int64_t>(first_pos - window_left, 0, kv_end) : 0;
-      blocks.push_back({b, 0, num_kv_heads, t0, t1, first_pos, kv_begin, kv_end});
+      blocks.push_back({b, 0, num_kv_heads, t0, t1, first_pos, block_start, kv_begin, kv_end});
     }
   }
   if (blocks.empty()) return;
@@ -275,9 +296,10 @@ void cpu_paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const a
                          const at::Tensor& block_table, const at::Tensor& seq_lens,
                          const std::optional<at::Tensor>& cu_seqlens_q, double scale, double soft_cap,
                          int64_t window_left, const std::optional<at::Tensor>& k_scale,
-                         const std::optional<at::Tensor>& v_scale, at::Tensor& out) {
+                         const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& sinks,
+                         const std::optional<at::Tensor>& tree_mask, at::Tensor& out) {
   paged_attention_cpu(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left, k_scale,
-                      v_scale, out);
+                      v_scale, sinks, tree_mask, out);
 }
 
 #ifdef ATTNOPS_STANDALONE
@@ -287,21 +309,23 @@ void paged_attention_out(const at::Tensor& q, const at::Tensor& k_cache, const a
                          const at::Tensor& block_table, const at::Tensor& seq_lens,
                          const std::optional<at::Tensor>& cu_seqlens_q, std::optional<double> scale, double soft_cap,
                          int64_t window_left, c10::string_view kv_format, const std::optional<at::Tensor>& k_scale,
-                         const std::optional<at::Tensor>& v_scale, at::Tensor& out) {
+                         const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& sinks,
+                         const std::optional<at::Tensor>& tree_mask, at::Tensor& out) {
   check_kv_format("paged_attention", kv_format, k_cache.scalar_type());
   const double resolved_scale = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
   paged_attention_cpu(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, resolved_scale, soft_cap, window_left,
-                      k_scale, v_scale, out);
+                      k_scale, v_scale, sinks, tree_mask, out);
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_table, const at::Tensor& seq_lens,
                            const std::optional<at::Tensor>& cu_seqlens_q, std::optional<double> scale, double soft_cap,
                            int64_t window_left, c10::string_view kv_format, const std::optional<at::Tensor>& k_scale,
-                           const std::optional<at::Tensor>& v_scale) {
+                           const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& sinks,
+                           const std::optional<at::Tensor>& tree_mask) {
   at::Tensor out = at::empty_like(q);
   paged_attention_out(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left, kv_format,
-                      k_scale, v_scale, out);
+                      k_scale, v_scale, sinks, tree_mask, out);
   return out;
 }
 #endif  // ATTNOPS_STANDALONE
@@ -317,7 +341,7 @@ TORCH_LIBRARY_FRAGMENT(attnops, m) {
   m.def(
       "cpu_paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
       "Tensor? cu_seqlens_q, float scale, float soft_cap, int window_left, Tensor? k_scale, Tensor? v_scale, "
-      "Tensor(a!) out) -> ()");
+      "Tensor? sinks, Tensor? tree_mask, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(attnops, CPU, m) {

@@ -65,7 +65,7 @@ struct OpArgs {
   double soft_cap;
   int64_t window_left;
   c10::string_view kv_format;
-  const std::optional<at::Tensor>&k_scale, &v_scale;
+  const std::optional<at::Tensor>&k_scale, &v_scale, &sinks, &tree_mask;
   const at::Tensor& out;
 
   std::array<const at::Tensor*, 9> tensors() const {
@@ -197,6 +197,8 @@ void insert(std::unique_ptr<Entry> entry) {
 bool replay(const OpArgs& a) {
   // after a failed replay, every call goes through Python for the rest of the process
   if (armed.load(std::memory_order_relaxed) == 0 || replay_errors.load(std::memory_order_relaxed) != 0) return false;
+  // FlashInfer serves neither sinks nor tree masks (attnops/backends/flashinfer.py declines them): never armed
+  if (a.sinks.has_value() || a.tree_mask.has_value()) return false;
   if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) return false;
   std::lock_guard<std::mutex> lock(table_mutex);
   for (const auto& entry : table) {
@@ -226,9 +228,10 @@ void paged_attention_out(const at::Tensor& q, const at::Tensor& k_cache, const a
                          const at::Tensor& block_table, const at::Tensor& seq_lens,
                          const std::optional<at::Tensor>& cu_seqlens_q, std::optional<double> scale, double soft_cap,
                          int64_t window_left, c10::string_view kv_format, const std::optional<at::Tensor>& k_scale,
-                         const std::optional<at::Tensor>& v_scale, at::Tensor& out) {
+                         const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& sinks,
+                         const std::optional<at::Tensor>& tree_mask, at::Tensor& out) {
   const OpArgs a{q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left, kv_format,
-                 k_scale, v_scale, out};
+                 k_scale, v_scale, sinks, tree_mask, out};
   if (replay(a)) return;
   misses.fetch_add(1, std::memory_order_relaxed);
   TORCH_CHECK(python_impl != nullptr, "attnops: the Python implementation of paged_attention is not registered "
@@ -237,7 +240,7 @@ void paged_attention_out(const at::Tensor& q, const at::Tensor& k_cache, const a
   {
     py::gil_scoped_acquire gil;
     (*python_impl)(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left,
-                   std::string(kv_format), k_scale, v_scale, out);
+                   std::string(kv_format), k_scale, v_scale, sinks, tree_mask, out);
   }
   if (pending) {
     pending->bind(a);
@@ -249,10 +252,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
                            const at::Tensor& block_table, const at::Tensor& seq_lens,
                            const std::optional<at::Tensor>& cu_seqlens_q, std::optional<double> scale, double soft_cap,
                            int64_t window_left, c10::string_view kv_format, const std::optional<at::Tensor>& k_scale,
-                           const std::optional<at::Tensor>& v_scale) {
+                           const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& sinks,
+                           const std::optional<at::Tensor>& tree_mask) {
   at::Tensor out = at::empty_like(q);
   paged_attention_out(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left,
-                      kv_format, k_scale, v_scale, out);
+                      kv_format, k_scale, v_scale, sinks, tree_mask, out);
   return out;
 }
 

@@ -77,7 +77,8 @@ int main() {
       dispatcher.findSchemaOrThrow("attnops::paged_attention", "")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                             const at::Tensor&, const std::optional<at::Tensor>&, std::optional<double>, double, int64_t,
-                            c10::string_view, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&)>();
+                            c10::string_view, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                            const std::optional<at::Tensor>&, const std::optional<at::Tensor>&)>();
 
   // 1. write every token of every sequence (one padding slot, -1, is skipped)
   std::vector<int64_t> slots_padded = slots;
@@ -92,7 +93,8 @@ int main() {
   // 2. decode: one query per sequence
   const at::Tensor q = at::randn({batch, num_q_heads, head_dim});
   const at::Tensor out = paged_attention.call(q, k_cache, v_cache, block_table, seq_lens, std::nullopt, std::nullopt,
-                                              0.0, -1, "auto", std::nullopt, std::nullopt);
+                                              0.0, -1, "auto", std::nullopt, std::nullopt, std::nullopt,
+                                              std::nullopt);
   expect(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(), "decode output is [B, Hq, D] float32");
   expect(at::isfinite(out).all().item<bool>(), "decode output is finite");
   double worst = 0;
@@ -107,7 +109,7 @@ int main() {
   const at::Tensor lens2 = at::tensor(std::vector<int32_t>{37, 0, 100}, at::kInt);  // sequence 1 empty
   const at::Tensor q2 = at::randn({10, num_q_heads, head_dim});
   const at::Tensor out2 = paged_attention.call(q2, k_cache, v_cache, block_table, lens2, cu_seqlens_q, scale, 0.0, -1,
-                                               "auto", std::nullopt, std::nullopt);
+                                               "auto", std::nullopt, std::nullopt, std::nullopt, std::nullopt);
   const at::Tensor expected2 = at::cat({reference(q2.narrow(0, 0, 5), keys[0], values[0], scale),
                                         reference(q2.narrow(0, 5, 5), keys[2], values[2], scale)});
   const double err2 = (out2 - expected2).abs().max().item<double>();

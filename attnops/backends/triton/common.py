@@ -32,13 +32,14 @@ def e8m0_to_f32(s):
 
 @triton.jit
 def kv_plan(seq_len, q_len, q_block, window_left, MAX_SPLITS, CHUNK,
-            BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr):
+            BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TREE: tl.constexpr):
     """The KV positions the query block `q_block` of a sequence (KV length seq_len, q_len queries at its end)
     needs, and how they are cut into splits.
 
     Returns (first_pos, last_pos, kv_lo, kv_hi, n_splits, split_len):
     - first_pos/last_pos: positions of the block's first and last query;
-    - [kv_lo, kv_hi): the keys any of them sees; kv_lo rounded down to a BLOCK_N multiple so tiles stay aligned
+    - [kv_lo, kv_hi): the keys any of them sees (with a tree mask, up to the sequence's end: a row may see block
+      keys after its own position); kv_lo rounded down to a BLOCK_N multiple so tiles stay aligned
       to pages (a page of >= BLOCK_N tokens is never straddled); keys before the window are skipped here, not
       masked after reading;
     - n_splits (>= 1) programs share the range, each split_len keys (a BLOCK_N multiple). The number of splits
@@ -46,7 +47,10 @@ def kv_plan(seq_len, q_len, q_block, window_left, MAX_SPLITS, CHUNK,
       sequences get more splits than short ones and every program does about CHUNK keys of work."""
     first_pos = seq_len - q_len + q_block * BLOCK_Q
     last_pos = tl.minimum(first_pos + BLOCK_Q, seq_len) - 1
-    kv_hi = tl.maximum(last_pos + 1, 0)
+    if HAS_TREE:
+        kv_hi = tl.maximum(seq_len, 0)
+    else:
+        kv_hi = tl.maximum(last_pos + 1, 0)
     kv_lo = 0
     if HAS_WINDOW:
         kv_lo = tl.maximum(first_pos - window_left, 0)

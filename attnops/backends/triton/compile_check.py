@@ -49,7 +49,7 @@ def signature(fn, types: dict, constexprs: dict) -> dict:
             sig[name] = "constexpr"
         elif name in types:
             sig[name] = types[name]
-        elif name.startswith("stride") or name in ("num_seqs", "window_left", "MAX_SPLITS", "CHUNK"):
+        elif name.startswith("stride") or name in ("num_seqs", "window_left", "MAX_SPLITS", "CHUNK", "tm_cols"):
             sig[name] = "i32"
         elif name in ("sm_scale", "soft_cap"):
             sig[name] = "fp32"
@@ -58,7 +58,8 @@ def signature(fn, types: dict, constexprs: dict) -> dict:
     return sig
 
 
-NOT_DIVISIBLE = ("num_seqs", "window_left", "MAX_SPLITS", "CHUNK")  # do_not_specialize in the kernels
+# do_not_specialize in the kernels
+NOT_DIVISIBLE = ("num_seqs", "window_left", "MAX_SPLITS", "CHUNK", "stride_tm", "tm_cols")
 
 
 def compile_one(fn, types, constexprs, target, num_warps, num_stages, maxnreg=None):
@@ -128,7 +129,8 @@ def attention_types(fmt: str, q_dtype: str) -> dict:
     scale_ptr = {"block": "*u8", "tensor": "*fp32"}.get(FORMATS[fmt].scale, PTR[fmt])
     qp = "*" + q_dtype
     return dict(q_ptr=qp, k_ptr=PTR[fmt], v_ptr=PTR[fmt], ks_ptr=scale_ptr, vs_ptr=scale_ptr, bt_ptr="*i32",
-                seq_lens_ptr="*i32", cu_ptr="*i32", out_ptr=qp, part_out_ptr="*fp32", part_lse_ptr="*fp32")
+                seq_lens_ptr="*i32", cu_ptr="*i32", out_ptr=qp, part_out_ptr="*fp32", part_lse_ptr="*fp32",
+                sinks_ptr="*fp32", tm_ptr="*u8")
 
 
 # The shapes whose heuristic choices --heuristic compiles: (name, decode, batch, tokens per sequence, capacity)
@@ -187,7 +189,8 @@ def compile_attention(v, target):
     block_m = max(16, triton.next_power_of_2(v["block_q"] * v["group"]))
     constexprs = dict(NUM_Q_HEADS=8 * v["group"], HEAD_DIM=v["head_dim"], PAGE=v["page"], GROUP=v["group"],
                       BLOCK_Q=v["block_q"], BLOCK_M=block_m, BLOCK_N=v["block_n"], FMT=FMT_CODE[v["fmt"]],
-                      IS_DECODE=v["decode"], HAS_WINDOW=v["window"], HAS_SOFTCAP=v["soft_cap"], DOT_DTYPE=ddt,
+                      IS_DECODE=v["decode"], HAS_WINDOW=v["window"], HAS_SOFTCAP=v["soft_cap"],
+                      HAS_SINKS=v.get("sinks", False), HAS_TREE=v.get("tree", False), DOT_DTYPE=ddt,
                       DOT_PRECISION="ieee" if ddt == tl.float32 else "tf32",
                       FP8_DTYPE=tl.float8e4nv if v["fmt"] == "fp8_e4m3" else tl.float8e5,
                       SCALE_BCAST=v["scale_bcast"], FP4_ASM=v.get("fp4_asm", False),
@@ -197,9 +200,11 @@ def compile_attention(v, target):
     stages = 2 if v["head_dim"] >= 256 else 3
     compiled = compile_one(paged_attention_kernel, types, constexprs, target, v["warps"], stages)
     merge = compile_one(merge_splits_kernel, dict(out_ptr=qp, part_out_ptr="*fp32", part_lse_ptr="*fp32",
-                                                  seq_lens_ptr="*i32", cu_ptr="*i32"),
+                                                  seq_lens_ptr="*i32", cu_ptr="*i32", sinks_ptr="*fp32"),
                         dict(NUM_Q_HEADS=32, HEAD_DIM=v["head_dim"], BLOCK_Q=v["block_q"], BLOCK_N=v["block_n"],
-                             SPLITS_P2=64, IS_DECODE=v["decode"], HAS_WINDOW=v["window"], PDL=v.get("pdl", False)),
+                             SPLITS_P2=64, IS_DECODE=v["decode"], HAS_WINDOW=v["window"],
+                             HAS_TREE=v.get("tree", False), HAS_SINKS=v.get("sinks", False),
+                             PDL=v.get("pdl", False)),
                         target, 4, 2)
     return compiled, merge
 

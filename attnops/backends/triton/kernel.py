@@ -181,16 +181,17 @@ def _fp8_to_dot(x, FP8_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr):
 
 # Runtime values that change from call to call (batch size, window, split plan) must not be specialized on
 # (Triton compiles a variant for an int argument equal to 1): a batch of 1 or MAX_SPLITS=1 reuses the same binary.
-@triton.jit(do_not_specialize=["num_seqs", "window_left", "MAX_SPLITS", "CHUNK"])
+@triton.jit(do_not_specialize=["num_seqs", "window_left", "MAX_SPLITS", "CHUNK", "stride_tm", "tm_cols"])
 def paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_lens_ptr, cu_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    num_seqs, sm_scale, soft_cap, window_left, MAX_SPLITS, CHUNK,
+    sinks_ptr, tm_ptr, num_seqs, sm_scale, soft_cap, window_left, MAX_SPLITS, CHUNK,
     stride_qt, stride_qh, stride_kp, stride_kt, stride_kh,
     stride_ksp, stride_kst, stride_ksh, stride_vsp, stride_vst, stride_vsh,
-    stride_bt, stride_ot, stride_oh,
+    stride_bt, stride_ot, stride_oh, stride_tm, tm_cols,
     NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr,
-    IS_DECODE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    IS_DECODE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    HAS_TREE: tl.constexpr, DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FP8_DTYPE: tl.constexpr, SCALE_BCAST: tl.constexpr,
     FP4_ASM: tl.constexpr, SOFT_FP8: tl.constexpr,
     V_DEQUANT_FIRST: tl.constexpr, HEADS_INNER: tl.constexpr, PDL: tl.constexpr, FP8_V_PAIRS: tl.constexpr,
@@ -232,7 +233,7 @@ def paged_attention_kernel(
         return
     seq_len = tl.load(seq_lens_ptr + b)
     first_pos, last_pos, kv_lo, kv_hi, n_splits, split_len = kv_plan(
-        seq_len, q_len, q_block, window_left, MAX_SPLITS, CHUNK, BLOCK_Q, BLOCK_N, HAS_WINDOW)
+        seq_len, q_len, q_block, window_left, MAX_SPLITS, CHUNK, BLOCK_Q, BLOCK_N, HAS_WINDOW, HAS_TREE)
     if split >= n_splits:
         return
     split_lo = kv_lo + split * split_len
@@ -294,8 +295,13 @@ def paged_attention_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     head_off = kvh.to(tl.int64) * stride_kh
-    # keys every valid row sees without masking: causal bound of the first query, window bound of the last
-    full_hi = first_pos + 1
+    # keys every valid row sees without masking: causal bound of the first query (with a tree mask, the start of
+    # the sequence's query block: the mask decides each block key), window bound of the last
+    block_start = seq_len - q_len
+    if HAS_TREE:
+        full_hi = block_start
+    else:
+        full_hi = first_pos + 1
     full_lo = last_pos - window_left
 
     for start in range(split_lo, split_hi, BLOCK_N):
@@ -340,7 +346,15 @@ def paged_attention_kernel(
         if HAS_WINDOW:
             needs_mask = needs_mask | (start < full_lo)
         if needs_mask:
-            visible = kpos[None, :] <= q_pos[:, None]
+            if HAS_TREE:
+                # row i sees block key j (at block_start + j) iff tree_mask[its row, j], j < the mask's width
+                col = kpos - block_start
+                in_block = col >= 0
+                tm = tl.load(tm_ptr + tok[:, None] * stride_tm + col[None, :],
+                             mask=row_valid[:, None] & (in_block & (col < tm_cols) & kvalid)[None, :], other=0)
+                visible = kvalid[None, :] & (~in_block[None, :] | (tm != 0))
+            else:
+                visible = kpos[None, :] <= q_pos[:, None]
             if HAS_WINDOW:
                 visible = visible & (kpos[None, :] >= q_pos[:, None] - window_left)
             s = tl.where(visible, s, float("-inf"))
@@ -385,6 +399,12 @@ def paged_attention_kernel(
     else:
         col = tl.arange(0, HEAD_DIM)
     if n_splits == 1:
+        if HAS_SINKS:
+            # the sink joins the denominator: out = acc e^(m-M) / (l e^(m-M) + e^(s-M)), M = max(m, s) (base 2)
+            sink = tl.load(sinks_ptr + row_head, mask=row_valid, other=0.0) * LOG2E
+            big = tl.maximum(m_i, sink)
+            keep = tl.exp2(m_i - big) * l_i
+            inv_l = inv_l * (keep / (keep + tl.exp2(sink - big)))
         o_ptr = out_ptr + tok[:, None] * stride_ot + row_head.to(tl.int64)[:, None] * stride_oh + col[None, :]
         tl.store(o_ptr, (acc * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
         if PAIRED_V:
@@ -401,10 +421,11 @@ def paged_attention_kernel(
 
 @triton.jit(do_not_specialize=["num_seqs", "window_left", "MAX_SPLITS", "CHUNK"])
 def merge_splits_kernel(
-    out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, cu_ptr, num_seqs, window_left, MAX_SPLITS, CHUNK,
+    out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, cu_ptr, sinks_ptr, num_seqs, window_left, MAX_SPLITS, CHUNK,
     stride_ot, stride_oh,
     NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLITS_P2: tl.constexpr, IS_DECODE: tl.constexpr, HAS_WINDOW: tl.constexpr, PDL: tl.constexpr,
+    SPLITS_P2: tl.constexpr, IS_DECODE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TREE: tl.constexpr,
+    HAS_SINKS: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program per (query token, query head): combines the token's split partials by their LSE. It
     recomputes the split plan of the attention kernel (same kv_plan) and leaves single-split rows alone (the
@@ -424,7 +445,7 @@ def merge_splits_kernel(
     seq_len = tl.load(seq_lens_ptr + b)
     q_block = (t - q_start) // BLOCK_Q
     _, _, _, _, n_splits, _ = kv_plan(seq_len, q_len, q_block, window_left, MAX_SPLITS, CHUNK, BLOCK_Q, BLOCK_N,
-                                      HAS_WINDOW)
+                                      HAS_WINDOW, HAS_TREE)
     if PDL:  # every program waits, so that this grid completes after the attention kernel does
         gdc_wait()
     if n_splits <= 1:
@@ -433,8 +454,13 @@ def merge_splits_kernel(
     offs_s = tl.arange(0, SPLITS_P2)
     lse = tl.load(part_lse_ptr + row + offs_s, mask=offs_s < n_splits, other=float("-inf"))
     mx = tl.max(lse, 0)
+    if HAS_SINKS:  # one more logit in the denominator (base 2), with no value; a row with no key stays 0
+        sink = tl.load(sinks_ptr + h) * LOG2E
+        mx = tl.maximum(mx, sink)
     mx = tl.where(mx == float("-inf"), 0.0, mx)
     denom = tl.sum(tl.exp2(lse - mx), 0)
+    if HAS_SINKS:
+        denom += tl.where(tl.max(lse, 0) == float("-inf"), 0.0, tl.exp2(sink - mx))
     offs_d = tl.arange(0, HEAD_DIM)
     acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
     # partials a tile of SPLIT_TILE splits at a time, all of a tile's loads in flight together: one split a

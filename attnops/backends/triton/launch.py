@@ -16,7 +16,7 @@ from .kernel import merge_splits_kernel, paged_attention_kernel
 
 
 def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, soft_cap, window_left, kv_format,
-           k_scale, v_scale, out, config=None):
+           k_scale, v_scale, out, sinks=None, tree_mask=None, config=None):
     """Runs paged attention (decode when cu_seqlens_q is None) into `out`. Inputs are validated by the op."""
     decode = cu_seqlens_q is None
     num_tokens, num_q_heads, head_dim = q.shape
@@ -44,7 +44,7 @@ def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, s
         result = torch.empty_like(out, memory_format=torch.contiguous_format)
         launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale=scale, soft_cap=soft_cap,
                window_left=window_left, kv_format=kv_format, k_scale=k_scale, v_scale=v_scale, out=result,
-               config=config)
+               sinks=sinks, tree_mask=tree_mask, config=config)
         out.copy_(result)
         return
     block_q = cfg["BLOCK_Q"]
@@ -68,11 +68,17 @@ def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, s
             # FP8_V_PAIRS/FP8_K_PAIRS read 16-bit words: an odd address (a view at an odd offset) reads bytes
             cfg = dict(cfg, FP8_V_PAIRS=False, FP8_K_PAIRS=False)
 
+    if sinks is not None and sinks.stride(0) != 1:
+        sinks = sinks.contiguous()
+    # placeholders where absent (the kernel never reads them); the mask as bytes
+    sinks_arg = out if sinks is None else sinks
+    tm_arg, tm_stride, tm_cols = (out, 0, 0) if tree_mask is None else (
+        tree_mask.view(torch.uint8), tree_mask.stride(0), tree_mask.shape[1])
     cu = seq_lens if decode else cu_seqlens_q
     num_q_blocks = batch if decode else num_tokens // block_q + batch
     shape = dict(q_dtype=q.dtype, kv_format=kv_format, decode=decode, num_q_heads=num_q_heads, head_dim=head_dim,
                  group=group, page_size=page_size, window=window_left >= 0, soft_cap=soft_cap > 0,
-                 on_gpu=q.is_cuda and not interpreting())
+                 on_gpu=q.is_cuda and not interpreting(), sinks=sinks is not None, tree=tree_mask is not None)
     constexprs, options = kernel_constexprs(cfg, **shape)
     if max_splits > 1:
         # one allocation for both (host time per call matters for short decode steps): partial outputs
@@ -89,10 +95,10 @@ def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, s
         try:
             paged_attention_kernel[grid](
                 q, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens, cu, out, part_out, part_lse,
-                batch, float(scale), float(soft_cap), int(window_left), max_splits, chunk,
+                sinks_arg, tm_arg, batch, float(scale), float(soft_cap), int(window_left), max_splits, chunk,
                 q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                 *ks_strides, *vs_strides,
-                block_table.stride(0), out.stride(0), out.stride(1), **constexprs, **options)
+                block_table.stride(0), out.stride(0), out.stride(1), tm_stride, tm_cols, **constexprs, **options)
             break
         except OutOfResources as e:
             # Raised when the compiled kernel is loaded, before anything runs: the tile needs more shared
@@ -110,9 +116,10 @@ def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, s
                       f"{cfg['num_stages']} stages", RuntimeWarning)
     if max_splits > 1:
         merge_splits_kernel[(num_tokens, num_q_heads)](
-            out, part_out, part_lse, seq_lens, cu, batch, int(window_left), max_splits, chunk,
+            out, part_out, part_lse, seq_lens, cu, sinks_arg, batch, int(window_left), max_splits, chunk,
             out.stride(0), out.stride(1),
             NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_Q=block_q, BLOCK_N=cfg["BLOCK_N"],
             SPLITS_P2=max(2, triton.next_power_of_2(max_splits)), IS_DECODE=decode,
-            HAS_WINDOW=window_left >= 0, PDL=constexprs["PDL"], launch_pdl=constexprs["PDL"],
+            HAS_WINDOW=window_left >= 0, HAS_TREE=tree_mask is not None, HAS_SINKS=sinks is not None,
+            PDL=constexprs["PDL"], launch_pdl=constexprs["PDL"],
             num_warps=4 if head_dim >= 128 else 2)
