@@ -45,27 +45,20 @@ FAMILIES = {
     "gpt-oss": ("gpt_oss", dict(sliding_window=8, num_local_experts=4, num_experts_per_tok=2, intermediate_size=128,
                                 max_position_embeddings=131072)),  # yarn's factor 32 x 4096
 }
-# what each family's eager logits must depend on: config changes that switch a feature off
+# what each family's eager logits must depend on: config changes that switch a feature off (or, for sinks, sinks
+# of -inf)
 FEATURES = {
     "qwen2": {"sliding window": dict(use_sliding_window=False, sliding_window=None)},
     "mistral": {"sliding window": dict(sliding_window=None)},
     "gemma2": {"sliding window": dict(sliding_window=4096), "soft cap": dict(attn_logit_softcapping=None),
                "query_pre_attn_scalar": dict(query_pre_attn_scalar=32)},
-    "gpt-oss": {"sliding window": dict(sliding_window=4096)},
+    "gpt-oss": {"sliding window": dict(sliding_window=4096), "sinks": "no sinks"},
 }
 # fp8 KV against fp32: weights at transformers' default init scale (0.02). At 0.2 a model this small and random
 # is chaotic: fp8's rounding (2^-4 relative) moves its logits by 13%, and its top-2 gaps are 8% (median).
 FP8_INIT = 0.02
 PROMPTS = [list(range(40, 57)), [3, 17, 99, 5, 250, 7, 7, 8, 9, 10, 11], [200, 1, 2, 3, 4]]  # 17, 11, 5 tokens
 STEPS = 32
-needs_sinks = pytest.mark.skipif(not attnops.hf.supports_sinks(),
-                                 reason="gpt-oss needs paged_attention's sinks argument, which this build lacks")
-
-
-def family_params():
-    return [pytest.param(f, marks=needs_sinks) if f == "gpt-oss" else f for f in FAMILIES]
-
-
 def make_config(family, **overrides):
     model_type, extra = FAMILIES[family]
     return transformers.AutoConfig.for_model(model_type, **{**BASE, **extra, **overrides})
@@ -149,7 +142,7 @@ def generate(model, prompts=PROMPTS, cache=None, n=STEPS, **options):
     return out[:, ids.shape[1]:].tolist()
 
 
-@pytest.mark.parametrize("family", family_params())
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_logits_match_eager_prefill_and_32_decode_steps(family):
     eager, ours = models(family)
     ref_prefill, ref_steps, tokens = steps(eager, None)
@@ -170,17 +163,19 @@ def test_logits_match_eager_prefill_and_32_decode_steps(family):
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f in FEATURES])
 def test_the_family_features_change_eager_logits(family):
     """The comparison above would catch an attention function that ignored a window, a cap or the scaling."""
-    if family == "gpt-oss" and not attnops.hf.supports_sinks():
-        pytest.skip("gpt-oss needs paged_attention's sinks argument, which this build lacks")
     eager, _ = models(family)
     _, reference, tokens = steps(eager, None, n=12)
     for feature, off in FEATURES[family].items():
-        without = build(make_config(family, **off), "eager", eager.state_dict())
+        state = eager.state_dict()
+        if off == "no sinks":  # a sink of -inf takes no share of the softmax
+            state = {k: torch.full_like(v, -torch.inf) if k.endswith(".sinks") else v for k, v in state.items()}
+            off = {}
+        without = build(make_config(family, **off), "eager", state)
         _, logits, _ = steps(without, None, tokens, n=12)
         assert relative_error(logits, reference) > 1e-2, f"{family}: {feature} does not change the logits"
 
 
-@pytest.mark.parametrize("family", family_params())
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_generate_unchanged_greedy_and_sampled(family):
     eager, ours = models(family)
     assert generate(ours, cache=paged(ours)) == generate(eager)
@@ -203,7 +198,7 @@ transformers.AttentionInterface.register("eager_fp8_kv", eager_with_fp8_kv)
 AttentionMaskInterface.register("eager_fp8_kv", ALL_MASK_ATTENTION_FUNCTIONS["eager"])
 
 
-@pytest.mark.parametrize("family", family_params())
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_fp8_kv_is_the_format_and_nothing_more(family):
     """attnops with an fp8 KV cache computes what transformers' eager attention computes over the same fp8-rounded
     keys and values: logits within 1e-4 over a prefill and 32 decode steps."""
@@ -217,7 +212,7 @@ def test_fp8_kv_is_the_format_and_nothing_more(family):
     assert relative_error(decoded, ref_steps) < 1e-4
 
 
-@pytest.mark.parametrize("family", family_params())
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_fp8_kv_tokens_match_fp32_on_90_percent_of_positions(family):
     """Teacher-forced with the fp32 run's tokens, so that each position (every prompt position and 32 decode
     steps) is compared on the same history."""
@@ -265,7 +260,7 @@ def serve(model, compile=False, schedule=SCHEDULE, buckets=None):
     return {i: gen.finished[i].output for i in range(len(schedule))}
 
 
-@pytest.mark.parametrize("family", family_params())
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_generator_serves_the_model_like_generate_and_compiles_without_graph_break(family):
     eager, ours = models(family)
     expected = {i: generate(eager, [prompt], n=n)[0] for i, (_, prompt, n) in enumerate(SCHEDULE)}
@@ -285,15 +280,6 @@ def test_inductor_compiled_decode_step_gives_eager_tokens():
     expected = serve(ours, schedule=schedule, buckets=(2,))
     torch._dynamo.reset()
     assert serve(ours, compile=True, schedule=schedule, buckets=(2,)) == expected
-
-
-def test_without_sinks_support_a_model_with_sinks_is_refused():
-    if attnops.hf.supports_sinks():
-        pytest.skip("this build's paged_attention takes sinks")
-    torch.manual_seed(0)
-    model = build(make_config("gpt-oss"), attnops.hf.ATTN_IMPLEMENTATION)
-    with pytest.raises(ValueError, match="sinks"):
-        generate(model, cache=paged(model), n=2)
 
 
 def test_errors_name_the_argument():

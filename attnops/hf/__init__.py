@@ -24,7 +24,7 @@ try:
 except ImportError as e:  # pragma: no cover - the extra is missing
     raise ImportError("attnops.hf needs transformers>=5.17: pip install 'attnops[hf]'") from e
 
-from .attention import ATTN_IMPLEMENTATION, attention_forward, padding_mask, register, supports_sinks
+from .attention import ATTN_IMPLEMENTATION, attention_forward, padding_mask, register
 from .cache import PagedCache
 from .serving import ModelShape, ServingModel, model_shape, paged_kv_cache, serving_model
 
@@ -46,4 +46,4 @@ if _version(transformers.__version__) < MIN_TRANSFORMERS:
 register()
 
 __all__ = ["ATTN_IMPLEMENTATION", "ModelShape", "PagedCache", "ServingModel", "attention_forward", "model_shape",
-           "padding_mask", "paged_kv_cache", "serving_model", "supports_sinks"]
+           "padding_mask", "paged_kv_cache", "serving_model"]

@@ -34,11 +34,6 @@ SCRATCH_PAGE_SIZE = 16
 _FROM_MODULE = object()  # sliding_window not passed: read module.sliding_window (Llama passes none)
 
 
-def supports_sinks() -> bool:
-    """Whether this build's paged_attention takes `sinks` (per-head attention sinks, what gpt-oss needs)."""
-    return any(a.name == "sinks" for a in torch.ops.attnops.paged_attention.default._schema.arguments)
-
-
 class _Handoff(threading.local):
     """A PagedCache's `update` hands the cache to the attention call that follows it in the same layer (the
     attention function is not given the cache object itself). Keyed by layer and by the key tensor `update`
@@ -78,10 +73,7 @@ def attention_options(module, scaling, sliding_window, softcap, s_aux) -> dict:
     # transformers' window of W keys is the query and the W - 1 keys before it (its masks: kv > q - W)
     options = dict(scale=None if scaling is None else float(scaling), soft_cap=float(softcap) if softcap else 0.0,
                    window_left=int(sliding_window) - 1 if sliding_window else -1)
-    if s_aux is not None:
-        if not supports_sinks():
-            raise ValueError("attnops attention: this model has attention sinks (s_aux, gpt-oss) and this build's "
-                             "paged_attention has no `sinks` argument")
+    if s_aux is not None:  # gpt-oss: a learned logit per query head in each softmax's denominator
         options["sinks"] = s_aux.float()
     return options
 
