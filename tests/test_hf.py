@@ -307,24 +307,21 @@ def test_errors_name_the_argument():
 
 
 def test_demo_serves_a_family(capsys):
-    import argparse
-
-    from attnops.serving import demo
     from attnops import cli
-    args = argparse.Namespace(batch=2, prompt_len=8, steps=4, device="cpu", kv_format=None, modes=None,
-                              checkpoint=None, model="qwen3")
-    cli.run_demo(args)
+    cli.main(["demo", "--model", "qwen3", "--batch", "2", "--prompt-len", "8", "--steps", "4", "--device", "cpu"])
     out = capsys.readouterr().out
-    assert "qwen3" in out and "tokens/s" in out, out
-    assert demo  # the serving kit's demo loop ran it
+    assert "random tiny qwen3 (transformers' modeling code)" in out and "tokens/s" in out, out
 
 
-def test_serve_bench_small_families(tmp_path):
+def test_serve_bench_small_serves_a_family_and_its_transformers_baseline(tmp_path):
+    """Gemma-2 at a context past its (tiny) sliding window: attnops' eager step through transformers' modeling
+    code, and transformers' own static-cache path (sliding layers included)."""
     from attnops.bench import serve as serve_bench
-    result = serve_bench.main(["--small", "--family", "qwen2", "gemma2", "--modes", "eager", "transformers",
-                               "--batches", "2", "--contexts", "40", "--steps", "2", "--warmup", "1",
-                               "--json", str(tmp_path / "s.json")])
-    rows = [(r["family"], r["mode"], r["error"]) for r in result["records"]]
-    assert rows == [(f, m, None) for f in ("qwen2", "gemma2") for m in ("eager", "transformers")], rows
+    result = serve_bench.main(["--small", "--family", "gemma2", "--modes", "eager", "transformers", "--batches", "2",
+                               "--contexts", "40", "--steps", "2", "--warmup", "1", "--json", str(tmp_path / "s.json"),
+                               "--plot", str(tmp_path / "s.png")])
+    rows = [(r["family"], r["model_code"], r["mode"], r["error"]) for r in result["records"]]
+    assert rows == [("gemma2", "transformers", "eager", None), ("gemma2", "transformers", "transformers", None)], rows
     assert all(r["tokens_per_s"] > 0 for r in result["records"])
     assert json.loads((tmp_path / "s.json").read_text())["records"] == result["records"]
+    assert (tmp_path / "s.png").stat().st_size > 1000

@@ -1,30 +1,38 @@
-"""Serving benchmark: decode tokens/s of a Llama-architecture model through attnops, against transformers' own
-best path on the same weights, at several batch sizes and context lengths, in one run.
+"""Serving benchmark: decode tokens/s of a decoder served through attnops, against transformers' own best path on
+the same weights, at several batch sizes and context lengths, in one run.
 
-    python -m attnops serve-bench --json benchmarks/results/h200-serve.json --plot benchmarks/results/h200-serve.png
-    python -m attnops serve-bench --small --json /tmp/serve.json --plot /tmp/serve.png     # tiny, CPU
-    python -m attnops serve-bench --contexts 8192 --json X.json --append --plot X.png      # a part of the grid
+    python -m attnops serve-bench --family llama qwen2 --kv-formats bf16 fp8_e4m3 --model-code transformers attnops \\
+        --modes compiled+graphs transformers --json benchmarks/results/h200-serve-hf.json --plot ...png
+    python -m attnops serve-bench --small --family llama gemma2 --json /tmp/serve.json --plot /tmp/serve.png  # CPU
+    python -m attnops serve-bench --contexts 8192 --json X.json --append --plot X.png     # a part of the grid
 
-Modes (each a decode step of the whole batch: one new token per sequence, greedy, fed back):
+The model (--family: random weights at a real model's shape, see attnops.hf.families; or --checkpoint) runs
+through attnops in the modes below, in transformers' modeling code with attn_implementation="attnops"
+(attnops.hf.serving_model; --model-code transformers, the default) and, for Llama, also in attnops' own model
+(attnops/serving/model.py; --model-code attnops), on the same weights. Modes (each a decode step of the whole
+batch: one new token per sequence, greedy, fed back):
   eager             attnops.serving.generate.DecodeStep, eager PyTorch
   compiled          the same step under torch.compile(fullgraph=True, dynamic=False)
-  compiled+graphs   the compiled step captured by attnops.serving.graphs.DecodeGraphRunner (CUDA only; the same compiled
-                    function as `compiled`, so one compilation per batch size serves both)
-  transformers      transformers' LlamaForCausalLM on the same weights with a StaticCache and
-                    torch.compile(mode="reduce-overhead", fullgraph=True) on the decode step (its documented fastest
-                    path; "default" mode on the CPU, where there are no CUDA graphs)
+  compiled+graphs   the compiled step captured by attnops.serving.graphs.DecodeGraphRunner (CUDA only; the same
+                    compiled function as `compiled`, so one compilation per batch size serves both)
+  transformers      transformers' own model and attention ("sdpa", or "eager" for the families that do not support
+                    it) with a StaticCache and torch.compile(mode="reduce-overhead", fullgraph=True) on the decode step
+                    (its documented fastest path; "default" mode on the CPU, where there are no CUDA graphs)
 
 Every sequence of the batch starts at `context` tokens already in the cache (their values do not change the work
 a step does, so the cache is filled with random data rather than by a prefill) and decodes --steps tokens after
 --warmup untimed ones (compilation, graph capture). attnops' time includes its host side (PagedKVCache.prepare
 building the step's metadata, padding to the bucket), as a serving loop pays it; transformers' includes
-its mask building. tokens/s = batch * steps / wall time (synchronized).
+its mask building. tokens/s = batch * steps / wall time (synchronized). One attnops cache and one compiled step
+per (model code, KV format) serve every batch and context (a block table as wide as the longest context, as a
+server's is): one compilation per batch size.
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import importlib.util
+import inspect
 import json
 import sys
 import time
@@ -39,29 +47,30 @@ from ..serving.graphs import DecodeGraphRunner
 from ..serving.kv_cache import PagedKVCache
 from ..serving.model import LlamaConfig, LlamaForCausalLM
 
-
-# Llama-3.2-1B's shape (random weights)
-GPU_MODEL = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                 num_attention_heads=32, num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5,
-                 rope_theta=500000.0, tie_word_embeddings=True, max_position_embeddings=131072)
-SMALL_MODEL = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
-                   max_position_embeddings=4096)
 MODES = ("eager", "compiled", "compiled+graphs", "transformers")
+MODEL_CODES = ("transformers", "attnops")
+ATTNOPS_MODES = MODES[:3]
 
 
-def hf_model(args, device, dtype):
-    import transformers
-    if args.checkpoint:
-        return transformers.LlamaForCausalLM.from_pretrained(args.checkpoint, dtype=dtype).to(device).eval()
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(**(SMALL_MODEL if args.small else GPU_MODEL), initializer_range=0.02)
-    with torch.device(device):
-        return transformers.LlamaForCausalLM(config).to(dtype).eval()
+def load_model(family, args, device, dtype):
+    """transformers' model (attn_implementation "attnops") of a family, random at its real shape (tiny with
+    --small), or of --checkpoint."""
+    from ..hf import families
+    return families.load(args.checkpoint or family, device=device, dtype=dtype, tiny=args.small)
+
+
+def checkpoint_family(path) -> str:
+    from ..hf.families import FAMILIES
+    model_type = json.loads((Path(path) / "config.json").read_text()).get("model_type")
+    family = next((name for name, spec in FAMILIES.items() if spec.model_type == model_type), None)
+    if family is None:
+        raise SystemExit(f"python -m attnops serve-bench: --checkpoint's model_type {model_type!r} is not one of the "
+                         f"families ({', '.join(FAMILIES)})")
+    return family
 
 
 def attnops_model(hf) -> LlamaForCausalLM:
-    """attnops' model with a copy of transformers' weights (the same parameter names)."""
+    """attnops' own Llama (attnops/serving/model.py) with a copy of transformers' weights (the same names)."""
     config = LlamaConfig.from_hf_dict(hf.config.to_dict())
     return LlamaForCausalLM.from_state_dict(config, hf.state_dict(), dtype=hf.dtype, device=hf.device)
 
@@ -82,50 +91,67 @@ def timed(step, device, warmup, steps) -> float:
     return time.perf_counter() - start
 
 
-@torch.no_grad()
-def bench_attnops(model, modes, batch, context, args, device, kv_format):
-    """Yields (mode, tokens/s, attention seconds per step or None, error or None) for each of attnops' `modes`
-    (in MODES' order), on one cache: compiled+graphs captures the very step that compiled timed (one compilation
-    serves both)."""
-    c = model.config
-    page_size = args.page_size
-    total = context + len(modes) * (args.warmup + args.steps) + 1
-    max_pages = -(-total // page_size)
-    cache = PagedKVCache(c.num_hidden_layers, batch * max_pages, page_size, c.num_key_value_heads, c.head_dim,
-                         kv_format=kv_format, device=device, shuffle_pages=True)
-    for kv in cache.kv:
-        kv.normal_() if kv.dtype.is_floating_point and kv.element_size() > 1 else None
-    seq_ids = list(range(batch))
-    for s in seq_ids:
-        cache.allocate(s)
-        cache.prepare([s], context, decode=False)  # `context` tokens "already in the cache"
-    tokens = torch.randint(0, c.vocab_size, (batch,), device=device)
-    step = None
-    for mode in modes:
-        if mode == "eager" or step is None:
-            step = DecodeStep(model, cache, max_batch=batch, max_pages=max_pages, buckets=(batch,),
-                              compile=mode != "eager")
-        if mode == "compiled+graphs":
-            step.graph_runner = DecodeGraphRunner(step.step_fn, cache, buckets=(batch,), max_pages=max_pages)
+class AttnopsRunner:
+    """One model (either code) and KV format: one cache sized for the largest batch and context, one eager and one
+    compiled DecodeStep over every batch bucket, and the compiled step's CUDA graphs, shared by every point."""
 
-        def one():
-            nonlocal tokens
-            tokens = step(seq_ids, tokens).argmax(-1)
+    def __init__(self, model, kv_format, modes, batches, contexts, args, device):
+        c = model.config
+        self.model, self.modes, self.args, self.device, self.config = model, modes, args, device, c
+        per_point = len(modes) * (args.warmup + args.steps) + 1
+        self.max_pages = -(-(max(contexts) + per_point) // args.page_size)
+        self.cache = PagedKVCache(c.num_hidden_layers, max(batches) * self.max_pages, args.page_size,
+                                  c.num_key_value_heads, c.head_dim, kv_format=kv_format, device=device,
+                                  shuffle_pages=True)
+        for kv in self.cache.kv:
+            kv.normal_() if kv.dtype.is_floating_point and kv.element_size() > 1 else None
+        self.buckets = tuple(sorted(set(batches)))
+        self.steps: dict = {}  # compiled or not -> DecodeStep
+        self.graphs = None  # the compiled step's DecodeGraphRunner, over the same static inputs
 
+    def step(self, mode) -> DecodeStep:
+        compiled = mode != "eager"
+        if compiled not in self.steps:
+            self.steps[compiled] = DecodeStep(self.model, self.cache, max_batch=self.buckets[-1],
+                                              max_pages=self.max_pages, buckets=self.buckets, compile=compiled)
+        step = self.steps[compiled]
+        if mode == "compiled+graphs" and self.graphs is None:
+            self.graphs = DecodeGraphRunner(step.step_fn, self.cache, inputs=step.buffers)
+        step.graph_runner = self.graphs if mode == "compiled+graphs" else None
+        return step
+
+    @torch.no_grad()
+    def point(self, batch, context):
+        """Yields (mode, tokens/s, attention seconds per step or None, error or None) for each mode."""
+        seq_ids = [("point", b) for b in range(batch)]
+        for s in seq_ids:
+            self.cache.allocate(s)
+            self.cache.prepare([s], context, decode=False)  # `context` tokens "already in the cache"
+        tokens = torch.randint(0, self.config.vocab_size, (batch,), device=self.device)
         try:
-            elapsed = timed(one, device, args.warmup, args.steps)
-            attention_s = attention_seconds_per_step(cache, seq_ids, c) if mode == "compiled+graphs" else None
-            yield mode, batch * args.steps / elapsed, attention_s, None
-        except Exception as e:  # record and go on: one failing mode must not lose the run
-            yield mode, None, None, f"{type(e).__name__}: {e}"
-        if mode == "eager":
-            step = None
-    del step, cache
+            for mode in self.modes:
+                step = self.step(mode)
+
+                def one():
+                    nonlocal tokens
+                    tokens = step(seq_ids, tokens).argmax(-1)
+
+                try:
+                    elapsed = timed(one, self.device, self.args.warmup, self.args.steps)
+                    attention_s = (attention_seconds_per_step(self.cache, seq_ids, self.config)
+                                   if mode == "compiled+graphs" else None)
+                    yield mode, batch * self.args.steps / elapsed, attention_s, None
+                except Exception as e:  # record and go on: one failing mode must not lose the run
+                    yield mode, None, None, f"{type(e).__name__}: {e}"
+        finally:
+            for s in seq_ids:
+                self.cache.free(s)
 
 
 def attention_seconds_per_step(cache, seq_ids, c) -> float:
     """GPU time of one decode step's attention: one layer's paged_attention on this cache and batch (one more
-    token each, as the next step), replayed from a CUDA graph, times the number of layers."""
+    token each, as the next step; no window, cap or sinks), replayed from a CUDA graph, times the number of
+    layers."""
     from .run import graph_time_us
     meta = cache.prepare(seq_ids, 1)
     q = torch.randn(len(seq_ids), c.num_attention_heads, c.head_dim, device=cache.device, dtype=torch.bfloat16)
@@ -136,10 +162,14 @@ def attention_seconds_per_step(cache, seq_ids, c) -> float:
     return graph_time_us(attention) * 1e-6 * c.num_hidden_layers
 
 
+def transformers_attention(hf) -> str:
+    """transformers' fastest general attention the model supports: sdpa, else eager (Gemma-2's soft cap and
+    gpt-oss's sinks are not in sdpa)."""
+    return "sdpa" if getattr(type(hf), "_supports_sdpa", False) else "eager"
+
+
 @torch.no_grad()
 def bench_transformers(hf, batch, context, args, device) -> float:
-    import inspect
-
     from transformers import StaticCache
     params = inspect.signature(hf.forward).parameters
     cache_arg = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
@@ -161,8 +191,10 @@ def bench_transformers(hf, batch, context, args, device) -> float:
     for layer in cache.layers:
         layer.keys.normal_()
         layer.values.normal_()
-        if torch.is_tensor(getattr(layer, "cumulative_length", None)):  # transformers 5.2x counts on the device
+        if torch.is_tensor(getattr(layer, "cumulative_length", None)):  # the length on the device
             layer.cumulative_length.fill_(context)
+        if hasattr(layer, "cumulative_length_int"):  # and a sliding-window layer's on the host
+            layer.cumulative_length_int = context
     mode = "reduce-overhead" if device.type == "cuda" else "default"
     compiled = torch.compile(decode, mode=mode, fullgraph=True)
 
@@ -176,62 +208,124 @@ def bench_transformers(hf, batch, context, args, device) -> float:
     return batch * args.steps / elapsed
 
 
+def label(record) -> str:
+    if record["mode"] == "transformers":
+        return f"transformers ({record.get('attention', 'sdpa')}, static cache)"
+    code = " model.py" if record.get("model_code") == "attnops" else ""
+    return f"{record['mode']}{code} {record['kv_format']}"
+
+
 def plot(result, path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    contexts = sorted({r["context"] for r in result["records"]})
-    fig, axes = plt.subplots(1, len(contexts), figsize=(6 * len(contexts), 4.5), squeeze=False)
-    for ax, context in zip(axes[0], contexts):
-        records = [r for r in result["records"] if r["context"] == context]
-        batches = sorted({r["batch"] for r in records})
-        modes = [m for m in MODES if any(r["mode"] == m for r in records)]
-        width = 0.8 / max(len(modes), 1)
-        for i, mode in enumerate(modes):
-            values = [next((r["tokens_per_s"] or 0 for r in records if r["mode"] == mode and r["batch"] == b), 0)
-                      for b in batches]
-            ax.bar([j + i * width for j in range(len(batches))], values, width, label=mode)
-        ax.set_xticks([j + width * (len(modes) - 1) / 2 for j in range(len(batches))], [str(b) for b in batches])
-        ax.set_xlabel("batch")
-        ax.set_ylabel("decode tokens/s")
-        ax.set_yscale("log")
-        ax.set_title(f"context {context}")
-        ax.legend(fontsize=8)
+    records = result["records"]
+    families = list(dict.fromkeys(r.get("family", "llama") for r in records))
+    contexts = sorted({r["context"] for r in records})
+    fig, axes = plt.subplots(len(families), len(contexts), figsize=(7 * len(contexts), 4.5 * len(families)),
+                             squeeze=False)
+    for row, family in zip(axes, families):
+        for ax, context in zip(row, contexts):
+            chosen = [r for r in records if r.get("family", "llama") == family and r["context"] == context]
+            batches = sorted({r["batch"] for r in chosen})
+            series = list(dict.fromkeys(label(r) for r in chosen))
+            width = 0.8 / max(len(series), 1)
+            for i, name in enumerate(series):
+                values = [next((r["tokens_per_s"] or 0 for r in chosen if label(r) == name and r["batch"] == b), 0)
+                          for b in batches]
+                ax.bar([j + i * width for j in range(len(batches))], values, width, label=name)
+            ax.set_xticks([j + width * (len(series) - 1) / 2 for j in range(len(batches))], [str(b) for b in batches])
+            ax.set_xlabel("batch")
+            ax.set_ylabel("decode tokens/s")
+            ax.set_yscale("log")
+            model = result.get("models", {}).get(family, family)
+            ax.set_title(f"{family} ({model}), context {context}", fontsize=9)
+            ax.legend(fontsize=7)
     env = result["environment"]
-    fig.suptitle(f"attnops serving: {result['model']} {result['dtype']} on {env.get('gpu') or env.get('cpu')} "
+    fig.suptitle(f"attnops serving, {result['dtype']} weights, on {env.get('gpu') or env.get('cpu')} "
                  f"({env['commit'][:10]})", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
+def summary(records) -> list:
+    """Per point: attnops' best mode (transformers' modeling code) against transformers' own path, and (Llama)
+    against attnops' own model in the same mode, as ratios of tokens/s."""
+    def tps(**match):
+        return next((r["tokens_per_s"] for r in records if all(r.get(k) == v for k, v in match.items())
+                     and r["tokens_per_s"]), None)
+    lines = []
+    for r in records:
+        if r["mode"] in ("transformers", "eager") or r.get("model_code") != "transformers" or not r["tokens_per_s"]:
+            continue
+        point = dict(family=r["family"], batch=r["batch"], context=r["context"])
+        baseline = tps(mode="transformers", **point)
+        own = tps(mode=r["mode"], model_code="attnops", kv_format=r["kv_format"], **point)
+        line = dict(**point, mode=r["mode"], kv_format=r["kv_format"], tokens_per_s=r["tokens_per_s"])
+        if baseline:
+            line["vs_transformers"] = r["tokens_per_s"] / baseline
+        if own:
+            line["vs_model_py"] = r["tokens_per_s"] / own
+        lines.append(line)
+    return lines
+
+
 def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
     if importlib.util.find_spec("transformers") is None and not {"-h", "--help"} & set(argv):
-        raise SystemExit("python -m attnops serve-bench: needs transformers (its Llama builds the weights every mode "
-                         "shares): pip install 'attnops[bench]'")
+        raise SystemExit("python -m attnops serve-bench: needs transformers (the models and the baseline): "
+                         "pip install 'attnops[bench]'")
     parser = argparse.ArgumentParser(prog="python -m attnops serve-bench", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--small", action="store_true", help="tiny model and sizes (runs on the CPU in seconds)")
+    families = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gpt-oss")  # attnops.hf.families, without the import
+    parser.add_argument("--small", action="store_true", help="tiny models and sizes (runs on the CPU in seconds)")
     parser.add_argument("--device", default=None, help="default: cuda if available (cpu with --small)")
+    parser.add_argument("--family", nargs="+", choices=families, default=None,
+                        help="model families, random weights at a real model's shape (llama: Llama-3.2-1B, qwen2: "
+                             "Qwen2.5-7B, qwen3: Qwen3-8B, mistral: Mistral-7B, gemma2: gemma-2-2b, gpt-oss: "
+                             "gpt-oss-20b; tiny with --small). Default: llama")
+    parser.add_argument("--checkpoint", help="a checkpoint directory instead (its family read from config.json)")
+    parser.add_argument("--model-code", nargs="+", choices=MODEL_CODES, default=None,
+                        help="whose modeling code attnops' modes run: transformers' (attn_implementation='attnops', "
+                             "the default) and/or attnops' own Llama (attnops/serving/model.py; llama only)")
     parser.add_argument("--batches", type=int, nargs="*", help="default: 1 32 128 (1 4 with --small)")
     parser.add_argument("--contexts", type=int, nargs="*", help="default: 1024 8192 (64 256 with --small)")
     parser.add_argument("--modes", nargs="*", choices=MODES, help="default: all that this machine can run")
-    parser.add_argument("--kv-format", default=None, help="attnops' KV format (default: the model dtype)")
-    parser.add_argument("--checkpoint", help="a Hugging Face Llama checkpoint (default: random, Llama-3.2-1B-shaped)")
+    parser.add_argument("--kv-formats", "--kv-format", nargs="+", default=None,
+                        help="attnops' KV formats, each its own run of attnops' modes (default: the model dtype's)")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
     parser.add_argument("--steps", type=int, default=None, help="timed decode steps (default 50; 8 with --small)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 5; 2 with --small)")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--append", action="store_true",
-                        help="merge into the --json file's records (replacing equal mode/batch/context): a GPU "
-                             "grid can be run in parts, each within one command's time limit")
+                        help="merge into the --json file's records (replacing equal family/code/format/mode/batch/"
+                             "context): a GPU grid can be run in parts, each within one command's time limit")
     parser.add_argument("--plot", help="write a PNG here (matplotlib)")
     args = parser.parse_args(argv)
 
+    from ..hf import model_shape, serving_model
+
     device = torch.device(args.device or ("cpu" if args.small or not torch.cuda.is_available() else "cuda"))
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    kv_format = args.kv_format or {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
+    dtype_name = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
+    if args.checkpoint:
+        family = checkpoint_family(args.checkpoint)
+        if args.family not in (None, [family]):
+            raise SystemExit(f"python -m attnops serve-bench: --checkpoint is a {family} model; --family says "
+                             f"{args.family}")
+        chosen_families = [family]
+    else:
+        chosen_families = args.family or ["llama"]
+    codes = args.model_code or ["transformers"]
+    if "attnops" in codes and chosen_families != ["llama"]:
+        raise SystemExit("python -m attnops serve-bench: --model-code attnops is attnops' own Llama: --family llama "
+                         "only")
+    kv_formats = args.kv_formats or [dtype_name]
+    from ..formats import KV_FORMATS
+    for kv_format in kv_formats:
+        if kv_format not in KV_FORMATS:
+            raise SystemExit(f"python -m attnops serve-bench: --kv-formats: {kv_format!r} is not one of {KV_FORMATS}")
     batches = args.batches or ([1, 4] if args.small else [1, 32, 128])
     contexts = args.contexts or ([64, 256] if args.small else [1024, 8192])
     args.steps = args.steps or (8 if args.small else 50)
@@ -240,30 +334,31 @@ def main(argv=None) -> dict:
     if "compiled+graphs" in modes and device.type != "cuda":
         modes.remove("compiled+graphs")
         print("compiled+graphs: skipped (needs CUDA)")
+    ours = [m for m in ATTNOPS_MODES if m in modes]  # compiled before compiled+graphs
 
-    hf = hf_model(args, device, dtype)
-    model = attnops_model(hf)
-    c = model.config
     old_records = []
     if args.json and args.append and Path(args.json).exists():
         old_records = json.loads(Path(args.json).read_text())["records"]
-    records = []
+    records, models = [], {}
+
+    def key(r):
+        return (r.get("family", "llama"), r.get("model_code", "attnops"), r.get("kv_format"), r["mode"], r["batch"],
+                r["context"])
 
     def save() -> dict:
         """The result so far, written after every measurement: a run stopped by a time limit keeps its part."""
-        key = lambda r: (r["mode"], r["batch"], r["context"])  # noqa: E731
         new_keys = {key(r) for r in records}
-        result = dict(environment=environment(device), dtype=str(dtype).replace("torch.", ""), kv_format=kv_format,
-                      model=f"{c.num_hidden_layers}L h{c.hidden_size} {c.num_attention_heads}/"
-                            f"{c.num_key_value_heads} d{c.head_dim}", checkpoint=args.checkpoint, steps=args.steps,
-                      warmup=args.warmup, page_size=args.page_size,
-                      records=[r for r in old_records if key(r) not in new_keys] + records)
+        merged = [r for r in old_records if key(r) not in new_keys] + records
+        result = dict(environment=environment(device), dtype=dtype_name, models=models,
+                      checkpoint=args.checkpoint, steps=args.steps, warmup=args.warmup, page_size=args.page_size,
+                      records=merged, summary=summary(merged))
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=1))
         return result
 
-    def record(mode, batch, context, tps, attention_s, error) -> None:
-        row = dict(mode=mode, batch=batch, context=context, tokens_per_s=tps, error=error)
+    def record(family, code, kv_format, mode, batch, context, tps, attention_s, error, **extra) -> None:
+        row = dict(family=family, model_code=code, kv_format=kv_format, mode=mode, batch=batch, context=context,
+                   tokens_per_s=tps, error=error, **extra)
         if attention_s is not None:  # attention's share of the (graph-replayed) step time
             step_s = batch / tps
             row.update(step_ms=step_s * 1e3, attention_ms=attention_s * 1e3, attention_share=attention_s / step_s)
@@ -271,27 +366,55 @@ def main(argv=None) -> dict:
         shown = f"{tps:10.1f} tokens/s" if tps else f"failed: {error}"
         if attention_s is not None:
             shown += f"  (step {row['step_ms']:.2f} ms, attention {100 * row['attention_share']:.0f}%)"
-        print(f"context {context:>6}  batch {batch:>4}  {mode:<16} {shown}", flush=True)
+        print(f"{family:<8} context {context:>6}  batch {batch:>4}  {label(row):<34} {shown}", flush=True)
         save()
 
-    ours = [m for m in MODES if m in modes and m != "transformers"]  # compiled before compiled+graphs
-    for context in contexts:
-        for batch in batches:
-            torch._dynamo.reset()
-            for mode, tps, attention_s, error in bench_attnops(model, ours, batch, context, args, device, kv_format):
-                record(mode, batch, context, tps, attention_s, error)
-            if "transformers" in modes:
-                torch._dynamo.reset()
-                try:
-                    tps, error = bench_transformers(hf, batch, context, args, device), None
-                except Exception as e:  # record and go on
-                    tps, error = None, f"{type(e).__name__}: {e}"
-                record("transformers", batch, context, tps, None, error)
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+    for family in chosen_families:
+        torch._dynamo.reset()
+        hf = load_model(family, args, device, dtype)
+        shape = model_shape(hf.config)
+        models[family] = (f"{shape.num_hidden_layers}L h{shape.hidden_size} {shape.num_attention_heads}/"
+                          f"{shape.num_key_value_heads} d{shape.head_dim}")
+        for code in codes if ours else []:
+            model = serving_model(hf) if code == "transformers" else attnops_model(hf)
+            for kv_format in kv_formats:
+                torch._dynamo.reset()  # a fresh compile cache per model and format: no recompilation limit
+                runner = AttnopsRunner(model, kv_format, ours, batches, contexts, args, device)
+                for context in contexts:
+                    for batch in batches:
+                        for mode, tps, attention_s, error in runner.point(batch, context):
+                            record(family, code, kv_format, mode, batch, context, tps, attention_s, error)
+                del runner
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            del model
+        if "transformers" in modes:
+            attention = transformers_attention(hf)
+            hf.set_attn_implementation(attention)
+            for context in contexts:
+                for batch in batches:
+                    torch._dynamo.reset()
+                    try:
+                        tps, error = bench_transformers(hf, batch, context, args, device), None
+                    except Exception as e:  # record and go on
+                        tps, error = None, f"{type(e).__name__}: {e}"
+                    record(family, "transformers", dtype_name, "transformers", batch, context, tps, None, error,
+                           attention=attention)
+                    gc.collect()
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+        del hf
+        gc.collect()
+        if args.plot and records:
+            plot(save(), args.plot)
 
     result = save()
+    for line in result["summary"]:
+        ratios = "  ".join(f"{name} {line[name]:.2f}x" for name in ("vs_transformers", "vs_model_py") if name in line)
+        if ratios:
+            print(f"{line['family']:<8} context {line['context']:>6}  batch {line['batch']:>4}  {line['mode']} "
+                  f"{line['kv_format']}: {ratios}")
     if args.plot:
         plot(result, args.plot)
     return result

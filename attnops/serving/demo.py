@@ -1,8 +1,9 @@
 """`python -m attnops demo`: continuous-batching generation (attnops.serving.generate) on a Llama-architecture model
 whose attention runs through attnops' ops.
 
-A random model by default (on a GPU a Llama-3.2-1B-shaped one in bf16; on the CPU a tiny fp32 one), or a Hugging
-Face checkpoint directory with --checkpoint. Prints which backend serves each op, and for each mode (on a GPU by
+A random model by default (on a GPU a Llama-3.2-1B-shaped one in bf16; on the CPU a tiny fp32 one), a Hugging
+Face checkpoint directory with --checkpoint, or any transformers decoder with --model (a family or a checkpoint,
+served through attnops.hf: the command line builds it and hands it to `main`). Prints which backend serves each op, and for each mode (on a GPU by
 default the recommended one, torch.compile'd and CUDA-graph replayed, then eager beside it; on the CPU eager) the
 tokens/s of the decode steps and the step time split into attention and the rest:
 
@@ -80,8 +81,10 @@ def op_backends(cache: PagedKVCache, config: LlamaConfig, dtype, batch: int, pro
 @torch.no_grad()
 def run_demo(batch: int = 4, prompt_len: int = 32, steps: int = 32, device: str | None = None,
              kv_format: str | None = None, page_size: int = 16, seed: int = 0, mode: str = "eager",
-             checkpoint: str | None = None, model: LlamaForCausalLM | None = None, profile_steps: int = 4) -> dict:
-    """One mode's run (see MODES); `model` reuses a model built by an earlier run (a fresh cache each run)."""
+             checkpoint: str | None = None, model: torch.nn.Module | None = None, profile_steps: int = 4) -> dict:
+    """One mode's run (see MODES); `model`: one built already (by an earlier run, or any model of the serving
+    interface, forward(token_ids, positions, cache, meta), in the run's dtype: bf16 on a GPU, fp32 on the CPU);
+    a fresh cache each run."""
     if mode not in MODES:
         raise ValueError(f"run_demo: mode must be one of {MODES}, got {mode!r}")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -170,13 +173,14 @@ def _native_stderr_silenced():
         os.close(saved)
 
 
-def main(args) -> None:
+def main(args, model: torch.nn.Module | None = None, description: str | None = None) -> None:
+    """`model`, `description`: a model built by the caller (see run_demo) and what to call it."""
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     modes = args.modes or default_modes(device)
     if "compiled+graphs" in modes and device.type != "cuda":
         sys.exit(f"demo: mode compiled+graphs needs a CUDA device (CUDA graphs); this run is on {device}: "
                  f"use --modes eager or compiled")
-    model, results = None, []
+    results = []
     for i, mode in enumerate(modes):
         if mode != "eager":
             print(f"[{mode}] the first step compiles the model{' and captures a CUDA graph' if 'graphs' in mode else ''}"
@@ -187,7 +191,7 @@ def main(args) -> None:
         model = result["module"]
         if i == 0:
             c = result["model"]
-            what = result["checkpoint"] or "random Llama-shaped model"
+            what = description or result["checkpoint"] or "random Llama-shaped model"
             print(f"attnops demo on {result['device']}: {what}, {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
                   f"heads {c.num_attention_heads}/{c.num_key_value_heads}, head_dim {c.head_dim}, "
                   f"{str(result['dtype']).replace('torch.', '')}, KV {result['kv_format']}")
