@@ -26,6 +26,10 @@
 #   models    python -m attnops tune on the models grid (MODELS_ARGS narrows it), writing the table to
 #             $results/sm_XY.json and the records to $results/models.json
 #   serve     python -m attnops serve-bench $SERVE_ARGS (JSON + PNG)
+#   serve-hf  serve-bench's transformers grid (issue 23), in four parts under their own time limits, appended to
+#             $results/serve-hf.json (+ .png): Llama-3.2-1B-shaped through transformers' modeling code and attnops'
+#             own model.py in bf16, and transformers' static-cache path; the same with fp8 KV; Qwen2.5-7B-shaped
+#             with bf16 and fp8 KV; its transformers path. Contexts 1K/8K x batches 1/32/128 each
 #   demo      python -m attnops demo $DEMO_ARGS, as a newcomer runs it: $results/demo.txt
 set -uo pipefail
 results=${ATTNOPS_OUT:-gpu-out}; mkdir -p "$results"
@@ -110,6 +114,17 @@ for step in "$@"; do
       timeout ${SERVE_TIMEOUT:-400} python3 -m attnops serve-bench ${SERVE_ARGS:-} --json "$results/serve.json" \
         --append --plot "$results/serve.png" >> "$results/serve.txt" 2> /tmp/serve.err; tail -30 "$results/serve.txt"
       tail -3 /tmp/serve.err; stamp serve ;;
+    serve-hf)
+      parts=("--family llama --model-code transformers attnops --kv-formats bf16 --modes compiled+graphs transformers"
+             "--family llama --kv-formats fp8_e4m3 --modes compiled+graphs"
+             "--family qwen2 --kv-formats bf16 fp8_e4m3 --modes compiled+graphs"
+             "--family qwen2 --modes transformers")
+      for part in "${parts[@]}"; do
+        timeout ${SERVE_TIMEOUT:-540} python3 -m attnops serve-bench $part --json "$results/serve-hf.json" --append \
+          --plot "$results/serve-hf.png" >> "$results/serve-hf.txt" 2> /tmp/serve-hf.err; tail -3 /tmp/serve-hf.err
+        stamp "serve-hf $part"
+      done
+      grep -E "x$|x  " "$results/serve-hf.txt" | tail -40 ;;
     demo)
       timeout ${DEMO_TIMEOUT:-300} python3 -m attnops demo ${DEMO_ARGS:-} > "$results/demo.txt" 2>&1
       cat "$results/demo.txt"; stamp demo ;;

@@ -89,14 +89,16 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       s_aux: torch.Tensor | None = None, *, attnops_cache: PagedKVCache | None = None,
                       attnops_meta=None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function interface over attnops' ops; returns ([B, S, Hq, D], None)."""
+    layer = module.layer_idx
+    # a PagedCache's hand-over is taken first, so that it is taken even when this call then fails (a serving
+    # step, the path torch.compile traces, has none)
+    cache = _take(layer, key) if attnops_meta is None else None
     if dropout:
         raise ValueError(f"attnops attention: dropout must be 0 (inference only; got {dropout}): call "
                          f"model.eval()")
-    layer = module.layer_idx
     options = attention_options(module, scaling, sliding_window, softcap, s_aux)
     if attnops_meta is not None:
         return _serving_step(layer, query, key, value, attnops_cache, attnops_meta, options)
-    cache = _take(layer, key)
     if cache is not None:
         return cache.attend(layer, query, key, value, attention_mask, options), None
     return _scratch_attention(query, key, value, attention_mask, options), None
@@ -111,7 +113,9 @@ def _serving_step(layer, query, key, value, cache, meta, options):
                          f"{query.shape[0]})")
     torch.ops.attnops.reshape_and_cache(key[0].transpose(0, 1), value[0].transpose(0, 1),
                                         slot_mapping=meta.slot_mapping, **cache.write_args(layer))
-    out = torch.ops.attnops.paged_attention(query[0].transpose(0, 1), block_table=meta.block_table,
+    # [T, Hq, D] rows contiguous, as every backend's kernels are fed (transformers' RoPE output may be laid out
+    # heads-major; under torch.compile the copy folds into the kernel that makes q)
+    out = torch.ops.attnops.paged_attention(query[0].transpose(0, 1).contiguous(), block_table=meta.block_table,
                                             seq_lens=meta.seq_lens, cu_seqlens_q=meta.cu_seqlens_q,
                                             **cache.attention_args(layer), **options)
     return out[None], None

@@ -54,8 +54,10 @@ class PagedCache(Cache):
             raise ValueError(f"PagedCache: kv_format must be one of {formats.KV_FORMATS} (got {kv_format!r})")
         if num_pages is not None and (not isinstance(num_pages, int) or num_pages < 1):
             raise ValueError(f"PagedCache: num_pages must be a positive int (got {num_pages!r})")
-        self._max_cache_len, self.kv_format, self.page_size, self.num_pages = max_cache_len, kv_format, page_size, \
-            num_pages
+        if not isinstance(page_size, int) or not 1 <= page_size <= 256 or page_size & (page_size - 1):
+            raise ValueError(f"PagedCache: page_size must be a power of two from 1 to 256 (got {page_size!r})")
+        self._max_cache_len = max_cache_len  # (transformers 5.17 has a read-only max_cache_len property)
+        self.kv_format, self.page_size, self.num_pages = kv_format, page_size, num_pages
         self.k_scale, self.v_scale = k_scale, v_scale
         self.kv: PagedKVCache | None = None  # made at the first forward (its batch, device and dtype)
         self._batch = 0  # rows (sequences) in the cache; 0 until the first forward, and after reset()
@@ -134,8 +136,13 @@ class PagedCache(Cache):
         kv_format = self.kv_format or PLAIN_FORMATS.get(key.dtype)
         if kv_format is None:
             raise TypeError(f"PagedCache: keys of dtype {key.dtype} need an explicit kv_format")
+        pages_per_row = -(-self._max_cache_len // self.page_size)
+        if self.kv is not None and self.num_pages is None and batch * pages_per_row > self.kv.num_pages:
+            raise ValueError(f"PagedCache: its pages were sized for {self.kv.num_pages // pages_per_row} rows of "
+                             f"max_cache_len={self._max_cache_len}; this batch has {batch}: make a new cache (or "
+                             f"give num_pages)")
         if self.kv is None:
-            num_pages = self.num_pages or batch * -(-self._max_cache_len // self.page_size)
+            num_pages = self.num_pages or batch * pages_per_row
             self.kv = PagedKVCache(self.shape.num_hidden_layers, num_pages, self.page_size,
                                    self.shape.num_key_value_heads, self.shape.head_dim, kv_format=kv_format,
                                    device=key.device, k_scale=self.k_scale, v_scale=self.v_scale)
