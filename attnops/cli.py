@@ -169,8 +169,8 @@ def main(argv=None) -> None:
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.set_defaults(func=warmup)
     sub.add_parser("bench", help="the benchmark grid against peers and the roofline (bench --help for flags)")
-    sub.add_parser("serve-bench", help="decode tokens/s of a Llama-shaped model: attnops eager, compiled, "
-                                       "compiled + CUDA graphs, and transformers (serve-bench --help)")
+    sub.add_parser("serve-bench", help="decode tokens/s of a model family through attnops (eager, compiled, "
+                                       "compiled + CUDA graphs) and through transformers (serve-bench --help)")
     sub.add_parser("tune", help="measure every backend on this GPU and write its dispatch table (tune --help)")
 
     args = parser.parse_args(argv)

@@ -288,7 +288,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--checkpoint", help="a checkpoint directory instead (its family read from config.json)")
     parser.add_argument("--model-code", nargs="+", choices=MODEL_CODES, default=None,
                         help="whose modeling code attnops' modes run: transformers' (attn_implementation='attnops', "
-                             "the default) and/or attnops' own Llama (attnops/serving/model.py; llama only)")
+                             "the default) and/or attnops' own Llama (attnops/serving/model.py; for llama)")
     parser.add_argument("--batches", type=int, nargs="*", help="default: 1 32 128 (1 4 with --small)")
     parser.add_argument("--contexts", type=int, nargs="*", help="default: 1024 8192 (64 256 with --small)")
     parser.add_argument("--modes", nargs="*", choices=MODES, help="default: all that this machine can run")
@@ -318,9 +318,8 @@ def main(argv=None) -> dict:
     else:
         chosen_families = args.family or ["llama"]
     codes = args.model_code or ["transformers"]
-    if "attnops" in codes and chosen_families != ["llama"]:
-        raise SystemExit("python -m attnops serve-bench: --model-code attnops is attnops' own Llama: --family llama "
-                         "only")
+    if "attnops" in codes and set(chosen_families) - {"llama"}:
+        print("--model-code attnops: attnops' own model is a Llama; the other families run transformers' code only")
     kv_formats = args.kv_formats or [dtype_name]
     from ..formats import KV_FORMATS
     for kv_format in kv_formats:
@@ -375,7 +374,7 @@ def main(argv=None) -> dict:
         shape = model_shape(hf.config)
         models[family] = (f"{shape.num_hidden_layers}L h{shape.hidden_size} {shape.num_attention_heads}/"
                           f"{shape.num_key_value_heads} d{shape.head_dim}")
-        for code in codes if ours else []:
+        for code in [c for c in codes if c == "transformers" or family == "llama"] if ours else []:
             model = serving_model(hf) if code == "transformers" else attnops_model(hf)
             for kv_format in kv_formats:
                 torch._dynamo.reset()  # a fresh compile cache per model and format: no recompilation limit
@@ -389,6 +388,7 @@ def main(argv=None) -> dict:
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
             del model
+        torch._dynamo.reset()  # lets attnops' caches and graphs go before transformers' caches are made
         if "transformers" in modes:
             attention = transformers_attention(hf)
             hf.set_attn_implementation(attention)
