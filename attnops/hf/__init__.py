@@ -21,12 +21,8 @@ from __future__ import annotations
 
 try:
     import transformers
-except ImportError as e:  # pragma: no cover - the extra is missing
+except ImportError as e:  # the extra is missing
     raise ImportError("attnops.hf needs transformers>=5.17: pip install 'attnops[hf]'") from e
-
-from .attention import ATTN_IMPLEMENTATION, attention_forward, padding_mask, register
-from .cache import PagedCache
-from .serving import ModelShape, ServingModel, model_shape, paged_kv_cache, serving_model
 
 MIN_TRANSFORMERS = (5, 17)
 
@@ -39,9 +35,14 @@ def _version(text: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
+# before the modules below, which use interfaces older versions lack or shape otherwise
 if _version(transformers.__version__) < MIN_TRANSFORMERS:
     raise ImportError(f"attnops.hf needs transformers>=5.17 (found {transformers.__version__}): "
                       f"pip install 'attnops[hf]'")
+
+from .attention import ATTN_IMPLEMENTATION, attention_forward, padding_mask, register  # noqa: E402
+from .cache import PagedCache  # noqa: E402
+from .serving import ModelShape, ServingModel, model_shape, paged_kv_cache, serving_model  # noqa: E402
 
 register()
 

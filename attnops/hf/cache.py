@@ -118,7 +118,7 @@ class PagedCache(Cache):
         self._batch, self._columns, self._last_layer, self._step = 0, 0, None, None
 
     def reorder_cache(self, beam_idx: torch.LongTensor):
-        raise ValueError("PagedCache: beam search (reorder_cache) is not supported: rows would share pages")
+        raise ValueError("PagedCache: beam search (reorder_cache) is not supported")
 
     def crop(self, max_length: int) -> None:
         raise ValueError("PagedCache: crop (assisted decoding) is not supported")
@@ -152,9 +152,7 @@ class PagedCache(Cache):
 
     def _prepare(self, query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None) -> _Step:
         batch, q_len = query.shape[0], query.shape[2]
-        if not self._batch:
-            self._pages_for(batch, key)
-        elif batch != self._batch:
+        if self._batch and batch != self._batch:
             raise ValueError(f"PagedCache: this cache holds a batch of {self._batch} rows, the forward has {batch}: "
                              f"reset() it for a new batch")
         if attention_mask is None:
@@ -167,9 +165,12 @@ class PagedCache(Cache):
             counts = valid.sum(-1).tolist()
             index = None if all(n == q_len for n in counts) else _index(valid, query.device)
         for b, n in enumerate(counts):
-            if self.kv.seq_len(b) + n > self._max_cache_len:
-                raise ValueError(f"PagedCache: row {b} would hold {self.kv.seq_len(b) + n} tokens, over "
+            held = self.kv.seq_len(b) if self._batch else 0
+            if held + n > self._max_cache_len:
+                raise ValueError(f"PagedCache: row {b} would hold {held + n} tokens, over "
                                  f"max_cache_len={self._max_cache_len}")
+        if not self._batch:
+            self._pages_for(batch, key)
         meta = self.kv.prepare(list(range(batch)), counts, decode=q_len == 1 and index is None)
         return _Step(meta, index, batch, q_len)
 

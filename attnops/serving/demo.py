@@ -3,9 +3,9 @@ whose attention runs through attnops' ops.
 
 A random model by default (on a GPU a Llama-3.2-1B-shaped one in bf16; on the CPU a tiny fp32 one), a Hugging
 Face checkpoint directory with --checkpoint, or any transformers decoder with --model (a family or a checkpoint,
-served through attnops.hf: the command line builds it and hands it to `main`). Prints which backend serves each op, and for each mode (on a GPU by
-default the recommended one, torch.compile'd and CUDA-graph replayed, then eager beside it; on the CPU eager) the
-tokens/s of the decode steps and the step time split into attention and the rest:
+served through attnops.hf: the command line builds it and hands it to `main`). Prints which backend serves each
+op, and for each mode (on a GPU by default the recommended one, torch.compile'd and CUDA-graph replayed, then eager
+beside it; on the CPU eager) the tokens/s of the decode steps and the step time split into attention and the rest:
 
   attention = time inside the attnops ops (paged_attention + reshape_and_cache, all layers), read from
               torch.profiler over a few extra steps: CPU time of the op calls on the CPU, the op's CUDA kernel
