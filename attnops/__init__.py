@@ -6,11 +6,11 @@
 Each call is served by the fastest backend that supports it (see `attnops.explain` and `python -m attnops info`).
 """
 from .dispatch import explain, use_backend
-from .ops import paged_attention, reshape_and_cache
+from .ops import merge_attention_states, paged_attention, reshape_and_cache
 from .serving.graphs import DecodeGraphRunner
 from .serving.kv_cache import BatchMetadata, PagedKVCache
 from .serving.spec import tree_mask_from_parents
 
 __version__ = "0.1.0"
-__all__ = ["BatchMetadata", "DecodeGraphRunner", "PagedKVCache", "explain", "paged_attention", "reshape_and_cache",
-           "tree_mask_from_parents", "use_backend"]
+__all__ = ["BatchMetadata", "DecodeGraphRunner", "PagedKVCache", "explain", "merge_attention_states",
+           "paged_attention", "reshape_and_cache", "tree_mask_from_parents", "use_backend"]

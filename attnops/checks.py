@@ -308,3 +308,27 @@ def check_reshape_and_cache_values(k_cache, slot_mapping, k_scale=None, v_scale=
     if slot_mapping.numel() and (slot_mapping.min().item() < -1 or slot_mapping.max().item() >= slots):
         _fail("reshape_and_cache", ValueError, f"slot_mapping entries must be -1 (padding) or in [0, {slots}) "
                                                f"(got min {slot_mapping.min().item()}, max {slot_mapping.max().item()})")
+
+
+def check_merge_attention_states(out_a, lse_a, out_b, lse_b, out=None, lse=None) -> None:
+    """Two partial attention results [T, H, D] with their LSEs [T, H] (natural log)."""
+    op = "merge_attention_states"
+    for name, t in (("out_a", out_a), ("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)):
+        _check_tensor(op, name, t)
+    for name, t in (("out_a", out_a), ("out_b", out_b)) + ((("out", out),) if out is not None else ()):
+        if t.dtype not in Q_DTYPES + (torch.float64,):
+            _fail(op, TypeError, f"{name} must be bfloat16, float16, float32 or float64 (got {t.dtype})")
+        if t.dim() != 3 or t.shape != out_a.shape or t.dtype != out_a.dtype:
+            _fail(op, ValueError, f"{name} must be [T, H, D] like out_a ({_describe(out_a)}; got {_describe(t)})")
+        if t.stride(-1) != 1:
+            _fail(op, ValueError, f"{name} must be contiguous in its last dimension (strides {t.stride()})")
+    if out_a.shape[-1] not in HEAD_DIMS:
+        _fail(op, ValueError, f"head_dim (out_a.shape[2]) must be one of {HEAD_DIMS} (got {out_a.shape[-1]})")
+    for name, t in (("lse_a", lse_a), ("lse_b", lse_b)) + ((("lse", lse),) if lse is not None else ()):
+        if t.dtype not in (torch.float32, torch.float64) or t.dtype != lse_a.dtype:
+            _fail(op, TypeError, f"{name} must be float32 (or float64, like lse_a) (got {t.dtype})")
+        if tuple(t.shape) != tuple(out_a.shape[:2]):
+            _fail(op, ValueError, f"{name} must be [T, H] = {list(out_a.shape[:2])} (got {list(t.shape)})")
+        if t.stride(-1) != 1:
+            _fail(op, ValueError, f"{name} must be contiguous in its last dimension (strides {t.stride()})")
+    _check_same_device(op, "out_a", out_a, lse_a=lse_a, out_b=out_b, lse_b=lse_b, out=out, lse=lse)

@@ -15,8 +15,9 @@ import torch
 
 from . import _C  # loads the schemas: TORCH_LIBRARY(attnops, m) in csrc/ops.cpp
 from .backends import flashinfer_replay
-from .checks import (attention_case, check_paged_attention, check_paged_attention_values, check_reshape_and_cache,
-                     check_reshape_and_cache_values)
+from .backends.reference import merge_attention_states_reference
+from .checks import (attention_case, check_merge_attention_states, check_paged_attention,
+                     check_paged_attention_values, check_reshape_and_cache, check_reshape_and_cache_values)
 from .dispatch import select_backend
 from .env import values_checked
 
@@ -111,6 +112,39 @@ def _reshape_and_cache_fake(key, value, k_cache, v_cache, slot_mapping, *, kv_fo
                             k_block_scale, v_block_scale)
 
 
+def _run_merge_attention_states(out_a, lse_a, out_b, lse_b, out, lse) -> None:
+    check_merge_attention_states(out_a, lse_a, out_b, lse_b, out, lse)
+    if out_a.is_cuda and out_a.dtype != torch.float64:  # one Triton kernel; elsewhere (and float64) PyTorch
+        from .backends.triton.merge_states import merge_states
+        with on_device(out_a.device):
+            merge_states(out_a, lse_a, out_b, lse_b, out, lse)
+    else:
+        merge_attention_states_reference(out_a, lse_a, out_b, lse_b, out, lse)
+
+
+@torch.library.impl("attnops::merge_attention_states", DEVICES)
+def _merge_attention_states(out_a, lse_a, out_b, lse_b):
+    out, lse = torch.empty_like(out_a), torch.empty_like(lse_a)
+    _run_merge_attention_states(out_a, lse_a, out_b, lse_b, out, lse)
+    return out, lse
+
+
+@torch.library.register_fake("attnops::merge_attention_states")
+def _merge_attention_states_fake(out_a, lse_a, out_b, lse_b):
+    check_merge_attention_states(out_a, lse_a, out_b, lse_b)
+    return torch.empty_like(out_a), torch.empty_like(lse_a)
+
+
+@torch.library.impl("attnops::merge_attention_states.out", DEVICES)
+def _merge_attention_states_out(out_a, lse_a, out_b, lse_b, *, out, lse):
+    _run_merge_attention_states(out_a, lse_a, out_b, lse_b, out, lse)
+
+
+@torch.library.register_fake("attnops::merge_attention_states.out")
+def _merge_attention_states_out_fake(out_a, lse_a, out_b, lse_b, *, out, lse):
+    check_merge_attention_states(out_a, lse_a, out_b, lse_b, out, lse)
+
+
 _EXPECTED = {"k_scale": "float32, 0-d or [num_kv_heads] for fp8", "v_scale": "float32, 0-d or [num_kv_heads] for fp8",
              "sinks": "float32 [num_q_heads]"}
 
@@ -149,3 +183,15 @@ def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, *, kv_format="
     torch.ops.attnops.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, kv_format=kv_format,
                                         k_scale=k_scale, v_scale=v_scale, k_block_scale=k_block_scale,
                                         v_block_scale=v_block_scale)
+
+
+def merge_attention_states(out_a, lse_a, out_b, lse_b, *, out=None, lse=None):
+    """`torch.ops.attnops.merge_attention_states`: the exact softmax merge of two partial attention results over
+    disjoint key sets ([T, H, D] outputs, [T, H] natural-log LSEs, -inf for a side with no key). Returns
+    (out, lse); with `out` and `lse` given, the `.out` overload writes them (`out` may be `out_a`)."""
+    if out is None and lse is None:
+        return torch.ops.attnops.merge_attention_states(out_a, lse_a, out_b, lse_b)
+    if out is None or lse is None:
+        raise ValueError("attnops.merge_attention_states: give both out and lse, or neither")
+    torch.ops.attnops.merge_attention_states.out(out_a, lse_a, out_b, lse_b, out=out, lse=lse)
+    return out, lse

@@ -17,4 +17,8 @@ TORCH_LIBRARY(attnops, m) {
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, *, "
       "str kv_format=\"auto\", Tensor? k_scale=None, Tensor? v_scale=None, "
       "Tensor(c!)? k_block_scale=None, Tensor(d!)? v_block_scale=None) -> ()");
+  m.def("merge_attention_states(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b) -> (Tensor, Tensor)");
+  m.def(
+      "merge_attention_states.out(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b, *, Tensor(a!) out, "
+      "Tensor(b!) lse) -> ()");
 }

@@ -113,6 +113,24 @@ def reshape_and_cache_reference(key, value, k_cache, v_cache, slot_mapping, *, k
             block_scale[pages, offsets] = new_block_scale
 
 
+def merge_attention_states_reference(out_a, lse_a, out_b, lse_b, out, lse) -> None:
+    """The exact softmax merge of two partial results over disjoint key sets, in float64: with m the larger LSE,
+    out = (e^(lse_a - m) out_a + e^(lse_b - m) out_b) / (e^(lse_a - m) + e^(lse_b - m)), lse = m + log(that sum).
+    A side with lse -inf (no key) leaves the other unchanged; both: out 0, lse -inf. NaN in an LSE reaches its
+    row."""
+    la, lb = lse_a.double(), lse_b.double()
+    m = torch.maximum(la, lb)
+    m_use = torch.where(m == float("-inf"), 0.0, m)
+    wa, wb = torch.exp(la - m_use), torch.exp(lb - m_use)
+    total = wa + wb
+    a = torch.where((wa > 0)[..., None], out_a.double() * (wa / total)[..., None], 0.0)
+    b = torch.where((wb > 0)[..., None], out_b.double() * (wb / total)[..., None], 0.0)
+    has_nan = (la.isnan() | lb.isnan())[..., None]
+    out.copy_(torch.where(has_nan, float("nan"), a + b))
+    lse.copy_(torch.where(total > 0, m_use + torch.log(total), float("-inf")).masked_fill(
+        la.isnan() | lb.isnan(), float("nan")))
+
+
 class ReferenceBackend(Backend):
     name = "reference"
     description = "plain PyTorch, any device, every format and feature; host loop per sequence (slow, not graph-safe)"

@@ -126,12 +126,17 @@ class Generator:
     max_batch: most requests decoded together; max_seq_len: longest prompt + max_new_tokens accepted (it fixes
     the block table's width); compile, cuda_graphs: see DecodeStep (prefill stays eager: its shapes change
     every call);
+    prefix_sharing: a prompt that starts with full pages a running request already holds (the same tokens, page
+    by page from the start: a system prompt, a few-shot header) shares those pages instead of storing and
+    computing them again (PagedKVCache.share_prefix); `stats` counts the tokens reused;
     seed: the sampling generator's seed (temperature > 0 only)."""
 
     def __init__(self, model, cache: PagedKVCache, *, max_batch: int = 8, max_seq_len: int = 2048,
                  buckets: tuple[int, ...] | None = None, compile: bool | dict = False, cuda_graphs: bool = False,
-                 seed: int = 0):
+                 prefix_sharing: bool = True, seed: int = 0):
         self.model, self.cache = model, cache
+        self.prefix_sharing = prefix_sharing
+        self.stats = dict(prompt_tokens=0, prefix_tokens_reused=0, peak_pages_in_use=0)
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
         max_pages = -(-max_seq_len // cache.page_size)
         self.decode = DecodeStep(model, cache, max_batch=max_batch, max_pages=max_pages, buckets=buckets,
@@ -193,15 +198,23 @@ class Generator:
     def prefill(self, reqs: list[Request]) -> torch.Tensor:
         """One extend-form forward over all of `reqs`' prompts; returns each prompt's last-position logits."""
         ids = [r.req_id for r in reqs]
+        cached = []  # prompt tokens already in the cache (shared pages), per request
         for r in reqs:
             self.cache.allocate(r.req_id)
             self.running[r.req_id] = r
-        lens = [len(r.prompt) for r in reqs]
+            cached.append(self.cache.share_prefix(r.req_id, r.prompt) if self.prefix_sharing else 0)
+        lens = [len(r.prompt) - c for r, c in zip(reqs, cached)]
         meta = self.cache.prepare(ids, lens, decode=False)
         device = self.cache.device
-        tokens = torch.tensor([t for r in reqs for t in r.prompt], dtype=torch.int64, device=device)
-        positions = torch.cat([torch.arange(n, device=device) for n in lens])
+        tokens = torch.tensor([t for r, c in zip(reqs, cached) for t in r.prompt[c:]], dtype=torch.int64,
+                              device=device)
+        positions = torch.cat([torch.arange(c, len(r.prompt), device=device) for r, c in zip(reqs, cached)])
         logits = self.model(tokens, positions, self.cache, meta)
+        if self.prefix_sharing:
+            for r in reqs:
+                self.cache.index_prefix(r.req_id, r.prompt)
+        self.stats["prompt_tokens"] += sum(len(r.prompt) for r in reqs)
+        self.stats["prefix_tokens_reused"] += sum(cached)
         return logits[meta.cu_seqlens_q[1:].long() - 1]
 
     def step(self) -> dict:
@@ -216,6 +229,7 @@ class Generator:
         if batch:
             last = torch.tensor([r.output[-1] for r in batch], dtype=torch.int64, device=self.cache.device)
             self._emit(batch, self.decode([r.req_id for r in batch], last), new)
+            self.stats["peak_pages_in_use"] = max(self.stats["peak_pages_in_use"], self.cache.pages_in_use)
             self._retire()
         return new
 

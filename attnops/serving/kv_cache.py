@@ -35,6 +35,11 @@ class PagedKVCache:
     kv_format: "bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2" (k_scale/v_scale: float32 per tensor or [Hkv],
     default 1.0), "nvfp4" or "mxfp4" (block scales kept beside the cache).
     shuffle_pages: hand out pages in random order, as a real allocator's free list ends up (benchmarks use it).
+
+    Pages are reference-counted: `fork` gives a new sequence another's pages without copying them, and
+    `share_prefix`/`index_prefix` do the same for any sequence whose tokens start with pages already cached (a
+    prefix index over full pages). A shared page is copied before a sequence writes into it (copy on write), and
+    goes back to the free list when its last sequence lets it go.
     """
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, *,
@@ -68,6 +73,10 @@ class PagedKVCache:
         self._table = torch.full((8, 64), -1, dtype=torch.int32)
         self._row: dict = {}  # seq_id -> its row of _table
         self._free_rows = list(range(7, -1, -1))
+        self._refs = [0] * num_pages  # sequences holding each page
+        # the prefix index: key of a full page (its tokens and the key of the page before) -> the page, and back
+        self._indexed: dict = {}
+        self._key_of: dict = {}
 
     # --- the tensors the ops take, per layer ---------------------------------------------------------------------
     @property
@@ -110,8 +119,84 @@ class PagedKVCache:
             self._free_rows = list(range(2 * rows - 1, rows - 1, -1))
         self._row[seq_id] = self._free_rows.pop()
 
+    @property
+    def pages_in_use(self) -> int:
+        """Distinct pages held by live sequences (a page shared by several counts once)."""
+        return self.num_pages - len(self._free_pages)
+
+    def _take_page(self) -> int:
+        page = self._free_pages.pop()
+        self._refs[page] = 1
+        return page
+
+    def _release(self, pages: list) -> None:
+        for page in reversed(pages):
+            self._refs[page] -= 1
+            if self._refs[page] == 0:
+                self._indexed.pop(self._key_of.pop(page, None), None)
+                self._free_pages.append(page)
+
+    def _copy_page(self, src: int, dst: int) -> None:
+        for storage in self.kv + (self.block_scales or []):
+            storage[dst] = storage[src]
+
+    def _own_page(self, seq_id, i: int) -> None:
+        """Copy on write: the sequence's i-th page becomes its own before it writes into it."""
+        page = self._pages[seq_id][i]
+        if self._refs[page] > 1:
+            fresh = self._take_page()
+            self._copy_page(page, fresh)
+            self._refs[page] -= 1
+            self._pages[seq_id][i] = fresh
+            self._table[self._row[seq_id], i] = fresh
+
+    def fork(self, src, dst, num_tokens: int | None = None) -> None:
+        """A new sequence `dst` holding the first `num_tokens` (default: all) tokens of `src`, sharing its pages;
+        the last page, if partial, is copied when either sequence writes into it."""
+        n = self._lengths[src] if num_tokens is None else num_tokens
+        if not 0 <= n <= self._lengths[src]:
+            raise ValueError(f"PagedKVCache.fork: num_tokens must be in [0, {self._lengths[src]}] (got {n})")
+        self.allocate(dst)
+        shared = self._pages[src][: -(-n // self.page_size)]
+        for page in shared:
+            self._refs[page] += 1
+        self._grow(dst, shared)
+        self._lengths[dst] = n
+
+    def _page_keys(self, tokens: list[int]) -> list:
+        keys, key = [], None
+        for start in range(0, len(tokens) - self.page_size + 1, self.page_size):
+            key = hash((key, tuple(tokens[start:start + self.page_size])))
+            keys.append(key)
+        return keys
+
+    def share_prefix(self, seq_id, tokens: list[int]) -> int:
+        """For a new, empty sequence whose tokens will be `tokens`: attaches the longest run of cached full pages
+        that holds their start (see index_prefix), leaving at least the last token to compute. Returns the tokens
+        now in the sequence (a multiple of page_size)."""
+        if self._lengths[seq_id]:
+            raise ValueError(f"PagedKVCache.share_prefix: sequence {seq_id!r} is not empty")
+        pages = []
+        for key in self._page_keys(tokens[:-1]):
+            page = self._indexed.get(key)
+            if page is None:
+                break
+            pages.append(page)
+        for page in pages:
+            self._refs[page] += 1
+        self._grow(seq_id, pages)
+        self._lengths[seq_id] = len(pages) * self.page_size
+        return self._lengths[seq_id]
+
+    def index_prefix(self, seq_id, tokens: list[int]) -> None:
+        """Records the sequence's full pages, whose stored tokens are `tokens` (written already), so that later
+        sequences starting with the same tokens share them (share_prefix)."""
+        for page, key in zip(self._pages[seq_id], self._page_keys(tokens[: self._lengths[seq_id]])):
+            if key not in self._indexed and page not in self._key_of:
+                self._indexed[key], self._key_of[page] = page, key
+
     def free(self, seq_id) -> None:
-        self._free_pages.extend(reversed(self._pages.pop(seq_id)))
+        self._release(self._pages.pop(seq_id))
         del self._lengths[seq_id]
         row = self._row.pop(seq_id)
         self._table[row].fill_(-1)
@@ -138,7 +223,7 @@ class PagedKVCache:
                              f"{seq_id!r} (got {length})")
         pages = self._pages[seq_id]
         keep = -(-length // self.page_size)
-        self._free_pages.extend(reversed(pages[keep:]))
+        self._release(pages[keep:])
         self._table[self._row[seq_id], keep:len(pages)] = -1
         del pages[keep:]
         self._lengths[seq_id] = length
@@ -155,6 +240,8 @@ class PagedKVCache:
             raise ValueError(f"PagedKVCache.keep_path: path must be increasing indices into the block's "
                              f"{end - block_start} tokens (got {path})")
         if list(path) != list(range(len(path))):
+            for i in range(block_start // self.page_size, -(-(block_start + len(path)) // self.page_size)):
+                self._own_page(seq_id, i)  # the pages written below
             pages = torch.tensor(self._pages[seq_id], dtype=torch.long)
             src = torch.tensor(path, dtype=torch.long) + block_start
             dst = torch.arange(block_start, block_start + len(path))
@@ -178,10 +265,15 @@ class PagedKVCache:
             decode = all(n == 1 for n in num_new_tokens)
         if decode and any(n != 1 for n in num_new_tokens):
             raise ValueError("PagedKVCache.prepare: decode=True needs one new token per sequence")
-        needed = sum(max(0, -(-(self._lengths[s] + n) // self.page_size) - len(self._pages[s]))
-                     for s, n in zip(seq_ids, num_new_tokens))
+        # a shared partial last page that this step writes into is copied first (copy on write)
+        writes_shared = [s for s, n in zip(seq_ids, num_new_tokens)
+                         if n and self._lengths[s] % self.page_size and self._refs[self._pages[s][-1]] > 1]
+        needed = len(writes_shared) + sum(max(0, -(-(self._lengths[s] + n) // self.page_size) - len(self._pages[s]))
+                                          for s, n in zip(seq_ids, num_new_tokens))
         if needed > len(self._free_pages):
             raise RuntimeError(f"PagedKVCache: out of pages ({needed} needed, {len(self._free_pages)} free)")
+        for s in writes_shared:
+            self._own_page(s, len(self._pages[s]) - 1)
         # slots of short runs (decode) as Python ints, flushed as one tensor before each long run (prefill)
         slot_runs, pending, lengths = [], [], []
         page_size = self.page_size
@@ -189,7 +281,7 @@ class PagedKVCache:
             pages, start = self._pages[seq_id], self._lengths[seq_id]
             missing = -(-(start + n) // page_size) - len(pages)
             if missing > 0:
-                self._grow(seq_id, [self._free_pages.pop() for _ in range(missing)])
+                self._grow(seq_id, [self._take_page() for _ in range(missing)])
             if n <= 16:
                 pending.extend(pages[p // page_size] * page_size + p % page_size for p in range(start, start + n))
             else:

@@ -1,0 +1,54 @@
+"""The merge of two partial attention results over disjoint key sets (attnops.merge_attention_states on a GPU):
+one program per query row, all heads, natural-log LSEs (the op's contract, not the attention kernel's base 2)."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LN2 = 0.6931471805599453
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def merge_states_kernel(out_a_ptr, lse_a_ptr, out_b_ptr, lse_b_ptr, out_ptr, lse_ptr,
+                        stride_at, stride_ah, stride_bt, stride_bh, stride_ot, stride_oh,
+                        stride_lat, stride_lbt, stride_lot,
+                        NUM_HEADS: tl.constexpr, HEADS_P2: tl.constexpr, HEAD_DIM: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, HEADS_P2)
+    hv = h < NUM_HEADS
+    d = tl.arange(0, HEAD_DIM)
+    la = tl.load(lse_a_ptr + t * stride_lat + h, mask=hv, other=float("-inf")).to(tl.float32)
+    lb = tl.load(lse_b_ptr + t * stride_lbt + h, mask=hv, other=float("-inf")).to(tl.float32)
+    m = tl.maximum(la, lb)
+    # NaN in either lse: tl.maximum may drop it, so it is carried explicitly
+    has_nan = (la != la) | (lb != lb)
+    m_use = tl.where(m == float("-inf"), 0.0, m)  # both sides empty: weights 0, output 0
+    wa = tl.exp2((la - m_use) * LOG2E)
+    wb = tl.exp2((lb - m_use) * LOG2E)
+    total = wa + wb
+    inv = tl.where(total > 0.0, 1.0 / tl.where(total > 0.0, total, 1.0), 0.0)
+    a = tl.load(out_a_ptr + t * stride_at + h[:, None] * stride_ah + d[None, :], mask=hv[:, None], other=0.0)
+    b = tl.load(out_b_ptr + t * stride_bt + h[:, None] * stride_bh + d[None, :], mask=hv[:, None], other=0.0)
+    # an empty side (weight 0) contributes nothing, whatever its output holds
+    a = tl.where((wa > 0.0)[:, None], a.to(tl.float32) * (wa * inv)[:, None], 0.0)
+    b = tl.where((wb > 0.0)[:, None], b.to(tl.float32) * (wb * inv)[:, None], 0.0)
+    o = tl.where(has_nan[:, None], float("nan"), a + b)
+    lse = tl.where(total > 0.0, m_use + tl.log2(tl.where(total > 0.0, total, 1.0)) * LN2, float("-inf"))
+    lse = tl.where(has_nan, float("nan"), lse)
+    tl.store(out_ptr + t * stride_ot + h[:, None] * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=hv[:, None])
+    tl.store(lse_ptr + t * stride_lot + h, lse.to(lse_ptr.dtype.element_ty), mask=hv)
+
+
+def merge_states(out_a, lse_a, out_b, lse_b, out, lse) -> None:
+    """Writes the merge into `out` [T, H, D] and `lse` [T, H]; inputs validated by the op (last dims
+    contiguous)."""
+    num_tokens, num_heads, head_dim = out_a.shape
+    if num_tokens == 0:
+        return
+    merge_states_kernel[(num_tokens,)](
+        out_a, lse_a, out_b, lse_b, out, lse, out_a.stride(0), out_a.stride(1), out_b.stride(0), out_b.stride(1),
+        out.stride(0), out.stride(1), lse_a.stride(0), lse_b.stride(0), lse.stride(0),
+        NUM_HEADS=num_heads, HEADS_P2=triton.next_power_of_2(num_heads), HEAD_DIM=head_dim,
+        num_warps=4 if head_dim * num_heads >= 2048 else 2)

@@ -1,0 +1,118 @@
+"""Shared pages in PagedKVCache: reference counts, fork, copy on write, the prefix index, and a Generator whose
+requests share a prompt prefix producing the same tokens as one that stores every prompt on its own."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnops
+from attnops.serving.generate import Generator
+from attnops.serving.model import LlamaConfig, LlamaForCausalLM
+
+
+def write(cache, seq, tokens_kv):
+    meta = cache.prepare([seq], [tokens_kv.shape[0]], decode=False)
+    torch.ops.attnops.reshape_and_cache(tokens_kv[:, 0], tokens_kv[:, 1], slot_mapping=meta.slot_mapping,
+                                        **cache.write_args(0))
+    return meta
+
+
+def stored(cache, seq):
+    """The sequence's K and V as stored, in token order: [n, 2, Hkv, D]."""
+    pages = cache._pages[seq]
+    n = cache.seq_len(seq)
+    return torch.stack([cache.kv[0][pages[t // cache.page_size], :, t % cache.page_size] for t in range(n)])
+
+
+@pytest.mark.parametrize("kv_format", ["fp32", "fp8_e4m3", "nvfp4"])
+def test_fork_shares_pages_and_copies_a_partial_page_on_write(kv_format):
+    cache = attnops.PagedKVCache(1, 12, 4, 2, 64, kv_format=kv_format)
+    cache.allocate("a")
+    write(cache, "a", torch.randn(10, 2, 2, 64))  # pages: 4 + 4 + 2 tokens
+    used = cache.pages_in_use
+    a_before = stored(cache, "a").clone()
+    cache.fork("a", "b")
+    assert cache.pages_in_use == used and cache._pages["b"] == cache._pages["a"]  # nothing copied yet
+    assert [cache._refs[p] for p in cache._pages["a"]] == [2, 2, 2]
+    write(cache, "b", torch.randn(1, 2, 2, 64))  # b writes into the shared partial page: it gets a copy
+    assert cache.pages_in_use == used + 1
+    assert cache._pages["b"][:2] == cache._pages["a"][:2] and cache._pages["b"][2] != cache._pages["a"][2]
+    assert torch.equal(stored(cache, "a").view(torch.uint8), a_before.view(torch.uint8))  # a is untouched
+    assert torch.equal(stored(cache, "b")[:10].view(torch.uint8), a_before.view(torch.uint8))
+    if cache.block_scales is not None:  # 4-bit: the block scales of the copied page came along
+        pa, pb = cache._pages["a"][2], cache._pages["b"][2]
+        assert torch.equal(cache.block_scales[0][pa, :, :2].view(torch.uint8),
+                           cache.block_scales[0][pb, :, :2].view(torch.uint8))
+    write(cache, "a", torch.randn(3, 2, 2, 64))  # a's partial page is its own again: written in place
+    assert cache.pages_in_use == used + 2  # a's 3rd page filled, a 4th page taken
+    cache.free("a")
+    assert [cache._refs[p] for p in cache._pages["b"]] == [1, 1, 1]
+    cache.free("b")
+    assert cache.pages_in_use == 0 and cache.free_pages == 12
+
+
+def test_fork_of_a_prefix_and_truncate_release_by_count():
+    cache = attnops.PagedKVCache(1, 8, 4, 1, 32, kv_format="fp32")
+    cache.allocate("a")
+    write(cache, "a", torch.randn(12, 2, 1, 32))
+    cache.fork("a", "b", num_tokens=5)  # two pages, the second partial
+    assert cache.seq_len("b") == 5 and len(cache._pages["b"]) == 2
+    cache.truncate("a", 3)  # a lets go of its last two pages: one was shared with b
+    assert cache.pages_in_use == 2
+    with pytest.raises(ValueError, match="num_tokens"):
+        cache.fork("a", "c", num_tokens=4)
+
+
+def test_prefix_index_shares_full_pages_only_and_forgets_freed_pages():
+    cache = attnops.PagedKVCache(1, 16, 4, 1, 32, kv_format="fp32")
+    prompt = list(range(11))
+    cache.allocate("a")
+    assert cache.share_prefix("a", prompt) == 0
+    write(cache, "a", torch.randn(11, 2, 1, 32))
+    cache.index_prefix("a", prompt)  # two full pages indexed
+    cache.allocate("b")
+    assert cache.share_prefix("b", prompt[:9] + [99, 98]) == 8
+    assert cache._pages["b"] == cache._pages["a"][:2]
+    cache.allocate("c")
+    assert cache.share_prefix("c", [5] + prompt[1:]) == 0  # a different first page: nothing shared
+    cache.allocate("d")
+    assert cache.share_prefix("d", prompt[:8]) == 4  # the last token is always computed
+    cache.free("a"), cache.free("b"), cache.free("d")
+    cache.allocate("e")
+    assert cache.share_prefix("e", prompt) == 0  # freed pages left the index
+
+
+def tiny_model():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)  # head_dim 32
+    model = LlamaForCausalLM(config)
+    for p in model.parameters():
+        p.data.normal_(0, 0.3) if p.dim() > 1 else p.data.fill_(1.0)
+    return model.eval().requires_grad_(False)
+
+
+def generate(model, kv_format, sharing, staggered):
+    """Eight requests on one 40-token system prompt; staggered: one admitted per step, so each finds the earlier
+    ones' pages in the prefix index (requests admitted in the same step do not share: the index is filled after
+    their prefill)."""
+    system = [int(t) for t in torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(1))]
+    cache = attnops.PagedKVCache(2, 64, 8, 2, 32, kv_format=kv_format, shuffle_pages=True)
+    gen = Generator(model, cache, max_batch=8, max_seq_len=80, buckets=(8,), prefix_sharing=sharing)
+    for i in range(8):
+        gen.add_request(i, system + [i + 1, 2 * i + 3], max_new_tokens=12)
+        if staggered:
+            gen.step()
+    return gen.run(), dict(gen.stats)
+
+
+@pytest.mark.parametrize("kv_format", ["fp32", "fp8_e4m3"])
+def test_generation_with_shared_prefixes_gives_the_same_tokens(kv_format):
+    model = tiny_model()
+    plain, plain_stats = generate(model, kv_format, sharing=False, staggered=True)
+    shared, shared_stats = generate(model, kv_format, sharing=True, staggered=True)
+    together, together_stats = generate(model, kv_format, sharing=True, staggered=False)
+    assert shared == plain == together
+    assert plain_stats["prefix_tokens_reused"] == together_stats["prefix_tokens_reused"] == 0
+    assert shared_stats["prefix_tokens_reused"] == 7 * 40  # five full pages of 8, for each request after the first
+    assert shared_stats["peak_pages_in_use"] < plain_stats["peak_pages_in_use"]
