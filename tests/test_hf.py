@@ -241,12 +241,14 @@ def test_every_kv_format_serves_generate(kv_format):
 
 
 # (step at which a request is queued, prompt, max_new_tokens): with max_batch 2 the decode batch runs at 1 and 2
-# rows, requests finish and free pages that later ones reuse
-SCHEDULE = [(0, PROMPTS[0], 12), (0, PROMPTS[2], 20), (2, PROMPTS[1], 16), (5, [9, 8, 7, 6, 5, 4, 3], 10)]
+# rows, requests wait, finish and free pages that later ones reuse; requests 2 and 3 start with the two full pages
+# (of 8) of the running request 0's prompt, which they share (the Generator's prefix sharing) and do not prefill
+SCHEDULE = [(0, PROMPTS[0], 24), (0, PROMPTS[2], 6), (2, PROMPTS[0][:16] + [1, 2], 10),
+            (5, PROMPTS[0][:16] + [7, 7, 7], 6), (9, [9, 8, 7, 6, 5, 4, 3], 10)]
 
 
 @torch.no_grad()
-def serve(model, compile=False, schedule=SCHEDULE, buckets=None, kv_format="fp32", cuda_graphs=False):
+def serve(model, compile=False, schedule=SCHEDULE, buckets=None, kv_format="fp32", cuda_graphs=False, stats=None):
     kv = attnops.hf.paged_kv_cache(model.config, num_pages=16, page_size=8, kv_format=kv_format,
                                    device=model.device)
     gen = Generator(attnops.hf.serving_model(model), kv, max_batch=2, max_seq_len=48, compile=compile,
@@ -258,6 +260,8 @@ def serve(model, compile=False, schedule=SCHEDULE, buckets=None, kv_format="fp32
                 gen.add_request(i, prompt, n)
         gen.step()
         step += 1
+    if stats is not None:
+        stats.update(gen.stats)
     return {i: gen.finished[i].output for i in range(len(schedule))}
 
 
@@ -265,7 +269,9 @@ def serve(model, compile=False, schedule=SCHEDULE, buckets=None, kv_format="fp32
 def test_generator_serves_the_model_like_generate_and_compiles_without_graph_break(family):
     eager, ours = models(family)
     expected = {i: generate(eager, [prompt], n=n)[0] for i, (_, prompt, n) in enumerate(SCHEDULE)}
-    assert serve(ours) == expected
+    stats = {}
+    assert serve(ours, stats=stats) == expected
+    assert stats["prefix_tokens_reused"] == 32, stats  # two requests, two pages each
     torch._dynamo.reset()
     counter = torch._dynamo.testing.CompileCounter()
     # DecodeStep compiles with fullgraph=True: a graph break is an error
