@@ -116,7 +116,10 @@ def demo(args) -> None:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # what run_demo runs in
     tiny = device.type == "cpu" and args.model in families.FAMILIES  # a real-shaped model is slow on a CPU
-    model = hf.serving_model(families.load(args.model, device=device, dtype=dtype, tiny=tiny))
+    try:
+        model = hf.serving_model(families.load(args.model, device=device, dtype=dtype, tiny=tiny))
+    except (ValueError, OSError) as e:  # not a family, or a checkpoint transformers cannot load
+        sys.exit(f"demo: --model: {e}")
     serving_demo.main(args, model=model,
                       description=f"{families.describe(args.model, tiny)} (transformers' modeling code)")
 

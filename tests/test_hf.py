@@ -355,6 +355,8 @@ def test_demo_serves_a_family(capsys):
     cli.main(["demo", "--model", "qwen3", "--batch", "2", "--prompt-len", "8", "--steps", "4", "--device", "cpu"])
     out = capsys.readouterr().out
     assert "random tiny qwen3 (transformers' modeling code)" in out and "tokens/s" in out, out
+    with pytest.raises(SystemExit, match="--model: .*must be a family"):
+        cli.main(["demo", "--model", "qwen9"])
 
 
 def test_serve_bench_small_serves_a_family_and_its_transformers_baseline(tmp_path):
