@@ -61,6 +61,9 @@ def load_model(family, args, device, dtype):
 
 def checkpoint_family(path) -> str:
     from ..hf.families import FAMILIES
+    if not (Path(path) / "config.json").is_file():
+        raise SystemExit(f"python -m attnops serve-bench: --checkpoint {path}: no config.json there (a checkpoint "
+                         f"directory, as save_pretrained writes it)")
     model_type = json.loads((Path(path) / "config.json").read_text()).get("model_type")
     family = next((name for name, spec in FAMILIES.items() if spec.model_type == model_type), None)
     if family is None:
