@@ -381,10 +381,16 @@ def main(argv=None) -> dict:
             model = serving_model(hf) if code == "transformers" else attnops_model(hf)
             for kv_format in kv_formats:
                 torch._dynamo.reset()  # a fresh compile cache per model and format: no recompilation limit
-                runner = AttnopsRunner(model, kv_format, ours, batches, contexts, args, device)
+                try:
+                    runner = AttnopsRunner(model, kv_format, ours, batches, contexts, args, device)
+                except Exception as e:  # the cache for the largest point does not fit: record, go on
+                    runner = None
+                    failed = f"{type(e).__name__} making the cache for batch {max(batches)} x context " \
+                             f"{max(contexts)}: {e}"
                 for context in contexts:
                     for batch in batches:
-                        for mode, tps, attention_s, error in runner.point(batch, context):
+                        points = runner.point(batch, context) if runner else ((m, None, None, failed) for m in ours)
+                        for mode, tps, attention_s, error in points:
                             record(family, code, kv_format, mode, batch, context, tps, attention_s, error)
                 del runner
                 gc.collect()
