@@ -4,12 +4,15 @@
     torch.ops.attnops.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, ...)
 
 Each call is served by the fastest backend that supports it (see `attnops.explain` and `python -m attnops info`).
+A bad index (a page outside the cache, a length past the table, ...) is never dereferenced: the op returns NaN
+rows for it, drops a bad slot's write, and records it on the device; `attnops.take_errors()` reports and clears.
 """
 from .dispatch import explain, use_backend
+from .errors import take_errors
 from .ops import paged_attention, reshape_and_cache
 from .serving.graphs import DecodeGraphRunner
 from .serving.kv_cache import BatchMetadata, PagedKVCache
 
 __version__ = "0.1.0"
 __all__ = ["BatchMetadata", "DecodeGraphRunner", "PagedKVCache", "explain", "paged_attention", "reshape_and_cache",
-           "use_backend"]
+           "take_errors", "use_backend"]

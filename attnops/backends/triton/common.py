@@ -9,11 +9,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ... import errors
 from ...formats import FORMATS
 
 # Globals a kernel reads must be tl.constexpr: Triton 3.6 refuses plain Python globals in compiled kernels (its
 # interpreter accepts them, so only the GPU catches this).
 LOG2E = tl.constexpr(1.4426950408889634)
+
+# Entries of the device error buffer (attnops.errors) the kernels record bad indices in.
+ERR_BLOCK_TABLE, ERR_SEQ_LENS = tl.constexpr(errors.BLOCK_TABLE), tl.constexpr(errors.SEQ_LENS)
+ERR_CU_SEQLENS_Q, ERR_SLOT_MAPPING = tl.constexpr(errors.CU_SEQLENS_Q), tl.constexpr(errors.SLOT_MAPPING)
 
 # Format codes (constexpr in the kernels). Plain formats share one code: the load converts to the dot dtype.
 FMT_PLAIN, FMT_FP8, FMT_NVFP4, FMT_MXFP4 = (tl.constexpr(code) for code in range(4))
@@ -78,6 +83,22 @@ def find_sequence(cu_ptr, target, num_seqs, BLOCK_Q: tl.constexpr, BY_BLOCKS: tl
 
 
 @triton.jit
+def cu_seqlens_violation(cu_ptr, num_seqs, num_tokens, BLOCK: tl.constexpr):
+    """The first entry i of cu_seqlens_q ([num_seqs + 1]) at which it stops running non-decreasing from 0 to
+    num_tokens (cu[0] != 0, cu[i] < cu[i-1], cu[i] > num_tokens, or cu[num_seqs] != num_tokens), or num_seqs + 1
+    if it does not. Every program of a multi-token launch asks: num_seqs + 1 loads, once, before its loop."""
+    first = tl.full([], 0, tl.int32) + num_seqs + 1  # a tensor: loop-carried
+    for i0 in range(0, num_seqs + 1, BLOCK):
+        i = i0 + tl.arange(0, BLOCK)
+        valid = i <= num_seqs
+        cur = tl.load(cu_ptr + i, mask=valid, other=0)
+        prev = tl.load(cu_ptr + i - 1, mask=valid & (i > 0), other=0)
+        bad = (cur < prev) | (cur > num_tokens) | ((i == 0) & (cur != 0)) | ((i == num_seqs) & (cur != num_tokens))
+        first = tl.minimum(first, tl.min(tl.where(valid & bad, i, num_seqs + 1), 0))
+    return first
+
+
+@triton.jit
 def f32_to_fp8_bits(x, MANT: tl.constexpr, BIAS: tl.constexpr):
     """fp32 (finite, already saturated to the format's max) -> fp8 bits (uint8), rounding to nearest even, in
     integer arithmetic. MANT/BIAS: 3/7 for e4m3fn, 2/15 for e5m2.
@@ -102,13 +123,18 @@ def f32_to_fp8_bits(x, MANT: tl.constexpr, BIAS: tl.constexpr):
 
 @triton.jit
 def to_fp8_bits(x, FP8_DTYPE: tl.constexpr, SOFT_FP8: tl.constexpr):
-    """fp32 -> fp8 bits (uint8), round to nearest even: the hardware conversion, or integer code under the
-    interpreter (see f32_to_fp8_bits)."""
+    """fp32 (finite values saturated to the format's max, or NaN) -> fp8 bits (uint8), round to nearest even: the
+    hardware conversion, or integer code under the interpreter (see f32_to_fp8_bits). A NaN is stored as torch
+    stores it in both formats, 0x7F with x's sign bit (the hardware's own NaN need not carry the sign)."""
     if SOFT_FP8:
         if FP8_DTYPE == tl.float8e4nv:
-            return f32_to_fp8_bits(x, 3, 7)
-        return f32_to_fp8_bits(x, 2, 15)
-    return x.to(FP8_DTYPE).to(tl.uint8, bitcast=True)
+            bits = f32_to_fp8_bits(x, 3, 7)
+        else:
+            bits = f32_to_fp8_bits(x, 2, 15)
+    else:
+        bits = x.to(FP8_DTYPE).to(tl.uint8, bitcast=True)
+    nan_bits = (((x.to(tl.int32, bitcast=True) >> 24) & 0x80) | 0x7F).to(tl.uint8)
+    return tl.where(x != x, nan_bits, bits)
 
 
 def _e2m1x4_asm(high: bool, mantissa_shift: int) -> str:

@@ -26,9 +26,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .common import (FMT_FP8, FMT_MXFP4, FMT_NVFP4, FP8_PAIR_E4M3_EVEN, FP8_PAIR_E4M3_ODD,
-                     FP8_PAIR_E5M2_EVEN, FP8_PAIR_E5M2_ODD, LOG2E, e2m1_nibbles, e8m0_to_f32, find_sequence, kv_plan,
-                     opaque_one)
+from .common import (ERR_BLOCK_TABLE, ERR_CU_SEQLENS_Q, ERR_SEQ_LENS, FMT_FP8, FMT_MXFP4, FMT_NVFP4,
+                     FP8_PAIR_E4M3_EVEN, FP8_PAIR_E4M3_ODD, FP8_PAIR_E5M2_EVEN, FP8_PAIR_E5M2_ODD, LOG2E,
+                     cu_seqlens_violation, e2m1_nibbles, e8m0_to_f32, find_sequence, kv_plan, opaque_one)
 
 # torch dtypes of tl.dot operands as Triton's
 TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -179,12 +179,30 @@ def _fp8_to_dot(x, FP8_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr):
     return x.to(FP8_DTYPE, bitcast=True).to(DOT_DTYPE)
 
 
-# Runtime values that change from call to call (batch size, window, split plan) must not be specialized on
-# (Triton compiles a variant for an int argument equal to 1): a batch of 1 or MAX_SPLITS=1 reuses the same binary.
-@triton.jit(do_not_specialize=["num_seqs", "window_left", "MAX_SPLITS", "CHUNK"])
+@triton.jit
+def _nan_rows(out_ptr, part_out_ptr, part_lse_ptr, tok, row_head, row_valid, split, MAX_SPLITS, stride_ot, stride_oh,
+              NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """NaN into the rows (tok, row_head) of `out` (split 0) and into this split's partial rows, which the merge
+    kernel may read for them."""
+    cols = tl.arange(0, HEAD_DIM)
+    nan = tl.full([tok.shape[0], HEAD_DIM], float("nan"), tl.float32)
+    if split == 0:
+        o_ptr = out_ptr + tok[:, None] * stride_ot + row_head.to(tl.int64)[:, None] * stride_oh + cols[None, :]
+        tl.store(o_ptr, nan.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+    if MAX_SPLITS > 1:
+        part_row = (tok * NUM_Q_HEADS + row_head) * MAX_SPLITS + split
+        tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + cols[None, :], nan, mask=row_valid[:, None])
+        tl.store(part_lse_ptr + part_row, tl.full([tok.shape[0]], float("nan"), tl.float32), mask=row_valid)
+
+
+# Runtime values that change from call to call (batch size, window, split plan, the sizes the bounds checks compare
+# with) must not be specialized on (Triton compiles a variant for an int argument equal to 1): a batch of 1 or
+# MAX_SPLITS=1 reuses the same binary.
+@triton.jit(do_not_specialize=["num_seqs", "window_left", "MAX_SPLITS", "CHUNK", "num_tokens", "num_pages",
+                               "capacity"])
 def paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_lens_ptr, cu_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    num_seqs, sm_scale, soft_cap, window_left, MAX_SPLITS, CHUNK,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_lens_ptr, cu_ptr, out_ptr, part_out_ptr, part_lse_ptr, err_ptr,
+    num_seqs, sm_scale, soft_cap, window_left, MAX_SPLITS, CHUNK, num_tokens, num_pages, capacity,
     stride_qt, stride_qh, stride_kp, stride_kt, stride_kh,
     stride_ksp, stride_kst, stride_ksh, stride_vsp, stride_vst, stride_vsh,
     stride_bt, stride_ot, stride_oh,
@@ -194,7 +212,7 @@ def paged_attention_kernel(
     DOT_PRECISION: tl.constexpr, FP8_DTYPE: tl.constexpr, SCALE_BCAST: tl.constexpr,
     FP4_ASM: tl.constexpr, SOFT_FP8: tl.constexpr,
     V_DEQUANT_FIRST: tl.constexpr, HEADS_INNER: tl.constexpr, PDL: tl.constexpr, FP8_V_PAIRS: tl.constexpr,
-    FP8_K_PAIRS: tl.constexpr,
+    FP8_K_PAIRS: tl.constexpr, BOUNDS: tl.constexpr,
 ):
     if PDL:  # the merge kernel may start now: its programs wait (griddepcontrol.wait) before reading partials
         gdc_launch_dependents()
@@ -223,6 +241,20 @@ def paged_attention_kernel(
         q_len = 1
         q_block = 0
     else:
+        if BOUNDS:
+            # cu_seqlens_q must run non-decreasing from 0 to num_tokens, or which rows are whose is undefined (and
+            # the search below could give two programs the same rows): then every row is NaN, this program's
+            # BLOCK_Q rows by position, and nothing else is read
+            bad_entry = cu_seqlens_violation(cu_ptr, num_seqs, num_tokens, 128)
+            if bad_entry <= num_seqs:
+                offs_m = tl.arange(0, BLOCK_M)
+                tok = (pid_q * BLOCK_Q + offs_m // GROUP).to(tl.int64)
+                _nan_rows(out_ptr, part_out_ptr, part_lse_ptr, tok, kvh * GROUP + offs_m % GROUP,
+                          (offs_m < BLOCK_Q * GROUP) & (tok < num_tokens), split, MAX_SPLITS, stride_ot, stride_oh,
+                          NUM_Q_HEADS, HEAD_DIM)
+                if (pid_q == 0) & (kvh == 0) & (split == 0):
+                    tl.atomic_min(err_ptr + ERR_CU_SEQLENS_Q, bad_entry)
+                return
         # the grid has T // BLOCK_Q + B programs along axis 0 (an upper bound of the blocks needed): find ours
         b = find_sequence(cu_ptr, pid_q, num_seqs, BLOCK_Q, True)
         q_start = tl.load(cu_ptr + b)
@@ -231,10 +263,18 @@ def paged_attention_kernel(
     if q_block * BLOCK_Q >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + b)
+    if BOUNDS:
+        # a length outside [0, the table's capacity] has no defined keys: the sequence reads none and its rows are
+        # NaN (the merge kernel clamps it the same way, so both see one split)
+        seq_bad = (seq_len < 0) | (seq_len > capacity)
+        seq_len = tl.where(seq_bad, 0, seq_len)
     first_pos, last_pos, kv_lo, kv_hi, n_splits, split_len = kv_plan(
         seq_len, q_len, q_block, window_left, MAX_SPLITS, CHUNK, BLOCK_Q, BLOCK_N, HAS_WINDOW)
     if split >= n_splits:
         return
+    if BOUNDS:
+        if seq_bad & (split == 0) & (kvh == 0) & (q_block == 0):
+            tl.atomic_min(err_ptr + ERR_SEQ_LENS, b)
     split_lo = kv_lo + split * split_len
     split_hi = tl.minimum(split_lo + split_len, kv_hi)
 
@@ -297,6 +337,10 @@ def paged_attention_kernel(
     # keys every valid row sees without masking: causal bound of the first query, window bound of the last
     full_hi = first_pos + 1
     full_lo = last_pos - window_left
+    if BOUNDS:
+        # bad-page keys met in unmasked tiles (which every row sees), key lane by key lane: reduced after the loop
+        seen_bad = offs_n < 0
+        edge_bad = tl.full([], 0, tl.int32)  # a row saw one in a masked tile (those rows go NaN by themselves)
 
     for start in range(split_lo, split_hi, BLOCK_N):
         kpos = start + offs_n
@@ -307,6 +351,12 @@ def paged_attention_kernel(
             page_v = page + tl.zeros([BLOCK_N], dtype=tl.int64)
         else:
             page_v = tl.load(bt_row + kpos // PAGE, mask=kvalid, other=0).to(tl.int64)
+        if BOUNDS:
+            # a page index outside the cache is never dereferenced: its keys load as 0 (masked) and make NaN every
+            # row that sees them; a compare on the index, no work per element outside the masked tiles
+            page_ok = (page_v >= 0) & (page_v < num_pages)
+            bad_key = kvalid & (page_ok == 0)
+            kvalid = kvalid & page_ok
         in_page = (kpos % PAGE).to(tl.int64)
         # int64: page index x page stride passes 2^31 elements on large caches
         tok_off = page_v * stride_kp + in_page * stride_kt + head_off
@@ -343,7 +393,14 @@ def paged_attention_kernel(
             visible = kpos[None, :] <= q_pos[:, None]
             if HAS_WINDOW:
                 visible = visible & (kpos[None, :] >= q_pos[:, None] - window_left)
+            if BOUNDS:  # a bad key a row sees is a NaN score there, which reaches that row's output only
+                s = tl.where(bad_key[None, :], float("nan"), s)
+                edge_bad = tl.maximum(edge_bad, tl.max(tl.max((visible & bad_key[None, :]
+                                                                & row_valid[:, None]).to(tl.int32), 1), 0))
             s = tl.where(visible, s, float("-inf"))
+        else:
+            if BOUNDS:
+                seen_bad = seen_bad | bad_key
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet: no NaN
@@ -380,6 +437,14 @@ def paged_attention_kernel(
     # --- epilogue: normalized output, directly or as a split partial ---------------------------------------
     has_keys = l_i > 0.0
     inv_l = tl.where(has_keys, v_mul / tl.where(has_keys, l_i, 1.0), 0.0)  # no key seen: the row is 0
+    if BOUNDS:
+        full_bad = tl.max(seen_bad.to(tl.int32), 0) > 0
+        if full_bad | (edge_bad > 0):
+            tl.atomic_min(err_ptr + ERR_BLOCK_TABLE, b)
+        # NaN: every row of a bad length or of a tile with a bad page that all rows see, and every row whose sum is
+        # NaN (it read a NaN; has_keys is false there, and 0 x a NaN accumulator would depend on the hardware)
+        poison = (l_i != l_i) | seq_bad | full_bad
+        inv_l = tl.where(poison, float("nan"), inv_l)
     if PAIRED_V:
         col = 2 * tl.arange(0, HALF)
     else:
@@ -396,21 +461,28 @@ def paged_attention_kernel(
         if PAIRED_V:
             tl.store(p_ptr + 1, acc_o * inv_l[:, None], mask=row_valid[:, None])
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        if BOUNDS:  # NaN weighs every split of the row NaN in the merge, whatever the other splits' LSEs
+            lse = tl.where(poison, float("nan"), lse)
         tl.store(part_lse_ptr + part_row, lse, mask=row_valid)
 
 
-@triton.jit(do_not_specialize=["num_seqs", "window_left", "MAX_SPLITS", "CHUNK"])
+@triton.jit(do_not_specialize=["num_seqs", "window_left", "MAX_SPLITS", "CHUNK", "capacity"])
 def merge_splits_kernel(
-    out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, cu_ptr, num_seqs, window_left, MAX_SPLITS, CHUNK,
+    out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, cu_ptr, num_seqs, window_left, MAX_SPLITS, CHUNK, capacity,
     stride_ot, stride_oh,
     NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLITS_P2: tl.constexpr, IS_DECODE: tl.constexpr, HAS_WINDOW: tl.constexpr, PDL: tl.constexpr,
+    BOUNDS: tl.constexpr,
 ):
     """One program per (query token, query head): combines the token's split partials by their LSE. It
     recomputes the split plan of the attention kernel (same kv_plan) and leaves single-split rows alone (the
     attention kernel wrote them directly). PDL (launched as a programmatic dependent of the attention kernel):
     the split plan, from inputs the attention kernel does not write, is worked out while that kernel finishes, and
-    the partials are read after griddepcontrol.wait."""
+    the partials are read after griddepcontrol.wait.
+
+    Whatever the metadata holds, it reads and writes only its own row and that row's MAX_SPLITS partials (the
+    search returns a sequence in [0, num_seqs), kv_plan at most MAX_SPLITS splits): with a bad cu_seqlens_q the
+    attention kernel has made all of those NaN."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     if IS_DECODE:
@@ -422,6 +494,8 @@ def merge_splits_kernel(
         q_start = tl.load(cu_ptr + b)
         q_len = tl.load(cu_ptr + b + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + b)
+    if BOUNDS:  # as the attention kernel does: a bad length is one split (written there, NaN)
+        seq_len = tl.where((seq_len < 0) | (seq_len > capacity), 0, seq_len)
     q_block = (t - q_start) // BLOCK_Q
     _, _, _, _, n_splits, _ = kv_plan(seq_len, q_len, q_block, window_left, MAX_SPLITS, CHUNK, BLOCK_Q, BLOCK_N,
                                       HAS_WINDOW)
