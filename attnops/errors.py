@@ -24,6 +24,16 @@ _buffers: dict[torch.device, torch.Tensor] = {}
 _lock = threading.Lock()
 
 
+def cu_seqlens_violation(starts: list[int], num_tokens: int) -> int | None:
+    """The first entry at which cu_seqlens_q (as host ints) stops running non-decreasing from 0 to num_tokens, or
+    None if it does not: the position recorded for it."""
+    for i, start in enumerate(starts):
+        if (start > num_tokens or (i == 0 and start != 0) or (i > 0 and start < starts[i - 1])
+                or (i == len(starts) - 1 and start != num_tokens)):
+            return i
+    return None
+
+
 def _key(device: torch.device) -> torch.device:
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -31,14 +41,14 @@ def _key(device: torch.device) -> torch.device:
     return device
 
 
-def _allocate(device: torch.device) -> torch.Tensor:
+def _allocate(device: torch.device, numel: int, dtype: torch.dtype, value: int) -> torch.Tensor:
     if device.type != "cuda":
-        return torch.full((len(ARGUMENTS),), NONE, dtype=torch.int32, device=device)
+        return torch.full((numel,), value, dtype=dtype, device=device)
     # On a stream of its own: allocations on the stream of a CUDA-graph capture or of a cudagraph-trees warm-up come
     # from that graph's private pool, whose memory the graph recycles; the buffer must outlive every graph.
     side = torch.cuda.Stream(device)
     with torch.cuda.stream(side):
-        buffer = torch.full((len(ARGUMENTS),), NONE, dtype=torch.int32, device=device)
+        buffer = torch.full((numel,), value, dtype=dtype, device=device)
     if torch.cuda.is_current_stream_capturing():
         side.synchronize()  # a wait on an event from outside a capture cannot enter the graph: wait on the host
     else:
@@ -47,14 +57,14 @@ def _allocate(device: torch.device) -> torch.Tensor:
 
 
 def buffer(device: torch.device) -> torch.Tensor:
-    """The device's error buffer (allocated on first use)."""
+    """The device's error buffer (allocated on first use, then fixed: a CUDA graph holds its address)."""
     key = _key(device)
     found = _buffers.get(key)
     if found is None:
         with _lock:
             found = _buffers.get(key)
             if found is None:
-                found = _buffers[key] = _allocate(key)
+                found = _buffers[key] = _allocate(key, len(ARGUMENTS), torch.int32, NONE)
     return found
 
 
@@ -75,10 +85,10 @@ def take_errors(device=None) -> dict[str, int]:
     ({"block_table": 3}: sequence 3 had a page index outside the cache), and clears them. Syncs the device.
 
     device: a device, or None for every device an op has run on (positions are then the lowest over them)."""
-    devices = [_key(device)] if device is not None else list(_buffers)
+    keys = [_key(device)] if device is not None else list(_buffers)
     found: dict[str, int] = {}
-    for dev in devices:
-        buf = _buffers.get(dev)
+    for key in keys:
+        buf = _buffers.get(key)
         if buf is None:
             continue
         values = buf.clone()  # read and clear in stream order: a later kernel's record is kept for the next call

@@ -22,15 +22,6 @@ def _gather_sequence(cache: torch.Tensor, scale: torch.Tensor | None, pages: tor
     return formats.dequantize(stored, fmt, scale, dtype)
 
 
-def cu_seqlens_violation(starts: list[int], num_tokens: int) -> int | None:
-    """The first entry at which cu_seqlens_q stops running non-decreasing from 0 to num_tokens, or None."""
-    for i, start in enumerate(starts):
-        if (start > num_tokens or (i == 0 and start != 0) or (i > 0 and start < starts[i - 1])
-                or (i == len(starts) - 1 and start != num_tokens)):
-            return i
-    return None
-
-
 def paged_attention_reference(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q=None, *, scale=None,
                               soft_cap=0.0, window_left=-1, kv_format="auto", k_scale=None, v_scale=None,
                               compute_dtype=torch.float64) -> torch.Tensor:
@@ -47,7 +38,7 @@ def paged_attention_reference(q, k_cache, v_cache, block_table, seq_lens, cu_seq
 
     lengths = seq_lens.tolist()
     starts = list(range(len(lengths) + 1)) if cu_seqlens_q is None else cu_seqlens_q.tolist()
-    bad_entry = cu_seqlens_violation(starts, num_tokens)
+    bad_entry = errors.cu_seqlens_violation(starts, num_tokens)
     if bad_entry is not None:  # which rows are whose is undefined: every row is NaN, nothing is read
         errors.record(q.device, errors.CU_SEQLENS_Q, bad_entry)
         return torch.full_like(q, float("nan"))

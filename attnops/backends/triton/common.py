@@ -37,15 +37,16 @@ def e8m0_to_f32(s):
 
 @triton.jit
 def kv_plan(seq_len, q_len, q_block, window_left, MAX_SPLITS, CHUNK,
-            BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr):
+            BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, ALIGN: tl.constexpr):
     """The KV positions the query block `q_block` of a sequence (KV length seq_len, q_len queries at its end)
     needs, and how they are cut into splits.
 
     Returns (first_pos, last_pos, kv_lo, kv_hi, n_splits, split_len):
     - first_pos/last_pos: positions of the block's first and last query;
-    - [kv_lo, kv_hi): the keys any of them sees; kv_lo rounded down to a BLOCK_N multiple so tiles stay aligned
-      to pages (a page of >= BLOCK_N tokens is never straddled); keys before the window are skipped here, not
-      masked after reading;
+    - [kv_lo, kv_hi): the keys any of them sees; kv_lo rounded down to an ALIGN multiple, ALIGN a BLOCK_N
+      multiple, or the page size where pages are smaller than a tile, so that tiles stay aligned to pages (a page
+      of >= BLOCK_N tokens is never straddled) and, with the page size, every page read holds a key some query
+      sees (the bounds checks rely on it); keys before the window are skipped here, not masked after reading;
     - n_splits (>= 1) programs share the range, each split_len keys (a BLOCK_N multiple). The number of splits
       is decided here, on the device, from the data: ceil(range / CHUNK) capped at MAX_SPLITS, so long
       sequences get more splits than short ones and every program does about CHUNK keys of work."""
@@ -55,7 +56,7 @@ def kv_plan(seq_len, q_len, q_block, window_left, MAX_SPLITS, CHUNK,
     kv_lo = 0
     if HAS_WINDOW:
         kv_lo = tl.maximum(first_pos - window_left, 0)
-    kv_lo = (kv_lo // BLOCK_N) * BLOCK_N
+    kv_lo = (kv_lo // ALIGN) * ALIGN
     kv_lo = tl.minimum(kv_lo, kv_hi)
     length = kv_hi - kv_lo
     n_splits = tl.minimum(tl.maximum(tl.cdiv(length, CHUNK), 1), MAX_SPLITS)
@@ -96,6 +97,78 @@ def cu_seqlens_violation(cu_ptr, num_seqs, num_tokens, BLOCK: tl.constexpr):
         bad = (cur < prev) | (cur > num_tokens) | ((i == 0) & (cur != 0)) | ((i == num_seqs) & (cur != num_tokens))
         first = tl.minimum(first, tl.min(tl.where(valid & bad, i, num_seqs + 1), 0))
     return first
+
+
+def _bad_page_vote_asm(per_lane: int) -> str:
+    """PTX: lane l of each warp reads page indices first + l + 32 i (i < per_lane) below `last` from the table row,
+    and the warp votes whether any lies outside [0, num_pages): the same answer in every warp, with no shared
+    memory and no barrier. $1: the row's address, $2: first, $3: last, $4: num_pages."""
+    loads = "".join(f"""
+        add.s32 %i, %i0, {32 * k};
+        setp.lt.s32 %in, %i, $3;
+        mul.wide.s32 %off, %i, 4;
+        add.s64 %a, $1, %off;
+        @%in ld.global.nc.u32 %pg, [%a];
+        setp.ge.and.u32 %b, %pg, $4, %in;
+        or.pred %any, %any, %b;""" for k in range(per_lane))
+    return """{
+        .reg .pred %in, %b, %any, %all;
+        .reg .u32 %lane, %pg;
+        .reg .s32 %i0, %i;
+        .reg .s64 %off, %a;
+        mov.u32 %lane, %laneid;
+        add.s32 %i0, $2, %lane;
+        setp.ne.u32 %any, 0, 0;""" + loads + """
+        vote.sync.any.pred %all, %any, 0xffffffff;
+        selp.s32 $0, 1, 0, %all;
+        }"""
+
+
+BAD_PAGE_VOTE = tl.constexpr(_bad_page_vote_asm(4))
+
+
+@triton.jit
+def check_pages(bt_row, lo, hi, num_pages, PAGE: tl.constexpr, ASM: tl.constexpr):
+    """Whether a page index of the keys [lo, hi) (block table row bt_row, contiguous) lies outside [0, num_pages):
+    int32 0 or 1, the same in every thread. One pass over the pages before a loop reads them, so that the loop
+    needs no check of its own. ASM (GPU): each warp reads all of them and votes (BAD_PAGE_VOTE): no shared memory
+    and no barrier, which a reduction across warps would take, and which cost the decode loop registers (sm_90,
+    Triton 3.6: 168 -> 180-190 a thread, one program an SM fewer). Otherwise a vector load and its max."""
+    first = lo // PAGE
+    last = tl.where(hi > lo, (hi + PAGE - 1) // PAGE, first)  # pages [first, last)
+    bad = tl.full([], 0, tl.int32)  # a tensor, not a Python int: loop-carried and returned
+    if ASM:
+        row = bt_row.to(tl.int64, bitcast=True)
+        for p0 in tl.range(first, last, 128, num_stages=1):
+            bad = bad | tl.inline_asm_elementwise(BAD_PAGE_VOTE, "=r,l,r,r,r", [row, p0, last, num_pages],
+                                                  tl.int32, True, 1)
+    else:
+        for p0 in tl.range(first, last, 128, num_stages=1):
+            p = p0 + tl.arange(0, 128)
+            page = tl.load(bt_row + p, mask=p < last, other=0)
+            # (a negative index is a huge unsigned one)
+            bad = bad | tl.max((page.to(tl.uint32, bitcast=True) >= num_pages.to(tl.uint32)).to(tl.int32), 0)
+    return bad
+
+
+@triton.jit
+def bad_page_rows(bt_row, lo, hi, num_pages, q_pos, window_left, PAGE: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """For a split [lo, hi) known to hold a bad page: which rows (query positions q_pos) see a key of one, and a
+    good page of the split to read in place of the bad ones (-1: none). A scalar walk over the pages: taken only
+    then."""
+    row_bad = q_pos != q_pos  # all false (and a tensor, loop-carried)
+    good = tl.full([], -1, tl.int32)
+    for p in tl.range(lo // PAGE, (hi + PAGE - 1) // PAGE, num_stages=1):
+        page = tl.load(bt_row + p)
+        if page.to(tl.uint32, bitcast=True) < num_pages.to(tl.uint32):
+            good = page
+        else:
+            # the page's keys [p * PAGE, (p + 1) * PAGE); a row sees [q_pos - window_left, q_pos]
+            sees = q_pos >= p * PAGE
+            if HAS_WINDOW:
+                sees = sees & (q_pos - window_left < (p + 1) * PAGE)
+            row_bad = row_bad | sees
+    return row_bad, good
 
 
 @triton.jit

@@ -28,7 +28,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .common import (ERR_BLOCK_TABLE, ERR_CU_SEQLENS_Q, ERR_SEQ_LENS, FMT_FP8, FMT_MXFP4, FMT_NVFP4,
                      FP8_PAIR_E4M3_EVEN, FP8_PAIR_E4M3_ODD, FP8_PAIR_E5M2_EVEN, FP8_PAIR_E5M2_ODD, LOG2E,
-                     cu_seqlens_violation, e2m1_nibbles, e8m0_to_f32, find_sequence, kv_plan, opaque_one)
+                     bad_page_rows, check_pages, cu_seqlens_violation, e2m1_nibbles, e8m0_to_f32, find_sequence,
+                     kv_plan, opaque_one)
 
 # torch dtypes of tl.dot operands as Triton's
 TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -268,15 +269,26 @@ def paged_attention_kernel(
         # NaN (the merge kernel clamps it the same way, so both see one split)
         seq_bad = (seq_len < 0) | (seq_len > capacity)
         seq_len = tl.where(seq_bad, 0, seq_len)
+        # tiles start at the page of the first query's window start (not the tile before it): every page read holds
+        # a key some query sees, so a bad one among them is a bad index of the call
+        ALIGN: tl.constexpr = BLOCK_N if not HAS_WINDOW else min(PAGE, BLOCK_N)
+    else:
+        ALIGN: tl.constexpr = BLOCK_N
     first_pos, last_pos, kv_lo, kv_hi, n_splits, split_len = kv_plan(
-        seq_len, q_len, q_block, window_left, MAX_SPLITS, CHUNK, BLOCK_Q, BLOCK_N, HAS_WINDOW)
+        seq_len, q_len, q_block, window_left, MAX_SPLITS, CHUNK, BLOCK_Q, BLOCK_N, HAS_WINDOW, ALIGN)
     if split >= n_splits:
         return
+    split_lo = kv_lo + split * split_len
+    split_hi = tl.minimum(split_lo + split_len, kv_hi)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     if BOUNDS:
         if seq_bad & (split == 0) & (kvh == 0) & (q_block == 0):
             tl.atomic_min(err_ptr + ERR_SEQ_LENS, b)
-    split_lo = kv_lo + split * split_len
-    split_hi = tl.minimum(split_lo + split_len, kv_hi)
+        # The pages this program reads, checked once before its loop (SOFT_FP8: the interpreter, which cannot run
+        # the PTX vote). Every one holds a key some row sees (kv_plan's ALIGN), so a bad one is recorded.
+        split_bad = check_pages(bt_row, split_lo, split_hi, num_pages, PAGE, not SOFT_FP8)
+        if split_bad > 0:
+            tl.atomic_min(err_ptr + ERR_BLOCK_TABLE, b)
 
     # --- rows: (query token, head of the group) --------------------------------------------------------------
     offs_m = tl.arange(0, BLOCK_M)
@@ -286,6 +298,21 @@ def paged_attention_kernel(
     tok = (q_start + q_block * BLOCK_Q + row_tok).to(tl.int64)
     q_pos = first_pos + row_tok
     q_row_off = tok * stride_qt + row_head.to(tl.int64) * stride_qh
+    if BOUNDS:
+        # With one query token a block (decode) every row sees every page read: a bad one makes them all NaN, and
+        # nothing is read (the loop is empty). With more, a row is NaN if it sees a key of a bad page (row_bad); the
+        # loop reads a good page of the split in place of the bad ones (`fallback`; with none, nothing is read).
+        if BLOCK_Q == 1:
+            row_bad = split_bad > 0
+            no_read = row_bad
+        else:
+            row_bad = offs_m < 0  # (all false)
+            fallback = tl.full([], 0, tl.int32)
+            if split_bad > 0:
+                row_bad, fallback = bad_page_rows(bt_row, split_lo, split_hi, num_pages, q_pos, window_left, PAGE,
+                                                  HAS_WINDOW)
+            no_read = fallback < 0
+        split_hi = tl.where(no_read, split_lo, split_hi)
 
     # per-tensor (stride 0) or per-head fp8 scales, folded: k into the score scale, v into the output
     qk_scale = sm_scale
@@ -332,31 +359,25 @@ def paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
 
     offs_n = tl.arange(0, BLOCK_N)
-    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     head_off = kvh.to(tl.int64) * stride_kh
     # keys every valid row sees without masking: causal bound of the first query, window bound of the last
     full_hi = first_pos + 1
     full_lo = last_pos - window_left
-    if BOUNDS:
-        # bad-page keys met in unmasked tiles (which every row sees), key lane by key lane: reduced after the loop
-        seen_bad = offs_n < 0
-        edge_bad = tl.full([], 0, tl.int32)  # a row saw one in a masked tile (those rows go NaN by themselves)
 
     for start in range(split_lo, split_hi, BLOCK_N):
         kpos = start + offs_n
         kvalid = kpos < split_hi
         # page of each key; a page of >= BLOCK_N tokens holds the whole (aligned) tile: one scalar load
         if PAGE >= BLOCK_N:
-            page = tl.load(bt_row + start // PAGE).to(tl.int64)
-            page_v = page + tl.zeros([BLOCK_N], dtype=tl.int64)
+            page = tl.load(bt_row + start // PAGE)
+            if BOUNDS and BLOCK_Q > 1:  # a bad page is read as `fallback`: the rows that see its keys are NaN
+                page = tl.where(page.to(tl.uint32, bitcast=True) < num_pages.to(tl.uint32), page, fallback)
+            page_v = page.to(tl.int64) + tl.zeros([BLOCK_N], dtype=tl.int64)
         else:
-            page_v = tl.load(bt_row + kpos // PAGE, mask=kvalid, other=0).to(tl.int64)
-        if BOUNDS:
-            # a page index outside the cache is never dereferenced: its keys load as 0 (masked) and make NaN every
-            # row that sees them; a compare on the index, no work per element outside the masked tiles
-            page_ok = (page_v >= 0) & (page_v < num_pages)
-            bad_key = kvalid & (page_ok == 0)
-            kvalid = kvalid & page_ok
+            page_v = tl.load(bt_row + kpos // PAGE, mask=kvalid, other=0)
+            if BOUNDS and BLOCK_Q > 1:  # (as above)
+                page_v = tl.where(page_v.to(tl.uint32, bitcast=True) < num_pages.to(tl.uint32), page_v, fallback)
+            page_v = page_v.to(tl.int64)
         in_page = (kpos % PAGE).to(tl.int64)
         # int64: page index x page stride passes 2^31 elements on large caches
         tok_off = page_v * stride_kp + in_page * stride_kt + head_off
@@ -393,14 +414,7 @@ def paged_attention_kernel(
             visible = kpos[None, :] <= q_pos[:, None]
             if HAS_WINDOW:
                 visible = visible & (kpos[None, :] >= q_pos[:, None] - window_left)
-            if BOUNDS:  # a bad key a row sees is a NaN score there, which reaches that row's output only
-                s = tl.where(bad_key[None, :], float("nan"), s)
-                edge_bad = tl.maximum(edge_bad, tl.max(tl.max((visible & bad_key[None, :]
-                                                                & row_valid[:, None]).to(tl.int32), 1), 0))
             s = tl.where(visible, s, float("-inf"))
-        else:
-            if BOUNDS:
-                seen_bad = seen_bad | bad_key
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet: no NaN
@@ -438,12 +452,9 @@ def paged_attention_kernel(
     has_keys = l_i > 0.0
     inv_l = tl.where(has_keys, v_mul / tl.where(has_keys, l_i, 1.0), 0.0)  # no key seen: the row is 0
     if BOUNDS:
-        full_bad = tl.max(seen_bad.to(tl.int32), 0) > 0
-        if full_bad | (edge_bad > 0):
-            tl.atomic_min(err_ptr + ERR_BLOCK_TABLE, b)
-        # NaN: every row of a bad length or of a tile with a bad page that all rows see, and every row whose sum is
-        # NaN (it read a NaN; has_keys is false there, and 0 x a NaN accumulator would depend on the hardware)
-        poison = (l_i != l_i) | seq_bad | full_bad
+        # NaN: every row of a bad length or that sees a bad page's key, and every row whose sum is NaN (it read a
+        # NaN; has_keys is false there, and 0 x a NaN accumulator would depend on the hardware)
+        poison = (l_i != l_i) | seq_bad | row_bad
         inv_l = tl.where(poison, float("nan"), inv_l)
     if PAIRED_V:
         col = 2 * tl.arange(0, HALF)
@@ -472,7 +483,7 @@ def merge_splits_kernel(
     stride_ot, stride_oh,
     NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLITS_P2: tl.constexpr, IS_DECODE: tl.constexpr, HAS_WINDOW: tl.constexpr, PDL: tl.constexpr,
-    BOUNDS: tl.constexpr,
+    BOUNDS: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """One program per (query token, query head): combines the token's split partials by their LSE. It
     recomputes the split plan of the attention kernel (same kv_plan) and leaves single-split rows alone (the
@@ -498,7 +509,7 @@ def merge_splits_kernel(
         seq_len = tl.where((seq_len < 0) | (seq_len > capacity), 0, seq_len)
     q_block = (t - q_start) // BLOCK_Q
     _, _, _, _, n_splits, _ = kv_plan(seq_len, q_len, q_block, window_left, MAX_SPLITS, CHUNK, BLOCK_Q, BLOCK_N,
-                                      HAS_WINDOW)
+                                      HAS_WINDOW, ALIGN)
     if PDL:  # every program waits, so that this grid completes after the attention kernel does
         gdc_wait()
     if n_splits <= 1:

@@ -122,5 +122,7 @@ def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, s
             NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_Q=block_q, BLOCK_N=cfg["BLOCK_N"],
             SPLITS_P2=max(2, triton.next_power_of_2(max_splits)), IS_DECODE=decode,
             HAS_WINDOW=window_left >= 0, PDL=constexprs["PDL"], BOUNDS=constexprs["BOUNDS"],
+            # the attention kernel's alignment of a window's first tile (kernel.py), whose split plan this repeats
+            ALIGN=min(page_size, cfg["BLOCK_N"]) if constexprs["BOUNDS"] and window_left >= 0 else cfg["BLOCK_N"],
             launch_pdl=constexprs["PDL"],
             num_warps=4 if head_dim >= 128 else 2)
