@@ -2,8 +2,9 @@
 
 The kernels are registered as internal ops, `torch.ops.attnops.cpu_paged_attention` and
 `torch.ops.attnops.cpu_reshape_and_cache`, which take already-validated arguments (attnops/ops.py validates, then
-dispatches here) and the device's error buffer (attnops.errors), where they record bad indices. They run on at::parallel_for's threads (torch.get_num_threads()), with inner loops compiled for
-AVX-512, AVX2 and portable C++ and picked at run time.
+dispatches here) and the device's error buffer (attnops.errors), where they record bad indices. They run on
+at::parallel_for's threads (torch.get_num_threads()), with inner loops compiled for AVX-512, AVX2 and portable C++
+and picked at run time.
 """
 from __future__ import annotations
 

@@ -6,6 +6,8 @@ attention kernel and by the merge kernel comes from the same code and cannot dri
 """
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
@@ -16,6 +18,11 @@ from ...formats import FORMATS
 # interpreter accepts them, so only the GPU catches this).
 LOG2E = tl.constexpr(1.4426950408889634)
 
+# The interpreter (TRITON_INTERPRET=1, read by Triton at import as here): its fp8 decode has no NaN or Inf (e4m3's
+# 0x7F reads as 480, e5m2's exponent 31 as a number), where the GPU's conversion has them; fp8_decoded restores
+# them there, and is nothing on the GPU.
+INTERPRETER = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+
 # Entries of the device error buffer (attnops.errors) the kernels record bad indices in.
 ERR_BLOCK_TABLE, ERR_SEQ_LENS = tl.constexpr(errors.BLOCK_TABLE), tl.constexpr(errors.SEQ_LENS)
 ERR_CU_SEQLENS_Q, ERR_SLOT_MAPPING = tl.constexpr(errors.CU_SEQLENS_Q), tl.constexpr(errors.SLOT_MAPPING)
@@ -24,6 +31,18 @@ ERR_CU_SEQLENS_Q, ERR_SLOT_MAPPING = tl.constexpr(errors.CU_SEQLENS_Q), tl.const
 FMT_PLAIN, FMT_FP8, FMT_NVFP4, FMT_MXFP4 = (tl.constexpr(code) for code in range(4))
 # The code each format passes as the kernels' FMT argument (plain ints on the host): attnops.formats defines it.
 FMT_CODE = {name: f.kernel_code for name, f in FORMATS.items()}
+
+
+@triton.jit
+def fp8_decoded(bits, value, FP8_DTYPE: tl.constexpr):
+    """`value`, decoded from the fp8 byte in the low 8 bits of the integer lane `bits`: on the GPU as it is; under
+    the interpreter (INTERPRETER) with e4m3's NaN, and e5m2 read as fp16's top byte (exact for every byte)."""
+    if INTERPRETER:
+        if FP8_DTYPE == tl.float8e4nv:
+            value = tl.where((bits & 0x7F) == 0x7F, float("nan"), value)
+        else:
+            value = ((bits & 0xFF).to(tl.uint16) << 8).to(tl.float16, bitcast=True).to(value.dtype)
+    return value
 
 
 @triton.jit

@@ -28,8 +28,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .common import (ERR_BLOCK_TABLE, ERR_CU_SEQLENS_Q, ERR_SEQ_LENS, FMT_FP8, FMT_MXFP4, FMT_NVFP4,
                      FP8_PAIR_E4M3_EVEN, FP8_PAIR_E4M3_ODD, FP8_PAIR_E5M2_EVEN, FP8_PAIR_E5M2_ODD, LOG2E,
-                     bad_page_rows, check_pages, cu_seqlens_violation, e2m1_nibbles, e8m0_to_f32, find_sequence,
-                     kv_plan, opaque_one)
+                     bad_page_rows, check_pages, cu_seqlens_violation, e2m1_nibbles, e8m0_to_f32, fp8_decoded,
+                     find_sequence, kv_plan, opaque_one)
 
 # torch dtypes of tl.dot operands as Triton's
 TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -114,9 +114,9 @@ def _fp4_scale(sc, FMT: tl.constexpr, DOT_DTYPE: tl.constexpr):
     bf16; otherwise the scale in fp32 (x 2^14 where fp4_fold is 1, to undo the fp16 nibble's 2^-14)."""
     # (one return at the end: Triton 3.6 refuses returns of different dtypes in constexpr branches)
     if FMT == FMT_NVFP4 and DOT_DTYPE == tl.float16:
-        scale = sc.to(tl.float8e4nv, bitcast=True).to(tl.float16) * 128.0
+        scale = fp8_decoded(sc, sc.to(tl.float8e4nv, bitcast=True).to(tl.float16), tl.float8e4nv) * 128.0
     elif FMT == FMT_NVFP4:
-        scale = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 16384.0
+        scale = fp8_decoded(sc, sc.to(tl.float8e4nv, bitcast=True).to(tl.float32), tl.float8e4nv) * 16384.0
     elif DOT_DTYPE == tl.float16:
         # capped at 2^127 (s > 240): fp16 cannot hold those blocks' nonzero values (inf either way), and a zero
         # value must stay 0, not 0 x inf
@@ -170,6 +170,8 @@ def _load_fp8_pairs(c_ptr, tok_off, offs_h, kvalid, TRANSPOSED: tl.constexpr, FP
     else:
         even = (words & 0xFF).to(tl.uint8).to(FP8_DTYPE, bitcast=True).to(tl.float16)
         odd = (words >> 8).to(tl.uint8).to(FP8_DTYPE, bitcast=True).to(tl.float16)
+        even = fp8_decoded(words, even, FP8_DTYPE)
+        odd = fp8_decoded(words >> 8, odd, FP8_DTYPE)
     return even, odd
 
 
@@ -177,7 +179,7 @@ def _load_fp8_pairs(c_ptr, tok_off, offs_h, kvalid, TRANSPOSED: tl.constexpr, FP
 def _fp8_to_dot(x, FP8_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """fp8 bytes (loaded as uint8, so that masked lanes are a plain 0, never a NaN pattern) -> DOT_DTYPE (on
     sm_89+ Triton lowers e4m3 -> fp16 to the packed cvt.rn.f16x2.e4m3x2 itself)."""
-    return x.to(FP8_DTYPE, bitcast=True).to(DOT_DTYPE)
+    return fp8_decoded(x, x.to(FP8_DTYPE, bitcast=True).to(DOT_DTYPE), FP8_DTYPE)
 
 
 @triton.jit
