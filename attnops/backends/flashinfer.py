@@ -14,10 +14,11 @@ fp8 scales stay tensors (no host read): k_scale is folded into q (q * k_scale, a
 v_scale into the output, so a compiled graph neither syncs nor recompiles when scales change.
 
 Bad indices (docs/design.md, "Bad indices"): FlashInfer's kernels read whatever pages the layout names, so the
-layout is made safe on the device before plan() (checked_pages: bad lengths as 0, pages outside the cache as page
-0) and the rows the contract makes NaN are set after run(), together with the decode rows of empty sequences, in
-one launch, only on steps that have any (graphs: always). cu_seqlens_q, which FlashInfer's plan reads on the
-host, is checked on the host at plan time.
+layout is made safe on the device before plan() (bad lengths as 0, pages outside the cache as page 0: for decode
+in one Triton launch, triton/page_layout.py; for the prefill kinds checked_pages' torch ops) and the rows the
+contract makes NaN are set after run(), together with the decode rows of empty sequences, in one launch, only on
+steps that have any (graphs: always). cu_seqlens_q, which FlashInfer's plan reads on the host, is checked on the
+host at plan time.
 """
 from __future__ import annotations
 
@@ -105,27 +106,19 @@ def page_metadata(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: 
     return indptr, indices, last_page_len
 
 
-def graph_page_metadata(host_seq_lens: list, block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
-                        indices_out: torch.Tensor):
-    """page_metadata for a captured graph's replan, with no device sync: indptr and last_page_len from the host's
-    lengths (pinned host tensors, which FlashInfer's plan reads on the host and copies without blocking), indices
-    scattered on the device from the static block table into `indices_out` ([B * width + 1]: entries past a
-    sequence's pages go to the spare last slot). The host lengths must be the ones the device seq_lens hold, both
-    made safe by checked_pages (on the host, lengths outside [0, capacity] as 0)."""
-    lens = torch.tensor(host_seq_lens, dtype=torch.int32)
+def host_page_metadata(host_seq_lens: list, page_size: int, capacity: int):
+    """indptr and last_page_len of a captured decode graph's replan, from the host's lengths (those the device
+    seq_lens hold), made safe as on the device (a length outside [0, capacity] as 0; capacity 0 where the cache has
+    no page), with no device sync: pinned host tensors where CUDA runs, which FlashInfer's plan reads on the host
+    and copies without blocking."""
+    lens = torch.tensor([n if 0 <= n <= capacity else 0 for n in host_seq_lens], dtype=torch.int32)
     pages = (lens + page_size - 1) // page_size
     indptr = torch.zeros(lens.shape[0] + 1, dtype=torch.int32)
     torch.cumsum(pages, 0, out=indptr[1:])
     last_page_len = torch.where(lens > 0, lens - (pages - 1) * page_size, 0).to(torch.int32)
-    device_pages = (seq_lens + page_size - 1) // page_size
-    start = torch.cumsum(device_pages, 0) - device_pages
-    column = torch.arange(block_table.shape[1], device=block_table.device)
-    target = torch.where(column[None, :] < device_pages[:, None], start[:, None] + column[None, :],
-                         indices_out.shape[0] - 1)
-    indices_out.scatter_(0, target.flatten().long(), block_table.flatten())
-    if block_table.is_cuda:
+    if torch.cuda.is_available():
         indptr, last_page_len = indptr.pin_memory(), last_page_len.pin_memory()
-    return indptr, indices_out[:-1], last_page_len
+    return indptr, last_page_len
 
 
 def fa3_serves(arch, q_dtype, kv_dtype) -> bool:
@@ -160,7 +153,9 @@ class _Plans:
         self.fix_now: dict = {}  # same key -> row_fix[key] when run() must apply it (graphs: always), else None
         self.bad_cu: dict = {}  # same key -> cu_seqlens_q of the planned step is bad: every row NaN, no run()
         self.built: set = set()  # configurations already JIT-built (or loaded) in this process
-        self.graph_indices: dict = {}  # graph key -> int32 [B * width + 1]: the CSR page indices, built on device
+        # decode key -> int32 device buffers (indptr [B + 1], indices [B * width], last_page_len [B]) the layout
+        # kernel writes; a graph's are fixed (its wrapper copies indices into a buffer of B * width)
+        self.decode_layout: dict = {}
 
     def make_wrapper(self, kind: str):
         import flashinfer
@@ -263,8 +258,14 @@ class FlashInferBackend(Backend):
                         "once per machine; `python -m attnops warmup` does it ahead)", kind, build_key[1:])
             plans.built.add(build_key)
 
-        if graph is not None and key not in plans.graph_indices:
-            plans.graph_indices[key] = torch.empty(block_table.numel() + 1, dtype=torch.int32, device=q.device)
+        if kind == "decode":  # device buffers of the layout (graphs: fixed, sized for the captured batch)
+            batch = seq_lens.shape[0]
+            layout = plans.decode_layout.get(key)
+            if layout is None or layout[1].shape[0] < block_table.numel() or layout[0].shape[0] != batch + 1:
+                plans.decode_layout[key] = (torch.empty(batch + 1, dtype=torch.int32, device=q.device),
+                                            torch.empty(max(block_table.numel(), 1), dtype=torch.int32,
+                                                        device=q.device),
+                                            torch.empty(batch, dtype=torch.int32, device=q.device))
 
         def plan():
             flashinfer_replay.disarm(wrapper)  # a replay of the old plan must not run on the new one's buffers
@@ -276,37 +277,41 @@ class FlashInferBackend(Backend):
                     plans.bad_cu[key] = True
                     plans.planned_for[key] = _step_key(block_table, seq_lens, cu_seqlens_q)
                     return
-            lens, table, nan_rows = checked_pages(block_table, seq_lens, page_size, num_pages, window_left,
-                                                  cu_seqlens_q, q.shape[0])
-            if graph is not None:  # before each replay: from the host's lengths (made safe as on the device), no sync
-                capacity = block_table.shape[1] * page_size if num_pages else 0
-                host_lens = [n if 0 <= n <= capacity else 0 for n in graph.host_seq_lens]
-                indptr, indices, last_page_len = graph_page_metadata(host_lens, table, lens, page_size,
-                                                                     plans.graph_indices[key])
-            else:
-                indptr, indices, last_page_len = page_metadata(table, lens, page_size)
-            common = dict(q_data_type=q.dtype, kv_data_type=k_cache.dtype, sm_scale=scale,
-                          logits_soft_cap=soft_cap if soft_cap > 0 else None, window_left=window_left)
-            if kind == "decode":
-                wrapper.plan(indptr, indices, last_page_len, q.shape[1], num_kv_heads, head_dim, page_size,
-                             **common)
-            else:
-                wrapper.plan(cu_seqlens_q, indptr, indices, last_page_len, q.shape[1], num_kv_heads, head_dim,
-                             page_size, causal=True, **common)
-            rows = nan_rows.shape[0]
+            rows = seq_lens.shape[0] if kind == "decode" else q.shape[0]
             fix = plans.row_fix.get(key)
             if fix is None or fix[0].shape[0] != rows:  # in place otherwise: graphs hold them
                 fix = plans.row_fix[key] = (torch.empty(rows, 1, 1, dtype=torch.bool, device=q.device),
                                             torch.empty(rows, 1, 1, dtype=q.dtype, device=q.device))
             mask, values = fix[0].view(-1), fix[1].view(-1)
+            common = dict(q_data_type=q.dtype, kv_data_type=k_cache.dtype, sm_scale=scale,
+                          logits_soft_cap=soft_cap if soft_cap > 0 else None, window_left=window_left)
             if kind == "decode":
-                torch.logical_or(nan_rows, seq_lens == 0, out=mask)
+                # one launch (a Triton kernel) for the layout, the rows to set and the records: the replan of a
+                # captured graph runs before every replay, so its host time is the serving loop's
+                from .triton.page_layout import decode_page_layout
+                indptr, indices, last_page_len = plans.decode_layout[key]
+                decode_page_layout(block_table, seq_lens.contiguous(), page_size, num_pages, window_left, indptr,
+                                   indices, last_page_len, mask, values)
+                if graph is not None:  # from the host's lengths: no sync
+                    indptr, last_page_len = host_page_metadata(graph.host_seq_lens, page_size,
+                                                               block_table.shape[1] * page_size if num_pages else 0)
+                    needs_fix = True  # a captured graph sets them always (its padding rows come and go)
+                else:  # (planning syncs anyway: one read for the pages in use and whether any row is set)
+                    nnz, needs_fix = torch.stack((indptr[-1], mask.any().to(torch.int32))).tolist()
+                    indices = indices[:nnz]
+                wrapper.plan(indptr, indices, last_page_len, q.shape[1], num_kv_heads, head_dim, page_size,
+                             **common)
             else:
+                lens, table, nan_rows = checked_pages(block_table, seq_lens, page_size, num_pages, window_left,
+                                                      cu_seqlens_q, q.shape[0])
+                indptr, indices, last_page_len = page_metadata(table, lens, page_size)
+                wrapper.plan(cu_seqlens_q, indptr, indices, last_page_len, q.shape[1], num_kv_heads, head_dim,
+                             page_size, causal=True, **common)
                 mask.copy_(nan_rows)
-            values.zero_().masked_fill_(nan_rows, float("nan"))
-            # eager steps with no row to set skip the launch: known on the host now, since planning syncs anyway;
-            # a captured graph sets them always (its padding rows come and go)
-            plans.fix_now[key] = fix if graph is not None or bool(mask.any()) else None
+                values.zero_().masked_fill_(nan_rows, float("nan"))
+                needs_fix = bool(mask.any())
+            # eager steps with no row to set skip the launch after run()
+            plans.fix_now[key] = fix if needs_fix else None
             plans.planned_for[key] = _step_key(block_table, seq_lens, cu_seqlens_q)
 
         plan()

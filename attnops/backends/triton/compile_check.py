@@ -43,7 +43,8 @@ TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.floa
 
 
 # do_not_specialize in the kernels (int32, no divisibility assumed)
-NOT_DIVISIBLE = ("num_seqs", "window_left", "MAX_SPLITS", "CHUNK", "num_tokens", "num_pages", "capacity", "num_slots")
+NOT_DIVISIBLE = ("num_seqs", "window_left", "MAX_SPLITS", "CHUNK", "num_tokens", "num_pages", "capacity", "num_slots",
+                 "batch", "width")
 
 
 def signature(fn, types: dict, constexprs: dict) -> dict:
@@ -227,6 +228,15 @@ def compile_cache_write(fmt, src, head_dim, target):
     return compile_one(reshape_and_cache_kernel, types, constexprs, target, 2, 1)
 
 
+def compile_page_layout(window: bool, target):
+    """FlashInfer's decode page layout kernel (page_layout.py)."""
+    from .page_layout import decode_page_layout_kernel
+    types = dict(table_ptr="*i32", lens_ptr="*i32", indptr_ptr="*i32", indices_ptr="*i32", last_ptr="*i32",
+                 fix_ptr="*i1", value_ptr="*bf16", err_ptr="*i32")
+    return compile_one(decode_page_layout_kernel, types, dict(PAGE=16, BLOCK_B=64, BLOCK_W=128, HAS_WINDOW=window),
+                       target, 4, 1)
+
+
 def _cuobjdump() -> str:
     """Triton's own cuobjdump (its wheel ships one with ptxas), else one on PATH."""
     bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -370,6 +380,13 @@ def main():
             failures += 1
             print(f"FAIL reshape_and_cache {fmt} from {src}, head_dim {head_dim}: {type(e).__name__}: "
                   f"{str(e)[:2000]}", flush=True)
+    for window in (False, True):
+        try:
+            compile_page_layout(window, target)
+            print(f"ok   decode page layout, window {window}", flush=True)
+        except Exception as e:
+            failures += 1
+            print(f"FAIL decode page layout, window {window}: {type(e).__name__}: {str(e)[:2000]}", flush=True)
     print(f"{failures} failures, {time.time() - t0:.0f} s")
     sys.exit(1 if failures else 0)
 
