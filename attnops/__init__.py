@@ -4,8 +4,11 @@
     torch.ops.attnops.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, ...)
 
 Each call is served by the fastest backend that supports it (see `attnops.explain` and `python -m attnops info`).
+A bad index (a page outside the cache, a length past the table, ...) is never dereferenced: the op returns NaN
+rows for it, drops a bad slot's write, and records it on the device; `attnops.take_errors()` reports and clears.
 """
 from .dispatch import explain, use_backend
+from .errors import take_errors
 from .ops import merge_attention_states, paged_attention, reshape_and_cache
 from .serving.graphs import DecodeGraphRunner
 from .serving.kv_cache import BatchMetadata, PagedKVCache
@@ -13,4 +16,4 @@ from .serving.spec import tree_mask_from_parents
 
 __version__ = "0.1.0"
 __all__ = ["BatchMetadata", "DecodeGraphRunner", "PagedKVCache", "explain", "merge_attention_states",
-           "paged_attention", "reshape_and_cache", "tree_mask_from_parents", "use_backend"]
+           "paged_attention", "reshape_and_cache", "take_errors", "tree_mask_from_parents", "use_backend"]

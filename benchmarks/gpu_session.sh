@@ -31,6 +31,14 @@
 #             own model.py in bf16, and transformers' static-cache path; the same with fp8 KV; Qwen2.5-7B-shaped
 #             with bf16 and fp8 KV; its transformers path. Contexts 1K/8K x batches 1/32/128 each
 #   demo      python -m attnops demo $DEMO_ARGS, as a newcomer runs it: $results/demo.txt
+#   fuzz      tests/test_fuzz.py's GPU part: $FUZZ_CASES (default 1000) seeded cases each for triton, flashinfer and
+#             auto dispatch, random corruptions included (after `jit`, so that FlashInfer's kernels are built);
+#             pytest-xdist over FUZZ_WORKERS processes; $results/fuzz.log. FUZZ_SEED picks another seed
+#   sanitize  the same under compute-sanitizer --tool memcheck, $SANITIZE_CASES (default 20) cases per backend, each
+#             tensor its own cudaMalloc (no guard buffers, no caching allocator), so a stray access is one past an
+#             allocation: $results/sanitize.log, whose last lines give memcheck's error count
+#   A/B of the index bounds (docs/design.md, "Bad indices"): the compare step with COMPARE="BOUNDS=0"
+#             COMPARE_ARGS="--no-extend --rounds 5" (the bench grid's decode cases, every format)
 set -uo pipefail
 results=${ATTNOPS_OUT:-gpu-out}; mkdir -p "$results"
 t0=$(date +%s); stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
@@ -128,6 +136,18 @@ for step in "$@"; do
     demo)
       timeout ${DEMO_TIMEOUT:-300} python3 -m attnops demo ${DEMO_ARGS:-} > "$results/demo.txt" 2>&1
       cat "$results/demo.txt"; stamp demo ;;
+    fuzz)
+      ATTNOPS_FUZZ_CASES=${FUZZ_CASES:-1000} ATTNOPS_FUZZ_SEED=${FUZZ_SEED:-20} timeout ${FUZZ_TIMEOUT:-600} \
+        python3 -m pytest -q -rf -p no:cacheprovider -m gpu -n ${FUZZ_WORKERS:-6} tests/test_fuzz.py \
+        > "$results/fuzz.log" 2>&1
+      grep -E "^FAILED|passed|failed|error" "$results/fuzz.log" | tail -15; stamp fuzz ;;
+    sanitize)
+      sanitizer=$(command -v compute-sanitizer || echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer")
+      PYTORCH_NO_CUDA_MEMORY_CACHING=1 ATTNOPS_FUZZ_GUARD=0 ATTNOPS_FUZZ_CASES=${SANITIZE_CASES:-20} \
+        timeout ${SANITIZE_TIMEOUT:-600} "$sanitizer" --tool memcheck --report-api-errors no --print-limit 20 \
+        python3 -m pytest -q -rf -p no:cacheprovider -m gpu tests/test_fuzz.py > "$results/sanitize.log" 2>&1
+      echo "rc $?"; grep -E "ERROR SUMMARY|passed|failed|^FAILED|Invalid" "$results/sanitize.log" | tail -15
+      stamp sanitize ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done

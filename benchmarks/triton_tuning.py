@@ -6,6 +6,7 @@
     python benchmarks/triton_tuning.py --formats bf16 fp8_e4m3 --cases 1x32768 128x4096 --json tune.json
     python benchmarks/triton_tuning.py --compare maxnreg=168  # A/B: the heuristic with and without a tunable set,
                                                              # every format and case, no sweep
+    python benchmarks/triton_tuning.py --compare BOUNDS=0 --no-extend --rounds 5   # what the index bounds cost
 
 Stages (compiles are the expensive part, so constexpr tunables are searched on few cases, runtime ones on all):
 1. per format, tile configurations (BLOCK_N, num_warps, num_stages; SCALE_BCAST for 4-bit, FP4_ASM off; V_DEQUANT_FIRST flipped for quantized caches; fp8 read as bytes instead of 16-bit pairs) on
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -139,7 +141,9 @@ def parse_tile(text):
 def compare(opts, overrides, records, t0):
     """--compare: per format and case, the heuristic's configuration (A) against it with `overrides` (B), timed
     alternately (A B A B A B) so that clock drift hits both; prints the medians and B's speed-up."""
-    print(f"=== the heuristic (A) against the heuristic with {overrides} (B): CUDA-graph medians", flush=True)
+    print(f"=== the heuristic (A) against the heuristic with {overrides} (B): CUDA-graph medians of "
+          f"{opts.rounds} alternating rounds", flush=True)
+    ratios = []
     cases = [(name, DECODE_CASES[name], None, fmt) for fmt in opts.formats for name in opts.cases]
     if not opts.no_extend:
         cases += [(name, *EXTEND_CASES[name], PLAIN) for name in opts.extend_cases]
@@ -149,17 +153,22 @@ def compare(opts, overrides, records, t0):
             break
         runner = Runner(make_inputs(kv_lens, q_lens, fmt), fmt)
         a, b = [], []
-        for _ in range(3):
+        for _ in range(opts.rounds):
             a.append(runner.time(None))
             b.append(runner.time(overrides))
         if None in a or None in b:
             print(f"  {name:>22} {fmt:>9}: failed (A {a}, B {b})", flush=True)
             continue
-        a_us, b_us = sorted(a)[1], sorted(b)[1]
+        a_us, b_us = sorted(a)[len(a) // 2], sorted(b)[len(b) // 2]
         print(f"  {name:>22} {fmt:>9}: A {a_us:9.1f} us  B {b_us:9.1f} us  B is x{a_us / b_us:.3f}", flush=True)
         records.append(dict(stage="compare", case=name, fmt=fmt, overrides=overrides, a_us=a, b_us=b))
+        ratios.append(a_us / b_us)
         del runner
         torch.cuda.empty_cache()
+    if ratios:
+        geomean = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+        print(f"  {'all ' + str(len(ratios)) + ' cases':>32}: B is x{geomean:.4f} (geometric mean), from "
+              f"x{min(ratios):.3f} to x{max(ratios):.3f}", flush=True)
 
 
 def format_variants(fmt, tiles):
@@ -218,6 +227,8 @@ def main():
     parser.add_argument("--compare", nargs="+", metavar="KEY=VALUE",
                         help="no sweep: per format and case (and verify/prefill unless --no-extend), the heuristic "
                              "against the heuristic with these tunables set, e.g. maxnreg=168")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="--compare: alternating A/B timings per case; the medians are compared")
     parser.add_argument("--budget", type=float, default=540, help="seconds; later stages are skipped past it")
     parser.add_argument("--json", help="write all measurements here")
     opts = parser.parse_args()

@@ -51,23 +51,70 @@ def test_matches_reference(mode, kv_format, heads, page_size):
         assert out[1].abs().max() == 0
 
 
-def test_graph_page_metadata_equals_page_metadata_without_a_sync():
-    """The replan of a captured graph builds FlashInfer's CSR layout from host lengths plus a device scatter; it
-    must equal the eager (syncing) construction wherever FlashInfer reads: indptr, last_page_len, indices[:nnz]."""
-    from attnops.backends.flashinfer import graph_page_metadata, page_metadata
+@pytest.mark.parametrize("window_left", [-1, 40])
+def test_decode_page_layout_kernel_equals_the_torch_layout(window_left):
+    """The decode layout in one launch (triton/page_layout.py: eager decode steps and every replan of a captured
+    graph) equals checked_pages + page_metadata wherever FlashInfer reads (indptr, last_page_len, indices[:nnz]),
+    sets the same rows, records the same errors; the host's indptr and last_page_len of a graph's replan equal the
+    device's. Page sizes 1, 16, 64; lengths 0, bad pages, bad lengths."""
+    import os
+    from attnops.backends.flashinfer import checked_pages, host_page_metadata, page_metadata
+    from attnops.backends.triton.page_layout import decode_page_layout
 
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and not under the Triton interpreter")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(0)
     for page_size in (1, 16, 64):
-        lens = torch.tensor([0, 1, 17, 64, 300, 0, 129], dtype=torch.int32)
-        width = int((lens.max() + page_size - 1) // page_size) + 2
-        table = torch.randperm(5000, generator=gen)[: len(lens) * width].view(len(lens), width).to(torch.int32)
-        pages = (lens + page_size - 1) // page_size
-        table[torch.arange(width)[None, :] >= pages[:, None]] = -1
-        indptr, indices, last = page_metadata(table, lens, page_size)
-        out = torch.full((table.numel() + 1,), -7, dtype=torch.int32)
-        g_indptr, g_indices, g_last = graph_page_metadata(lens.tolist(), table, lens, page_size, out)
-        assert torch.equal(g_indptr, indptr) and torch.equal(g_last, last)
-        assert torch.equal(g_indices[: indices.shape[0]], indices) and g_indices.shape[0] == table.numel()
+        lens = torch.tensor([0, 1, 17, 64, 300, 0, 129, 5000, -3], dtype=torch.int32)
+        width = 300 // page_size + 3
+        num_pages = 5000
+        table = torch.randperm(num_pages, generator=gen)[: len(lens) * width].view(len(lens), width).to(torch.int32)
+        table[2, 0] = -1
+        table[4, (300 - 1) // page_size] = num_pages  # the last page of sequence 4
+        table[6, 0] = 2 ** 31 - 1  # before a window of 40 at position 128 when pages are small
+        table, lens = table.to(device), lens.to(device)
+        attnops.take_errors()
+        want_lens, want_table, want_nan = checked_pages(table, lens, page_size, num_pages, window_left)
+        want = page_metadata(want_table, want_lens, page_size)
+        want_errors = attnops.take_errors()
+        b = len(lens)
+        indptr, indices = torch.empty(b + 1, dtype=torch.int32, device=device), torch.full(
+            (table.numel(),), -7, dtype=torch.int32, device=device)
+        last, fix = torch.empty(b, dtype=torch.int32, device=device), torch.empty(b, dtype=torch.bool, device=device)
+        values = torch.empty(b, dtype=torch.bfloat16 if device == "cuda" else torch.float32, device=device)
+        decode_page_layout(table, lens, page_size, num_pages, window_left, indptr, indices, last, fix, values)
+        assert attnops.take_errors() == want_errors and want_errors
+        assert torch.equal(indptr, want[0]) and torch.equal(last, want[2])
+        assert torch.equal(indices[: want[1].numel()], want[1])
+        assert torch.equal(fix, want_nan | (lens == 0)) and torch.equal(values.isnan(), want_nan)
+        host_indptr, host_last = host_page_metadata(lens.tolist(), page_size, width * page_size)
+        assert torch.equal(host_indptr, indptr.cpu()) and torch.equal(host_last, last.cpu())
+
+
+@pytest.mark.parametrize("q_lens,window_left", [(None, -1), (None, 20), ([3, 0, 20, 1], -1), ([3, 0, 20, 1], 15)],
+                         ids=["decode", "decode-window", "extend", "extend-window"])
+def test_checked_pages_follow_the_rules(q_lens, window_left):
+    """FlashInfer's page layout made safe on the device (no GPU needed: torch ops only): bad lengths become 0, bad
+    pages page 0, and the rows it marks NaN and the errors it records are the reference's."""
+    from attnops.backends.flashinfer import checked_pages, page_metadata
+
+    args = random_paged_inputs([130, 0, 300, 37], q_lens, num_q_heads=4, num_kv_heads=2, head_dim=64,
+                               page_size=16, seed=3)
+    args["block_table"][2, 16] = -1  # keys 256..271 of sequence 2
+    args["block_table"][0, 2] = 10 ** 6  # keys 32..47 of sequence 0
+    args["seq_lens"][3] = 10 ** 4  # past the table
+    num_pages = args["k_cache"].shape[0]
+    attnops.take_errors()
+    ref = paged_attention_reference(**args, window_left=window_left)
+    expected = attnops.take_errors()
+    lens, table, nan_rows = checked_pages(args["block_table"], args["seq_lens"], 16, num_pages, window_left,
+                                          args["cu_seqlens_q"], args["q"].shape[0])
+    assert attnops.take_errors() == expected and expected
+    assert torch.equal(nan_rows, ref.isnan().any(-1).any(-1))
+    assert lens.tolist()[3] == 0  # (entries past each length are garbage, as before: FlashInfer reads none)
+    indptr, indices, last = page_metadata(table, lens, 16)  # what FlashInfer reads: all inside the cache
+    assert ((indices >= 0) & (indices < num_pages)).all() and indptr[-1] == indices.numel()
 
 
 def test_wrapper_kind_sends_long_prefills_to_fa3_only_when_q_and_kv_types_match():

@@ -134,24 +134,34 @@ def test_empty_sequence_rows_are_zero_not_nan():
     assert out[1].abs().sum() > 0
 
 
-def test_reference_writes_nothing_when_a_slot_is_bad():
-    """An out-of-range slot is an error before any write: K and V never disagree."""
+def test_reference_drops_bad_slots_whole_and_records_them():
+    """A slot below -1 or past the cache writes nothing for its token (K and V never disagree), the other tokens
+    are written, and the error buffer names slot_mapping at the first bad token."""
     from attnops.backends.reference import reshape_and_cache_reference
     cache = attnops.PagedKVCache(1, 4, 16, 2, 64, kv_format="fp32")
     k_cache, v_cache = cache.write_args(0)["k_cache"], cache.write_args(0)["v_cache"]
-    before = cache.kv[0].clone()
     key = torch.randn(3, 2, 64)
-    for slots in ([0, 1, 64], [0, -2, 1]):
-        with pytest.raises(ValueError, match="slot_mapping"):
-            reshape_and_cache_reference(key, key, k_cache, v_cache, torch.tensor(slots))
-        assert torch.equal(cache.kv[0], before)
+    attnops.take_errors()
+    for slots, bad_token in (([0, 1, 64], 2), ([5, -2, 1], 1)):
+        before = cache.kv[0].clone()
+        reshape_and_cache_reference(key, -key, k_cache, v_cache, torch.tensor(slots))
+        expected = before.clone()
+        for t, slot in enumerate(slots):
+            if t != bad_token:
+                expected[slot // 16, 0, slot % 16], expected[slot // 16, 1, slot % 16] = key[t], -key[t]
+        assert torch.equal(cache.kv[0], expected)
+        assert attnops.take_errors() == {"slot_mapping": bad_token}
 
 
-def test_reference_rejects_pages_outside_the_cache():
-    args = random_paged_inputs([40, 7], page_size=16)
-    args["block_table"][0, 1] = -1  # inside sequence 0's 40 tokens
-    with pytest.raises(ValueError, match="block_table row 0 points outside"):
-        paged_attention_reference(**args)
+def test_reference_pages_outside_the_cache_make_the_rows_that_see_them_nan():
+    args = random_paged_inputs([40, 7], [3, 2], page_size=16)
+    attnops.take_errors()
+    args["block_table"][0, 1] = -1  # keys 16..31 of sequence 0, which its 3 queries (positions 37..39) see
+    out = paged_attention_reference(**args)
+    assert out.isnan().all(-1).all(-1).tolist() == [True, True, True, False, False]
+    assert attnops.take_errors() == {"block_table": 0}
+    out = paged_attention_reference(**args, window_left=5)  # the window starts at key 32: the page is not seen
+    assert not out.isnan().any() and attnops.take_errors() == {}
 
 
 def test_nan_reaches_exactly_the_rows_that_read_it():

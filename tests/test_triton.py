@@ -373,6 +373,85 @@ def test_reshape_and_cache_fp16_source_page16():
     assert_cache_write_exact("fp8_e4m3", "per_head", src_dtype=torch.float16, page_size=16, num_pages=2)
 
 
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("fmt,scale_kind", [("fp8_e4m3", "per_tensor"), ("fp8_e5m2", "per_head"), ("nvfp4", None),
+                                            ("mxfp4", None), ("fp16", None)])
+def test_reshape_and_cache_of_nan_and_inf_bit_exact(fmt, scale_kind, src_dtype):
+    """Random keys and values with NaN, +Inf and -Inf injected (a NaN of either sign; whole blocks of Inf too) are
+    stored as attnops.formats stores them, bit for bit: fp8 NaN stays NaN and Inf saturates; a 4-bit block holding
+    a NaN or an Inf gets formats.py's scale (nvfp4 NaN / 448; mxfp4 0 / 254) and codes."""
+    gen = torch.Generator().manual_seed(7)
+    key, value, kv, slots, block_scales, kwargs = cache_write_inputs(fmt, scale_kind, num_tokens=12, num_pages=6,
+                                                                     src_dtype=torch.float32, seed=5, device="cpu")
+    for x in (key, value):
+        for special in (float("nan"), -float("nan"), float("inf"), -float("inf")):
+            x[torch.rand(x.shape, generator=gen) < 0.02] = special
+        x[4, 0, :16] = float("inf")  # a whole nvfp4 block
+        x[5, 1, 32:64] = -float("nan")  # a whole mxfp4 block
+    key, value = key.to(src_dtype).to(DEVICE), value.to(src_dtype).to(DEVICE)
+    kv, slots = kv.to(DEVICE), slots.to(DEVICE)
+    kv_ref = kv.clone()
+    bs_ref = None if block_scales is None else block_scales.clone()
+    extra = lambda b: {} if b is None else dict(k_block_scale=b[:, 0], v_block_scale=b[:, 1])  # noqa: E731
+    with attnops.use_backend("triton"):
+        attnops.reshape_and_cache(key, value, kv[:, 0], kv[:, 1], slots, **kwargs, **extra(block_scales))
+    reshape_and_cache_reference(key, value, kv_ref[:, 0], kv_ref[:, 1], slots, **kwargs, **extra(bs_ref))
+    as_bits = lambda t: t.view(torch.uint8) if t.dtype.itemsize == 1 else t.view(torch.int16)  # noqa: E731
+    if fmt == "fp16":  # the NaN payload of an fp32 -> fp16 conversion is the device's: NaN for NaN
+        same = (as_bits(kv) == as_bits(kv_ref)) | (kv.isnan() & kv_ref.isnan())
+    else:
+        same = as_bits(kv) == as_bits(kv_ref)
+    assert same.all(), f"{(~same).sum().item()} cache elements differ from attnops.formats"
+    if block_scales is not None:
+        assert torch.equal(block_scales.view(torch.uint8), bs_ref.view(torch.uint8)), "block scales differ"
+
+
+BAD_INDEX_CASES = {
+    # name: (q_lens, corruption of the arguments, options, expected NaN rows (by token), expected record)
+    "decode page": (None, lambda a: a["block_table"].__setitem__((2, 1), -1), {}, [2], {"block_table": 2}),
+    "decode page past the cache": (None, lambda a: a["block_table"].__setitem__((0, 0), 10 ** 9), {}, [0],
+                                   {"block_table": 0}),
+    "decode page before the window": (None, lambda a: a["block_table"].__setitem__((2, 0), -7),
+                                      dict(window_left=40), [], {}),
+    "decode length": (None, lambda a: a["seq_lens"].__setitem__(1, 10 ** 6), {}, [1], {"seq_lens": 1}),
+    # sequence 2's 20 queries sit at 280..299; page 18 holds keys 288..303: the queries from 288 on see it
+    "extend page seen by the last rows": ([3, 2, 20], lambda a: a["block_table"].__setitem__((2, 18), -1), {},
+                                          list(range(13, 25)), {"block_table": 2}),
+    # page 16 holds keys 256..271; a query at p sees p - window_left..p
+    "extend page behind every window": ([3, 2, 20], lambda a: a["block_table"].__setitem__((2, 16), 10 ** 6),
+                                        dict(window_left=5), [], {}),
+    "extend page behind some windows": ([3, 2, 20], lambda a: a["block_table"].__setitem__((2, 16), 10 ** 6),
+                                        dict(window_left=15), list(range(5, 12)), {"block_table": 2}),
+    "extend negative length": ([3, 2, 20], lambda a: a["seq_lens"].__setitem__(0, -4), {}, [0, 1, 2],
+                               {"seq_lens": 0}),
+    "extend cu past the rows": ([3, 2, 20], lambda a: a["cu_seqlens_q"].__setitem__(2, 40), {}, list(range(25)),
+                                {"cu_seqlens_q": 2}),
+    "extend cu decreasing": ([3, 2, 20], lambda a: a["cu_seqlens_q"].__setitem__(1, 6), {}, list(range(25)),
+                             {"cu_seqlens_q": 2}),
+}
+
+
+@pytest.mark.parametrize("name", BAD_INDEX_CASES)
+def test_bad_indices_give_nan_rows_and_are_recorded(name):
+    """docs/design.md, "Bad indices": Triton reads nothing out of range, makes NaN exactly the rows the rules say,
+    the other rows exact, and records the argument; one page of 16 keys is 4 tiles' worth of splits here."""
+    q_lens, corrupt, options, nan_rows, record = BAD_INDEX_CASES[name]
+    args = random_paged_inputs([130, 37, 300], q_lens, num_q_heads=4, num_kv_heads=2, page_size=16, device=DEVICE,
+                               seed=len(name))
+    corrupt(args)
+    attnops.take_errors()
+    out = run_triton_attention(args, **options)
+    assert attnops.take_errors() == record
+    rows = out.isnan().any(-1).any(-1)
+    assert rows.nonzero().flatten().tolist() == nan_rows and out[nan_rows].isnan().all()
+    if "cu" not in name:
+        good = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+        good["block_table"][(good["block_table"] < 0) | (good["block_table"] >= args["k_cache"].shape[0])] = 0
+        good["seq_lens"].clamp_(0, good["block_table"].shape[1] * 16)
+        ref = paged_attention_reference(**good, **options)
+        torch.testing.assert_close(out[~rows], ref[~rows], rtol=1e-5, atol=1e-5)
+
+
 def test_write_then_read_roundtrip():
     """reshape_and_cache then paged_attention, both Triton, through a PagedKVCache (fused K/V layout, random page
     order): a prefill of two sequences, then a decode step on them."""
@@ -436,6 +515,7 @@ for v in picked:
         assert prof["registers"] > 0, prof
 cc.compile_cache_write("nvfp4", "bf16", 64, target)
 cc.compile_cache_write("fp8_e4m3", "fp32", 128, target)
+cc.compile_page_layout(True, target)
 # the heuristic's own prefill tiles for fp32 and bf16 q fit sm_90's 227 KB of shared memory as chosen
 for label, q_dtype, fmt, constexprs, options in cc.heuristic_configurations(90, 132, 232448, quick=True):
     if label.startswith("chunk") and fmt == "bf16" and q_dtype in ("fp32", "bf16"):  # prefill-sized tiles

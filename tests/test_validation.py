@@ -194,3 +194,42 @@ def test_slots_below_minus_one_are_bad_indices_not_padding(monkeypatch):
     monkeypatch.setenv("ATTNOPS_CHECK", "1")
     with pytest.raises(ValueError, match="slot_mapping"):
         torch.ops.attnops.reshape_and_cache(**good_write_args(slot_mapping=torch.tensor([0, 1, -2, 3, 4, 5])))
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+def test_bad_slots_write_nothing_and_are_recorded(backend):
+    """Without ATTNOPS_CHECK: a slot below -1 or past the cache writes nothing for its token, the others are
+    written, and take_errors names slot_mapping at the first bad token, then is empty."""
+    import os
+    if backend == "triton" and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and not under the Triton interpreter")
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    cache = attnops.PagedKVCache(1, 4, 16, 2, 64, kv_format="fp32", device=device)
+    key = torch.randn(6, 2, 64, device=device)
+    slots = torch.tensor([3, -2, 7, 64, -1, 9], device=device)
+    attnops.take_errors()
+    before = cache.kv[0].clone()
+    with attnops.use_backend(backend):
+        attnops.reshape_and_cache(key, -key, slot_mapping=slots, **cache.write_args(0))
+    expected = before.clone()
+    for t in (0, 2, 5):
+        slot = slots[t].item()
+        expected[slot // 16, 0, slot % 16], expected[slot // 16, 1, slot % 16] = key[t], -key[t]
+    assert torch.equal(cache.kv[0], expected)
+    assert attnops.take_errors() == {"slot_mapping": 1}
+    assert attnops.take_errors() == {}
+
+
+def test_take_errors_names_each_argument_at_its_first_position():
+    args = good_attention_args()
+    attnops.take_errors()
+    args["block_table"][1, 0] = -3
+    torch.ops.attnops.paged_attention(**args)
+    args["block_table"][1, 0] = 0
+    args["seq_lens"][0] = 10_000
+    out = torch.ops.attnops.paged_attention(**args)  # records pile up until taken
+    assert out[:2].isnan().all() and not out[2:].isnan().any()  # sequence 0: query rows 0 and 1
+    assert attnops.take_errors() == {"block_table": 1, "seq_lens": 0}
+    args["cu_seqlens_q"][1] = 99
+    assert torch.ops.attnops.paged_attention(**args).isnan().all()
+    assert attnops.take_errors(args["q"].device) == {"cu_seqlens_q": 1} and attnops.take_errors() == {}

@@ -2,15 +2,16 @@
 
 The kernels are registered as internal ops, `torch.ops.attnops.cpu_paged_attention` and
 `torch.ops.attnops.cpu_reshape_and_cache`, which take already-validated arguments (attnops/ops.py validates, then
-dispatches here). They run on at::parallel_for's threads (torch.get_num_threads()), with inner loops compiled for
-AVX-512, AVX2 and portable C++ and picked at run time.
+dispatches here) and the device's error buffer (attnops.errors), where they record bad indices. They run on
+at::parallel_for's threads (torch.get_num_threads()), with inner loops compiled for AVX-512, AVX2 and portable C++
+and picked at run time.
 """
 from __future__ import annotations
 
 import torch
 
 from .. import _C  # noqa: F401  (registers the C++ ops)
-from .. import formats
+from .. import errors, formats
 from .base import Backend, common_reasons
 
 # What the kernels serve, as data (dispatch and `attnops.explain` read the reasons built from it).
@@ -67,9 +68,9 @@ class CPUBackend(Backend):
                         window_left, kv_format, k_scale, v_scale, out, sinks=None, tree_mask=None) -> None:
         attention, _ = self._ops()
         attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, float(scale), float(soft_cap),
-                  int(window_left), k_scale, v_scale, sinks, tree_mask, out)
+                  int(window_left), k_scale, v_scale, sinks, tree_mask, out, errors.buffer(q.device))
 
     def reshape_and_cache(self, key, value, k_cache, v_cache, slot_mapping, *, kv_format, k_scale, v_scale,
                           k_block_scale, v_block_scale) -> None:
         _, cache_write = self._ops()
-        cache_write(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        cache_write(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, errors.buffer(key.device))

@@ -12,6 +12,13 @@ replanning needs no sync and the host prepares step N+1 while the GPU runs step 
 
 fp8 scales stay tensors (no host read): k_scale is folded into q (q * k_scale, a [T, Hq, D] multiply) and
 v_scale into the output, so a compiled graph neither syncs nor recompiles when scales change.
+
+Bad indices (docs/design.md, "Bad indices"): FlashInfer's kernels read whatever pages the layout names, so the
+layout is made safe on the device before plan() (bad lengths as 0, pages outside the cache as page 0: for decode
+in one Triton launch, triton/page_layout.py; for the prefill kinds checked_pages' torch ops) and the rows the
+contract makes NaN are set after run(), together with the decode rows of empty sequences, in one launch, only on
+steps that have any (graphs: always). cu_seqlens_q, which FlashInfer's plan reads on the host, is checked on the
+host at plan time.
 """
 from __future__ import annotations
 
@@ -21,7 +28,7 @@ import weakref
 
 import torch
 
-from .. import capture, formats
+from .. import capture, errors, formats
 from ..env import device_arch, values_checked
 from . import flashinfer_replay
 from .base import Backend, CacheWriteCase, common_reasons, shape_class
@@ -45,9 +52,51 @@ def _import_error() -> str | None:
     return None
 
 
+def checked_pages(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, num_pages: int,
+                  window_left: int, cu_seqlens_q: torch.Tensor | None = None, num_tokens: int | None = None):
+    """The step's page layout with nothing FlashInfer could read out of range, and the query rows the contract
+    makes NaN (docs/design.md, "Bad indices"), on the device (no sync). FlashInfer reads every page of a
+    sequence's length, so: a length outside [0, the table's capacity] becomes 0 (its rows NaN); a page index
+    outside the cache within a length becomes page 0, a real page, whose keys only rows that become NaN see (with
+    no page at all, every length becomes 0: no row that stays defined sees a key). Rows: one per sequence (decode,
+    cu_seqlens_q None: the last position) or cu_seqlens_q's rows (already known good); a row is NaN if its
+    sequence's length is bad or it sees (causal, window_left) a key of a bad page. Both are recorded in the
+    device's error buffer (attnops.errors).
+
+    Returns (lengths int32 [B], block table int32 [B, W], NaN rows bool [rows])."""
+    device = seq_lens.device
+    batch, width = block_table.shape
+    lens = seq_lens.long()
+    seq_bad = (lens < 0) | (lens > width * page_size)
+    lens = torch.where(seq_bad, 0, lens)
+    column = torch.arange(width, device=device)
+    page_bad = (column[None, :] * page_size < lens[:, None]) & ((block_table < 0) | (block_table >= num_pages))
+    bad_before = torch.nn.functional.pad(torch.cumsum(page_bad, 1), (1, 0))  # [B, W + 1]: among the first i pages
+    if cu_seqlens_q is None:
+        row_seq = torch.arange(batch, device=device)
+        row_pos = lens - 1
+        has_rows = torch.ones_like(seq_bad)
+    else:
+        q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+        row_seq = torch.repeat_interleave(torch.arange(batch, device=device), q_lens, output_size=num_tokens)
+        row_pos = (lens - q_lens)[row_seq] + torch.arange(num_tokens, device=device) - cu_seqlens_q[:-1].long()[row_seq]
+        has_rows = q_lens > 0
+    first_seen = (row_pos - window_left).clamp(min=0) if window_left >= 0 else torch.zeros_like(row_pos)
+    last_page = (row_pos.clamp(min=0) // page_size + 1).clamp(max=width)
+    row_bad_page = (row_pos >= 0) & (bad_before[row_seq, last_page] > bad_before[row_seq, first_seen // page_size])
+    if row_seq.numel():
+        errors.record(device, errors.BLOCK_TABLE, torch.where(row_bad_page, row_seq, errors.NONE).min())
+    if batch:
+        sequence = torch.arange(batch, device=device)
+        errors.record(device, errors.SEQ_LENS, torch.where(seq_bad & has_rows, sequence, errors.NONE).min())
+    if num_pages == 0:
+        lens = torch.zeros_like(lens)
+    return lens.to(torch.int32), torch.where(page_bad, 0, block_table), seq_bad[row_seq] | row_bad_page
+
+
 def page_metadata(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int):
-    """FlashInfer's CSR page layout (indptr, indices, last_page_len), computed on the device from a block table.
-    Sequences of length 0 have no pages and last_page_len 0."""
+    """FlashInfer's CSR page layout (indptr, indices, last_page_len), computed on the device from a block table
+    and lengths that checked_pages made safe. Sequences of length 0 have no pages and last_page_len 0."""
     pages = (seq_lens + page_size - 1) // page_size
     indptr = torch.zeros(seq_lens.shape[0] + 1, dtype=torch.int32, device=seq_lens.device)
     torch.cumsum(pages, 0, out=indptr[1:])
@@ -57,26 +106,19 @@ def page_metadata(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: 
     return indptr, indices, last_page_len
 
 
-def graph_page_metadata(host_seq_lens: list, block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
-                        indices_out: torch.Tensor):
-    """page_metadata for a captured graph's replan, with no device sync: indptr and last_page_len from the host's
-    lengths (pinned host tensors, which FlashInfer's plan reads on the host and copies without blocking), indices
-    scattered on the device from the static block table into `indices_out` ([B * width + 1]: entries past a
-    sequence's pages go to the spare last slot). The host lengths must be the ones the device seq_lens hold."""
-    lens = torch.tensor(host_seq_lens, dtype=torch.int32)
+def host_page_metadata(host_seq_lens: list, page_size: int, capacity: int):
+    """indptr and last_page_len of a captured decode graph's replan, from the host's lengths (those the device
+    seq_lens hold), made safe as on the device (a length outside [0, capacity] as 0; capacity 0 where the cache has
+    no page), with no device sync: pinned host tensors where CUDA runs, which FlashInfer's plan reads on the host
+    and copies without blocking."""
+    lens = torch.tensor([n if 0 <= n <= capacity else 0 for n in host_seq_lens], dtype=torch.int32)
     pages = (lens + page_size - 1) // page_size
     indptr = torch.zeros(lens.shape[0] + 1, dtype=torch.int32)
     torch.cumsum(pages, 0, out=indptr[1:])
     last_page_len = torch.where(lens > 0, lens - (pages - 1) * page_size, 0).to(torch.int32)
-    device_pages = (seq_lens + page_size - 1) // page_size
-    start = torch.cumsum(device_pages, 0) - device_pages
-    column = torch.arange(block_table.shape[1], device=block_table.device)
-    target = torch.where(column[None, :] < device_pages[:, None], start[:, None] + column[None, :],
-                         indices_out.shape[0] - 1)
-    indices_out.scatter_(0, target.flatten().long(), block_table.flatten())
-    if block_table.is_cuda:
+    if torch.cuda.is_available():
         indptr, last_page_len = indptr.pin_memory(), last_page_len.pin_memory()
-    return indptr, indices_out[:-1], last_page_len
+    return indptr, last_page_len
 
 
 def fa3_serves(arch, q_dtype, kv_dtype) -> bool:
@@ -104,10 +146,16 @@ class _Plans:
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.wrappers: dict = {}  # (kind, plan signature), or ("graph", graph id, ...) -> wrapper
         self.planned_for: dict = {}  # same key -> step key the wrapper's current plan belongs to
-        self.empty_rows: dict = {}  # same key -> bool [B, 1, 1]: decode rows of empty sequences, set at plan time
-        self.row_mask: dict = {}  # same key -> empty_rows when run() must zero them (graphs: always), else None
+        # same key -> (bool [rows, 1, 1], values [rows, 1, 1] in q's dtype): the rows run()'s output is set in, to
+        # NaN (bad indices) or 0 (decode rows of empty sequences, which FlashInfer leaves undefined); set at plan
+        # time, in place (a captured graph holds them)
+        self.row_fix: dict = {}
+        self.fix_now: dict = {}  # same key -> row_fix[key] when run() must apply it (graphs: always), else None
+        self.bad_cu: dict = {}  # same key -> cu_seqlens_q of the planned step is bad: every row NaN, no run()
         self.built: set = set()  # configurations already JIT-built (or loaded) in this process
-        self.graph_indices: dict = {}  # graph key -> int32 [B * width + 1]: the CSR page indices, built on device
+        # decode key -> int32 device buffers (indptr [B + 1], indices [B * width], last_page_len [B]) the layout
+        # kernel writes; a graph's are fixed (its wrapper copies indices into a buffer of B * width)
+        self.decode_layout: dict = {}
 
     def make_wrapper(self, kind: str):
         import flashinfer
@@ -174,7 +222,8 @@ class FlashInferBackend(Backend):
     # ---------------------------------------------------------------------------------------------------------
     def _plan(self, q, k_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left):
         """The wrapper planned for this step's metadata (planned now if this step has not been seen yet), the rows
-        run() must zero (or None), and whether it was planned now."""
+        run()'s output must be set in (mask, values; or None), whether the step's cu_seqlens_q is bad (no run: all
+        rows NaN), and whether it was planned now."""
         plans = _plans(q.device)
         num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
         kind = wrapper_kind(cu_seqlens_q is None, seq_lens.shape[0], q.shape[0], device_arch(q.device),
@@ -200,7 +249,7 @@ class FlashInferBackend(Backend):
                 plans.wrappers[key] = plans.make_wrapper(kind)
         wrapper = plans.wrappers[key]
         if _same_step(plans.planned_for.get(key), block_table, seq_lens, cu_seqlens_q):
-            return wrapper, plans.row_mask.get(key), False
+            return wrapper, plans.fix_now.get(key), plans.bad_cu.get(key), False
         if torch.cuda.is_current_stream_capturing():  # dispatch keeps foreign captures away; this is the backstop
             raise RuntimeError("attnops.paged_attention (flashinfer): no plan for this step inside a CUDA graph "
                                "capture; capture through attnops.serving.graphs, which plans before capture and replay")
@@ -210,58 +259,88 @@ class FlashInferBackend(Backend):
                         "once per machine; `python -m attnops warmup` does it ahead)", kind, build_key[1:])
             plans.built.add(build_key)
 
-        if graph is not None and key not in plans.graph_indices:
-            plans.graph_indices[key] = torch.empty(block_table.numel() + 1, dtype=torch.int32, device=q.device)
+        if kind == "decode":  # device buffers of the layout (graphs: fixed, sized for the captured batch)
+            batch = seq_lens.shape[0]
+            layout = plans.decode_layout.get(key)
+            if layout is None or layout[1].shape[0] < block_table.numel() or layout[0].shape[0] != batch + 1:
+                plans.decode_layout[key] = (torch.empty(batch + 1, dtype=torch.int32, device=q.device),
+                                            torch.empty(max(block_table.numel(), 1), dtype=torch.int32,
+                                                        device=q.device),
+                                            torch.empty(batch, dtype=torch.int32, device=q.device))
 
         def plan():
-            if graph is not None:  # before each replay: from the host's lengths, no sync
-                indptr, indices, last_page_len = graph_page_metadata(graph.host_seq_lens, block_table, seq_lens,
-                                                                     page_size, plans.graph_indices[key])
-            else:
-                indptr, indices, last_page_len = page_metadata(block_table, seq_lens, page_size)
             flashinfer_replay.disarm(wrapper)  # a replay of the old plan must not run on the new one's buffers
+            plans.bad_cu[key] = False
+            if cu_seqlens_q is not None:  # eager only (graphs capture decode): FlashInfer's plan syncs anyway
+                bad_entry = errors.cu_seqlens_violation(cu_seqlens_q.tolist(), q.shape[0])
+                if bad_entry is not None:  # which rows are whose is undefined: every row NaN, FlashInfer not run
+                    errors.record(q.device, errors.CU_SEQLENS_Q, bad_entry)
+                    plans.bad_cu[key] = True
+                    plans.planned_for[key] = _step_key(block_table, seq_lens, cu_seqlens_q)
+                    return
+            rows = seq_lens.shape[0] if kind == "decode" else q.shape[0]
+            fix = plans.row_fix.get(key)
+            if fix is None or fix[0].shape[0] != rows:  # in place otherwise: graphs hold them
+                fix = plans.row_fix[key] = (torch.empty(rows, 1, 1, dtype=torch.bool, device=q.device),
+                                            torch.empty(rows, 1, 1, dtype=q.dtype, device=q.device))
+            mask, values = fix[0].view(-1), fix[1].view(-1)
             common = dict(q_data_type=q.dtype, kv_data_type=k_cache.dtype, sm_scale=scale,
                           logits_soft_cap=soft_cap if soft_cap > 0 else None, window_left=window_left)
             if kind == "decode":
+                # one launch (a Triton kernel) for the layout, the rows to set and the records: the replan of a
+                # captured graph runs before every replay, so its host time is the serving loop's
+                from .triton.page_layout import decode_page_layout
+                indptr, indices, last_page_len = plans.decode_layout[key]
+                decode_page_layout(block_table, seq_lens.contiguous(), page_size, num_pages, window_left, indptr,
+                                   indices, last_page_len, mask, values)
+                if graph is not None:  # from the host's lengths: no sync
+                    indptr, last_page_len = host_page_metadata(graph.host_seq_lens, page_size,
+                                                               block_table.shape[1] * page_size if num_pages else 0)
+                    needs_fix = True  # a captured graph sets them always (its padding rows come and go)
+                else:  # (planning syncs anyway: one read for the pages in use and whether any row is set)
+                    nnz, needs_fix = torch.stack((indptr[-1], mask.any().to(torch.int32))).tolist()
+                    indices = indices[:nnz]
                 wrapper.plan(indptr, indices, last_page_len, q.shape[1], num_kv_heads, head_dim, page_size,
                              **common)
             else:
+                lens, table, nan_rows = checked_pages(block_table, seq_lens, page_size, num_pages, window_left,
+                                                      cu_seqlens_q, q.shape[0])
+                indptr, indices, last_page_len = page_metadata(table, lens, page_size)
                 wrapper.plan(cu_seqlens_q, indptr, indices, last_page_len, q.shape[1], num_kv_heads, head_dim,
                              page_size, causal=True, **common)
-            if kind == "decode":  # FlashInfer leaves an empty sequence's row undefined; the contract says 0
-                empty = plans.empty_rows.get(key)
-                if empty is None or empty.shape[0] != seq_lens.shape[0]:  # in place otherwise: graphs hold it
-                    empty = plans.empty_rows[key] = torch.empty(seq_lens.shape[0], 1, 1, dtype=torch.bool,
-                                                                device=seq_lens.device)
-                torch.eq(seq_lens, 0, out=empty.view(-1))
-                # eager steps with no empty sequence skip the masking launch: known on the host now, since
-                # planning syncs anyway; a captured graph masks always (its padding rows come and go)
-                plans.row_mask[key] = empty if graph is not None or bool(empty.any()) else None
+                mask.copy_(nan_rows)
+                values.zero_().masked_fill_(nan_rows, float("nan"))
+                needs_fix = bool(mask.any())
+            # eager steps with no row to set skip the launch after run()
+            plans.fix_now[key] = fix if needs_fix else None
             plans.planned_for[key] = _step_key(block_table, seq_lens, cu_seqlens_q)
 
         plan()
         if graph is not None:  # the runner re-plans from its static metadata before every replay
             graph.replanners.append(plan)
-        return wrapper, plans.row_mask.get(key), True
+        return wrapper, plans.fix_now.get(key), plans.bad_cu.get(key), True
 
     def paged_attention(self, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, soft_cap,
                         window_left, kv_format, k_scale, v_scale, out, sinks=None, tree_mask=None) -> None:
-        wrapper, empty_rows, planned_now = self._plan(q, k_cache, block_table, seq_lens, cu_seqlens_q, scale,
-                                                      soft_cap, window_left)
+        wrapper, row_fix, bad_cu, planned_now = self._plan(q, k_cache, block_table, seq_lens, cu_seqlens_q, scale,
+                                                           soft_cap, window_left)
+        if bad_cu:
+            out.fill_(float("nan"))
+            return
         fp8 = formats.is_fp8(kv_format)
         if fp8:
             q = q * k_scale.to(q.dtype)  # scores scale with k: fold k_scale into q, on the device
         # the first call of an eager plan arms the C++ replay of the kernel call for the step's other calls: only
         # where run() is the whole call (no fp8 scaling or row masking around it) and no check reads the data
-        if (planned_now and not fp8 and empty_rows is None and capture.current_capture() is None
+        if (planned_now and not fp8 and row_fix is None and capture.current_capture() is None
                 and not values_checked() and flashinfer_replay.enabled()):
             flashinfer_replay.run_and_arm(wrapper, q, k_cache, v_cache, out)
         else:
             wrapper.run(q, (k_cache, v_cache), out=out)
         if fp8:
             out.mul_(v_scale.to(out.dtype))
-        if empty_rows is not None:
-            out.masked_fill_(empty_rows, 0)
+        if row_fix is not None:
+            torch.where(row_fix[0], row_fix[1], out, out=out)
 
     def reshape_and_cache(self, *args, **kwargs) -> None:
         raise NotImplementedError("FlashInfer backend: cache writes go through attnops' own kernels")

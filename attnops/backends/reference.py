@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import torch
 
-from .. import formats
+from .. import errors, formats
 from .base import Backend
 
 
 def _gather_sequence(cache: torch.Tensor, scale: torch.Tensor | None, pages: torch.Tensor, length: int, fmt: str,
                      dtype: torch.dtype) -> torch.Tensor:
-    """The first `length` tokens of one sequence from its pages, dequantized: [length, Hkv, D]."""
+    """The first `length` tokens of one sequence from its pages (indices inside the cache), dequantized:
+    [length, Hkv, D]."""
     stored = cache[pages].flatten(0, 1)[:length]
     if formats.is_fp4(fmt):  # block scales are paged like the cache
         scale = scale[pages].flatten(0, 1)[:length]
@@ -28,7 +29,9 @@ def paged_attention_reference(q, k_cache, v_cache, block_table, seq_lens, cu_seq
 
     sinks [Hq]: a logit per head that joins every row's softmax denominator (and nothing of V). tree_mask
     [T, Q] bool: inside its query block, row i of a sequence sees block key j iff tree_mask[row, j] (j < Q),
-    in place of the causal rule; keys before the block stay visible."""
+    in place of the causal rule; keys before the block stay visible.
+    Bad indices give docs/design.md's results ("Bad indices") and are recorded in the device's error buffer
+    (attnops.errors): nothing outside a tensor is read."""
     fmt = formats.resolve_kv_format(kv_format, k_cache.dtype)
     num_tokens, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -38,26 +41,41 @@ def paged_attention_reference(q, k_cache, v_cache, block_table, seq_lens, cu_seq
 
     lengths = seq_lens.tolist()
     starts = list(range(len(lengths) + 1)) if cu_seqlens_q is None else cu_seqlens_q.tolist()
+    bad_entry = errors.cu_seqlens_violation(starts, num_tokens)
+    if bad_entry is not None:  # which rows are whose is undefined: every row is NaN, nothing is read
+        errors.record(q.device, errors.CU_SEQLENS_Q, bad_entry)
+        return torch.full_like(q, float("nan"))
     num_pages = k_cache.shape[0]
+    capacity = block_table.shape[1] * page_size
     for b, kv_len in enumerate(lengths):
         q_start, q_end = starts[b], starts[b + 1]
         num_queries = q_end - q_start
-        if num_queries == 0 or kv_len == 0:
+        if num_queries == 0:
+            continue  # no rows: nothing of the sequence is read
+        if not 0 <= kv_len <= capacity:  # no defined keys: the rows are NaN
+            errors.record(q.device, errors.SEQ_LENS, b)
+            out[q_start:q_end] = float("nan")
+            continue
+        if kv_len == 0:
             continue  # an empty sequence's rows stay 0
-        if not 0 < kv_len <= block_table.shape[1] * page_size:
-            raise ValueError(f"attnops.paged_attention (reference): seq_lens[{b}] = {kv_len} is outside "
-                             f"[0, {block_table.shape[1] * page_size}] (block_table's capacity)")
         pages = block_table[b, : (kv_len + page_size - 1) // page_size].long()
-        if pages.numel() and not bool(((pages >= 0) & (pages < num_pages)).all()):
-            raise ValueError(f"attnops.paged_attention (reference): block_table row {b} points outside the cache's "
-                             f"{num_pages} pages within its seq_lens (entries {pages.tolist()})")
-        k = _gather_sequence(k_cache, k_scale, pages, kv_len, fmt, compute_dtype).repeat_interleave(group, dim=1)
-        v = _gather_sequence(v_cache, v_scale, pages, kv_len, fmt, compute_dtype).repeat_interleave(group, dim=1)
+        page_ok = (pages >= 0) & (pages < num_pages)
+        # a key on a page outside the cache is never read: it is 0 here and a NaN score for the rows that see it
+        bad_key = (~page_ok).repeat_interleave(page_size)[:kv_len]
+        safe_pages = torch.where(page_ok, pages, 0)
+        if num_pages == 0:
+            k = v = torch.zeros(kv_len, num_q_heads, head_dim, dtype=compute_dtype, device=q.device)
+        else:
+            k = _gather_sequence(k_cache, k_scale, safe_pages, kv_len, fmt, compute_dtype)
+            v = _gather_sequence(v_cache, v_scale, safe_pages, kv_len, fmt, compute_dtype)
+            k = k.masked_fill(bad_key[:, None, None], 0).repeat_interleave(group, dim=1)
+            v = v.masked_fill(bad_key[:, None, None], 0).repeat_interleave(group, dim=1)
         queries = q[q_start:q_end].to(compute_dtype)  # [n, Hq, D]
 
         scores = torch.einsum("qhd,khd->hqk", queries, k) * scale
         if 0 < soft_cap < float("inf"):  # inf: no cap
             scores = soft_cap * torch.tanh(scores / soft_cap)
+        scores = scores.masked_fill(bad_key, float("nan"))
         # the queries are the sequence's last num_queries positions; each sees keys at positions <= its own, or
         # with a tree mask, every key before the block and the block's keys its mask row names
         block_start = kv_len - num_queries
@@ -73,6 +91,8 @@ def paged_attention_reference(q, k_cache, v_cache, block_table, seq_lens, cu_seq
                                  in_block], dim=1)
         if window_left >= 0:
             visible &= query_pos - key_pos <= window_left
+        if bool((visible & bad_key).any()):
+            errors.record(q.device, errors.BLOCK_TABLE, b)
         scores = scores.masked_fill(~visible, float("-inf"))
         # a row that sees no key is 0; NaN in a visible score (from q or K) or in V reaches exactly the rows that
         # read it, as in SDPA (masked keys are -inf before the softmax, so a NaN key outside a row's view is not read)
@@ -94,15 +114,15 @@ def paged_attention_reference(q, k_cache, v_cache, block_table, seq_lens, cu_seq
 
 def reshape_and_cache_reference(key, value, k_cache, v_cache, slot_mapping, *, kv_format="auto", k_scale=None,
                                 v_scale=None, k_block_scale=None, v_block_scale=None) -> None:
-    """Writes each token t to slot slot_mapping[t] (page * page_size + offset), quantizing; slot -1 is skipped."""
+    """Writes each token t to slot slot_mapping[t] (page * page_size + offset), quantizing; slot -1 is skipped. A
+    slot below -1 or past the cache is a bad index: that token writes nothing, the others are written."""
     fmt = formats.resolve_kv_format(kv_format, k_cache.dtype)
     page_size = k_cache.shape[1]
     num_slots = k_cache.shape[0] * page_size
     bad = (slot_mapping < -1) | (slot_mapping >= num_slots)
-    if bool(bad.any()):  # checked before anything is written: nothing half-written
-        raise ValueError(f"attnops.reshape_and_cache (reference): slot_mapping entries must be -1 (padding) or in "
-                         f"[0, {num_slots}) (got {slot_mapping[bad].tolist()[:8]})")
-    keep = slot_mapping >= 0
+    if bool(bad.any()):
+        errors.record(key.device, errors.SLOT_MAPPING, int(bad.nonzero()[0, 0]))
+    keep = (slot_mapping >= 0) & ~bad
     slots = slot_mapping[keep]
     pages, offsets = slots // page_size, slots % page_size
     for src, cache, scale, block_scale in ((key, k_cache, k_scale, k_block_scale),

@@ -364,6 +364,9 @@ struct RowLimits {
   int64_t lo, hi;
 };
 
+// What a key on a page outside the cache reads instead (head_dim <= 256 elements of up to 4 bytes).
+alignas(64) inline constexpr unsigned char kZeroRow[256 * 4] = {};
+
 inline RowLimits token_limits(const AttentionParams& p, const Tile& tile, int64_t token) {
   const int64_t pos = tile.first_pos + token;
   // with a tree mask, keys of the block after the row's own position may be visible: the mask decides those
@@ -436,27 +439,38 @@ void attend_impl(const AttentionParams& p, const Loader& ld, const Tile& tile, c
   int64_t offsets_a[kKeyChunk], offsets_b[kKeyChunk];
   int64_t* offsets = offsets_a;
   int64_t* offsets_next = offsets_b;
-  auto locate = [&](int64_t c0, int64_t* off) {
+  // A page index outside the cache is never dereferenced: its keys read a row of zeros (offset -1 below) and are
+  // NaN scores to the rows that see them, so those rows (only) are NaN.
+  bool bad_a[kKeyChunk], bad_b[kKeyChunk];
+  bool* bad = bad_a;
+  bool* bad_next = bad_b;
+  bool chunk_bad = false, chunk_bad_next = false;
+  auto locate = [&](int64_t c0, int64_t* off, bool* bad_keys, bool& any_bad) {
     const int64_t n = std::min(kKeyChunk, item.kv_end - c0);
+    any_bad = false;
     for (int64_t j = 0; j < n; ++j) {
       const int64_t pos = c0 + j;
       const int64_t page = pages[(pos >> p.page_shift) * p.bt_stride_page];
-      off[j] = page * p.cache_stride_page + (pos & slot_mask) * p.cache_stride_slot;
+      bad_keys[j] = page < 0 || page >= p.num_pages;
+      any_bad |= bad_keys[j];
+      off[j] = bad_keys[j] ? -1 : page * p.cache_stride_page + (pos & slot_mask) * p.cache_stride_slot;
     }
     return n;
   };
+  const KT* zeros = reinterpret_cast<const KT*>(kZeroRow);
+  auto row = [&](const KT* cache, int64_t head, int64_t offset) { return offset < 0 ? zeros : cache + head + offset; };
   const KT* k_rows[kKeyChunk];
   const KT* v_rows[kKeyChunk];
   const KT* k_next[kKeyChunk];
   const KT* v_next[kKeyChunk];
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(KT));
   if (item.kv_begin < item.kv_end) {  // the first chunk has nothing before it to hide its loads behind
-    const int64_t n = locate(item.kv_begin, offsets);
+    const int64_t n = locate(item.kv_begin, offsets, bad, chunk_bad);
     for (int64_t hi = 0; hi < tile.num_heads; ++hi) {
       const int64_t head = (tile.kv_head + hi) * p.cache_stride_head;
       for (int64_t j = 0; j < n; ++j) {
-        k_next[j] = k_cache + head + offsets[j];
-        v_next[j] = v_cache + head + offsets[j];
+        k_next[j] = row(k_cache, head, offsets[j]);
+        v_next[j] = row(v_cache, head, offsets[j]);
       }
       Ahead<KT>{k_next, v_next, n, row_bytes}.fetch(0, n);
     }
@@ -464,14 +478,15 @@ void attend_impl(const AttentionParams& p, const Loader& ld, const Tile& tile, c
 
   for (int64_t c0 = item.kv_begin; c0 < item.kv_end; c0 += kKeyChunk) {
     const int64_t n = std::min(kKeyChunk, item.kv_end - c0);
-    const int64_t n_next = c0 + kKeyChunk < item.kv_end ? locate(c0 + kKeyChunk, offsets_next) : 0;
+    const int64_t n_next =
+        c0 + kKeyChunk < item.kv_end ? locate(c0 + kKeyChunk, offsets_next, bad_next, chunk_bad_next) : 0;
 
     for (int64_t hi = 0; hi < tile.num_heads; ++hi) {
       const int64_t head = (tile.kv_head + hi) * p.cache_stride_head;
-      for (int64_t j = 0; j < n; ++j) k_rows[j] = k_cache + head + offsets[j];
+      for (int64_t j = 0; j < n; ++j) k_rows[j] = row(k_cache, head, offsets[j]);
       for (int64_t j = 0; j < n_next; ++j) {
-        k_next[j] = k_cache + head + offsets_next[j];
-        v_next[j] = v_cache + head + offsets_next[j];
+        k_next[j] = row(k_cache, head, offsets_next[j]);
+        v_next[j] = row(v_cache, head, offsets_next[j]);
       }
       qk(ld, qf + hi * rows.per_head * D, rows.per_head, D, k_rows, n, S + hi * rows.per_head * kKeyChunk,
          Ahead<KT>{k_next, v_next, n_next, row_bytes});
@@ -496,6 +511,11 @@ void attend_impl(const AttentionParams& p, const Loader& ld, const Tile& tile, c
           for (int64_t j = std::max<int64_t>(0, tile.block_start - c0); j < n; ++j)
             if (!tree_visible(p, tile, token, c0 + j)) s[j] = kNegInf;
         }
+      }
+      if (chunk_bad) {  // ...and NaN for the keys of a bad page it does see
+        const RowLimits lim = token_limits(p, tile, rows.token(p, r));
+        for (int64_t j = 0; j < n; ++j)
+          if (bad[j] && c0 + j >= lim.lo && c0 + j <= lim.hi) s[j] = std::numeric_limits<float>::quiet_NaN();
       }
 
       // online softmax: fold this chunk into the row's running max and sum
@@ -526,10 +546,12 @@ void attend_impl(const AttentionParams& p, const Loader& ld, const Tile& tile, c
 
     for (int64_t hi = 0; hi < tile.num_heads; ++hi) {
       const int64_t head = (tile.kv_head + hi) * p.cache_stride_head;
-      for (int64_t j = 0; j < n; ++j) v_rows[j] = v_cache + head + offsets[j];
+      for (int64_t j = 0; j < n; ++j) v_rows[j] = row(v_cache, head, offsets[j]);
       pv(ld, S + hi * rows.per_head * kKeyChunk, rows.per_head, n, v_rows, acc + hi * rows.per_head * D, D);
     }
     std::swap(offsets, offsets_next);
+    std::swap(bad, bad_next);
+    std::swap(chunk_bad, chunk_bad_next);
   }
 
   if (item.slot >= 0) {  // a split: leave the unnormalized partial result for merge()

@@ -33,7 +33,8 @@ struct AttentionParams {
   // block_table int32 [B, max_pages] (any strides)
   const int32_t* block_table;
   int64_t bt_stride_seq, bt_stride_page;
-  int page_shift;  // log2(page_size): page sizes are powers of two
+  int page_shift;     // log2(page_size): page sizes are powers of two
+  int64_t num_pages;  // a page index outside [0, num_pages) is never read: its keys are NaN to the rows seeing them
 
   int64_t num_q_heads, num_kv_heads, group, head_dim;
   float scale;          // softmax scale (applied to q . k)

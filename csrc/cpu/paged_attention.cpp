@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <limits>
 #include <memory>
 #include <numeric>
 #include <optional>
@@ -54,13 +55,16 @@ const KernelTable& select_kernels() {
   return *chosen;
 }
 
-// Runs the kernel; `out` is [T, Hq, D] of q's dtype. Checks what it needs to stay in bounds (see host_utils.h).
+// Runs the kernel; `out` is [T, Hq, D] of q's dtype. Checks shapes and dtypes (see host_utils.h); the indices it
+// reads from host memory give docs/design.md's results for bad values ("Bad indices": NaN rows, nothing read
+// outside a tensor) and are recorded in `errors` (attnops.errors' int32 buffer), when given.
 void paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                          const at::Tensor& block_table, const at::Tensor& seq_lens,
                          const std::optional<at::Tensor>& cu_seqlens_q, double scale, double soft_cap,
                          int64_t window_left, const std::optional<at::Tensor>& k_scale,
                          const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& sinks,
-                         const std::optional<at::Tensor>& tree_mask, const at::Tensor& out) {
+                         const std::optional<at::Tensor>& tree_mask, const at::Tensor& out,
+                         const std::optional<at::Tensor>& errors) {
   const char* op = "paged_attention";
   const int page_shift = check_caches(op, k_cache, v_cache);
   ATTNOPS_ARG_CHECK(op, q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1,
@@ -134,6 +138,7 @@ void paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const a
   p.bt_stride_seq = block_table.stride(0);
   p.bt_stride_page = block_table.stride(1);
   p.page_shift = page_shift;
+  p.num_pages = num_pages;
   p.num_q_heads = num_q_heads;
   p.num_kv_heads = num_kv_heads;
   p.group = num_q_heads / num_kv_heads;
@@ -155,22 +160,47 @@ void paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const a
   const int64_t lens_stride = seq_lens.stride(0), cu_stride = decode ? 0 : cu_seqlens_q->stride(0);
   const int64_t group = p.group;
   const int64_t tokens_per_tile = decode ? 1 : std::max<int64_t>(1, kTileRows / group);
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  int32_t* error_entries = errors.has_value() ? errors->data_ptr<int32_t>() : nullptr;
+  auto record = [&](int64_t argument, int64_t position) {  // attnops.errors: the lowest position per argument
+    if (error_entries != nullptr && position < error_entries[argument])
+      error_entries[argument] = static_cast<int32_t>(position);
+  };
   if (!decode) {
-    ATTNOPS_ARG_CHECK(op, cu[0] == 0 && cu[batch * cu_stride] == num_tokens,
-                      "cu_seqlens_q must start at 0 and end at num_tokens=", num_tokens);
+    // cu_seqlens_q must run non-decreasing from 0 to num_tokens, or which rows are whose is undefined: every row
+    // is NaN and nothing is read
+    for (int64_t i = 0; i <= batch; ++i) {
+      const int64_t start = cu[i * cu_stride];
+      if (start > num_tokens || (i == 0 && start != 0) || (i > 0 && start < cu[(i - 1) * cu_stride]) ||
+          (i == batch && start != num_tokens)) {
+        record(kErrCuSeqlensQ, i);
+        out.fill_(nan);
+        return;
+      }
+    }
   }
   // Blocks of query tokens of one sequence (all KV heads), with the keys they can see.
   std::vector<Tile> blocks;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t kv_len = lens[b * lens_stride];
     const int64_t q_begin = decode ? b : cu[b * cu_stride], q_end = decode ? b + 1 : cu[(b + 1) * cu_stride];
-    ATTNOPS_ARG_CHECK(op, kv_len >= 0 && kv_len <= max_pages * page_size, "seq_lens[", b, "]=", kv_len,
-                      " is negative or exceeds block_table's capacity");
-    ATTNOPS_ARG_CHECK(op, q_begin <= q_end && q_end <= num_tokens, "cu_seqlens_q must be non-decreasing");
+    if (q_begin == q_end) continue;  // no rows: nothing of the sequence is read
+    if (kv_len < 0 || kv_len > max_pages * page_size) {  // no defined keys: its rows are NaN
+      record(kErrSeqLens, b);
+      out.narrow(0, q_begin, q_end - q_begin).fill_(nan);
+      continue;
+    }
+    // Pages outside the cache are masked in the kernel (p.num_pages); recorded here if a row sees one of their
+    // keys: the rows see keys from the window start of the first query (its position, kv_len - q_len, may be
+    // negative: no key) to kv_len - 1.
+    const int64_t seen_from =
+        window_left >= 0 ? std::max<int64_t>(0, kv_len - (q_end - q_begin) - window_left) : 0;
     for (int64_t i = 0; i < (kv_len + page_size - 1) >> page_shift; ++i) {
       const int64_t page = p.block_table[b * p.bt_stride_seq + i * p.bt_stride_page];
-      ATTNOPS_ARG_CHECK(op, page >= 0 && page < num_pages, "block_table[", b, ", ", i, "]=", page,
-                        " is outside the cache's ", num_pages, " pages");
+      if ((page < 0 || page >= num_pages) && (i + 1) * page_size > seen_from) {
+        record(kErrBlockTable, b);
+        break;
+      }
     }
     for (int64_t t0 = q_begin; t0 < q_end; t0 += tokens_per_tile) {
       const int64_t t1 = std::min(t0 + tokens_per_tile, q_end);
@@ -297,9 +327,11 @@ void cpu_paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const a
                          const std::optional<at::Tensor>& cu_seqlens_q, double scale, double soft_cap,
                          int64_t window_left, const std::optional<at::Tensor>& k_scale,
                          const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& sinks,
-                         const std::optional<at::Tensor>& tree_mask, at::Tensor& out) {
+                         const std::optional<at::Tensor>& tree_mask, at::Tensor& out,
+                         const std::optional<at::Tensor>& errors) {
+  check_errors("paged_attention", errors);
   paged_attention_cpu(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left, k_scale,
-                      v_scale, sinks, tree_mask, out);
+                      v_scale, sinks, tree_mask, out, errors);
 }
 
 #ifdef ATTNOPS_STANDALONE
@@ -314,7 +346,7 @@ void paged_attention_out(const at::Tensor& q, const at::Tensor& k_cache, const a
   check_kv_format("paged_attention", kv_format, k_cache.scalar_type());
   const double resolved_scale = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
   paged_attention_cpu(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, resolved_scale, soft_cap, window_left,
-                      k_scale, v_scale, sinks, tree_mask, out);
+                      k_scale, v_scale, sinks, tree_mask, out, std::nullopt);
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -341,7 +373,7 @@ TORCH_LIBRARY_FRAGMENT(attnops, m) {
   m.def(
       "cpu_paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
       "Tensor? cu_seqlens_q, float scale, float soft_cap, int window_left, Tensor? k_scale, Tensor? v_scale, "
-      "Tensor? sinks, Tensor? tree_mask, Tensor(a!) out) -> ()");
+      "Tensor? sinks, Tensor? tree_mask, Tensor(a!) out, Tensor(b!)? errors=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(attnops, CPU, m) {

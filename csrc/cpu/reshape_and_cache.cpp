@@ -1,6 +1,8 @@
 // The CPU cache write: key/value [T, Hkv, D] go to slot slot_mapping[t] = page * page_size + offset of k_cache /
 // v_cache, converted to the cache's format on the way (fp8: divided by the per-tensor or per-head scale and
-// saturated at the format's max, as attnops/formats.py's quantize_fp8 does). Slot -1 (padding) is skipped.
+// saturated at the format's max, as attnops/formats.py's quantize_fp8 does). Slot -1 (padding) is skipped; a slot
+// below -1 or past the cache is a bad index: that token writes nothing (recorded in attnops.errors' buffer when
+// given), the others are written.
 //
 // Memory-bound and simple: tokens in parallel, one scalar conversion per element (c10's conversions round to
 // nearest even, exactly as Tensor.to() does, so the result is bit-identical to the reference backend's).
@@ -50,7 +52,7 @@ void write_cache(const at::Tensor& key, const at::Tensor& value, const at::Tenso
                  const int64_t* slots, int64_t slot_stride, const std::vector<float>& k_scale,
                  const std::vector<float>& v_scale) {
   const int64_t num_tokens = key.size(0), num_heads = key.size(1), head_dim = key.size(2);
-  const int64_t page_size = k_cache.size(1);
+  const int64_t page_size = k_cache.size(1), num_slots = k_cache.size(0) * page_size;
   const Src* key_data = key.const_data_ptr<Src>();
   const Src* value_data = value.const_data_ptr<Src>();
   Dst* k_data = static_cast<Dst*>(k_cache.data_ptr());
@@ -59,7 +61,7 @@ void write_cache(const at::Tensor& key, const at::Tensor& value, const at::Tenso
   at::parallel_for(0, num_tokens, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t slot = slots[t * slot_stride];
-      if (slot < 0) continue;  // padding
+      if (slot < 0 || slot >= num_slots) continue;  // padding, or a bad index (recorded by the caller)
       const int64_t page = slot / page_size, offset = slot % page_size;
       for (int64_t h = 0; h < num_heads; ++h) {
         const Src* ks = key_data + t * key.stride(0) + h * key.stride(1);
@@ -96,7 +98,8 @@ void write_cache_from(const at::Tensor& key, const at::Tensor& value, const at::
 
 void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& slot_mapping,
-                           const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+                           const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                           const std::optional<at::Tensor>& errors) {
   const char* op = "reshape_and_cache";
   check_caches(op, k_cache, v_cache);
   ATTNOPS_ARG_CHECK(op,
@@ -115,12 +118,19 @@ void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, const
   const bool fp8 = is_fp8(k_cache.scalar_type());
   const std::vector<float> k_scales = unpack_scale(op, "k_scale", k_scale, fp8, k_cache.size(2));
   const std::vector<float> v_scales = unpack_scale(op, "v_scale", v_scale, fp8, k_cache.size(2));
-  // slots are read from host memory: check them here, so that no write lands outside the cache
+  // slots are read from host memory: the first bad one is recorded here (write_cache skips them all)
   const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
   const int64_t slot_stride = slot_mapping.stride(0), num_slots = k_cache.size(0) * k_cache.size(1);
+  check_errors(op, errors);
   for (int64_t t = 0; t < key.size(0); ++t) {
-    ATTNOPS_ARG_CHECK(op, slots[t * slot_stride] < num_slots, "slot_mapping[", t, "]=", slots[t * slot_stride],
-                      " is outside the cache's ", num_slots, " slots");
+    const int64_t slot = slots[t * slot_stride];
+    if (slot < -1 || slot >= num_slots) {
+      if (errors.has_value()) {
+        int32_t* entry = errors->data_ptr<int32_t>() + kErrSlotMapping;
+        *entry = std::min<int32_t>(*entry, static_cast<int32_t>(t));
+      }
+      break;
+    }
   }
   switch (key.scalar_type()) {
     case at::kFloat:
@@ -136,8 +146,8 @@ namespace {
 // The internal op the Python CPU backend calls (attnops/backends/cpu.py) after attnops/checks.py validated it.
 void cpu_reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
                            const at::Tensor& slot_mapping, const std::optional<at::Tensor>& k_scale,
-                           const std::optional<at::Tensor>& v_scale) {
-  reshape_and_cache_cpu(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale);
+                           const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& errors) {
+  reshape_and_cache_cpu(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, errors);
 }
 
 #ifdef ATTNOPS_STANDALONE
@@ -149,7 +159,7 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   check_kv_format("reshape_and_cache", kv_format, k_cache.scalar_type());
   ATTNOPS_ARG_CHECK("reshape_and_cache", !k_block_scale.has_value() && !v_block_scale.has_value(),
                     "k_block_scale/v_block_scale are for 4-bit caches, which the C++ CPU kernels do not serve");
-  reshape_and_cache_cpu(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale);
+  reshape_and_cache_cpu(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, std::nullopt);
 }
 #endif  // ATTNOPS_STANDALONE
 
@@ -158,7 +168,7 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 TORCH_LIBRARY_FRAGMENT(attnops, m) {
   m.def(
       "cpu_reshape_and_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
-      "Tensor? k_scale, Tensor? v_scale) -> ()");
+      "Tensor? k_scale, Tensor? v_scale, Tensor(c!)? errors=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(attnops, CPU, m) {

@@ -1,13 +1,20 @@
 """reshape_and_cache in Triton: writes each new token's K and V into its cache slot, quantizing on the way, for
-every format. Bit-exact with attnops.formats (the definition of the formats):
+every format. Bit-exact with attnops.formats (the definition of the formats), NaN and Inf included:
 - divisions use IEEE round-to-nearest (tl.math.div_rn), as torch does (Triton's `/` on fp32 is approximate);
-- fp32 -> fp8/fp16 conversions round to nearest even, as torch's;
-- nvfp4 block scale = e4m3(min(amax / 6, 448)); mxfp4 block scale = clamp(floor(log2(amax)) - 2 + 127, 0, 254),
-  floor(log2(amax)) read exactly from amax's exponent bits (formats.py computes it with torch.log2 in fp32,
-  which agrees except when amax lies within a rounding error of a power of two with a large exponent);
-- e2m1 codes: round |x| / scale to the nearest of 0, 0.5, ..., 6 (saturating), ties to the even code, no -0.
+- fp32 -> fp8/fp16 conversions round to nearest even, as torch's; fp8 saturates finite values and Inf at the
+  format's max and keeps NaN a NaN (0x7F with its sign, torch's encoding) where a min/max clamp would drop it;
+- nvfp4 block scale = e4m3(min(amax / 6, 448)), NaN (0x7F) for a block holding a NaN, whose codes are then all 0
+  (the reference encodes only where the scale is > 0); mxfp4 block scale = clamp(floor(log2(amax)) - 2 + 127, 0,
+  254), floor(log2(amax)) read exactly from amax's exponent bits (formats.py computes it with torch.log2 in fp32,
+  which agrees except when amax lies within a rounding error of a power of two with a large exponent): 254 for a
+  block holding an Inf, 0 for one holding a NaN (torch's float -> uint8 of a NaN);
+- e2m1 codes: round |x| / scale to the nearest of 0, 0.5, ..., 6 (saturating; a NaN, as torch.bucketize places
+  it, takes 6), ties to the even code, no -0.
+amax is computed with explicit NaN tests: a reduction's max on the GPU drops NaN operands.
 
-One program per (token, KV head) writes both K and V. Slot -1 (padding) is skipped on the device: no host sync.
+One program per (token, KV head) writes both K and V. Slot -1 (padding) is skipped on the device: no host sync. A
+slot below -1 or past the cache is a bad index: the token writes nothing (neither K, V nor block scales) and the
+device error buffer (attnops.errors) records it; every other token is written.
 """
 from __future__ import annotations
 
@@ -15,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ... import formats
-from .common import FMT_CODE, FMT_FP8, FMT_MXFP4, FMT_NVFP4, e8m0_to_f32, to_fp8_bits
+from ... import errors, formats
+from .common import ERR_SLOT_MAPPING, FMT_CODE, FMT_FP8, FMT_MXFP4, FMT_NVFP4, e8m0_to_f32, to_fp8_bits
 
 
 @triton.jit
@@ -24,7 +31,7 @@ def _e2m1_encode(y):
     """|x| / scale (fp32, >= 0) -> e2m1 magnitude code 0..7 (int32): nearest value, ties to the even code,
     saturating at 6. Codes k and k+1 meet at the midpoint mid_k; a value equal to mid_k belongs to code k
     (bucketize's rule) unless k is odd, then to k+1."""
-    y = tl.minimum(y, 6.0)
+    y = tl.where(y != y, 6.0, tl.minimum(y, 6.0))  # NaN: code 7, where torch.bucketize puts it
     code = ((y > 0.25).to(tl.int32) + (y > 0.75).to(tl.int32) + (y > 1.25).to(tl.int32)
             + (y > 1.75).to(tl.int32) + (y > 2.5).to(tl.int32) + (y > 3.5).to(tl.int32) + (y > 5.0).to(tl.int32))
     tie = (y == 0.75) | (y == 1.75) | (y == 3.5)  # the midpoints whose lower code (1, 3, 5) is odd
@@ -45,17 +52,24 @@ def _write_row(src_ptr, cache_ptr, scale_ptr, bscale_ptr, cache_off, bscale_off,
         x_e = tl.load(src_ptr + elem).to(tl.float32)
         x_o = tl.load(src_ptr + elem + 1).to(tl.float32)
         amax = tl.maximum(tl.max(tl.abs(x_e), 1), tl.max(tl.abs(x_o), 1))  # [NB]
+        has_nan = tl.max(((x_e != x_e) | (x_o != x_o)).to(tl.int32), 1) > 0
         if FMT == FMT_NVFP4:
             sc = tl.minimum(tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32)), 448.0)
-            stored_scale = to_fp8_bits(sc, tl.float8e4nv, SOFT_FP8)
+            stored_scale = to_fp8_bits(tl.where(has_nan, float("nan"), sc), tl.float8e4nv, SOFT_FP8)
             scale = stored_scale.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         else:
             exponent_field = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # floor(log2(amax)) + 127
             s = tl.minimum(tl.maximum(exponent_field - 2, 0), 254)
+            s = tl.where(exponent_field == 255, 254, s)  # Inf: log2 is inf, clamped to 254
+            s = tl.where(has_nan, 0, s)
             scale = e8m0_to_f32(s)
             stored_scale = s.to(tl.uint8)
         tl.store(bscale_ptr + bscale_off + tl.arange(0, NB), stored_scale)
+        # encoded where the scale is > 0, as formats.py does: not under nvfp4's NaN scale (tested on has_nan, since
+        # the interpreter does not decode e4m3's NaN byte as NaN); mxfp4's scale is never NaN
         pos = scale[:, None] > 0.0
+        if FMT == FMT_NVFP4:
+            pos = pos & (has_nan[:, None] == 0)
         safe = tl.where(pos, scale[:, None], 1.0)
         c_e = tl.where(pos, _e2m1_encode(tl.math.div_rn(tl.abs(x_e), safe + tl.zeros_like(x_e))), 0)
         c_o = tl.where(pos, _e2m1_encode(tl.math.div_rn(tl.abs(x_o), safe + tl.zeros_like(x_o))), 0)
@@ -68,17 +82,17 @@ def _write_row(src_ptr, cache_ptr, scale_ptr, bscale_ptr, cache_off, bscale_off,
         x = tl.load(src_ptr + offs_d)
         if FMT == FMT_FP8:
             y = tl.math.div_rn(x.to(tl.float32), tl.load(scale_ptr) + tl.zeros([HEAD_DIM], tl.float32))
-            y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)  # saturate at the format's max
+            y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX))  # saturate; NaN stays NaN
             # stored through a uint8 view of the cache
             tl.store(cache_ptr + cache_off + offs_d, to_fp8_bits(y, FP8_DTYPE, SOFT_FP8))
         else:
             tl.store(cache_ptr + cache_off + offs_d, x.to(cache_ptr.dtype.element_ty))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots"])
 def reshape_and_cache_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr, kb_ptr, vb_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_cp, stride_ct, stride_ch,
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr, kb_ptr, vb_ptr, err_ptr,
+    num_slots, stride_kt, stride_kh, stride_vt, stride_vh, stride_cp, stride_ct, stride_ch,
     stride_kbp, stride_kbt, stride_kbh, stride_vbp, stride_vbt, stride_vbh, stride_ksh, stride_vsh,
     PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, FMT: tl.constexpr, SCALE_BLOCK: tl.constexpr,
     FP8_DTYPE: tl.constexpr, FP8_MAX: tl.constexpr, SOFT_FP8: tl.constexpr,
@@ -86,8 +100,11 @@ def reshape_and_cache_kernel(
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + t)
-    if slot < 0:
-        return  # padding token
+    if (slot < 0) | (slot >= num_slots):
+        # -1: padding; anything else outside the cache: a bad index, dropped whole (no K without its V)
+        if (slot != -1) & (h == 0):
+            tl.atomic_min(err_ptr + ERR_SLOT_MAPPING, t)
+        return
     page = slot // PAGE  # int64 slot: page x page stride stays in int64
     off = slot % PAGE
     cache_off = page * stride_cp + off * stride_ct + h * stride_ch
@@ -134,8 +151,8 @@ def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, *, kv_format, 
     kb = k_cache if k_block_scale is None else k_block_scale
     vb = v_cache if v_block_scale is None else v_block_scale
     reshape_and_cache_kernel[(num_tokens, num_kv_heads)](
-        key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, kb, vb,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, kb, vb, errors.buffer(key.device),
+        k_cache.shape[0] * page_size, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         *kb_strides, *vb_strides, ks_h, vs_h,
         PAGE=page_size, HEAD_DIM=head_dim, FMT=fmt, SCALE_BLOCK=scale_block, FP8_DTYPE=fp8_dtype,

@@ -6,19 +6,43 @@ attention kernel and by the merge kernel comes from the same code and cannot dri
 """
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
+from ... import errors
 from ...formats import FORMATS
 
 # Globals a kernel reads must be tl.constexpr: Triton 3.6 refuses plain Python globals in compiled kernels (its
 # interpreter accepts them, so only the GPU catches this).
 LOG2E = tl.constexpr(1.4426950408889634)
 
+# The interpreter (TRITON_INTERPRET=1, read by Triton at import as here): its fp8 decode has no NaN or Inf (e4m3's
+# 0x7F reads as 480, e5m2's exponent 31 as a number), where the GPU's conversion has them; fp8_decoded restores
+# them there, and is nothing on the GPU.
+INTERPRETER = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+
+# Entries of the device error buffer (attnops.errors) the kernels record bad indices in.
+ERR_BLOCK_TABLE, ERR_SEQ_LENS = tl.constexpr(errors.BLOCK_TABLE), tl.constexpr(errors.SEQ_LENS)
+ERR_CU_SEQLENS_Q, ERR_SLOT_MAPPING = tl.constexpr(errors.CU_SEQLENS_Q), tl.constexpr(errors.SLOT_MAPPING)
+
 # Format codes (constexpr in the kernels). Plain formats share one code: the load converts to the dot dtype.
 FMT_PLAIN, FMT_FP8, FMT_NVFP4, FMT_MXFP4 = (tl.constexpr(code) for code in range(4))
 # The code each format passes as the kernels' FMT argument (plain ints on the host): attnops.formats defines it.
 FMT_CODE = {name: f.kernel_code for name, f in FORMATS.items()}
+
+
+@triton.jit
+def fp8_decoded(bits, value, FP8_DTYPE: tl.constexpr):
+    """`value`, decoded from the fp8 byte in the low 8 bits of the integer lane `bits`: on the GPU as it is; under
+    the interpreter (INTERPRETER) with e4m3's NaN, and e5m2 read as fp16's top byte (exact for every byte)."""
+    if INTERPRETER:
+        if FP8_DTYPE == tl.float8e4nv:
+            value = tl.where((bits & 0x7F) == 0x7F, float("nan"), value)
+        else:
+            value = ((bits & 0xFF).to(tl.uint16) << 8).to(tl.float16, bitcast=True).to(value.dtype)
+    return value
 
 
 @triton.jit
@@ -32,16 +56,18 @@ def e8m0_to_f32(s):
 
 @triton.jit
 def kv_plan(seq_len, q_len, q_block, window_left, MAX_SPLITS, CHUNK,
-            BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TREE: tl.constexpr):
+            BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TREE: tl.constexpr,
+            ALIGN: tl.constexpr):
     """The KV positions the query block `q_block` of a sequence (KV length seq_len, q_len queries at its end)
     needs, and how they are cut into splits.
 
     Returns (first_pos, last_pos, kv_lo, kv_hi, n_splits, split_len):
     - first_pos/last_pos: positions of the block's first and last query;
     - [kv_lo, kv_hi): the keys any of them sees (with a tree mask, up to the sequence's end: a row may see block
-      keys after its own position); kv_lo rounded down to a BLOCK_N multiple so tiles stay aligned
-      to pages (a page of >= BLOCK_N tokens is never straddled); keys before the window are skipped here, not
-      masked after reading;
+      keys after its own position); kv_lo rounded down to an ALIGN multiple, ALIGN a BLOCK_N
+      multiple, or the page size where pages are smaller than a tile, so that tiles stay aligned to pages (a page
+      of >= BLOCK_N tokens is never straddled) and, with the page size, every page read holds a key some query
+      sees (the bounds checks rely on it); keys before the window are skipped here, not masked after reading;
     - n_splits (>= 1) programs share the range, each split_len keys (a BLOCK_N multiple). The number of splits
       is decided here, on the device, from the data: ceil(range / CHUNK) capped at MAX_SPLITS, so long
       sequences get more splits than short ones and every program does about CHUNK keys of work."""
@@ -54,7 +80,7 @@ def kv_plan(seq_len, q_len, q_block, window_left, MAX_SPLITS, CHUNK,
     kv_lo = 0
     if HAS_WINDOW:
         kv_lo = tl.maximum(first_pos - window_left, 0)
-    kv_lo = (kv_lo // BLOCK_N) * BLOCK_N
+    kv_lo = (kv_lo // ALIGN) * ALIGN
     kv_lo = tl.minimum(kv_lo, kv_hi)
     length = kv_hi - kv_lo
     n_splits = tl.minimum(tl.maximum(tl.cdiv(length, CHUNK), 1), MAX_SPLITS)
@@ -82,6 +108,95 @@ def find_sequence(cu_ptr, target, num_seqs, BLOCK_Q: tl.constexpr, BY_BLOCKS: tl
 
 
 @triton.jit
+def cu_seqlens_violation(cu_ptr, num_seqs, num_tokens, BLOCK: tl.constexpr):
+    """The first entry i of cu_seqlens_q ([num_seqs + 1]) at which it stops running non-decreasing from 0 to
+    num_tokens (cu[0] != 0, cu[i] < cu[i-1], cu[i] > num_tokens, or cu[num_seqs] != num_tokens), or num_seqs + 1
+    if it does not. Every program of a multi-token launch asks: num_seqs + 1 loads, once, before its loop."""
+    first = tl.full([], 0, tl.int32) + num_seqs + 1  # a tensor: loop-carried
+    for i0 in range(0, num_seqs + 1, BLOCK):
+        i = i0 + tl.arange(0, BLOCK)
+        valid = i <= num_seqs
+        cur = tl.load(cu_ptr + i, mask=valid, other=0)
+        prev = tl.load(cu_ptr + i - 1, mask=valid & (i > 0), other=0)
+        bad = (cur < prev) | (cur > num_tokens) | ((i == 0) & (cur != 0)) | ((i == num_seqs) & (cur != num_tokens))
+        first = tl.minimum(first, tl.min(tl.where(valid & bad, i, num_seqs + 1), 0))
+    return first
+
+
+def _bad_page_vote_asm(per_lane: int) -> str:
+    """PTX: lane l of each warp reads page indices first + l + 32 i (i < per_lane) below `last` from the table row,
+    and the warp votes whether any lies outside [0, num_pages): the same answer in every warp, with no shared
+    memory and no barrier. $1: the row's address, $2: first, $3: last, $4: num_pages."""
+    loads = "".join(f"""
+        add.s32 %i, %i0, {32 * k};
+        setp.lt.s32 %in, %i, $3;
+        mul.wide.s32 %off, %i, 4;
+        add.s64 %a, $1, %off;
+        @%in ld.global.nc.u32 %pg, [%a];
+        setp.ge.and.u32 %b, %pg, $4, %in;
+        or.pred %any, %any, %b;""" for k in range(per_lane))
+    return """{
+        .reg .pred %in, %b, %any, %all;
+        .reg .u32 %lane, %pg;
+        .reg .s32 %i0, %i;
+        .reg .s64 %off, %a;
+        mov.u32 %lane, %laneid;
+        add.s32 %i0, $2, %lane;
+        setp.ne.u32 %any, 0, 0;""" + loads + """
+        vote.sync.any.pred %all, %any, 0xffffffff;
+        selp.s32 $0, 1, 0, %all;
+        }"""
+
+
+BAD_PAGE_VOTE = tl.constexpr(_bad_page_vote_asm(4))
+
+
+@triton.jit
+def check_pages(bt_row, lo, hi, num_pages, PAGE: tl.constexpr, ASM: tl.constexpr):
+    """Whether a page index of the keys [lo, hi) (block table row bt_row, contiguous) lies outside [0, num_pages):
+    int32 0 or 1, the same in every thread. One pass over the pages before a loop reads them, so that the loop
+    needs no check of its own. ASM (GPU): each warp reads all of them and votes (BAD_PAGE_VOTE): no shared memory
+    and no barrier, which a reduction across warps would take, and which cost the decode loop registers (sm_90,
+    Triton 3.6: 168 -> 180-190 a thread, one program an SM fewer). Otherwise a vector load and its max."""
+    first = lo // PAGE
+    last = tl.where(hi > lo, (hi + PAGE - 1) // PAGE, first)  # pages [first, last)
+    bad = tl.full([], 0, tl.int32)  # a tensor, not a Python int: loop-carried and returned
+    if ASM:
+        row = bt_row.to(tl.int64, bitcast=True)
+        for p0 in tl.range(first, last, 128, num_stages=1):
+            bad = bad | tl.inline_asm_elementwise(BAD_PAGE_VOTE, "=r,l,r,r,r", [row, p0, last, num_pages],
+                                                  tl.int32, True, 1)
+    else:
+        for p0 in tl.range(first, last, 128, num_stages=1):
+            p = p0 + tl.arange(0, 128)
+            page = tl.load(bt_row + p, mask=p < last, other=0)
+            # (a negative index is a huge unsigned one)
+            bad = bad | tl.max((page.to(tl.uint32, bitcast=True) >= num_pages.to(tl.uint32)).to(tl.int32), 0)
+    return bad
+
+
+@triton.jit
+def bad_page_rows(bt_row, lo, hi, num_pages, q_pos, q_hi, window_left, PAGE: tl.constexpr,
+                  HAS_WINDOW: tl.constexpr):
+    """For a split [lo, hi) known to hold a bad page: which rows (query positions q_pos, seeing keys up to q_hi)
+    see a key of one, and a good page of the split to read in place of the bad ones (-1: none). A scalar walk over
+    the pages: taken only then."""
+    row_bad = q_pos != q_pos  # all false (and a tensor, loop-carried)
+    good = tl.full([], -1, tl.int32)
+    for p in tl.range(lo // PAGE, (hi + PAGE - 1) // PAGE, num_stages=1):
+        page = tl.load(bt_row + p)
+        if page.to(tl.uint32, bitcast=True) < num_pages.to(tl.uint32):
+            good = page
+        else:
+            # the page's keys [p * PAGE, (p + 1) * PAGE); a row sees [q_pos - window_left, q_hi]
+            sees = q_hi >= p * PAGE
+            if HAS_WINDOW:
+                sees = sees & (q_pos - window_left < (p + 1) * PAGE)
+            row_bad = row_bad | sees
+    return row_bad, good
+
+
+@triton.jit
 def f32_to_fp8_bits(x, MANT: tl.constexpr, BIAS: tl.constexpr):
     """fp32 (finite, already saturated to the format's max) -> fp8 bits (uint8), rounding to nearest even, in
     integer arithmetic. MANT/BIAS: 3/7 for e4m3fn, 2/15 for e5m2.
@@ -106,13 +221,18 @@ def f32_to_fp8_bits(x, MANT: tl.constexpr, BIAS: tl.constexpr):
 
 @triton.jit
 def to_fp8_bits(x, FP8_DTYPE: tl.constexpr, SOFT_FP8: tl.constexpr):
-    """fp32 -> fp8 bits (uint8), round to nearest even: the hardware conversion, or integer code under the
-    interpreter (see f32_to_fp8_bits)."""
+    """fp32 (finite values saturated to the format's max, or NaN) -> fp8 bits (uint8), round to nearest even: the
+    hardware conversion, or integer code under the interpreter (see f32_to_fp8_bits). A NaN is stored as torch
+    stores it in both formats, 0x7F with x's sign bit (the hardware's own NaN need not carry the sign)."""
     if SOFT_FP8:
         if FP8_DTYPE == tl.float8e4nv:
-            return f32_to_fp8_bits(x, 3, 7)
-        return f32_to_fp8_bits(x, 2, 15)
-    return x.to(FP8_DTYPE).to(tl.uint8, bitcast=True)
+            bits = f32_to_fp8_bits(x, 3, 7)
+        else:
+            bits = f32_to_fp8_bits(x, 2, 15)
+    else:
+        bits = x.to(FP8_DTYPE).to(tl.uint8, bitcast=True)
+    nan_bits = (((x.to(tl.int32, bitcast=True) >> 24) & 0x80) | 0x7F).to(tl.uint8)
+    return tl.where(x != x, nan_bits, bits)
 
 
 def _e2m1x4_asm(high: bool, mantissa_shift: int) -> str:

@@ -42,6 +42,11 @@ PTR = {name: "*u8" if f.storage_dtype.itemsize == 1 else "*" + name for name, f 
 TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # q dtypes by name
 
 
+# do_not_specialize in the kernels (int32, no divisibility assumed)
+NOT_DIVISIBLE = ("num_seqs", "window_left", "MAX_SPLITS", "CHUNK", "num_tokens", "num_pages", "capacity", "num_slots",
+                 "batch", "width", "stride_tm", "tm_cols")
+
+
 def signature(fn, types: dict, constexprs: dict) -> dict:
     sig = {}
     for name in fn.arg_names:
@@ -49,7 +54,7 @@ def signature(fn, types: dict, constexprs: dict) -> dict:
             sig[name] = "constexpr"
         elif name in types:
             sig[name] = types[name]
-        elif name.startswith("stride") or name in ("num_seqs", "window_left", "MAX_SPLITS", "CHUNK", "tm_cols"):
+        elif name.startswith("stride") or name in NOT_DIVISIBLE:
             sig[name] = "i32"
         elif name in ("sm_scale", "soft_cap"):
             sig[name] = "fp32"
@@ -58,8 +63,6 @@ def signature(fn, types: dict, constexprs: dict) -> dict:
     return sig
 
 
-# do_not_specialize in the kernels
-NOT_DIVISIBLE = ("num_seqs", "window_left", "MAX_SPLITS", "CHUNK", "stride_tm", "tm_cols")
 
 
 def compile_one(fn, types, constexprs, target, num_warps, num_stages, maxnreg=None):
@@ -119,6 +122,11 @@ def attention_variants(quick: bool, arch: int = 90):
         yield dict(fmt="bf16", q_dtype="bf16", decode=decode, head_dim=128, group=4, page=16,
                    block_q=1 if decode else 4, block_n=64, warps=4, window=not decode, soft_cap=False,
                    scale_bcast=False, heads_inner=decode)
+    # the bounds switched off (BOUNDS=0: what benchmarks/triton_tuning.py --compare measures them against)
+    for decode in (True, False):
+        yield dict(fmt="bf16", q_dtype="bf16", decode=decode, head_dim=128, group=4, page=16,
+                   block_q=1 if decode else 16, block_n=128 if decode else 64, warps=4 if decode else 8,
+                   window=False, soft_cap=False, scale_bcast=False, bounds=False)
     # fp32 q (ieee dots), MQA with 16 heads a group
     yield dict(fmt="fp32", q_dtype="fp32", decode=True, head_dim=64, group=16, page=1, block_q=1, block_n=64,
                warps=4, window=True, soft_cap=False, scale_bcast=False)
@@ -130,7 +138,7 @@ def attention_types(fmt: str, q_dtype: str) -> dict:
     qp = "*" + q_dtype
     return dict(q_ptr=qp, k_ptr=PTR[fmt], v_ptr=PTR[fmt], ks_ptr=scale_ptr, vs_ptr=scale_ptr, bt_ptr="*i32",
                 seq_lens_ptr="*i32", cu_ptr="*i32", out_ptr=qp, part_out_ptr="*fp32", part_lse_ptr="*fp32",
-                sinks_ptr="*fp32", tm_ptr="*u8")
+                sinks_ptr="*fp32", tm_ptr="*u8", err_ptr="*i32")
 
 
 # The shapes whose heuristic choices --heuristic compiles: (name, decode, batch, tokens per sequence, capacity)
@@ -196,7 +204,8 @@ def compile_attention(v, target):
                       SCALE_BCAST=v["scale_bcast"], FP4_ASM=v.get("fp4_asm", False),
                       V_DEQUANT_FIRST=v.get("v_dequant_first", False), PDL=v.get("pdl", False),
                       SOFT_FP8=False, HEADS_INNER=v.get("heads_inner", False),
-                      FP8_V_PAIRS=v.get("fp8_v_pairs", False), FP8_K_PAIRS=v.get("fp8_k_pairs", False))
+                      FP8_V_PAIRS=v.get("fp8_v_pairs", False), FP8_K_PAIRS=v.get("fp8_k_pairs", False),
+                      BOUNDS=v.get("bounds", True))
     stages = 2 if v["head_dim"] >= 256 else 3
     compiled = compile_one(paged_attention_kernel, types, constexprs, target, v["warps"], stages)
     merge = compile_one(merge_splits_kernel, dict(out_ptr=qp, part_out_ptr="*fp32", part_lse_ptr="*fp32",
@@ -204,7 +213,7 @@ def compile_attention(v, target):
                         dict(NUM_Q_HEADS=32, HEAD_DIM=v["head_dim"], BLOCK_Q=v["block_q"], BLOCK_N=v["block_n"],
                              SPLITS_P2=64, IS_DECODE=v["decode"], HAS_WINDOW=v["window"],
                              HAS_TREE=v.get("tree", False), HAS_SINKS=v.get("sinks", False),
-                             PDL=v.get("pdl", False)),
+                             PDL=v.get("pdl", False), BOUNDS=v.get("bounds", True), ALIGN=v["block_n"]),
                         target, 4, 2)
     return compiled, merge
 
@@ -214,11 +223,20 @@ def compile_cache_write(fmt, src, head_dim, target):
     cache_ptr = PTR[fmt]
     sp = "*" + src
     types = dict(key_ptr=sp, value_ptr=sp, k_cache_ptr=cache_ptr, v_cache_ptr=cache_ptr, slot_ptr="*i64",
-                 k_scale_ptr=scale_ptr, v_scale_ptr=scale_ptr, kb_ptr="*u8", vb_ptr="*u8")
+                 k_scale_ptr=scale_ptr, v_scale_ptr=scale_ptr, kb_ptr="*u8", vb_ptr="*u8", err_ptr="*i32")
     constexprs = dict(PAGE=16, HEAD_DIM=head_dim, FMT=FMT_CODE[fmt], SCALE_BLOCK=FORMATS[fmt].block or 16,
                       FP8_DTYPE=tl.float8e5 if fmt == "fp8_e5m2" else tl.float8e4nv,
                       FP8_MAX=57344.0 if fmt == "fp8_e5m2" else 448.0, SOFT_FP8=False)
     return compile_one(reshape_and_cache_kernel, types, constexprs, target, 2, 1)
+
+
+def compile_page_layout(window: bool, target):
+    """FlashInfer's decode page layout kernel (page_layout.py)."""
+    from .page_layout import decode_page_layout_kernel
+    types = dict(table_ptr="*i32", lens_ptr="*i32", indptr_ptr="*i32", indices_ptr="*i32", last_ptr="*i32",
+                 fix_ptr="*i1", value_ptr="*bf16", err_ptr="*i32")
+    return compile_one(decode_page_layout_kernel, types, dict(PAGE=16, BLOCK_B=64, BLOCK_W=128, HAS_WINDOW=window),
+                       target, 4, 1)
 
 
 def _cuobjdump() -> str:
@@ -364,6 +382,13 @@ def main():
             failures += 1
             print(f"FAIL reshape_and_cache {fmt} from {src}, head_dim {head_dim}: {type(e).__name__}: "
                   f"{str(e)[:2000]}", flush=True)
+    for window in (False, True):
+        try:
+            compile_page_layout(window, target)
+            print(f"ok   decode page layout, window {window}", flush=True)
+        except Exception as e:
+            failures += 1
+            print(f"FAIL decode page layout, window {window}: {type(e).__name__}: {str(e)[:2000]}", flush=True)
     print(f"{failures} failures, {time.time() - t0:.0f} s")
     sys.exit(1 if failures else 0)
 

@@ -26,9 +26,10 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .common import (FMT_FP8, FMT_MXFP4, FMT_NVFP4, FP8_PAIR_E4M3_EVEN, FP8_PAIR_E4M3_ODD,
-                     FP8_PAIR_E5M2_EVEN, FP8_PAIR_E5M2_ODD, LOG2E, e2m1_nibbles, e8m0_to_f32, find_sequence, kv_plan,
-                     opaque_one)
+from .common import (ERR_BLOCK_TABLE, ERR_CU_SEQLENS_Q, ERR_SEQ_LENS, FMT_FP8, FMT_MXFP4, FMT_NVFP4,
+                     FP8_PAIR_E4M3_EVEN, FP8_PAIR_E4M3_ODD, FP8_PAIR_E5M2_EVEN, FP8_PAIR_E5M2_ODD, LOG2E,
+                     bad_page_rows, check_pages, cu_seqlens_violation, e2m1_nibbles, e8m0_to_f32, fp8_decoded,
+                     find_sequence, kv_plan, opaque_one)
 
 # torch dtypes of tl.dot operands as Triton's
 TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -113,9 +114,9 @@ def _fp4_scale(sc, FMT: tl.constexpr, DOT_DTYPE: tl.constexpr):
     bf16; otherwise the scale in fp32 (x 2^14 where fp4_fold is 1, to undo the fp16 nibble's 2^-14)."""
     # (one return at the end: Triton 3.6 refuses returns of different dtypes in constexpr branches)
     if FMT == FMT_NVFP4 and DOT_DTYPE == tl.float16:
-        scale = sc.to(tl.float8e4nv, bitcast=True).to(tl.float16) * 128.0
+        scale = fp8_decoded(sc, sc.to(tl.float8e4nv, bitcast=True).to(tl.float16), tl.float8e4nv) * 128.0
     elif FMT == FMT_NVFP4:
-        scale = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 16384.0
+        scale = fp8_decoded(sc, sc.to(tl.float8e4nv, bitcast=True).to(tl.float32), tl.float8e4nv) * 16384.0
     elif DOT_DTYPE == tl.float16:
         # capped at 2^127 (s > 240): fp16 cannot hold those blocks' nonzero values (inf either way), and a zero
         # value must stay 0, not 0 x inf
@@ -169,6 +170,8 @@ def _load_fp8_pairs(c_ptr, tok_off, offs_h, kvalid, TRANSPOSED: tl.constexpr, FP
     else:
         even = (words & 0xFF).to(tl.uint8).to(FP8_DTYPE, bitcast=True).to(tl.float16)
         odd = (words >> 8).to(tl.uint8).to(FP8_DTYPE, bitcast=True).to(tl.float16)
+        even = fp8_decoded(words, even, FP8_DTYPE)
+        odd = fp8_decoded(words >> 8, odd, FP8_DTYPE)
     return even, odd
 
 
@@ -176,15 +179,34 @@ def _load_fp8_pairs(c_ptr, tok_off, offs_h, kvalid, TRANSPOSED: tl.constexpr, FP
 def _fp8_to_dot(x, FP8_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """fp8 bytes (loaded as uint8, so that masked lanes are a plain 0, never a NaN pattern) -> DOT_DTYPE (on
     sm_89+ Triton lowers e4m3 -> fp16 to the packed cvt.rn.f16x2.e4m3x2 itself)."""
-    return x.to(FP8_DTYPE, bitcast=True).to(DOT_DTYPE)
+    return fp8_decoded(x, x.to(FP8_DTYPE, bitcast=True).to(DOT_DTYPE), FP8_DTYPE)
 
 
-# Runtime values that change from call to call (batch size, window, split plan) must not be specialized on
-# (Triton compiles a variant for an int argument equal to 1): a batch of 1 or MAX_SPLITS=1 reuses the same binary.
-@triton.jit(do_not_specialize=["num_seqs", "window_left", "MAX_SPLITS", "CHUNK", "stride_tm", "tm_cols"])
+@triton.jit
+def _nan_rows(out_ptr, part_out_ptr, part_lse_ptr, tok, row_head, row_valid, split, MAX_SPLITS, stride_ot, stride_oh,
+              NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """NaN into the rows (tok, row_head) of `out` (split 0) and into this split's partial rows, which the merge
+    kernel may read for them."""
+    cols = tl.arange(0, HEAD_DIM)
+    nan = tl.full([tok.shape[0], HEAD_DIM], float("nan"), tl.float32)
+    if split == 0:
+        o_ptr = out_ptr + tok[:, None] * stride_ot + row_head.to(tl.int64)[:, None] * stride_oh + cols[None, :]
+        tl.store(o_ptr, nan.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+    if MAX_SPLITS > 1:
+        part_row = (tok * NUM_Q_HEADS + row_head) * MAX_SPLITS + split
+        tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + cols[None, :], nan, mask=row_valid[:, None])
+        tl.store(part_lse_ptr + part_row, tl.full([tok.shape[0]], float("nan"), tl.float32), mask=row_valid)
+
+
+# Runtime values that change from call to call (batch size, window, split plan, the sizes the bounds checks compare
+# with) must not be specialized on (Triton compiles a variant for an int argument equal to 1): a batch of 1 or
+# MAX_SPLITS=1 reuses the same binary.
+@triton.jit(do_not_specialize=["num_seqs", "window_left", "MAX_SPLITS", "CHUNK", "num_tokens", "num_pages",
+                               "capacity", "stride_tm", "tm_cols"])
 def paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_lens_ptr, cu_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    sinks_ptr, tm_ptr, num_seqs, sm_scale, soft_cap, window_left, MAX_SPLITS, CHUNK,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_lens_ptr, cu_ptr, out_ptr, part_out_ptr, part_lse_ptr, err_ptr,
+    sinks_ptr, tm_ptr, num_seqs, sm_scale, soft_cap, window_left, MAX_SPLITS, CHUNK, num_tokens, num_pages,
+    capacity,
     stride_qt, stride_qh, stride_kp, stride_kt, stride_kh,
     stride_ksp, stride_kst, stride_ksh, stride_vsp, stride_vst, stride_vsh,
     stride_bt, stride_ot, stride_oh, stride_tm, tm_cols,
@@ -195,7 +217,7 @@ def paged_attention_kernel(
     DOT_PRECISION: tl.constexpr, FP8_DTYPE: tl.constexpr, SCALE_BCAST: tl.constexpr,
     FP4_ASM: tl.constexpr, SOFT_FP8: tl.constexpr,
     V_DEQUANT_FIRST: tl.constexpr, HEADS_INNER: tl.constexpr, PDL: tl.constexpr, FP8_V_PAIRS: tl.constexpr,
-    FP8_K_PAIRS: tl.constexpr,
+    FP8_K_PAIRS: tl.constexpr, BOUNDS: tl.constexpr,
 ):
     if PDL:  # the merge kernel may start now: its programs wait (griddepcontrol.wait) before reading partials
         gdc_launch_dependents()
@@ -224,6 +246,20 @@ def paged_attention_kernel(
         q_len = 1
         q_block = 0
     else:
+        if BOUNDS:
+            # cu_seqlens_q must run non-decreasing from 0 to num_tokens, or which rows are whose is undefined (and
+            # the search below could give two programs the same rows): then every row is NaN, this program's
+            # BLOCK_Q rows by position, and nothing else is read
+            bad_entry = cu_seqlens_violation(cu_ptr, num_seqs, num_tokens, 128)
+            if bad_entry <= num_seqs:
+                offs_m = tl.arange(0, BLOCK_M)
+                tok = (pid_q * BLOCK_Q + offs_m // GROUP).to(tl.int64)
+                _nan_rows(out_ptr, part_out_ptr, part_lse_ptr, tok, kvh * GROUP + offs_m % GROUP,
+                          (offs_m < BLOCK_Q * GROUP) & (tok < num_tokens), split, MAX_SPLITS, stride_ot, stride_oh,
+                          NUM_Q_HEADS, HEAD_DIM)
+                if (pid_q == 0) & (kvh == 0) & (split == 0):
+                    tl.atomic_min(err_ptr + ERR_CU_SEQLENS_Q, bad_entry)
+                return
         # the grid has T // BLOCK_Q + B programs along axis 0 (an upper bound of the blocks needed): find ours
         b = find_sequence(cu_ptr, pid_q, num_seqs, BLOCK_Q, True)
         q_start = tl.load(cu_ptr + b)
@@ -232,12 +268,31 @@ def paged_attention_kernel(
     if q_block * BLOCK_Q >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + b)
+    if BOUNDS:
+        # a length outside [0, the table's capacity] has no defined keys: the sequence reads none and its rows are
+        # NaN (the merge kernel clamps it the same way, so both see one split)
+        seq_bad = (seq_len < 0) | (seq_len > capacity)
+        seq_len = tl.where(seq_bad, 0, seq_len)
+        # tiles start at the page of the first query's window start (not the tile before it): every page read holds
+        # a key some query sees, so a bad one among them is a bad index of the call
+        ALIGN: tl.constexpr = BLOCK_N if not HAS_WINDOW else min(PAGE, BLOCK_N)
+    else:
+        ALIGN: tl.constexpr = BLOCK_N
     first_pos, last_pos, kv_lo, kv_hi, n_splits, split_len = kv_plan(
-        seq_len, q_len, q_block, window_left, MAX_SPLITS, CHUNK, BLOCK_Q, BLOCK_N, HAS_WINDOW, HAS_TREE)
+        seq_len, q_len, q_block, window_left, MAX_SPLITS, CHUNK, BLOCK_Q, BLOCK_N, HAS_WINDOW, HAS_TREE, ALIGN)
     if split >= n_splits:
         return
     split_lo = kv_lo + split * split_len
     split_hi = tl.minimum(split_lo + split_len, kv_hi)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    if BOUNDS:
+        if seq_bad & (split == 0) & (kvh == 0) & (q_block == 0):
+            tl.atomic_min(err_ptr + ERR_SEQ_LENS, b)
+        # The pages this program reads, checked once before its loop (SOFT_FP8: the interpreter, which cannot run
+        # the PTX vote). Every one holds a key some row sees (kv_plan's ALIGN), so a bad one is recorded.
+        split_bad = check_pages(bt_row, split_lo, split_hi, num_pages, PAGE, not SOFT_FP8)
+        if split_bad > 0:
+            tl.atomic_min(err_ptr + ERR_BLOCK_TABLE, b)
 
     # --- rows: (query token, head of the group) --------------------------------------------------------------
     offs_m = tl.arange(0, BLOCK_M)
@@ -247,6 +302,23 @@ def paged_attention_kernel(
     tok = (q_start + q_block * BLOCK_Q + row_tok).to(tl.int64)
     q_pos = first_pos + row_tok
     q_row_off = tok * stride_qt + row_head.to(tl.int64) * stride_qh
+    if BOUNDS:
+        # With one query token a block (decode) every row sees every page read: a bad one makes them all NaN, and
+        # nothing is read (the loop is empty). With more, a row is NaN if it sees a key of a bad page (row_bad); the
+        # loop reads a good page of the split in place of the bad ones (`fallback`; with none, nothing is read).
+        if BLOCK_Q == 1:
+            row_bad = split_bad > 0
+            no_read = row_bad
+        else:
+            row_bad = offs_m < 0  # (all false)
+            fallback = tl.full([], 0, tl.int32)
+            if split_bad > 0:
+                # the last key each row may see: its own position, or with a tree mask the sequence's end
+                q_hi = q_pos if not HAS_TREE else q_pos * 0 + seq_len - 1
+                row_bad, fallback = bad_page_rows(bt_row, split_lo, split_hi, num_pages, q_pos, q_hi, window_left,
+                                                  PAGE, HAS_WINDOW)
+            no_read = fallback < 0
+        split_hi = tl.where(no_read, split_lo, split_hi)
 
     # per-tensor (stride 0) or per-head fp8 scales, folded: k into the score scale, v into the output
     qk_scale = sm_scale
@@ -293,7 +365,6 @@ def paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
 
     offs_n = tl.arange(0, BLOCK_N)
-    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     head_off = kvh.to(tl.int64) * stride_kh
     # keys every valid row sees without masking: causal bound of the first query (with a tree mask, the start of
     # the sequence's query block: the mask decides each block key), window bound of the last
@@ -309,10 +380,15 @@ def paged_attention_kernel(
         kvalid = kpos < split_hi
         # page of each key; a page of >= BLOCK_N tokens holds the whole (aligned) tile: one scalar load
         if PAGE >= BLOCK_N:
-            page = tl.load(bt_row + start // PAGE).to(tl.int64)
-            page_v = page + tl.zeros([BLOCK_N], dtype=tl.int64)
+            page = tl.load(bt_row + start // PAGE)
+            if BOUNDS and BLOCK_Q > 1:  # a bad page is read as `fallback`: the rows that see its keys are NaN
+                page = tl.where(page.to(tl.uint32, bitcast=True) < num_pages.to(tl.uint32), page, fallback)
+            page_v = page.to(tl.int64) + tl.zeros([BLOCK_N], dtype=tl.int64)
         else:
-            page_v = tl.load(bt_row + kpos // PAGE, mask=kvalid, other=0).to(tl.int64)
+            page_v = tl.load(bt_row + kpos // PAGE, mask=kvalid, other=0)
+            if BOUNDS and BLOCK_Q > 1:  # (as above)
+                page_v = tl.where(page_v.to(tl.uint32, bitcast=True) < num_pages.to(tl.uint32), page_v, fallback)
+            page_v = page_v.to(tl.int64)
         in_page = (kpos % PAGE).to(tl.int64)
         # int64: page index x page stride passes 2^31 elements on large caches
         tok_off = page_v * stride_kp + in_page * stride_kt + head_off
@@ -394,6 +470,11 @@ def paged_attention_kernel(
     # --- epilogue: normalized output, directly or as a split partial ---------------------------------------
     has_keys = l_i > 0.0
     inv_l = tl.where(has_keys, v_mul / tl.where(has_keys, l_i, 1.0), 0.0)  # no key seen: the row is 0
+    if BOUNDS:
+        # NaN: every row of a bad length or that sees a bad page's key, and every row whose sum is NaN (it read a
+        # NaN; has_keys is false there, and 0 x a NaN accumulator would depend on the hardware)
+        poison = (l_i != l_i) | seq_bad | row_bad
+        inv_l = tl.where(poison, float("nan"), inv_l)
     if PAIRED_V:
         col = 2 * tl.arange(0, HALF)
     else:
@@ -416,22 +497,28 @@ def paged_attention_kernel(
         if PAIRED_V:
             tl.store(p_ptr + 1, acc_o * inv_l[:, None], mask=row_valid[:, None])
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        if BOUNDS:  # NaN weighs every split of the row NaN in the merge, whatever the other splits' LSEs
+            lse = tl.where(poison, float("nan"), lse)
         tl.store(part_lse_ptr + part_row, lse, mask=row_valid)
 
 
-@triton.jit(do_not_specialize=["num_seqs", "window_left", "MAX_SPLITS", "CHUNK"])
+@triton.jit(do_not_specialize=["num_seqs", "window_left", "MAX_SPLITS", "CHUNK", "capacity"])
 def merge_splits_kernel(
     out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, cu_ptr, sinks_ptr, num_seqs, window_left, MAX_SPLITS, CHUNK,
-    stride_ot, stride_oh,
+    capacity, stride_ot, stride_oh,
     NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLITS_P2: tl.constexpr, IS_DECODE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TREE: tl.constexpr,
-    HAS_SINKS: tl.constexpr, PDL: tl.constexpr,
+    HAS_SINKS: tl.constexpr, PDL: tl.constexpr, BOUNDS: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """One program per (query token, query head): combines the token's split partials by their LSE. It
     recomputes the split plan of the attention kernel (same kv_plan) and leaves single-split rows alone (the
     attention kernel wrote them directly). PDL (launched as a programmatic dependent of the attention kernel):
     the split plan, from inputs the attention kernel does not write, is worked out while that kernel finishes, and
-    the partials are read after griddepcontrol.wait."""
+    the partials are read after griddepcontrol.wait.
+
+    Whatever the metadata holds, it reads and writes only its own row and that row's MAX_SPLITS partials (the
+    search returns a sequence in [0, num_seqs), kv_plan at most MAX_SPLITS splits): with a bad cu_seqlens_q the
+    attention kernel has made all of those NaN."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     if IS_DECODE:
@@ -443,9 +530,11 @@ def merge_splits_kernel(
         q_start = tl.load(cu_ptr + b)
         q_len = tl.load(cu_ptr + b + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + b)
+    if BOUNDS:  # as the attention kernel does: a bad length is one split (written there, NaN)
+        seq_len = tl.where((seq_len < 0) | (seq_len > capacity), 0, seq_len)
     q_block = (t - q_start) // BLOCK_Q
     _, _, _, _, n_splits, _ = kv_plan(seq_len, q_len, q_block, window_left, MAX_SPLITS, CHUNK, BLOCK_Q, BLOCK_N,
-                                      HAS_WINDOW, HAS_TREE)
+                                      HAS_WINDOW, HAS_TREE, ALIGN)
     if PDL:  # every program waits, so that this grid completes after the attention kernel does
         gdc_wait()
     if n_splits <= 1:

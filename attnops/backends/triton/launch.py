@@ -9,7 +9,7 @@ import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
-from ... import formats
+from ... import errors, formats
 from . import interpreting
 from .heuristics import _capability, heuristic_config, kernel_constexprs, smaller_tile
 from .kernel import merge_splits_kernel, paged_attention_kernel
@@ -24,7 +24,11 @@ def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, s
     batch = seq_lens.shape[0]
     group = num_q_heads // num_kv_heads
     capacity = block_table.shape[1] * page_size
-    if num_tokens == 0 or batch == 0:
+    if num_tokens == 0:
+        return
+    if batch == 0:  # rows but no sequence: cu_seqlens_q ([0 + 1]) cannot run from 0 to num_tokens
+        out.fill_(float("nan"))
+        errors.record(q.device, errors.CU_SEQLENS_Q, 0)
         return
     chosen = heuristic_config(q.device, decode, batch, num_tokens, num_q_heads, num_kv_heads, head_dim, page_size,
                               capacity, kv_format, q.dtype)
@@ -88,14 +92,17 @@ def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, s
         part_out, part_lse = workspace[: rows * head_dim], workspace[rows * head_dim:]
     else:
         part_out = part_lse = out  # unused: every program writes `out` directly
+    error_buffer = errors.buffer(q.device)
+    num_pages = k_cache.shape[0]
     heads_inner = constexprs["HEADS_INNER"]
     grid = (num_q_blocks * num_kv_heads, 1, max_splits) if heads_inner else (num_q_blocks, num_kv_heads, max_splits)
     first_tile, error = (cfg["BLOCK_N"], cfg["num_stages"]), None
     while True:
         try:
             paged_attention_kernel[grid](
-                q, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens, cu, out, part_out, part_lse,
+                q, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens, cu, out, part_out, part_lse, error_buffer,
                 sinks_arg, tm_arg, batch, float(scale), float(soft_cap), int(window_left), max_splits, chunk,
+                num_tokens, num_pages, capacity,
                 q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                 *ks_strides, *vs_strides,
                 block_table.stride(0), out.stride(0), out.stride(1), tm_stride, tm_cols, **constexprs, **options)
@@ -116,10 +123,13 @@ def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, s
                       f"{cfg['num_stages']} stages", RuntimeWarning)
     if max_splits > 1:
         merge_splits_kernel[(num_tokens, num_q_heads)](
-            out, part_out, part_lse, seq_lens, cu, sinks_arg, batch, int(window_left), max_splits, chunk,
+            out, part_out, part_lse, seq_lens, cu, sinks_arg, batch, int(window_left), max_splits, chunk, capacity,
             out.stride(0), out.stride(1),
             NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_Q=block_q, BLOCK_N=cfg["BLOCK_N"],
             SPLITS_P2=max(2, triton.next_power_of_2(max_splits)), IS_DECODE=decode,
             HAS_WINDOW=window_left >= 0, HAS_TREE=tree_mask is not None, HAS_SINKS=sinks is not None,
-            PDL=constexprs["PDL"], launch_pdl=constexprs["PDL"],
+            PDL=constexprs["PDL"], BOUNDS=constexprs["BOUNDS"],
+            # the attention kernel's alignment of a window's first tile (kernel.py), whose split plan this repeats
+            ALIGN=min(page_size, cfg["BLOCK_N"]) if constexprs["BOUNDS"] and window_left >= 0 else cfg["BLOCK_N"],
+            launch_pdl=constexprs["PDL"],
             num_warps=4 if head_dim >= 128 else 2)
