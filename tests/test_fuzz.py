@@ -127,7 +127,7 @@ TRITON_GPU_FAMILIES = [
 FLASHINFER_FAMILIES = [
     ("decode", "bf16", "per_tensor", 128, (8, 2), 16, False, False, 1),
     ("decode", "fp8_e4m3", "per_tensor", 128, (8, 2), 16, False, False, 1),
-    ("decode", "bf16", "per_tensor", 64, (8, 8), 1, False, False, 1),
+    ("decode", "bf16", "per_tensor", 64, (8, 2), 1, False, False, 1),
     ("verify", "bf16", "per_tensor", 128, (8, 2), 16, False, False, 4),
     ("verify", "fp8_e4m3", "per_tensor", 128, (8, 2), 16, False, False, 4),
     ("extend", "bf16", "per_tensor", 128, (8, 2), 16, False, False, 32),
