@@ -127,6 +127,11 @@ def attention_variants(quick: bool, arch: int = 90):
         yield dict(fmt="bf16", q_dtype="bf16", decode=decode, head_dim=128, group=4, page=16,
                    block_q=1 if decode else 16, block_n=128 if decode else 64, warps=4 if decode else 8,
                    window=False, soft_cap=False, scale_bcast=False, bounds=False)
+    # sinks and draft-tree masks: a verify tile with both, and decode with sinks
+    for decode in (True, False):
+        yield dict(fmt="bf16", q_dtype="bf16", decode=decode, head_dim=128, group=4, page=16,
+                   block_q=1 if decode else 16, block_n=128 if decode else 64, warps=4 if decode else 8,
+                   window=not decode, soft_cap=False, scale_bcast=False, sinks=True, tree=not decode)
     # fp32 q (ieee dots), MQA with 16 heads a group
     yield dict(fmt="fp32", q_dtype="fp32", decode=True, head_dim=64, group=16, page=1, block_q=1, block_n=64,
                warps=4, window=True, soft_cap=False, scale_bcast=False)
