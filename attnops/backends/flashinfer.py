@@ -15,11 +15,10 @@ v_scale into the output, so a compiled graph neither syncs nor recompiles when s
 
 Bad indices (docs/design.md, "Bad indices"): FlashInfer's kernels read whatever pages the layout names, so the
 layout is made safe on the device before plan() (bad lengths as 0, pages outside the cache as a good page of the
-same sequence: for decode
-in one Triton launch, triton/page_layout.py; for the prefill kinds checked_pages' torch ops) and the rows the
-contract makes NaN are set after run(), together with the decode rows of empty sequences, in one launch, only on
-steps that have any (graphs: always). cu_seqlens_q, which FlashInfer's plan reads on the host, is checked on the
-host at plan time.
+same sequence: for decode in one Triton launch, triton/page_layout.py; for the prefill kinds checked_pages' torch
+ops) and the rows the contract makes NaN are set after run(), together with the decode rows of empty sequences, in
+one launch, only on steps that have any (graphs: always). cu_seqlens_q, which FlashInfer's plan reads on the host,
+is checked on the host at plan time.
 """
 from __future__ import annotations
 
