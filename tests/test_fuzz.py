@@ -63,7 +63,8 @@ FLOAT_SENTINEL, INDEX_SENTINEL = 0xFF, 0x7F
 
 gpu = pytest.mark.gpu
 # the interpreter's numpy warns about the NaN and Inf arithmetic the cases are made of
-pytestmark = pytest.mark.filterwarnings("ignore:(invalid value|overflow|divide by zero) encountered:RuntimeWarning")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:(invalid value|overflow|divide by zero) encountered|All-NaN slice:RuntimeWarning")
 
 
 def case_count(backend: str) -> int:

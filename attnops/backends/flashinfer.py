@@ -14,11 +14,11 @@ fp8 scales stay tensors (no host read): k_scale is folded into q (q * k_scale, a
 v_scale into the output, so a compiled graph neither syncs nor recompiles when scales change.
 
 Bad indices (docs/design.md, "Bad indices"): FlashInfer's kernels read whatever pages the layout names, so the
-layout is made safe on the device before plan() (bad lengths as 0, pages outside the cache as page 0: for decode
-in one Triton launch, triton/page_layout.py; for the prefill kinds checked_pages' torch ops) and the rows the
-contract makes NaN are set after run(), together with the decode rows of empty sequences, in one launch, only on
-steps that have any (graphs: always). cu_seqlens_q, which FlashInfer's plan reads on the host, is checked on the
-host at plan time.
+layout is made safe on the device before plan() (bad lengths as 0, pages outside the cache as a good page of the
+same sequence: for decode in one Triton launch, triton/page_layout.py; for the prefill kinds checked_pages' torch
+ops) and the rows the contract makes NaN are set after run(), together with the decode rows of empty sequences, in
+one launch, only on steps that have any (graphs: always). cu_seqlens_q, which FlashInfer's plan reads on the host,
+is checked on the host at plan time.
 """
 from __future__ import annotations
 
@@ -57,8 +57,9 @@ def checked_pages(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: 
     """The step's page layout with nothing FlashInfer could read out of range, and the query rows the contract
     makes NaN (docs/design.md, "Bad indices"), on the device (no sync). FlashInfer reads every page of a
     sequence's length, so: a length outside [0, the table's capacity] becomes 0 (its rows NaN); a page index
-    outside the cache within a length becomes page 0, a real page, whose keys only rows that become NaN see (with
-    no page at all, every length becomes 0: no row that stays defined sees a key). Rows: one per sequence (decode,
+    outside the cache within a length becomes a good page of the same sequence (page 0 where it has none), whose
+    keys there only rows that become NaN see (with no page at all, every length becomes 0: no row that stays
+    defined sees a key). Rows: one per sequence (decode,
     cu_seqlens_q None: the last position) or cu_seqlens_q's rows (already known good); a row is NaN if its
     sequence's length is bad or it sees (causal, window_left) a key of a bad page. Both are recorded in the
     device's error buffer (attnops.errors).
@@ -91,7 +92,13 @@ def checked_pages(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: 
         errors.record(device, errors.SEQ_LENS, torch.where(seq_bad & has_rows, sequence, errors.NONE).min())
     if num_pages == 0:
         lens = torch.zeros_like(lens)
-    return lens.to(torch.int32), torch.where(page_bad, 0, block_table), seq_bad[row_seq] | row_bad_page
+    # a bad page is read as a good page of the same sequence (FlashInfer may meet its values in a tile of the rows
+    # that do not see it, at weight 0: a NaN there stays within the sequence, as a NaN value of its own would)
+    good = (column[None, :] * page_size < lens[:, None]) & ~page_bad
+    if width:
+        fallback = torch.where(good, block_table, -1).amax(1, keepdim=True).clamp(min=0)  # (the largest, as the kernel)
+        block_table = torch.where(page_bad, fallback, block_table)
+    return lens.to(torch.int32), block_table, seq_bad[row_seq] | row_bad_page
 
 
 def page_metadata(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int):

@@ -299,7 +299,8 @@ def print_sass(formats_: list, q_dtype: str, target, sms: int, shared_per_block:
         prof = sass_profile(compiled.asm["cubin"])
         values = constexprs["BLOCK_N"] * 128 * 2 / (32 * options["num_warps"])  # K and V values a thread, a step
         top = ", ".join(f"{op} {n}" for op, n in prof["ops"].most_common(12))
-        print(f"{case}, {fmt} ({q_dtype} q): BLOCK_Q {constexprs['BLOCK_Q']}, BLOCK_N {constexprs['BLOCK_N']}, {options['num_warps']} warps, "
+        print(f"{case}, {fmt} ({q_dtype} q): BLOCK_Q {constexprs['BLOCK_Q']}, BLOCK_N {constexprs['BLOCK_N']}, "
+              f"{options['num_warps']} warps, "
               f"{options['num_stages']} stages{', maxnreg ' + str(options['maxnreg']) if 'maxnreg' in options else ''}"
               f": {prof['registers']} registers, {prof['stack']} stack bytes; main loop {prof['loop']} instructions a "
               f"thread a step ({prof['loop'] / values:.1f} per K/V value): {top}", flush=True)

@@ -3,9 +3,9 @@ checked_pages + page_metadata do with some thirty small torch ops, for the step 
 replay of a captured decode graph (host time per step) and every eager decode step.
 
 docs/design.md, "Bad indices": a length outside [0, the table's capacity] gets no pages and its row NaN; a page index
-outside the cache within a length is written as page 0 (a real page), and the row NaN if it sees the page (the
-query is the sequence's last position; window_left limits what it sees); with no page at all, no sequence gets a
-page. Both are recorded in the device's error buffer. Rows of empty sequences are 0.
+outside the cache within a length is written as a good page of the same sequence (page 0 where it has none), and
+the row NaN if it sees the page (the query is the sequence's last position; window_left limits what it sees); with
+no page at all, no sequence gets a page. Both are recorded in the device's error buffer. Rows of empty sequences are 0.
 """
 from __future__ import annotations
 
@@ -46,15 +46,25 @@ def decode_page_layout_kernel(
     first_seen = 0  # the first page the query (at n - 1) sees
     if HAS_WINDOW:
         first_seen = tl.maximum(n_ok - 1 - window_left, 0) // PAGE
-    seen_bad = tl.full([], 0, tl.int32)  # a tensor, not a Python int: loop-carried
+    seen_bad = tl.full([], 0, tl.int32)  # tensors, not Python ints: loop-carried
+    fallback = tl.full([], -1, tl.int32)
     row = table_ptr + b.to(tl.int64) * stride_t
-    for j0 in tl.range(0, (n_ok + PAGE - 1) // PAGE, BLOCK_W):
+    used_pages = (n_ok + PAGE - 1) // PAGE
+    for j0 in tl.range(0, used_pages, BLOCK_W):  # which pages are bad, and a good one of the sequence
         j = j0 + tl.arange(0, BLOCK_W)
-        used = j < (n_ok + PAGE - 1) // PAGE
+        used = j < used_pages
         page = tl.load(row + j, mask=used, other=0)
         bad = used & (page.to(tl.uint32, bitcast=True) >= num_pages.to(tl.uint32))  # (negative: huge unsigned)
         seen_bad = tl.maximum(seen_bad, tl.max((bad & (j >= first_seen)).to(tl.int32), 0))
-        tl.store(indices_ptr + start + j, tl.where(bad, 0, page), mask=used & (j < pages))
+        fallback = tl.maximum(fallback, tl.max(tl.where(used & ~bad, page, -1), 0))
+    # a bad page is written as a good page of the same sequence (page 0 where it has none): FlashInfer may meet its
+    # values in a tile of rows that do not see it, at weight 0, where a NaN stays within the sequence
+    fallback = tl.maximum(fallback, 0)
+    for j0 in tl.range(0, pages, BLOCK_W):
+        j = j0 + tl.arange(0, BLOCK_W)
+        page = tl.load(row + j, mask=j < pages, other=0)
+        bad = page.to(tl.uint32, bitcast=True) >= num_pages.to(tl.uint32)
+        tl.store(indices_ptr + start + j, tl.where(bad, fallback, page), mask=j < pages)
     nan_row = seq_bad | (seen_bad > 0)
     tl.store(fix_ptr + b, nan_row | (n == 0))
     tl.store(value_ptr + b, tl.where(nan_row, float("nan"), 0.0).to(value_ptr.dtype.element_ty))
