@@ -506,7 +506,8 @@ picked = [variants[0], variants[1]]  # bf16 decode, extend
 picked += [v for v in variants if v["fmt"] == "nvfp4" and not v["decode"]][:1]
 picked += [v for v in variants if v["fmt"] == "mxfp4" and not v["scale_bcast"]][:1]  # per-value scales
 picked += [v for v in variants if v.get("fp8_v_pairs")][:1] + [v for v in variants if v.get("heads_inner")][:1]
-assert len(picked) == 6
+picked += [v for v in variants if v.get("tree")][:1]  # sinks and a tree mask
+assert len(picked) == 7
 for v in picked:
     compiled, _ = cc.compile_attention(v, target)
     if v is picked[0]:  # --sass's reading of the SASS: the decode loop, with its mma, inside the kernel
@@ -516,6 +517,7 @@ for v in picked:
 cc.compile_cache_write("nvfp4", "bf16", 64, target)
 cc.compile_cache_write("fp8_e4m3", "fp32", 128, target)
 cc.compile_page_layout(True, target)
+cc.compile_merge_states("bf16", target)
 # the heuristic's own prefill tiles for fp32 and bf16 q fit sm_90's 227 KB of shared memory as chosen
 for label, q_dtype, fmt, constexprs, options in cc.heuristic_configurations(90, 132, 232448, quick=True):
     if label.startswith("chunk") and fmt == "bf16" and q_dtype in ("fp32", "bf16"):  # prefill-sized tiles

@@ -244,6 +244,14 @@ def compile_page_layout(window: bool, target):
                        target, 4, 1)
 
 
+def compile_merge_states(out_dtype: str, target):
+    """merge_attention_states' kernel (merge_states.py)."""
+    from .merge_states import merge_states_kernel
+    op = "*" + out_dtype
+    types = dict(out_a_ptr=op, lse_a_ptr="*fp32", out_b_ptr=op, lse_b_ptr="*fp32", out_ptr=op, lse_ptr="*fp32")
+    return compile_one(merge_states_kernel, types, dict(NUM_HEADS=8, HEADS_P2=8, HEAD_DIM=128), target, 4, 1)
+
+
 def _cuobjdump() -> str:
     """Triton's own cuobjdump (its wheel ships one with ptxas), else one on PATH."""
     bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -399,6 +407,13 @@ def main():
         except Exception as e:
             failures += 1
             print(f"FAIL decode page layout, window {window}: {type(e).__name__}: {str(e)[:2000]}", flush=True)
+    for out_dtype in ("bf16", "fp32"):
+        try:
+            compile_merge_states(out_dtype, target)
+            print(f"ok   merge_attention_states, {out_dtype}", flush=True)
+        except Exception as e:
+            failures += 1
+            print(f"FAIL merge_attention_states, {out_dtype}: {type(e).__name__}: {str(e)[:2000]}", flush=True)
     print(f"{failures} failures, {time.time() - t0:.0f} s")
     sys.exit(1 if failures else 0)
 
