@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import functools
 import itertools
 import os
 import re
@@ -391,29 +392,21 @@ def main():
         except Exception as e:
             failures += 1
             print(f"FAIL attention {v}: {type(e).__name__}: {str(e)[:2000]}", flush=True)
-    for fmt, src, head_dim in itertools.product(list(KV_FORMATS),
-                                                ["bf16", "fp32"], [32, 128]):
+    # the other kernels: (label, compile call)
+    others = [(f"reshape_and_cache {fmt} from {src}, head_dim {head_dim}",
+               functools.partial(compile_cache_write, fmt, src, head_dim, target))
+              for fmt, src, head_dim in itertools.product(list(KV_FORMATS), ["bf16", "fp32"], [32, 128])]
+    others += [(f"decode page layout, window {window}", functools.partial(compile_page_layout, window, target))
+               for window in (False, True)]
+    others += [(f"merge_attention_states, {out_dtype}", functools.partial(compile_merge_states, out_dtype, target))
+               for out_dtype in ("bf16", "fp32")]
+    for label, compile_it in others:
         try:
-            compile_cache_write(fmt, src, head_dim, target)
-            print(f"ok   reshape_and_cache {fmt} from {src}, head_dim {head_dim}", flush=True)
+            compile_it()
+            print(f"ok   {label}", flush=True)
         except Exception as e:
             failures += 1
-            print(f"FAIL reshape_and_cache {fmt} from {src}, head_dim {head_dim}: {type(e).__name__}: "
-                  f"{str(e)[:2000]}", flush=True)
-    for window in (False, True):
-        try:
-            compile_page_layout(window, target)
-            print(f"ok   decode page layout, window {window}", flush=True)
-        except Exception as e:
-            failures += 1
-            print(f"FAIL decode page layout, window {window}: {type(e).__name__}: {str(e)[:2000]}", flush=True)
-    for out_dtype in ("bf16", "fp32"):
-        try:
-            compile_merge_states(out_dtype, target)
-            print(f"ok   merge_attention_states, {out_dtype}", flush=True)
-        except Exception as e:
-            failures += 1
-            print(f"FAIL merge_attention_states, {out_dtype}: {type(e).__name__}: {str(e)[:2000]}", flush=True)
+            print(f"FAIL {label}: {type(e).__name__}: {str(e)[:2000]}", flush=True)
     print(f"{failures} failures, {time.time() - t0:.0f} s")
     sys.exit(1 if failures else 0)
 
