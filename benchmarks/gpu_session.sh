@@ -21,8 +21,9 @@
 #             runs each tree's benchmark on $AB_ARGS (Triton only; the A tree's must be benchmarks/bench.py, as
 #             before attnops.bench): $results/ab-old.json, $results/ab-new.json
 #   tests     the GPU tests, suites in parallel processes (TEST_SUITES, default "capture triton flashinfer e2e":
-#             captures of the op; Triton under pytest-xdist; FlashInfer + graphs + devices; end to end), one log;
-#             TESTS_TIMEOUT seconds
+#             captures of the op; Triton under pytest-xdist; FlashInfer + graphs + devices; end to end; also "spec"
+#             (sinks, trees, merge, page sharing) and "hf" (transformers models)), one log; TESTS_TIMEOUT seconds.
+#             Run at most four at once: more overload a 16-core machine with compiles
 #   models    python -m attnops tune on the models grid (MODELS_ARGS narrows it), writing the table to
 #             $results/sm_XY.json and the records to $results/models.json
 #   serve     python -m attnops serve-bench $SERVE_ARGS (JSON + PNG)
@@ -111,6 +112,9 @@ for step in "$@"; do
           triton) files="-m gpu -n 8 tests/test_triton.py" ;;
           flashinfer) files="tests/test_flashinfer.py tests/test_graphs.py tests/test_devices.py" ;;
           e2e) files="-m gpu tests/test_e2e.py" ;;
+          spec) files="-m gpu -n 8 tests/test_sinks_tree.py tests/test_merge.py tests/test_prefix_sharing.py" ;;
+          hf) files="-m gpu tests/test_hf.py" ;;
+          *) echo "unknown suite $suite"; exit 2 ;;
         esac
         timeout $limit python3 -m pytest -q -rA -p no:cacheprovider $files > "/tmp/tests-$suite.log" 2>&1 &
       done

@@ -145,10 +145,10 @@ def test_prefill_long_goes_to_fa3_and_matches(kv_format):
 def test_plans_once_per_step_and_replans_for_a_new_step(monkeypatch):
     if BACKENDS["flashinfer"].unavailable():
         pytest.skip("; ".join(BACKENDS["flashinfer"].unavailable()))
-    from attnops.backends import flashinfer as fi_backend
+    from attnops.backends.triton import page_layout  # a decode plan lays out its pages in one launch of this
     calls = []
-    real = fi_backend.page_metadata
-    monkeypatch.setattr(fi_backend, "page_metadata", lambda *a: calls.append(1) or real(*a))
+    real = page_layout.decode_page_layout
+    monkeypatch.setattr(page_layout, "decode_page_layout", lambda *a: calls.append(1) or real(*a))
     args = random_paged_inputs([100, 37], num_q_heads=32, num_kv_heads=8, head_dim=128, kv_format="bf16",
                                q_dtype=torch.bfloat16, device="cuda")
     with attnops.use_backend("flashinfer"):
