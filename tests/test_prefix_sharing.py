@@ -92,13 +92,14 @@ def tiny_model():
     return model.eval().requires_grad_(False)
 
 
-def generate(model, kv_format, sharing, staggered):
+def generate(model, kv_format, sharing, staggered, cascade=False):
     """Eight requests on one 40-token system prompt; staggered: one admitted per step, so each finds the earlier
     ones' pages in the prefix index (requests admitted in the same step do not share: the index is filled after
     their prefill)."""
     system = [int(t) for t in torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(1))]
     cache = attnops.PagedKVCache(2, 64, 8, 2, 32, kv_format=kv_format, shuffle_pages=True)
-    gen = Generator(model, cache, max_batch=8, max_seq_len=80, buckets=(8,), prefix_sharing=sharing)
+    gen = Generator(model, cache, max_batch=8, max_seq_len=80, buckets=(8,), prefix_sharing=sharing,
+                    cascade=cascade)
     for i in range(8):
         gen.add_request(i, system + [i + 1, 2 * i + 3], max_new_tokens=12)
         if staggered:
@@ -116,3 +117,16 @@ def test_generation_with_shared_prefixes_gives_the_same_tokens(kv_format):
     assert plain_stats["prefix_tokens_reused"] == together_stats["prefix_tokens_reused"] == 0
     assert shared_stats["prefix_tokens_reused"] == 7 * 40  # five full pages of 8, for each request after the first
     assert shared_stats["peak_pages_in_use"] < plain_stats["peak_pages_in_use"]
+
+
+@pytest.mark.parametrize("kv_format", ["fp32", "fp8_e4m3"])
+def test_cascade_decode_steps_give_the_same_tokens(kv_format, monkeypatch):
+    """With the shared prompt read once per step (cascade_attention; its threshold lowered to this tiny model),
+    the tokens are those of plain decode steps."""
+    import attnops.cascade
+    monkeypatch.setattr(attnops.cascade, "CASCADE_MIN_SAVED_TOKENS", 8)
+    model = tiny_model()
+    plain, plain_stats = generate(model, kv_format, sharing=True, staggered=True)
+    cascade, cascade_stats = generate(model, kv_format, sharing=True, staggered=True, cascade=True)
+    assert plain_stats["cascade_steps"] == 0 and cascade_stats["cascade_steps"] >= 8
+    assert cascade == plain

@@ -25,6 +25,7 @@ from typing import Callable
 
 import torch
 
+from ..cascade import cascade_pays
 from .batching import StaticDecodeInputs, default_buckets
 from .kv_cache import BatchMetadata, PagedKVCache
 
@@ -51,8 +52,13 @@ class DecodeStep:
     """
 
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, *, max_batch: int, max_pages: int,
-                 buckets: tuple[int, ...] | None = None, compile: bool | dict = False, cuda_graphs: bool = False):
+                 buckets: tuple[int, ...] | None = None, compile: bool | dict = False, cuda_graphs: bool = False,
+                 cascade: bool = True):
         self.model, self.cache, self.max_pages = model, cache, max_pages
+        # eager steps only: a compiled or captured step is one fixed graph per bucket, which reads every
+        # sequence's pages in full (cascade there would need a second graph per bucket)
+        self.cascade = cascade and not compile and not cuda_graphs
+        self.cascade_steps = 0
         self.buckets = tuple(sorted(buckets or default_buckets(max_batch)))
         if self.buckets[-1] < max_batch:
             raise ValueError(f"DecodeStep: the largest bucket ({self.buckets[-1]}) is below max_batch ({max_batch})")
@@ -92,6 +98,12 @@ class DecodeStep:
         self.bucket_for(batch)  # a batch too large fails before the cache is touched
         meta = self.cache.prepare(seq_ids, 1, decode=True, max_pages=self.max_pages)
         positions = meta.seq_lens.long() - 1  # each sequence's new token sits at its old length
+        if self.cascade:
+            split = self.cache.cascade_split(meta)
+            if split is not None and cascade_pays(batch, split.prefix_tokens):
+                meta.cascade = split
+                self.cascade_steps += 1
+                return self.model(token_ids, positions, self.cache, meta)
         if self.graph_runner is not None:
             return self.graph_runner(token_ids, positions, meta)
         n, _ = self.buffers.fill(token_ids, positions, meta)
@@ -129,18 +141,21 @@ class Generator:
     prefix_sharing: a prompt that starts with full pages a running request already holds (the same tokens, page
     by page from the start: a system prompt, a few-shot header) shares those pages instead of storing and
     computing them again (PagedKVCache.share_prefix); `stats` counts the tokens reused;
+    cascade: an eager decode step whose whole batch shares leading pages reads them once
+    (attnops.cascade_attention) when attnops.cascade.cascade_pays says it is worth it; `stats["cascade_steps"]`
+    counts those steps;
     seed: the sampling generator's seed (temperature > 0 only)."""
 
     def __init__(self, model, cache: PagedKVCache, *, max_batch: int = 8, max_seq_len: int = 2048,
                  buckets: tuple[int, ...] | None = None, compile: bool | dict = False, cuda_graphs: bool = False,
-                 prefix_sharing: bool = True, seed: int = 0):
+                 prefix_sharing: bool = True, cascade: bool = True, seed: int = 0):
         self.model, self.cache = model, cache
         self.prefix_sharing = prefix_sharing
-        self.stats = dict(prompt_tokens=0, prefix_tokens_reused=0, peak_pages_in_use=0)
+        self.stats = dict(prompt_tokens=0, prefix_tokens_reused=0, peak_pages_in_use=0, cascade_steps=0)
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
         max_pages = -(-max_seq_len // cache.page_size)
         self.decode = DecodeStep(model, cache, max_batch=max_batch, max_pages=max_pages, buckets=buckets,
-                                 compile=compile, cuda_graphs=cuda_graphs)
+                                 compile=compile, cuda_graphs=cuda_graphs, cascade=cascade)
         self.generator = torch.Generator(cache.device).manual_seed(seed)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: dict[object, Request] = {}  # in admission order: the decode batch's row order
@@ -230,6 +245,7 @@ class Generator:
             last = torch.tensor([r.output[-1] for r in batch], dtype=torch.int64, device=self.cache.device)
             self._emit(batch, self.decode([r.req_id for r in batch], last), new)
             self.stats["peak_pages_in_use"] = max(self.stats["peak_pages_in_use"], self.cache.pages_in_use)
+            self.stats["cascade_steps"] = self.decode.cascade_steps
             self._retire()
         return new
 

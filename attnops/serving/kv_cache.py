@@ -23,10 +23,34 @@ class BatchMetadata:
     slot_mapping: torch.Tensor  # int64 [T], where this step's tokens go
     cu_seqlens_q: torch.Tensor | None  # int32 [B+1]; None for decode (one token per sequence)
     host_seq_lens: list[int] | None = None  # seq_lens as host ints, when the host knows them (planning needs no sync)
+    cascade: "CascadeSplit | None" = None  # set: attention reads a prefix all sequences share once (attend)
 
     @property
     def num_tokens(self) -> int:
         return self.slot_mapping.shape[0]
+
+    def attend(self, q: torch.Tensor, **attention_args) -> torch.Tensor:
+        """paged_attention of this step's queries (attention_args: PagedKVCache.attention_args and the model's
+        own scale/soft_cap), or cascade_attention over the shared prefix and the suffixes when `cascade` is set."""
+        if self.cascade is None:
+            return torch.ops.attnops.paged_attention(q, block_table=self.block_table, seq_lens=self.seq_lens,
+                                                     cu_seqlens_q=self.cu_seqlens_q, **attention_args)
+        from ..cascade import cascade_attention
+        c = self.cascade
+        return cascade_attention(q, prefix_table=c.prefix_table, prefix_len=c.prefix_len, block_table=c.block_table,
+                                 seq_lens=c.seq_lens, cu_seqlens_q=self.cu_seqlens_q, **attention_args)
+
+
+@dataclass
+class CascadeSplit:
+    """A batch's keys as a prefix every sequence shares (its pages and length) and each sequence's own pages and
+    lengths after it: cascade_attention's arguments."""
+
+    prefix_table: torch.Tensor  # int32 [P]
+    prefix_len: torch.Tensor  # int32 [1]
+    block_table: torch.Tensor  # int32 [B, W - P]
+    seq_lens: torch.Tensor  # int32 [B]
+    prefix_tokens: int  # prefix_len on the host
 
 
 class PagedKVCache:
@@ -314,6 +338,21 @@ class PagedKVCache:
             slot_mapping=self._to_device(slot_mapping),
             cu_seqlens_q=cu,
             host_seq_lens=lengths)
+
+    def cascade_split(self, meta: BatchMetadata, min_pages: int = 1) -> CascadeSplit | None:
+        """The leading full pages every sequence of `meta`'s batch shares (pages shared by share_prefix or fork),
+        as cascade_attention's split of the batch, or None if fewer than `min_pages` are shared."""
+        from ..cascade import shared_prefix_pages
+        lengths = meta.host_seq_lens if meta.host_seq_lens is not None else meta.seq_lens.tolist()
+        shared = shared_prefix_pages([self._pages[s] for s in meta.seq_ids], lengths, self.page_size)
+        if shared < max(min_pages, 1):
+            return None
+        tokens = shared * self.page_size
+        prefix = torch.tensor(self._pages[meta.seq_ids[0]][:shared], dtype=torch.int32)
+        return CascadeSplit(prefix_table=self._to_device(prefix),
+                            prefix_len=self._to_device(torch.tensor([tokens], dtype=torch.int32)),
+                            block_table=meta.block_table[:, shared:],
+                            seq_lens=meta.seq_lens - tokens, prefix_tokens=tokens)
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         """A host tensor's copy on the cache's device. CUDA: through pinned memory, non-blocking, because a copy

@@ -113,8 +113,7 @@ class Attention(nn.Module):
         k = rotate(self.k_proj(x).view(-1, c.num_key_value_heads, c.head_dim), cos, sin)
         v = self.v_proj(x).view(-1, c.num_key_value_heads, c.head_dim)
         torch.ops.attnops.reshape_and_cache(k, v, slot_mapping=meta.slot_mapping, **cache.write_args(self.layer))
-        o = torch.ops.attnops.paged_attention(q, block_table=meta.block_table, seq_lens=meta.seq_lens,
-                                              cu_seqlens_q=meta.cu_seqlens_q, **cache.attention_args(self.layer))
+        o = meta.attend(q, **cache.attention_args(self.layer))
         return self.o_proj(o.reshape(x.shape[0], -1))
 
 
