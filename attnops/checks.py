@@ -115,8 +115,10 @@ def _check_scales(op, fmt, k_cache, num_kv_heads, head_dim, names, k_scale, v_sc
 
 
 def check_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left,
-                          kv_format, k_scale, v_scale, sinks=None, tree_mask=None, out=None) -> AttentionCase:
-    op = "paged_attention"
+                          kv_format, k_scale, v_scale, sinks=None, tree_mask=None, out=None,
+                          lse=None) -> AttentionCase:
+    """paged_attention's arguments, or paged_attention_with_lse's with `lse` (its float32 [T, Hq] output)."""
+    op = "paged_attention" if lse is None else "paged_attention_with_lse"
     _check_tensor(op, "q", q)
     if q.dtype not in Q_DTYPES:
         _fail(op, TypeError, f"q must be bfloat16, float16 or float32 (got {q.dtype})")
@@ -175,9 +177,16 @@ def check_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens
         _check_tensor(op, "out", out)
         if out.shape != q.shape or out.dtype != q.dtype:
             _fail(op, ValueError, f"out must be {_describe(q)} like q (got {_describe(out)})")
+    if lse is not None:
+        _check_tensor(op, "lse", lse)
+        if lse.dtype != torch.float32:
+            _fail(op, TypeError, f"lse must be float32 (got {lse.dtype})")
+        if tuple(lse.shape) != (num_tokens, num_q_heads):
+            _fail(op, ValueError, f"lse must be [num_query_rows, num_q_heads] = [{num_tokens}, {num_q_heads}] "
+                                  f"(got {list(lse.shape)})")
     _check_same_device(op, "q", q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, seq_lens=seq_lens,
                        cu_seqlens_q=cu_seqlens_q, k_scale=k_scale, v_scale=v_scale, sinks=sinks,
-                       tree_mask=tree_mask, out=out)
+                       tree_mask=tree_mask, out=out, lse=lse)
     if scale is not None and not (math.isfinite(scale) and scale > 0):
         _fail(op, ValueError, f"scale must be finite and > 0 (got {scale})")
     if not soft_cap >= 0:  # NaN fails too; inf is allowed and means no cap
@@ -202,19 +211,21 @@ _VALID_ATTENTION: dict = {}  # signature of valid arguments -> their case: valid
 
 
 def attention_case(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left,
-                   kv_format, k_scale, v_scale, sinks=None, tree_mask=None, out=None) -> AttentionCase:
+                   kv_format, k_scale, v_scale, sinks=None, tree_mask=None, out=None, lse=None) -> AttentionCase:
     """check_paged_attention, memoized on everything it reads (shapes, strides, dtypes, devices, flags): the
     op's hot path validates a signature once and then only looks it up."""
     try:
         key = (_signature(q), _signature(k_cache), _signature(v_cache), _signature(block_table),
                _signature(seq_lens), _signature(cu_seqlens_q), scale, soft_cap, window_left, kv_format,
                _signature(k_scale), _signature(v_scale), _signature(sinks), _signature(tree_mask), _signature(out))
+        if lse is not None:  # (a longer key: paged_attention's own calls build the same key as without lse)
+            key += (_signature(lse),)
     except AttributeError:  # a non-tensor where a tensor belongs: let the full check name it
         key = None
     case = _VALID_ATTENTION.get(key)
     if case is None:
         case = check_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap,
-                                     window_left, kv_format, k_scale, v_scale, sinks, tree_mask, out)
+                                     window_left, kv_format, k_scale, v_scale, sinks, tree_mask, out, lse)
         if key is not None and len(_VALID_ATTENTION) < 4096:
             _VALID_ATTENTION[key] = case
     return case

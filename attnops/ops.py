@@ -36,9 +36,10 @@ def on_device(device: torch.device):
 
 
 def _run_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left,
-                         kv_format, k_scale, v_scale, sinks, tree_mask, out) -> None:
+                         kv_format, k_scale, v_scale, sinks, tree_mask, out, lse=None) -> None:
+    """paged_attention into `out`; paged_attention_with_lse with `lse` given."""
     case = attention_case(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left,
-                          kv_format, k_scale, v_scale, sinks, tree_mask, out)
+                          kv_format, k_scale, v_scale, sinks, tree_mask, out, lse)
     if values_checked():
         check_paged_attention_values(q, k_cache, block_table, seq_lens, cu_seqlens_q, k_scale, v_scale, tree_mask)
     if not case.soft_cap:
@@ -48,7 +49,7 @@ def _run_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_
         backend.paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
                                 scale=q.shape[-1] ** -0.5 if scale is None else scale, soft_cap=soft_cap,
                                 window_left=window_left, kv_format=case.kv_format, k_scale=k_scale,
-                                v_scale=v_scale, sinks=sinks, tree_mask=tree_mask, out=out)
+                                v_scale=v_scale, sinks=sinks, tree_mask=tree_mask, out=out, lse=lse)
 
 
 # torch.library.impl rather than register_kernel: register_kernel wraps each kernel in a dynamo-disable frame
@@ -90,6 +91,47 @@ def _paged_attention_out_fake(q, k_cache, v_cache, block_table, seq_lens, cu_seq
                               sinks=None, tree_mask=None, out):
     check_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left,
                           kv_format, k_scale, v_scale, sinks, tree_mask, out)
+
+
+# paged_attention_with_lse: Python on both devices (the C++ CUDA kernel above replays FlashInfer calls of
+# paged_attention only; this op's FlashInfer calls ask run() for the LSE).
+def _lse_like(q):
+    return q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+@torch.library.impl("attnops::paged_attention_with_lse", DEVICES)
+def _paged_attention_with_lse(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q=None, *, scale=None,
+                              soft_cap=0.0, window_left=-1, kv_format="auto", k_scale=None, v_scale=None, sinks=None,
+                              tree_mask=None):
+    out, lse = torch.empty_like(q), _lse_like(q)
+    _run_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left,
+                         kv_format, k_scale, v_scale, sinks, tree_mask, out, lse)
+    return out, lse
+
+
+@torch.library.register_fake("attnops::paged_attention_with_lse")
+def _paged_attention_with_lse_fake(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q=None, *, scale=None,
+                                   soft_cap=0.0, window_left=-1, kv_format="auto", k_scale=None, v_scale=None,
+                                   sinks=None, tree_mask=None):
+    check_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left,
+                          kv_format, k_scale, v_scale, sinks, tree_mask)
+    return torch.empty_like(q), _lse_like(q)
+
+
+@torch.library.impl("attnops::paged_attention_with_lse.out", DEVICES)
+def _paged_attention_with_lse_out(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q=None, *, scale=None,
+                                  soft_cap=0.0, window_left=-1, kv_format="auto", k_scale=None, v_scale=None,
+                                  sinks=None, tree_mask=None, out, lse):
+    _run_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left,
+                         kv_format, k_scale, v_scale, sinks, tree_mask, out, lse)
+
+
+@torch.library.register_fake("attnops::paged_attention_with_lse.out")
+def _paged_attention_with_lse_out_fake(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q=None, *,
+                                       scale=None, soft_cap=0.0, window_left=-1, kv_format="auto", k_scale=None,
+                                       v_scale=None, sinks=None, tree_mask=None, out, lse):
+    check_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left,
+                          kv_format, k_scale, v_scale, sinks, tree_mask, out, lse)
 
 
 @torch.library.impl("attnops::reshape_and_cache", DEVICES)
@@ -174,6 +216,27 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q=Non
                                           k_scale=k_scale, v_scale=v_scale, sinks=sinks, tree_mask=tree_mask,
                                           out=out)
     return out
+
+
+def paged_attention_with_lse(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q=None, *, scale=None,
+                             soft_cap=0.0, window_left=-1, kv_format="auto", k_scale=None, v_scale=None, sinks=None,
+                             tree_mask=None, out=None, lse=None):
+    """`torch.ops.attnops.paged_attention_with_lse`: paged_attention's output and each row's log-sum-exp (float32
+    [T, Hq], the natural log of its softmax denominator, sinks included; -inf for a row that sees no key, the
+    sink's logit with sinks), for merge_attention_states. Returns (out, lse); with `out` and `lse` given, the `.out` overload writes them."""
+    _scales_are_tensors("paged_attention_with_lse", k_scale=k_scale, v_scale=v_scale, sinks=sinks)
+    if out is None and lse is None:
+        return torch.ops.attnops.paged_attention_with_lse(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
+                                                          scale=scale, soft_cap=soft_cap, window_left=window_left,
+                                                          kv_format=kv_format, k_scale=k_scale, v_scale=v_scale,
+                                                          sinks=sinks, tree_mask=tree_mask)
+    if out is None or lse is None:
+        raise ValueError("attnops.paged_attention_with_lse: give both out and lse, or neither")
+    torch.ops.attnops.paged_attention_with_lse.out(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
+                                                   scale=scale, soft_cap=soft_cap, window_left=window_left,
+                                                   kv_format=kv_format, k_scale=k_scale, v_scale=v_scale,
+                                                   sinks=sinks, tree_mask=tree_mask, out=out, lse=lse)
+    return out, lse
 
 
 def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, *, kv_format="auto", k_scale=None, v_scale=None,

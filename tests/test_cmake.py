@@ -40,7 +40,8 @@ def cmake_build():
 
 def test_schema_check(cmake_build):
     out = run([os.path.join(cmake_build, "attnops_schema_check")], timeout=120)
-    for name in ("attnops::paged_attention(", "attnops::paged_attention.out(", "attnops::reshape_and_cache("):
+    for name in ("attnops::paged_attention(", "attnops::paged_attention.out(", "attnops::paged_attention_with_lse(",
+                 "attnops::paged_attention_with_lse.out(", "attnops::reshape_and_cache("):
         assert name in out
 
 

@@ -507,7 +507,8 @@ picked += [v for v in variants if v["fmt"] == "nvfp4" and not v["decode"]][:1]
 picked += [v for v in variants if v["fmt"] == "mxfp4" and not v["scale_bcast"]][:1]  # per-value scales
 picked += [v for v in variants if v.get("fp8_v_pairs")][:1] + [v for v in variants if v.get("heads_inner")][:1]
 picked += [v for v in variants if v.get("tree")][:1]  # sinks and a tree mask
-assert len(picked) == 7
+picked += [v for v in variants if v.get("lse") and v["sinks"]][:1]  # each row's LSE, from the merge kernel too
+assert len(picked) == 8
 for v in picked:
     compiled, _ = cc.compile_attention(v, target)
     if v is picked[0]:  # --sass's reading of the SASS: the decode loop, with its mma, inside the kernel

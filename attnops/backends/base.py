@@ -34,10 +34,11 @@ class Backend:
 
     def paged_attention(self, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale: float,
                         soft_cap: float, window_left: int, kv_format: str, k_scale, v_scale, out, sinks=None,
-                        tree_mask=None) -> None:
-        """Writes the attention output into `out` ([T, Hq, D], q's dtype). Inputs are already validated;
-        `kv_format` is resolved and `scale` is a float. `sinks` and `tree_mask` come only to a backend whose
-        `supports` accepted a case with them."""
+                        tree_mask=None, lse=None) -> None:
+        """Writes the attention output into `out` ([T, Hq, D], q's dtype) and, when `lse` is given (float32
+        [T, Hq], any strides), each row's log-sum-exp into it (docs/design.md, paged_attention_with_lse). Inputs
+        are already validated; `kv_format` is resolved and `scale` is a float. `sinks` and `tree_mask` come only
+        to a backend whose `supports` accepted a case with them."""
         raise NotImplementedError
 
     def reshape_and_cache(self, key, value, k_cache, v_cache, slot_mapping, *, kv_format: str, k_scale, v_scale,

@@ -65,10 +65,15 @@ class CPUBackend(Backend):
         return self._attention, self._cache_write
 
     def paged_attention(self, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, soft_cap,
-                        window_left, kv_format, k_scale, v_scale, out, sinks=None, tree_mask=None) -> None:
+                        window_left, kv_format, k_scale, v_scale, out, sinks=None, tree_mask=None,
+                        lse=None) -> None:
         attention, _ = self._ops()
-        attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, float(scale), float(soft_cap),
-                  int(window_left), k_scale, v_scale, sinks, tree_mask, out, errors.buffer(q.device))
+        args = (q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, float(scale), float(soft_cap),
+                int(window_left), k_scale, v_scale, sinks, tree_mask, out, errors.buffer(q.device))
+        if lse is None:
+            attention(*args)
+        else:  # the kernel writes each row's LSE from its online softmax's running max and sum
+            attention(*args, lse)
 
     def reshape_and_cache(self, key, value, k_cache, v_cache, slot_mapping, *, kv_format, k_scale, v_scale,
                           k_block_scale, v_block_scale) -> None:

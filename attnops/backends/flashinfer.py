@@ -41,6 +41,7 @@ Q_DTYPES = (torch.bfloat16, torch.float16)
 # One float workspace per device, for split-KV partial outputs and the plan's scheduling data. FlashInfer
 # recommends 128 MB; 256 MB covers the largest case measured (64 x 64K decode, 256 x 8K) with room.
 WORKSPACE_BYTES = 256 * 1024 * 1024
+LN2 = 0.6931471805599453  # run()'s LSE is a base-2 log: to the contract's natural log
 
 
 @functools.lru_cache(maxsize=1)
@@ -328,11 +329,17 @@ class FlashInferBackend(Backend):
         return wrapper, plans.fix_now.get(key), plans.bad_cu.get(key), True
 
     def paged_attention(self, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, soft_cap,
-                        window_left, kv_format, k_scale, v_scale, out, sinks=None, tree_mask=None) -> None:
+                        window_left, kv_format, k_scale, v_scale, out, sinks=None, tree_mask=None,
+                        lse=None) -> None:
         wrapper, row_fix, bad_cu, planned_now = self._plan(q, k_cache, block_table, seq_lens, cu_seqlens_q, scale,
                                                            soft_cap, window_left)
         if bad_cu:
             out.fill_(float("nan"))
+            if lse is not None:
+                lse.fill_(float("nan"))
+            return
+        if lse is not None:
+            self._run_with_lse(wrapper, row_fix, q, k_cache, v_cache, kv_format, k_scale, v_scale, out, lse)
             return
         fp8 = formats.is_fp8(kv_format)
         if fp8:
@@ -348,6 +355,26 @@ class FlashInferBackend(Backend):
             out.mul_(v_scale.to(out.dtype))
         if row_fix is not None:
             torch.where(row_fix[0], row_fix[1], out, out=out)
+
+    @staticmethod
+    def _run_with_lse(wrapper, row_fix, q, k_cache, v_cache, kv_format, k_scale, v_scale, out, lse) -> None:
+        """paged_attention_with_lse: run() with return_lse (never the C++ replay, which serves paged_attention
+        only), and the rows set after it set in the LSE too: -inf for an empty decode row, NaN for a bad one."""
+        fp8 = formats.is_fp8(kv_format)
+        if fp8:
+            q = q * k_scale.to(q.dtype)  # k_scale scales the scores, so the LSE comes out right too
+        lse_buffer = lse if lse.is_contiguous() else torch.empty(lse.shape, dtype=lse.dtype, device=lse.device)
+        wrapper.run(q, (k_cache, v_cache), out=out, lse=lse_buffer, return_lse=True)
+        lse_buffer.mul_(LN2)
+        if lse_buffer is not lse:
+            lse.copy_(lse_buffer)
+        if fp8:
+            out.mul_(v_scale.to(out.dtype))
+        if row_fix is not None:
+            mask, values = row_fix[0], row_fix[1]
+            torch.where(mask, values, out, out=out)
+            # values are 0 (an empty row) or NaN (a bad one): -inf or NaN
+            torch.where(mask.view(-1, 1), values.view(-1, 1).float() - float("inf"), lse, out=lse)
 
     def reshape_and_cache(self, *args, **kwargs) -> None:
         raise NotImplementedError("FlashInfer backend: cache writes go through attnops' own kernels")

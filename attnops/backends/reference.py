@@ -24,8 +24,11 @@ def _gather_sequence(cache: torch.Tensor, scale: torch.Tensor | None, pages: tor
 
 def paged_attention_reference(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q=None, *, scale=None,
                               soft_cap=0.0, window_left=-1, kv_format="auto", k_scale=None, v_scale=None,
-                              sinks=None, tree_mask=None, compute_dtype=torch.float64) -> torch.Tensor:
-    """Paged attention, one sequence at a time, in `compute_dtype`. Returns [T, Hq, D] in q's dtype.
+                              sinks=None, tree_mask=None, compute_dtype=torch.float64, return_lse=False):
+    """Paged attention, one sequence at a time, in `compute_dtype`. Returns [T, Hq, D] in q's dtype; with
+    `return_lse`, (that, lse [T, Hq] in compute_dtype): each row's log-sum-exp, the natural log of its softmax
+    denominator (sink included), -inf for a row that sees no key (with sinks: the sink's logit, its term alone),
+    NaN for a row the bad-index rules make NaN.
 
     sinks [Hq]: a logit per head that joins every row's softmax denominator (and nothing of V). tree_mask
     [T, Q] bool: inside its query block, row i of a sequence sees block key j iff tree_mask[row, j] (j < Q),
@@ -38,13 +41,17 @@ def paged_attention_reference(q, k_cache, v_cache, block_table, seq_lens, cu_seq
     group = num_q_heads // num_kv_heads
     scale = head_dim ** -0.5 if scale is None else scale
     out = torch.zeros(q.shape, dtype=compute_dtype, device=q.device)
+    lse = torch.full((num_tokens, num_q_heads), float("-inf"), dtype=compute_dtype, device=q.device)
+    if sinks is not None:
+        lse[:] = sinks.to(compute_dtype)
 
     lengths = seq_lens.tolist()
     starts = list(range(len(lengths) + 1)) if cu_seqlens_q is None else cu_seqlens_q.tolist()
     bad_entry = errors.cu_seqlens_violation(starts, num_tokens)
     if bad_entry is not None:  # which rows are whose is undefined: every row is NaN, nothing is read
         errors.record(q.device, errors.CU_SEQLENS_Q, bad_entry)
-        return torch.full_like(q, float("nan"))
+        nan = torch.full_like(q, float("nan"))
+        return (nan, lse.fill_(float("nan"))) if return_lse else nan
     num_pages = k_cache.shape[0]
     capacity = block_table.shape[1] * page_size
     for b, kv_len in enumerate(lengths):
@@ -55,6 +62,7 @@ def paged_attention_reference(q, k_cache, v_cache, block_table, seq_lens, cu_seq
         if not 0 <= kv_len <= capacity:  # no defined keys: the rows are NaN
             errors.record(q.device, errors.SEQ_LENS, b)
             out[q_start:q_end] = float("nan")
+            lse[q_start:q_end] = float("nan")
             continue
         if kv_len == 0:
             continue  # an empty sequence's rows stay 0
@@ -94,14 +102,16 @@ def paged_attention_reference(q, k_cache, v_cache, block_table, seq_lens, cu_seq
         if bool((visible & bad_key).any()):
             errors.record(q.device, errors.BLOCK_TABLE, b)
         scores = scores.masked_fill(~visible, float("-inf"))
+        # the sink is one more logit in the denominator, with no value: its column is dropped after the softmax
+        sink = None if sinks is None else sinks.to(compute_dtype)[:, None, None].expand(num_q_heads, num_queries, 1)
+        lse[q_start:q_end] = torch.logsumexp(scores if sink is None else torch.cat([scores, sink], -1), -1).T
         # a row that sees no key is 0; NaN in a visible score (from q or K) or in V reaches exactly the rows that
         # read it, as in SDPA (masked keys are -inf before the softmax, so a NaN key outside a row's view is not read)
         sees_a_key = visible.any(-1)  # [n]
         scores = torch.where(sees_a_key[None, :, None], scores, 0.0)
-        if sinks is None:
+        if sink is None:
             probs = torch.softmax(scores, dim=-1)
-        else:  # the sink is one more logit in the denominator, with no value: its column is dropped after
-            sink = sinks.to(compute_dtype)[:, None, None].expand(num_q_heads, num_queries, 1)
+        else:
             probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
         if bool(torch.isfinite(v).all()):
             rows = torch.einsum("hqk,khd->qhd", probs, v)
@@ -109,7 +119,7 @@ def paged_attention_reference(q, k_cache, v_cache, block_table, seq_lens, cu_seq
             rows = torch.stack([torch.einsum("hk,khd->hd", probs[:, i, seen], v[seen])
                                 for i, seen in enumerate(visible)])
         out[q_start:q_end] = torch.where(sees_a_key[:, None, None], rows, 0.0)
-    return out.to(q.dtype)
+    return (out.to(q.dtype), lse) if return_lse else out.to(q.dtype)
 
 
 def reshape_and_cache_reference(key, value, k_cache, v_cache, slot_mapping, *, kv_format="auto", k_scale=None,
@@ -159,11 +169,17 @@ class ReferenceBackend(Backend):
         return []  # the oracle serves every valid case
 
     def paged_attention(self, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, soft_cap,
-                        window_left, kv_format, k_scale, v_scale, out, sinks=None, tree_mask=None) -> None:
-        out.copy_(paged_attention_reference(
+                        window_left, kv_format, k_scale, v_scale, out, sinks=None, tree_mask=None,
+                        lse=None) -> None:
+        result = paged_attention_reference(
             q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale=scale, soft_cap=soft_cap,
             window_left=window_left, kv_format=kv_format, k_scale=k_scale, v_scale=v_scale, sinks=sinks,
-            tree_mask=tree_mask, compute_dtype=torch.float64))
+            tree_mask=tree_mask, compute_dtype=torch.float64, return_lse=lse is not None)
+        if lse is None:
+            out.copy_(result)
+        else:
+            out.copy_(result[0])
+            lse.copy_(result[1])
 
     def reshape_and_cache(self, key, value, k_cache, v_cache, slot_mapping, *, kv_format, k_scale, v_scale,
                           k_block_scale, v_block_scale) -> None:

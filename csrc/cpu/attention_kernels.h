@@ -396,6 +396,24 @@ inline float output_norm(const AttentionParams& p, const Tile& tile, const TileR
   return v_scale * keep / (l * keep + std::exp(s - big));
 }
 
+// A row's log-sum-exp (natural log: the scores are in natural units) from its running max m and sum l: m + log(l),
+// with a sink s log(l e^(m - M) + e^(s - M)) + M, M = max(m, s). -inf for a row that saw no key (s with a sink:
+// the sink's term alone, so that a merge with another part's keys stays exact); NaN for one that read a NaN.
+inline float row_lse(const AttentionParams& p, const Tile& tile, const TileRows& rows, int64_t r, float m, float l) {
+  if (std::isnan(l) || std::isnan(m)) return std::numeric_limits<float>::quiet_NaN();
+  const float keys = l > 0.f ? m + std::log(l) : kNegInf;
+  if (p.sinks == nullptr) return keys;
+  const float s = p.sinks[rows.q_head(p, tile, r)];
+  const float big = nan_max(keys, s);
+  if (big == kNegInf) return kNegInf;
+  return big + std::log(std::exp(keys - big) + std::exp(s - big));
+}
+
+inline void store_lse(const AttentionParams& p, const Tile& tile, const TileRows& rows, int64_t r, float m, float l) {
+  p.lse[(tile.q_begin + rows.token(p, r)) * p.lse_stride_token + rows.q_head(p, tile, r) * p.lse_stride_head] =
+      row_lse(p, tile, rows, r, m, l);
+}
+
 template <typename QT, typename Loader>
 void attend_impl(const AttentionParams& p, const Loader& ld, const Tile& tile, const WorkItem& item,
                  const Partials& partials, float* scratch) {
@@ -567,6 +585,7 @@ void attend_impl(const AttentionParams& p, const Loader& ld, const Tile& tile, c
     const float norm = output_norm(p, tile, rows, r, row_max[r], row_sum[r]);
     const float* a = acc + r * D;
     for (int64_t d = 0; d < D; ++d) dst[d * p.out_stride_dim] = from_float<QT>(a[d] * norm);
+    if (p.lse != nullptr) store_lse(p, tile, rows, r, row_max[r], row_sum[r]);
   }
 }
 
@@ -600,6 +619,7 @@ void merge_impl(const AttentionParams& p, const Tile& tile, int64_t first_slot, 
     QT* dst =
         out + (tile.q_begin + rows.token(p, r)) * p.out_stride_token + rows.q_head(p, tile, r) * p.out_stride_head;
     for (int64_t d = 0; d < D; ++d) dst[d * p.out_stride_dim] = from_float<QT>(merged[d] * norm);
+    if (p.lse != nullptr) store_lse(p, tile, rows, r, m, l);
   }
 }
 

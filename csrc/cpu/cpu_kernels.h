@@ -21,6 +21,10 @@ struct AttentionParams {
   void* out;
   int64_t out_stride_token, out_stride_head, out_stride_dim;
   DType q_dtype;  // also out's dtype
+  // lse float32 [T, Hq], any strides (null: not asked for): each row's log-sum-exp, the natural log of its softmax
+  // denominator (the sink's term included)
+  float* lse;
+  int64_t lse_stride_token, lse_stride_head;
 
   // k_cache / v_cache [num_pages, page_size, Hkv, D], equal strides, last dim contiguous. They may be views of
   // one [num_pages, 2, page_size, Hkv, D] tensor, so the page stride is not page_size * Hkv * D.

@@ -16,6 +16,7 @@
 #include <torch/library.h>
 
 #ifdef ATTNOPS_STANDALONE
+#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #endif
 
@@ -27,6 +28,7 @@
 #include <numeric>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -55,7 +57,7 @@ const KernelTable& select_kernels() {
   return *chosen;
 }
 
-// Runs the kernel; `out` is [T, Hq, D] of q's dtype. Checks shapes and dtypes (see host_utils.h); the indices it
+// Runs the kernel; `out` is [T, Hq, D] of q's dtype, `lse` (when given) float32 [T, Hq]: each row's log-sum-exp. Checks shapes and dtypes (see host_utils.h); the indices it
 // reads from host memory give docs/design.md's results for bad values ("Bad indices": NaN rows, nothing read
 // outside a tensor) and are recorded in `errors` (attnops.errors' int32 buffer), when given.
 void paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -64,7 +66,7 @@ void paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const a
                          int64_t window_left, const std::optional<at::Tensor>& k_scale,
                          const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& sinks,
                          const std::optional<at::Tensor>& tree_mask, const at::Tensor& out,
-                         const std::optional<at::Tensor>& errors) {
+                         const std::optional<at::Tensor>& errors, const std::optional<at::Tensor>& lse) {
   const char* op = "paged_attention";
   const int page_shift = check_caches(op, k_cache, v_cache);
   ATTNOPS_ARG_CHECK(op, q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1,
@@ -73,6 +75,12 @@ void paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const a
                     ")");
   ATTNOPS_ARG_CHECK(op, out.device().is_cpu() && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
                     "out must be a CPU tensor of q's shape and dtype");
+  if (lse.has_value()) {
+    ATTNOPS_ARG_CHECK(op,
+                      lse->device().is_cpu() && lse->scalar_type() == at::kFloat && lse->dim() == 2 &&
+                          lse->size(0) == q.size(0) && lse->size(1) == q.size(1),
+                      "lse must be a float32 CPU tensor [num_tokens, num_q_heads]");
+  }
   const int64_t num_tokens = q.size(0), num_q_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_pages = k_cache.size(0), page_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   ATTNOPS_ARG_CHECK(op, k_cache.size(3) == head_dim, "q's head_dim (", head_dim, ") != the cache's (", k_cache.size(3),
@@ -127,6 +135,9 @@ void paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const a
   p.out_stride_head = out.stride(1);
   p.out_stride_dim = out.stride(2);
   p.q_dtype = dtype_of(q.scalar_type());
+  p.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
+  p.lse_stride_token = lse.has_value() ? lse->stride(0) : 0;
+  p.lse_stride_head = lse.has_value() ? lse->stride(1) : 0;
   p.k_cache = k_cache.const_data_ptr();
   p.v_cache = v_cache.const_data_ptr();
   p.cache_stride_page = k_cache.stride(0);
@@ -175,6 +186,7 @@ void paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const a
           (i == batch && start != num_tokens)) {
         record(kErrCuSeqlensQ, i);
         out.fill_(nan);
+        if (lse.has_value()) lse->fill_(nan);
         return;
       }
     }
@@ -188,6 +200,7 @@ void paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const a
     if (kv_len < 0 || kv_len > max_pages * page_size) {  // no defined keys: its rows are NaN
       record(kErrSeqLens, b);
       out.narrow(0, q_begin, q_end - q_begin).fill_(nan);
+      if (lse.has_value()) lse->narrow(0, q_begin, q_end - q_begin).fill_(nan);
       continue;
     }
     // Pages outside the cache are masked in the kernel (p.num_pages); recorded here if a row sees one of their
@@ -328,10 +341,10 @@ void cpu_paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const a
                          int64_t window_left, const std::optional<at::Tensor>& k_scale,
                          const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& sinks,
                          const std::optional<at::Tensor>& tree_mask, at::Tensor& out,
-                         const std::optional<at::Tensor>& errors) {
+                         const std::optional<at::Tensor>& errors, const std::optional<at::Tensor>& lse) {
   check_errors("paged_attention", errors);
   paged_attention_cpu(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left, k_scale,
-                      v_scale, sinks, tree_mask, out, errors);
+                      v_scale, sinks, tree_mask, out, errors, lse);
 }
 
 #ifdef ATTNOPS_STANDALONE
@@ -346,7 +359,33 @@ void paged_attention_out(const at::Tensor& q, const at::Tensor& k_cache, const a
   check_kv_format("paged_attention", kv_format, k_cache.scalar_type());
   const double resolved_scale = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
   paged_attention_cpu(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, resolved_scale, soft_cap, window_left,
-                      k_scale, v_scale, sinks, tree_mask, out, std::nullopt);
+                      k_scale, v_scale, sinks, tree_mask, out, std::nullopt, std::nullopt);
+}
+
+void paged_attention_with_lse_out(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_table, const at::Tensor& seq_lens,
+                                  const std::optional<at::Tensor>& cu_seqlens_q, std::optional<double> scale,
+                                  double soft_cap, int64_t window_left, c10::string_view kv_format,
+                                  const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                                  const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& tree_mask,
+                                  at::Tensor& out, at::Tensor& lse) {
+  check_kv_format("paged_attention", kv_format, k_cache.scalar_type());
+  const double resolved_scale = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
+  paged_attention_cpu(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, resolved_scale, soft_cap, window_left,
+                      k_scale, v_scale, sinks, tree_mask, out, std::nullopt, lse);
+}
+
+std::tuple<at::Tensor, at::Tensor> paged_attention_with_lse(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
+    const at::Tensor& seq_lens, const std::optional<at::Tensor>& cu_seqlens_q, std::optional<double> scale,
+    double soft_cap, int64_t window_left, c10::string_view kv_format, const std::optional<at::Tensor>& k_scale,
+    const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& sinks,
+    const std::optional<at::Tensor>& tree_mask) {
+  at::Tensor out = at::empty_like(q);
+  at::Tensor lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
+  paged_attention_with_lse_out(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left,
+                               kv_format, k_scale, v_scale, sinks, tree_mask, out, lse);
+  return {out, lse};
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -373,7 +412,7 @@ TORCH_LIBRARY_FRAGMENT(attnops, m) {
   m.def(
       "cpu_paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
       "Tensor? cu_seqlens_q, float scale, float soft_cap, int window_left, Tensor? k_scale, Tensor? v_scale, "
-      "Tensor? sinks, Tensor? tree_mask, Tensor(a!) out, Tensor(b!)? errors=None) -> ()");
+      "Tensor? sinks, Tensor? tree_mask, Tensor(a!) out, Tensor(b!)? errors=None, Tensor(c!)? lse=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(attnops, CPU, m) {
@@ -381,6 +420,8 @@ TORCH_LIBRARY_IMPL(attnops, CPU, m) {
 #ifdef ATTNOPS_STANDALONE
   m.impl("paged_attention", &paged_attention);
   m.impl("paged_attention.out", &paged_attention_out);
+  m.impl("paged_attention_with_lse", &paged_attention_with_lse);
+  m.impl("paged_attention_with_lse.out", &paged_attention_with_lse_out);
 #endif
 }
 

@@ -7,7 +7,8 @@
 
 int main() {
   int missing = 0;
-  for (const char* name : {"attnops::paged_attention", "attnops::reshape_and_cache"}) {
+  for (const char* name :
+       {"attnops::paged_attention", "attnops::paged_attention_with_lse", "attnops::reshape_and_cache"}) {
     for (const char* overload : {"", "out"}) {
       if (std::string(name) == "attnops::reshape_and_cache" && std::string(overload) == "out") continue;
       auto op = c10::Dispatcher::singleton().findSchema({name, overload});

@@ -59,11 +59,12 @@ class TritonBackend(Backend):
         return reasons
 
     def paged_attention(self, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, soft_cap,
-                        window_left, kv_format, k_scale, v_scale, out, sinks=None, tree_mask=None) -> None:
+                        window_left, kv_format, k_scale, v_scale, out, sinks=None, tree_mask=None,
+                        lse=None) -> None:
         from .launch import launch
         launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale=scale, soft_cap=soft_cap,
                window_left=window_left, kv_format=kv_format, k_scale=k_scale, v_scale=v_scale, sinks=sinks,
-               tree_mask=tree_mask, out=out)
+               tree_mask=tree_mask, out=out, lse=lse)
 
     def reshape_and_cache(self, key, value, k_cache, v_cache, slot_mapping, *, kv_format, k_scale, v_scale,
                           k_block_scale, v_block_scale) -> None:

@@ -17,6 +17,7 @@ from ...formats import FORMATS
 # Globals a kernel reads must be tl.constexpr: Triton 3.6 refuses plain Python globals in compiled kernels (its
 # interpreter accepts them, so only the GPU catches this).
 LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)  # base-2 logs (the kernels' softmax) to natural ones
 
 # The interpreter (TRITON_INTERPRET=1, read by Triton at import as here): its fp8 decode has no NaN or Inf (e4m3's
 # 0x7F reads as 480, e5m2's exponent 31 as a number), where the GPU's conversion has them; fp8_decoded restores

@@ -133,17 +133,25 @@ def attention_variants(quick: bool, arch: int = 90):
         yield dict(fmt="bf16", q_dtype="bf16", decode=decode, head_dim=128, group=4, page=16,
                    block_q=1 if decode else 16, block_n=128 if decode else 64, warps=4 if decode else 8,
                    window=not decode, soft_cap=False, scale_bcast=False, sinks=True, tree=not decode)
+    # with each row's LSE (paged_attention_with_lse): split decode with sinks (the merge kernel writes it), and a
+    # verify tile with a window and soft cap
+    for decode in (True, False):
+        yield dict(fmt="bf16", q_dtype="bf16", decode=decode, head_dim=128, group=4, page=16,
+                   block_q=1 if decode else 16, block_n=128 if decode else 64, warps=4 if decode else 8,
+                   window=not decode, soft_cap=not decode, scale_bcast=False, sinks=decode, lse=True)
     # fp32 q (ieee dots), MQA with 16 heads a group
     yield dict(fmt="fp32", q_dtype="fp32", decode=True, head_dim=64, group=16, page=1, block_q=1, block_n=64,
                warps=4, window=True, soft_cap=False, scale_bcast=False)
 
 
-def attention_types(fmt: str, q_dtype: str) -> dict:
-    """Pointer types of the attention kernel's tensors, as launch() passes them (fp8 caches as bytes)."""
+def attention_types(fmt: str, q_dtype: str, lse: bool = False) -> dict:
+    """Pointer types of the attention kernel's tensors, as launch() passes them (fp8 caches as bytes; lse's
+    placeholder without WRITE_LSE is `out`)."""
     scale_ptr = {"block": "*u8", "tensor": "*fp32"}.get(FORMATS[fmt].scale, PTR[fmt])
     qp = "*" + q_dtype
     return dict(q_ptr=qp, k_ptr=PTR[fmt], v_ptr=PTR[fmt], ks_ptr=scale_ptr, vs_ptr=scale_ptr, bt_ptr="*i32",
-                seq_lens_ptr="*i32", cu_ptr="*i32", out_ptr=qp, part_out_ptr="*fp32", part_lse_ptr="*fp32",
+                seq_lens_ptr="*i32", cu_ptr="*i32", out_ptr=qp, lse_ptr="*fp32" if lse else qp,
+                part_out_ptr="*fp32", part_lse_ptr="*fp32",
                 sinks_ptr="*fp32", tm_ptr="*u8", err_ptr="*i32")
 
 
@@ -199,12 +207,13 @@ def compile_attention(v, target):
     from .heuristics import dot_dtype
     ddt = TL_DTYPE[dot_dtype(TORCH_DTYPE[v["q_dtype"]], v["fmt"])]
     qp = "*" + v["q_dtype"]
-    types = attention_types(v["fmt"], v["q_dtype"])
+    types = attention_types(v["fmt"], v["q_dtype"], v.get("lse", False))
     block_m = max(16, triton.next_power_of_2(v["block_q"] * v["group"]))
     constexprs = dict(NUM_Q_HEADS=8 * v["group"], HEAD_DIM=v["head_dim"], PAGE=v["page"], GROUP=v["group"],
                       BLOCK_Q=v["block_q"], BLOCK_M=block_m, BLOCK_N=v["block_n"], FMT=FMT_CODE[v["fmt"]],
                       IS_DECODE=v["decode"], HAS_WINDOW=v["window"], HAS_SOFTCAP=v["soft_cap"],
-                      HAS_SINKS=v.get("sinks", False), HAS_TREE=v.get("tree", False), DOT_DTYPE=ddt,
+                      HAS_SINKS=v.get("sinks", False), HAS_TREE=v.get("tree", False),
+                      WRITE_LSE=v.get("lse", False), DOT_DTYPE=ddt,
                       DOT_PRECISION="ieee" if ddt == tl.float32 else "tf32",
                       FP8_DTYPE=tl.float8e4nv if v["fmt"] == "fp8_e4m3" else tl.float8e5,
                       SCALE_BCAST=v["scale_bcast"], FP4_ASM=v.get("fp4_asm", False),
@@ -214,12 +223,14 @@ def compile_attention(v, target):
                       BOUNDS=v.get("bounds", True))
     stages = 2 if v["head_dim"] >= 256 else 3
     compiled = compile_one(paged_attention_kernel, types, constexprs, target, v["warps"], stages)
-    merge = compile_one(merge_splits_kernel, dict(out_ptr=qp, part_out_ptr="*fp32", part_lse_ptr="*fp32",
-                                                  seq_lens_ptr="*i32", cu_ptr="*i32", sinks_ptr="*fp32"),
+    merge = compile_one(merge_splits_kernel, dict(out_ptr=qp, lse_ptr=types["lse_ptr"], part_out_ptr="*fp32",
+                                                  part_lse_ptr="*fp32", seq_lens_ptr="*i32", cu_ptr="*i32",
+                                                  sinks_ptr="*fp32"),
                         dict(NUM_Q_HEADS=32, HEAD_DIM=v["head_dim"], BLOCK_Q=v["block_q"], BLOCK_N=v["block_n"],
                              SPLITS_P2=64, IS_DECODE=v["decode"], HAS_WINDOW=v["window"],
                              HAS_TREE=v.get("tree", False), HAS_SINKS=v.get("sinks", False),
-                             PDL=v.get("pdl", False), BOUNDS=v.get("bounds", True), ALIGN=v["block_n"]),
+                             PDL=v.get("pdl", False), BOUNDS=v.get("bounds", True), ALIGN=v["block_n"],
+                             WRITE_LSE=v.get("lse", False)),
                         target, 4, 2)
     return compiled, merge
 

@@ -150,7 +150,8 @@ def smaller_tile(cfg: dict) -> dict | None:
 
 def kernel_constexprs(cfg: dict, *, q_dtype: torch.dtype, kv_format: str, decode: bool, num_q_heads: int,
                       head_dim: int, group: int, page_size: int, window: bool, soft_cap: bool,
-                      on_gpu: bool, sinks: bool = False, tree: bool = False) -> tuple[dict, dict]:
+                      on_gpu: bool, sinks: bool = False, tree: bool = False,
+                      lse: bool = False) -> tuple[dict, dict]:
     """The attention kernel's constexpr arguments and compiler options (num_warps, num_stages, maxnreg) for a
     configuration: the one place that turns tunables into what Triton compiles, for launch() and for
     compile_check (which compiles the heuristic's choices for a GPU target without one). Tunables that do not
@@ -163,7 +164,7 @@ def kernel_constexprs(cfg: dict, *, q_dtype: torch.dtype, kv_format: str, decode
         NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, PAGE=page_size, GROUP=group, BLOCK_Q=cfg["BLOCK_Q"],
         BLOCK_M=max(16, triton.next_power_of_2(cfg["BLOCK_Q"] * group)), BLOCK_N=cfg["BLOCK_N"],
         FMT=FMT_CODE[kv_format], IS_DECODE=decode, HAS_WINDOW=window, HAS_SOFTCAP=soft_cap, HAS_SINKS=sinks,
-        HAS_TREE=tree,
+        HAS_TREE=tree, WRITE_LSE=lse,
         DOT_DTYPE=TL_DTYPE[ddt], DOT_PRECISION="ieee" if ddt == torch.float32 else "tf32",
         FP8_DTYPE=tl.float8e4nv if kv_format == "fp8_e4m3" else tl.float8e5,
         SCALE_BCAST=bool(cfg["SCALE_BCAST"]) and formats.is_fp4(kv_format),

@@ -14,7 +14,8 @@ One program handles (query block, KV head, split):
   into the score scale and the output, 4-bit with per-block scales applied per element): there is no
   dequantized copy of the cache anywhere.
 A program whose sequence needs only one split writes the normalized output directly; otherwise it writes its
-partial output and LSE to a workspace of [T, Hq, MAX_SPLITS] rows and the merge kernel combines them.
+partial output and LSE to a workspace of [T, Hq, MAX_SPLITS] rows and the merge kernel combines them. With
+WRITE_LSE (paged_attention_with_lse) whichever writes a row's output also writes its LSE, as a natural log.
 
 Every query shape (decode, verify, extend, prefill: IS_DECODE) shares these kernels. heuristics.py chooses their
 tunables from shapes; launch.py runs them.
@@ -27,7 +28,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .common import (ERR_BLOCK_TABLE, ERR_CU_SEQLENS_Q, ERR_SEQ_LENS, FMT_FP8, FMT_MXFP4, FMT_NVFP4,
-                     FP8_PAIR_E4M3_EVEN, FP8_PAIR_E4M3_ODD, FP8_PAIR_E5M2_EVEN, FP8_PAIR_E5M2_ODD, LOG2E,
+                     FP8_PAIR_E4M3_EVEN, FP8_PAIR_E4M3_ODD, FP8_PAIR_E5M2_EVEN, FP8_PAIR_E5M2_ODD, LN2, LOG2E,
                      bad_page_rows, check_pages, cu_seqlens_violation, e2m1_nibbles, e8m0_to_f32, fp8_decoded,
                      find_sequence, kv_plan, opaque_one)
 
@@ -183,15 +184,32 @@ def _fp8_to_dot(x, FP8_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _nan_rows(out_ptr, part_out_ptr, part_lse_ptr, tok, row_head, row_valid, split, MAX_SPLITS, stride_ot, stride_oh,
-              NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """NaN into the rows (tok, row_head) of `out` (split 0) and into this split's partial rows, which the merge
-    kernel may read for them."""
+def _log2_add_exp2(a, b):
+    """log2(2^a + 2^b): -inf where both are -inf, NaN where either is NaN."""
+    big = tl.maximum(a, b)
+    big = tl.where(big == float("-inf"), 0.0, big)
+    return _log2_or_neg_inf(tl.exp2(a - big) + tl.exp2(b - big)) + big
+
+
+@triton.jit
+def _log2_or_neg_inf(x):
+    """log2(x) for x >= 0 (or NaN), with no log of 0 evaluated: the interpreter warns on one."""
+    return tl.where(x == 0.0, float("-inf"), tl.log2(tl.where(x == 0.0, 1.0, x)))
+
+
+@triton.jit
+def _nan_rows(out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, tok, row_head, row_valid, split, MAX_SPLITS, stride_ot,
+              stride_oh, NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, WRITE_LSE: tl.constexpr):
+    """NaN into the rows (tok, row_head) of `out` and `lse` (split 0) and into this split's partial rows, which
+    the merge kernel may read for them."""
     cols = tl.arange(0, HEAD_DIM)
     nan = tl.full([tok.shape[0], HEAD_DIM], float("nan"), tl.float32)
     if split == 0:
         o_ptr = out_ptr + tok[:, None] * stride_ot + row_head.to(tl.int64)[:, None] * stride_oh + cols[None, :]
         tl.store(o_ptr, nan.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+        if WRITE_LSE:
+            tl.store(lse_ptr + tok * NUM_Q_HEADS + row_head, tl.full([tok.shape[0]], float("nan"), tl.float32),
+                     mask=row_valid)
     if MAX_SPLITS > 1:
         part_row = (tok * NUM_Q_HEADS + row_head) * MAX_SPLITS + split
         tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + cols[None, :], nan, mask=row_valid[:, None])
@@ -204,7 +222,8 @@ def _nan_rows(out_ptr, part_out_ptr, part_lse_ptr, tok, row_head, row_valid, spl
 @triton.jit(do_not_specialize=["num_seqs", "window_left", "MAX_SPLITS", "CHUNK", "num_tokens", "num_pages",
                                "capacity", "stride_tm", "tm_cols"])
 def paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_lens_ptr, cu_ptr, out_ptr, part_out_ptr, part_lse_ptr, err_ptr,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_lens_ptr, cu_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+    err_ptr,
     sinks_ptr, tm_ptr, num_seqs, sm_scale, soft_cap, window_left, MAX_SPLITS, CHUNK, num_tokens, num_pages,
     capacity,
     stride_qt, stride_qh, stride_kp, stride_kt, stride_kh,
@@ -213,7 +232,7 @@ def paged_attention_kernel(
     NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr,
     IS_DECODE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
-    HAS_TREE: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    HAS_TREE: tl.constexpr, WRITE_LSE: tl.constexpr, DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FP8_DTYPE: tl.constexpr, SCALE_BCAST: tl.constexpr,
     FP4_ASM: tl.constexpr, SOFT_FP8: tl.constexpr,
     V_DEQUANT_FIRST: tl.constexpr, HEADS_INNER: tl.constexpr, PDL: tl.constexpr, FP8_V_PAIRS: tl.constexpr,
@@ -254,9 +273,9 @@ def paged_attention_kernel(
             if bad_entry <= num_seqs:
                 offs_m = tl.arange(0, BLOCK_M)
                 tok = (pid_q * BLOCK_Q + offs_m // GROUP).to(tl.int64)
-                _nan_rows(out_ptr, part_out_ptr, part_lse_ptr, tok, kvh * GROUP + offs_m % GROUP,
+                _nan_rows(out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, tok, kvh * GROUP + offs_m % GROUP,
                           (offs_m < BLOCK_Q * GROUP) & (tok < num_tokens), split, MAX_SPLITS, stride_ot, stride_oh,
-                          NUM_Q_HEADS, HEAD_DIM)
+                          NUM_Q_HEADS, HEAD_DIM, WRITE_LSE)
                 if (pid_q == 0) & (kvh == 0) & (split == 0):
                     tl.atomic_min(err_ptr + ERR_CU_SEQLENS_Q, bad_entry)
                 return
@@ -490,6 +509,14 @@ def paged_attention_kernel(
         tl.store(o_ptr, (acc * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
         if PAIRED_V:
             tl.store(o_ptr + 1, (acc_o * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+        if WRITE_LSE:
+            # base 2 like the scores; no key: -inf, or with a sink its term alone (a merge stays exact)
+            row_lse = m_i + _log2_or_neg_inf(l_i)
+            if HAS_SINKS:
+                row_lse = _log2_add_exp2(row_lse, sink)
+            if BOUNDS:
+                row_lse = tl.where(poison, float("nan"), row_lse)
+            tl.store(lse_ptr + tok * NUM_Q_HEADS + row_head, row_lse * LN2, mask=row_valid)
     else:
         part_row = (tok * NUM_Q_HEADS + row_head) * MAX_SPLITS + split  # int64
         p_ptr = part_out_ptr + part_row[:, None] * HEAD_DIM + col[None, :]
@@ -504,13 +531,15 @@ def paged_attention_kernel(
 
 @triton.jit(do_not_specialize=["num_seqs", "window_left", "MAX_SPLITS", "CHUNK", "capacity"])
 def merge_splits_kernel(
-    out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, cu_ptr, sinks_ptr, num_seqs, window_left, MAX_SPLITS, CHUNK,
-    capacity, stride_ot, stride_oh,
+    out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, cu_ptr, sinks_ptr, num_seqs, window_left, MAX_SPLITS,
+    CHUNK, capacity, stride_ot, stride_oh,
     NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLITS_P2: tl.constexpr, IS_DECODE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TREE: tl.constexpr,
     HAS_SINKS: tl.constexpr, PDL: tl.constexpr, BOUNDS: tl.constexpr, ALIGN: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
 ):
-    """One program per (query token, query head): combines the token's split partials by their LSE. It
+    """One program per (query token, query head): combines the token's split partials by their LSE (and, with
+    WRITE_LSE, writes the merged LSE as a natural log). It
     recomputes the split plan of the attention kernel (same kv_plan) and leaves single-split rows alone (the
     attention kernel wrote them directly). PDL (launched as a programmatic dependent of the attention kernel):
     the split plan, from inputs the attention kernel does not write, is worked out while that kernel finishes, and
@@ -564,3 +593,9 @@ def merge_splits_kernel(
         acc += tl.sum(w[:, None] * part, 0)
     o = acc / tl.where(denom > 0.0, denom, 1.0)
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
+    if WRITE_LSE:
+        total = denom
+        if HAS_SINKS:  # a row with no key: the sink's term alone (its output stays 0)
+            total += tl.where(tl.max(lse, 0) == float("-inf"), tl.exp2(sink - mx), 0.0)
+        row_lse = mx + _log2_or_neg_inf(total)  # (NaN stays NaN)
+        tl.store(lse_ptr + t.to(tl.int64) * NUM_Q_HEADS + h, row_lse * LN2)

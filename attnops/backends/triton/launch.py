@@ -16,8 +16,9 @@ from .kernel import merge_splits_kernel, paged_attention_kernel
 
 
 def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, soft_cap, window_left, kv_format,
-           k_scale, v_scale, out, sinks=None, tree_mask=None, config=None):
-    """Runs paged attention (decode when cu_seqlens_q is None) into `out`. Inputs are validated by the op."""
+           k_scale, v_scale, out, sinks=None, tree_mask=None, lse=None, config=None):
+    """Runs paged attention (decode when cu_seqlens_q is None) into `out`, and each row's LSE into `lse` when
+    given (float32 [T, Hq]). Inputs are validated by the op."""
     decode = cu_seqlens_q is None
     num_tokens, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -28,6 +29,8 @@ def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, s
         return
     if batch == 0:  # rows but no sequence: cu_seqlens_q ([0 + 1]) cannot run from 0 to num_tokens
         out.fill_(float("nan"))
+        if lse is not None:
+            lse.fill_(float("nan"))
         errors.record(q.device, errors.CU_SEQLENS_Q, 0)
         return
     chosen = heuristic_config(q.device, decode, batch, num_tokens, num_q_heads, num_kv_heads, head_dim, page_size,
@@ -48,8 +51,15 @@ def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, s
         result = torch.empty_like(out, memory_format=torch.contiguous_format)
         launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale=scale, soft_cap=soft_cap,
                window_left=window_left, kv_format=kv_format, k_scale=k_scale, v_scale=v_scale, out=result,
-               sinks=sinks, tree_mask=tree_mask, config=config)
+               sinks=sinks, tree_mask=tree_mask, lse=lse, config=config)
         out.copy_(result)
+        return
+    if lse is not None and not lse.is_contiguous():  # the kernels write LSE rows at token * Hq + head
+        lse_result = torch.empty(lse.shape, dtype=lse.dtype, device=lse.device)
+        launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale=scale, soft_cap=soft_cap,
+               window_left=window_left, kv_format=kv_format, k_scale=k_scale, v_scale=v_scale, out=out,
+               sinks=sinks, tree_mask=tree_mask, lse=lse_result, config=config)
+        lse.copy_(lse_result)
         return
     block_q = cfg["BLOCK_Q"]
     max_splits, chunk = cfg["MAX_SPLITS"], cfg["CHUNK"]
@@ -74,15 +84,17 @@ def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, s
 
     if sinks is not None and sinks.stride(0) != 1:
         sinks = sinks.contiguous()
-    # placeholders where absent (the kernel never reads them); the mask as bytes
+    # placeholders where absent (the kernel never reads or writes them); the mask as bytes
     sinks_arg = out if sinks is None else sinks
+    lse_arg = out if lse is None else lse
     tm_arg, tm_stride, tm_cols = (out, 0, 0) if tree_mask is None else (
         tree_mask.view(torch.uint8), tree_mask.stride(0), tree_mask.shape[1])
     cu = seq_lens if decode else cu_seqlens_q
     num_q_blocks = batch if decode else num_tokens // block_q + batch
     shape = dict(q_dtype=q.dtype, kv_format=kv_format, decode=decode, num_q_heads=num_q_heads, head_dim=head_dim,
                  group=group, page_size=page_size, window=window_left >= 0, soft_cap=soft_cap > 0,
-                 on_gpu=q.is_cuda and not interpreting(), sinks=sinks is not None, tree=tree_mask is not None)
+                 on_gpu=q.is_cuda and not interpreting(), sinks=sinks is not None, tree=tree_mask is not None,
+                 lse=lse is not None)
     constexprs, options = kernel_constexprs(cfg, **shape)
     if max_splits > 1:
         # one allocation for both (host time per call matters for short decode steps): partial outputs
@@ -100,7 +112,8 @@ def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, s
     while True:
         try:
             paged_attention_kernel[grid](
-                q, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens, cu, out, part_out, part_lse, error_buffer,
+                q, k_cache, v_cache, k_scale, v_scale, block_table, seq_lens, cu, out, lse_arg, part_out, part_lse,
+                error_buffer,
                 sinks_arg, tm_arg, batch, float(scale), float(soft_cap), int(window_left), max_splits, chunk,
                 num_tokens, num_pages, capacity,
                 q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -123,12 +136,13 @@ def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, s
                       f"{cfg['num_stages']} stages", RuntimeWarning)
     if max_splits > 1:
         merge_splits_kernel[(num_tokens, num_q_heads)](
-            out, part_out, part_lse, seq_lens, cu, sinks_arg, batch, int(window_left), max_splits, chunk, capacity,
+            out, lse_arg, part_out, part_lse, seq_lens, cu, sinks_arg, batch, int(window_left), max_splits, chunk,
+            capacity,
             out.stride(0), out.stride(1),
             NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_Q=block_q, BLOCK_N=cfg["BLOCK_N"],
             SPLITS_P2=max(2, triton.next_power_of_2(max_splits)), IS_DECODE=decode,
             HAS_WINDOW=window_left >= 0, HAS_TREE=tree_mask is not None, HAS_SINKS=sinks is not None,
-            PDL=constexprs["PDL"], BOUNDS=constexprs["BOUNDS"],
+            PDL=constexprs["PDL"], BOUNDS=constexprs["BOUNDS"], WRITE_LSE=constexprs["WRITE_LSE"],
             # the attention kernel's alignment of a window's first tile (kernel.py), whose split plan this repeats
             ALIGN=min(page_size, cfg["BLOCK_N"]) if constexprs["BOUNDS"] and window_left >= 0 else cfg["BLOCK_N"],
             launch_pdl=constexprs["PDL"],
