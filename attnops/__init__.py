@@ -8,6 +8,7 @@ Each call is served by the fastest backend that supports it (see `attnops.explai
 A bad index (a page outside the cache, a length past the table, ...) is never dereferenced: the op returns NaN
 rows for it, drops a bad slot's write, and records it on the device; `attnops.take_errors()` reports and clears.
 """
+from .cascade import cascade_attention
 from .dispatch import explain, use_backend
 from .errors import take_errors
 from .ops import merge_attention_states, paged_attention, paged_attention_with_lse, reshape_and_cache
@@ -16,5 +17,6 @@ from .serving.kv_cache import BatchMetadata, PagedKVCache
 from .serving.spec import tree_mask_from_parents
 
 __version__ = "0.1.0"
-__all__ = ["BatchMetadata", "DecodeGraphRunner", "PagedKVCache", "explain", "merge_attention_states",
-           "paged_attention", "paged_attention_with_lse", "reshape_and_cache", "take_errors", "tree_mask_from_parents", "use_backend"]
+__all__ = ["BatchMetadata", "DecodeGraphRunner", "PagedKVCache", "cascade_attention", "explain",
+           "merge_attention_states", "paged_attention", "paged_attention_with_lse", "reshape_and_cache", "take_errors",
+           "tree_mask_from_parents", "use_backend"]
