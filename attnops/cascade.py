@@ -60,7 +60,7 @@ def cascade_attention(q, k_cache, v_cache, prefix_table, prefix_len, block_table
         raise ValueError(f"attnops.cascade_attention: sinks must be a float32 tensor [num_q_heads={q.shape[1]}]")
     common = dict(scale=scale, soft_cap=soft_cap, kv_format=kv_format, k_scale=k_scale, v_scale=v_scale)
     table, lens, tree_mask = _prefix_pass_inputs(prefix_table, prefix_len.view(-1), k_cache.shape[1], q.shape[0])
-    rows = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device)
+    rows = torch.arange(2, dtype=torch.int32, device=q.device) * q.shape[0]  # [0, T], made on the device (capture)
     out_prefix, lse_prefix = paged_attention_with_lse(q, k_cache, v_cache, table, lens, rows, tree_mask=tree_mask,
                                                       **common)
     out_own, lse_own = paged_attention_with_lse(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, **common)

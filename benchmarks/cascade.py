@@ -77,7 +77,7 @@ def measure(batch, prefix, own, kv_format, heads, rep_ms):
     plain_us = min(graph_time_us(plain, rep_ms), graph_time_us(plain, rep_ms, host_seq_lens=meta.host_seq_lens))
     # the two passes alone: where cascade's time goes (the rest is the merge and the glue)
     table, lens, tree_mask = _prefix_pass_inputs(split.prefix_table, split.prefix_len, cache.page_size, batch)
-    rows = torch.tensor([0, batch], dtype=torch.int32, device=q.device)
+    rows = torch.arange(2, dtype=torch.int32, device=q.device) * batch
     prefix_us = graph_time_us(lambda: attnops.paged_attention_with_lse(q, block_table=table, seq_lens=lens,
                                                                        cu_seqlens_q=rows, tree_mask=tree_mask, **args),
                               rep_ms)
