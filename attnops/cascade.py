@@ -16,29 +16,55 @@ length is a tensor), so the whole is traced by torch.compile and captured by a C
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .ops import merge_attention_states, paged_attention_with_lse
 
 
-def _prefix_pass_inputs(prefix_table: torch.Tensor, prefix_len: torch.Tensor, page_size: int, num_rows: int):
-    """The prefix pass's block table [1, P + ceil(T / page)], length [1] and tree mask [T, T]: the T query rows
-    are placed right after the prefix (positions prefix_len ... prefix_len + T - 1) and see none of them, so
-    their positions only need a page the kernel may read: page 0 past the prefix's own pages (their keys are
-    masked out; page 0 exists in any cache with pages)."""
+class PrefixPass(NamedTuple):
+    """paged_attention_with_lse's arguments for the prefix pass: the T query rows as one block of one sequence,
+    placed right after the prefix and seeing none of their own block. The same for every layer of a step, so a
+    serving loop makes it once a step (prefix_pass(), or on the host: PagedKVCache.cascade_split)."""
+
+    block_table: torch.Tensor  # int32 [1, P + ceil(T / page_size)]
+    seq_lens: torch.Tensor  # int32 [1]: prefix_len + T
+    cu_seqlens_q: torch.Tensor  # int32 [2]: [0, T]
+    tree_mask: torch.Tensor  # bool [T, T], all False
+
+
+def prefix_pass(prefix_table: torch.Tensor, prefix_len: torch.Tensor, page_size: int, num_rows: int) -> PrefixPass:
+    """The prefix pass's inputs, made on the device from the prefix's pages and length (graph-safe). The T rows'
+    own positions (prefix_len ... prefix_len + T - 1) are never seen, so they only need a page the kernel may
+    read: page 0 past the prefix's own pages (page 0 exists in any cache with pages)."""
     extra = -(-num_rows // page_size)
     width = prefix_table.shape[0] + extra
     prefix_pages = torch.div(prefix_len + page_size - 1, page_size, rounding_mode="floor")
     index = torch.arange(width, device=prefix_table.device)
     padded = torch.cat((prefix_table, prefix_table.new_zeros(extra)))
     table = torch.where(index < prefix_pages, padded, torch.zeros_like(padded))
-    lens = (prefix_len + num_rows).to(torch.int32)
-    tree_mask = torch.zeros(num_rows, num_rows, dtype=torch.bool, device=prefix_table.device)
-    return table.view(1, width), lens.view(1), tree_mask
+    device = prefix_table.device
+    return PrefixPass(block_table=table.view(1, width), seq_lens=(prefix_len + num_rows).to(torch.int32).view(1),
+                      cu_seqlens_q=torch.arange(2, dtype=torch.int32, device=device) * num_rows,  # no host copy
+                      tree_mask=torch.zeros(num_rows, num_rows, dtype=torch.bool, device=device))
+
+
+def host_prefix_pass(prefix_pages: list[int], prefix_tokens: int, page_size: int, num_rows: int,
+                     device) -> PrefixPass:
+    """prefix_pass() from the host's list of the prefix's pages: one copy a tensor, no device arithmetic (a
+    serving loop that knows its pages)."""
+    used = -(-prefix_tokens // page_size)
+    pages = [p if i < used else 0 for i, p in enumerate(prefix_pages)] + [0] * -(-num_rows // page_size)
+    return PrefixPass(block_table=torch.tensor([pages], dtype=torch.int32, device=device),
+                      seq_lens=torch.tensor([prefix_tokens + num_rows], dtype=torch.int32, device=device),
+                      cu_seqlens_q=torch.tensor([0, num_rows], dtype=torch.int32, device=device),
+                      tree_mask=torch.zeros(num_rows, num_rows, dtype=torch.bool, device=device))
 
 
 def cascade_attention(q, k_cache, v_cache, prefix_table, prefix_len, block_table, seq_lens, cu_seqlens_q=None, *,
-                      scale=None, soft_cap=0.0, kv_format="auto", k_scale=None, v_scale=None, sinks=None):
+                      scale=None, soft_cap=0.0, kv_format="auto", k_scale=None, v_scale=None, sinks=None,
+                      prefix=None):
     """paged_attention over a shared prefix and per-sequence suffixes, reading the prefix once.
 
     q: [T, Hq, D], the batch's query rows (decode: one a sequence; with cu_seqlens_q: each sequence's last
@@ -46,25 +72,28 @@ def cascade_attention(q, k_cache, v_cache, prefix_table, prefix_len, block_table
     prefix_len: int32 [1], its tokens (at most P x page_size; 0: no prefix); block_table [B, W] and seq_lens [B]:
     each sequence's own pages and tokens after the prefix (including this step's). The other arguments as
     paged_attention's; sliding windows and tree masks are not offered (their positions would have to be shifted
-    by the prefix). Equal to paged_attention over the concatenated pages, up to rounding."""
-    if prefix_table.dim() != 1 or prefix_table.dtype != torch.int32:
-        raise ValueError(f"attnops.cascade_attention: prefix_table must be int32 [P] (got {prefix_table.dtype} "
-                         f"{list(prefix_table.shape)})")
-    if not isinstance(prefix_len, torch.Tensor) or prefix_len.numel() != 1 or prefix_len.dtype != torch.int32:
-        raise ValueError("attnops.cascade_attention: prefix_len must be an int32 tensor of one element (a tensor, "
-                         "so that a compiled or captured step takes a new length without recompiling)")
-    if prefix_table.device != q.device or prefix_len.device != q.device:
-        raise ValueError(f"attnops.cascade_attention: prefix_table and prefix_len must be on q's device {q.device}")
+    by the prefix). prefix: the step's PrefixPass, made once for every layer (then prefix_table and prefix_len
+    may be None); by default made here from them. Equal to paged_attention over the concatenated pages, up to
+    rounding."""
+    if prefix is None:
+        if prefix_table is None or prefix_table.dim() != 1 or prefix_table.dtype != torch.int32:
+            raise ValueError("attnops.cascade_attention: prefix_table must be int32 [P] (got "
+                             f"{None if prefix_table is None else (prefix_table.dtype, list(prefix_table.shape))})")
+        if not isinstance(prefix_len, torch.Tensor) or prefix_len.numel() != 1 or prefix_len.dtype != torch.int32:
+            raise ValueError("attnops.cascade_attention: prefix_len must be an int32 tensor of one element (a "
+                             "tensor, so that a compiled or captured step takes a new length without recompiling)")
+        if prefix_table.device != q.device or prefix_len.device != q.device:
+            raise ValueError(f"attnops.cascade_attention: prefix_table and prefix_len must be on q's device "
+                             f"{q.device}")
+        prefix = prefix_pass(prefix_table, prefix_len.view(-1), k_cache.shape[1], q.shape[0])
     if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.shape != (q.shape[1],)
                               or sinks.dtype != torch.float32):
         raise ValueError(f"attnops.cascade_attention: sinks must be a float32 tensor [num_q_heads={q.shape[1]}]")
     common = dict(scale=scale, soft_cap=soft_cap, kv_format=kv_format, k_scale=k_scale, v_scale=v_scale)
-    table, lens, tree_mask = _prefix_pass_inputs(prefix_table, prefix_len.view(-1), k_cache.shape[1], q.shape[0])
-    rows = torch.arange(2, dtype=torch.int32, device=q.device) * q.shape[0]  # [0, T], made on the device (capture)
-    out_prefix, lse_prefix = paged_attention_with_lse(q, k_cache, v_cache, table, lens, rows, tree_mask=tree_mask,
-                                                      **common)
+    out_prefix, lse_prefix = paged_attention_with_lse(q, k_cache, v_cache, prefix.block_table, prefix.seq_lens,
+                                                      prefix.cu_seqlens_q, tree_mask=prefix.tree_mask, **common)
     out_own, lse_own = paged_attention_with_lse(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, **common)
-    out, lse = merge_attention_states(out_prefix, lse_prefix, out_own, lse_own, out=out_own, lse=lse_own)
+    out, lse = merge_attention_states(out_prefix, lse_prefix, out_own, lse_own, out=out_prefix, lse=lse_prefix)
     if sinks is not None:  # the sink's e^s joins the denominator: out x e^lse / (e^lse + e^s)
         out = (out.float() * torch.sigmoid(lse - sinks)[..., None]).to(out.dtype)
     return out
@@ -84,10 +113,11 @@ def shared_prefix_pages(tables: list[list[int]], lengths: list[int], page_size: 
 
 
 def cascade_pays(batch: int, prefix_tokens: int) -> bool:
-    """Whether a decode step should read a shared prefix through cascade_attention: the prefix's bytes saved,
-    (batch - 1) x prefix_tokens, must outweigh the pass's extra launches (a prefix pass, a merge), a few
-    microseconds; the crossover is measured by `python -m attnops bench --grid cascade` (docs/bench.md)."""
+    """Whether a decode step should read a shared prefix through cascade_attention: the prefix tokens it saves
+    reading, (batch - 1) x prefix_tokens, must outweigh its fixed costs (a second attention launch, a merge, the
+    prefix pass's split merge). The threshold is where benchmarks/cascade.py --sweep crossed 1x on the H200
+    (docs/bench.md, "Cascade decode")."""
     return batch >= 2 and (batch - 1) * prefix_tokens >= CASCADE_MIN_SAVED_TOKENS
 
 
-CASCADE_MIN_SAVED_TOKENS = 16384
+CASCADE_MIN_SAVED_TOKENS = 131072

@@ -8,7 +8,8 @@ reshape_and_cache, quantized for fp8), so both calls read the same cache through
 plain decode every page of every sequence, cascade_attention the shared pages once. Times are CUDA-graph medians
 (ten calls a graph, as `python -m attnops bench` times the op): plain decode the faster of a plain capture
 (dispatch passes over host-planned FlashInfer there) and a re-planned one (as attnops' decode graphs run it);
-cascade in a plain capture. The outputs are compared (bf16 tolerance) before timing. --sweep adds batches and
+cascade in a plain capture, as a layer of a served step runs it (the prefix pass's inputs made once a step, by
+PagedKVCache.cascade_split) and as one call alone (made in the call: a few small kernels more). The outputs are compared (bf16 tolerance) before timing. --sweep adds batches and
 prefix lengths around the first case (where cascade stops paying: attnops.cascade.cascade_pays).
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import attnops  # noqa: E402
 from attnops.bench.run import HBM_TBPS, environment, graph_time_us  # noqa: E402
-from attnops.cascade import _prefix_pass_inputs, cascade_attention, cascade_pays  # noqa: E402
+from attnops.cascade import cascade_attention, cascade_pays  # noqa: E402
 from attnops.testing import relative_error  # noqa: E402
 
 
@@ -66,27 +67,35 @@ def measure(batch, prefix, own, kv_format, heads, rep_ms):
     def plain():
         return torch.ops.attnops.paged_attention(q, **plain_args)
 
-    def cascade():
-        return cascade_attention(q, prefix_table=split.prefix_table, prefix_len=split.prefix_len,
-                                 block_table=split.block_table, seq_lens=split.seq_lens, **args)
+    prefix_inputs = split.prefix
+    prefix_table = prefix_inputs.block_table[0, :split.prefix_tokens // cache.page_size].contiguous()
+    prefix_len = torch.tensor([split.prefix_tokens], dtype=torch.int32, device=q.device)
 
-    error = relative_error(cascade(), plain())
+    def cascade_call():  # one call alone: the prefix pass's inputs made from the prefix's pages and length
+        return cascade_attention(q, prefix_table=prefix_table, prefix_len=prefix_len, block_table=split.block_table,
+                                 seq_lens=split.seq_lens, **args)
+
+    def cascade_layer():  # a layer of a served step: the prefix pass's inputs made once a step (cascade_split)
+        return cascade_attention(q, prefix_table=None, prefix_len=None, block_table=split.block_table,
+                                 seq_lens=split.seq_lens, prefix=prefix_inputs, **args)
+
+    error = max(relative_error(cascade_call(), plain()), relative_error(cascade_layer(), plain()))
     if not error < 2e-2:
         raise AssertionError(f"cascade differs from plain decode: relative error {error:.2e}")
-    cascade_us = graph_time_us(cascade, rep_ms)
+    cascade_us = graph_time_us(cascade_layer, rep_ms)
+    cascade_call_us = graph_time_us(cascade_call, rep_ms)
     plain_us = min(graph_time_us(plain, rep_ms), graph_time_us(plain, rep_ms, host_seq_lens=meta.host_seq_lens))
-    # the two passes alone: where cascade's time goes (the rest is the merge and the glue)
-    table, lens, tree_mask = _prefix_pass_inputs(split.prefix_table, split.prefix_len, cache.page_size, batch)
-    rows = torch.arange(2, dtype=torch.int32, device=q.device) * batch
-    prefix_us = graph_time_us(lambda: attnops.paged_attention_with_lse(q, block_table=table, seq_lens=lens,
-                                                                       cu_seqlens_q=rows, tree_mask=tree_mask, **args),
-                              rep_ms)
+    # the two passes alone: where cascade's time goes (the rest is the merge)
+    prefix_us = graph_time_us(lambda: attnops.paged_attention_with_lse(
+        q, block_table=prefix_inputs.block_table, seq_lens=prefix_inputs.seq_lens,
+        cu_seqlens_q=prefix_inputs.cu_seqlens_q, tree_mask=prefix_inputs.tree_mask, **args), rep_ms)
     suffix_us = graph_time_us(lambda: attnops.paged_attention_with_lse(q, block_table=split.block_table,
                                                                        seq_lens=split.seq_lens, **args), rep_ms)
     hq, hkv, d = heads
     token_bytes = 2 * hkv * d * (2 if kv_format == "bf16" else 1)
     return dict(batch=batch, prefix=prefix, own=own, kv_format=kv_format, heads=list(heads),
                 plain_us=plain_us, cascade_us=cascade_us, speedup=plain_us / cascade_us, rel_error=error,
+                cascade_call_us=cascade_call_us,
                 prefix_pass_us=prefix_us, suffix_pass_us=suffix_us,
                 prefix_pass_tflops=4 * batch * hq * d * prefix / prefix_us / 1e6,
                 pages_in_use=cache.pages_in_use, pages_unshared=batch * (-(-(prefix + own) // cache.page_size)),
@@ -117,13 +126,13 @@ def main(argv=None):
                    if (b, p, opts.own) not in points]
     rows = []
     print(f"{'format':9} {'batch':>5} {'prefix':>6} {'own':>5} {'plain us':>9} {'cascade us':>10} {'speedup':>8} "
-          f"{'prefix pass':>11} {'suffix pass':>11} {'tokens held':>11} {'unshared':>9}", flush=True)
+          f"{'one call':>9} {'prefix pass':>11} {'suffix pass':>11} {'tokens held':>11} {'unshared':>9}", flush=True)
     for fmt in opts.formats:
         for batch, prefix, own in points:
             r = measure(batch, prefix, own, fmt, heads, opts.rep_ms)
             rows.append(r)
             print(f"{fmt:9} {batch:5} {prefix:6} {own:5} {r['plain_us']:9.1f} {r['cascade_us']:10.1f} "
-                  f"{r['speedup']:7.2f}x {r['prefix_pass_us']:11.1f} {r['suffix_pass_us']:11.1f} "
+                  f"{r['speedup']:7.2f}x {r['cascade_call_us']:9.1f} {r['prefix_pass_us']:11.1f} {r['suffix_pass_us']:11.1f} "
                   f"{r['tokens_held']:11} {r['pages_unshared'] * 16:9}", flush=True)
     if opts.json:
         Path(opts.json).write_text(json.dumps(dict(environment=environment(torch.device("cuda")), rows=rows),

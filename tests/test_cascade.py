@@ -12,7 +12,7 @@ import torch
 import attnops
 from attnops.backends import BACKENDS
 from attnops.backends.reference import paged_attention_reference
-from attnops.cascade import cascade_attention, cascade_pays, shared_prefix_pages
+from attnops.cascade import cascade_attention, cascade_pays, host_prefix_pass, prefix_pass, shared_prefix_pages
 from attnops.testing import random_paged_inputs, relative_error
 
 
@@ -126,6 +126,21 @@ def test_formats_sinks_and_soft_cap(kv_format, q_dtype, tol):
                 continue
         want = paged_attention_reference(**full, sinks=sinks, soft_cap=5.0, compute_dtype=torch.float64)
         assert relative_error(got, want) < tol, backend
+
+
+@pytest.mark.parametrize("prefix_len", [0, 16, 45, 64])
+def test_a_prefix_pass_made_once_a_step_gives_the_same(prefix_len):
+    """The prefix pass's inputs made on the host from the page list (once a step, PagedKVCache.cascade_split) equal
+    those made on the device, and cascade_attention given them equals the call that makes its own."""
+    cascade, full = shared_case(prefix_len, [5, 17, 2], seed=prefix_len)
+    page_size = cascade["k_cache"].shape[1]
+    device_made = prefix_pass(cascade["prefix_table"], cascade["prefix_len"], page_size, 3)
+    host_made = host_prefix_pass(cascade["prefix_table"].tolist(), prefix_len, page_size, 3, "cpu")
+    for name, got, want in zip(device_made._fields, host_made, device_made):
+        assert torch.equal(got, want), name
+    with attnops.use_backend("reference"):
+        given = cascade_attention(**{**cascade, "prefix_table": None, "prefix_len": None}, prefix=host_made)
+    assert relative_error(given, paged_attention_reference(**full, compute_dtype=torch.float64)) < 1e-5
 
 
 def test_bad_arguments_name_themselves():

@@ -15,7 +15,7 @@ LAYERS = [
     ("attnops.rules", "attnops.checks", "attnops.testing"),  # the dispatch rule, validation, test inputs
     ("attnops.backends",),  # kernels behind the Backend interface: they see cases, never checks or dispatch
     ("attnops.dispatch",),  # which backend serves a case
-    ("attnops.ops",),  # the torch.library registrations
+    ("attnops.ops", "attnops.cascade"),  # the torch.library registrations; cascade attention composed of them
     ("attnops.serving",),  # the serving kit: cache, graphs, models, generation, tp, demo
     ("attnops.hf",),  # transformers models through the ops and the serving kit
     ("attnops.cli", "attnops.__main__", "attnops.bench", "attnops"),  # the facade, the command line, benchmarks

@@ -37,17 +37,17 @@ class BatchMetadata:
                                                      cu_seqlens_q=self.cu_seqlens_q, **attention_args)
         from ..cascade import cascade_attention
         c = self.cascade
-        return cascade_attention(q, prefix_table=c.prefix_table, prefix_len=c.prefix_len, block_table=c.block_table,
-                                 seq_lens=c.seq_lens, cu_seqlens_q=self.cu_seqlens_q, **attention_args)
+        return cascade_attention(q, prefix_table=None, prefix_len=None, block_table=c.block_table,
+                                 seq_lens=c.seq_lens, cu_seqlens_q=self.cu_seqlens_q, prefix=c.prefix,
+                                 **attention_args)
 
 
 @dataclass
 class CascadeSplit:
-    """A batch's keys as a prefix every sequence shares (its pages and length) and each sequence's own pages and
-    lengths after it: cascade_attention's arguments."""
+    """A batch's keys as a prefix every sequence shares and each sequence's own pages and lengths after it:
+    cascade_attention's arguments, the prefix pass's made once for all layers."""
 
-    prefix_table: torch.Tensor  # int32 [P]
-    prefix_len: torch.Tensor  # int32 [1]
+    prefix: "PrefixPass"  # attnops.cascade.PrefixPass
     block_table: torch.Tensor  # int32 [B, W - P]
     seq_lens: torch.Tensor  # int32 [B]
     prefix_tokens: int  # prefix_len on the host
@@ -342,15 +342,15 @@ class PagedKVCache:
     def cascade_split(self, meta: BatchMetadata, min_pages: int = 1) -> CascadeSplit | None:
         """The leading full pages every sequence of `meta`'s batch shares (pages shared by share_prefix or fork),
         as cascade_attention's split of the batch, or None if fewer than `min_pages` are shared."""
-        from ..cascade import shared_prefix_pages
+        from ..cascade import host_prefix_pass, shared_prefix_pages
         lengths = meta.host_seq_lens if meta.host_seq_lens is not None else meta.seq_lens.tolist()
         shared = shared_prefix_pages([self._pages[s] for s in meta.seq_ids], lengths, self.page_size)
         if shared < max(min_pages, 1):
             return None
         tokens = shared * self.page_size
-        prefix = torch.tensor(self._pages[meta.seq_ids[0]][:shared], dtype=torch.int32)
-        return CascadeSplit(prefix_table=self._to_device(prefix),
-                            prefix_len=self._to_device(torch.tensor([tokens], dtype=torch.int32)),
+        prefix = host_prefix_pass(self._pages[meta.seq_ids[0]][:shared], tokens, self.page_size, meta.num_tokens,
+                                  "cpu")
+        return CascadeSplit(prefix=prefix._replace(**{k: self._to_device(v) for k, v in prefix._asdict().items()}),
                             block_table=meta.block_table[:, shared:],
                             seq_lens=meta.seq_lens - tokens, prefix_tokens=tokens)
 
