@@ -223,7 +223,8 @@ def paged_attention_with_lse(q, k_cache, v_cache, block_table, seq_lens, cu_seql
                              tree_mask=None, out=None, lse=None):
     """`torch.ops.attnops.paged_attention_with_lse`: paged_attention's output and each row's log-sum-exp (float32
     [T, Hq], the natural log of its softmax denominator, sinks included; -inf for a row that sees no key, the
-    sink's logit with sinks), for merge_attention_states. Returns (out, lse); with `out` and `lse` given, the `.out` overload writes them."""
+    sink's logit with sinks), for merge_attention_states. Returns (out, lse); with `out` and `lse` given, the
+    `.out` overload writes them."""
     _scales_are_tensors("paged_attention_with_lse", k_scale=k_scale, v_scale=v_scale, sinks=sinks)
     if out is None and lse is None:
         return torch.ops.attnops.paged_attention_with_lse(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,

@@ -9,8 +9,9 @@ plain decode every page of every sequence, cascade_attention the shared pages on
 (ten calls a graph, as `python -m attnops bench` times the op): plain decode the faster of a plain capture
 (dispatch passes over host-planned FlashInfer there) and a re-planned one (as attnops' decode graphs run it);
 cascade in a plain capture, as a layer of a served step runs it (the prefix pass's inputs made once a step, by
-PagedKVCache.cascade_split) and as one call alone (made in the call: a few small kernels more). The outputs are compared (bf16 tolerance) before timing. --sweep adds batches and
-prefix lengths around the first case (where cascade stops paying: attnops.cascade.cascade_pays).
+PagedKVCache.cascade_split) and as one call alone (made in the call: a few small kernels more). The outputs are
+compared (bf16 tolerance) before timing. --sweep adds batches and prefix lengths around the first case (where
+cascade stops paying: attnops.cascade.cascade_pays).
 """
 from __future__ import annotations
 
@@ -132,7 +133,8 @@ def main(argv=None):
             r = measure(batch, prefix, own, fmt, heads, opts.rep_ms)
             rows.append(r)
             print(f"{fmt:9} {batch:5} {prefix:6} {own:5} {r['plain_us']:9.1f} {r['cascade_us']:10.1f} "
-                  f"{r['speedup']:7.2f}x {r['cascade_call_us']:9.1f} {r['prefix_pass_us']:11.1f} {r['suffix_pass_us']:11.1f} "
+                  f"{r['speedup']:7.2f}x {r['cascade_call_us']:9.1f} {r['prefix_pass_us']:11.1f} "
+                  f"{r['suffix_pass_us']:11.1f} "
                   f"{r['tokens_held']:11} {r['pages_unshared'] * 16:9}", flush=True)
     if opts.json:
         Path(opts.json).write_text(json.dumps(dict(environment=environment(torch.device("cuda")), rows=rows),

@@ -105,7 +105,8 @@ def test_lse_matches_reference(backend, name, inputs, options):
     case = check_paged_attention(**{**dict(scale=None, soft_cap=0.0, window_left=-1, kv_format="auto", k_scale=None,
                                            v_scale=None), **args, **options})
     if not serving(backend, case):
-        pytest.skip(f"{backend} does not serve {name}: {BACKENDS[backend].unavailable() + BACKENDS[backend].supports(case)}")
+        reasons = BACKENDS[backend].unavailable() + BACKENDS[backend].supports(case)
+        pytest.skip(f"{backend} does not serve {name}: {reasons}")
     ref_out, ref_lse = paged_attention_reference(**args, **options, return_lse=True)
     out, lse = run_with_lse(backend, args, options)
     assert_lse_close(lse, ref_lse, TOLERANCE[args["q"].dtype])
