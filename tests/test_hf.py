@@ -279,6 +279,20 @@ def test_generator_serves_the_model_like_generate_and_compiles_without_graph_bre
     assert counter.frame_count == 2, f"one graph per bucket used (1 and 2), got {counter.frame_count}"
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt-oss"])
+def test_cascade_steps_serve_the_model_like_generate(family, monkeypatch):
+    """Decode steps whose batch shares the first two pages read them once (cascade_attention, its threshold
+    lowered to these tiny models): transformers' generate's tokens still; layers with a sliding window (Gemma-2,
+    gpt-oss) read whole sequences, sinks (gpt-oss) join once."""
+    import attnops.cascade
+    monkeypatch.setattr(attnops.cascade, "CASCADE_MIN_SAVED_TOKENS", 1)
+    eager, ours = models(family)
+    expected = {i: generate(eager, [prompt], n=n)[0] for i, (_, prompt, n) in enumerate(SCHEDULE)}
+    stats = {}
+    assert serve(ours, stats=stats) == expected
+    assert stats["cascade_steps"] > 0, stats
+
+
 def test_inductor_compiled_decode_step_gives_eager_tokens():
     """Inductor's code for a transformers model's decode step (Gemma-2: windows and caps) gives eager's tokens
     (one bucket: one compilation)."""

@@ -92,14 +92,14 @@ def tiny_model():
     return model.eval().requires_grad_(False)
 
 
-def generate(model, kv_format, sharing, staggered, cascade=False):
+def generate(model, kv_format, sharing, staggered, cascade=False, device="cpu", **options):
     """Eight requests on one 40-token system prompt; staggered: one admitted per step, so each finds the earlier
     ones' pages in the prefix index (requests admitted in the same step do not share: the index is filled after
     their prefill)."""
     system = [int(t) for t in torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(1))]
-    cache = attnops.PagedKVCache(2, 64, 8, 2, 32, kv_format=kv_format, shuffle_pages=True)
+    cache = attnops.PagedKVCache(2, 64, 8, 2, 32, kv_format=kv_format, shuffle_pages=True, device=device)
     gen = Generator(model, cache, max_batch=8, max_seq_len=80, buckets=(8,), prefix_sharing=sharing,
-                    cascade=cascade)
+                    cascade=cascade, **options)
     for i in range(8):
         gen.add_request(i, system + [i + 1, 2 * i + 3], max_new_tokens=12)
         if staggered:
@@ -119,14 +119,36 @@ def test_generation_with_shared_prefixes_gives_the_same_tokens(kv_format):
     assert shared_stats["peak_pages_in_use"] < plain_stats["peak_pages_in_use"]
 
 
-@pytest.mark.parametrize("kv_format", ["fp32", "fp8_e4m3"])
-def test_cascade_decode_steps_give_the_same_tokens(kv_format, monkeypatch):
+@pytest.mark.parametrize("kv_format,compile", [("fp32", False), ("fp8_e4m3", False), ("fp32", True)],
+                         ids=["fp32", "fp8_e4m3", "fp32-compiled"])
+def test_cascade_decode_steps_give_the_same_tokens(kv_format, compile, monkeypatch):
     """With the shared prompt read once per step (cascade_attention; its threshold lowered to this tiny model),
-    the tokens are those of plain decode steps."""
+    the tokens are those of plain decode steps; compiled: the cascade step compiles whole (fullgraph), once."""
     import attnops.cascade
     monkeypatch.setattr(attnops.cascade, "CASCADE_MIN_SAVED_TOKENS", 8)
     model = tiny_model()
     plain, plain_stats = generate(model, kv_format, sharing=True, staggered=True)
-    cascade, cascade_stats = generate(model, kv_format, sharing=True, staggered=True, cascade=True)
+    torch._dynamo.reset()
+    from torch._dynamo.testing import CompileCounterWithBackend
+    options = dict(compile={"backend": CompileCounterWithBackend("inductor")}) if compile \
+        else {}
+    cascade, cascade_stats = generate(model, kv_format, sharing=True, staggered=True, cascade=True, **options)
     assert plain_stats["cascade_steps"] == 0 and cascade_stats["cascade_steps"] >= 8
     assert cascade == plain
+    if compile:
+        assert options["compile"]["backend"].frame_count == 2  # the plain step and the cascade step, bucket 8
+
+
+@pytest.mark.gpu
+def test_cascade_steps_in_cuda_graphs_give_the_same_tokens_on_gpu(monkeypatch):
+    """Compiled and graph-replayed cascade steps (their own graph per bucket) against plain graph-replayed steps."""
+    import attnops.cascade
+    monkeypatch.setattr(attnops.cascade, "CASCADE_MIN_SAVED_TOKENS", 8)
+    model = tiny_model().cuda()
+    runs = {}
+    for cascade in (False, True):
+        torch._dynamo.reset()
+        runs[cascade], stats = generate(model, "fp32", sharing=True, staggered=True, cascade=cascade,
+                                        device="cuda", compile=True, cuda_graphs=True)
+        assert (stats["cascade_steps"] >= 8) == cascade
+    assert runs[True] == runs[False]

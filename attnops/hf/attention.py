@@ -115,9 +115,7 @@ def _serving_step(layer, query, key, value, cache, meta, options):
                                         slot_mapping=meta.slot_mapping, **cache.write_args(layer))
     # [T, Hq, D] rows contiguous, as every backend's kernels are fed (transformers' RoPE output may be laid out
     # heads-major; under torch.compile the copy folds into the kernel that makes q)
-    out = torch.ops.attnops.paged_attention(query[0].transpose(0, 1).contiguous(), block_table=meta.block_table,
-                                            seq_lens=meta.seq_lens, cu_seqlens_q=meta.cu_seqlens_q,
-                                            **cache.attention_args(layer), **options)
+    out = meta.attend(query[0].transpose(0, 1).contiguous(), **cache.attention_args(layer), **options)
     return out[None], None
 
 

@@ -71,3 +71,57 @@ class StaticDecodeInputs:
         table[:batch, width:].fill_(PADDING["block_table"])
         table[batch:].fill_(PADDING["block_table"])
         return bucket, inputs
+
+
+class StaticCascadeInputs(StaticDecodeInputs):
+    """The static inputs of a cascade decode step (attnops.cascade_attention in every layer): the decode step's,
+    and per bucket the prefix pass's (PrefixPass: a one-row block table of max_pages + the bucket's own rows,
+    the length, the row offsets [0, bucket], an all-False tree mask) and the suffix pass's table and lengths.
+    The prefix pass always has the bucket's rows (a padding row sees the prefix too; its output is ignored)."""
+
+    def __init__(self, buckets, max_pages: int, page_size: int, device, owner: str = "decode step"):
+        super().__init__(buckets, max_pages, device, owner)
+        self.page_size = page_size
+
+    def __getitem__(self, bucket: int) -> dict:
+        if bucket not in self._buffers:
+            inputs = super().__getitem__(bucket)
+            dev, width = self.device, self.max_pages + -(-bucket // self.page_size)
+            inputs.update(
+                prefix_block_table=torch.zeros((1, width), dtype=torch.int32, device=dev),
+                prefix_seq_lens=torch.full((1,), bucket, dtype=torch.int32, device=dev),
+                prefix_cu_seqlens_q=torch.tensor([0, bucket], dtype=torch.int32, device=dev),
+                prefix_tree_mask=torch.zeros((bucket, bucket), dtype=torch.bool, device=dev),
+                suffix_block_table=torch.full((bucket, self.max_pages), -1, dtype=torch.int32, device=dev),
+                suffix_seq_lens=torch.zeros((bucket,), dtype=torch.int32, device=dev))
+        return self._buffers[bucket]
+
+    def pad(self, bucket: int) -> dict:
+        """Every row padding and no prefix (the prefix pass's rows then see no key)."""
+        inputs = self[bucket]
+        for name in PADDING:
+            inputs[name].fill_(PADDING[name])
+        inputs["prefix_block_table"].fill_(0)
+        inputs["prefix_seq_lens"].fill_(bucket)
+        inputs["suffix_block_table"].fill_(-1)
+        inputs["suffix_seq_lens"].fill_(0)
+        return inputs
+
+    def fill(self, token_ids: torch.Tensor, positions: torch.Tensor, meta: BatchMetadata) -> tuple[int, dict]:
+        """The decode step's rows and meta.cascade's split (PagedKVCache.cascade_split)."""
+        bucket, inputs = super().fill(token_ids, positions, meta)
+        split = meta.cascade
+        batch, own_width = split.block_table.shape
+        shared = len(split.prefix_pages)
+        table = inputs["prefix_block_table"]
+        table[:, :shared].copy_(split.prefix.block_table[:, :shared], non_blocking=True)
+        table[:, shared:].fill_(0)  # past the prefix: a page the kernel may read for rows that see none of it
+        inputs["prefix_seq_lens"].fill_(split.prefix_tokens + bucket)
+        suffix = inputs["suffix_block_table"]
+        suffix[:batch, :own_width].copy_(split.block_table, non_blocking=True)
+        suffix[:batch, own_width:].fill_(-1)
+        suffix[batch:].fill_(-1)
+        lens = inputs["suffix_seq_lens"]
+        lens[:batch].copy_(split.seq_lens, non_blocking=True)
+        lens[batch:].fill_(0)
+        return bucket, inputs

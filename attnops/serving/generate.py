@@ -20,14 +20,15 @@ replace for a graph helper of another shape.)
 from __future__ import annotations
 
 import collections
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from ..cascade import cascade_pays
-from .batching import StaticDecodeInputs, default_buckets
-from .kv_cache import BatchMetadata, PagedKVCache
+from ..cascade import PrefixPass, cascade_pays
+from .batching import StaticCascadeInputs, StaticDecodeInputs, default_buckets
+from .kv_cache import BatchMetadata, CascadeSplit, PagedKVCache
 
 
 def _decode_step_fn(model: torch.nn.Module, cache: PagedKVCache) -> Callable[..., torch.Tensor]:
@@ -36,6 +37,23 @@ def _decode_step_fn(model: torch.nn.Module, cache: PagedKVCache) -> Callable[...
     def step(token_ids, positions, block_table, seq_lens, slot_mapping):
         meta = BatchMetadata(seq_ids=[], block_table=block_table, seq_lens=seq_lens, slot_mapping=slot_mapping,
                              cu_seqlens_q=None)
+        return model(token_ids, positions, cache, meta)
+
+    return step
+
+
+def _cascade_step_fn(model: torch.nn.Module, cache: PagedKVCache) -> Callable[..., torch.Tensor]:
+    """The decode step whose layers read a shared prefix once (cascade_attention), as a function of its tensor
+    arguments only: StaticCascadeInputs' buffers."""
+
+    def step(token_ids, positions, block_table, seq_lens, slot_mapping, prefix_block_table, prefix_seq_lens,
+             prefix_cu_seqlens_q, prefix_tree_mask, suffix_block_table, suffix_seq_lens):
+        split = CascadeSplit(prefix=PrefixPass(prefix_block_table, prefix_seq_lens, prefix_cu_seqlens_q,
+                                               prefix_tree_mask),
+                             block_table=suffix_block_table, seq_lens=suffix_seq_lens, prefix_tokens=0,
+                             prefix_pages=[], host_seq_lens=[])
+        meta = BatchMetadata(seq_ids=[], block_table=block_table, seq_lens=seq_lens, slot_mapping=slot_mapping,
+                             cu_seqlens_q=None, cascade=split)
         return model(token_ids, positions, cache, meta)
 
     return step
@@ -55,9 +73,6 @@ class DecodeStep:
                  buckets: tuple[int, ...] | None = None, compile: bool | dict = False, cuda_graphs: bool = False,
                  cascade: bool = True):
         self.model, self.cache, self.max_pages = model, cache, max_pages
-        # eager steps only: a compiled or captured step is one fixed graph per bucket, which reads every
-        # sequence's pages in full (cascade there would need a second graph per bucket)
-        self.cascade = cascade and not compile and not cuda_graphs
         self.cascade_steps = 0
         self.buckets = tuple(sorted(buckets or default_buckets(max_batch)))
         if self.buckets[-1] < max_batch:
@@ -80,6 +95,19 @@ class DecodeStep:
         if cuda_graphs:
             from .graphs import DecodeGraphRunner
             self.graph_runner = DecodeGraphRunner(self.step_fn, cache, inputs=self.buffers)
+        # cascade=True: a second step function (compiled, captured) for steps whose batch shares leading pages,
+        # its own static inputs and graphs; used when attnops.cascade.cascade_pays
+        self.cascade = None
+        if cascade:
+            buffers = StaticCascadeInputs(self.buckets, max_pages, cache.page_size, cache.device, owner="DecodeStep")
+            fn = _cascade_step_fn(model, cache)
+            if compile:
+                fn = torch.compile(fn, **options)
+            runner = None
+            if cuda_graphs:
+                from .graphs import DecodeGraphRunner
+                runner = DecodeGraphRunner(fn, cache, inputs=buffers)
+            self.cascade = (fn, buffers, runner)
 
     def launch(self, n: int) -> torch.Tensor:
         """Runs bucket n's step over self.buffers[n] and returns its logits [n, vocab]. The hook for CUDA graphs:
@@ -98,12 +126,16 @@ class DecodeStep:
         self.bucket_for(batch)  # a batch too large fails before the cache is touched
         meta = self.cache.prepare(seq_ids, 1, decode=True, max_pages=self.max_pages)
         positions = meta.seq_lens.long() - 1  # each sequence's new token sits at its old length
-        if self.cascade:
+        if self.cascade is not None:
             split = self.cache.cascade_split(meta)
             if split is not None and cascade_pays(batch, split.prefix_tokens):
+                fn, buffers, runner = self.cascade
                 meta.cascade = split
                 self.cascade_steps += 1
-                return self.model(token_ids, positions, self.cache, meta)
+                if runner is not None:  # a re-planning backend plans the suffix pass from the suffix lengths
+                    return runner(token_ids, positions, dataclasses.replace(meta, host_seq_lens=split.host_seq_lens))
+                n, inputs = buffers.fill(token_ids, positions, meta)
+                return fn(**inputs)[:batch]
         if self.graph_runner is not None:
             return self.graph_runner(token_ids, positions, meta)
         n, _ = self.buffers.fill(token_ids, positions, meta)
@@ -141,9 +173,9 @@ class Generator:
     prefix_sharing: a prompt that starts with full pages a running request already holds (the same tokens, page
     by page from the start: a system prompt, a few-shot header) shares those pages instead of storing and
     computing them again (PagedKVCache.share_prefix); `stats` counts the tokens reused;
-    cascade: an eager decode step whose whole batch shares leading pages reads them once
-    (attnops.cascade_attention) when attnops.cascade.cascade_pays says it is worth it; `stats["cascade_steps"]`
-    counts those steps;
+    cascade: a decode step whose whole batch shares leading pages reads them once (attnops.cascade_attention in
+    every layer; its own compiled function and CUDA graphs per bucket) when attnops.cascade.cascade_pays says it
+    is worth it; `stats["cascade_steps"]` counts those steps;
     seed: the sampling generator's seed (temperature > 0 only)."""
 
     def __init__(self, model, cache: PagedKVCache, *, max_batch: int = 8, max_seq_len: int = 2048,

@@ -31,12 +31,15 @@ class BatchMetadata:
 
     def attend(self, q: torch.Tensor, **attention_args) -> torch.Tensor:
         """paged_attention of this step's queries (attention_args: PagedKVCache.attention_args and the model's
-        own scale/soft_cap), or cascade_attention over the shared prefix and the suffixes when `cascade` is set."""
-        if self.cascade is None:
+        own scale, soft_cap, window_left, sinks), or cascade_attention over the shared prefix and the suffixes
+        when `cascade` is set (a layer with a sliding window reads the whole sequences: its window counts
+        positions from the start)."""
+        if self.cascade is None or attention_args.get("window_left", -1) >= 0:
             return torch.ops.attnops.paged_attention(q, block_table=self.block_table, seq_lens=self.seq_lens,
                                                      cu_seqlens_q=self.cu_seqlens_q, **attention_args)
         from ..cascade import cascade_attention
         c = self.cascade
+        attention_args.pop("window_left", None)
         return cascade_attention(q, prefix_table=None, prefix_len=None, block_table=c.block_table,
                                  seq_lens=c.seq_lens, cu_seqlens_q=self.cu_seqlens_q, prefix=c.prefix,
                                  **attention_args)
@@ -51,6 +54,8 @@ class CascadeSplit:
     block_table: torch.Tensor  # int32 [B, W - P]
     seq_lens: torch.Tensor  # int32 [B]
     prefix_tokens: int  # prefix_len on the host
+    prefix_pages: list  # the prefix's pages on the host
+    host_seq_lens: list  # seq_lens on the host (a re-planning backend plans the suffix pass from them)
 
 
 class PagedKVCache:
@@ -351,8 +356,9 @@ class PagedKVCache:
         prefix = host_prefix_pass(self._pages[meta.seq_ids[0]][:shared], tokens, self.page_size, meta.num_tokens,
                                   "cpu")
         return CascadeSplit(prefix=prefix._replace(**{k: self._to_device(v) for k, v in prefix._asdict().items()}),
-                            block_table=meta.block_table[:, shared:],
-                            seq_lens=meta.seq_lens - tokens, prefix_tokens=tokens)
+                            block_table=meta.block_table[:, shared:], seq_lens=meta.seq_lens - tokens,
+                            prefix_tokens=tokens, prefix_pages=self._pages[meta.seq_ids[0]][:shared],
+                            host_seq_lens=[n - tokens for n in lengths])
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         """A host tensor's copy on the cache's device. CUDA: through pinned memory, non-blocking, because a copy
