@@ -31,6 +31,8 @@
 #             $results/serve-hf.json (+ .png): Llama-3.2-1B-shaped through transformers' modeling code and attnops'
 #             own model.py in bf16, and transformers' static-cache path; the same with fp8 KV; Qwen2.5-7B-shaped
 #             with bf16 and fp8 KV; its transformers path. Contexts 1K/8K x batches 1/32/128 each
+#   cascade   benchmarks/cascade.py (issue 25: 64 x (32K shared + 1K own), bf16 and fp8) and its --sweep in bf16:
+#             $results/cascade.{json,png,txt}, $results/cascade-sweep.{json,txt}
 #   demo      python -m attnops demo $DEMO_ARGS, as a newcomer runs it: $results/demo.txt
 #   fuzz      tests/test_fuzz.py's GPU part: $FUZZ_CASES (default 1000) seeded cases each for triton, flashinfer and
 #             auto dispatch, random corruptions included (after `jit`, so that FlashInfer's kernels are built);
@@ -137,6 +139,12 @@ for step in "$@"; do
         stamp "serve-hf $part"
       done
       grep -E "x$|x  " "$results/serve-hf.txt" | tail -40 ;;
+    cascade)
+      timeout ${CASCADE_TIMEOUT:-200} python3 benchmarks/cascade.py --json "$results/cascade.json" \
+        --plot "$results/cascade.png" > "$results/cascade.txt" 2>&1; tail -4 "$results/cascade.txt"
+      timeout ${CASCADE_TIMEOUT:-200} python3 benchmarks/cascade.py --sweep --formats bf16 --rep-ms 50 \
+        --json "$results/cascade-sweep.json" > "$results/cascade-sweep.txt" 2>&1; tail -10 "$results/cascade-sweep.txt"
+      stamp cascade ;;
     demo)
       timeout ${DEMO_TIMEOUT:-300} python3 -m attnops demo ${DEMO_ARGS:-} > "$results/demo.txt" 2>&1
       cat "$results/demo.txt"; stamp demo ;;
