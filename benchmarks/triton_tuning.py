@@ -62,7 +62,25 @@ EXTEND_CASES = {
     "verify8 32x4096": ([4096] * 32, [8] * 32),
     "prefill 8x4096": ([4096] * 8, [4096] * 8),
     "chunked 2048 on 46000": ([48048], [2048]),
+    # draft trees (issue 22: within 1.3x of decode) and cascade's prefix pass (issue 25: 64 rows against a
+    # 32K prefix, seeing none of their own block): opt in with --extend-cases
+    "verify16 32x4096": ([4096] * 32, [16] * 32),
+    "tree16 32x4096": ([4096] * 32, [16] * 32),
+    "prefix64 1x32768": ([32768 + 64], [64]),
 }
+DEFAULT_EXTEND_CASES = ("verify4 32x4096", "verify8 32x4096", "prefill 8x4096", "chunked 2048 on 46000")
+
+
+def tree_mask_of(name, q_lens, device):
+    """The tree mask an extend case runs with: a complete binary draft tree ("tree"), rows that see none of
+    their own block ("prefix"), or None (causal)."""
+    from attnops.bench.grid import tree_parents
+    from attnops.serving.spec import tree_mask_from_parents
+    if name.startswith("tree"):
+        return tree_mask_from_parents([tree_parents(n, 2) for n in q_lens], device=device)
+    if name.startswith("prefix"):
+        return torch.zeros(sum(q_lens), max(q_lens), dtype=torch.bool, device=device)
+    return None
 
 
 def make_inputs(kv_lens, q_lens, fmt, seed=0):
@@ -96,14 +114,16 @@ class Runner:
         a = args
         self.ref = paged_attention_reference(a["q"], a["k_cache"], a["v_cache"], a["block_table"], a["seq_lens"],
                                              a["cu_seqlens_q"], kv_format=a["kv_format"], k_scale=a.get("k_scale"),
-                                             v_scale=a.get("v_scale"), compute_dtype=torch.float32)
+                                             v_scale=a.get("v_scale"), tree_mask=a.get("tree_mask"),
+                                             compute_dtype=torch.float32)
 
     def call(self, config):
         a = self.args
         tlaunch.launch(a["q"], a["k_cache"], a["v_cache"], a["block_table"], a["seq_lens"], a["cu_seqlens_q"],
                        scale=D ** -0.5, soft_cap=0.0, window_left=-1,
                        kv_format=formats.resolve_kv_format(a["kv_format"], a["k_cache"].dtype),
-                       k_scale=a.get("k_scale"), v_scale=a.get("v_scale"), out=self.out, config=config)
+                       k_scale=a.get("k_scale"), v_scale=a.get("v_scale"), tree_mask=a.get("tree_mask"),
+                       out=self.out, config=config)
 
     def time(self, config):
         """Median microseconds, or None when the config fails to compile/run or gives a wrong answer."""
@@ -151,7 +171,10 @@ def compare(opts, overrides, records, t0):
         if time.time() - t0 > opts.budget:
             print("budget spent: skipping the remaining cases")
             break
-        runner = Runner(make_inputs(kv_lens, q_lens, fmt), fmt)
+        args = make_inputs(kv_lens, q_lens, fmt)
+        if q_lens is not None:
+            args["tree_mask"] = tree_mask_of(name, q_lens, DEV)
+        runner = Runner(args, fmt)
         a, b = [], []
         for _ in range(opts.rounds):
             a.append(runner.time(None))
@@ -219,8 +242,10 @@ def main():
     parser.add_argument("--shape", nargs=3, type=int, metavar=("HQ", "HKV", "D"), default=(HQ, HKV, D),
                         help="query heads, KV heads, head dim (default 32 8 128)")
     parser.add_argument("--no-extend", action="store_true", help="skip verify/prefill")
-    parser.add_argument("--extend-cases", nargs="+", default=list(EXTEND_CASES), choices=list(EXTEND_CASES),
-                        metavar="CASE", help=f"verify/prefill cases (default: all of {list(EXTEND_CASES)})")
+    parser.add_argument("--extend-cases", nargs="+", default=list(DEFAULT_EXTEND_CASES), choices=list(EXTEND_CASES),
+                        metavar="CASE", help=f"verify/prefill cases, of {list(EXTEND_CASES)} (default: "
+                                             f"{list(DEFAULT_EXTEND_CASES)}; tree16 runs a binary draft tree, "
+                                             "prefix64 cascade's prefix pass)")
     parser.add_argument("--extend-tiles", nargs="+", metavar="N,W,S[,KEY=VALUE...]",
                         help="verify/prefill configurations to try instead of the grid, as for --tiles, e.g. "
                              "128,8,2,BLOCK_Q=32,HEADS_INNER=1 (the heuristic's own choice is always timed)")
@@ -318,15 +343,20 @@ def main():
                 print("budget spent: skipping the remaining extend cases")
                 break
             args = make_inputs(kv_lens, q_lens, PLAIN)
+            args["tree_mask"] = tree_mask_of(name, q_lens, DEV)
             runner = Runner(args, PLAIN)
             prefill = q_lens[0] > 16
+            capacity = args["block_table"].shape[1] * PAGE
             if opts.extend_tiles:
                 space = [parse_tile(t) for t in opts.extend_tiles]
+            elif name.startswith("prefix"):  # one long sequence: the split plan matters as much as the tile
+                space = [dict(BLOCK_Q=bq, BLOCK_N=n, num_warps=w, num_stages=s, **split_config(c, capacity))
+                         for bq, n, w, s, c in itertools.product((16, 32), (64, 128), (4, 8), (2, 3),
+                                                                 (512, 1024, 2048, 4096))]
             elif prefill:
                 space = [dict(BLOCK_Q=bq, BLOCK_N=n, num_warps=w, num_stages=s) for bq, n, w, s in
                          itertools.product((16, 32), (32, 64, 128), (4, 8), (2, 3))]
             else:
-                capacity = args["block_table"].shape[1] * PAGE
                 space = [dict(BLOCK_Q=q_lens[0], BLOCK_N=n, num_warps=w, num_stages=s, **split_config(c, capacity))
                          for n, w, s, c in itertools.product((32, 64, 128), (4, 8), (2, 3), (512, 1024, 2048))]
             heuristic_us = runner.time(None)
