@@ -152,3 +152,32 @@ def test_cascade_steps_in_cuda_graphs_give_the_same_tokens_on_gpu(monkeypatch):
                                         device="cuda", compile=True, cuda_graphs=True)
         assert (stats["cascade_steps"] >= 8) == cascade
     assert runs[True] == runs[False]
+
+
+def test_static_cascade_inputs_fill_and_pad():
+    """The cascade step's static inputs (what its CUDA graphs read): a batch's split written at the bucket's
+    shapes, padding rows empty, the prefix pass sized for the bucket's rows; pad() leaves no prefix."""
+    from attnops.serving.batching import StaticCascadeInputs
+    cache = attnops.PagedKVCache(1, 32, 8, 2, 32)
+    cache.allocate("p")
+    cache.prepare(["p"], 20, decode=False)  # two full pages and a partial one
+    for i in range(3):
+        cache.fork("p", i, 16)
+    cache.prepare([0, 1, 2], [3, 9, 1], decode=False)
+    meta = cache.prepare([0, 1, 2], 1, decode=True, max_pages=6)
+    split = cache.cascade_split(meta)
+    assert split.prefix_tokens == 16 and split.host_seq_lens == [4, 10, 2]
+    meta.cascade = split
+    inputs = StaticCascadeInputs((4,), 6, 8, "cpu")
+    bucket, buf = inputs.fill(torch.zeros(3, dtype=torch.long), meta.seq_lens.long() - 1, meta)
+    assert bucket == 4
+    assert buf["prefix_block_table"].shape == (1, 7)  # 6 pages of prefix room + one for the bucket's 4 rows
+    prefix_table = buf["prefix_block_table"][0]
+    assert prefix_table[:2].tolist() == split.prefix_pages and not prefix_table[2:].any()
+    assert buf["prefix_seq_lens"].tolist() == [16 + 4] and buf["prefix_cu_seqlens_q"].tolist() == [0, 4]
+    assert buf["suffix_seq_lens"].tolist() == [4, 10, 2, 0]
+    assert torch.equal(buf["suffix_block_table"][:3, :4], meta.block_table[:, 2:])
+    assert (buf["suffix_block_table"][3] == -1).all() and (buf["suffix_block_table"][:3, 4:] == -1).all()
+    padded = inputs.pad(4)
+    assert padded["prefix_seq_lens"].tolist() == [4] and not padded["suffix_seq_lens"].any()
+    assert (padded["slot_mapping"] == -1).all() and (padded["suffix_block_table"] == -1).all()

@@ -50,8 +50,8 @@ class StaticDecodeInputs:
     def pad(self, bucket: int) -> dict:
         """Makes every row of the bucket's inputs padding; returns them."""
         inputs = self[bucket]
-        for name, tensor in inputs.items():
-            tensor.fill_(PADDING[name])
+        for name, value in PADDING.items():
+            inputs[name].fill_(value)
         return inputs
 
     def fill(self, token_ids: torch.Tensor, positions: torch.Tensor, meta: BatchMetadata) -> tuple[int, dict]:
@@ -98,9 +98,7 @@ class StaticCascadeInputs(StaticDecodeInputs):
 
     def pad(self, bucket: int) -> dict:
         """Every row padding and no prefix (the prefix pass's rows then see no key)."""
-        inputs = self[bucket]
-        for name in PADDING:
-            inputs[name].fill_(PADDING[name])
+        inputs = super().pad(bucket)
         inputs["prefix_block_table"].fill_(0)
         inputs["prefix_seq_lens"].fill_(bucket)
         inputs["suffix_block_table"].fill_(-1)
