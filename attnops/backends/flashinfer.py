@@ -338,15 +338,15 @@ class FlashInferBackend(Backend):
             if lse is not None:
                 lse.fill_(float("nan"))
             return
-        if lse is not None:
-            self._run_with_lse(wrapper, row_fix, q, k_cache, v_cache, kv_format, k_scale, v_scale, out, lse)
-            return
         fp8 = formats.is_fp8(kv_format)
         if fp8:
-            q = q * k_scale.to(q.dtype)  # scores scale with k: fold k_scale into q, on the device
+            q = q * k_scale.to(q.dtype)  # scores scale with k: fold k_scale into q, on the device (the LSE too)
         # the first call of an eager plan arms the C++ replay of the kernel call for the step's other calls: only
-        # where run() is the whole call (no fp8 scaling or row masking around it) and no check reads the data
-        if (planned_now and not fp8 and row_fix is None and capture.current_capture() is None
+        # where run() is the whole call (no fp8 scaling or row masking around it, no LSE asked) and no check reads
+        # the data
+        if lse is not None:
+            self._run_with_lse(wrapper, q, k_cache, v_cache, out, lse)
+        elif (planned_now and not fp8 and row_fix is None and capture.current_capture() is None
                 and not values_checked() and flashinfer_replay.enabled()):
             flashinfer_replay.run_and_arm(wrapper, q, k_cache, v_cache, out)
         else:
@@ -355,26 +355,18 @@ class FlashInferBackend(Backend):
             out.mul_(v_scale.to(out.dtype))
         if row_fix is not None:
             torch.where(row_fix[0], row_fix[1], out, out=out)
+            if lse is not None:  # values are 0 (an empty row) or NaN (a bad one): -inf or NaN
+                torch.where(row_fix[0].view(-1, 1), row_fix[1].view(-1, 1).float() - float("inf"), lse, out=lse)
 
     @staticmethod
-    def _run_with_lse(wrapper, row_fix, q, k_cache, v_cache, kv_format, k_scale, v_scale, out, lse) -> None:
-        """paged_attention_with_lse: run() with return_lse (never the C++ replay, which serves paged_attention
-        only), and the rows set after it set in the LSE too: -inf for an empty decode row, NaN for a bad one."""
-        fp8 = formats.is_fp8(kv_format)
-        if fp8:
-            q = q * k_scale.to(q.dtype)  # k_scale scales the scores, so the LSE comes out right too
+    def _run_with_lse(wrapper, q, k_cache, v_cache, out, lse) -> None:
+        """run() with return_lse (paged_attention_with_lse; never the C++ replay, which serves paged_attention
+        only), its base-2 LSE turned into the contract's natural log."""
         lse_buffer = lse if lse.is_contiguous() else torch.empty(lse.shape, dtype=lse.dtype, device=lse.device)
         wrapper.run(q, (k_cache, v_cache), out=out, lse=lse_buffer, return_lse=True)
         lse_buffer.mul_(LN2)
         if lse_buffer is not lse:
             lse.copy_(lse_buffer)
-        if fp8:
-            out.mul_(v_scale.to(out.dtype))
-        if row_fix is not None:
-            mask, values = row_fix[0], row_fix[1]
-            torch.where(mask, values, out, out=out)
-            # values are 0 (an empty row) or NaN (a bad one): -inf or NaN
-            torch.where(mask.view(-1, 1), values.view(-1, 1).float() - float("inf"), lse, out=lse)
 
     def reshape_and_cache(self, *args, **kwargs) -> None:
         raise NotImplementedError("FlashInfer backend: cache writes go through attnops' own kernels")
