@@ -22,7 +22,8 @@
 #             before attnops.bench): $results/ab-old.json, $results/ab-new.json
 #   tests     the GPU tests, suites in parallel processes (TEST_SUITES, default "capture triton flashinfer e2e":
 #             captures of the op; Triton under pytest-xdist; FlashInfer + graphs + devices; end to end; also "spec"
-#             (sinks, trees, merge, page sharing) and "hf" (transformers models)), one log; TESTS_TIMEOUT seconds.
+#             (sinks, trees, merge, page sharing, cascade, LSE) and "hf" (transformers models)), one log;
+#             TESTS_TIMEOUT seconds.
 #             Run at most four at once: more overload a 16-core machine with compiles
 #   models    python -m attnops tune on the models grid (MODELS_ARGS narrows it), writing the table to
 #             $results/sm_XY.json and the records to $results/models.json
@@ -114,7 +115,7 @@ for step in "$@"; do
           triton) files="-m gpu -n 8 tests/test_triton.py" ;;
           flashinfer) files="tests/test_flashinfer.py tests/test_graphs.py tests/test_devices.py" ;;
           e2e) files="-m gpu tests/test_e2e.py" ;;
-          spec) files="-m gpu -n 8 tests/test_sinks_tree.py tests/test_merge.py tests/test_prefix_sharing.py" ;;
+          spec) files="-m gpu -n 8 tests/test_sinks_tree.py tests/test_merge.py tests/test_prefix_sharing.py tests/test_cascade.py tests/test_lse.py" ;;
           hf) files="-m gpu tests/test_hf.py" ;;
           *) echo "unknown suite $suite"; exit 2 ;;
         esac
@@ -152,7 +153,9 @@ for step in "$@"; do
       # first each backend's first chunk in one process (every shape family is in it): Triton compiles each
       # kernel variant once into its cache, FlashInfer JIT-builds once, before the workers start in parallel and
       # would all compile the same variants at once
-      export ATTNOPS_FUZZ_CASES=${FUZZ_CASES:-1000} ATTNOPS_FUZZ_SEED=${FUZZ_SEED:-20}
+      # one CPU thread a process: the workers' float64 references on the CPU would otherwise each start a thread
+      # per core and contend
+      export ATTNOPS_FUZZ_CASES=${FUZZ_CASES:-1000} ATTNOPS_FUZZ_SEED=${FUZZ_SEED:-20} OMP_NUM_THREADS=1
       timeout ${FUZZ_TIMEOUT:-600} python3 -m pytest -q -rf -p no:cacheprovider -m gpu tests/test_fuzz.py \
         -k "triton-0 or flashinfer-0 or auto-0" --durations=5 > "$results/fuzz-warm.log" 2>&1
       grep -E "^FAILED|passed|failed|error|s call" "$results/fuzz-warm.log" | tail -8; stamp fuzz-warm

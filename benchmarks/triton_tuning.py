@@ -352,13 +352,13 @@ def main():
             elif name.startswith("prefix"):  # one long sequence: the split plan matters as much as the tile
                 space = [dict(BLOCK_Q=bq, BLOCK_N=n, num_warps=w, num_stages=s, **split_config(c, capacity))
                          for bq, n, w, s, c in itertools.product((16, 32), (64, 128), (4, 8), (2, 3),
-                                                                 (512, 1024, 2048, 4096))]
+                                                                 (512, 1024, 2048, 4096, 8192))]
             elif prefill:
                 space = [dict(BLOCK_Q=bq, BLOCK_N=n, num_warps=w, num_stages=s) for bq, n, w, s in
                          itertools.product((16, 32), (32, 64, 128), (4, 8), (2, 3))]
             else:
                 space = [dict(BLOCK_Q=q_lens[0], BLOCK_N=n, num_warps=w, num_stages=s, **split_config(c, capacity))
-                         for n, w, s, c in itertools.product((32, 64, 128), (4, 8), (2, 3), (512, 1024, 2048))]
+                         for n, w, s, c in itertools.product((32, 64, 128), (4, 8), (2, 3), (512, 1024, 2048, None))]
             heuristic_us = runner.time(None)
             results = []
             for cfg in space:

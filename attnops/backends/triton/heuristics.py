@@ -73,8 +73,11 @@ def heuristic_config(device, decode: bool, batch: int, num_tokens: int, num_q_he
     # decode, and verify blocks whose tokens x heads fit one 16-row tile: streaming the KV once is the whole job
     decode_like = decode or block_m <= 16
     # programs to fill the chip: the decode kernel holds about two programs per SM (registers); 1.5 per SM beat
-    # more, shorter splits at every measured decode case
-    target = (3 * sms) // 2 if decode_like else 4 * sms
+    # more, shorter splits at every measured decode case. Tiles of 64+ rows (prefill_128 below) are bound by the
+    # tensor cores and hold one program per SM (shared memory): one wave of the fewest splits, each program
+    # long (a split's q load, epilogue and merge are paid per program)
+    compute_tile = not decode_like and block_m >= 64
+    target = (3 * sms) // 2 if decode_like else sms if compute_tile else 4 * sms
     # Decode-like tiles: 128 keys up to D=128 (every format's fastest). Larger query tiles: about 16 KB of bf16 K
     # (64 keys at D=128 for registers, 128 at D<=64, 32 at D=256), except prefill tiles of 64+ rows at D=128,
     # which take 128 keys. The interpreter keeps 64 so that CPU tests cover several tiles and splits.
@@ -98,7 +101,8 @@ def heuristic_config(device, decode: bool, batch: int, num_tokens: int, num_q_he
         # enough splits to fill the chip for the longest possible sequence, but at least 1024 keys a program (a
         # split's fixed costs: q, the epilogue, the merge) and no more than 4096 whatever the batch, so that one
         # long sequence in a ragged batch does not become the tail
-        splits_to_fill = -(-target // base)
+        # (whole programs of a wave for compute tiles: a split more than fits the wave runs as a second one)
+        splits_to_fill = max(1, target // base) if compute_tile else -(-target // base)
         if decode_like and base >= 2 * target and kv_format != "mxfp4":
             # three or more programs an SM without splitting, yet halves still paid (mxfp4, ALU-bound, lost)
             splits_to_fill = 2
