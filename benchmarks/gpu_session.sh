@@ -35,12 +35,16 @@
 #   cascade   benchmarks/cascade.py (issue 25: 64 x (32K shared + 1K own), bf16 and fp8) and its --sweep in bf16:
 #             $results/cascade.{json,png,txt}, $results/cascade-sweep.{json,txt}
 #   demo      python -m attnops demo $DEMO_ARGS, as a newcomer runs it: $results/demo.txt
+#   fuzz-warm each fuzz backend's first chunk in one process, so that the fuzz step's workers find every kernel
+#             compiled (after `jit`)
 #   fuzz      tests/test_fuzz.py's GPU part: $FUZZ_CASES (default 1000) seeded cases each for triton, flashinfer and
-#             auto dispatch, random corruptions included (after `jit`, so that FlashInfer's kernels are built);
-#             pytest-xdist over FUZZ_WORKERS processes; $results/fuzz.log. FUZZ_SEED picks another seed
+#             auto dispatch, random corruptions included (after `jit` and `fuzz-warm`, so that FlashInfer's and
+#             Triton's kernels are built); pytest-xdist over FUZZ_WORKERS processes; $results/fuzz.log. FUZZ_SEED
+#             picks another seed
 #   sanitize  the same under compute-sanitizer --tool memcheck, $SANITIZE_CASES (default 20) cases per backend, each
 #             tensor its own cudaMalloc (no guard buffers, no caching allocator), so a stray access is one past an
-#             allocation: $results/sanitize.log, whose last lines give memcheck's error count
+#             allocation: $results/sanitize.log, whose last lines give memcheck's error count; SANITIZE_K: a pytest
+#             -k expression (e.g. "triton")
 #   A/B of the index bounds (docs/design.md, "Bad indices"): the compare step with COMPARE="BOUNDS=0"
 #             COMPARE_ARGS="--no-extend --rounds 5" (the bench grid's decode cases, every format)
 set -uo pipefail
@@ -149,16 +153,18 @@ for step in "$@"; do
     demo)
       timeout ${DEMO_TIMEOUT:-300} python3 -m attnops demo ${DEMO_ARGS:-} > "$results/demo.txt" 2>&1
       cat "$results/demo.txt"; stamp demo ;;
-    fuzz)
-      # first each backend's first chunk in one process (every shape family is in it): Triton compiles each
-      # kernel variant once into its cache, FlashInfer JIT-builds once, before the workers start in parallel and
-      # would all compile the same variants at once
-      # one CPU thread a process: the workers' float64 references on the CPU would otherwise each start a thread
-      # per core and contend
+    fuzz-warm)
+      # each backend's first chunk in one process (every shape family is in it): Triton compiles each kernel
+      # variant once into its cache, FlashInfer JIT-builds once, before the fuzz step's workers start in parallel
+      # and would all compile the same variants at once
       export ATTNOPS_FUZZ_CASES=${FUZZ_CASES:-1000} ATTNOPS_FUZZ_SEED=${FUZZ_SEED:-20} OMP_NUM_THREADS=1
       timeout ${FUZZ_TIMEOUT:-600} python3 -m pytest -q -rf -p no:cacheprovider -m gpu tests/test_fuzz.py \
         -k "triton-0 or flashinfer-0 or auto-0" --durations=5 > "$results/fuzz-warm.log" 2>&1
-      grep -E "^FAILED|passed|failed|error|s call" "$results/fuzz-warm.log" | tail -8; stamp fuzz-warm
+      grep -E "^FAILED|passed|failed|error|s call" "$results/fuzz-warm.log" | tail -8; stamp fuzz-warm ;;
+    fuzz)
+      # one CPU thread a process: the workers' float64 references on the CPU would otherwise each start a thread
+      # per core and contend
+      export ATTNOPS_FUZZ_CASES=${FUZZ_CASES:-1000} ATTNOPS_FUZZ_SEED=${FUZZ_SEED:-20} OMP_NUM_THREADS=1
       timeout ${FUZZ_TIMEOUT:-600} python3 -m pytest -q -rf -p no:cacheprovider -m gpu -n ${FUZZ_WORKERS:-6} \
         tests/test_fuzz.py --durations=10 > "$results/fuzz.log" 2>&1
       grep -E "^FAILED|passed|failed|error|s call" "$results/fuzz.log" | tail -20; stamp fuzz ;;
@@ -166,7 +172,8 @@ for step in "$@"; do
       sanitizer=$(command -v compute-sanitizer || echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer")
       PYTORCH_NO_CUDA_MEMORY_CACHING=1 ATTNOPS_FUZZ_GUARD=0 ATTNOPS_FUZZ_CASES=${SANITIZE_CASES:-20} \
         timeout ${SANITIZE_TIMEOUT:-600} "$sanitizer" --tool memcheck --report-api-errors no --print-limit 20 \
-        python3 -m pytest -q -rf -p no:cacheprovider -m gpu tests/test_fuzz.py > "$results/sanitize.log" 2>&1
+        python3 -m pytest -q -rf -p no:cacheprovider -m gpu tests/test_fuzz.py ${SANITIZE_K:+-k "$SANITIZE_K"} \
+        > "$results/sanitize.log" 2>&1
       echo "rc $?"; grep -E "ERROR SUMMARY|passed|failed|^FAILED|Invalid" "$results/sanitize.log" | tail -15
       stamp sanitize ;;
     *) echo "unknown step $step"; exit 2 ;;

@@ -217,10 +217,10 @@ def _nan_rows(out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, tok, row_head, row_v
 
 
 # Runtime values that change from call to call (batch size, window, split plan, the sizes the bounds checks compare
-# with) must not be specialized on (Triton compiles a variant for an int argument equal to 1): a batch of 1 or
-# MAX_SPLITS=1 reuses the same binary.
+# with, the block table's width) must not be specialized on (Triton compiles a variant for an int argument equal to
+# 1 or divisible by 16): a batch of 1, MAX_SPLITS=1 or a table of 3 pages a row reuses the same binary.
 @triton.jit(do_not_specialize=["num_seqs", "window_left", "MAX_SPLITS", "CHUNK", "num_tokens", "num_pages",
-                               "capacity", "stride_tm", "tm_cols"])
+                               "capacity", "stride_table", "stride_tm", "tm_cols"])
 def paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_lens_ptr, cu_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
     err_ptr,
@@ -228,7 +228,7 @@ def paged_attention_kernel(
     capacity,
     stride_qt, stride_qh, stride_kp, stride_kt, stride_kh,
     stride_ksp, stride_kst, stride_ksh, stride_vsp, stride_vst, stride_vsh,
-    stride_bt, stride_ot, stride_oh, stride_tm, tm_cols,
+    stride_table, stride_ot, stride_oh, stride_tm, tm_cols,
     NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr,
     IS_DECODE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
@@ -303,7 +303,7 @@ def paged_attention_kernel(
         return
     split_lo = kv_lo + split * split_len
     split_hi = tl.minimum(split_lo + split_len, kv_hi)
-    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    bt_row = bt_ptr + b.to(tl.int64) * stride_table
     if BOUNDS:
         if seq_bad & (split == 0) & (kvh == 0) & (q_block == 0):
             tl.atomic_min(err_ptr + ERR_SEQ_LENS, b)

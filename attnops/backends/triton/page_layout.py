@@ -17,10 +17,10 @@ from ... import errors
 from .common import ERR_BLOCK_TABLE, ERR_SEQ_LENS
 
 
-@triton.jit(do_not_specialize=["batch", "width", "num_pages", "window_left"])
+@triton.jit(do_not_specialize=["batch", "width", "stride_table", "num_pages", "window_left"])
 def decode_page_layout_kernel(
     table_ptr, lens_ptr, indptr_ptr, indices_ptr, last_ptr, fix_ptr, value_ptr, err_ptr,
-    batch, width, stride_t, num_pages, window_left,
+    batch, width, stride_table, num_pages, window_left,
     PAGE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
     """One program per sequence b: its CSR range (indptr[b + 1], indices, last_page_len), whether its row is set
@@ -48,7 +48,7 @@ def decode_page_layout_kernel(
         first_seen = tl.maximum(n_ok - 1 - window_left, 0) // PAGE
     seen_bad = tl.full([], 0, tl.int32)  # tensors, not Python ints: loop-carried
     fallback = tl.full([], -1, tl.int32)
-    row = table_ptr + b.to(tl.int64) * stride_t
+    row = table_ptr + b.to(tl.int64) * stride_table
     used_pages = (n_ok + PAGE - 1) // PAGE
     for j0 in tl.range(0, used_pages, BLOCK_W):  # which pages are bad, and a good one of the sequence
         j = j0 + tl.arange(0, BLOCK_W)
