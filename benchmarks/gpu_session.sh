@@ -50,6 +50,9 @@
 set -uo pipefail
 results=${ATTNOPS_OUT:-gpu-out}; mkdir -p "$results"
 t0=$(date +%s); stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
+# the fuzz steps' cases and seed; one CPU thread a process: the workers' float64 references on the CPU would
+# otherwise each start a thread per core and contend
+fuzz_env() { export ATTNOPS_FUZZ_CASES=${FUZZ_CASES:-1000} ATTNOPS_FUZZ_SEED=${FUZZ_SEED:-20} OMP_NUM_THREADS=1; }
 export ATTNOPS_COMMIT=${ATTNOPS_COMMIT:-unknown}
 for step in "$@"; do
   case $step in
@@ -157,14 +160,12 @@ for step in "$@"; do
       # each backend's first chunk in one process (every shape family is in it): Triton compiles each kernel
       # variant once into its cache, FlashInfer JIT-builds once, before the fuzz step's workers start in parallel
       # and would all compile the same variants at once
-      export ATTNOPS_FUZZ_CASES=${FUZZ_CASES:-1000} ATTNOPS_FUZZ_SEED=${FUZZ_SEED:-20} OMP_NUM_THREADS=1
+      fuzz_env
       timeout ${FUZZ_TIMEOUT:-600} python3 -m pytest -q -rf -p no:cacheprovider -m gpu tests/test_fuzz.py \
         -k "triton-0 or flashinfer-0 or auto-0" --durations=5 > "$results/fuzz-warm.log" 2>&1
       grep -E "^FAILED|passed|failed|error|s call" "$results/fuzz-warm.log" | tail -8; stamp fuzz-warm ;;
     fuzz)
-      # one CPU thread a process: the workers' float64 references on the CPU would otherwise each start a thread
-      # per core and contend
-      export ATTNOPS_FUZZ_CASES=${FUZZ_CASES:-1000} ATTNOPS_FUZZ_SEED=${FUZZ_SEED:-20} OMP_NUM_THREADS=1
+      fuzz_env
       timeout ${FUZZ_TIMEOUT:-600} python3 -m pytest -q -rf -p no:cacheprovider -m gpu -n ${FUZZ_WORKERS:-6} \
         tests/test_fuzz.py --durations=10 > "$results/fuzz.log" 2>&1
       grep -E "^FAILED|passed|failed|error|s call" "$results/fuzz.log" | tail -20; stamp fuzz ;;
