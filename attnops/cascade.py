@@ -117,7 +117,14 @@ def cascade_pays(batch: int, prefix_tokens: int) -> bool:
     reading, (batch - 1) x prefix_tokens, must outweigh its fixed costs (a second attention launch, a merge, the
     prefix pass's split merge). The threshold is where benchmarks/cascade.py --sweep crossed 1x on the H200
     (docs/bench.md, "Cascade decode")."""
-    return batch >= 2 and (batch - 1) * prefix_tokens >= CASCADE_MIN_SAVED_TOKENS
+    least = cascade_min_prefix_tokens(batch)
+    return least is not None and prefix_tokens >= least
+
+
+def cascade_min_prefix_tokens(batch: int) -> int | None:
+    """The fewest shared prefix tokens at which cascade_pays for a batch (None for a batch of one: never), so that
+    a serving loop can skip making a split that would not be used."""
+    return None if batch < 2 else -(-CASCADE_MIN_SAVED_TOKENS // (batch - 1))
 
 
 CASCADE_MIN_SAVED_TOKENS = 131072

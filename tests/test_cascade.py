@@ -12,7 +12,8 @@ import torch
 import attnops
 from attnops.backends import BACKENDS
 from attnops.backends.reference import paged_attention_reference
-from attnops.cascade import cascade_attention, cascade_pays, host_prefix_pass, prefix_pass, shared_prefix_pages
+from attnops.cascade import (cascade_attention, cascade_min_prefix_tokens, cascade_pays, host_prefix_pass, prefix_pass,
+                             shared_prefix_pages)
 from attnops.testing import random_paged_inputs, relative_error
 
 
@@ -169,6 +170,11 @@ def test_shared_prefix_pages_and_when_it_pays():
     assert shared_prefix_pages([[4, 7], [5, 7]], [32, 32], 16) == 0
     assert shared_prefix_pages([[4, 7]], [17], 16) == 1  # one sequence: its first page (the rule decides)
     assert not cascade_pays(1, 10 ** 6) and cascade_pays(64, 32768) and not cascade_pays(4, 256)
+    # the fewest prefix tokens that pay, for a serving loop that makes no split below it
+    assert cascade_min_prefix_tokens(1) is None
+    for batch in (2, 3, 7, 64, 300):
+        least = cascade_min_prefix_tokens(batch)
+        assert cascade_pays(batch, least) and not cascade_pays(batch, least - 1)
 
 
 @pytest.mark.gpu

@@ -139,6 +139,23 @@ def test_cascade_decode_steps_give_the_same_tokens(kv_format, compile, monkeypat
         assert options["compile"]["backend"].frame_count == 2  # the plain step and the cascade step, bucket 8
 
 
+def test_no_cascade_split_is_made_where_it_does_not_pay(monkeypatch):
+    """At the H200's threshold this tiny model's 40-token prompt never pays: the Generator makes no split (whose
+    prefix pass would be copied to the device every step) and runs plain steps."""
+    made = []
+    original = attnops.PagedKVCache.cascade_split
+
+    def spy(self, meta, min_pages=1):
+        split = original(self, meta, min_pages)
+        made.append(split)
+        return split
+
+    monkeypatch.setattr(attnops.PagedKVCache, "cascade_split", spy)
+    tokens, stats = generate(tiny_model(), "fp32", sharing=True, staggered=True, cascade=True)
+    assert stats["cascade_steps"] == 0 and made and all(split is None for split in made)
+    assert tokens == generate(tiny_model(), "fp32", sharing=True, staggered=True)[0]
+
+
 @pytest.mark.gpu
 def test_cascade_steps_in_cuda_graphs_give_the_same_tokens_on_gpu(monkeypatch):
     """Compiled and graph-replayed cascade steps (their own graph per bucket) against plain graph-replayed steps."""

@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from ..cascade import PrefixPass, cascade_pays
+from ..cascade import PrefixPass, cascade_min_prefix_tokens
 from .batching import StaticCascadeInputs, StaticDecodeInputs, default_buckets
 from .kv_cache import BatchMetadata, CascadeSplit, PagedKVCache
 
@@ -127,8 +127,11 @@ class DecodeStep:
         meta = self.cache.prepare(seq_ids, 1, decode=True, max_pages=self.max_pages)
         positions = meta.seq_lens.long() - 1  # each sequence's new token sits at its old length
         if self.cascade is not None:
-            split = self.cache.cascade_split(meta)
-            if split is not None and cascade_pays(batch, split.prefix_tokens):
+            # only a split that pays is made (its prefix pass's inputs are copied to the device)
+            least = cascade_min_prefix_tokens(batch)
+            split = None if least is None else self.cache.cascade_split(
+                meta, min_pages=-(-least // self.cache.page_size))
+            if split is not None:
                 fn, buffers, runner = self.cascade
                 meta.cascade = split
                 self.cascade_steps += 1
