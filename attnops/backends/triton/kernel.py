@@ -236,7 +236,7 @@ def paged_attention_kernel(
     DOT_PRECISION: tl.constexpr, FP8_DTYPE: tl.constexpr, SCALE_BCAST: tl.constexpr,
     FP4_ASM: tl.constexpr, SOFT_FP8: tl.constexpr,
     V_DEQUANT_FIRST: tl.constexpr, HEADS_INNER: tl.constexpr, PDL: tl.constexpr, FP8_V_PAIRS: tl.constexpr,
-    FP8_K_PAIRS: tl.constexpr, BOUNDS: tl.constexpr, PAGE_CHECK_IN_LOOP: tl.constexpr,
+    FP8_K_PAIRS: tl.constexpr, BOUNDS: tl.constexpr,
 ):
     if PDL:  # the merge kernel may start now: its programs wait (griddepcontrol.wait) before reading partials
         gdc_launch_dependents()
@@ -304,19 +304,14 @@ def paged_attention_kernel(
     split_lo = kv_lo + split * split_len
     split_hi = tl.minimum(split_lo + split_len, kv_hi)
     bt_row = bt_ptr + b.to(tl.int64) * stride_table
-    # Where the pages a program reads are checked: one query token a block (decode) may check them in its loop
-    # (below), so that no dependent load of the block table delays the start of every program, which short decodes
-    # felt; otherwise in one pass before the loop.
-    IN_LOOP: tl.constexpr = BOUNDS and BLOCK_Q == 1 and PAGE_CHECK_IN_LOOP
     if BOUNDS:
         if seq_bad & (split == 0) & (kvh == 0) & (q_block == 0):
             tl.atomic_min(err_ptr + ERR_SEQ_LENS, b)
-        if not IN_LOOP:
-            # The pass before the loop (SOFT_FP8: the interpreter, which cannot run the PTX vote). Every page read
-            # holds a key some row sees (kv_plan's ALIGN), so a bad one is recorded.
-            split_bad = check_pages(bt_row, split_lo, split_hi, num_pages, PAGE, not SOFT_FP8)
-            if split_bad > 0:
-                tl.atomic_min(err_ptr + ERR_BLOCK_TABLE, b)
+        # The pages this program reads, checked once before its loop (SOFT_FP8: the interpreter, which cannot run
+        # the PTX vote). Every one holds a key some row sees (kv_plan's ALIGN), so a bad one is recorded.
+        split_bad = check_pages(bt_row, split_lo, split_hi, num_pages, PAGE, not SOFT_FP8)
+        if split_bad > 0:
+            tl.atomic_min(err_ptr + ERR_BLOCK_TABLE, b)
 
     # --- rows: (query token, head of the group) --------------------------------------------------------------
     offs_m = tl.arange(0, BLOCK_M)
@@ -328,22 +323,21 @@ def paged_attention_kernel(
     q_row_off = tok * stride_qt + row_head.to(tl.int64) * stride_qh
     if BOUNDS:
         # With one query token a block (decode) every row sees every page read: a bad one makes them all NaN, and
-        # no key of it is read (checked before the loop: the loop is empty; in the loop: its loads are masked).
-        # With more, a row is NaN if it sees a key of a bad page (row_bad); the loop reads a good page of the split
-        # in place of the bad ones (`fallback`; with none, nothing is read).
-        row_bad = offs_m < 0  # (all false)
+        # nothing is read (the loop is empty). With more, a row is NaN if it sees a key of a bad page (row_bad); the
+        # loop reads a good page of the split in place of the bad ones (`fallback`; with none, nothing is read).
         if BLOCK_Q == 1:
-            if not IN_LOOP:
-                row_bad = row_bad | (split_bad > 0)
-                split_hi = tl.where(split_bad > 0, split_lo, split_hi)
+            row_bad = split_bad > 0
+            no_read = row_bad
         else:
+            row_bad = offs_m < 0  # (all false)
             fallback = tl.full([], 0, tl.int32)
             if split_bad > 0:
                 # the last key each row may see: its own position, or with a tree mask the sequence's end
                 q_hi = q_pos if not HAS_TREE else q_pos * 0 + seq_len - 1
                 row_bad, fallback = bad_page_rows(bt_row, split_lo, split_hi, num_pages, q_pos, q_hi, window_left,
                                                   PAGE, HAS_WINDOW)
-            split_hi = tl.where(fallback < 0, split_lo, split_hi)
+            no_read = fallback < 0
+        split_hi = tl.where(no_read, split_lo, split_hi)
 
     # per-tensor (stride 0) or per-head fp8 scales, folded: k into the score scale, v into the output
     qk_scale = sm_scale
@@ -400,7 +394,6 @@ def paged_attention_kernel(
         full_hi = first_pos + 1
     full_lo = last_pos - window_left
 
-    key_bad_seen = tl.zeros([BLOCK_N], dtype=tl.int32)  # IN_LOOP: a key of a bad page seen, per key of the tile
     for start in range(split_lo, split_hi, BLOCK_N):
         kpos = start + offs_n
         kvalid = kpos < split_hi
@@ -409,19 +402,12 @@ def paged_attention_kernel(
             page = tl.load(bt_row + start // PAGE)
             if BOUNDS and BLOCK_Q > 1:  # a bad page is read as `fallback`: the rows that see its keys are NaN
                 page = tl.where(page.to(tl.uint32, bitcast=True) < num_pages.to(tl.uint32), page, fallback)
-            page_v = page + tl.zeros([BLOCK_N], dtype=tl.int32)
+            page_v = page.to(tl.int64) + tl.zeros([BLOCK_N], dtype=tl.int64)
         else:
             page_v = tl.load(bt_row + kpos // PAGE, mask=kvalid, other=0)
             if BOUNDS and BLOCK_Q > 1:  # (as above)
                 page_v = tl.where(page_v.to(tl.uint32, bitcast=True) < num_pages.to(tl.uint32), page_v, fallback)
-        if IN_LOOP:  # (a negative index is a huge unsigned one)
-            key_bad = kvalid & (page_v.to(tl.uint32, bitcast=True) >= num_pages.to(tl.uint32))
-            key_bad_seen = key_bad_seen | key_bad.to(tl.int32)
-            # (key_bad_seen >= 0 is always true: it ties the flag to the loads' masks, so that Triton's pipeliner
-            # computes it with them, a stage ahead of the dot; left to the dot's stage, it would hold the page
-            # indices two stages and stop pipelining their load, sm_90)
-            kvalid = kvalid & ~key_bad & (key_bad_seen >= 0)
-        page_v = page_v.to(tl.int64)
+            page_v = page_v.to(tl.int64)
         in_page = (kpos % PAGE).to(tl.int64)
         # int64: page index x page stride passes 2^31 elements on large caches
         tok_off = page_v * stride_kp + in_page * stride_kt + head_off
@@ -501,11 +487,6 @@ def paged_attention_kernel(
             acc = tl.dot(p.to(DOT_DTYPE), v, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
 
     # --- epilogue: normalized output, directly or as a split partial ---------------------------------------
-    if IN_LOOP:
-        split_bad = tl.max(key_bad_seen, 0)
-        if split_bad > 0:
-            tl.atomic_min(err_ptr + ERR_BLOCK_TABLE, b)
-        row_bad = row_bad | (split_bad > 0)
     has_keys = l_i > 0.0
     inv_l = tl.where(has_keys, v_mul / tl.where(has_keys, l_i, 1.0), 0.0)  # no key seen: the row is 0
     if BOUNDS:
