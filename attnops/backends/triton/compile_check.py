@@ -159,6 +159,9 @@ def attention_types(fmt: str, q_dtype: str, lse: bool = False) -> dict:
 HEURISTIC_SHAPES = [("decode 128 x 4096", True, 128, 1, 4096), ("decode 1 x 32768", True, 1, 1, 32768),
                     ("verify 32 x 4 on 4096", False, 32, 4, 4096), ("verify 32 x 16 on 4096", False, 32, 16, 4096),
                     ("chunk 4 x 300 on 8192", False, 4, 300, 8192), ("prefill 8 x 4096", False, 8, 4096, 4096)]
+# --sass also takes query blocks with a tree mask: a 16-token draft tree's verify, and cascade's prefix pass (64
+# query rows as one block that sees only the 32K keys before it, with its LSE)
+TREE_SHAPES = [("tree 32 x 16 on 4096", False, 32, 16, 4096), ("prefix 64 x 32768", False, 1, 64, 32768 + 64)]
 
 
 def heuristic_configurations(arch: int, sms: int, shared_per_block: int, quick: bool):
@@ -275,7 +278,8 @@ def _cuobjdump() -> str:
 
 def sass_profile(cubin: bytes) -> dict:
     """Registers, stack bytes and the main loop of a cubin: the longest backward branch's body in its SASS, as an
-    instruction count (what one thread issues per KV step) and a histogram of opcodes."""
+    instruction count (what one thread issues per KV step) and a histogram of opcodes; `loops`: every loop of over
+    100 instructions, in code order (a tree mask's kernel has two key loops, the block's tiles in the second)."""
     import tempfile
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
@@ -291,13 +295,14 @@ def sass_profile(cubin: bytes) -> dict:
         if target and int(target.group(1), 16) < address:
             loops.append((index.get(int(target.group(1), 16), 0), i))
     first, last = max(loops, key=lambda loop: loop[1] - loop[0]) if loops else (0, len(code) - 1)
+    big = [last - first + 1 for first, last in sorted(set(loops)) if last - first >= 100]
     ops = collections.Counter()
     for _, text in code[first:last + 1]:
         words = text.split()
         opcode = words[1] if words[0].startswith("@") and len(words) > 1 else words[0]
         # IMAD.MOV is a register move on the integer pipe (operand shuffling), not arithmetic: counted apart
         ops["IMAD.MOV" if opcode.startswith("IMAD.MOV") else opcode.split(".")[0]] += 1
-    return dict(registers=regs, stack=stack, instructions=len(code), loop=last - first + 1, ops=ops)
+    return dict(registers=regs, stack=stack, instructions=len(code), loop=last - first + 1, ops=ops, loops=big)
 
 
 def print_sass(formats_: list, q_dtype: str, target, sms: int, shared_per_block: int, overrides: dict,
@@ -307,15 +312,19 @@ def print_sass(formats_: list, q_dtype: str, target, sms: int, shared_per_block:
     registers and the instructions one thread issues per step of BLOCK_N keys. Decode of a quantized cache is bound
     by its instructions, not bytes, when these are high: this is the number to lower."""
     torch_q = TORCH_DTYPE[q_dtype]
-    _, decode, batch, q_len, capacity = next(shape for shape in HEURISTIC_SHAPES if shape[0] == case)
+    _, decode, batch, q_len, capacity = next(shape for shape in HEURISTIC_SHAPES + TREE_SHAPES if shape[0] == case)
+    tree = any(shape[0] == case for shape in TREE_SHAPES)
+    lse = case.startswith("prefix")
     for fmt in formats_:
         with _heuristic_for(target.arch, sms, shared_per_block):
             cfg = dict(heuristics.heuristic_config(torch.device("cuda"), decode, batch, batch * q_len, 32, 8, 128,
                                                    16, capacity, fmt, torch_q), **overrides)
         constexprs, options = heuristics.kernel_constexprs(cfg, q_dtype=torch_q, kv_format=fmt, decode=decode,
                                                        num_q_heads=32, head_dim=128, group=4, page_size=16,
-                                                       window=False, soft_cap=False, on_gpu=True)
-        compiled = compile_one(paged_attention_kernel, attention_types(fmt, q_dtype), constexprs, target, **options)
+                                                       window=False, soft_cap=False, on_gpu=True, tree=tree,
+                                                       lse=lse)
+        compiled = compile_one(paged_attention_kernel, attention_types(fmt, q_dtype, lse), constexprs, target,
+                               **options)
         prof = sass_profile(compiled.asm["cubin"])
         values = constexprs["BLOCK_N"] * 128 * 2 / (32 * options["num_warps"])  # K and V values a thread, a step
         top = ", ".join(f"{op} {n}" for op, n in prof["ops"].most_common(12))
@@ -323,7 +332,8 @@ def print_sass(formats_: list, q_dtype: str, target, sms: int, shared_per_block:
               f"{options['num_warps']} warps, "
               f"{options['num_stages']} stages{', maxnreg ' + str(options['maxnreg']) if 'maxnreg' in options else ''}"
               f": {prof['registers']} registers, {prof['stack']} stack bytes; main loop {prof['loop']} instructions a "
-              f"thread a step ({prof['loop'] / values:.1f} per K/V value): {top}", flush=True)
+              f"thread a step ({prof['loop'] / values:.1f} per K/V value): {top}"
+              f"{'; loops of ' + ', '.join(map(str, prof['loops'])) + ' instructions' if tree else ''}", flush=True)
 
 
 def check_heuristic(target, sms: int, shared_per_block: int, quick: bool) -> int:
@@ -372,7 +382,8 @@ def main():
                         help="for these KV formats, the heuristic decode tile's registers and the SASS instructions "
                              "its main loop issues a step, by opcode (needs cuobjdump: Triton ships one)")
     parser.add_argument("--q-dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="--sass: q's dtype")
-    parser.add_argument("--case", default="decode 128 x 4096", choices=[shape[0] for shape in HEURISTIC_SHAPES],
+    parser.add_argument("--case", default="decode 128 x 4096",
+                        choices=[shape[0] for shape in HEURISTIC_SHAPES + TREE_SHAPES],
                         help="--sass: the shape whose heuristic tile is compiled")
     parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
                         help="--sass: tunables to set on the heuristic's tile, e.g. V_DEQUANT_FIRST=1 maxnreg=0")

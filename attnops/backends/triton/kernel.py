@@ -216,6 +216,140 @@ def _nan_rows(out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, tok, row_head, row_v
         tl.store(part_lse_ptr + part_row, tl.full([tok.shape[0]], float("nan"), tl.float32), mask=row_valid)
 
 
+@triton.jit
+def _mask_scores(s, kpos, kvalid, block_start, tm_ptr, tok, stride_tm, tm_cols, row_valid, q_pos, window_left,
+                 HAS_TREE: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """The scores of a tile with the keys each row does not see at -inf: the causal rule (or the tree mask, for
+    the keys of the sequence's query block), the window, the end of the keys."""
+    if HAS_TREE:
+        # row i sees block key j (at block_start + j) iff tree_mask[its row, j], j < the mask's width
+        col = kpos - block_start
+        in_block = col >= 0
+        tm = tl.load(tm_ptr + tok[:, None] * stride_tm + col[None, :],
+                     mask=row_valid[:, None] & (in_block & (col < tm_cols) & kvalid)[None, :], other=0)
+        visible = kvalid[None, :] & (~in_block[None, :] | (tm != 0))
+    else:
+        visible = kpos[None, :] <= q_pos[:, None]
+    if HAS_WINDOW:
+        visible = visible & (kpos[None, :] >= q_pos[:, None] - window_left)
+    s = tl.where(visible, s, float("-inf"))
+    return s
+
+
+@triton.jit
+def _kv_tiles(lo, hi, split_hi, acc, acc_o, m_i, l_i, qa, qb, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, tm_ptr, num_pages,
+              fallback, head_off, kvh, stride_kp, stride_kt, stride_ksp, stride_kst, stride_ksh, stride_vsp,
+              stride_vst, stride_vsh, qk_scale, sm_scale, soft_cap, full_lo, full_hi, block_start, window_left, tok,
+              q_pos, row_valid, stride_tm, tm_cols,
+              EDGE: tl.constexpr, HAS_TREE: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr, FMT: tl.constexpr, DOT_DTYPE: tl.constexpr,
+              DOT_PRECISION: tl.constexpr, FP8_DTYPE: tl.constexpr, SCALE_BCAST: tl.constexpr,
+              FP4_ASM: tl.constexpr, SOFT_FP8: tl.constexpr, V_DEQUANT_FIRST: tl.constexpr,
+              HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, BOUNDS: tl.constexpr, PAIRED_K: tl.constexpr,
+              PAIRED_V: tl.constexpr):
+    """The key loop over the tiles [lo, hi) of a split (split_hi: where the split's keys end): the online softmax
+    of the rows' scores into (acc, acc_o, m_i, l_i), returned updated. q is (qa, qb): q's even and odd elements
+    with PAIRED_K, else q twice; acc_o is V's odd half with PAIRED_V, else unused. EDGE: every tile gets the masks
+    (the tiles at a query block's keys), else only those a runtime check finds at an edge."""
+    IS_FP4: tl.constexpr = FMT == FMT_NVFP4 or FMT == FMT_MXFP4
+    HALF: tl.constexpr = HEAD_DIM // 2
+    offs_n = tl.arange(0, BLOCK_N)
+    if PAIRED_K:
+        offs_d = tl.arange(0, HALF)
+        q_e = qa
+        q_o = qb
+    else:
+        offs_d = tl.arange(0, HEAD_DIM)
+        q = qa
+    for start in range(lo, hi, BLOCK_N):
+        kpos = start + offs_n
+        kvalid = kpos < split_hi
+        # page of each key; a page of >= BLOCK_N tokens holds the whole (aligned) tile: one scalar load
+        if PAGE >= BLOCK_N:
+            page = tl.load(bt_row + start // PAGE)
+            if BOUNDS and BLOCK_Q > 1:  # a bad page is read as `fallback`: the rows that see its keys are NaN
+                page = tl.where(page.to(tl.uint32, bitcast=True) < num_pages.to(tl.uint32), page, fallback)
+            page_v = page.to(tl.int64) + tl.zeros([BLOCK_N], dtype=tl.int64)
+        else:
+            page_v = tl.load(bt_row + kpos // PAGE, mask=kvalid, other=0)
+            if BOUNDS and BLOCK_Q > 1:  # (as above)
+                page_v = tl.where(page_v.to(tl.uint32, bitcast=True) < num_pages.to(tl.uint32), page_v, fallback)
+            page_v = page_v.to(tl.int64)
+        in_page = (kpos % PAGE).to(tl.int64)
+        # int64: page index x page stride passes 2^31 elements on large caches
+        tok_off = page_v * stride_kp + in_page * stride_kt + head_off
+
+        if PAIRED_K:
+            if IS_FP4:
+                ks_off = page_v * stride_ksp + in_page * stride_kst + kvh * stride_ksh
+                k_e, k_o = _load_fp4_tile(k_ptr, ks_ptr, tok_off, ks_off, offs_d, kvalid, True, FMT, DOT_DTYPE,
+                                          SCALE_BCAST, FP4_ASM)
+            else:
+                k_e, k_o = _load_fp8_pairs(k_ptr, tok_off, offs_d, kvalid, True, FP8_DTYPE, not SOFT_FP8)
+            qk = tl.dot(q_e, k_e, input_precision=DOT_PRECISION)
+            qk = tl.dot(q_o, k_o, acc=qk, input_precision=DOT_PRECISION)
+        else:
+            k = tl.load(k_ptr + tok_off[None, :] + offs_d[:, None], mask=kvalid[None, :], other=0.0)
+            if FMT == FMT_FP8:
+                k = _fp8_to_dot(k, FP8_DTYPE, DOT_DTYPE)
+            else:
+                k = k.to(DOT_DTYPE)
+            qk = tl.dot(q, k, input_precision=DOT_PRECISION)
+
+        qk = qk * qk_scale
+        if HAS_SOFTCAP:
+            # soft_cap * tanh(s / soft_cap), tanh through exp2 (stable: exp2 -> inf gives 1, -> 0 gives -1)
+            t = tl.exp2(qk * (2.0 * LOG2E / soft_cap))
+            s = (soft_cap * LOG2E) * (1.0 - 2.0 / (t + 1.0))
+        else:
+            s = qk
+        # mask only the tiles at the causal/window/length edges (EDGE: every tile of the call)
+        if EDGE:
+            s = _mask_scores(s, kpos, kvalid, block_start, tm_ptr, tok, stride_tm, tm_cols, row_valid, q_pos,
+                             window_left, HAS_TREE, HAS_WINDOW)
+        else:
+            needs_mask = start + BLOCK_N > full_hi
+            if HAS_WINDOW:
+                needs_mask = needs_mask | (start < full_lo)
+            if needs_mask:
+                s = _mask_scores(s, kpos, kvalid, block_start, tm_ptr, tok, stride_tm, tm_cols, row_valid, q_pos,
+                                 window_left, HAS_TREE, HAS_WINDOW)
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet: no NaN
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+
+        if PAIRED_V:
+            if IS_FP4:
+                vs_off = page_v * stride_vsp + in_page * stride_vst + kvh * stride_vsh
+                v_e, v_o = _load_fp4_tile(v_ptr, vs_ptr, tok_off, vs_off, offs_d, kvalid, False, FMT, DOT_DTYPE,
+                                          SCALE_BCAST, FP4_ASM)
+                if V_DEQUANT_FIRST:
+                    one = opaque_one(sm_scale).to(DOT_DTYPE)
+                    v_e = v_e * one
+                    v_o = v_o * one
+            else:
+                v_e, v_o = _load_fp8_pairs(v_ptr, tok_off, tl.arange(0, HALF), kvalid, False, FP8_DTYPE,
+                                           not SOFT_FP8)
+            p = p.to(DOT_DTYPE)
+            acc = tl.dot(p, v_e, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
+            acc_o = tl.dot(p, v_o, acc=acc_o * alpha[:, None], input_precision=DOT_PRECISION)
+        else:
+            v = tl.load(v_ptr + tok_off[:, None] + tl.arange(0, HEAD_DIM)[None, :], mask=kvalid[:, None], other=0.0)
+            if FMT == FMT_FP8:
+                v = _fp8_to_dot(v, FP8_DTYPE, DOT_DTYPE)
+                if V_DEQUANT_FIRST:
+                    v = v * opaque_one(sm_scale).to(DOT_DTYPE)
+            else:
+                v = v.to(DOT_DTYPE)
+            acc = tl.dot(p.to(DOT_DTYPE), v, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
+
+    return acc, acc_o, m_i, l_i
+
+
 # Runtime values that change from call to call (batch size, window, split plan, the sizes the bounds checks compare
 # with, the block table's width) must not be specialized on (Triton compiles a variant for an int argument equal to
 # 1 or divisible by 16): a batch of 1, MAX_SPLITS=1 or a table of 3 pages a row reuses the same binary.
@@ -321,6 +455,7 @@ def paged_attention_kernel(
     tok = (q_start + q_block * BLOCK_Q + row_tok).to(tl.int64)
     q_pos = first_pos + row_tok
     q_row_off = tok * stride_qt + row_head.to(tl.int64) * stride_qh
+    fallback = tl.full([], 0, tl.int32)  # the page read in place of a bad one (below)
     if BOUNDS:
         # With one query token a block (decode) every row sees every page read: a bad one makes them all NaN, and
         # nothing is read (the loop is empty). With more, a row is NaN if it sees a key of a bad page (row_bad); the
@@ -330,7 +465,6 @@ def paged_attention_kernel(
             no_read = row_bad
         else:
             row_bad = offs_m < 0  # (all false)
-            fallback = tl.full([], 0, tl.int32)
             if split_bad > 0:
                 # the last key each row may see: its own position, or with a tree mask the sequence's end
                 q_hi = q_pos if not HAS_TREE else q_pos * 0 + seq_len - 1
@@ -369,21 +503,22 @@ def paged_attention_kernel(
         offs_d = tl.arange(0, HALF)
         q_e = tl.load(q_ptr + q_row_off[:, None] + 2 * offs_d[None, :], mask=row_valid[:, None], other=0.0)
         q_o = tl.load(q_ptr + q_row_off[:, None] + 2 * offs_d[None, :] + 1, mask=row_valid[:, None], other=0.0)
-        q_e = q_e.to(DOT_DTYPE)
-        q_o = q_o.to(DOT_DTYPE)
+        qa = q_e.to(DOT_DTYPE)
+        qb = q_o.to(DOT_DTYPE)
     else:
         offs_d = tl.arange(0, HEAD_DIM)
         q = tl.load(q_ptr + q_row_off[:, None] + offs_d[None, :], mask=row_valid[:, None], other=0.0)
-        q = q.to(DOT_DTYPE)
+        qa = q.to(DOT_DTYPE)
+        qb = qa
     if PAIRED_V:
         acc = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
         acc_o = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        acc_o = acc  # (unused)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
 
-    offs_n = tl.arange(0, BLOCK_N)
     head_off = kvh.to(tl.int64) * stride_kh
     # keys every valid row sees without masking: causal bound of the first query (with a tree mask, the start of
     # the sequence's query block: the mask decides each block key), window bound of the last
@@ -394,97 +529,32 @@ def paged_attention_kernel(
         full_hi = first_pos + 1
     full_lo = last_pos - window_left
 
-    for start in range(split_lo, split_hi, BLOCK_N):
-        kpos = start + offs_n
-        kvalid = kpos < split_hi
-        # page of each key; a page of >= BLOCK_N tokens holds the whole (aligned) tile: one scalar load
-        if PAGE >= BLOCK_N:
-            page = tl.load(bt_row + start // PAGE)
-            if BOUNDS and BLOCK_Q > 1:  # a bad page is read as `fallback`: the rows that see its keys are NaN
-                page = tl.where(page.to(tl.uint32, bitcast=True) < num_pages.to(tl.uint32), page, fallback)
-            page_v = page.to(tl.int64) + tl.zeros([BLOCK_N], dtype=tl.int64)
-        else:
-            page_v = tl.load(bt_row + kpos // PAGE, mask=kvalid, other=0)
-            if BOUNDS and BLOCK_Q > 1:  # (as above)
-                page_v = tl.where(page_v.to(tl.uint32, bitcast=True) < num_pages.to(tl.uint32), page_v, fallback)
-            page_v = page_v.to(tl.int64)
-        in_page = (kpos % PAGE).to(tl.int64)
-        # int64: page index x page stride passes 2^31 elements on large caches
-        tok_off = page_v * stride_kp + in_page * stride_kt + head_off
-
-        if PAIRED_K:
-            if IS_FP4:
-                ks_off = page_v * stride_ksp + in_page * stride_kst + kvh * stride_ksh
-                k_e, k_o = _load_fp4_tile(k_ptr, ks_ptr, tok_off, ks_off, offs_d, kvalid, True, FMT, DOT_DTYPE,
-                                          SCALE_BCAST, FP4_ASM)
-            else:
-                k_e, k_o = _load_fp8_pairs(k_ptr, tok_off, offs_d, kvalid, True, FP8_DTYPE, not SOFT_FP8)
-            qk = tl.dot(q_e, k_e, input_precision=DOT_PRECISION)
-            qk = tl.dot(q_o, k_o, acc=qk, input_precision=DOT_PRECISION)
-        else:
-            k = tl.load(k_ptr + tok_off[None, :] + offs_d[:, None], mask=kvalid[None, :], other=0.0)
-            if FMT == FMT_FP8:
-                k = _fp8_to_dot(k, FP8_DTYPE, DOT_DTYPE)
-            else:
-                k = k.to(DOT_DTYPE)
-            qk = tl.dot(q, k, input_precision=DOT_PRECISION)
-
-        qk = qk * qk_scale
-        if HAS_SOFTCAP:
-            # soft_cap * tanh(s / soft_cap), tanh through exp2 (stable: exp2 -> inf gives 1, -> 0 gives -1)
-            t = tl.exp2(qk * (2.0 * LOG2E / soft_cap))
-            s = (soft_cap * LOG2E) * (1.0 - 2.0 / (t + 1.0))
-        else:
-            s = qk
-        # mask only the tiles at the causal/window/length edges
-        needs_mask = start + BLOCK_N > full_hi
-        if HAS_WINDOW:
-            needs_mask = needs_mask | (start < full_lo)
-        if needs_mask:
-            if HAS_TREE:
-                # row i sees block key j (at block_start + j) iff tree_mask[its row, j], j < the mask's width
-                col = kpos - block_start
-                in_block = col >= 0
-                tm = tl.load(tm_ptr + tok[:, None] * stride_tm + col[None, :],
-                             mask=row_valid[:, None] & (in_block & (col < tm_cols) & kvalid)[None, :], other=0)
-                visible = kvalid[None, :] & (~in_block[None, :] | (tm != 0))
-            else:
-                visible = kpos[None, :] <= q_pos[:, None]
-            if HAS_WINDOW:
-                visible = visible & (kpos[None, :] >= q_pos[:, None] - window_left)
-            s = tl.where(visible, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet: no NaN
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
-
-        if PAIRED_V:
-            if IS_FP4:
-                vs_off = page_v * stride_vsp + in_page * stride_vst + kvh * stride_vsh
-                v_e, v_o = _load_fp4_tile(v_ptr, vs_ptr, tok_off, vs_off, offs_d, kvalid, False, FMT, DOT_DTYPE,
-                                          SCALE_BCAST, FP4_ASM)
-                if V_DEQUANT_FIRST:
-                    one = opaque_one(sm_scale).to(DOT_DTYPE)
-                    v_e = v_e * one
-                    v_o = v_o * one
-            else:
-                v_e, v_o = _load_fp8_pairs(v_ptr, tok_off, tl.arange(0, HALF), kvalid, False, FP8_DTYPE,
-                                           not SOFT_FP8)
-            p = p.to(DOT_DTYPE)
-            acc = tl.dot(p, v_e, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
-            acc_o = tl.dot(p, v_o, acc=acc_o * alpha[:, None], input_precision=DOT_PRECISION)
-        else:
-            v = tl.load(v_ptr + tok_off[:, None] + tl.arange(0, HEAD_DIM)[None, :], mask=kvalid[:, None], other=0.0)
-            if FMT == FMT_FP8:
-                v = _fp8_to_dot(v, FP8_DTYPE, DOT_DTYPE)
-                if V_DEQUANT_FIRST:
-                    v = v * opaque_one(sm_scale).to(DOT_DTYPE)
-            else:
-                v = v.to(DOT_DTYPE)
-            acc = tl.dot(p.to(DOT_DTYPE), v, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
+    lo = split_lo
+    if HAS_TREE:
+        # The tiles before the one holding the query block's first key (tree_lo) are seen whole by every row
+        # (windows aside): a loop with no tree mask reads them, and a second one the block's tiles, each masked.
+        # One loop with the tree mask behind its runtime edge check made Triton 3.6 keep each score tile in two
+        # layouts and reduce it twice in every tile (sm_90, 128 rows, bf16: 1494 instructions a 128-key step and
+        # spills, against about 1080 in the first loop now; docs/bench.md, "Cascade decode").
+        lo = tl.minimum(split_lo + tl.maximum(block_start - split_lo, 0) // BLOCK_N * BLOCK_N, split_hi)
+        acc, acc_o, m_i, l_i = _kv_tiles(
+            split_lo, lo, split_hi, acc, acc_o, m_i, l_i, qa, qb, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, tm_ptr, num_pages, fallback,
+            head_off, kvh, stride_kp, stride_kt, stride_ksp, stride_kst, stride_ksh, stride_vsp, stride_vst,
+            stride_vsh, qk_scale, sm_scale, soft_cap, full_lo, full_hi, block_start, window_left, tok, q_pos,
+            row_valid, stride_tm, tm_cols,
+            EDGE=False, HAS_TREE=False, HEAD_DIM=HEAD_DIM, PAGE=PAGE, BLOCK_N=BLOCK_N, BLOCK_Q=BLOCK_Q, FMT=FMT, DOT_DTYPE=DOT_DTYPE,
+            DOT_PRECISION=DOT_PRECISION, FP8_DTYPE=FP8_DTYPE, SCALE_BCAST=SCALE_BCAST, FP4_ASM=FP4_ASM,
+            SOFT_FP8=SOFT_FP8, V_DEQUANT_FIRST=V_DEQUANT_FIRST, HAS_SOFTCAP=HAS_SOFTCAP, HAS_WINDOW=HAS_WINDOW,
+            BOUNDS=BOUNDS, PAIRED_K=PAIRED_K, PAIRED_V=PAIRED_V)
+    acc, acc_o, m_i, l_i = _kv_tiles(
+            lo, split_hi, split_hi, acc, acc_o, m_i, l_i, qa, qb, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, tm_ptr, num_pages, fallback,
+            head_off, kvh, stride_kp, stride_kt, stride_ksp, stride_kst, stride_ksh, stride_vsp, stride_vst,
+            stride_vsh, qk_scale, sm_scale, soft_cap, full_lo, full_hi, block_start, window_left, tok, q_pos,
+            row_valid, stride_tm, tm_cols,
+            EDGE=HAS_TREE, HAS_TREE=HAS_TREE, HEAD_DIM=HEAD_DIM, PAGE=PAGE, BLOCK_N=BLOCK_N, BLOCK_Q=BLOCK_Q, FMT=FMT, DOT_DTYPE=DOT_DTYPE,
+            DOT_PRECISION=DOT_PRECISION, FP8_DTYPE=FP8_DTYPE, SCALE_BCAST=SCALE_BCAST, FP4_ASM=FP4_ASM,
+            SOFT_FP8=SOFT_FP8, V_DEQUANT_FIRST=V_DEQUANT_FIRST, HAS_SOFTCAP=HAS_SOFTCAP, HAS_WINDOW=HAS_WINDOW,
+            BOUNDS=BOUNDS, PAIRED_K=PAIRED_K, PAIRED_V=PAIRED_V)
 
     # --- epilogue: normalized output, directly or as a split partial ---------------------------------------
     has_keys = l_i > 0.0
