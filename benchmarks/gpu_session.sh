@@ -31,7 +31,8 @@
 #   serve-hf  serve-bench's transformers grid (issue 23), in four parts under their own time limits, appended to
 #             $results/serve-hf.json (+ .png): Llama-3.2-1B-shaped through transformers' modeling code and attnops'
 #             own model.py in bf16, and transformers' static-cache path; the same with fp8 KV; Qwen2.5-7B-shaped
-#             with bf16 and fp8 KV; its transformers path. Contexts 1K/8K x batches 1/32/128 each
+#             with bf16 and fp8 KV; its transformers path. Contexts 1K/8K x batches 1/32/128 each, each point
+#             with --profile's breakdown of its step by kind of kernel
 #   cascade   benchmarks/cascade.py (issue 25: 64 x (32K shared + 1K own), bf16 and fp8) and its --sweep in bf16:
 #             $results/cascade.{json,png,txt}, $results/cascade-sweep.{json,txt}
 #   demo      python -m attnops demo $DEMO_ARGS, as a newcomer runs it: $results/demo.txt
@@ -142,8 +143,9 @@ for step in "$@"; do
              "--family qwen2 --kv-formats bf16 fp8_e4m3 --modes compiled+graphs"
              "--family qwen2 --modes transformers")
       for part in "${parts[@]}"; do
-        timeout ${SERVE_TIMEOUT:-540} python3 -m attnops serve-bench $part --json "$results/serve-hf.json" --append \
-          --plot "$results/serve-hf.png" >> "$results/serve-hf.txt" 2> /tmp/serve-hf.err; tail -3 /tmp/serve-hf.err
+        timeout ${SERVE_TIMEOUT:-540} python3 -m attnops serve-bench $part --profile \
+          --json "$results/serve-hf.json" --append --plot "$results/serve-hf.png" >> "$results/serve-hf.txt" \
+          2> /tmp/serve-hf.err; tail -3 /tmp/serve-hf.err
         stamp "serve-hf $part"
       done
       grep -E "x$|x  " "$results/serve-hf.txt" | tail -40 ;;

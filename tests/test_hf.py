@@ -385,3 +385,39 @@ def test_serve_bench_small_serves_a_family_and_its_transformers_baseline(tmp_pat
     assert all(r["tokens_per_s"] > 0 for r in result["records"])
     assert json.loads((tmp_path / "s.json").read_text())["records"] == result["records"]
     assert (tmp_path / "s.png").stat().st_size > 1000
+
+
+def test_serve_bench_profile_splits_a_step_by_kind_of_kernel():
+    """--profile's breakdown: each kernel counted once, in the first category its name matches (kernel names as
+    the H200 run shows them: attnops' Triton and FlashInfer kernels, cuBLAS/nvjet matmuls, torch.compile's fused
+    kernels, copies), and the wall time no kernel covered as GPU idle, per step."""
+    from attnops.bench.serve import kernel_category, step_breakdown
+    names = {"paged_attention_kernel": "attention", "merge_splits_kernel": "attention",
+             "void flashinfer::BatchDecodeWithPagedKVCacheKernel<...>": "attention",
+             "pytorch_flash::flash_fwd_splitkv_kernel<...>": "attention",
+             "reshape_and_cache_kernel": "KV cache write",
+             "nvjet_tst_128x64_64x8_2x1_v_bz_TNT": "matmul", "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n": "matmul",
+             "void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_16x16_128x2_tn_align8>": "matmul",
+             "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0": "other kernels",
+             "Memcpy HtoD (Pinned -> Device)": "copies"}
+    for name, category in names.items():
+        assert kernel_category(name) == category, name
+    kernels = [("paged_attention_kernel", 30.0), ("nvjet_tst_128x64", 100.0), ("nvjet_tst_128x64", 50.0),
+               ("triton_poi_fused_add_0", 10.0)] * 2  # two steps
+    breakdown = step_breakdown(kernels, steps=2, wall_us=500.0)
+    assert list(breakdown) == ["matmul", "attention", "other kernels", "GPU idle"]
+    assert breakdown == pytest.approx({"matmul": 0.15, "attention": 0.03, "other kernels": 0.01, "GPU idle": 0.06})
+
+
+@pytest.mark.gpu
+def test_serve_bench_profile_on_gpu(tmp_path):
+    """--profile on the GPU: every measured point has its breakdown, whose parts add up to about its step time."""
+    from attnops.bench import serve as serve_bench
+    result = serve_bench.main(["--small", "--device", "cuda", "--family", "llama", "--modes", "compiled+graphs",
+                               "transformers", "--batches", "2", "--contexts", "64", "--steps", "4", "--warmup", "2",
+                               "--profile", "--json", str(tmp_path / "s.json")])
+    for r in result["records"]:
+        assert r["error"] is None and r["profile_ms"], r
+        step_ms = sum(r["profile_ms"].values())
+        assert 0.3 * r["batch"] / r["tokens_per_s"] * 1e3 < step_ms < 3 * r["batch"] / r["tokens_per_s"] * 1e3, r
+        assert r["mode"] == "transformers" or r["profile_ms"].get("attention", 0) > 0, r

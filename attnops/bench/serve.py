@@ -34,6 +34,7 @@ import gc
 import importlib.util
 import inspect
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -94,6 +95,58 @@ def timed(step, device, warmup, steps) -> float:
     return time.perf_counter() - start
 
 
+# The first pattern a GPU kernel's name matches names its share of a step in --profile (the rest: norms, rotary,
+# activations, sampling and the other fused elementwise kernels torch.compile makes)
+KERNEL_CATEGORIES = (
+    ("attention", re.compile(r"paged_attention|merge_splits|merge_attention|page_layout|flashinfer|BatchDecode|"
+                             r"BatchPrefill|xqa|attention|attn|sdpa|flash_fwd|fmha", re.IGNORECASE)),
+    ("KV cache write", re.compile(r"reshape_and_cache|cache_write|index_copy|index_put|scatter", re.IGNORECASE)),
+    ("matmul", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|matmul|splitKreduce|gemv", re.IGNORECASE)),
+    ("copies", re.compile(r"^Memcpy|^Memset")),
+)
+
+
+def kernel_category(name: str) -> str:
+    return next((category for category, pattern in KERNEL_CATEGORIES if pattern.search(name)), "other kernels")
+
+
+def step_breakdown(kernels: list, steps: int, wall_us: float) -> dict:
+    """Milliseconds a step by category, from (kernel name, GPU microseconds) over `steps` steps that took
+    `wall_us`: each category's kernel time, and `GPU idle`, the wall time no kernel ran (launch gaps, host work
+    the GPU waited for; kernels that overlap would make it an underestimate)."""
+    shares = {}
+    for name, us in kernels:
+        category = kernel_category(name)
+        shares[category] = shares.get(category, 0.0) + us
+    busy = sum(shares.values())
+    result = {category: us / steps / 1e3 for category, us in sorted(shares.items(), key=lambda kv: -kv[1])}
+    result["GPU idle"] = max(wall_us - busy, 0.0) / steps / 1e3
+    return result
+
+
+def profile_steps(step, device, steps: int = 10) -> dict | None:
+    """--profile: step_breakdown of `steps` more calls of `step`, under torch.profiler (CUDA only: None elsewhere).
+    The profiler's own cost shows in `GPU idle`."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        wall_us = (time.perf_counter() - start) * 1e6
+    kernels = [(e.name, e.time_range.elapsed_us()) for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA]
+    return step_breakdown(kernels, steps, wall_us)
+
+
+def shown_profile(breakdown: dict) -> str:
+    return ", ".join(f"{category} {ms:.2f}" for category, ms in breakdown.items()) + " ms a step"
+
+
 class AttnopsRunner:
     """One model (either code) and KV format: one cache sized for the largest batch and context, one eager and one
     compiled DecodeStep over every batch bucket, and the compiled step's CUDA graphs, shared by every point."""
@@ -125,7 +178,8 @@ class AttnopsRunner:
 
     @torch.no_grad()
     def point(self, batch, context):
-        """Yields (mode, tokens/s, attention seconds per step or None, error or None) for each mode."""
+        """Yields (mode, tokens/s, attention seconds per step or None, error or None, extra fields) for each
+        mode (extra: --profile's step breakdown)."""
         seq_ids = [("point", b) for b in range(batch)]
         for s in seq_ids:
             self.cache.allocate(s)
@@ -143,9 +197,12 @@ class AttnopsRunner:
                     elapsed = timed(one, self.device, self.args.warmup, self.args.steps)
                     attention_s = (attention_seconds_per_step(self.cache, seq_ids, self.config)
                                    if mode == "compiled+graphs" else None)
-                    yield mode, batch * self.args.steps / elapsed, attention_s, None
+                    extra = {}
+                    if self.args.profile and (breakdown := profile_steps(one, self.device)):
+                        extra["profile_ms"] = breakdown
+                    yield mode, batch * self.args.steps / elapsed, attention_s, None, extra
                 except Exception as e:  # record and go on: one failing mode must not lose the run
-                    yield mode, None, None, f"{type(e).__name__}: {e}"
+                    yield mode, None, None, f"{type(e).__name__}: {e}", {}
         finally:
             for s in seq_ids:
                 self.cache.free(s)
@@ -172,7 +229,8 @@ def transformers_attention(hf) -> str:
 
 
 @torch.no_grad()
-def bench_transformers(hf, batch, context, args, device) -> float:
+def bench_transformers(hf, batch, context, args, device) -> tuple:
+    """(tokens/s, --profile's step breakdown or None)"""
     from transformers import StaticCache
     params = inspect.signature(hf.forward).parameters
     cache_arg = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
@@ -207,8 +265,9 @@ def bench_transformers(hf, batch, context, args, device) -> float:
         position.add_(1)
 
     elapsed = timed(one, device, args.warmup, args.steps)
+    breakdown = profile_steps(one, device) if args.profile else None
     del compiled, cache
-    return batch * args.steps / elapsed
+    return batch * args.steps / elapsed, breakdown
 
 
 def label(record) -> str:
@@ -305,6 +364,10 @@ def main(argv=None) -> dict:
                         help="merge into the --json file's records (replacing equal family/code/format/mode/batch/"
                              "context): a GPU grid can be run in parts, each within one command's time limit")
     parser.add_argument("--plot", help="write a PNG here (matplotlib)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile 10 more steps of each point (CUDA): the step's milliseconds by kind of "
+                             "kernel (attention, KV cache write, matmul, copies, other kernels) and the time the "
+                             "GPU was idle, printed and in the JSON (profile_ms)")
     args = parser.parse_args(argv)
 
     from ..hf import model_shape, serving_model
@@ -369,6 +432,8 @@ def main(argv=None) -> dict:
         if attention_s is not None:
             shown += f"  (step {row['step_ms']:.2f} ms, attention {100 * row['attention_share']:.0f}%)"
         print(f"{family:<8} context {context:>6}  batch {batch:>4}  {label(row):<34} {shown}", flush=True)
+        if row.get("profile_ms"):
+            print(f"{'':<8} profile: {shown_profile(row['profile_ms'])}", flush=True)
         save()
 
     for family in chosen_families:
@@ -389,9 +454,10 @@ def main(argv=None) -> dict:
                              f"{max(contexts)}: {e}"
                 for context in contexts:
                     for batch in batches:
-                        points = runner.point(batch, context) if runner else ((m, None, None, failed) for m in ours)
-                        for mode, tps, attention_s, error in points:
-                            record(family, code, kv_format, mode, batch, context, tps, attention_s, error)
+                        points = runner.point(batch, context) if runner else ((m, None, None, failed, {})
+                                                                              for m in ours)
+                        for mode, tps, attention_s, error, extra in points:
+                            record(family, code, kv_format, mode, batch, context, tps, attention_s, error, **extra)
                 del runner
                 gc.collect()
                 if device.type == "cuda":
@@ -404,12 +470,15 @@ def main(argv=None) -> dict:
             for context in contexts:
                 for batch in batches:
                     torch._dynamo.reset()
+                    extra = {}
                     try:
-                        tps, error = bench_transformers(hf, batch, context, args, device), None
+                        (tps, breakdown), error = bench_transformers(hf, batch, context, args, device), None
+                        if breakdown:
+                            extra["profile_ms"] = breakdown
                     except Exception as e:  # record and go on
                         tps, error = None, f"{type(e).__name__}: {e}"
                     record(family, "transformers", dtype_name, "transformers", batch, context, tps, None, error,
-                           attention=attention)
+                           attention=attention, **extra)
                     gc.collect()
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
