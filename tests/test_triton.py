@@ -452,6 +452,36 @@ def test_bad_indices_give_nan_rows_and_are_recorded(name):
         torch.testing.assert_close(out[~rows], ref[~rows], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", [n for n in BAD_INDEX_CASES if n.startswith("decode")] + ["decode, no pages"])
+def test_bad_decode_pages_with_the_pages_clamped_and_checked_after_the_loop(name):
+    """PAGE_CLAMP (a tunable, off by default): decode reads pages clamped into the cache and checks them after its
+    loop; the rows, the record and the other rows as with the check before the loop. A cache of no pages reads
+    nothing."""
+    from attnops.backends.triton.launch import launch
+    args = random_paged_inputs([130, 37, 300], num_q_heads=4, num_kv_heads=2, page_size=16, device=DEVICE,
+                               seed=len(name))
+    if name == "decode, no pages":
+        options, nan_rows, record = {}, [0, 1, 2], {"block_table": 0}
+        args["k_cache"], args["v_cache"] = args["k_cache"][:0], args["v_cache"][:0]
+    else:
+        _, corrupt, options, nan_rows, record = BAD_INDEX_CASES[name]
+        corrupt(args)
+    attnops.take_errors()
+    out = torch.full_like(args["q"], 7.0)
+    launch(args["q"], args["k_cache"], args["v_cache"], args["block_table"], args["seq_lens"], None,
+           scale=0.125, soft_cap=0.0, window_left=options.get("window_left", -1), kv_format="fp32", k_scale=None,
+           v_scale=None, out=out, config=dict(PAGE_CLAMP=True, MAX_SPLITS=4, CHUNK=64, BLOCK_N=32))
+    assert attnops.take_errors() == record
+    rows = out.isnan().any(-1).any(-1)
+    assert rows.nonzero().flatten().tolist() == nan_rows and out[nan_rows].isnan().all()
+    if nan_rows != [0, 1, 2]:
+        good = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+        good["block_table"][(good["block_table"] < 0) | (good["block_table"] >= args["k_cache"].shape[0])] = 0
+        good["seq_lens"].clamp_(0, good["block_table"].shape[1] * 16)
+        ref = paged_attention_reference(**good, scale=0.125, **options)
+        torch.testing.assert_close(out[~rows], ref[~rows], rtol=1e-5, atol=1e-5)
+
+
 def test_write_then_read_roundtrip():
     """reshape_and_cache then paged_attention, both Triton, through a PagedKVCache (fused K/V layout, random page
     order): a prefill of two sequences, then a decode step on them."""

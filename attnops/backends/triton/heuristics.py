@@ -18,7 +18,8 @@ WORKSPACE_BYTES = 64 * 2 ** 20  # the most split partials one call may allocate 
 
 # Tunables a caller (benchmarks/triton_tuning.py, tests) may force; None entries fall back to the heuristic.
 CONFIG_KEYS = ("BLOCK_N", "num_warps", "num_stages", "CHUNK", "MAX_SPLITS", "BLOCK_Q", "SCALE_BCAST", "FP4_ASM",
-               "maxnreg", "HEADS_INNER", "V_DEQUANT_FIRST", "PDL", "FP8_V_PAIRS", "FP8_K_PAIRS", "BOUNDS")
+               "maxnreg", "HEADS_INNER", "V_DEQUANT_FIRST", "PDL", "FP8_V_PAIRS", "FP8_K_PAIRS", "BOUNDS",
+               "PAGE_CLAMP")
 
 
 @functools.lru_cache(maxsize=None)
@@ -136,7 +137,8 @@ def heuristic_config(device, decode: bool, batch: int, num_tokens: int, num_q_he
                 BLOCK_Q=block_q, SCALE_BCAST=True, FP4_ASM=device.type == "cuda", maxnreg=maxnreg,
                 HEADS_INNER=decode_like,
                 V_DEQUANT_FIRST=kv_format == "mxfp4" and decode_like and device.type == "cuda",
-                PDL=_capability(device) >= 9, FP8_V_PAIRS=fp8_pairs, FP8_K_PAIRS=fp8_pairs, BOUNDS=True)
+                PDL=_capability(device) >= 9, FP8_V_PAIRS=fp8_pairs, FP8_K_PAIRS=fp8_pairs, BOUNDS=True,
+                PAGE_CLAMP=False)
 
 
 def smaller_tile(cfg: dict) -> dict | None:
@@ -181,7 +183,9 @@ def kernel_constexprs(cfg: dict, *, q_dtype: torch.dtype, kv_format: str, decode
         FP8_V_PAIRS=bool(cfg["FP8_V_PAIRS"]) and fp8_pairs and not cfg["V_DEQUANT_FIRST"],
         FP8_K_PAIRS=bool(cfg["FP8_K_PAIRS"]) and fp8_pairs,
         # the in-kernel index bounds (docs/design.md, "Bad indices"): always on; off only to measure what they cost
-        BOUNDS=bool(cfg.get("BOUNDS", True)))
+        BOUNDS=bool(cfg.get("BOUNDS", True)),
+        # decode tiles: pages clamped in the loop and checked after it, not before (not yet measured: off)
+        PAGE_CLAMP=bool(cfg.get("PAGE_CLAMP", False)))
     options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if cfg["maxnreg"] and on_gpu:  # a register cap: more resident programs per SM at the price of spills
         options["maxnreg"] = cfg["maxnreg"]

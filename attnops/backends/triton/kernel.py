@@ -246,11 +246,12 @@ def _kv_tiles(lo, hi, split_hi, acc, acc_o, m_i, l_i, qa, qb, k_ptr, v_ptr, ks_p
               DOT_PRECISION: tl.constexpr, FP8_DTYPE: tl.constexpr, SCALE_BCAST: tl.constexpr,
               FP4_ASM: tl.constexpr, SOFT_FP8: tl.constexpr, V_DEQUANT_FIRST: tl.constexpr,
               HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, BOUNDS: tl.constexpr, PAIRED_K: tl.constexpr,
-              PAIRED_V: tl.constexpr):
+              PAIRED_V: tl.constexpr, PAGE_CLAMP: tl.constexpr):
     """The key loop over the tiles [lo, hi) of a split (split_hi: where the split's keys end): the online softmax
     of the rows' scores into (acc, acc_o, m_i, l_i), returned updated. q is (qa, qb): q's even and odd elements
     with PAIRED_K, else q twice; acc_o is V's odd half with PAIRED_V, else unused. EDGE: every tile gets the masks
-    (the tiles at a query block's keys), else only those a runtime check finds at an edge."""
+    (the tiles at a query block's keys), else only those a runtime check finds at an edge. PAGE_CLAMP: page indices
+    are clamped into [0, num_pages) (the caller checks them after the loop and discards what a bad one gave)."""
     IS_FP4: tl.constexpr = FMT == FMT_NVFP4 or FMT == FMT_MXFP4
     HALF: tl.constexpr = HEAD_DIM // 2
     offs_n = tl.arange(0, BLOCK_N)
@@ -269,11 +270,17 @@ def _kv_tiles(lo, hi, split_hi, acc, acc_o, m_i, l_i, qa, qb, k_ptr, v_ptr, ks_p
             page = tl.load(bt_row + start // PAGE)
             if BOUNDS and BLOCK_Q > 1:  # a bad page is read as `fallback`: the rows that see its keys are NaN
                 page = tl.where(page.to(tl.uint32, bitcast=True) < num_pages.to(tl.uint32), page, fallback)
+            if PAGE_CLAMP:  # (a negative index is a huge unsigned one)
+                page = tl.minimum(page.to(tl.uint32, bitcast=True), (num_pages - 1).to(tl.uint32)).to(tl.int32,
+                                                                                                   bitcast=True)
             page_v = page.to(tl.int64) + tl.zeros([BLOCK_N], dtype=tl.int64)
         else:
             page_v = tl.load(bt_row + kpos // PAGE, mask=kvalid, other=0)
             if BOUNDS and BLOCK_Q > 1:  # (as above)
                 page_v = tl.where(page_v.to(tl.uint32, bitcast=True) < num_pages.to(tl.uint32), page_v, fallback)
+            if PAGE_CLAMP:
+                page_v = tl.minimum(page_v.to(tl.uint32, bitcast=True), (num_pages - 1).to(tl.uint32)).to(
+                    tl.int32, bitcast=True)
             page_v = page_v.to(tl.int64)
         in_page = (kpos % PAGE).to(tl.int64)
         # int64: page index x page stride passes 2^31 elements on large caches
@@ -370,7 +377,7 @@ def paged_attention_kernel(
     DOT_PRECISION: tl.constexpr, FP8_DTYPE: tl.constexpr, SCALE_BCAST: tl.constexpr,
     FP4_ASM: tl.constexpr, SOFT_FP8: tl.constexpr,
     V_DEQUANT_FIRST: tl.constexpr, HEADS_INNER: tl.constexpr, PDL: tl.constexpr, FP8_V_PAIRS: tl.constexpr,
-    FP8_K_PAIRS: tl.constexpr, BOUNDS: tl.constexpr,
+    FP8_K_PAIRS: tl.constexpr, BOUNDS: tl.constexpr, PAGE_CLAMP: tl.constexpr,
 ):
     if PDL:  # the merge kernel may start now: its programs wait (griddepcontrol.wait) before reading partials
         gdc_launch_dependents()
@@ -438,14 +445,19 @@ def paged_attention_kernel(
     split_lo = kv_lo + split * split_len
     split_hi = tl.minimum(split_lo + split_len, kv_hi)
     bt_row = bt_ptr + b.to(tl.int64) * stride_table
+    # PAGE_CLAMP (decode tiles): instead of a check of the pages before the loop, whose dependent load of the block
+    # table delays every program's start, the loop reads pages clamped into the cache and the check comes after it
+    CLAMP: tl.constexpr = BOUNDS and BLOCK_Q == 1 and PAGE_CLAMP
     if BOUNDS:
         if seq_bad & (split == 0) & (kvh == 0) & (q_block == 0):
             tl.atomic_min(err_ptr + ERR_SEQ_LENS, b)
         # The pages this program reads, checked once before its loop (SOFT_FP8: the interpreter, which cannot run
-        # the PTX vote). Every one holds a key some row sees (kv_plan's ALIGN), so a bad one is recorded.
-        split_bad = check_pages(bt_row, split_lo, split_hi, num_pages, PAGE, not SOFT_FP8)
-        if split_bad > 0:
-            tl.atomic_min(err_ptr + ERR_BLOCK_TABLE, b)
+        # the PTX vote), or with CLAMP after it. Every one holds a key some row sees (kv_plan's ALIGN), so a bad one
+        # is recorded.
+        if not CLAMP:
+            split_bad = check_pages(bt_row, split_lo, split_hi, num_pages, PAGE, not SOFT_FP8)
+            if split_bad > 0:
+                tl.atomic_min(err_ptr + ERR_BLOCK_TABLE, b)
 
     # --- rows: (query token, head of the group) --------------------------------------------------------------
     offs_m = tl.arange(0, BLOCK_M)
@@ -460,7 +472,12 @@ def paged_attention_kernel(
         # With one query token a block (decode) every row sees every page read: a bad one makes them all NaN, and
         # nothing is read (the loop is empty). With more, a row is NaN if it sees a key of a bad page (row_bad); the
         # loop reads a good page of the split in place of the bad ones (`fallback`; with none, nothing is read).
-        if BLOCK_Q == 1:
+        if CLAMP:
+            # the loop reads every page clamped into the cache, and what a bad one gave is made NaN after it; a
+            # cache of no pages has none to read in place of a bad one
+            row_bad = offs_m < 0  # (all false until the check after the loop)
+            no_read = num_pages <= 0
+        elif BLOCK_Q == 1:
             row_bad = split_bad > 0
             no_read = row_bad
         else:
@@ -471,6 +488,7 @@ def paged_attention_kernel(
                 row_bad, fallback = bad_page_rows(bt_row, split_lo, split_hi, num_pages, q_pos, q_hi, window_left,
                                                   PAGE, HAS_WINDOW)
             no_read = fallback < 0
+        split_end = split_hi  # (the keys checked after the loop, with CLAMP)
         split_hi = tl.where(no_read, split_lo, split_hi)
 
     # per-tensor (stride 0) or per-head fp8 scales, folded: k into the score scale, v into the output
@@ -545,7 +563,7 @@ def paged_attention_kernel(
             EDGE=False, HAS_TREE=False, HEAD_DIM=HEAD_DIM, PAGE=PAGE, BLOCK_N=BLOCK_N, BLOCK_Q=BLOCK_Q, FMT=FMT, DOT_DTYPE=DOT_DTYPE,
             DOT_PRECISION=DOT_PRECISION, FP8_DTYPE=FP8_DTYPE, SCALE_BCAST=SCALE_BCAST, FP4_ASM=FP4_ASM,
             SOFT_FP8=SOFT_FP8, V_DEQUANT_FIRST=V_DEQUANT_FIRST, HAS_SOFTCAP=HAS_SOFTCAP, HAS_WINDOW=HAS_WINDOW,
-            BOUNDS=BOUNDS, PAIRED_K=PAIRED_K, PAIRED_V=PAIRED_V)
+            BOUNDS=BOUNDS, PAIRED_K=PAIRED_K, PAIRED_V=PAIRED_V, PAGE_CLAMP=CLAMP)
     acc, acc_o, m_i, l_i = _kv_tiles(
             lo, split_hi, split_hi, acc, acc_o, m_i, l_i, qa, qb, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, tm_ptr, num_pages, fallback,
             head_off, kvh, stride_kp, stride_kt, stride_ksp, stride_kst, stride_ksh, stride_vsp, stride_vst,
@@ -554,7 +572,13 @@ def paged_attention_kernel(
             EDGE=HAS_TREE, HAS_TREE=HAS_TREE, HEAD_DIM=HEAD_DIM, PAGE=PAGE, BLOCK_N=BLOCK_N, BLOCK_Q=BLOCK_Q, FMT=FMT, DOT_DTYPE=DOT_DTYPE,
             DOT_PRECISION=DOT_PRECISION, FP8_DTYPE=FP8_DTYPE, SCALE_BCAST=SCALE_BCAST, FP4_ASM=FP4_ASM,
             SOFT_FP8=SOFT_FP8, V_DEQUANT_FIRST=V_DEQUANT_FIRST, HAS_SOFTCAP=HAS_SOFTCAP, HAS_WINDOW=HAS_WINDOW,
-            BOUNDS=BOUNDS, PAIRED_K=PAIRED_K, PAIRED_V=PAIRED_V)
+            BOUNDS=BOUNDS, PAIRED_K=PAIRED_K, PAIRED_V=PAIRED_V, PAGE_CLAMP=CLAMP)
+
+    if CLAMP:
+        split_bad = check_pages(bt_row, split_lo, split_end, num_pages, PAGE, not SOFT_FP8)
+        if split_bad > 0:
+            tl.atomic_min(err_ptr + ERR_BLOCK_TABLE, b)
+        row_bad = row_bad | (split_bad > 0)
 
     # --- epilogue: normalized output, directly or as a split partial ---------------------------------------
     has_keys = l_i > 0.0
