@@ -28,10 +28,11 @@
 #   models    python -m attnops tune on the models grid (MODELS_ARGS narrows it), writing the table to
 #             $results/sm_XY.json and the records to $results/models.json
 #   serve     python -m attnops serve-bench $SERVE_ARGS (JSON + PNG)
-#   serve-hf  serve-bench's transformers grid (issue 23), in four parts under their own time limits, appended to
+#   serve-hf  serve-bench's transformers grid (issue 23), in five parts under their own time limits, appended to
 #             $results/serve-hf.json (+ .png): Llama-3.2-1B-shaped through transformers' modeling code and attnops'
 #             own model.py in bf16, and transformers' static-cache path; the same with fp8 KV; Qwen2.5-7B-shaped
-#             with bf16 and fp8 KV; its transformers path. Contexts 1K/8K x batches 1/32/128 each, each point
+#             with bf16 and fp8 KV; its transformers path; transformers' continuous batching on both. Contexts
+#             1K/8K x batches 1/32/128 each, each point
 #             with --profile's breakdown of its step by kind of kernel
 #   cascade   benchmarks/cascade.py (issue 25: 64 x (32K shared + 1K own), bf16 and fp8) and its --sweep in bf16:
 #             $results/cascade.{json,png,txt}, $results/cascade-sweep.{json,txt}
@@ -141,7 +142,8 @@ for step in "$@"; do
       parts=("--family llama --model-code transformers attnops --kv-formats bf16 --modes compiled+graphs transformers"
              "--family llama --kv-formats fp8_e4m3 --modes compiled+graphs"
              "--family qwen2 --kv-formats bf16 fp8_e4m3 --modes compiled+graphs"
-             "--family qwen2 --modes transformers")
+             "--family qwen2 --modes transformers"
+             "--family llama qwen2 --modes transformers-cb")
       for part in "${parts[@]}"; do
         timeout ${SERVE_TIMEOUT:-540} python3 -m attnops serve-bench $part --profile \
           --json "$results/serve-hf.json" --append --plot "$results/serve-hf.png" >> "$results/serve-hf.txt" \

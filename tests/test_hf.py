@@ -421,3 +421,20 @@ def test_serve_bench_profile_on_gpu(tmp_path):
         step_ms = sum(r["profile_ms"].values())
         assert 0.3 * r["batch"] / r["tokens_per_s"] * 1e3 < step_ms < 3 * r["batch"] / r["tokens_per_s"] * 1e3, r
         assert r["mode"] == "transformers" or r["profile_ms"].get("attention", 0) > 0, r
+
+
+def test_serve_bench_measures_transformers_continuous_batching_and_compares_with_the_faster_baseline():
+    """transformers-cb: transformers' own continuous batching (generate_batch) on the same weights, timed over the
+    steps every request decoded together; the summary compares attnops with the faster of transformers' paths."""
+    from attnops.bench import serve as serve_bench
+    result = serve_bench.main(["--small", "--family", "llama", "--modes", "transformers-cb", "--batches", "2",
+                               "--contexts", "40", "--steps", "3", "--warmup", "1"])
+    (row,) = result["records"]
+    assert row["mode"] == "transformers-cb" and row["error"] is None and row["tokens_per_s"] > 0, row
+    assert serve_bench.label(row) == "transformers (continuous batching)"
+    point = dict(family="llama", batch=2, context=40, kv_format="bf16")
+    records = [dict(point, model_code="transformers", mode="compiled+graphs", tokens_per_s=300.0),
+               dict(point, model_code="transformers", mode="transformers", tokens_per_s=100.0),
+               dict(point, model_code="transformers", mode="transformers-cb", tokens_per_s=150.0)]
+    (line,) = serve_bench.summary(records)
+    assert line["vs_transformers"] == pytest.approx(2.0)

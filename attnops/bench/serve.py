@@ -18,6 +18,9 @@ batch: one new token per sequence, greedy, fed back):
   transformers      transformers' own model and attention ("sdpa", or "eager" for the families that do not support
                     it) with a StaticCache and torch.compile(mode="reduce-overhead", fullgraph=True) on the decode step
                     (its documented fastest path; "default" mode on the CPU, where there are no CUDA graphs)
+  transformers-cb   transformers' continuous batching (generate_batch: its own paged cache and "paged|" attention,
+                    CUDA graphs on the GPU): the batch's prompts of `context` tokens, then tokens/s over the steps
+                    every request decoded together, from its per-token timestamps (prefill not counted)
 
 Every sequence of the batch starts at `context` tokens already in the cache (their values do not change the work
 a step does, so the cache is filled with random data rather than by a prefill) and decodes --steps tokens after
@@ -48,7 +51,8 @@ from ..serving.graphs import DecodeGraphRunner
 from ..serving.kv_cache import PagedKVCache
 from ..serving.model import LlamaConfig, LlamaForCausalLM
 
-MODES = ("eager", "compiled", "compiled+graphs", "transformers")
+MODES = ("eager", "compiled", "compiled+graphs", "transformers", "transformers-cb")
+BASELINES = ("transformers", "transformers-cb")
 MODEL_CODES = ("transformers", "attnops")
 ATTNOPS_MODES = MODES[:3]
 
@@ -270,7 +274,39 @@ def bench_transformers(hf, batch, context, args, device) -> tuple:
     return batch * args.steps / elapsed, breakdown
 
 
+@torch.no_grad()
+def bench_transformers_cb(hf, batch, context, args, device) -> tuple:
+    """(tokens/s, None): transformers' continuous batching on `batch` prompts of `context` random tokens, each
+    generating warmup + steps + 1 tokens greedily; tokens/s from the last request's first token to the first
+    request's last one, over the tokens generated in between (the steps every request decoded together)."""
+    import inspect as _inspect
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    new = args.warmup + args.steps + 1
+    page = 256
+    sizes = dict(num_blocks=batch * -(-(context + new + 1) // page) + 8, max_batch_tokens=max(2048, batch),
+                 max_requests_per_batch=batch, use_cuda_graph=device.type == "cuda")
+    # the page size is `block_size` in transformers 5.17, `page_size` from 5.2x
+    named = set(_inspect.signature(ContinuousBatchingConfig).parameters)
+    sizes["page_size" if "page_size" in named else "block_size"] = page
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, hf.config.vocab_size, (context,), generator=gen).tolist() for _ in range(batch)]
+    config = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    outputs = hf.generate_batch(prompts, generation_config=config, record_timestamps=True, progress_bar=False,
+                                continuous_batching_config=ContinuousBatchingConfig(**sizes))
+    stamps = [o.timestamps for o in outputs.values()]
+    if len(stamps) != batch or any(not s or len(s) < 2 for s in stamps):
+        raise RuntimeError(f"generate_batch returned {len(stamps)} of {batch} requests with timestamps")
+    start, end = max(s[0] for s in stamps), min(s[-1] for s in stamps)
+    if end <= start:
+        raise RuntimeError("no step in which every request decoded (the requests did not run together)")
+    tokens = sum(sum(1 for t in s if start < t <= end) for s in stamps)
+    return tokens / (end - start), None
+
+
 def label(record) -> str:
+    if record["mode"] == "transformers-cb":
+        return "transformers (continuous batching)"
     if record["mode"] == "transformers":
         return f"transformers ({record.get('attention', 'sdpa')}, static cache)"
     code = " model.py" if record.get("model_code") == "attnops" else ""
@@ -312,17 +348,18 @@ def plot(result, path) -> None:
 
 
 def summary(records) -> list:
-    """Per point: attnops' best mode (transformers' modeling code) against transformers' own path, and (Llama)
-    against attnops' own model in the same mode, as ratios of tokens/s."""
+    """Per point: attnops' modes (transformers' modeling code) against transformers' own fastest path measured there
+    (static cache + compile, or continuous batching), and (Llama) against attnops' own model in the same mode, as
+    ratios of tokens/s."""
     def tps(**match):
         return next((r["tokens_per_s"] for r in records if all(r.get(k) == v for k, v in match.items())
                      and r["tokens_per_s"]), None)
     lines = []
     for r in records:
-        if r["mode"] in ("transformers", "eager") or r.get("model_code") != "transformers" or not r["tokens_per_s"]:
+        if r["mode"] in BASELINES + ("eager",) or r.get("model_code") != "transformers" or not r["tokens_per_s"]:
             continue
         point = dict(family=r["family"], batch=r["batch"], context=r["context"])
-        baseline = tps(mode="transformers", **point)
+        baseline = max((t for t in (tps(mode=m, **point) for m in BASELINES) if t), default=None)
         own = tps(mode=r["mode"], model_code="attnops", kv_format=r["kv_format"], **point)
         line = dict(**point, mode=r["mode"], kv_format=r["kv_format"], tokens_per_s=r["tokens_per_s"])
         if baseline:
@@ -353,7 +390,8 @@ def main(argv=None) -> dict:
                              "the default) and/or attnops' own Llama (attnops/serving/model.py; for llama)")
     parser.add_argument("--batches", type=int, nargs="*", help="default: 1 32 128 (1 4 with --small)")
     parser.add_argument("--contexts", type=int, nargs="*", help="default: 1024 8192 (64 256 with --small)")
-    parser.add_argument("--modes", nargs="*", choices=MODES, help="default: all that this machine can run")
+    parser.add_argument("--modes", nargs="*", choices=MODES,
+                        help="default: all that this machine can run (transformers-cb: on the GPU)")
     parser.add_argument("--kv-formats", "--kv-format", nargs="+", default=None,
                         help="attnops' KV formats, each its own run of attnops' modes (default: the model dtype's)")
     parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
@@ -399,6 +437,8 @@ def main(argv=None) -> dict:
     if "compiled+graphs" in modes and device.type != "cuda":
         modes.remove("compiled+graphs")
         print("compiled+graphs: skipped (needs CUDA)")
+    if args.modes is None and device.type != "cuda":  # (it runs on the CPU when asked for, slowly)
+        modes.remove("transformers-cb")
     ours = [m for m in ATTNOPS_MODES if m in modes]  # compiled before compiled+graphs
 
     old_records = []
@@ -464,7 +504,9 @@ def main(argv=None) -> dict:
                     torch.cuda.empty_cache()
             del model
         torch._dynamo.reset()  # lets attnops' caches and graphs go before transformers' caches are made
-        if "transformers" in modes:
+        for mode, bench in (("transformers", bench_transformers), ("transformers-cb", bench_transformers_cb)):
+            if mode not in modes:
+                continue
             attention = transformers_attention(hf)
             hf.set_attn_implementation(attention)
             for context in contexts:
@@ -472,12 +514,12 @@ def main(argv=None) -> dict:
                     torch._dynamo.reset()
                     extra = {}
                     try:
-                        (tps, breakdown), error = bench_transformers(hf, batch, context, args, device), None
+                        (tps, breakdown), error = bench(hf, batch, context, args, device), None
                         if breakdown:
                             extra["profile_ms"] = breakdown
                     except Exception as e:  # record and go on
                         tps, error = None, f"{type(e).__name__}: {e}"
-                    record(family, "transformers", dtype_name, "transformers", batch, context, tps, None, error,
+                    record(family, "transformers", dtype_name, mode, batch, context, tps, None, error,
                            attention=attention, **extra)
                     gc.collect()
                     if device.type == "cuda":
