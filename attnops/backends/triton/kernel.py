@@ -547,32 +547,24 @@ def paged_attention_kernel(
         full_hi = first_pos + 1
     full_lo = last_pos - window_left
 
-    lo = split_lo
+    # The key loop over the split's tiles. With a tree mask, in two parts: the tiles before the one holding the
+    # query block's first key (tree_lo), which every row sees whole (windows aside), without the tree mask, then the
+    # block's tiles, each masked. One loop with the tree mask behind its runtime edge check made Triton 3.6 keep
+    # each score tile in two layouts and reduce it twice in every tile (sm_90, 128 rows, bf16: 1494 instructions a
+    # 128-key step and spills, against about 1080 in the first part now; docs/bench.md, "Cascade decode").
+    tree_lo = split_hi
     if HAS_TREE:
-        # The tiles before the one holding the query block's first key (tree_lo) are seen whole by every row
-        # (windows aside): a loop with no tree mask reads them, and a second one the block's tiles, each masked.
-        # One loop with the tree mask behind its runtime edge check made Triton 3.6 keep each score tile in two
-        # layouts and reduce it twice in every tile (sm_90, 128 rows, bf16: 1494 instructions a 128-key step and
-        # spills, against about 1080 in the first loop now; docs/bench.md, "Cascade decode").
-        lo = tl.minimum(split_lo + tl.maximum(block_start - split_lo, 0) // BLOCK_N * BLOCK_N, split_hi)
+        tree_lo = tl.minimum(split_lo + tl.maximum(block_start - split_lo, 0) // BLOCK_N * BLOCK_N, split_hi)
+    for part in tl.static_range(1 + HAS_TREE):
         acc, acc_o, m_i, l_i = _kv_tiles(
-            split_lo, lo, split_hi, acc, acc_o, m_i, l_i, qa, qb, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, tm_ptr, num_pages, fallback,
-            head_off, kvh, stride_kp, stride_kt, stride_ksp, stride_kst, stride_ksh, stride_vsp, stride_vst,
-            stride_vsh, qk_scale, sm_scale, soft_cap, full_lo, full_hi, block_start, window_left, tok, q_pos,
-            row_valid, stride_tm, tm_cols,
-            EDGE=False, HAS_TREE=False, HEAD_DIM=HEAD_DIM, PAGE=PAGE, BLOCK_N=BLOCK_N, BLOCK_Q=BLOCK_Q, FMT=FMT, DOT_DTYPE=DOT_DTYPE,
-            DOT_PRECISION=DOT_PRECISION, FP8_DTYPE=FP8_DTYPE, SCALE_BCAST=SCALE_BCAST, FP4_ASM=FP4_ASM,
-            SOFT_FP8=SOFT_FP8, V_DEQUANT_FIRST=V_DEQUANT_FIRST, HAS_SOFTCAP=HAS_SOFTCAP, HAS_WINDOW=HAS_WINDOW,
-            BOUNDS=BOUNDS, PAIRED_K=PAIRED_K, PAIRED_V=PAIRED_V, PAGE_CLAMP=CLAMP)
-    acc, acc_o, m_i, l_i = _kv_tiles(
-            lo, split_hi, split_hi, acc, acc_o, m_i, l_i, qa, qb, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, tm_ptr, num_pages, fallback,
-            head_off, kvh, stride_kp, stride_kt, stride_ksp, stride_kst, stride_ksh, stride_vsp, stride_vst,
-            stride_vsh, qk_scale, sm_scale, soft_cap, full_lo, full_hi, block_start, window_left, tok, q_pos,
-            row_valid, stride_tm, tm_cols,
-            EDGE=HAS_TREE, HAS_TREE=HAS_TREE, HEAD_DIM=HEAD_DIM, PAGE=PAGE, BLOCK_N=BLOCK_N, BLOCK_Q=BLOCK_Q, FMT=FMT, DOT_DTYPE=DOT_DTYPE,
-            DOT_PRECISION=DOT_PRECISION, FP8_DTYPE=FP8_DTYPE, SCALE_BCAST=SCALE_BCAST, FP4_ASM=FP4_ASM,
-            SOFT_FP8=SOFT_FP8, V_DEQUANT_FIRST=V_DEQUANT_FIRST, HAS_SOFTCAP=HAS_SOFTCAP, HAS_WINDOW=HAS_WINDOW,
-            BOUNDS=BOUNDS, PAIRED_K=PAIRED_K, PAIRED_V=PAIRED_V, PAGE_CLAMP=CLAMP)
+            split_lo if part == 0 else tree_lo, tree_lo if part == 0 else split_hi, split_hi, acc, acc_o, m_i, l_i,
+            qa, qb, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, tm_ptr, num_pages, fallback, head_off, kvh, stride_kp,
+            stride_kt, stride_ksp, stride_kst, stride_ksh, stride_vsp, stride_vst, stride_vsh, qk_scale, sm_scale,
+            soft_cap, full_lo, full_hi, block_start, window_left, tok, q_pos, row_valid, stride_tm, tm_cols,
+            EDGE=part == 1, HAS_TREE=part == 1, HEAD_DIM=HEAD_DIM, PAGE=PAGE, BLOCK_N=BLOCK_N, BLOCK_Q=BLOCK_Q,
+            FMT=FMT, DOT_DTYPE=DOT_DTYPE, DOT_PRECISION=DOT_PRECISION, FP8_DTYPE=FP8_DTYPE, SCALE_BCAST=SCALE_BCAST,
+            FP4_ASM=FP4_ASM, SOFT_FP8=SOFT_FP8, V_DEQUANT_FIRST=V_DEQUANT_FIRST, HAS_SOFTCAP=HAS_SOFTCAP,
+            HAS_WINDOW=HAS_WINDOW, BOUNDS=BOUNDS, PAIRED_K=PAIRED_K, PAIRED_V=PAIRED_V, PAGE_CLAMP=CLAMP)
 
     if CLAMP:
         split_bad = check_pages(bt_row, split_lo, split_end, num_pages, PAGE, not SOFT_FP8)
