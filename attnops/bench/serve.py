@@ -279,7 +279,6 @@ def bench_transformers_cb(hf, batch, context, args, device) -> tuple:
     """(tokens/s, None): transformers' continuous batching on `batch` prompts of `context` random tokens, each
     generating warmup + steps + 1 tokens greedily; tokens/s from the last request's first token to the first
     request's last one, over the tokens generated in between (the steps every request decoded together)."""
-    import inspect as _inspect
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
     new = args.warmup + args.steps + 1
@@ -287,7 +286,7 @@ def bench_transformers_cb(hf, batch, context, args, device) -> tuple:
     sizes = dict(num_blocks=batch * -(-(context + new + 1) // page) + 8, max_batch_tokens=max(2048, batch),
                  max_requests_per_batch=batch, use_cuda_graph=device.type == "cuda")
     # the page size is `block_size` in transformers 5.17, `page_size` from 5.2x
-    named = set(_inspect.signature(ContinuousBatchingConfig).parameters)
+    named = set(inspect.signature(ContinuousBatchingConfig).parameters)
     sizes["page_size" if "page_size" in named else "block_size"] = page
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, hf.config.vocab_size, (context,), generator=gen).tolist() for _ in range(batch)]
