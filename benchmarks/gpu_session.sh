@@ -14,7 +14,8 @@
 #             alone, merge, a plain read of the same bytes, one launch)
 #   bench     python -m attnops bench $BENCH_ARGS (JSON + PNG), on a quiet GPU
 #   jit       FlashInfer's kernels for every head dim (64, 128, 256) x KV type (bf16, fp8) of the models grid,
-#             JIT-built in parallel processes (`python -m attnops warmup` with FlashInfer pinned)
+#             JIT-built in parallel processes (`python -m attnops warmup` with FlashInfer pinned); jit-start ...
+#             jit-wait: the same in the background while the steps between them run (Triton-only ones)
 #   autocheck auto dispatch against every backend, same run: the models grid's two-backend cases and the unseen
 #             grid (head shapes and batches the rule was not fitted to): $results/autocheck.json, $results/unseen.json
 #   ab        an A/B of the Triton kernels of two source trees in one run: builds the tree in $AB_OLD in place and
@@ -85,12 +86,21 @@ for step in "$@"; do
       timeout ${BENCH_TIMEOUT:-300} python3 -m attnops bench ${BENCH_ARGS:-} --json "$results/bench.json" \
         --plot "$results/bench.png" > "$results/bench.txt" 2> /tmp/bench.err; tail -3 /tmp/bench.err
       grep -v unsupported "$results/bench.txt" | cut -c1-150 | tail -60; stamp bench ;;
-    jit)
+    jit|jit-start)
+      # jit-start: the builds run on at the lowest CPU priority while the next steps use the GPU (Triton-only
+      # work); jit-wait waits for them before any step that needs FlashInfer
       for d in 64 128 256; do for kv in bf16 fp8_e4m3; do
-        ATTNOPS_BACKEND=flashinfer timeout ${JIT_TIMEOUT:-300} python3 -m attnops warmup --head-dim $d \
+        ATTNOPS_BACKEND=flashinfer nice -n 19 timeout ${JIT_TIMEOUT:-300} python3 -m attnops warmup --head-dim $d \
           --num-q-heads 32 --num-kv-heads 8 --kv-format $kv > /tmp/jit-$d-$kv.log 2>&1 &
+        jit_pids="${jit_pids:-} $!"
       done; done
-      wait; grep -h -iE "error|Traceback" /tmp/jit-*.log | head -20; stamp jit ;;
+      if [ "$step" = jit ]; then
+        wait $jit_pids; grep -h -iE "error|Traceback" /tmp/jit-*.log | head -20; stamp jit
+      else
+        stamp "jit started"
+      fi ;;
+    jit-wait)
+      wait ${jit_pids:-}; grep -h -iE "error|Traceback" /tmp/jit-*.log | head -20; stamp "jit done" ;;
     models)
       arch=$(python3 -c "import torch; print('sm_%d%d' % torch.cuda.get_device_capability())")
       timeout ${MODELS_TIMEOUT:-540} python3 -m attnops tune --out "$results/$arch.json" --rep-ms ${REP_MS:-50} \
@@ -118,6 +128,7 @@ for step in "$@"; do
     tests)
       limit=${TESTS_TIMEOUT:-240}
       suites=${TEST_SUITES:-capture triton flashinfer e2e}
+      test_pids=""
       for suite in $suites; do
         case $suite in
           capture) files="-m gpu tests/test_capture.py" ;;
@@ -129,8 +140,9 @@ for step in "$@"; do
           *) echo "unknown suite $suite"; exit 2 ;;
         esac
         timeout $limit python3 -m pytest -q -rA -p no:cacheprovider $files > "/tmp/tests-$suite.log" 2>&1 &
+        test_pids="$test_pids $!"
       done
-      wait
+      wait $test_pids  # (not a jit-start's builds)
       for suite in $suites; do echo "===== $suite"; cat "/tmp/tests-$suite.log"; done > "$results/tests.log"
       for suite in $suites; do echo "== $suite"; grep -E "passed|failed|error|FAILED|ERROR" \
         "/tmp/tests-$suite.log" | grep -v "^PASSED" | tail -8; done; stamp tests ;;
