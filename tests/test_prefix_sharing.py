@@ -156,6 +156,29 @@ def test_no_cascade_split_is_made_where_it_does_not_pay(monkeypatch):
     assert tokens == generate(tiny_model(), "fp32", sharing=True, staggered=True)[0]
 
 
+def test_cascade_steps_copy_only_the_prefix_pages(monkeypatch):
+    """A cascade step writes its split into the step's static inputs from the host's page list: the split's own
+    device copy of the prefix pass (made on first use of `prefix`) is never made."""
+    import attnops.cascade
+    monkeypatch.setattr(attnops.cascade, "CASCADE_MIN_SAVED_TOKENS", 8)
+    made = []
+    original = attnops.PagedKVCache.cascade_split
+
+    def spy(self, meta, min_pages=1):
+        split = original(self, meta, min_pages)
+        made.append(split)
+        return split
+
+    monkeypatch.setattr(attnops.PagedKVCache, "cascade_split", spy)
+    tokens, stats = generate(tiny_model(), "fp32", sharing=True, staggered=True, cascade=True)
+    splits = [split for split in made if split is not None]
+    assert stats["cascade_steps"] == len(splits) >= 8
+    assert all(split.prefix_pass is None for split in splits)
+    prefix = splits[0].prefix  # made when asked for: the pages, the length and the rows of the step
+    assert prefix.block_table[0, :len(splits[0].prefix_pages)].tolist() == splits[0].prefix_pages
+    assert prefix.seq_lens.tolist() == [splits[0].prefix_tokens + splits[0].block_table.shape[0]]
+
+
 @pytest.mark.gpu
 def test_cascade_steps_in_cuda_graphs_give_the_same_tokens_on_gpu(monkeypatch):
     """Compiled and graph-replayed cascade steps (their own graph per bucket) against plain graph-replayed steps."""

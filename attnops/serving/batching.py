@@ -112,7 +112,8 @@ class StaticCascadeInputs(StaticDecodeInputs):
         batch, own_width = split.block_table.shape
         shared = len(split.prefix_pages)
         table = inputs["prefix_block_table"]
-        table[:, :shared].copy_(split.prefix.block_table[:, :shared], non_blocking=True)
+        pages = torch.tensor(split.prefix_pages, dtype=torch.int32)  # from the host's list: one copy, no sync
+        table[:, :shared].copy_(pages.pin_memory() if table.is_cuda else pages, non_blocking=True)
         table[:, shared:].fill_(0)  # past the prefix: a page the kernel may read for rows that see none of it
         inputs["prefix_seq_lens"].fill_(split.prefix_tokens + bucket)
         suffix = inputs["suffix_block_table"]

@@ -48,10 +48,10 @@ def _cascade_step_fn(model: torch.nn.Module, cache: PagedKVCache) -> Callable[..
 
     def step(token_ids, positions, block_table, seq_lens, slot_mapping, prefix_block_table, prefix_seq_lens,
              prefix_cu_seqlens_q, prefix_tree_mask, suffix_block_table, suffix_seq_lens):
-        split = CascadeSplit(prefix=PrefixPass(prefix_block_table, prefix_seq_lens, prefix_cu_seqlens_q,
-                                               prefix_tree_mask),
-                             block_table=suffix_block_table, seq_lens=suffix_seq_lens, prefix_tokens=0,
-                             prefix_pages=[], host_seq_lens=[])
+        split = CascadeSplit(block_table=suffix_block_table, seq_lens=suffix_seq_lens, prefix_tokens=0,
+                             prefix_pages=[], host_seq_lens=[],
+                             prefix_pass=PrefixPass(prefix_block_table, prefix_seq_lens, prefix_cu_seqlens_q,
+                                                    prefix_tree_mask))
         meta = BatchMetadata(seq_ids=[], block_table=block_table, seq_lens=seq_lens, slot_mapping=slot_mapping,
                              cu_seqlens_q=None, cascade=split)
         return model(token_ids, positions, cache, meta)
@@ -127,7 +127,7 @@ class DecodeStep:
         meta = self.cache.prepare(seq_ids, 1, decode=True, max_pages=self.max_pages)
         positions = meta.seq_lens.long() - 1  # each sequence's new token sits at its old length
         if self.cascade is not None:
-            # only a split that pays is made (its prefix pass's inputs are copied to the device)
+            # only a split that pays is made
             least = cascade_min_prefix_tokens(batch)
             split = None if least is None else self.cache.cascade_split(
                 meta, min_pages=-(-least // self.cache.page_size))

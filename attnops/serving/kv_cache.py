@@ -6,7 +6,8 @@ views of one [num_pages, 2, page_size, Hkv, D] tensor (FlashInfer's layout).
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -48,14 +49,23 @@ class BatchMetadata:
 @dataclass
 class CascadeSplit:
     """A batch's keys as a prefix every sequence shares and each sequence's own pages and lengths after it:
-    cascade_attention's arguments, the prefix pass's made once for all layers."""
+    cascade_attention's arguments, the prefix pass's made once for all layers (`prefix`)."""
 
-    prefix: "PrefixPass"  # attnops.cascade.PrefixPass
     block_table: torch.Tensor  # int32 [B, W - P]
     seq_lens: torch.Tensor  # int32 [B]
     prefix_tokens: int  # prefix_len on the host
     prefix_pages: list  # the prefix's pages on the host
     host_seq_lens: list  # seq_lens on the host (a re-planning backend plans the suffix pass from them)
+    prefix_pass: "PrefixPass | None" = None  # attnops.cascade.PrefixPass, or made by make_prefix on first use
+    make_prefix: Callable[[], "PrefixPass"] | None = field(default=None, repr=False)
+
+    @property
+    def prefix(self) -> "PrefixPass":
+        """The prefix pass's inputs on the device. Made (copied there) on first use: a serving loop that writes
+        the split into its own static inputs (batching.StaticCascadeInputs) reads only the host fields."""
+        if self.prefix_pass is None:
+            self.prefix_pass = self.make_prefix()
+        return self.prefix_pass
 
 
 class PagedKVCache:
@@ -346,19 +356,22 @@ class PagedKVCache:
 
     def cascade_split(self, meta: BatchMetadata, min_pages: int = 1) -> CascadeSplit | None:
         """The leading full pages every sequence of `meta`'s batch shares (pages shared by share_prefix or fork),
-        as cascade_attention's split of the batch, or None if fewer than `min_pages` are shared."""
+        as cascade_attention's split of the batch, or None if fewer than `min_pages` are shared. The prefix pass's
+        inputs go to the device when the split's `prefix` is first read."""
         from ..cascade import host_prefix_pass, shared_prefix_pages
         lengths = meta.host_seq_lens if meta.host_seq_lens is not None else meta.seq_lens.tolist()
         shared = shared_prefix_pages([self._pages[s] for s in meta.seq_ids], lengths, self.page_size)
         if shared < max(min_pages, 1):
             return None
         tokens = shared * self.page_size
-        prefix = host_prefix_pass(self._pages[meta.seq_ids[0]][:shared], tokens, self.page_size, meta.num_tokens,
-                                  "cpu")
-        return CascadeSplit(prefix=prefix._replace(**{k: self._to_device(v) for k, v in prefix._asdict().items()}),
-                            block_table=meta.block_table[:, shared:], seq_lens=meta.seq_lens - tokens,
-                            prefix_tokens=tokens, prefix_pages=self._pages[meta.seq_ids[0]][:shared],
-                            host_seq_lens=[n - tokens for n in lengths])
+        pages = self._pages[meta.seq_ids[0]][:shared]
+
+        def make_prefix():
+            prefix = host_prefix_pass(pages, tokens, self.page_size, meta.num_tokens, "cpu")
+            return prefix._replace(**{k: self._to_device(v) for k, v in prefix._asdict().items()})
+        return CascadeSplit(block_table=meta.block_table[:, shared:], seq_lens=meta.seq_lens - tokens,
+                            prefix_tokens=tokens, prefix_pages=pages, host_seq_lens=[n - tokens for n in lengths],
+                            make_prefix=make_prefix)
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         """A host tensor's copy on the cache's device. CUDA: through pinned memory, non-blocking, because a copy
