@@ -139,9 +139,8 @@ def test_cascade_decode_steps_give_the_same_tokens(kv_format, compile, monkeypat
         assert options["compile"]["backend"].frame_count == 2  # the plain step and the cascade step, bucket 8
 
 
-def test_no_cascade_split_is_made_where_it_does_not_pay(monkeypatch):
-    """At the H200's threshold this tiny model's 40-token prompt never pays: the Generator makes no split (whose
-    prefix pass would be copied to the device every step) and runs plain steps."""
+def record_cascade_splits(monkeypatch) -> list:
+    """Every PagedKVCache.cascade_split result from now on (None where no split was made), in a list."""
     made = []
     original = attnops.PagedKVCache.cascade_split
 
@@ -151,6 +150,13 @@ def test_no_cascade_split_is_made_where_it_does_not_pay(monkeypatch):
         return split
 
     monkeypatch.setattr(attnops.PagedKVCache, "cascade_split", spy)
+    return made
+
+
+def test_no_cascade_split_is_made_where_it_does_not_pay(monkeypatch):
+    """At the H200's threshold this tiny model's 40-token prompt never pays: the Generator makes no split (whose
+    prefix pass would be copied to the device every step) and runs plain steps."""
+    made = record_cascade_splits(monkeypatch)
     tokens, stats = generate(tiny_model(), "fp32", sharing=True, staggered=True, cascade=True)
     assert stats["cascade_steps"] == 0 and made and all(split is None for split in made)
     assert tokens == generate(tiny_model(), "fp32", sharing=True, staggered=True)[0]
@@ -161,15 +167,7 @@ def test_cascade_steps_copy_only_the_prefix_pages(monkeypatch):
     device copy of the prefix pass (made on first use of `prefix`) is never made."""
     import attnops.cascade
     monkeypatch.setattr(attnops.cascade, "CASCADE_MIN_SAVED_TOKENS", 8)
-    made = []
-    original = attnops.PagedKVCache.cascade_split
-
-    def spy(self, meta, min_pages=1):
-        split = original(self, meta, min_pages)
-        made.append(split)
-        return split
-
-    monkeypatch.setattr(attnops.PagedKVCache, "cascade_split", spy)
+    made = record_cascade_splits(monkeypatch)
     tokens, stats = generate(tiny_model(), "fp32", sharing=True, staggered=True, cascade=True)
     splits = [split for split in made if split is not None]
     assert stats["cascade_steps"] == len(splits) >= 8
