@@ -453,10 +453,10 @@ def test_bad_indices_give_nan_rows_and_are_recorded(name):
 
 
 @pytest.mark.parametrize("name", [n for n in BAD_INDEX_CASES if n.startswith("decode")] + ["decode, no pages"])
-def test_bad_decode_pages_with_the_pages_clamped_and_checked_after_the_loop(name):
-    """PAGE_CLAMP (a tunable, off by default): decode reads pages clamped into the cache and checks them after its
-    loop; the rows, the record and the other rows as with the check before the loop. A cache of no pages reads
-    nothing."""
+def test_bad_decode_pages_with_the_pages_checked_before_the_loop(name):
+    """PAGE_CLAMP off (a tunable, on for decode by default: pages clamped into the cache in the loop, checked after
+    it): decode checks its pages before the loop; the rows, the record and the other rows as with the default. A
+    cache of no pages reads nothing."""
     from attnops.backends.triton.launch import launch
     args = random_paged_inputs([130, 37, 300], num_q_heads=4, num_kv_heads=2, page_size=16, device=DEVICE,
                                seed=len(name))
@@ -470,7 +470,7 @@ def test_bad_decode_pages_with_the_pages_clamped_and_checked_after_the_loop(name
     out = torch.full_like(args["q"], 7.0)
     launch(args["q"], args["k_cache"], args["v_cache"], args["block_table"], args["seq_lens"], None,
            scale=0.125, soft_cap=0.0, window_left=options.get("window_left", -1), kv_format="fp32", k_scale=None,
-           v_scale=None, out=out, config=dict(PAGE_CLAMP=True, MAX_SPLITS=4, CHUNK=64, BLOCK_N=32))
+           v_scale=None, out=out, config=dict(PAGE_CLAMP=False, MAX_SPLITS=4, CHUNK=64, BLOCK_N=32))
     assert attnops.take_errors() == record
     rows = out.isnan().any(-1).any(-1)
     assert rows.nonzero().flatten().tolist() == nan_rows and out[nan_rows].isnan().all()

@@ -123,14 +123,17 @@ def heuristic_config(device, decode: bool, batch: int, num_tokens: int, num_q_he
                     and _shared_memory_per_block(device) >= 227 * 1024)
     num_stages = 2 if head_dim >= 256 or (kv_format == "nvfp4" and decode_like) or (
         prefill_128 and not deep_prefill) else 3
-    # fp8 decode tiles: capping registers at 168 (from 198) fits 3 programs per SM instead of 2, worth its spills
-    maxnreg = 168 if formats.is_fp8(kv_format) and decode_like and device.type == "cuda" else None
+    # fp8 decode tiles: capping registers at 168 (from 198) fits 3 programs per SM instead of 2, worth its spills;
+    # mxfp4 decode with PAGE_CLAMP (below) takes 180 without the cap, an SM's program fewer
+    capped = formats.is_fp8(kv_format) and decode_like or kv_format == "mxfp4" and decode
+    maxnreg = 168 if capped and device.type == "cuda" else None
     # SCALE_BCAST: one load per 4-bit block scale, not one per value. FP4_ASM: the inline-PTX nibble decode (4 values
     # a register). HEADS_INNER for decode-like tiles: neighbouring programs read every head of the same pages.
     # V_DEQUANT_FIRST for mxfp4 decode-like tiles only (slower for fp8 and nvfp4 despite fewer instructions).
     # PDL where the GPU has it (sm_90+): the merge kernel launches as a dependent of the attention kernel.
     # FP8_V_PAIRS/FP8_K_PAIRS for fp8 decode-like tiles on the GPU (the split is inline PTX): the tile reaches the
     # mma layout by ldmatrix instead of a shared-memory load a byte; prefill tiles are not measured, so off there.
+    # PAGE_CLAMP for decode: the pages checked after the loop, not before it (faster or equal in every format).
     # The measurements behind each choice: this package's README.
     fp8_pairs = formats.is_fp8(kv_format) and decode_like and device.type == "cuda"
     return dict(BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, CHUNK=chunk, MAX_SPLITS=max_splits,
@@ -138,7 +141,7 @@ def heuristic_config(device, decode: bool, batch: int, num_tokens: int, num_q_he
                 HEADS_INNER=decode_like,
                 V_DEQUANT_FIRST=kv_format == "mxfp4" and decode_like and device.type == "cuda",
                 PDL=_capability(device) >= 9, FP8_V_PAIRS=fp8_pairs, FP8_K_PAIRS=fp8_pairs, BOUNDS=True,
-                PAGE_CLAMP=False)
+                PAGE_CLAMP=decode)
 
 
 def smaller_tile(cfg: dict) -> dict | None:
@@ -184,8 +187,8 @@ def kernel_constexprs(cfg: dict, *, q_dtype: torch.dtype, kv_format: str, decode
         FP8_K_PAIRS=bool(cfg["FP8_K_PAIRS"]) and fp8_pairs,
         # the in-kernel index bounds (docs/design.md, "Bad indices"): always on; off only to measure what they cost
         BOUNDS=bool(cfg.get("BOUNDS", True)),
-        # decode tiles: pages clamped in the loop and checked after it, not before (not yet measured: off)
-        PAGE_CLAMP=bool(cfg.get("PAGE_CLAMP", False)))
+        # decode tiles: pages clamped in the loop and checked after it, not before
+        PAGE_CLAMP=bool(cfg.get("PAGE_CLAMP", decode)))
     options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if cfg["maxnreg"] and on_gpu:  # a register cap: more resident programs per SM at the price of spills
         options["maxnreg"] = cfg["maxnreg"]
