@@ -83,12 +83,18 @@ def heuristic_config(device, decode: bool, batch: int, num_tokens: int, num_q_he
     # (64 keys at D=128 for registers, 128 at D<=64, 32 at D=256), except prefill tiles of 64+ rows at D=128,
     # which take 128 keys. The interpreter keeps 64 so that CPU tests cover several tiles and splits.
     # (16-bit dots only: fp32 dots at 128 x 128 need more shared memory than sm_90 has: compile_check --heuristic)
+    # Verify blocks of 64-row tiles (e.g. 16 draft tokens x a group of 4) of a 16-bit cache: 64 keys and 4 warps
+    # (a warp's 16 rows, two programs an SM), 1.23-1.25x faster than the prefill tile at 32 x 4096, causal or tree
+    verify_64 = (device.type == "cuda" and not decode and block_m == 64 and block_q <= 16 and head_dim <= 128
+                 and kv_format in ("bf16", "fp16"))
     prefill_128 = (device.type == "cuda" and not decode_like and block_m >= 64 and head_dim == 128
-                   and dot_dtype(q_dtype, kv_format) != torch.float32)
+                   and dot_dtype(q_dtype, kv_format) != torch.float32 and not verify_64)
     if device.type != "cuda":
         block_n = 32 if head_dim >= 256 else 64
     elif decode_like and head_dim <= 128 or prefill_128:
         block_n = 128
+    elif verify_64:
+        block_n = 64
     else:
         block_n = max(16, min(128, 8192 // head_dim))
     # query blocks that do work (the grid's T // BLOCK_Q + B is an upper bound that counts partial blocks)
@@ -116,7 +122,7 @@ def heuristic_config(device, decode: bool, batch: int, num_tokens: int, num_q_he
         # a bounded workspace ([T, Hq, MAX_SPLITS, D] fp32); past the cap the device lengthens the splits
         per_split = num_tokens * num_q_heads * head_dim * 4
         max_splits = max(1, min(max_splits, WORKSPACE_BYTES // per_split))
-    num_warps = 8 if block_m >= 64 else 4
+    num_warps = 8 if block_m >= 64 and not verify_64 else 4
     # 128-key prefill tiles of a 16-bit cache pipeline 3 stages deep where a block may take 227 KB of shared
     # memory (sm_90), 2 elsewhere
     deep_prefill = (prefill_128 and kv_format in ("bf16", "fp16")
