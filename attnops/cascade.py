@@ -127,4 +127,4 @@ def cascade_min_prefix_tokens(batch: int) -> int | None:
     return None if batch < 2 else -(-CASCADE_MIN_SAVED_TOKENS // (batch - 1))
 
 
-CASCADE_MIN_SAVED_TOKENS = 131072
+CASCADE_MIN_SAVED_TOKENS = 98304

@@ -85,7 +85,7 @@ def heuristic_config(device, decode: bool, batch: int, num_tokens: int, num_q_he
     # (16-bit dots only: fp32 dots at 128 x 128 need more shared memory than sm_90 has: compile_check --heuristic)
     # Verify blocks of 64-row tiles (e.g. 16 draft tokens x a group of 4) of a 16-bit cache: 64 keys and 4 warps
     # (a warp's 16 rows, two programs an SM), 1.23-1.25x faster than the prefill tile at 32 x 4096, causal or tree
-    verify_64 = (device.type == "cuda" and not decode and block_m == 64 and block_q <= 16 and head_dim <= 128
+    verify_64 = (device.type == "cuda" and not decode and block_m == 64 and block_q <= 16 and head_dim == 128
                  and kv_format in ("bf16", "fp16"))
     prefill_128 = (device.type == "cuda" and not decode_like and block_m >= 64 and head_dim == 128
                    and dot_dtype(q_dtype, kv_format) != torch.float32 and not verify_64)
