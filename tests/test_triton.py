@@ -482,6 +482,74 @@ def test_bad_decode_pages_with_the_pages_checked_before_the_loop(name):
         torch.testing.assert_close(out[~rows], ref[~rows], rtol=1e-5, atol=1e-5)
 
 
+@pytest.fixture
+def full_tiles_32_bit(monkeypatch):
+    """The heuristic's choices with FULL_TILES and OFFSETS_32 forced on (tunables, off by default): tiles that
+    end by their split's last key loaded without masks, element offsets in int32 where the caches allow."""
+    from attnops.backends.triton import launch as tlaunch
+    chosen = tlaunch.heuristic_config
+    monkeypatch.setattr(tlaunch, "heuristic_config",
+                        lambda *a: dict(chosen(*a), FULL_TILES=True, OFFSETS_32=True, MAX_SPLITS=3, CHUNK=96))
+
+
+@pytest.mark.parametrize("name,inputs,options", CASES, ids=[c[0] for c in CASES])
+def test_full_tiles_and_32_bit_offsets(full_tiles_32_bit, name, inputs, options):
+    """Every small case (formats, decode and extend, windows, soft cap, page sizes) with the unmasked full tiles
+    and int32 offsets, several splits a sequence (each with full tiles, the last of a sequence partial)."""
+    args = random_paged_inputs(**inputs, device=DEVICE, seed=len(name))
+    check_attention(args, **options)
+
+
+@pytest.mark.parametrize("name", BAD_INDEX_CASES)
+def test_bad_indices_with_full_tiles_and_32_bit_offsets(full_tiles_32_bit, name):
+    """Bad indices as in test_bad_indices_give_nan_rows_and_are_recorded, with the unmasked full tiles and int32
+    offsets: the same NaN rows and record, the other rows exact."""
+    q_lens, corrupt, options, nan_rows, record = BAD_INDEX_CASES[name]
+    args = random_paged_inputs([130, 37, 300], q_lens, num_q_heads=4, num_kv_heads=2, page_size=16, device=DEVICE,
+                               seed=len(name))
+    corrupt(args)
+    attnops.take_errors()
+    out = run_triton_attention(args, **options)
+    assert attnops.take_errors() == record
+    rows = out.isnan().any(-1).any(-1)
+    assert rows.nonzero().flatten().tolist() == nan_rows and out[nan_rows].isnan().all()
+    if "cu" not in name:
+        good = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+        good["block_table"][(good["block_table"] < 0) | (good["block_table"] >= args["k_cache"].shape[0])] = 0
+        good["seq_lens"].clamp_(0, good["block_table"].shape[1] * 16)
+        ref = paged_attention_reference(**good, **options)
+        torch.testing.assert_close(out[~rows], ref[~rows], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_format", ["fp16", "fp8_e4m3", "nvfp4"])
+def test_tree_verify_with_full_tiles_and_32_bit_offsets(full_tiles_32_bit, kv_format):
+    """Draft trees (the key loop's third part: the query block's tiles, tree-masked) after the full and partial
+    tiles, ragged, one sequence's block shorter than the mask's width."""
+    from attnops.bench.grid import tree_parents
+    from attnops.serving.spec import tree_mask_from_parents
+    q_lens = [7, 4, 7]
+    args = random_paged_inputs([200, 9, 333], q_lens, num_q_heads=4, num_kv_heads=2, kv_format=kv_format,
+                               q_dtype=F16, device=DEVICE, seed=3)
+    args["tree_mask"] = tree_mask_from_parents([tree_parents(n, 2) for n in q_lens], width=8, device=DEVICE)
+    check_attention(args)
+
+
+def test_32_bit_offsets_only_where_every_offset_fits():
+    """OFFSETS_32 forced on is compiled in only where the caches' largest element offset fits int32: a cache over
+    2^31 elements (a meta tensor: shapes and strides, no memory) keeps int64."""
+    from attnops.backends.triton.heuristics import heuristic_config, kernel_constexprs
+    from attnops.backends.triton.launch import _largest_offset
+    big = torch.empty((2 ** 31) // (16 * 8 * 128) + 1, 16, 8, 128, device="meta")
+    assert _largest_offset(big) >= 2 ** 31 and _largest_offset(big[:4]) < 2 ** 31
+    assert _largest_offset(big[:0]) == 0
+    cfg = dict(heuristic_config(torch.device("cpu"), True, 2, 2, 32, 8, 128, 16, 1024, "bf16", torch.bfloat16),
+               OFFSETS_32=True)
+    shape = dict(q_dtype=torch.bfloat16, kv_format="bf16", decode=True, num_q_heads=32, head_dim=128, group=4,
+                 page_size=16, window=False, soft_cap=False, on_gpu=False)
+    assert kernel_constexprs(cfg, **shape, offsets_fit_32=True)[0]["OFFSETS_32"]
+    assert not kernel_constexprs(cfg, **shape, offsets_fit_32=False)[0]["OFFSETS_32"]
+
+
 def test_write_then_read_roundtrip():
     """reshape_and_cache then paged_attention, both Triton, through a PagedKVCache (fused K/V layout, random page
     order): a prefill of two sequences, then a decode step on them."""

@@ -132,6 +132,14 @@ def attention_variants(quick: bool, arch: int = 90):
     for fmt in ("bf16", "nvfp4"):
         yield dict(fmt=fmt, q_dtype="bf16", decode=True, head_dim=128, group=4, page=16, block_q=1, block_n=128,
                    warps=4, window=fmt == "nvfp4", soft_cap=False, scale_bcast=fmt == "nvfp4", page_clamp=True)
+    # full tiles' loads unmasked and 32-bit offsets (FULL_TILES, OFFSETS_32): decode of every format with a
+    # window, and a tree-masked verify tile
+    for fmt in ("bf16", "fp8_e4m3", "nvfp4", "mxfp4"):
+        yield dict(fmt=fmt, q_dtype="bf16", decode=True, head_dim=128, group=4, page=16, block_q=1, block_n=128,
+                   warps=4, window=True, soft_cap=False, scale_bcast=fmt.endswith("fp4"), page_clamp=True,
+                   full_tiles=True, offsets_32=True)
+    yield dict(fmt="bf16", q_dtype="bf16", decode=False, head_dim=128, group=4, page=16, block_q=16, block_n=64,
+               warps=4, window=False, soft_cap=False, scale_bcast=False, tree=True, full_tiles=True, offsets_32=True)
     # sinks and draft-tree masks: a verify tile with both, and decode with sinks
     for decode in (True, False):
         yield dict(fmt="bf16", q_dtype="bf16", decode=decode, head_dim=128, group=4, page=16,
@@ -227,7 +235,8 @@ def compile_attention(v, target):
                       V_DEQUANT_FIRST=v.get("v_dequant_first", False), PDL=v.get("pdl", False),
                       SOFT_FP8=False, HEADS_INNER=v.get("heads_inner", False),
                       FP8_V_PAIRS=v.get("fp8_v_pairs", False), FP8_K_PAIRS=v.get("fp8_k_pairs", False),
-                      BOUNDS=v.get("bounds", True), PAGE_CLAMP=v.get("page_clamp", False))
+                      BOUNDS=v.get("bounds", True), PAGE_CLAMP=v.get("page_clamp", False),
+                      FULL_TILES=v.get("full_tiles", False), OFFSETS_32=v.get("offsets_32", False))
     stages = 2 if v["head_dim"] >= 256 else 3
     compiled = compile_one(paged_attention_kernel, types, constexprs, target, v["warps"], stages)
     merge = compile_one(merge_splits_kernel, dict(out_ptr=qp, lse_ptr=types["lse_ptr"], part_out_ptr="*fp32",

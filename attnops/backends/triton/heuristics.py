@@ -19,7 +19,7 @@ WORKSPACE_BYTES = 64 * 2 ** 20  # the most split partials one call may allocate 
 # Tunables a caller (benchmarks/triton_tuning.py, tests) may force; None entries fall back to the heuristic.
 CONFIG_KEYS = ("BLOCK_N", "num_warps", "num_stages", "CHUNK", "MAX_SPLITS", "BLOCK_Q", "SCALE_BCAST", "FP4_ASM",
                "maxnreg", "HEADS_INNER", "V_DEQUANT_FIRST", "PDL", "FP8_V_PAIRS", "FP8_K_PAIRS", "BOUNDS",
-               "PAGE_CLAMP")
+               "PAGE_CLAMP", "FULL_TILES", "OFFSETS_32")
 
 
 @functools.lru_cache(maxsize=None)
@@ -147,7 +147,7 @@ def heuristic_config(device, decode: bool, batch: int, num_tokens: int, num_q_he
                 HEADS_INNER=decode_like,
                 V_DEQUANT_FIRST=kv_format == "mxfp4" and decode_like and device.type == "cuda",
                 PDL=_capability(device) >= 9, FP8_V_PAIRS=fp8_pairs, FP8_K_PAIRS=fp8_pairs, BOUNDS=True,
-                PAGE_CLAMP=decode)
+                PAGE_CLAMP=decode, FULL_TILES=False, OFFSETS_32=False)
 
 
 def smaller_tile(cfg: dict) -> dict | None:
@@ -166,12 +166,13 @@ def smaller_tile(cfg: dict) -> dict | None:
 def kernel_constexprs(cfg: dict, *, q_dtype: torch.dtype, kv_format: str, decode: bool, num_q_heads: int,
                       head_dim: int, group: int, page_size: int, window: bool, soft_cap: bool,
                       on_gpu: bool, sinks: bool = False, tree: bool = False,
-                      lse: bool = False) -> tuple[dict, dict]:
+                      lse: bool = False, offsets_fit_32: bool = False) -> tuple[dict, dict]:
     """The attention kernel's constexpr arguments and compiler options (num_warps, num_stages, maxnreg) for a
     configuration: the one place that turns tunables into what Triton compiles, for launch() and for
     compile_check (which compiles the heuristic's choices for a GPU target without one). Tunables that do not
     apply to the format, q dtype or machine are switched off here. on_gpu: compiled for a GPU (not the
-    interpreter): inline PTX and register caps apply."""
+    interpreter): inline PTX and register caps apply. offsets_fit_32: every element offset into the caches (and
+    4-bit scales) fits int32, which OFFSETS_32 needs."""
     ddt = dot_dtype(q_dtype, kv_format)
     # fp8 pairs need fp16 dots; a forced V_DEQUANT_FIRST is another way to read V
     fp8_pairs = formats.is_fp8(kv_format) and ddt == torch.float16
@@ -194,7 +195,11 @@ def kernel_constexprs(cfg: dict, *, q_dtype: torch.dtype, kv_format: str, decode
         # the in-kernel index bounds (docs/design.md, "Bad indices"): always on; off only to measure what they cost
         BOUNDS=bool(cfg.get("BOUNDS", True)),
         # decode tiles: pages clamped in the loop and checked after it, not before
-        PAGE_CLAMP=bool(cfg.get("PAGE_CLAMP", decode)))
+        PAGE_CLAMP=bool(cfg.get("PAGE_CLAMP", decode)),
+        # the tiles that end by their split's last key loaded without masks (not yet measured: off)
+        FULL_TILES=bool(cfg.get("FULL_TILES", False)),
+        # element offsets into the caches in int32 where they fit (not yet measured: off)
+        OFFSETS_32=bool(cfg.get("OFFSETS_32", False)) and offsets_fit_32)
     options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if cfg["maxnreg"] and on_gpu:  # a register cap: more resident programs per SM at the price of spills
         options["maxnreg"] = cfg["maxnreg"]

@@ -246,12 +246,17 @@ def _kv_tiles(lo, hi, split_hi, acc, acc_o, m_i, l_i, qa, qb, k_ptr, v_ptr, ks_p
               DOT_PRECISION: tl.constexpr, FP8_DTYPE: tl.constexpr, SCALE_BCAST: tl.constexpr,
               FP4_ASM: tl.constexpr, SOFT_FP8: tl.constexpr, V_DEQUANT_FIRST: tl.constexpr,
               HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, BOUNDS: tl.constexpr, PAIRED_K: tl.constexpr,
-              PAIRED_V: tl.constexpr, PAGE_CLAMP: tl.constexpr):
+              PAIRED_V: tl.constexpr, PAGE_CLAMP: tl.constexpr, MASK_LOADS: tl.constexpr,
+              OFFSETS_32: tl.constexpr):
     """The key loop over the tiles [lo, hi) of a split (split_hi: where the split's keys end): the online softmax
     of the rows' scores into (acc, acc_o, m_i, l_i), returned updated. q is (qa, qb): q's even and odd elements
     with PAIRED_K, else q twice; acc_o is V's odd half with PAIRED_V, else unused. EDGE: every tile gets the masks
     (the tiles at a query block's keys), else only those a runtime check finds at an edge. PAGE_CLAMP: page indices
-    are clamped into [0, num_pages) (the caller checks them after the loop and discards what a bad one gave)."""
+    are clamped into [0, num_pages) (the caller checks them after the loop and discards what a bad one gave).
+    MASK_LOADS: the loads skip keys at or past split_hi; off only where every tile ends by split_hi (FULL_TILES),
+    so that no load carries a mask. OFFSETS_32: element offsets in int32 (the caller's check: every offset into
+    the caches fits)."""
+    OFF_T: tl.constexpr = tl.int32 if OFFSETS_32 else tl.int64
     IS_FP4: tl.constexpr = FMT == FMT_NVFP4 or FMT == FMT_MXFP4
     HALF: tl.constexpr = HEAD_DIM // 2
     offs_n = tl.arange(0, BLOCK_N)
@@ -264,7 +269,10 @@ def _kv_tiles(lo, hi, split_hi, acc, acc_o, m_i, l_i, qa, qb, k_ptr, v_ptr, ks_p
         q = qa
     for start in range(lo, hi, BLOCK_N):
         kpos = start + offs_n
-        kvalid = kpos < split_hi
+        if MASK_LOADS:
+            kvalid = kpos < split_hi
+        else:
+            kvalid = tl.full([BLOCK_N], 1, tl.int1)
         # page of each key; a page of >= BLOCK_N tokens holds the whole (aligned) tile: one scalar load
         if PAGE >= BLOCK_N:
             page = tl.load(bt_row + start // PAGE)
@@ -273,7 +281,7 @@ def _kv_tiles(lo, hi, split_hi, acc, acc_o, m_i, l_i, qa, qb, k_ptr, v_ptr, ks_p
             if PAGE_CLAMP:  # (a negative index is a huge unsigned one)
                 page = tl.minimum(page.to(tl.uint32, bitcast=True), (num_pages - 1).to(tl.uint32)).to(tl.int32,
                                                                                                    bitcast=True)
-            page_v = page.to(tl.int64) + tl.zeros([BLOCK_N], dtype=tl.int64)
+            page_v = page.to(OFF_T) + tl.zeros([BLOCK_N], dtype=OFF_T)
         else:
             page_v = tl.load(bt_row + kpos // PAGE, mask=kvalid, other=0)
             if BOUNDS and BLOCK_Q > 1:  # (as above)
@@ -281,9 +289,9 @@ def _kv_tiles(lo, hi, split_hi, acc, acc_o, m_i, l_i, qa, qb, k_ptr, v_ptr, ks_p
             if PAGE_CLAMP:
                 page_v = tl.minimum(page_v.to(tl.uint32, bitcast=True), (num_pages - 1).to(tl.uint32)).to(
                     tl.int32, bitcast=True)
-            page_v = page_v.to(tl.int64)
-        in_page = (kpos % PAGE).to(tl.int64)
-        # int64: page index x page stride passes 2^31 elements on large caches
+            page_v = page_v.to(OFF_T)
+        in_page = (kpos % PAGE).to(OFF_T)
+        # int64 unless the caches are small: page index x page stride passes 2^31 elements on large caches
         tok_off = page_v * stride_kp + in_page * stride_kt + head_off
 
         if PAIRED_K:
@@ -377,7 +385,8 @@ def paged_attention_kernel(
     DOT_PRECISION: tl.constexpr, FP8_DTYPE: tl.constexpr, SCALE_BCAST: tl.constexpr,
     FP4_ASM: tl.constexpr, SOFT_FP8: tl.constexpr,
     V_DEQUANT_FIRST: tl.constexpr, HEADS_INNER: tl.constexpr, PDL: tl.constexpr, FP8_V_PAIRS: tl.constexpr,
-    FP8_K_PAIRS: tl.constexpr, BOUNDS: tl.constexpr, PAGE_CLAMP: tl.constexpr,
+    FP8_K_PAIRS: tl.constexpr, BOUNDS: tl.constexpr, PAGE_CLAMP: tl.constexpr, FULL_TILES: tl.constexpr,
+    OFFSETS_32: tl.constexpr,
 ):
     if PDL:  # the merge kernel may start now: its programs wait (griddepcontrol.wait) before reading partials
         gdc_launch_dependents()
@@ -537,7 +546,7 @@ def paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
 
-    head_off = kvh.to(tl.int64) * stride_kh
+    head_off = kvh.to(tl.int32 if OFFSETS_32 else tl.int64) * stride_kh
     # keys every valid row sees without masking: causal bound of the first query (with a tree mask, the start of
     # the sequence's query block: the mask decides each block key), window bound of the last
     block_start = seq_len - q_len
@@ -555,16 +564,26 @@ def paged_attention_kernel(
     tree_lo = split_hi
     if HAS_TREE:
         tree_lo = tl.minimum(split_lo + tl.maximum(block_start - split_lo, 0) // BLOCK_N * BLOCK_N, split_hi)
-    for part in tl.static_range(1 + HAS_TREE):
+    # FULL_TILES: the tiles before tree_lo that end by it (all but the last of a split, usually) run in a loop whose
+    # loads carry no mask (their keys are all before split_hi), the rest in a masked one
+    full_end = tree_lo
+    if FULL_TILES:
+        full_end = split_lo + tl.maximum(tree_lo - split_lo, 0) // BLOCK_N * BLOCK_N
+    NUM_PARTS: tl.constexpr = 1 + FULL_TILES + HAS_TREE
+    for part in tl.static_range(NUM_PARTS):
+        # part: the full tiles (with FULL_TILES), the rest before tree_lo, the query block's tiles (with a tree)
         acc, acc_o, m_i, l_i = _kv_tiles(
-            split_lo if part == 0 else tree_lo, tree_lo if part == 0 else split_hi, split_hi, acc, acc_o, m_i, l_i,
+            split_lo if part == 0 else full_end if FULL_TILES and part == 1 else tree_lo,
+            full_end if part == 0 else tree_lo if FULL_TILES and part == 1 else split_hi, split_hi, acc, acc_o,
+            m_i, l_i,
             qa, qb, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, tm_ptr, num_pages, fallback, head_off, kvh, stride_kp,
             stride_kt, stride_ksp, stride_kst, stride_ksh, stride_vsp, stride_vst, stride_vsh, qk_scale, sm_scale,
             soft_cap, full_lo, full_hi, block_start, window_left, tok, q_pos, row_valid, stride_tm, tm_cols,
-            EDGE=part == 1, HAS_TREE=part == 1, HEAD_DIM=HEAD_DIM, PAGE=PAGE, BLOCK_N=BLOCK_N, BLOCK_Q=BLOCK_Q,
+            EDGE=HAS_TREE and part == NUM_PARTS - 1, HAS_TREE=HAS_TREE and part == NUM_PARTS - 1, HEAD_DIM=HEAD_DIM, PAGE=PAGE, BLOCK_N=BLOCK_N, BLOCK_Q=BLOCK_Q,
             FMT=FMT, DOT_DTYPE=DOT_DTYPE, DOT_PRECISION=DOT_PRECISION, FP8_DTYPE=FP8_DTYPE, SCALE_BCAST=SCALE_BCAST,
             FP4_ASM=FP4_ASM, SOFT_FP8=SOFT_FP8, V_DEQUANT_FIRST=V_DEQUANT_FIRST, HAS_SOFTCAP=HAS_SOFTCAP,
-            HAS_WINDOW=HAS_WINDOW, BOUNDS=BOUNDS, PAIRED_K=PAIRED_K, PAIRED_V=PAIRED_V, PAGE_CLAMP=CLAMP)
+            HAS_WINDOW=HAS_WINDOW, BOUNDS=BOUNDS, PAIRED_K=PAIRED_K, PAIRED_V=PAIRED_V, PAGE_CLAMP=CLAMP,
+            MASK_LOADS=not (FULL_TILES and part == 0), OFFSETS_32=OFFSETS_32)
 
     if CLAMP:
         split_bad = check_pages(bt_row, split_lo, split_end, num_pages, PAGE, not SOFT_FP8)
