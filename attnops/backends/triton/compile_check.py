@@ -335,7 +335,7 @@ def print_sass(formats_: list, q_dtype: str, target, sms: int, shared_per_block:
         constexprs, options = heuristics.kernel_constexprs(cfg, q_dtype=torch_q, kv_format=fmt, decode=decode,
                                                        num_q_heads=32, head_dim=128, group=4, page_size=16,
                                                        window=False, soft_cap=False, on_gpu=True, tree=tree,
-                                                       lse=lse)
+                                                       lse=lse, offsets_fit_32=True)  # (a cache of the case's size)
         compiled = compile_one(paged_attention_kernel, attention_types(fmt, q_dtype, lse), constexprs, target,
                                **options)
         prof = sass_profile(compiled.asm["cubin"])
@@ -346,7 +346,8 @@ def print_sass(formats_: list, q_dtype: str, target, sms: int, shared_per_block:
               f"{options['num_stages']} stages{', maxnreg ' + str(options['maxnreg']) if 'maxnreg' in options else ''}"
               f": {prof['registers']} registers, {prof['stack']} stack bytes; main loop {prof['loop']} instructions a "
               f"thread a step ({prof['loop'] / values:.1f} per K/V value): {top}"
-              f"{'; loops of ' + ', '.join(map(str, prof['loops'])) + ' instructions' if tree else ''}", flush=True)
+              + (f"; loops of {', '.join(map(str, prof['loops']))} instructions" if len(prof['loops']) > 1 else ""),
+              flush=True)
 
 
 def check_heuristic(target, sms: int, shared_per_block: int, quick: bool) -> int:
