@@ -46,6 +46,16 @@ def run_triton_attention(args, **options):
     return out
 
 
+@pytest.fixture
+def full_tiles_32_bit(monkeypatch):
+    """The heuristic's choices with FULL_TILES and OFFSETS_32 forced on (tunables, off by default): tiles that
+    end by their split's last key loaded without masks, element offsets in int32 where the caches allow."""
+    from attnops.backends.triton import launch as tlaunch
+    chosen = tlaunch.heuristic_config
+    monkeypatch.setattr(tlaunch, "heuristic_config",
+                        lambda *a: dict(chosen(*a), FULL_TILES=True, OFFSETS_32=True, MAX_SPLITS=3, CHUNK=96))
+
+
 def check_attention(args, tolerance=None, **options):
     out = run_triton_attention(args, **options)
     ref = paged_attention_reference(**args, **options, compute_dtype=torch.float64)
@@ -101,8 +111,13 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("forced", [False, True], ids=["heuristic", "full-tiles-32-bit"])
 @pytest.mark.parametrize("name,inputs,options", CASES, ids=[c[0] for c in CASES])
-def test_attention_small(name, inputs, options):
+def test_attention_small(name, inputs, options, forced, request):
+    """Also with FULL_TILES and OFFSETS_32 forced on (the full_tiles_32_bit fixture: several splits a sequence,
+    each with full tiles, the last of a sequence partial)."""
+    if forced:
+        request.getfixturevalue("full_tiles_32_bit")
     args = random_paged_inputs(**inputs, device=DEVICE, seed=len(name))
     check_attention(args, **options)
 
@@ -431,10 +446,14 @@ BAD_INDEX_CASES = {
 }
 
 
+@pytest.mark.parametrize("forced", [False, True], ids=["heuristic", "full-tiles-32-bit"])
 @pytest.mark.parametrize("name", BAD_INDEX_CASES)
-def test_bad_indices_give_nan_rows_and_are_recorded(name):
+def test_bad_indices_give_nan_rows_and_are_recorded(name, forced, request):
     """docs/design.md, "Bad indices": Triton reads nothing out of range, makes NaN exactly the rows the rules say,
-    the other rows exact, and records the argument; one page of 16 keys is 4 tiles' worth of splits here."""
+    the other rows exact, and records the argument; one page of 16 keys is 4 tiles' worth of splits here. Also
+    with FULL_TILES and OFFSETS_32 forced on."""
+    if forced:
+        request.getfixturevalue("full_tiles_32_bit")
     q_lens, corrupt, options, nan_rows, record = BAD_INDEX_CASES[name]
     args = random_paged_inputs([130, 37, 300], q_lens, num_q_heads=4, num_kv_heads=2, page_size=16, device=DEVICE,
                                seed=len(name))
@@ -479,45 +498,6 @@ def test_bad_decode_pages_with_the_pages_checked_before_the_loop(name):
         good["block_table"][(good["block_table"] < 0) | (good["block_table"] >= args["k_cache"].shape[0])] = 0
         good["seq_lens"].clamp_(0, good["block_table"].shape[1] * 16)
         ref = paged_attention_reference(**good, scale=0.125, **options)
-        torch.testing.assert_close(out[~rows], ref[~rows], rtol=1e-5, atol=1e-5)
-
-
-@pytest.fixture
-def full_tiles_32_bit(monkeypatch):
-    """The heuristic's choices with FULL_TILES and OFFSETS_32 forced on (tunables, off by default): tiles that
-    end by their split's last key loaded without masks, element offsets in int32 where the caches allow."""
-    from attnops.backends.triton import launch as tlaunch
-    chosen = tlaunch.heuristic_config
-    monkeypatch.setattr(tlaunch, "heuristic_config",
-                        lambda *a: dict(chosen(*a), FULL_TILES=True, OFFSETS_32=True, MAX_SPLITS=3, CHUNK=96))
-
-
-@pytest.mark.parametrize("name,inputs,options", CASES, ids=[c[0] for c in CASES])
-def test_full_tiles_and_32_bit_offsets(full_tiles_32_bit, name, inputs, options):
-    """Every small case (formats, decode and extend, windows, soft cap, page sizes) with the unmasked full tiles
-    and int32 offsets, several splits a sequence (each with full tiles, the last of a sequence partial)."""
-    args = random_paged_inputs(**inputs, device=DEVICE, seed=len(name))
-    check_attention(args, **options)
-
-
-@pytest.mark.parametrize("name", BAD_INDEX_CASES)
-def test_bad_indices_with_full_tiles_and_32_bit_offsets(full_tiles_32_bit, name):
-    """Bad indices as in test_bad_indices_give_nan_rows_and_are_recorded, with the unmasked full tiles and int32
-    offsets: the same NaN rows and record, the other rows exact."""
-    q_lens, corrupt, options, nan_rows, record = BAD_INDEX_CASES[name]
-    args = random_paged_inputs([130, 37, 300], q_lens, num_q_heads=4, num_kv_heads=2, page_size=16, device=DEVICE,
-                               seed=len(name))
-    corrupt(args)
-    attnops.take_errors()
-    out = run_triton_attention(args, **options)
-    assert attnops.take_errors() == record
-    rows = out.isnan().any(-1).any(-1)
-    assert rows.nonzero().flatten().tolist() == nan_rows and out[nan_rows].isnan().all()
-    if "cu" not in name:
-        good = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
-        good["block_table"][(good["block_table"] < 0) | (good["block_table"] >= args["k_cache"].shape[0])] = 0
-        good["seq_lens"].clamp_(0, good["block_table"].shape[1] * 16)
-        ref = paged_attention_reference(**good, **options)
         torch.testing.assert_close(out[~rows], ref[~rows], rtol=1e-5, atol=1e-5)
 
 
@@ -639,8 +619,11 @@ gpu = pytest.mark.gpu
 
 
 @gpu
+@pytest.mark.parametrize("forced", [False, True], ids=["heuristic", "full-tiles-32-bit"])
 @pytest.mark.parametrize("name,inputs,options", CASES, ids=[c[0] for c in CASES])
-def test_attention_small_bf16(name, inputs, options):
+def test_attention_small_bf16(name, inputs, options, forced, request):
+    if forced:
+        request.getfixturevalue("full_tiles_32_bit")
     inputs = dict(inputs, q_dtype=torch.bfloat16)
     if inputs.get("kv_format", "fp32") in ("fp32", "fp16"):
         inputs["kv_format"] = "bf16"
@@ -750,9 +733,13 @@ def test_random_sweep_reshape_and_cache(part):
 
 
 @gpu
+@pytest.mark.parametrize("forced", [False, True], ids=["heuristic", "offsets-32-forced"])
 @pytest.mark.parametrize("kv_format", ["bf16", "fp8_e4m3"])
-def test_decode_on_cache_over_2_31_elements(kv_format):
-    """Pages past element 2^31 (int32 address arithmetic would wrap): the sequence's pages are the last ones."""
+def test_decode_on_cache_over_2_31_elements(kv_format, forced, request):
+    """Pages past element 2^31 (int32 address arithmetic would wrap): the sequence's pages are the last ones. With
+    OFFSETS_32 forced on, launch keeps int64 for such a cache."""
+    if forced:
+        request.getfixturevalue("full_tiles_32_bit")
     page_size, num_kv_heads, head_dim = 16, 8, 128
     per_page = 2 * page_size * num_kv_heads * head_dim
     num_pages = (2 ** 31) // per_page + 4096  # > 2^31 elements in the fused [num_pages, 2, ...] tensor
