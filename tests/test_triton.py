@@ -48,12 +48,15 @@ def run_triton_attention(args, **options):
 
 @pytest.fixture
 def full_tiles_32_bit(monkeypatch):
-    """The heuristic's choices with FULL_TILES and OFFSETS_32 forced on (tunables, off by default): tiles that
-    end by their split's last key loaded without masks, element offsets in int32 where the caches allow."""
-    from attnops.backends.triton import launch as tlaunch
-    chosen = tlaunch.heuristic_config
-    monkeypatch.setattr(tlaunch, "heuristic_config",
-                        lambda *a: dict(chosen(*a), FULL_TILES=True, OFFSETS_32=True, MAX_SPLITS=3, CHUNK=96))
+    """FULL_TILES and OFFSETS_32 forced on (tunables, off by default) through ATTNOPS_TRITON_TUNABLES: tiles that
+    end by their split's last key loaded without masks, element offsets in int32 where the caches allow; with
+    several splits a sequence."""
+    from attnops.backends.triton.heuristics import forced_tunables
+    monkeypatch.setenv("ATTNOPS_TRITON_TUNABLES", "FULL_TILES=1, OFFSETS_32=1, MAX_SPLITS=3, CHUNK=96")
+    forced_tunables.cache_clear()
+    yield
+    monkeypatch.undo()
+    forced_tunables.cache_clear()
 
 
 def check_attention(args, tolerance=None, **options):
@@ -512,6 +515,22 @@ def test_tree_verify_with_full_tiles_and_32_bit_offsets(full_tiles_32_bit, kv_fo
                                q_dtype=F16, device=DEVICE, seed=3)
     args["tree_mask"] = tree_mask_from_parents([tree_parents(n, 2) for n in q_lens], width=8, device=DEVICE)
     check_attention(args)
+
+
+def test_forced_tunables_are_checked(monkeypatch):
+    """ATTNOPS_TRITON_TUNABLES: integers for known tunables; anything else is a ValueError naming the variable."""
+    from attnops.backends.triton.heuristics import forced_tunables
+    for text, want in (("", {}), ("FULL_TILES=1,OFFSETS_32=0", dict(FULL_TILES=1, OFFSETS_32=0))):
+        monkeypatch.setenv("ATTNOPS_TRITON_TUNABLES", text)
+        forced_tunables.cache_clear()
+        assert forced_tunables() == want
+    for text in ("FULL_TILE=1", "FULL_TILES", "FULL_TILES=yes"):
+        monkeypatch.setenv("ATTNOPS_TRITON_TUNABLES", text)
+        forced_tunables.cache_clear()
+        with pytest.raises(ValueError, match="ATTNOPS_TRITON_TUNABLES"):
+            forced_tunables()
+    monkeypatch.delenv("ATTNOPS_TRITON_TUNABLES")
+    forced_tunables.cache_clear()
 
 
 def test_32_bit_offsets_only_where_every_offset_fits():

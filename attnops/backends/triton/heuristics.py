@@ -5,6 +5,7 @@ says why in a line; the measurements behind them are in this package's README an
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -20,6 +21,26 @@ WORKSPACE_BYTES = 64 * 2 ** 20  # the most split partials one call may allocate 
 CONFIG_KEYS = ("BLOCK_N", "num_warps", "num_stages", "CHUNK", "MAX_SPLITS", "BLOCK_Q", "SCALE_BCAST", "FP4_ASM",
                "maxnreg", "HEADS_INNER", "V_DEQUANT_FIRST", "PDL", "FP8_V_PAIRS", "FP8_K_PAIRS", "BOUNDS",
                "PAGE_CLAMP", "FULL_TILES", "OFFSETS_32")
+
+
+@functools.lru_cache(maxsize=None)
+def forced_tunables() -> dict:
+    """Tunables forced on every call of the process by ATTNOPS_TRITON_TUNABLES ("KEY=VALUE,...", integer values,
+    e.g. "FULL_TILES=1,OFFSETS_32=1"): to measure or test one end to end (serve-bench, the fuzz suite) before it is
+    a default. Read once; launch's own `config` still overrides it."""
+    text = os.environ.get("ATTNOPS_TRITON_TUNABLES", "")
+    forced = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, _, value = item.partition("=")
+        key = key.strip()
+        try:
+            forced[key] = int(value)
+        except ValueError:
+            forced[key] = None
+        if key not in CONFIG_KEYS or forced[key] is None:
+            raise ValueError(f"ATTNOPS_TRITON_TUNABLES: {item!r} is not KEY=<integer> with KEY one of "
+                             f"{', '.join(CONFIG_KEYS)}")
+    return forced
 
 
 @functools.lru_cache(maxsize=None)

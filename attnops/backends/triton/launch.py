@@ -11,7 +11,7 @@ from triton.runtime.errors import OutOfResources
 
 from ... import errors, formats
 from . import interpreting
-from .heuristics import _capability, heuristic_config, kernel_constexprs, smaller_tile
+from .heuristics import _capability, forced_tunables, heuristic_config, kernel_constexprs, smaller_tile
 from .kernel import merge_splits_kernel, paged_attention_kernel
 
 
@@ -42,7 +42,7 @@ def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, s
         return
     chosen = heuristic_config(q.device, decode, batch, num_tokens, num_q_heads, num_kv_heads, head_dim, page_size,
                               capacity, kv_format, q.dtype)
-    cfg = dict(chosen)
+    cfg = dict(chosen, **forced_tunables())
     if config:
         cfg.update({k: v for k, v in config.items() if v is not None})
     if cfg["PDL"] and _capability(q.device) < 9:
