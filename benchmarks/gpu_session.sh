@@ -8,7 +8,8 @@
 #   tune      benchmarks/triton_tuning.py on a quiet GPU (TUNE_ARGS, TUNE_BUDGET seconds)
 #   compare   benchmarks/triton_tuning.py --compare for each set in $COMPARE (KEY=VALUE..., sets separated by ;):
 #             the heuristic against the heuristic with those tunables set, every format and case (COMPARE_ARGS
-#             narrows it), no sweep; e.g. COMPARE="V_DEQUANT_FIRST=1;PDL=0"
+#             narrows it), no sweep; e.g. COMPARE="V_DEQUANT_FIRST=1;PDL=0"; COMPARE_ARGS keeps shell quotes, e.g.
+#             COMPARE_ARGS="--rounds 5 --extend-cases 'verify16 32x4096' 'tree16 32x4096'"
 #   overhead  benchmarks/overhead.py --profile (eager per-call cost of the op against the kernels)
 #   breakdown benchmarks/decode_breakdown.py $BREAKDOWN_ARGS (a decode's time by stage: op, attention kernel
 #             alone, merge, a plain read of the same bytes, one launch)
@@ -71,9 +72,10 @@ for step in "$@"; do
       sed -n '/=== best per case/,$p' "$results/tune.log"; stamp tune ;;
     compare)
       IFS=';' read -ra sets <<< "${COMPARE:?set COMPARE=KEY=VALUE... (several A/B runs: separate them with ;)}"
+      eval "compare_args=(${COMPARE_ARGS:-})"  # (quotes kept: --extend-cases "verify16 32x4096")
       for i in "${!sets[@]}"; do
         timeout $(( ${TUNE_BUDGET:-240} + 60 )) python3 benchmarks/triton_tuning.py --budget ${TUNE_BUDGET:-240} \
-          --compare ${sets[$i]} ${COMPARE_ARGS:-} --json "$results/compare-$i.json" > "$results/compare-$i.log" 2>&1
+          --compare ${sets[$i]} "${compare_args[@]}" --json "$results/compare-$i.json" > "$results/compare-$i.log" 2>&1
         echo "== ${sets[$i]}"; grep -E "^  |failed|Error" "$results/compare-$i.log" | tail -40
       done; stamp compare ;;
     overhead)
