@@ -32,14 +32,13 @@ def forced_tunables() -> dict:
     forced = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, _, value = item.partition("=")
-        key = key.strip()
         try:
-            forced[key] = int(value)
+            if key.strip() not in CONFIG_KEYS:
+                raise ValueError
+            forced[key.strip()] = int(value)
         except ValueError:
-            forced[key] = None
-        if key not in CONFIG_KEYS or forced[key] is None:
             raise ValueError(f"ATTNOPS_TRITON_TUNABLES: {item!r} is not KEY=<integer> with KEY one of "
-                             f"{', '.join(CONFIG_KEYS)}")
+                             f"{', '.join(CONFIG_KEYS)}") from None
     return forced
 
 
