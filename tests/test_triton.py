@@ -48,9 +48,9 @@ def run_triton_attention(args, **options):
 
 @pytest.fixture
 def full_tiles_32_bit(monkeypatch):
-    """FULL_TILES and OFFSETS_32 forced on (tunables, off by default) through ATTNOPS_TRITON_TUNABLES: tiles that
-    end by their split's last key loaded without masks, element offsets in int32 where the caches allow; with
-    several splits a sequence."""
+    """FULL_TILES and OFFSETS_32 forced on through ATTNOPS_TRITON_TUNABLES (the heuristic's only for the GPU's
+    16-token verify tile): tiles that end by their split's last key loaded without masks, element offsets in int32
+    where the caches allow; with several splits a sequence."""
     from attnops.backends.triton.heuristics import forced_tunables
     monkeypatch.setenv("ATTNOPS_TRITON_TUNABLES", "FULL_TILES=1, OFFSETS_32=1, MAX_SPLITS=3, CHUNK=96")
     forced_tunables.cache_clear()
@@ -754,9 +754,11 @@ def test_random_sweep_reshape_and_cache(part):
 @gpu
 @pytest.mark.parametrize("forced", [False, True], ids=["heuristic", "offsets-32-forced"])
 @pytest.mark.parametrize("kv_format", ["bf16", "fp8_e4m3"])
-def test_decode_on_cache_over_2_31_elements(kv_format, forced, request):
+@pytest.mark.parametrize("query_len", [1, 16], ids=["decode", "verify16"])
+def test_attention_on_cache_over_2_31_elements(kv_format, forced, query_len, request):
     """Pages past element 2^31 (int32 address arithmetic would wrap): the sequence's pages are the last ones. With
-    OFFSETS_32 forced on, launch keeps int64 for such a cache."""
+    OFFSETS_32 on (forced, or the heuristic's for the 16-token verify tile), launch keeps int64 for such a
+    cache."""
     if forced:
         request.getfixturevalue("full_tiles_32_bit")
     page_size, num_kv_heads, head_dim = 16, 8, 128
@@ -777,9 +779,12 @@ def test_decode_on_cache_over_2_31_elements(kv_format, forced, request):
     table = torch.full((2, max(pages_needed)), -1, dtype=torch.int32, device="cuda")
     table[0, :pages_needed[0]] = used[:pages_needed[0]].int()
     table[1, :pages_needed[1]] = used[pages_needed[0]:].int().flip(0)
-    args = dict(q=torch.randn(2, 32, head_dim, device="cuda", generator=gen).bfloat16(), k_cache=kv[:, 0],
-                v_cache=kv[:, 1], block_table=table, seq_lens=torch.tensor(lens, dtype=torch.int32, device="cuda"),
-                cu_seqlens_q=None, kv_format="auto")
+    cu_seqlens_q = (None if query_len == 1 else
+                    torch.tensor([0, query_len, 2 * query_len], dtype=torch.int32, device="cuda"))
+    args = dict(q=torch.randn(2 * query_len, 32, head_dim, device="cuda", generator=gen).bfloat16(),
+                k_cache=kv[:, 0], v_cache=kv[:, 1], block_table=table,
+                seq_lens=torch.tensor(lens, dtype=torch.int32, device="cuda"), cu_seqlens_q=cu_seqlens_q,
+                kv_format="auto")
     if kv_format != "bf16":
         args.update(k_scale=torch.tensor(0.5, device="cuda"), v_scale=torch.tensor(0.8, device="cuda"))
     check_attention(args)

@@ -160,6 +160,8 @@ def heuristic_config(device, decode: bool, batch: int, num_tokens: int, num_q_he
     # FP8_V_PAIRS/FP8_K_PAIRS for fp8 decode-like tiles on the GPU (the split is inline PTX): the tile reaches the
     # mma layout by ldmatrix instead of a shared-memory load a byte; prefill tiles are not measured, so off there.
     # PAGE_CLAMP for decode: the pages checked after the loop, not before it (faster or equal in every format).
+    # FULL_TILES and OFFSETS_32 for the 64-row verify tile (unmasked full tiles, int32 cache offsets): 1.18-1.19x
+    # there; in decode tiles neutral (bf16) to slower (fp8, and nvfp4 by a third: registers), so off there.
     # The measurements behind each choice: this package's README.
     fp8_pairs = formats.is_fp8(kv_format) and decode_like and device.type == "cuda"
     return dict(BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, CHUNK=chunk, MAX_SPLITS=max_splits,
@@ -167,7 +169,7 @@ def heuristic_config(device, decode: bool, batch: int, num_tokens: int, num_q_he
                 HEADS_INNER=decode_like,
                 V_DEQUANT_FIRST=kv_format == "mxfp4" and decode_like and device.type == "cuda",
                 PDL=_capability(device) >= 9, FP8_V_PAIRS=fp8_pairs, FP8_K_PAIRS=fp8_pairs, BOUNDS=True,
-                PAGE_CLAMP=decode, FULL_TILES=False, OFFSETS_32=False)
+                PAGE_CLAMP=decode, FULL_TILES=verify_64, OFFSETS_32=verify_64)
 
 
 def smaller_tile(cfg: dict) -> dict | None:
@@ -216,9 +218,9 @@ def kernel_constexprs(cfg: dict, *, q_dtype: torch.dtype, kv_format: str, decode
         BOUNDS=bool(cfg.get("BOUNDS", True)),
         # decode tiles: pages clamped in the loop and checked after it, not before
         PAGE_CLAMP=bool(cfg.get("PAGE_CLAMP", decode)),
-        # the tiles that end by their split's last key loaded without masks (not yet measured: off)
+        # the tiles that end by their split's last key loaded without masks
         FULL_TILES=bool(cfg.get("FULL_TILES", False)),
-        # element offsets into the caches in int32 where they fit (not yet measured: off)
+        # element offsets into the caches in int32 where they fit (launch checks; int64 otherwise)
         OFFSETS_32=bool(cfg.get("OFFSETS_32", False)) and offsets_fit_32)
     options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if cfg["maxnreg"] and on_gpu:  # a register cap: more resident programs per SM at the price of spills
