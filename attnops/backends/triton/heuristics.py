@@ -103,10 +103,10 @@ def heuristic_config(device, decode: bool, batch: int, num_tokens: int, num_q_he
     # (64 keys at D=128 for registers, 128 at D<=64, 32 at D=256), except prefill tiles of 64+ rows at D=128,
     # which take 128 keys. The interpreter keeps 64 so that CPU tests cover several tiles and splits.
     # (16-bit dots only: fp32 dots at 128 x 128 need more shared memory than sm_90 has: compile_check --heuristic)
-    # Verify blocks of 64-row tiles (e.g. 16 draft tokens x a group of 4) of a 16-bit cache: 64 keys and 4 warps
-    # (a warp's 16 rows, two programs an SM), 1.23-1.25x faster than the prefill tile at 32 x 4096, causal or tree
+    # Verify blocks of 64-row tiles (e.g. 16 draft tokens x a group of 4) of a 16-bit or fp8 cache: 64 keys and 4
+    # warps (a warp's 16 rows, two programs an SM), faster than the prefill tile at 32 x 4096, causal or tree
     verify_64 = (device.type == "cuda" and not decode and block_m == 64 and block_q <= 16 and head_dim == 128
-                 and kv_format in ("bf16", "fp16"))
+                 and (kv_format in ("bf16", "fp16") or formats.is_fp8(kv_format)))
     prefill_128 = (device.type == "cuda" and not decode_like and block_m >= 64 and head_dim == 128
                    and dot_dtype(q_dtype, kv_format) != torch.float32 and not verify_64)
     if device.type != "cuda":
@@ -148,7 +148,7 @@ def heuristic_config(device, decode: bool, batch: int, num_tokens: int, num_q_he
     deep_prefill = (prefill_128 and kv_format in ("bf16", "fp16")
                     and _shared_memory_per_block(device) >= 227 * 1024)
     num_stages = 2 if head_dim >= 256 or (kv_format == "nvfp4" and decode_like) or (
-        prefill_128 and not deep_prefill) else 3
+        prefill_128 and not deep_prefill) or (verify_64 and formats.is_fp8(kv_format)) else 3
     # fp8 decode tiles: capping registers at 168 (from 198) fits 3 programs per SM instead of 2, worth its spills;
     # mxfp4 decode with PAGE_CLAMP (below) takes 180 without the cap, an SM's program fewer
     capped = formats.is_fp8(kv_format) and decode_like or kv_format == "mxfp4" and decode
@@ -160,8 +160,8 @@ def heuristic_config(device, decode: bool, batch: int, num_tokens: int, num_q_he
     # FP8_V_PAIRS/FP8_K_PAIRS for fp8 decode-like tiles on the GPU (the split is inline PTX): the tile reaches the
     # mma layout by ldmatrix instead of a shared-memory load a byte; prefill tiles are not measured, so off there.
     # PAGE_CLAMP for decode: the pages checked after the loop, not before it (faster or equal in every format).
-    # FULL_TILES and OFFSETS_32 for the 64-row verify tile (unmasked full tiles, int32 cache offsets): 1.18-1.19x
-    # there; in decode tiles neutral (bf16) to slower (fp8, and nvfp4 by a third: registers), so off there.
+    # FULL_TILES and OFFSETS_32 for the 64-row verify tile (unmasked full tiles, int32 cache offsets): faster there
+    # (bf16 1.18-1.19x); in decode tiles neutral (bf16) to slower (fp8, and nvfp4 by a third: registers).
     # The measurements behind each choice: this package's README.
     fp8_pairs = formats.is_fp8(kv_format) and decode_like and device.type == "cuda"
     return dict(BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, CHUNK=chunk, MAX_SPLITS=max_splits,
