@@ -35,7 +35,8 @@
 #             own model.py in bf16, and transformers' static-cache path; the same with fp8 KV; Qwen2.5-7B-shaped
 #             with bf16 and fp8 KV; its transformers path; transformers' continuous batching on both. Contexts
 #             1K/8K x batches 1/32/128 each, each point
-#             with --profile's breakdown of its step by kind of kernel
+#             with --profile's breakdown of its step by kind of kernel. SERVE_HF_PARTS picks parts (e.g. "3 4"),
+#             each up to SERVE_TIMEOUT seconds (540)
 #   cascade   benchmarks/cascade.py (issue 25: 64 x (32K shared + 1K own), bf16 and fp8) and its --sweep in bf16:
 #             $results/cascade.{json,png,txt}, $results/cascade-sweep.{json,txt}
 #   demo      python -m attnops demo $DEMO_ARGS, as a newcomer runs it: $results/demo.txt
@@ -158,7 +159,8 @@ for step in "$@"; do
              "--family qwen2 --kv-formats bf16 fp8_e4m3 --modes compiled+graphs"
              "--family qwen2 --modes transformers"
              "--family llama qwen2 --modes transformers-cb")
-      for part in "${parts[@]}"; do
+      for i in ${SERVE_HF_PARTS:-1 2 3 4 5}; do
+        part=${parts[$((i - 1))]}
         timeout ${SERVE_TIMEOUT:-540} python3 -m attnops serve-bench $part --profile \
           --json "$results/serve-hf.json" --append --plot "$results/serve-hf.png" >> "$results/serve-hf.txt" \
           2> /tmp/serve-hf.err; tail -3 /tmp/serve-hf.err
