@@ -215,13 +215,13 @@ def kernel_constexprs(cfg: dict, *, q_dtype: torch.dtype, kv_format: str, decode
         FP8_V_PAIRS=bool(cfg["FP8_V_PAIRS"]) and fp8_pairs and not cfg["V_DEQUANT_FIRST"],
         FP8_K_PAIRS=bool(cfg["FP8_K_PAIRS"]) and fp8_pairs,
         # the in-kernel index bounds (docs/design.md, "Bad indices"): always on; off only to measure what they cost
-        BOUNDS=bool(cfg.get("BOUNDS", True)),
+        BOUNDS=bool(cfg["BOUNDS"]),
         # decode tiles: pages clamped in the loop and checked after it, not before
-        PAGE_CLAMP=bool(cfg.get("PAGE_CLAMP", decode)),
+        PAGE_CLAMP=bool(cfg["PAGE_CLAMP"]),
         # the tiles that end by their split's last key loaded without masks
-        FULL_TILES=bool(cfg.get("FULL_TILES", False)),
+        FULL_TILES=bool(cfg["FULL_TILES"]),
         # element offsets into the caches in int32 where they fit (launch checks; int64 otherwise)
-        OFFSETS_32=bool(cfg.get("OFFSETS_32", False)) and offsets_fit_32)
+        OFFSETS_32=bool(cfg["OFFSETS_32"]) and offsets_fit_32)
     options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if cfg["maxnreg"] and on_gpu:  # a register cap: more resident programs per SM at the price of spills
         options["maxnreg"] = cfg["maxnreg"]

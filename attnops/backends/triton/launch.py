@@ -101,7 +101,7 @@ def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, s
     shape = dict(q_dtype=q.dtype, kv_format=kv_format, decode=decode, num_q_heads=num_q_heads, head_dim=head_dim,
                  group=group, page_size=page_size, window=window_left >= 0, soft_cap=soft_cap > 0,
                  on_gpu=q.is_cuda and not interpreting(), sinks=sinks is not None, tree=tree_mask is not None,
-                 lse=lse is not None, offsets_fit_32=bool(cfg.get("OFFSETS_32")) and all(
+                 lse=lse is not None, offsets_fit_32=bool(cfg["OFFSETS_32"]) and all(
                      _largest_offset(t) < 2 ** 31 for t in (k_cache, v_cache, k_scale, v_scale)))
     constexprs, options = kernel_constexprs(cfg, **shape)
     if max_splits > 1:
