@@ -1,7 +1,9 @@
-"""Builds attnops._C: the operator schemas (csrc/ops.cpp) and the CPU kernels (csrc/cpu), plus the CUDA kernel of
-paged_attention (csrc/cuda) where this torch has CUDA and FlashInfer's tvm-ffi headers are installed (build after
-FlashInfer to get it). torch must be installed first; build with `pip install --no-build-isolation -e .` (an
-isolated build would fetch another torch)."""
+"""Builds attnops._C: the operator schemas (csrc/ops.cpp) and the CPU kernels (csrc/cpu), plus, where this torch has
+CUDA and nvcc is found, the CUDA kernels (csrc/cuda/*.cu: 4-bit KV decode and verify) and, where FlashInfer's tvm-ffi
+headers are installed too, the C++ replay of FlashInfer calls (csrc/cuda/*.cpp; build after FlashInfer to get it).
+torch must be installed first; build with `pip install --no-build-isolation -e .` (an isolated build would fetch
+another torch). ATTNOPS_NO_CUDA=1 builds the CPU part only.
+"""
 import glob
 import os
 
@@ -32,15 +34,17 @@ def tvm_ffi_include_dirs() -> list[str]:
 
 replay_includes = tvm_ffi_include_dirs() if use_cuda else []
 cxx_flags = ["-O3", "-std=c++17", "-fopenmp"]
+if use_cuda:
+    sources += sorted(glob.glob("csrc/cuda/*.cu"))
 if replay_includes:
     sources += sorted(glob.glob("csrc/cuda/*.cpp"))
     cxx_flags.append("-DATTNOPS_FLASHINFER_REPLAY")
-extension = cpp_extension.CUDAExtension if replay_includes else cpp_extension.CppExtension
+extension = cpp_extension.CUDAExtension if use_cuda else cpp_extension.CppExtension
 ext = extension(
     name="attnops._C",
     sources=sources,
     include_dirs=replay_includes,
-    extra_compile_args=cxx_flags,
+    extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17"]} if use_cuda else cxx_flags,
     extra_link_args=["-fopenmp"],
 )
 

@@ -29,7 +29,7 @@ from .env import device_arch, environ_get
 # Order per device type where no rule was measured: the CPU, cache writes, and a GPU with no table at all.
 STATIC_ORDER = {
     "cpu": ("cpu", "reference"),
-    "cuda": ("flashinfer", "triton", "reference"),
+    "cuda": ("flashinfer", "cuda", "triton", "reference"),
 }
 
 _pinned_backend: contextvars.ContextVar[str | None] = contextvars.ContextVar("attnops_backend", default=None)

@@ -40,10 +40,16 @@ def _leaf(samples, names) -> dict:
     lost = {n: sum(_cost(t, n) for _, t in samples) for n in names}
     order = sorted(names, key=lambda n: (lost[n], names.index(n)))
     first = order[0]
+
+    def slower(n):  # over the cases both serve; None where no case has both
+        both = [t for f, t in samples if not {n, first} & f.get(_DECLINED, set())]
+        if not both:
+            return None
+        return round(math.exp(sum(math.log(t[n] / t[first]) for t in both) / len(both)), 4)
+
     return dict(order=order, cases=len(samples),
                 right=sum(1 for _, t in samples if t[first] <= TOLERANCE * min(t.values())),
-                slower=[round(math.exp(sum(math.log(t[n] / t[first]) for _, t in samples) / len(samples)), 4)
-                        for n in order[1:]])
+                slower=[slower(n) for n in order[1:]])
 
 
 def _node_cost(samples, names) -> float:
@@ -65,12 +71,26 @@ def _goes_yes(value, op: str, threshold) -> bool:
     return value == threshold if op == "==" else value <= threshold
 
 
+# A backend with no time for a case declines it (it cannot serve that format, say): in the fit it costs the case
+# UNSERVED x its slowest measured backend, so that a leaf puts it last (dispatch would pass over it anyway).
+UNSERVED = 4.0
+_DECLINED = "_declined"  # (a sample's features also carry the set of backends that decline it; no rule asks)
+
+
+def _fill(features: dict, times: dict, names) -> tuple[dict, dict]:
+    slowest = max(times[n] for n in names if n in times)
+    declined = {n for n in names if n not in times}
+    return ({**features, _DECLINED: declined},
+            {n: times[n] if n in times else UNSERVED * slowest for n in names})
+
+
 def fit(samples, names, max_depth: int = 6, min_gain: float = 0.01) -> dict:
-    """A tree from `samples` [(features dict, {backend: us})], each timed on every backend in `names`. A split is
-    kept only if it saves at least `min_gain` (log units, summed over cases: 0.01 is 1% of one case)."""
-    samples = [(f, t) for f, t in samples if all(n in t for n in names)]
+    """A tree from `samples` [(features dict, {backend: us})], each timed on some backends of `names` (one with
+    no time declines the case: UNSERVED). A split is kept only if it saves at least `min_gain` (log units, summed
+    over cases: 0.01 is 1% of one case)."""
+    samples = [_fill(f, t, names) for f, t in samples if any(n in t for n in names)]
     if not samples:
-        raise ValueError("attnops.rules.fit: no case was timed on every backend of " + ", ".join(names))
+        raise ValueError("attnops.rules.fit: no case was timed on any backend of " + ", ".join(names))
     return _fit(samples, list(names), max_depth, min_gain)
 
 
@@ -126,7 +146,8 @@ def describe_leaf(leaf: dict) -> str:
     text = (f"{' > '.join(order)} (leaf of {leaf['cases']} measured cases; {order[0]} within "
             f"{round((TOLERANCE - 1) * 100)}% of the fastest in {leaf['right']}")
     for name, ratio in zip(order[1:], leaf["slower"]):
-        text += f"; {name} {ratio:.2f}x its time by geometric mean"
+        text += (f"; {name} {ratio:.2f}x its time by geometric mean" if ratio is not None
+                 else f"; {name} declines these cases")
     return text + ")"
 
 

@@ -98,7 +98,7 @@ def test_measured_rule_orders_backends_for_its_arch_and_the_nearest():
     assert arch == (9, 0) and dispatch.policy(bf16)[: len(leaf["order"])] == tuple(leaf["order"])
     assert dispatch.policy(bf16)[-1] == "reference"
     per_head = _cuda_case(kv_format="fp8_e4m3", scale_kind="per_head")
-    assert set(dispatch.policy(per_head)) == {"triton", "flashinfer", "reference"}
+    assert set(dispatch.policy(per_head)) == {"triton", "flashinfer", "cuda", "reference"}
     blackwell = _cuda_case(arch=(12, 0))
     assert dispatch.rule_arch((12, 0)) == (9, 0) and dispatch.rule_leaf(blackwell)[2] == (9, 0)
     text = str(dispatch._explain_case(blackwell, None))
@@ -150,9 +150,9 @@ def test_rule_fits_the_measured_choices_and_generalises_by_features(monkeypatch)
     assert "triton within 3% of the fastest in 9" in text and "flashinfer 1.43x its time" in text
 
 
-def test_rule_fit_needs_cases_timed_on_every_backend():
-    with pytest.raises(ValueError, match="no case was timed on every backend"):
-        attnops.rules.fit([({"kv_format": "bf16"}, {"triton": 1.0})], ["flashinfer", "triton"])
+def test_rule_fit_needs_cases_timed_on_some_backend():
+    with pytest.raises(ValueError, match="no case was timed on any backend"):
+        attnops.rules.fit([({"kv_format": "bf16"}, {"cpu": 1.0})], ["flashinfer", "triton"])
 
 
 class PlansOnHost(Backend):

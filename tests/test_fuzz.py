@@ -55,7 +55,8 @@ GUARDS = os.environ.get("ATTNOPS_FUZZ_GUARD", "1") != "0"
 ONLY = os.environ.get("ATTNOPS_FUZZ_ONLY")
 # cases per backend by default: CPU-sized where the CI runs them (the Triton interpreter takes about half a second a
 # call), 1000 where a GPU does
-DEFAULT_CASES = {"reference": 200, "cpu": 300, "triton": 1000 if CUDA else 120, "flashinfer": 1000, "auto": 1000}
+DEFAULT_CASES = {"reference": 200, "cpu": 300, "triton": 1000 if CUDA else 120, "flashinfer": 1000, "auto": 1000,
+                 "cuda": 1000}
 CHUNK = 20  # cases a test item runs
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 3e-2}
 BAD_PAGES = (-1, -2, -(2 ** 31), None, 2 ** 31 - 1)  # None: num_pages (one past the last)
@@ -139,7 +140,16 @@ AUTO_FAMILIES = FLASHINFER_FAMILIES + [
     ("decode", "nvfp4", "per_tensor", 128, (8, 2), 16, False, False, 1),
     ("verify", "mxfp4", "per_tensor", 128, (8, 2), 16, False, False, 4),
 ]
-GPU_FAMILIES = {"triton": TRITON_GPU_FAMILIES, "flashinfer": FLASHINFER_FAMILIES, "auto": AUTO_FAMILIES}
+CUDA_FAMILIES = [  # what the CUDA kernels serve: 4-bit decode and verify
+    ("decode", "nvfp4", "per_tensor", 128, (8, 2), 16, False, False, 1),
+    ("decode", "nvfp4", "per_tensor", 64, (16, 1), 1, False, False, 1),
+    ("decode", "mxfp4", "per_tensor", 128, (4, 4), 256, False, False, 1),
+    ("verify", "nvfp4", "per_tensor", 128, (8, 2), 16, False, False, 4),
+    ("verify", "mxfp4", "per_tensor", 128, (4, 1), 32, False, False, 2),
+    ("verify", "nvfp4", "per_tensor", 64, (8, 1), 8, False, False, 3),
+]
+GPU_FAMILIES = {"triton": TRITON_GPU_FAMILIES, "flashinfer": FLASHINFER_FAMILIES, "auto": AUTO_FAMILIES,
+                "cuda": CUDA_FAMILIES}
 
 # What each CPU-side backend serves: kv formats, q dtypes, head dims
 CPU_SIDE = {
@@ -168,7 +178,7 @@ def draw_lengths(rng: random.Random, mode: str, batch: int, q_per_seq: int, max_
 
 def make_case(backend: str, index: int) -> Case:
     rng = random.Random(f"{SEED}:{backend}:{index}")
-    device = "cuda" if backend in ("flashinfer", "auto") or (backend == "triton" and CUDA) else "cpu"
+    device = "cuda" if backend in ("flashinfer", "auto", "cuda") or (backend == "triton" and CUDA) else "cpu"
     if device == "cuda":
         family = GPU_FAMILIES[backend][index % len(GPU_FAMILIES[backend])]
         mode, kv_format, scale_kind, head_dim, (hq, hkv), page_size, window, soft_cap, q_per_seq = family
@@ -663,7 +673,8 @@ def test_fuzz(backend, first, count):
 
 @gpu
 @pytest.mark.parametrize("backend,first,count",
-                         chunks("triton", True) + chunks("flashinfer", True) + chunks("auto", True))
+                         chunks("triton", True) + chunks("flashinfer", True) + chunks("auto", True)
+                         + chunks("cuda", True))
 def test_fuzz_gpu(backend, first, count):
     if available(backend):
         pytest.skip("; ".join(available(backend)))

@@ -180,5 +180,26 @@ def cpu_issue_grid() -> list:
             for fmt in ("fp32", "bf16") for b, n in ((8, 2048), (1, 16384))]
 
 
-GRIDS = {"gpu": gpu_grid, "models": models_grid, "models-unseen": models_unseen_grid, "spec": spec_grid,
+# 4-bit KV against bf16 at the same shapes (the 4-bit bar: FlashInfer's bf16 decode in the same run)
+FP4_HEADS = [(32, 8, 128), (32, 8, 64), (64, 8, 128)]
+FP4_DECODE = [(128, 4096), (256, 8192), (64, 32768)]
+
+
+def fp4_grid() -> list:
+    """bf16, nvfp4 and mxfp4 decode at FP4_DECODE and a ragged batch of 64 for each of FP4_HEADS; 4-token verify
+    next to its decode (32 x 4096, 32/8/128)."""
+    cases = []
+    for hq, hkv, d in FP4_HEADS:
+        heads = dict(num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
+        shapes = [(f"{b}x{n}", [n] * b) for b, n in FP4_DECODE] + [("ragged64", ragged_lengths(64, seed=64))]
+        for fmt in ("bf16", "nvfp4", "mxfp4"):
+            for shape, kv_lens in shapes:
+                cases.append(Case(f"fp4/{hq}-{hkv}-{d}/{shape}/{fmt}", "fp4", kv_lens, kv_format=fmt, **heads))
+    for fmt in ("nvfp4", "mxfp4"):
+        cases.append(Case(f"fp4-verify/32x4096/q1/{fmt}", "fp4-verify", [4096] * 32, kv_format=fmt))
+        cases.append(Case(f"fp4-verify/32x4096/q4/{fmt}", "fp4-verify", [4096] * 32, [4] * 32, kv_format=fmt))
+    return cases
+
+
+GRIDS = {"gpu": gpu_grid, "models": models_grid, "models-unseen": models_unseen_grid, "spec": spec_grid, "fp4": fp4_grid,
          "cpu": cpu_grid, "cpu-issue": cpu_issue_grid}

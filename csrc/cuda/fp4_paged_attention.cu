@@ -1,0 +1,805 @@
+// Paged attention over a 4-bit KV cache (nvfp4, mxfp4) for decode and short query blocks (verify), in CUDA C++
+// with the register layout chosen by hand: the `cuda` backend (attnops/backends/cuda.py) calls it through
+// torch.ops.attnops.fp4_paged_attention_cuda. Triton's layouts for 4-bit operands cost it about 1,870 instructions a
+// 128-key step (attnops/backends/triton/README.md); this loop takes about 980.
+//
+// Layout, per warp and 32 keys (4 warps a 128-key tile, each with its own softmax state, merged through shared
+// memory at the end). The operands are swapped: S^T = K Q^T and O^T = V^T P^T by mma.m16n8k16 (fp16 in, fp32
+// out), keys (QK) and output dims (PV) as M, the query rows (token, head) as N in blocks of 8 (kHB blocks).
+// - K: head dims are QK's reduction axis, so their order inside the mma is free: lane (r = lane / 4, c = lane % 4)
+//   loads D / 8 contiguous bytes of key 16 mb + r (+ 8) and decodes them into exactly its A fragments.
+// - e2m1 -> fp16 through e4m3: the nibble's magnitude bits moved to an e4m3 byte's bits 4..2 and its sign to bit 7
+//   is the e4m3 of value x 2^-6, exactly; shifts and lop3s make 8 such bytes of a word and cvt.rn.f16x2.e4m3x2
+//   turns two into a half2; one packed multiply by the block scale follows. Every product is exact in fp16; the
+//   2^6 goes into the score scale (K) and the output (V).
+// - V: keys are PV's reduction axis; the output dims are permuted instead, so lane r loads D / 16 contiguous bytes
+//   of each of its keys, and a byte permute puts two keys' nibbles of the same dims into one word for the decode.
+//   P^T reaches PV's B operand by movmatrix.trans from S^T's accumulators.
+// - mxfp4: block scales are powers of two of any exponent, beyond fp16's range: each key's largest block exponent
+//   goes outside the mma (K: a power of two on the key's scores; V: added to the log2 weights of P V, which keep a
+//   running max of their own, m_v: o = acc 2^(m_v - m) / l), the rest (2^(e - e_max) <= 1) into the values.
+//
+// Bad indices (docs/design.md): a sequence length outside [0, capacity] makes its rows NaN and reads nothing; a
+// page index outside the cache is never read (clamped into it) and makes NaN the rows that see one of its keys;
+// cu_seqlens_q that does not run non-decreasing from 0 to T makes every row NaN. Each is recorded in the error
+// buffer (attnops/errors.py) with atomic min.
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <torch/library.h>
+
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+namespace attnops::fp4_cuda {
+
+constexpr int kWarps = 4;
+constexpr int kKeysPerWarp = 32;
+constexpr int kTile = kWarps * kKeysPerWarp;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kFold = 64.0f;  // decoded values are value x 2^-6
+// attnops/errors.py ARGUMENTS
+constexpr int kErrBlockTable = 0, kErrSeqLens = 1, kErrCuSeqlensQ = 2;
+
+struct Args {
+  const void* q;              // [T, Hq, D], bf16 or fp16 (q_bf16), strides q_token, q_head (elements), inner 1
+  const uint8_t* k_cache;     // packed e2m1, [pages, page_size, Hkv, D / 2] by the byte strides below
+  const uint8_t* v_cache;
+  const uint8_t* k_scale;     // block scales (e4m3 or e8m0 bytes), [pages, page_size, Hkv, D / block]
+  const uint8_t* v_scale;
+  const int* block_table;     // [B, table_stride]
+  const int* seq_lens;        // [B], the query tokens included
+  const int* cu_seqlens_q;    // [B + 1], or null: decode (token b is sequence b's one query)
+  void* out;                  // [T, Hq, D] in q's dtype, strides out_token, out_head (elements)
+  float* lse;                 // [T, Hq] contiguous (natural log), or null
+  float* part_out;            // [T, Hq, splits, D], normalized, with several splits (merge_kernel)
+  float* part_lse;            // [T, Hq, splits], log2 units
+  int* errors;                // the device's error buffer
+  int batch, num_tokens, chunk, splits;  // chunk: keys a split, a multiple of kTile
+  int num_q_heads, num_kv_heads, page_shift, table_stride, num_pages, capacity;
+  long long q_token, q_head, out_token, out_head;
+  long long cache_page_stride, cache_token_stride, cache_head_stride;  // bytes
+  long long scale_page_stride, scale_token_stride, scale_head_stride;  // bytes
+  float sm_scale;
+  bool q_bf16;
+};
+
+__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
+  __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 890
+#define ATTNOPS_FP4_CUDA_ARCH_OK 1
+#else
+#define ATTNOPS_FP4_CUDA_ARCH_OK 0  // cvt.rn.f16x2.e4m3x2 is sm_89+; the host refuses older GPUs before launching
+#endif
+
+// Two e4m3 bytes (low byte first) -> half2.
+__device__ __forceinline__ uint32_t e4m3x2_to_half2(uint16_t two) {
+  uint32_t out = 0;
+#if ATTNOPS_FP4_CUDA_ARCH_OK
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(out) : "h"(two));
+#endif
+  return out;
+}
+
+// A word's four e4m3 bytes -> two half2: (byte 0, byte 1) and (byte 2, byte 3).
+__device__ __forceinline__ void e4m3x4_to_half2x2(uint32_t bytes, uint32_t& lo, uint32_t& hi) {
+  lo = e4m3x2_to_half2((uint16_t)(bytes & 0xFFFFu));
+  hi = e4m3x2_to_half2((uint16_t)(bytes >> 16));
+}
+
+// e2m1 -> e4m3 by moving bits (value x 2^-6, exactly: 0.5 lands on the subnormal 2^-7). Nibbles 0, 2, 4, 6 of `w`
+// (bits 8k) -> `even`'s bytes, nibbles 1, 3, 5, 7 (bits 8k + 4) -> `odd`'s.
+__device__ __forceinline__ void e2m1x8_to_e4m3(uint32_t w, uint32_t& even, uint32_t& odd) {
+  even = ((w & 0x07070707u) << 2) | ((w & 0x08080808u) << 4);
+  odd = ((w >> 2) & 0x1C1C1C1Cu) | (w & 0x80808080u);
+}
+
+// K: one word's 8 nibbles (dims +0..+7) -> 4 half2 of value x 2^-6: (+0, +2), (+4, +6), (+1, +3), (+5, +7).
+__device__ __forceinline__ void e2m1x8_to_half2x4(uint32_t w, uint32_t (&p)[4]) {
+  uint32_t even, odd;
+  e2m1x8_to_e4m3(w, even, odd);
+  e4m3x4_to_half2x2(even, p[0], p[1]);
+  e4m3x4_to_half2x2(odd, p[2], p[3]);
+}
+
+// V: two keys' words of the same 8 dims -> 8 half2 (key a, key b), [i] = dim +i, value x 2^-6.
+__device__ __forceinline__ void e2m1x8_pair_keys(uint32_t wa, uint32_t wb, uint32_t (&p)[8]) {
+  uint32_t ea, oa, eb, ob;
+  e2m1x8_to_e4m3(wa, ea, oa);
+  e2m1x8_to_e4m3(wb, eb, ob);
+  // bytes (a k, b k, a k+1, b k+1): the even words' bytes are dims 0, 2, 4, 6, the odd words' 1, 3, 5, 7
+  e4m3x4_to_half2x2(__byte_perm(ea, eb, 0x5140), p[0], p[2]);
+  e4m3x4_to_half2x2(__byte_perm(ea, eb, 0x7362), p[4], p[6]);
+  e4m3x4_to_half2x2(__byte_perm(oa, ob, 0x5140), p[1], p[3]);
+  e4m3x4_to_half2x2(__byte_perm(oa, ob, 0x7362), p[5], p[7]);
+}
+
+__device__ __forceinline__ uint32_t hmul2_u32(uint32_t a, uint32_t b) {
+  __half2 r = __hmul2(*reinterpret_cast<__half2*>(&a), *reinterpret_cast<__half2*>(&b));
+  return *reinterpret_cast<uint32_t*>(&r);
+}
+
+// An 8x8 matrix of 16-bit values in the mma fragment layout (lane (g, c): row g, columns 2c, 2c + 1) transposed.
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
+  uint32_t y = x;
+#if ATTNOPS_FP4_CUDA_ARCH_OK
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+#endif
+  return y;
+}
+
+__device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if ATTNOPS_FP4_CUDA_ARCH_OK
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+// The head dim a Q/K fragment element stands for: k-step s, quad lane c, element e of (kk = 2c, 2c + 1, 2c + 8,
+// 2c + 9). K's lane decodes word t = s / 2 of its D / 8 bytes (dims D / 4 c + 8t + 0..7) into the half2 pairs
+// (+0, +2), (+4, +6), (+1, +3), (+5, +7); k-step 2t takes pairs 0 and 2, 2t + 1 pairs 1 and 3.
+template <int D>
+__device__ __forceinline__ int qk_dim(int s, int c, int e) {
+  const int offsets[4] = {0, 2, 1, 3};
+  return D / 4 * c + 8 * (s >> 1) + 4 * (s & 1) + offsets[e];
+}
+
+// One warp's copy of one tile (its 32 keys), lane-minor so that each lane's loads back are conflict-free. For head
+// dim D a lane copies D / 8 bytes of each of its K keys (D / 4 dims) and D / 16 of each V key (D / 8 dims).
+template <int D, bool kMx>
+struct alignas(16) WarpStage {
+  static_assert(D == 64 || D == 128, "head dims 64 and 128");
+  using KChunk = std::conditional_t<D == 64, uint2, uint4>;
+  using VChunk = std::conditional_t<D == 64, uint32_t, uint2>;
+  KChunk k[4][32];        // [row block][lane]: D / 8 bytes of key 8 nb + r (dims D / 4 c ..)
+  VChunk v[2][4][32];     // [k-step][key of the lane's 4][lane]: D / 16 bytes (dims D / 8 r ..)
+  uint32_t ks[4][32];     // the 4 K scale bytes holding the lane's blocks
+  uint32_t vs[2][4][32];  // the 4 V scale bytes holding the lane's block
+  uint32_t vsk[kMx ? 4 : 1][32];  // mxfp4: the V scales of the K keys (8 nb + r), for their per-key power of two
+};
+template <int D, bool kMx>
+union SharedMemory {
+  WarpStage<D, kMx> stages[2][kWarps];
+  struct {
+    float m[kWarps][16], l[kWarps][16], mv[kWarps][16];
+    float acc[kWarps][16][D + 4];
+    int bad_first[kWarps];
+  } merge;
+};
+
+template <typename T>
+__device__ __forceinline__ void cp_async(T* dst, const void* src, int src_bytes) {
+  static_assert(sizeof(T) == 4 || sizeof(T) == 8 || sizeof(T) == 16, "cp.async copies 4, 8 or 16 bytes");
+  const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
+  if constexpr (sizeof(T) == 16)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(src_bytes));
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" ::"r"(d), "l"(src), "n"(sizeof(T)),
+                 "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+
+// mxfp4: the largest of a word's 4 exponent bytes; 2^(e - 127) for an e8m0 byte (e = 0 taken as 1: a key whose
+// every block is 2^-127 holds values of at most 6 x 2^-127); 2^k for k <= 0 (0 below 2^-126, fp16's range ends first)
+__device__ __forceinline__ int byte_max4(uint32_t w) {
+  const uint32_t m = __vmaxu2(w & 0x00FF00FFu, (w >> 8) & 0x00FF00FFu);
+  return (int)max(m & 0xFFFFu, m >> 16);
+}
+__device__ __forceinline__ float e8m0_value(int e) { return __int_as_float(max(e, 1) << 23); }
+__device__ __forceinline__ float pow2_down(int k) { return k < -126 ? 0.f : __int_as_float((127 + k) << 23); }
+
+__device__ __forceinline__ float load_q(const Args& a, long long index) {
+  return a.q_bf16 ? __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(a.q)[index])
+                  : __half2float(reinterpret_cast<const __half*>(a.q)[index]);
+}
+__device__ __forceinline__ void store_out(const Args& a, long long index, float x) {
+  if (a.q_bf16)
+    reinterpret_cast<__nv_bfloat16*>(a.out)[index] = __float2bfloat16(x);
+  else
+    reinterpret_cast<__half*>(a.out)[index] = __float2half(x);
+}
+
+// cu_seqlens_q runs non-decreasing from 0 to num_tokens (every block checks it: B + 1 loads spread over its threads)
+__device__ __forceinline__ bool cu_seqlens_ok(const Args& a) {
+  int bad = 0;
+  for (int i = threadIdx.x; i <= a.batch; i += blockDim.x) {
+    const int v = a.cu_seqlens_q[i];
+    bad |= v > a.num_tokens || (i == 0 && v != 0) || (i > 0 && v < a.cu_seqlens_q[i - 1]) ||
+           (i == a.batch && v != a.num_tokens);
+  }
+  return !__syncthreads_or(bad);
+}
+
+// Grid (Hkv, B, splits), 4 warps. Block (kvh, b, split) serves every query row of sequence b and KV head kvh: the
+// rows (token i, head h of the group) in passes of 8 kHB, over the split's keys.
+// kPageShift: log2 of the page size when known at compile time (address arithmetic folds), -1 to read it from a.
+template <int D, int kPageShift, int kHB, bool kMx>
+__global__ void __launch_bounds__(kWarps * 32, kHB == 1 ? 4 : 3) fp4_attention_kernel(Args a) {
+  static_assert(!kMx || D == 128, "mxfp4: D = 128 (a key's 4 scale bytes in one word)");
+  constexpr int kKSteps = D / 16;  // QK k-steps; PV's m-blocks of output dims
+  constexpr int kRows = 8 * kHB;   // query rows a pass
+  const int kvh = blockIdx.x, b = blockIdx.y, split = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int r = lane / 4, c = lane % 4;
+  const int group = a.num_q_heads / a.num_kv_heads;
+  __shared__ SharedMemory<D, kMx> smem;
+  using Stage = WarpStage<D, kMx>;
+
+  // ---- the block's rows and keys; bad indices ----
+  int t0 = b, q_len = 1;
+  if (a.cu_seqlens_q != nullptr) {
+    if (!cu_seqlens_ok(a)) {
+      // every row NaN: this block writes the tokens b, b + B, ... of its heads (for this split), reads nothing
+      if (b == 0 && kvh == 0 && split == 0 && threadIdx.x == 0) {
+        int first = 0;  // the first entry where it stops running non-decreasing from 0 to T
+        for (int i = 0; i <= a.batch; ++i) {
+          const int v = a.cu_seqlens_q[i];
+          if (v > a.num_tokens || (i == 0 && v != 0) || (i > 0 && v < a.cu_seqlens_q[i - 1]) ||
+              (i == a.batch && v != a.num_tokens)) {
+            first = i;
+            break;
+          }
+        }
+        atomicMin(a.errors + kErrCuSeqlensQ, first);
+      }
+      for (int t = b; t < a.num_tokens; t += a.batch)
+        for (int idx = threadIdx.x; idx < group * D; idx += blockDim.x) {
+          const long long head = (long long)t * a.num_q_heads + kvh * group + idx / D;
+          if (a.splits == 1) {
+            store_out(a, t * a.out_token + (kvh * group + idx / D) * a.out_head + idx % D, NAN);
+            if (a.lse != nullptr && idx % D == 0) a.lse[head] = NAN;
+          } else {
+            a.part_out[(head * a.splits + split) * D + idx % D] = NAN;
+            if (idx % D == 0) a.part_lse[head * a.splits + split] = NAN;
+          }
+        }
+      return;
+    }
+    t0 = a.cu_seqlens_q[b];
+    q_len = a.cu_seqlens_q[b + 1] - t0;
+  }
+  const int rows = q_len * group;
+  if (rows == 0) return;  // a sequence with no query rows reads nothing
+  const int seq_len_raw = a.seq_lens[b];
+  const bool len_bad = seq_len_raw < 0 || seq_len_raw > a.capacity;
+  if (len_bad && kvh == 0 && split == 0 && threadIdx.x == 0) atomicMin(a.errors + kErrSeqLens, b);
+  const int seq_len = len_bad ? 0 : seq_len_raw;
+  // this block's keys: split `split` of `chunk`
+  const int kv_lo = min(split * a.chunk, seq_len);
+  // a cache of no pages is read not at all (every page index is bad)
+  const int kv_hi = a.num_pages > 0 ? min(kv_lo + a.chunk, seq_len) : kv_lo;
+  int bad_first = a.num_pages > 0 || kv_lo >= min(kv_lo + a.chunk, seq_len) ? INT_MAX : kv_lo;
+
+  const float qk_scale = a.sm_scale * kLog2e * kFold;
+  const int* table = a.block_table + (long long)b * a.table_stride;
+  const uint8_t* k_head = a.k_cache + (long long)kvh * a.cache_head_stride;
+  const uint8_t* v_head = a.v_cache + (long long)kvh * a.cache_head_stride;
+  const uint8_t* ks_head = a.k_scale + (long long)kvh * a.scale_head_stride;
+  const uint8_t* vs_head = a.v_scale + (long long)kvh * a.scale_head_stride;
+  const int cache_page = (int)a.cache_page_stride, cache_token = (int)a.cache_token_stride;
+  const int scale_page = (int)a.scale_page_stride, scale_token = (int)a.scale_token_stride;
+  const int page_shift = kPageShift >= 0 ? kPageShift : a.page_shift;
+  const int page_mask = (1 << page_shift) - 1, last_page = a.num_pages - 1;
+
+  for (int row0 = 0; row0 < rows; row0 += kRows) {
+    // keys below full_hi are visible to every row of the pass: a warp's step there masks nothing
+    const int full_hi = min(kv_hi, seq_len - q_len + row0 / group + 1);
+    // Q^T as B fragments, column n = query row row0 + 8 hb + r: b0 = slots 2c, 2c + 1, b1 = 2c + 8, 2c + 9; and the
+    // last key each of this lane's C columns (rows row0 + 8 hb + 2c + j) sees
+    uint32_t qb[kHB][kKSteps][2];
+    int last_key[kHB][2];
+#pragma unroll
+    for (int hb = 0; hb < kHB; ++hb) {
+      const int row = row0 + 8 * hb + r;
+      const long long q_row = (t0 + row / group) * a.q_token + (kvh * group + row % group) * a.q_head;
+#pragma unroll
+      for (int s = 0; s < kKSteps; ++s)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          float lo = 0.f, hi = 0.f;
+          if (row < rows) {
+            lo = load_q(a, q_row + qk_dim<D>(s, c, 2 * half));
+            hi = load_q(a, q_row + qk_dim<D>(s, c, 2 * half + 1));
+          }
+          qb[hb][s][half] = pack_half2(lo, hi);
+        }
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int col = row0 + 8 * hb + 2 * c + j;
+        // (rows past the last see the keys the last sees: no row of -inf scores; they are not written)
+        last_key[hb][j] = seq_len - q_len + min(col, rows - 1) / group;
+      }
+    }
+
+    // O^T fragments [row block][m-block]: row r of m-block mb is dim D / 8 r + 2 mb, row r + 8 that + 1; columns
+    // 2c, 2c + 1 query rows 8 hb + 2c (+1). Running max and sums per query row 8 hb + 2c + j.
+    float acc_t[kHB][kKSteps][4];
+    float m_t[kHB][2], l_t[kHB][2];
+    float mv_t[kHB][2];  // mxfp4: the running max of the P V product's log2 weights (nvfp4: m_t)
+#pragma unroll
+    for (int hb = 0; hb < kHB; ++hb) {
+#pragma unroll
+      for (int mb = 0; mb < kKSteps; ++mb) acc_t[hb][mb][0] = acc_t[hb][mb][1] = acc_t[hb][mb][2] = acc_t[hb][mb][3] = 0.f;
+      m_t[hb][0] = m_t[hb][1] = mv_t[hb][0] = mv_t[hb][1] = -INFINITY;
+      l_t[hb][0] = l_t[hb][1] = 0.f;
+    }
+
+    // Pages of a warp's 32 keys at `base`, one a lane (fewer for pages of more than one key), for issue_tile's
+    // shuffles; clamped into the cache (a bad one is remembered by its first key in the split: bad_first)
+    auto tile_pages = [&](int base) {
+      int lane_page = 0;
+      if (lane <= ((kKeysPerWarp - 1) >> page_shift) && base < kv_hi) {
+        const int index = min((base >> page_shift) + lane, (kv_hi - 1) >> page_shift);
+        const int page = table[index];
+        if (page < 0 || page > last_page) bad_first = min(bad_first, max(index << page_shift, kv_lo));
+        lane_page = min(max(page, 0), last_page);
+      }
+      return lane_page;
+    };
+    // a byte's address: the page's offset as a 64-bit product (one IMAD.WIDE.U32 with the base), the rest 32-bit
+    auto at = [](const uint8_t* head, int page, int page_stride, int rest) {
+      return head + (uint64_t)(uint32_t)page * (uint32_t)page_stride + (uint32_t)rest;
+    };
+    // Issues the copies of this lane's bytes of the warp's 32 keys at `base` into stage `st` (cp.async, zero-filled
+    // past the split: every address is inside the cache, no branch). A tile whose keys are all in range (kFull)
+    // needs no clamp: key base + off sits in page off >> page_shift of the tile's at slot
+    // ((base & page_mask) + off) & page_mask.
+    auto issue_tile = [&](int st, int base, int lane_page, auto full_tag) {
+      constexpr bool kFull = decltype(full_tag)::value;
+      Stage& stage = smem.stages[st][warp];
+      const int first_page = base >> page_shift, base_slot = base & page_mask;
+      auto locate = [&](int key, int& page, int& slot) {
+        if (kFull) {
+          const int off = key - base;
+          page = __shfl_sync(0xffffffffu, lane_page, off >> page_shift);
+          // base is a multiple of 32 (splits are whole tiles): with pages of at most 32 keys known at compile
+          // time, a key's slot is a constant of the lane and the copy (its offsets hoist out of the loop)
+          slot = kPageShift >= 0 && kPageShift <= 5 ? off & page_mask : (base_slot + off) & page_mask;
+        } else {
+          const int k = min(key, kv_hi - 1);
+          page = __shfl_sync(0xffffffffu, lane_page, ((k >> page_shift) - first_page) & 31);
+          slot = k & page_mask;
+        }
+      };
+#pragma unroll
+      for (int nb = 0; nb < 4; ++nb) {
+        const int key = base + 8 * nb + r;
+        int page, slot;
+        locate(key, page, slot);
+        const bool valid = kFull || key < kv_hi;
+        cp_async(&stage.k[nb][lane], at(k_head, page, cache_page, slot * cache_token + D / 8 * c),
+                 valid ? (int)sizeof(typename Stage::KChunk) : 0);
+        // the 4 scale bytes holding the lane's blocks (D / 64 c ..; lanes share words); mxfp4: the key's 4
+        cp_async(&stage.ks[nb][lane],
+                 at(ks_head, page, scale_page, slot * scale_token + (kMx ? 0 : 4 * (D / 64 * c / 4))), valid ? 4 : 0);
+        if constexpr (kMx)
+          cp_async(&stage.vsk[nb][lane], at(vs_head, page, scale_page, slot * scale_token), valid ? 4 : 0);
+      }
+#pragma unroll
+      for (int ks = 0; ks < 2; ++ks) {
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+          const int key = base + 16 * ks + 2 * c + (kk & 1) + 8 * (kk >> 1);
+          int page, slot;
+          locate(key, page, slot);
+          const bool valid = kFull || key < kv_hi;
+          cp_async(&stage.v[ks][kk][lane], at(v_head, page, cache_page, slot * cache_token + D / 16 * r),
+                   valid ? (int)sizeof(typename Stage::VChunk) : 0);
+          // the 4 scale bytes holding the lane's block (D / 128 r; D = 64: half a block a lane)
+          cp_async(&stage.vs[ks][kk][lane],
+                   at(vs_head, page, scale_page, slot * scale_token + (kMx ? 0 : 4 * (D * r / 128 / 4))),
+                   valid ? 4 : 0);
+        }
+      }
+    };
+
+    // Two stages: the copies of the next tile fly while this one computes; the pages of the tile after that are
+    // loaded one iteration ahead, so that no copy waits on a block-table load. Each lane reads back only the bytes
+    // it copied, so the pipeline needs no barrier.
+    const int warp_off = warp * kKeysPerWarp;
+    int pages_next = tile_pages(kv_lo + warp_off);
+    auto issue = [&](int st, int base, int lane_page) {  // (the branch is uniform across the warp)
+      if (base + kKeysPerWarp <= kv_hi)
+        issue_tile(st, base, lane_page, std::true_type{});
+      else
+        issue_tile(st, base, lane_page, std::false_type{});
+    };
+    if (kv_lo < kv_hi) issue(0, kv_lo + warp_off, pages_next);
+    cp_async_commit();
+    pages_next = tile_pages(kv_lo + warp_off + kTile);
+
+    // One 32-key step.
+    auto step = [&](const Stage& stage, int base, auto full_tag) {
+      constexpr bool kFull = decltype(full_tag)::value;
+      // ---- S^T = K Q^T: 2 m-blocks of 16 keys (rows r: key 16 mb + r, r + 8: key 16 mb + 8 + r) ----
+      float st[kHB][2][4];
+#pragma unroll
+      for (int mb = 0; mb < 2; ++mb) {
+        const typename Stage::KChunk raw_g = stage.k[2 * mb][lane], raw_h = stage.k[2 * mb + 1][lane];
+        // nvfp4: the lane's blocks (D / 64 c, and + 1 for D = 128) as a half2 of scales. mxfp4: the lane's block c
+        // relative to the key's largest, and that largest's power of two on the key's scores (kf)
+        uint32_t sc_g, sc_h;
+        float kf[2] = {qk_scale, qk_scale};
+        if constexpr (kMx) {
+          const uint32_t w_g = stage.ks[2 * mb][lane], w_h = stage.ks[2 * mb + 1][lane];
+          const int ref_g = byte_max4(w_g), ref_h = byte_max4(w_h);
+          sc_g = pack_half2(pow2_down((int)((w_g >> (8 * c)) & 0xFF) - ref_g), 0.f);
+          sc_h = pack_half2(pow2_down((int)((w_h >> (8 * c)) & 0xFF) - ref_h), 0.f);
+          kf[0] = qk_scale * e8m0_value(ref_g), kf[1] = qk_scale * e8m0_value(ref_h);
+        } else {
+          const int kshift = 8 * (D / 64 * c % 4);
+          sc_g = e4m3x2_to_half2((uint16_t)(stage.ks[2 * mb][lane] >> kshift));
+          sc_h = e4m3x2_to_half2((uint16_t)(stage.ks[2 * mb + 1][lane] >> kshift));
+        }
+        uint32_t words_g[D / 32], words_h[D / 32];  // the lane's D / 4 dims, 8 a word
+        memcpy(words_g, &raw_g, sizeof raw_g);
+        memcpy(words_h, &raw_h, sizeof raw_h);
+        float cf[kHB][4];
+#pragma unroll
+        for (int hb = 0; hb < kHB; ++hb) cf[hb][0] = cf[hb][1] = cf[hb][2] = cf[hb][3] = 0.f;
+#pragma unroll
+        for (int t = 0; t < D / 32; ++t) {
+          uint32_t pg[4], ph[4];  // qk_dim's pairs of word t of keys r and r + 8 (word t: the lane's block t / 2)
+          e2m1x8_to_half2x4(words_g[t], pg);
+          e2m1x8_to_half2x4(words_h[t], ph);
+          // (mxfp4: the low half, the lane's one block)
+          const uint32_t scl_g = __byte_perm(sc_g, 0, t < 2 || kMx ? 0x1010 : 0x3232);
+          const uint32_t scl_h = __byte_perm(sc_h, 0, t < 2 || kMx ? 0x1010 : 0x3232);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) pg[i] = hmul2_u32(pg[i], scl_g), ph[i] = hmul2_u32(ph[i], scl_h);
+          const uint32_t a_even[4] = {pg[0], ph[0], pg[2], ph[2]};  // k-step 2t
+          const uint32_t a_odd[4] = {pg[1], ph[1], pg[3], ph[3]};   // k-step 2t + 1
+#pragma unroll
+          for (int hb = 0; hb < kHB; ++hb) {
+            mma_16816(cf[hb], a_even, qb[hb][2 * t][0], qb[hb][2 * t][1]);
+            mma_16816(cf[hb], a_odd, qb[hb][2 * t + 1][0], qb[hb][2 * t + 1][1]);
+          }
+        }
+#pragma unroll
+        for (int hb = 0; hb < kHB; ++hb)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int key_e = base + 16 * mb + r + 8 * (e >> 1);
+            st[hb][mb][e] = kFull || (key_e < kv_hi && key_e <= last_key[hb][e & 1]) ? cf[hb][e] * kf[e >> 1]
+                                                                                       : -INFINITY;
+          }
+      }
+      // ---- online softmax per query row 8 hb + 2c + j, over the keys of the lanes with the same c ----
+      // mxfp4: the log2 of each S^T row key's V power of two (rows r, r + 8 of m-block mb)
+      float ev[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
+      (void)ev;
+      if constexpr (kMx) {
+#pragma unroll
+        for (int mb = 0; mb < 2; ++mb)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) ev[mb][h] = (float)(byte_max4(stage.vsk[2 * mb + h][lane]) - 127);
+      }
+      float alpha[kHB][2];  // acc's rescale: the P V weights' running max moved (nvfp4: the softmax's)
+      bool moved = false;
+      auto quad_max = [](float x) {  // over the 8 lanes with the same c
+        x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 4));
+        x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 8));
+        return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 16));
+      };
+#pragma unroll
+      for (int hb = 0; hb < kHB; ++hb)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const float mx =
+              quad_max(fmaxf(fmaxf(st[hb][0][j], st[hb][0][j + 2]), fmaxf(st[hb][1][j], st[hb][1][j + 2])));
+          const float m_new = fmaxf(m_t[hb][j], mx);
+          const float m_use = m_new == -INFINITY ? 0.f : m_new;
+          const float alpha_l = exp2f(m_t[hb][j] - m_use);
+          float sum = 0.f;
+          if constexpr (kMx) {
+            const float mvx = quad_max(fmaxf(fmaxf(st[hb][0][j] + ev[0][0], st[hb][0][j + 2] + ev[0][1]),
+                                             fmaxf(st[hb][1][j] + ev[1][0], st[hb][1][j + 2] + ev[1][1])));
+            const float mv_new = fmaxf(mv_t[hb][j], mvx);
+            const float mv_use = mv_new == -INFINITY ? 0.f : mv_new;
+            alpha[hb][j] = exp2f(mv_t[hb][j] - mv_use);
+#pragma unroll
+            for (int mb = 0; mb < 2; ++mb)
+#pragma unroll
+              for (int h = 0; h < 2; ++h) {
+                float& x = st[hb][mb][j + 2 * h];
+                sum += exp2f(x - m_use);
+                x = exp2f(x + ev[mb][h] - mv_use);
+              }
+            mv_t[hb][j] = mv_new;
+          } else {
+            alpha[hb][j] = alpha_l;
+#pragma unroll
+            for (int mb = 0; mb < 2; ++mb) {
+              st[hb][mb][j] = exp2f(st[hb][mb][j] - m_use);
+              st[hb][mb][j + 2] = exp2f(st[hb][mb][j + 2] - m_use);
+              sum += st[hb][mb][j] + st[hb][mb][j + 2];
+            }
+          }
+          moved |= alpha[hb][j] != 1.f;
+          l_t[hb][j] = l_t[hb][j] * alpha_l + sum;
+          m_t[hb][j] = m_new;
+        }
+      // (the running max rarely moves after the first tiles: rescale only when it did somewhere in the warp)
+      if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+        for (int hb = 0; hb < kHB; ++hb)
+#pragma unroll
+          for (int mb = 0; mb < kKSteps; ++mb)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_t[hb][mb][e] *= alpha[hb][e & 1];
+      }
+      // ---- O^T += V^T P^T: 2 k-steps of 16 keys, D / 16 m-blocks of 16 dims ----
+#pragma unroll
+      for (int ks = 0; ks < 2; ++ks) {
+        // P^T's B fragments: the transposes of S^T's 8 x 8 quarters (keys r / r + 8 x rows 2c, 2c + 1)
+        uint32_t pb[kHB][2];
+#pragma unroll
+        for (int hb = 0; hb < kHB; ++hb) {
+          pb[hb][0] = movmatrix_trans(pack_half2(st[hb][ks][0], st[hb][ks][1]));  // keys 2c, 2c + 1 of row r
+          pb[hb][1] = movmatrix_trans(pack_half2(st[hb][ks][2], st[hb][ks][3]));  // keys 2c + 8, 2c + 9
+        }
+        // this lane's keys 2c, 2c + 1, 2c + 8, 2c + 9 of the 16, dims D / 8 r .. (block D / 128 r: byte sh of the
+        // copied word)
+        uint32_t sc01, sc89;
+        if constexpr (kMx) {  // the lane's block r / 2 relative to each key's largest (that power is in P)
+          float rel[4];
+#pragma unroll
+          for (int kk = 0; kk < 4; ++kk) {
+            const uint32_t w = stage.vs[ks][kk][lane];
+            rel[kk] = pow2_down((int)((w >> (8 * (r / 2))) & 0xFF) - byte_max4(w));
+          }
+          sc01 = pack_half2(rel[0], rel[1]), sc89 = pack_half2(rel[2], rel[3]);
+        } else {
+          const int sh = 8 * (D * r / 128 % 4);
+          const uint32_t s0 = stage.vs[ks][0][lane] >> sh, s1 = stage.vs[ks][1][lane] >> sh;
+          const uint32_t s8 = stage.vs[ks][2][lane] >> sh, s9 = stage.vs[ks][3][lane] >> sh;
+          sc01 = e4m3x2_to_half2((uint16_t)((s0 & 0xFF) | ((s1 & 0xFF) << 8)));
+          sc89 = e4m3x2_to_half2((uint16_t)((s8 & 0xFF) | ((s9 & 0xFF) << 8)));
+        }
+        uint32_t va[D / 64], vb[D / 64], vc[D / 64], vd[D / 64];  // the lane's D / 8 dims of each key, 8 a word
+        memcpy(va, &stage.v[ks][0][lane], sizeof va);
+        memcpy(vb, &stage.v[ks][1][lane], sizeof vb);
+        memcpy(vc, &stage.v[ks][2][lane], sizeof vc);
+        memcpy(vd, &stage.v[ks][3][lane], sizeof vd);
+#pragma unroll
+        for (int hw = 0; hw < D / 64; ++hw) {
+          uint32_t b0[8], b1[8];  // [i]: dim D / 8 r + 8 hw + i of keys (2c, 2c + 1) / (2c + 8, 2c + 9)
+          e2m1x8_pair_keys(va[hw], vb[hw], b0);
+          e2m1x8_pair_keys(vc[hw], vd[hw], b1);
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {  // m-block 4 hw + q: rows r / r + 8 are dims D / 8 r + 8 hw + 2q (+1)
+            const uint32_t av[4] = {hmul2_u32(b0[2 * q], sc01), hmul2_u32(b0[2 * q + 1], sc01),
+                                    hmul2_u32(b1[2 * q], sc89), hmul2_u32(b1[2 * q + 1], sc89)};
+#pragma unroll
+            for (int hb = 0; hb < kHB; ++hb) mma_16816(acc_t[hb][4 * hw + q], av, pb[hb][0], pb[hb][1]);
+          }
+        }
+      }
+    };
+    for (int tile = kv_lo, it = 0; tile < kv_hi; tile += kTile, ++it) {
+      const int base = tile + warp_off;
+      if (tile + kTile < kv_hi) issue((it + 1) & 1, base + kTile, pages_next);
+      cp_async_commit();
+      pages_next = tile_pages(base + 2 * kTile);
+      cp_async_wait<1>();
+      const Stage& stage = smem.stages[it & 1][warp];
+      // a warp whose 32 keys every row sees masks no score; the branch is uniform across the warp
+      if (base + kKeysPerWarp <= full_hi)
+        step(stage, base, std::true_type{});
+      else
+        step(stage, base, std::false_type{});
+    }
+    cp_async_wait<0>();
+    // the block's first key in a bad page (every warp looked at the pages of its own keys)
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) bad_first = min(bad_first, __shfl_xor_sync(0xffffffffu, bad_first, o));
+    __syncthreads();  // (the stages' memory is reused below)
+
+    // ---- merge the 4 warps' states, normalize, write the pass's rows ----
+    auto& sm = smem.merge;
+#pragma unroll
+    for (int hb = 0; hb < kHB; ++hb)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        float l = l_t[hb][j];
+        l += __shfl_xor_sync(0xffffffffu, l, 4);
+        l += __shfl_xor_sync(0xffffffffu, l, 8);
+        l += __shfl_xor_sync(0xffffffffu, l, 16);
+        if (r == 0) {
+          sm.m[warp][8 * hb + 2 * c + j] = m_t[hb][j];
+          sm.mv[warp][8 * hb + 2 * c + j] = kMx ? mv_t[hb][j] : m_t[hb][j];
+          sm.l[warp][8 * hb + 2 * c + j] = l;
+        }
+      }
+#pragma unroll
+    for (int hb = 0; hb < kHB; ++hb)
+#pragma unroll
+      for (int mb = 0; mb < kKSteps; ++mb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sm.acc[warp][8 * hb + 2 * c + (e & 1)][D / 8 * r + 2 * mb + (e >> 1)] = acc_t[hb][mb][e];
+    if (lane == 0) sm.bad_first[warp] = bad_first;
+    __syncthreads();
+    int block_bad = sm.bad_first[0];
+#pragma unroll
+    for (int w = 1; w < kWarps; ++w) block_bad = min(block_bad, sm.bad_first[w]);
+    const int pass_rows = min(kRows, rows - row0);
+    if (threadIdx.x == 0 && (block_bad <= seq_len - q_len + (row0 + pass_rows - 1) / group))
+      atomicMin(a.errors + kErrBlockTable, b);  // some row of the pass sees a bad page
+    for (int idx = threadIdx.x; idx < pass_rows * D; idx += blockDim.x) {
+      const int n = idx / D, d = idx % D, row = row0 + n;
+      float m = -INFINITY;
+      for (int w = 0; w < kWarps; ++w) m = fmaxf(m, sm.m[w][n]);
+      const float m_use = m == -INFINITY ? 0.f : m;
+      float l = 0.f, o = 0.f;
+      for (int w = 0; w < kWarps; ++w) {  // (acc is in units of 2^mv: mxfp4's V powers of two are in it)
+        l += sm.l[w][n] * exp2f(sm.m[w][n] - m_use);
+        o += sm.acc[w][n][d] * exp2f(sm.mv[w][n] - m_use);
+      }
+      const int token = t0 + row / group, head = kvh * group + row % group;
+      const bool nan_row = len_bad || block_bad <= seq_len - q_len + row / group;
+      float value = l > 0.f ? o * kFold / l : 0.f;
+      float lse2 = l > 0.f ? m_use + log2f(l) : -INFINITY;
+      if (nan_row) value = lse2 = NAN;
+      const long long row_index = (long long)token * a.num_q_heads + head;
+      if (a.splits == 1) {
+        store_out(a, token * a.out_token + head * a.out_head + d, value);
+        if (a.lse != nullptr && d == 0) a.lse[row_index] = lse2 * kLn2;
+      } else {
+        a.part_out[(row_index * a.splits + split) * D + d] = value;
+        if (d == 0) a.part_lse[row_index * a.splits + split] = lse2;
+      }
+    }
+    __syncthreads();  // (the next pass's copies reuse the merge's memory)
+  }
+}
+
+// The splits of each (query token, head) merged by their LSEs (a split with no key has -inf, a NaN row NaN).
+// Grid (T, Hq), a thread a dim.
+__global__ void merge_kernel(Args a, int D) {
+  const int t = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
+  const long long row = (long long)t * a.num_q_heads + h;
+  const float* lse = a.part_lse + row * a.splits;
+  float m = -INFINITY;
+  bool nan = false;
+  for (int s = 0; s < a.splits; ++s) {
+    nan |= isnan(lse[s]);
+    m = fmaxf(m, lse[s]);
+  }
+  float total = 0.f, o = 0.f;
+  if (m != -INFINITY && !nan) {
+    for (int s = 0; s < a.splits; ++s) {
+      const float w = exp2f(lse[s] - m);
+      total += w;
+      o += w * a.part_out[(row * a.splits + s) * D + d];
+    }
+  }
+  const float value = nan ? NAN : total > 0.f ? o / total : 0.f;
+  store_out(a, t * a.out_token + h * a.out_head + d, value);
+  if (a.lse != nullptr && d == 0) a.lse[row] = nan ? NAN : total > 0.f ? (m + log2f(total)) * kLn2 : -INFINITY;
+}
+
+template <int D, int kPageShift, int kHB, bool kMx>
+void launch_attention(const Args& a, cudaStream_t stream) {
+  const dim3 grid(a.num_kv_heads, a.batch, a.splits);
+  fp4_attention_kernel<D, kPageShift, kHB, kMx><<<grid, kWarps * 32, 0, stream>>>(a);
+}
+
+template <int D, bool kMx>
+void launch_page(const Args& a, bool wide_rows, cudaStream_t stream) {
+  // pages of 16 keys (the common size) fold their address arithmetic at compile time
+  if (a.page_shift == 4) {
+    wide_rows ? launch_attention<D, 4, 2, kMx>(a, stream) : launch_attention<D, 4, 1, kMx>(a, stream);
+  } else {
+    wide_rows ? launch_attention<D, -1, 2, kMx>(a, stream) : launch_attention<D, -1, 1, kMx>(a, stream);
+  }
+}
+
+// The compute capability the kernels were built for on this device (0: none): attnops/backends/cuda.py declines
+// GPUs below 8.9, and a build without code for them (only PTX of an older arch) would run the arch-guarded empty
+// bodies above.
+int64_t built_arch(int64_t device) {
+  c10::cuda::CUDAGuard guard((c10::DeviceIndex)device);
+  cudaFuncAttributes attributes;
+  if (cudaFuncGetAttributes(&attributes, fp4_attention_kernel<128, 4, 1, false>) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return attributes.ptxVersion;  // (10 x major + minor of the code's virtual arch)
+}
+
+// out [T, Hq, D] (q's dtype), lse (float32 [T, Hq] contiguous) or undefined; the caches and scales as bytes; the
+// inputs validated by the op (attnops/checks.py) and the layout by the backend (strides, alignment).
+void fp4_paged_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                              const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& block_table,
+                              const at::Tensor& seq_lens, const std::optional<at::Tensor>& cu_seqlens_q,
+                              const at::Tensor& out, const std::optional<at::Tensor>& lse, const at::Tensor& workspace,
+                              const at::Tensor& errors, double scale, bool mxfp4, int64_t splits, int64_t chunk) {
+  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t page_size = k_cache.size(1), Hkv = k_cache.size(2), B = seq_lens.size(0);
+  TORCH_CHECK(D == 64 || D == 128, "fp4_paged_attention_cuda: head_dim 64 or 128");
+  TORCH_CHECK(!mxfp4 || D == 128, "fp4_paged_attention_cuda: mxfp4 at head_dim 128");
+  TORCH_CHECK(chunk % kTile == 0 && splits >= 1, "fp4_paged_attention_cuda: chunk must be a multiple of 128");
+  if (T == 0 || B == 0) return;
+  c10::cuda::CUDAGuard guard(q.device());
+  Args a{};
+  a.q = q.data_ptr();
+  a.q_bf16 = q.scalar_type() == at::kBFloat16;
+  a.k_cache = k_cache.data_ptr<uint8_t>();
+  a.v_cache = v_cache.data_ptr<uint8_t>();
+  a.k_scale = k_scale.data_ptr<uint8_t>();
+  a.v_scale = v_scale.data_ptr<uint8_t>();
+  a.block_table = block_table.data_ptr<int>();
+  a.seq_lens = seq_lens.data_ptr<int>();
+  a.cu_seqlens_q = cu_seqlens_q ? cu_seqlens_q->data_ptr<int>() : nullptr;
+  a.out = out.data_ptr();
+  a.lse = lse ? lse->data_ptr<float>() : nullptr;
+  a.errors = errors.data_ptr<int>();
+  a.batch = (int)B;
+  a.num_tokens = (int)T;
+  a.chunk = (int)chunk;
+  a.splits = (int)splits;
+  a.num_q_heads = (int)Hq;
+  a.num_kv_heads = (int)Hkv;
+  a.page_shift = 0;
+  while ((1 << a.page_shift) < page_size) ++a.page_shift;
+  a.table_stride = (int)block_table.stride(0);
+  a.num_pages = (int)k_cache.size(0);
+  a.capacity = (int)(block_table.size(1) * page_size);
+  a.q_token = q.stride(0), a.q_head = q.stride(1);
+  a.out_token = out.stride(0), a.out_head = out.stride(1);
+  a.cache_page_stride = k_cache.stride(0), a.cache_token_stride = k_cache.stride(1);
+  a.cache_head_stride = k_cache.stride(2);
+  a.scale_page_stride = k_scale.stride(0), a.scale_token_stride = k_scale.stride(1);
+  a.scale_head_stride = k_scale.stride(2);
+  a.sm_scale = (float)scale;
+  if (splits > 1) {
+    a.part_out = workspace.data_ptr<float>();
+    a.part_lse = a.part_out + T * Hq * splits * D;
+  }
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int group = (int)(Hq / Hkv);
+  // decode with a group of at most 8: one block of 8 rows; otherwise two (16 rows a pass)
+  const bool wide_rows = cu_seqlens_q.has_value() || group > 8;
+  if (mxfp4)
+    launch_page<128, true>(a, wide_rows, stream);
+  else if (D == 128)
+    launch_page<128, false>(a, wide_rows, stream);
+  else
+    launch_page<64, false>(a, wide_rows, stream);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (splits > 1) {
+    merge_kernel<<<dim3((unsigned)T, (unsigned)Hq), (unsigned)D, 0, stream>>>(a, (int)D);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+}  // namespace attnops::fp4_cuda
+
+TORCH_LIBRARY_FRAGMENT(attnops, m) {
+  // internal: the `cuda` backend's kernels (attnops/backends/cuda.py), called from inside paged_attention
+  m.def(
+      "fp4_paged_attention_cuda(Tensor q, Tensor k_cache, Tensor v_cache, Tensor k_scale, Tensor v_scale, "
+      "Tensor block_table, Tensor seq_lens, Tensor? cu_seqlens_q, Tensor(a!) out, Tensor(b!)? lse, "
+      "Tensor(c!) workspace, Tensor(d!) errors, float scale, bool mxfp4, int splits, int chunk) -> ()");
+  m.def("fp4_cuda_built_arch(int device) -> int", &attnops::fp4_cuda::built_arch);
+}
+
+TORCH_LIBRARY_IMPL(attnops, CUDA, m) {
+  m.impl("fp4_paged_attention_cuda", &attnops::fp4_cuda::fp4_paged_attention_cuda);
+}

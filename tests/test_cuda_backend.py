@@ -1,0 +1,292 @@
+"""The CUDA C++ backend (csrc/cuda/fp4_paged_attention.cu): 4-bit KV decode and verify against the float64 reference.
+
+CPU (CI): what it declares (the cases it serves and declines, why it is unavailable), its split plan, and the
+measured rule's handling of a backend that declines a case. GPU (marked gpu): 320 seeded random cases per format
+(ragged lengths with 0 and 1, GQA groups 1-16, page sizes 1-256, head dims 64/128, one split and many), each row's
+LSE, the bad-index rules, a cache over 2^31 elements, call memory independent of the cache size, a CUDA graph the
+user captures replayed with new lengths, torch.compile, and opcheck.
+"""
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+import attnops
+from attnops import formats, rules
+from attnops.backends import BACKENDS
+from attnops.backends import cuda as cuda_backend
+from attnops.backends.reference import paged_attention_reference
+from attnops.dispatch import describe_attention
+from attnops.testing import random_paged_inputs, relative_error
+
+CUDA = torch.cuda.is_available()
+gpu = pytest.mark.gpu
+BACKEND = BACKENDS["cuda"]
+
+
+def served_case(**fields):
+    case = describe_attention(device="cpu", **{"kv_format": "nvfp4", **fields})
+    return dataclasses.replace(case, device_type="cuda", arch=(9, 0), q_dtype=torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# CPU: what it declares
+
+
+def test_serves_4bit_decode_and_verify_and_declines_the_rest():
+    assert BACKEND.supports(served_case()) == []
+    assert BACKEND.supports(served_case(kv_format="mxfp4")) == []
+    assert BACKEND.supports(served_case(head_dim=64)) == []
+    assert BACKEND.supports(served_case(decode=False, shape_class="verify")) == []
+    declined = {
+        "kv_format bf16": served_case(kv_format="bf16", scale_kind="none"),
+        "mxfp4 at head_dim 128": served_case(kv_format="mxfp4", head_dim=64),
+        "head_dim 256": served_case(head_dim=256),
+        "prefill": served_case(decode=False, shape_class="prefill"),
+        "sliding window": served_case(sliding_window=True),
+        "soft_cap": served_case(soft_cap=True),
+        "sinks": served_case(sinks=True),
+        "tree_mask": served_case(tree_mask=True),
+        "sm_80": dataclasses.replace(served_case(), arch=(8, 0)),
+        "float32": dataclasses.replace(served_case(), q_dtype=torch.float32),
+    }
+    for words, case in declined.items():
+        reasons = BACKEND.supports(case)
+        assert any(words.split()[-1] in r for r in reasons), (words, reasons)
+
+
+def test_says_why_it_is_unavailable():
+    reasons = BACKEND.unavailable()
+    if not CUDA:
+        assert reasons == ["no CUDA GPU"]
+    elif not cuda_backend.built():
+        assert "built without its CUDA kernels" in reasons[0]
+
+
+@pytest.mark.parametrize("batch,heads,capacity", [(128, 8, 4096), (1, 8, 32768), (64, 8, 65536), (3, 1, 100),
+                                                  (32, 8, 4096), (256, 8, 8192), (1, 1, 1)])
+def test_split_plan_covers_the_capacity_in_whole_tiles(monkeypatch, batch, heads, capacity):
+    monkeypatch.setattr(cuda_backend, "_sm_count", lambda device: 132)
+    splits, chunk = cuda_backend.plan_splits(0, batch, heads, capacity)
+    assert chunk % cuda_backend.TILE == 0 and 1 <= splits <= cuda_backend.MAX_SPLITS
+    assert (splits - 1) * chunk < capacity <= splits * chunk  # every key in a split, no split past the capacity
+    assert chunk <= max(cuda_backend.SPLIT_KEYS, 2 * cuda_backend.TILE) or splits == cuda_backend.MAX_SPLITS
+
+
+def test_rule_orders_a_backend_that_declines_some_cases_last_there():
+    """4-bit cases timed on triton and cuda only, bf16 cases on flashinfer and triton only: the fitted rule splits
+    on the format and puts the declining backend last in each leaf."""
+    bf16 = [(rules.features(served_case(kv_format="bf16", batch=b)), {"flashinfer": 100.0, "triton": 120.0})
+            for b in (1, 8, 64)]
+    fp4 = [(rules.features(served_case(kv_format="nvfp4", batch=b)), {"triton": 100.0, "cuda": 60.0})
+           for b in (1, 8, 64)]
+    rule = rules.fit(bf16 + fp4, ["flashinfer", "triton", "cuda"])
+    leaf_bf16, _ = rules.decide(rule, bf16[0][0])
+    leaf_fp4, _ = rules.decide(rule, fp4[0][0])
+    assert leaf_bf16["order"] == ["flashinfer", "triton", "cuda"]
+    assert leaf_fp4["order"][:2] == ["cuda", "triton"]
+    assert "flashinfer declines these cases" in rules.describe_leaf(leaf_fp4)
+    assert leaf_fp4["slower"][0] == pytest.approx(100 / 60, rel=1e-3)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GPU
+
+def needs_kernels():
+    if BACKEND.unavailable():
+        pytest.skip("; ".join(BACKEND.unavailable()))
+
+
+def run_cuda(args, **options):
+    out = torch.full_like(args["q"], float("nan"))
+    with attnops.use_backend("cuda"):
+        attnops.paged_attention(**args, **options, out=out)
+    return out
+
+
+def check(args, tolerance=1e-2, **options):
+    out = run_cuda(args, **options)
+    ref = paged_attention_reference(**args, **options, compute_dtype=torch.float64)
+    assert not out.isnan().any(), "NaN in the output"
+    err = relative_error(out, ref)
+    assert err < tolerance, f"relative error {err:.3g}"
+    if args["cu_seqlens_q"] is None:
+        assert (out[args["seq_lens"] == 0] == 0).all()
+
+
+def random_case(rng: random.Random, kv_format: str, multi_token: bool):
+    num_kv_heads, group = rng.choice([(1, 1), (2, 1), (8, 1), (1, 4), (2, 4), (8, 4), (1, 8), (2, 16), (1, 3),
+                                      (4, 6), (1, 12)])
+    batch = rng.randint(1, 8)
+    kv_lens = [rng.choice([0, 1, rng.randint(2, 64), rng.randint(65, 3000), int(10 ** rng.uniform(0, 4))])
+               for _ in range(batch)]
+    q_lens = [min(n, rng.randint(1, 16 // min(group, 16) or 1) if rng.random() < 0.8 else rng.randint(1, 16))
+              for n in kv_lens] if multi_token else None
+    return dict(kv_lens=kv_lens, q_lens=q_lens, num_q_heads=num_kv_heads * group, num_kv_heads=num_kv_heads,
+                head_dim=128 if kv_format == "mxfp4" else rng.choice([64, 128]),
+                page_size=rng.choice([1, 2, 4, 8, 16, 32, 64, 128, 256]), kv_format=kv_format,
+                q_dtype=rng.choice([torch.bfloat16, torch.float16]))
+
+
+@gpu
+@pytest.mark.parametrize("multi_token", [False, True], ids=["decode", "verify"])
+@pytest.mark.parametrize("kv_format", ["nvfp4", "mxfp4"])
+def test_random_sweep(kv_format, multi_token, monkeypatch):
+    """320 seeded random cases a format and kind; every fourth with the split plan forced to many small splits
+    (the merge kernel), the rest as planned. Failures are listed together."""
+    needs_kernels()
+    plan = cuda_backend.plan_splits
+    rng = random.Random(24 + multi_token + 2 * (kv_format == "mxfp4"))
+    failures = []
+    for i in range(320):
+        inputs = random_case(rng, kv_format, multi_token)
+        options = {"scale": rng.uniform(0.02, 0.5)} if rng.random() < 0.2 else {}
+        small = i % 4 == 0
+        monkeypatch.setattr(cuda_backend, "plan_splits",
+                            (lambda d, b, h, cap: (-(-cap // 256), 256)) if small else plan)
+        args = random_paged_inputs(**inputs, device="cuda", seed=i)
+        try:
+            check(args, **options)
+        except AssertionError as e:
+            failures.append(f"case {i} (small splits {small}): {inputs} {options}: {e}")
+    assert not failures, f"{len(failures)} of 320 failed:\n" + "\n".join(failures[:20])
+
+
+@gpu
+@pytest.mark.parametrize("splits", ["planned", "small"])
+def test_lse_matches_the_reference(splits, monkeypatch):
+    needs_kernels()
+    if splits == "small":
+        monkeypatch.setattr(cuda_backend, "plan_splits", lambda d, b, h, cap: (-(-cap // 128), 128))
+    args = random_paged_inputs([700, 0, 1, 2000], [3, 0, 1, 4], num_q_heads=16, num_kv_heads=4, head_dim=128,
+                               kv_format="nvfp4", q_dtype=torch.bfloat16, device="cuda", seed=3)
+    with attnops.use_backend("cuda"):
+        out, lse = attnops.paged_attention_with_lse(**args)
+    ref, ref_lse = paged_attention_reference(**args, compute_dtype=torch.float64, return_lse=True)
+    assert relative_error(out, ref) < 1e-2
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(finite, torch.isfinite(lse))
+    assert (lse[finite].double() - ref_lse[finite]).abs().max() < 1e-3
+
+
+@gpu
+def test_bad_indices_follow_the_rules():
+    """A length past the capacity: its rows NaN; a page outside the cache: the rows that see it NaN, the others
+    exact; cu_seqlens_q not running from 0 to T: every row NaN. Each recorded."""
+    needs_kernels()
+    args = random_paged_inputs([289, 300, 50], [2, 2, 2], num_q_heads=8, num_kv_heads=2, head_dim=128,
+                               kv_format="nvfp4", q_dtype=torch.bfloat16, device="cuda", seed=5, table_padding=0)
+    ref = paged_attention_reference(**args, compute_dtype=torch.float64)
+    attnops.take_errors()
+    bad = dict(args, seq_lens=args["seq_lens"].clone(), block_table=args["block_table"].clone())
+    bad["seq_lens"][2] = bad["block_table"].shape[1] * 16 + 1
+    # page 18 holds key 288 of sequence 0, which only its second row (position 288) sees
+    bad["block_table"][0, 18] = 10 ** 6
+    out = run_cuda(bad)
+    assert out[1].isnan().all() and out[4:6].isnan().all()
+    assert not out[0].isnan().any() and not out[2:4].isnan().any()
+    assert relative_error(out[0], ref[0]) < 1e-2 and relative_error(out[2:4], ref[2:4]) < 1e-2
+    assert attnops.take_errors() == {"block_table": 0, "seq_lens": 2}
+    cu = args["cu_seqlens_q"].clone()
+    cu[1] = 5  # above cu[2] = 4
+    out = run_cuda(dict(args, cu_seqlens_q=cu))
+    assert out.isnan().all()
+    assert attnops.take_errors() == {"cu_seqlens_q": 2}
+
+
+@gpu
+def test_user_captured_cuda_graph_replays_new_lengths():
+    """Captured once with torch.cuda.graph, replayed with new lengths: the split plan depends on shapes only."""
+    needs_kernels()
+    args = random_paged_inputs([3000] * 4, num_q_heads=32, num_kv_heads=8, head_dim=128, kv_format="nvfp4",
+                               q_dtype=torch.bfloat16, device="cuda", seed=0)
+    out = torch.empty_like(args["q"])
+    with attnops.use_backend("cuda"):
+        attnops.paged_attention(**args, out=out)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            attnops.paged_attention(**args, out=out)
+    for lens in ([1, 2900, 0, 700], [3000] * 4, [0, 0, 0, 5]):
+        args["seq_lens"].copy_(torch.tensor(lens, dtype=torch.int32))
+        args["q"].normal_()
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert relative_error(out, paged_attention_reference(**args, compute_dtype=torch.float64)) < 1e-2
+
+
+@gpu
+def test_compiled_fullgraph_and_opcheck():
+    needs_kernels()
+    args = random_paged_inputs([500, 33], [3, 1], num_q_heads=8, num_kv_heads=2, head_dim=128, kv_format="mxfp4",
+                               q_dtype=torch.bfloat16, device="cuda", seed=9)
+    ref = paged_attention_reference(**args, compute_dtype=torch.float64)
+    with attnops.use_backend("cuda"):
+        compiled = torch.compile(lambda a: torch.ops.attnops.paged_attention(**a), fullgraph=True)
+        assert relative_error(compiled(args), ref) < 1e-2
+        torch.library.opcheck(torch.ops.attnops.paged_attention.default, (), args)
+
+
+@gpu
+def test_attention_on_cache_over_2_31_elements():
+    """Pages past byte 2^31 of a cache tensor of more than 2^31 elements: the page offset is 64-bit."""
+    needs_kernels()
+    page_size, num_kv_heads, head_dim = 16, 8, 128
+    stored = head_dim // 2
+    per_page = 2 * page_size * num_kv_heads * stored
+    num_pages = 2 ** 31 // per_page + 4096
+    kv = torch.zeros((num_pages, 2, page_size, num_kv_heads, stored), dtype=torch.uint8, device="cuda")
+    scales = torch.zeros((num_pages, 2, page_size, num_kv_heads, head_dim // 16), dtype=torch.uint8, device="cuda")
+    assert kv.numel() > 2 ** 31
+    lens = [1000, 4000]
+    pages_needed = [-(-n // page_size) for n in lens]
+    used = torch.arange(num_pages - sum(pages_needed), num_pages, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    kv[used] = torch.randint(0, 256, (len(used),) + kv.shape[1:], generator=gen, device="cuda", dtype=torch.uint8)
+    scales.view(torch.float8_e4m3fn)[used] = (torch.rand((len(used),) + scales.shape[1:], generator=gen,
+                                                         device="cuda") * 0.3 + 0.02).to(torch.float8_e4m3fn)
+    table = torch.full((2, max(pages_needed)), -1, dtype=torch.int32, device="cuda")
+    table[0, :pages_needed[0]] = used[:pages_needed[0]].int()
+    table[1, :pages_needed[1]] = used[pages_needed[0]:].int().flip(0)
+    block_scales = scales.view(torch.float8_e4m3fn)
+    args = dict(q=torch.randn(2, 32, head_dim, device="cuda", generator=gen).bfloat16(), k_cache=kv[:, 0],
+                v_cache=kv[:, 1], block_table=table, seq_lens=torch.tensor(lens, dtype=torch.int32, device="cuda"),
+                cu_seqlens_q=None, kv_format="nvfp4", k_scale=block_scales[:, 0], v_scale=block_scales[:, 1])
+    out = run_cuda(args)
+    # the reference on the used pages only (a copy of them, renumbered)
+    small = dict(args, k_cache=kv[used, 0], v_cache=kv[used, 1], k_scale=block_scales[used, 0],
+                 v_scale=block_scales[used, 1], block_table=torch.where(table >= 0, table - used[0].int(), -1))
+    assert relative_error(out, paged_attention_reference(**small, compute_dtype=torch.float64)) < 1e-2
+
+
+@gpu
+@pytest.mark.parametrize("kv_format", ["nvfp4", "mxfp4"])
+def test_call_memory_independent_of_cache_size(kv_format):
+    needs_kernels()
+    page_size, num_kv_heads, head_dim, batch, max_pages = 16, 8, 128, 32, 256
+    fmt = formats.FORMATS[kv_format]
+    extra = {}
+    for gigabytes in (1, 40):
+        num_pages = gigabytes * 2 ** 30 // (2 * page_size * num_kv_heads * head_dim // 2)
+        kv = torch.zeros((num_pages, 2, page_size, num_kv_heads, head_dim // 2), dtype=torch.uint8, device="cuda")
+        scales = torch.zeros((num_pages, 2, page_size, num_kv_heads, head_dim // fmt.block), dtype=torch.uint8,
+                             device="cuda").view(fmt.scale_dtype)
+        args = dict(q=torch.randn(batch, 32, head_dim, device="cuda").bfloat16(), k_cache=kv[:, 0], v_cache=kv[:, 1],
+                    block_table=torch.randint(0, num_pages, (batch, max_pages), dtype=torch.int32, device="cuda"),
+                    seq_lens=torch.full((batch,), max_pages * page_size, dtype=torch.int32, device="cuda"),
+                    kv_format=kv_format, k_scale=scales[:, 0], v_scale=scales[:, 1])
+        out = torch.empty_like(args["q"])
+        with attnops.use_backend("cuda"):
+            attnops.paged_attention(**args, out=out)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            attnops.paged_attention(**args, out=out)
+            torch.cuda.synchronize()
+        extra[gigabytes] = torch.cuda.max_memory_allocated() - before
+        del kv, scales, args
+        torch.cuda.empty_cache()
+    assert extra[1] == extra[40], extra
