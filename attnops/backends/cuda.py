@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 
 import torch
 
@@ -105,8 +106,11 @@ class CudaBackend(Backend):
     def paged_attention(self, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, soft_cap,
                         window_left, kv_format, k_scale, v_scale, out, sinks=None, tree_mask=None,
                         lse=None) -> None:
-        if _layout_reasons(q, k_cache, v_cache, k_scale, v_scale):
+        layout = _layout_reasons(q, k_cache, v_cache, k_scale, v_scale)
+        if layout:
             # views the kernel cannot copy by words (odd offsets, mixed strides): the Triton kernels read any
+            warnings.warn(f"attnops cuda backend: {'; '.join(layout)}; the Triton kernels serve this call",
+                          RuntimeWarning, stacklevel=2)
             from .triton.launch import launch
             launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale=scale, soft_cap=soft_cap,
                    window_left=window_left, kv_format=kv_format, k_scale=k_scale, v_scale=v_scale, out=out,

@@ -155,11 +155,15 @@ def auto_runner(args):
 def git_commit() -> str:
     if os.environ.get("ATTNOPS_COMMIT"):  # set by the caller where the tree has no git history
         return os.environ["ATTNOPS_COMMIT"]
+    here = Path(__file__).parent
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent).stdout.strip() or "unknown"
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=here).stdout.strip()
+        # a tree whose tracked files differ from that commit ran something else: say so
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                 text=True, cwd=here).stdout.strip()
     except OSError:
         return "unknown"
+    return (commit + "-modified" if changed else commit) if commit else "unknown"
 
 
 def environment(device) -> dict:

@@ -653,8 +653,9 @@ __global__ void __launch_bounds__(kWarps * 32, kHB == 1 ? 4 : 3) fp4_attention_k
       }
       const int token = t0 + row / group, head = kvh * group + row % group;
       const bool nan_row = len_bad || block_bad <= seq_len - q_len + row / group;
-      float value = l > 0.f ? o * kFold / l : 0.f;
-      float lse2 = l > 0.f ? m_use + log2f(l) : -INFINITY;
+      // (l is NaN where a score was: NaN in q or a key the row sees reaches the row)
+      float value = l == 0.f ? 0.f : o * kFold / l;
+      float lse2 = l == 0.f ? -INFINITY : m_use + log2f(l);
       if (nan_row) value = lse2 = NAN;
       const long long row_index = (long long)token * a.num_q_heads + head;
       if (a.splits == 1) {
