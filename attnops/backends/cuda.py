@@ -14,6 +14,7 @@ import warnings
 
 import torch
 
+from .. import _C  # noqa: F401  (registers the C++ and CUDA ops)
 from .. import errors
 from .base import AttentionCase, Backend, common_reasons
 
@@ -28,7 +29,6 @@ SPLIT_KEYS = 8192  # a split takes at most this many keys (a long sequence next 
 
 def built() -> bool:
     """Whether this build of attnops has the CUDA kernels (a CUDA torch and nvcc at build time)."""
-    from .. import ops  # noqa: F401  (loads attnops._C, which registers the ops)
     return hasattr(torch.ops.attnops, "fp4_paged_attention_cuda")
 
 
