@@ -74,3 +74,15 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| in float64 (NaN if out has any NaN)."""
     out, ref = out.double(), ref.double()
     return ((out - ref).norm() / ref.norm().clamp(min=1e-30)).item()
+
+
+def extra_call_memory(call) -> int:
+    """The device memory `call()` allocates beyond what is live before it (its peak), measured on a second call
+    after a warm-up one (compiles and caches outside the measurement)."""
+    call()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    call()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before

@@ -20,7 +20,7 @@ from attnops.backends import BACKENDS
 from attnops.backends import cuda as cuda_backend
 from attnops.backends.reference import paged_attention_reference
 from attnops.dispatch import describe_attention
-from attnops.testing import random_paged_inputs, relative_error
+from attnops.testing import extra_call_memory, random_paged_inputs, relative_error
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
@@ -280,13 +280,7 @@ def test_call_memory_independent_of_cache_size(kv_format):
                     kv_format=kv_format, k_scale=scales[:, 0], v_scale=scales[:, 1])
         out = torch.empty_like(args["q"])
         with attnops.use_backend("cuda"):
-            attnops.paged_attention(**args, out=out)
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            before = torch.cuda.memory_allocated()
-            attnops.paged_attention(**args, out=out)
-            torch.cuda.synchronize()
-        extra[gigabytes] = torch.cuda.max_memory_allocated() - before
+            extra[gigabytes] = extra_call_memory(lambda: attnops.paged_attention(**args, out=out))
         del kv, scales, args
         torch.cuda.empty_cache()
     assert extra[1] == extra[40], extra

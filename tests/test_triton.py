@@ -28,7 +28,7 @@ from attnops.backends import BACKENDS
 from attnops.backends.reference import paged_attention_reference, reshape_and_cache_reference
 from attnops.backends.triton.common import FMT_CODE
 from attnops.backends.triton.kernel import TL_DTYPE as _TL_DTYPE, _dequant_fp4, _fp4_scale, fp4_fold
-from attnops.testing import random_paged_inputs, relative_error
+from attnops.testing import extra_call_memory, random_paged_inputs, relative_error
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -819,13 +819,7 @@ def test_call_memory_independent_of_cache_size(kv_format):
             args.update(k_scale=block_scales[:, 0], v_scale=block_scales[:, 1])
         out = torch.empty_like(args["q"])
         with attnops.use_backend("triton"):
-            attnops.paged_attention(**args, out=out)  # warm-up: compile outside the measurement
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            before = torch.cuda.memory_allocated()
-            attnops.paged_attention(**args, out=out)
-            torch.cuda.synchronize()
-        extra[gigabytes] = torch.cuda.max_memory_allocated() - before
+            extra[gigabytes] = extra_call_memory(lambda: attnops.paged_attention(**args, out=out))
         del kv, block_scales, args
         torch.cuda.empty_cache()
     assert extra[1] == extra[40], f"extra memory per call: {extra}"
