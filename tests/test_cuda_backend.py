@@ -297,3 +297,17 @@ def test_layout_it_cannot_copy_by_words_is_named():
     reasons = cuda_backend._layout_reasons(args["q"], odd, args["v_cache"], args["k_scale"], args["v_scale"])
     assert any("k_cache is not 16-byte aligned" in r for r in reasons)
     assert any("different strides" in r for r in reasons)
+
+
+def test_rows_without_a_sequence_are_nan_and_recorded():
+    """cu_seqlens_q = [0] with query rows cannot run from 0 to T: every row NaN, recorded, no kernel launched."""
+    q = torch.randn(3, 4, 64)
+    cache = torch.zeros(2, 16, 1, 32, dtype=torch.uint8)
+    scales = torch.zeros(2, 16, 1, 4, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    out, lse = torch.zeros(3, 4, 64), torch.zeros(3, 4)
+    attnops.take_errors()
+    BACKEND.paged_attention(q, cache, cache, torch.zeros(0, 1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32),
+                            torch.zeros(1, dtype=torch.int32), scale=0.1, soft_cap=0.0, window_left=-1,
+                            kv_format="nvfp4", k_scale=scales, v_scale=scales, out=out, lse=lse)
+    assert out.isnan().all() and lse.isnan().all()
+    assert attnops.take_errors() == {"cu_seqlens_q": 0}

@@ -24,6 +24,7 @@ Q_DTYPES = (torch.bfloat16, torch.float16)
 MIN_ARCH = (8, 9)  # cvt.rn.f16x2.e4m3x2
 TILE = 128  # keys a block's step takes; splits are whole tiles
 MAX_SPLITS = 64
+MAX_BATCH = 65535
 SPLIT_KEYS = 8192  # a split takes at most this many keys (a long sequence next to short ones is not one block's tail)
 
 
@@ -101,6 +102,8 @@ class CudaBackend(Backend):
             reasons.append("mxfp4 at head_dim 128 only")
         if case.shape_class == "prefill":
             reasons.append("prefill (more than 16 query tokens a sequence on average): decode and verify only")
+        if case.batch > MAX_BATCH:
+            reasons.append(f"more than {MAX_BATCH} sequences (a grid dimension of its launch)")
         return reasons
 
     def paged_attention(self, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, soft_cap,
@@ -132,6 +135,13 @@ class CudaBackend(Backend):
         if cu_seqlens_q is not None:
             cu_seqlens_q = cu_seqlens_q.contiguous()
         num_tokens, num_q_heads, head_dim = q.shape
+        if seq_lens.shape[0] == 0 and num_tokens > 0:
+            # rows but no sequence: cu_seqlens_q ([0]) cannot run from 0 to num_tokens (docs/design.md)
+            out.fill_(float("nan"))
+            if lse is not None:
+                lse.fill_(float("nan"))
+            errors.record(q.device, errors.CU_SEQLENS_Q, 0)
+            return
         page_size = k_cache.shape[1]
         splits, chunk = plan_splits(q.device.index if q.device.index is not None else torch.cuda.current_device(),
                                     seq_lens.shape[0], k_cache.shape[2], block_table.shape[1] * page_size)
