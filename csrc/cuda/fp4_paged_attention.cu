@@ -1,7 +1,7 @@
 // Paged attention over a 4-bit KV cache (nvfp4, mxfp4) for decode and short query blocks (verify), in CUDA C++
 // with the register layout chosen by hand: the `cuda` backend (attnops/backends/cuda.py) calls it through
-// torch.ops.attnops.fp4_paged_attention_cuda. Triton's layouts for 4-bit operands cost it about 1,870 instructions a
-// 128-key step (attnops/backends/triton/README.md); this loop takes 1,024 a 32-key warp step (docs/bench.md).
+// torch.ops.attnops.fp4_paged_attention_cuda. Triton's operand layouts for 4-bit values cost its loop nearly twice
+// the instructions a key that this one takes (docs/bench.md has both counts and what they mean for time).
 //
 // Layout, per warp and 32 keys (4 warps a 128-key tile, each with its own softmax state, merged through shared
 // memory at the end). The operands are swapped: S^T = K Q^T and O^T = V^T P^T by mma.m16n8k16 (fp16 in, fp32
