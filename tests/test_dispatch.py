@@ -150,6 +150,29 @@ def test_rule_fits_the_measured_choices_and_generalises_by_features(monkeypatch)
     assert "triton within 3% of the fastest in 9" in text and "flashinfer 1.43x its time" in text
 
 
+def test_tune_checks_a_backend_that_declines_some_cases_as_dispatch_would():
+    """4-bit cases timed on triton and cuda (FlashInfer has no 4-bit kernels), bf16 on flashinfer and triton: the
+    fitted rule is right on every case, and check() counts the first backend of a leaf that has a time."""
+    tune = _tune()
+    records = []
+    for batch in (1, 32, 128):
+        records += [_record(f"nvfp4/{batch}", "triton", 100, fmt="nvfp4", batch=batch),
+                    _record(f"nvfp4/{batch}", "cuda", 55, fmt="nvfp4", batch=batch),
+                    _record(f"bf16/{batch}", "triton", 100, batch=batch),
+                    _record(f"bf16/{batch}", "flashinfer", 80, batch=batch)]
+    names = ["flashinfer", "triton", "cuda"]
+    cases = tune.collect(records, set(names))
+    rule = attnops.rules.fit([(f, t) for f, t, _, _ in cases.values()], names)
+    rows = tune.check(rule, cases, names)
+    assert len(rows) == 6 and all(row["slowdown"] == 1.0 for row in rows)
+    assert {row["chosen"] for row in rows if "nvfp4" in row["case"]} == {"cuda"}
+    # a rule that puts a declining backend first: check() takes the next one that has a time
+    leaf = {"order": ["flashinfer", "triton", "cuda"], "cases": 6, "right": 3, "slower": [None, None]}
+    rows = tune.check(leaf, cases, names)
+    assert {row["chosen"] for row in rows if "nvfp4" in row["case"]} == {"triton"}
+    assert max(row["slowdown"] for row in rows) == pytest.approx(100 / 55, rel=1e-3)
+
+
 def test_rule_fit_needs_cases_timed_on_some_backend():
     with pytest.raises(ValueError, match="no case was timed on any backend"):
         attnops.rules.fit([({"kv_format": "bf16"}, {"cpu": 1.0})], ["flashinfer", "triton"])
