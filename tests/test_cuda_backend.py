@@ -290,11 +290,11 @@ def test_layout_it_cannot_copy_by_words_is_named():
     """The caches attnops makes are read in place; a view at an odd byte offset, or K and V with different
     strides, is named (the Triton kernels then serve the call, with a warning)."""
     args = random_paged_inputs([40, 7], num_q_heads=8, num_kv_heads=2, head_dim=128, kv_format="nvfp4", seed=1)
-    layout = (args["q"], args["k_cache"], args["v_cache"], args["k_scale"], args["v_scale"])
+    layout = (128, args["k_cache"], args["v_cache"], args["k_scale"], args["v_scale"])
     assert cuda_backend._layout_reasons(*layout) == []
     raw = torch.zeros(args["k_cache"].numel() + 1, dtype=torch.uint8)
     odd = raw[1:].view(args["k_cache"].shape)
-    reasons = cuda_backend._layout_reasons(args["q"], odd, args["v_cache"], args["k_scale"], args["v_scale"])
+    reasons = cuda_backend._layout_reasons(128, odd, args["v_cache"], args["k_scale"], args["v_scale"])
     assert any("k_cache is not 16-byte aligned" in r for r in reasons)
     assert any("different strides" in r for r in reasons)
 

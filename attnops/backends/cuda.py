@@ -55,15 +55,13 @@ def plan_splits(device_index: int, batch: int, num_kv_heads: int, capacity: int)
     return math.ceil(tiles * TILE / chunk), chunk
 
 
-def _layout_reasons(q, k_cache, v_cache, k_scale, v_scale) -> list[str]:
+def _layout_reasons(head_dim, k_cache, v_cache, k_scale, v_scale) -> list[str]:
     """What of these tensors' layout the kernel cannot read (each lane copies 16-, 8- and 4-byte words): empty if
     it can."""
     reasons = []
-    if q.stride(-1) != 1:
-        reasons.append("q's last stride is not 1")
     if k_cache.stride() != v_cache.stride() or k_scale.stride() != v_scale.stride():
         reasons.append("k and v caches (or their scales) have different strides")
-    chunk = q.shape[-1] // 8  # bytes of a key a lane copies
+    chunk = head_dim // 8  # bytes of a key a lane copies
     for name, t, align in (("k_cache", k_cache, chunk), ("v_cache", v_cache, chunk), ("k_scale", k_scale, 4),
                            ("v_scale", v_scale, 4)):
         strides = [s * t.element_size() for s in t.stride()[:3]]
@@ -109,7 +107,7 @@ class CudaBackend(Backend):
     def paged_attention(self, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, soft_cap,
                         window_left, kv_format, k_scale, v_scale, out, sinks=None, tree_mask=None,
                         lse=None) -> None:
-        layout = _layout_reasons(q, k_cache, v_cache, k_scale, v_scale)
+        layout = _layout_reasons(q.shape[-1], k_cache, v_cache, k_scale, v_scale)
         if layout:
             # views the kernel cannot copy by words (odd offsets, mixed strides): the Triton kernels read any
             warnings.warn(f"attnops cuda backend: {'; '.join(layout)}; the Triton kernels serve this call",
@@ -129,6 +127,8 @@ class CudaBackend(Backend):
             if lse is not None:
                 lse.copy_(lse_result)
             return
+        if q.stride(-1) != 1:
+            q = q.contiguous()
         if block_table.stride(1) != 1:
             block_table = block_table.contiguous()
         seq_lens = seq_lens.contiguous()

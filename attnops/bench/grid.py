@@ -201,5 +201,5 @@ def fp4_grid() -> list:
     return cases
 
 
-GRIDS = {"gpu": gpu_grid, "models": models_grid, "models-unseen": models_unseen_grid, "spec": spec_grid, "fp4": fp4_grid,
-         "cpu": cpu_grid, "cpu-issue": cpu_issue_grid}
+GRIDS = {"gpu": gpu_grid, "models": models_grid, "models-unseen": models_unseen_grid, "spec": spec_grid,
+         "fp4": fp4_grid, "cpu": cpu_grid, "cpu-issue": cpu_issue_grid}
