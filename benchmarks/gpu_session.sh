@@ -24,7 +24,8 @@
 #             before attnops.bench): $results/ab-old.json, $results/ab-new.json
 #   tests     the GPU tests, suites in parallel processes (TEST_SUITES, default "capture triton flashinfer e2e":
 #             captures of the op; Triton under pytest-xdist; FlashInfer + graphs + devices; end to end; also "spec"
-#             (sinks, trees, merge, page sharing, cascade, LSE) and "hf" (transformers models)), one log;
+#             (sinks, trees, merge, page sharing, cascade, LSE), "hf" (transformers models) and "cuda" (the 4-bit
+#             CUDA kernels)), one log;
 #             TESTS_TIMEOUT seconds.
 #             Run at most four at once: more overload a 16-core machine with compiles
 #   models    python -m attnops tune on the models grid (MODELS_ARGS narrows it), writing the table to
@@ -42,8 +43,10 @@
 #   demo      python -m attnops demo $DEMO_ARGS, as a newcomer runs it: $results/demo.txt
 #   fuzz-warm each fuzz backend's first chunk in one process, so that the fuzz step's workers find every kernel
 #             compiled (after `jit`)
-#   fuzz      tests/test_fuzz.py's GPU part: $FUZZ_CASES (default 1000) seeded cases each for triton, flashinfer and
-#             auto dispatch, random corruptions included (after `jit` and `fuzz-warm`, so that FlashInfer's and
+#   fp4       python -m attnops bench --grid fp4 (4-bit decode and verify against FlashInfer's bf16, same run):
+#             $results/fp4.{json,png,txt}
+#   fuzz      tests/test_fuzz.py's GPU part: $FUZZ_CASES (default 1000) seeded cases each for triton, flashinfer,
+#             auto dispatch and the cuda backend (FUZZ_K: a pytest -k expression), random corruptions included (after `jit` and `fuzz-warm`, so that FlashInfer's and
 #             Triton's kernels are built); pytest-xdist over FUZZ_WORKERS processes; $results/fuzz.log. FUZZ_SEED
 #             picks another seed
 #   sanitize  the same under compute-sanitizer --tool memcheck, $SANITIZE_CASES (default 20) cases per backend, each
@@ -140,6 +143,7 @@ for step in "$@"; do
           e2e) files="-m gpu tests/test_e2e.py" ;;
           spec) files="-m gpu -n 8 tests/test_sinks_tree.py tests/test_merge.py tests/test_prefix_sharing.py tests/test_cascade.py tests/test_lse.py" ;;
           hf) files="-m gpu tests/test_hf.py" ;;
+          cuda) files="-m gpu tests/test_cuda_backend.py" ;;
           *) echo "unknown suite $suite"; exit 2 ;;
         esac
         timeout $limit python3 -m pytest -q -rA -p no:cacheprovider $files > "/tmp/tests-$suite.log" 2>&1 &
@@ -187,8 +191,12 @@ for step in "$@"; do
     fuzz)
       fuzz_env
       timeout ${FUZZ_TIMEOUT:-600} python3 -m pytest -q -rf -p no:cacheprovider -m gpu -n ${FUZZ_WORKERS:-6} \
-        tests/test_fuzz.py --durations=10 > "$results/fuzz.log" 2>&1
+        tests/test_fuzz.py ${FUZZ_K:+-k "$FUZZ_K"} --durations=10 > "$results/fuzz.log" 2>&1
       grep -E "^FAILED|passed|failed|error|s call" "$results/fuzz.log" | tail -20; stamp fuzz ;;
+    fp4)
+      timeout ${FP4_TIMEOUT:-420} python3 -m attnops bench --grid fp4 --backends cuda triton flashinfer --peers \
+        --graph-only --rep-ms ${REP_MS:-30} --json "$results/fp4.json" --plot "$results/fp4.png" > "$results/fp4.txt" 2>&1
+      grep -E " ok " "$results/fp4.txt" | tail -40; stamp fp4 ;;
     sanitize)
       sanitizer=$(command -v compute-sanitizer || echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer")
       PYTORCH_NO_CUDA_MEMORY_CACHING=1 ATTNOPS_FUZZ_GUARD=0 ATTNOPS_FUZZ_CASES=${SANITIZE_CASES:-20} \
