@@ -215,13 +215,17 @@ __device__ __forceinline__ void store_out(const Args& a, long long index, float 
     reinterpret_cast<__half*>(a.out)[index] = __float2half(x);
 }
 
-// cu_seqlens_q runs non-decreasing from 0 to num_tokens (every block checks it: B + 1 loads spread over its threads)
-__device__ __forceinline__ bool cu_seqlens_ok(const Args& a) {
+// cu_seqlens_q runs non-decreasing from 0 to num_tokens (every block checks it: B + 1 loads spread over its threads);
+// with `record`, the first entry where it stops is recorded (attnops/errors.py: atomic min over the bad entries)
+__device__ __forceinline__ bool cu_seqlens_ok(const Args& a, bool record) {
   int bad = 0;
   for (int i = threadIdx.x; i <= a.batch; i += blockDim.x) {
     const int v = a.cu_seqlens_q[i];
-    bad |= v > a.num_tokens || (i == 0 && v != 0) || (i > 0 && v < a.cu_seqlens_q[i - 1]) ||
-           (i == a.batch && v != a.num_tokens);
+    if (v > a.num_tokens || (i == 0 && v != 0) || (i > 0 && v < a.cu_seqlens_q[i - 1]) ||
+        (i == a.batch && v != a.num_tokens)) {
+      bad = 1;
+      if (record) atomicMin(a.errors + kErrCuSeqlensQ, i);
+    }
   }
   return !__syncthreads_or(bad);
 }
@@ -244,20 +248,8 @@ __global__ void __launch_bounds__(kWarps * 32, kHB == 1 ? 4 : 3) fp4_attention_k
   // ---- the block's rows and keys; bad indices ----
   int t0 = b, q_len = 1;
   if (a.cu_seqlens_q != nullptr) {
-    if (!cu_seqlens_ok(a)) {
+    if (!cu_seqlens_ok(a, b == 0 && kvh == 0 && split == 0)) {
       // every row NaN: this block writes the tokens b, b + B, ... of its heads (for this split), reads nothing
-      if (b == 0 && kvh == 0 && split == 0 && threadIdx.x == 0) {
-        int first = 0;  // the first entry where it stops running non-decreasing from 0 to T
-        for (int i = 0; i <= a.batch; ++i) {
-          const int v = a.cu_seqlens_q[i];
-          if (v > a.num_tokens || (i == 0 && v != 0) || (i > 0 && v < a.cu_seqlens_q[i - 1]) ||
-              (i == a.batch && v != a.num_tokens)) {
-            first = i;
-            break;
-          }
-        }
-        atomicMin(a.errors + kErrCuSeqlensQ, first);
-      }
       for (int t = b; t < a.num_tokens; t += a.batch)
         for (int idx = threadIdx.x; idx < group * D; idx += blockDim.x) {
           const long long head = (long long)t * a.num_q_heads + kvh * group + idx / D;
