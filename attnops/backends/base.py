@@ -6,6 +6,7 @@ list of backends and takes the first with no reasons.
 """
 from __future__ import annotations
 
+from .. import errors
 from ..cases import AttentionCase, CacheWriteCase, VERIFY_MAX_Q, shape_class  # noqa: F401  (re-exported)
 
 
@@ -72,3 +73,12 @@ def common_reasons(case, *, devices=None, q_dtypes=None, kv_formats=None, head_d
         if case.tree_mask and not tree_mask:
             reasons.append("tree_mask not supported")
     return reasons
+
+
+def rows_without_a_sequence(out, lse) -> None:
+    """Query rows but no sequence (seq_lens empty): cu_seqlens_q ([0]) cannot run from 0 to num_tokens, so by
+    docs/design.md's "Bad indices" every row (and its LSE) is NaN and cu_seqlens_q is recorded at entry 0."""
+    out.fill_(float("nan"))
+    if lse is not None:
+        lse.fill_(float("nan"))
+    errors.record(out.device, errors.CU_SEQLENS_Q, 0)

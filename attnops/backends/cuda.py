@@ -16,7 +16,7 @@ import torch
 
 from .. import _C  # noqa: F401  (registers the C++ and CUDA ops)
 from .. import errors
-from .base import AttentionCase, Backend, common_reasons
+from .base import AttentionCase, Backend, common_reasons, rows_without_a_sequence
 
 HEAD_DIMS = (64, 128)
 KV_FORMATS = ("nvfp4", "mxfp4")
@@ -136,11 +136,7 @@ class CudaBackend(Backend):
             cu_seqlens_q = cu_seqlens_q.contiguous()
         num_tokens, num_q_heads, head_dim = q.shape
         if seq_lens.shape[0] == 0 and num_tokens > 0:
-            # rows but no sequence: cu_seqlens_q ([0]) cannot run from 0 to num_tokens (docs/design.md)
-            out.fill_(float("nan"))
-            if lse is not None:
-                lse.fill_(float("nan"))
-            errors.record(q.device, errors.CU_SEQLENS_Q, 0)
+            rows_without_a_sequence(out, lse)
             return
         page_size = k_cache.shape[1]
         splits, chunk = plan_splits(q.device.index if q.device.index is not None else torch.cuda.current_device(),

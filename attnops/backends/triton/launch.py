@@ -10,6 +10,7 @@ import triton
 from triton.runtime.errors import OutOfResources
 
 from ... import errors, formats
+from ..base import rows_without_a_sequence
 from . import interpreting
 from .heuristics import _capability, forced_tunables, heuristic_config, kernel_constexprs, smaller_tile
 from .kernel import merge_splits_kernel, paged_attention_kernel
@@ -34,11 +35,8 @@ def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, s
     capacity = block_table.shape[1] * page_size
     if num_tokens == 0:
         return
-    if batch == 0:  # rows but no sequence: cu_seqlens_q ([0 + 1]) cannot run from 0 to num_tokens
-        out.fill_(float("nan"))
-        if lse is not None:
-            lse.fill_(float("nan"))
-        errors.record(q.device, errors.CU_SEQLENS_Q, 0)
+    if batch == 0:
+        rows_without_a_sequence(out, lse)
         return
     chosen = heuristic_config(q.device, decode, batch, num_tokens, num_q_heads, num_kv_heads, head_dim, page_size,
                               capacity, kv_format, q.dtype)
