@@ -41,13 +41,12 @@ def test_serves_4bit_decode_and_verify_and_declines_the_rest():
     assert BACKEND.supports(served_case(kv_format="mxfp4")) == []
     assert BACKEND.supports(served_case(head_dim=64)) == []
     assert BACKEND.supports(served_case(decode=False, shape_class="verify")) == []
+    assert BACKEND.supports(served_case(sliding_window=True, soft_cap=True)) == []
     declined = {
         "kv_format bf16": served_case(kv_format="bf16", scale_kind="none"),
         "mxfp4 at head_dim 128": served_case(kv_format="mxfp4", head_dim=64),
         "head_dim 256": served_case(head_dim=256),
         "prefill": served_case(decode=False, shape_class="prefill"),
-        "sliding window": served_case(sliding_window=True),
-        "soft_cap": served_case(soft_cap=True),
         "sinks": served_case(sinks=True),
         "tree_mask": served_case(tree_mask=True),
         "sm_80": dataclasses.replace(served_case(), arch=(8, 0)),
@@ -135,8 +134,9 @@ def random_case(rng: random.Random, kv_format: str, multi_token: bool):
 @pytest.mark.parametrize("multi_token", [False, True], ids=["decode", "verify"])
 @pytest.mark.parametrize("kv_format", ["nvfp4", "mxfp4"])
 def test_random_sweep(kv_format, multi_token, monkeypatch):
-    """320 seeded random cases a format and kind; every fourth with the split plan forced to many small splits
-    (the merge kernel), the rest as planned. Failures are listed together."""
+    """320 seeded random cases a format and kind, about a third with a sliding window and a third with a soft cap;
+    every fourth with the split plan forced to many small splits (the merge kernel), the rest as planned. Failures
+    are listed together."""
     needs_kernels()
     plan = cuda_backend.plan_splits
     rng = random.Random(24 + multi_token + 2 * (kv_format == "mxfp4"))
@@ -144,6 +144,10 @@ def test_random_sweep(kv_format, multi_token, monkeypatch):
     for i in range(320):
         inputs = random_case(rng, kv_format, multi_token)
         options = {"scale": rng.uniform(0.02, 0.5)} if rng.random() < 0.2 else {}
+        if rng.random() < 0.3:
+            options["window_left"] = rng.choice([0, 1, 15, 100, 1000])
+        if rng.random() < 0.3:
+            options["soft_cap"] = rng.choice([1.0, 5.0, 30.0])
         small = i % 4 == 0
         monkeypatch.setattr(cuda_backend, "plan_splits",
                             (lambda d, b, h, cap: (-(-cap // 256), 256)) if small else plan)
@@ -195,6 +199,29 @@ def test_bad_indices_follow_the_rules():
     out = run_cuda(dict(args, cu_seqlens_q=cu))
     assert out.isnan().all()
     assert attnops.take_errors() == {"cu_seqlens_q": 2}
+
+
+@gpu
+def test_bad_pages_under_a_window():
+    """With a sliding window a bad page makes NaN only the rows whose window reaches it; a page behind every window
+    is not looked at (an engine may free it): no NaN, nothing recorded."""
+    needs_kernels()
+    args = random_paged_inputs([300], [4], num_q_heads=4, num_kv_heads=1, head_dim=128, kv_format="nvfp4",
+                               q_dtype=torch.bfloat16, device="cuda", seed=7, page_size=1, table_padding=0)
+    options = dict(window_left=20)  # rows at positions 296..299 see keys 276..296, ..., 279..299
+    ref = paged_attention_reference(**args, **options, compute_dtype=torch.float64)
+    attnops.take_errors()
+    behind = dict(args, block_table=args["block_table"].clone())
+    behind["block_table"][0, 100] = -7  # behind every window
+    out = run_cuda(behind, **options)
+    assert not out.isnan().any() and relative_error(out, ref) < 1e-2
+    assert attnops.take_errors() == {}
+    first_only = dict(args, block_table=args["block_table"].clone())
+    first_only["block_table"][0, 276] = 10 ** 6  # only the first row's window holds key 276
+    out = run_cuda(first_only, **options)
+    assert out[0].isnan().all() and not out[1:].isnan().any()
+    assert relative_error(out[1:], ref[1:]) < 1e-2
+    assert attnops.take_errors() == {"block_table": 0}
 
 
 @gpu

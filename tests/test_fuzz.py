@@ -140,12 +140,12 @@ AUTO_FAMILIES = FLASHINFER_FAMILIES + [
     ("decode", "nvfp4", "per_tensor", 128, (8, 2), 16, False, False, 1),
     ("verify", "mxfp4", "per_tensor", 128, (8, 2), 16, False, False, 4),
 ]
-CUDA_FAMILIES = [  # what the CUDA kernels serve: 4-bit decode and verify
+CUDA_FAMILIES = [  # what the CUDA kernels serve: 4-bit decode and verify, windows, soft cap
     ("decode", "nvfp4", "per_tensor", 128, (8, 2), 16, False, False, 1),
-    ("decode", "nvfp4", "per_tensor", 64, (16, 1), 1, False, False, 1),
-    ("decode", "mxfp4", "per_tensor", 128, (4, 4), 256, False, False, 1),
-    ("verify", "nvfp4", "per_tensor", 128, (8, 2), 16, False, False, 4),
-    ("verify", "mxfp4", "per_tensor", 128, (4, 1), 32, False, False, 2),
+    ("decode", "nvfp4", "per_tensor", 64, (16, 1), 1, True, False, 1),
+    ("decode", "mxfp4", "per_tensor", 128, (4, 4), 256, False, True, 1),
+    ("verify", "nvfp4", "per_tensor", 128, (8, 2), 16, True, True, 4),
+    ("verify", "mxfp4", "per_tensor", 128, (4, 1), 32, True, False, 2),
     ("verify", "nvfp4", "per_tensor", 64, (8, 1), 8, False, False, 3),
 ]
 GPU_FAMILIES = {"triton": TRITON_GPU_FAMILIES, "flashinfer": FLASHINFER_FAMILIES, "auto": AUTO_FAMILIES,

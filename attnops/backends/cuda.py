@@ -75,7 +75,7 @@ def _layout_reasons(head_dim, k_cache, v_cache, k_scale, v_scale) -> list[str]:
 class CudaBackend(Backend):
     name = "cuda"
     description = ("attnops' CUDA C++ kernels: 4-bit KV (nvfp4 at head dims 64/128, mxfp4 at 128) decode and verify, "
-                   "read in place")
+                   "windows and soft cap, read in place")
     writes_cache = False  # reshape_and_cache goes to the Triton kernels
 
     def unavailable(self) -> list[str]:
@@ -94,8 +94,7 @@ class CudaBackend(Backend):
         if not isinstance(case, AttentionCase):
             return ["attention only (cache writes are the Triton kernels')"]
         reasons = common_reasons(case, devices=("cuda",), q_dtypes=Q_DTYPES, kv_formats=KV_FORMATS,
-                                 head_dims=HEAD_DIMS, soft_cap=False, sliding_window=False, sinks=False,
-                                 tree_mask=False, archs=lambda arch: arch >= MIN_ARCH)
+                                 head_dims=HEAD_DIMS, sinks=False, tree_mask=False, archs=lambda arch: arch >= MIN_ARCH)
         if case.kv_format == "mxfp4" and case.head_dim != 128:
             reasons.append("mxfp4 at head_dim 128 only")
         if case.shape_class == "prefill":
@@ -145,5 +144,5 @@ class CudaBackend(Backend):
                                 dtype=torch.float32, device=q.device)
         torch.ops.attnops.fp4_paged_attention_cuda(
             q, k_cache, v_cache, k_scale.view(torch.uint8), v_scale.view(torch.uint8), block_table, seq_lens,
-            cu_seqlens_q, out, lse, workspace, errors.buffer(q.device), float(scale), kv_format == "mxfp4", splits,
-            chunk)
+            cu_seqlens_q, out, lse, workspace, errors.buffer(q.device), float(scale),
+            float(soft_cap) if math.isfinite(soft_cap) else 0.0, int(window_left), kv_format == "mxfp4", splits, chunk)

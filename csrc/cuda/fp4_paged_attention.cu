@@ -19,6 +19,8 @@
 //   goes outside the mma (K: a power of two on the key's scores; V: added to the log2 weights of P V, which keep a
 //   running max of their own, m_v: o = acc 2^(m_v - m) / l), the rest (2^(e - e_max) <= 1) into the values.
 //
+// Windows and soft cap as the other backends (a row at position p sees keys p - window_left .. p).
+//
 // Bad indices (docs/design.md): a sequence length outside [0, capacity] makes its rows NaN and reads nothing; a
 // page index outside the cache is never read (clamped into it) and makes NaN the rows that see one of its keys;
 // cu_seqlens_q that does not run non-decreasing from 0 to T makes every row NaN. Each is recorded in the error
@@ -69,6 +71,8 @@ struct Args {
   long long cache_page_stride, cache_token_stride, cache_head_stride;  // bytes
   long long scale_page_stride, scale_token_stride, scale_head_stride;  // bytes
   float sm_scale;
+  float soft_cap;             // 0: none
+  int window_left;            // -1: none (a row at position p sees keys p - window_left .. p)
   bool q_bf16;
 };
 
@@ -178,6 +182,7 @@ union SharedMemory {
     float m[kWarps][16], l[kWarps][16], mv[kWarps][16];
     float acc[kWarps][16][D + 4];
     int bad_first[kWarps];
+    int row_bad[16];
   } merge;
 };
 
@@ -272,11 +277,12 @@ __global__ void __launch_bounds__(kWarps * 32, kHB == 1 ? 4 : 3) fp4_attention_k
   const bool len_bad = seq_len_raw < 0 || seq_len_raw > a.capacity;
   if (len_bad && kvh == 0 && split == 0 && threadIdx.x == 0) atomicMin(a.errors + kErrSeqLens, b);
   const int seq_len = len_bad ? 0 : seq_len_raw;
-  // this block's keys: split `split` of `chunk`
-  const int kv_lo = min(split * a.chunk, seq_len);
+  // this block's keys: split `split` of `chunk` (each pass narrows it to its rows' windows)
+  const int split_lo = min(split * a.chunk, seq_len), split_hi = min(split_lo + a.chunk, seq_len);
   // a cache of no pages is read not at all (every page index is bad)
-  const int kv_hi = a.num_pages > 0 ? min(kv_lo + a.chunk, seq_len) : kv_lo;
-  int bad_first = a.num_pages > 0 || kv_lo >= min(kv_lo + a.chunk, seq_len) ? INT_MAX : kv_lo;
+  const int kv_hi = a.num_pages > 0 ? split_hi : split_lo;
+  const int w_eff = a.window_left >= 0 ? a.window_left : (1 << 30);  // (no window: wider than any sequence)
+  const float cap2 = a.soft_cap > 0.f ? 2.f / a.soft_cap : 0.f, cap_l2 = a.soft_cap * kLog2e;
 
   const float qk_scale = a.sm_scale * kLog2e * kFold;
   const int* table = a.block_table + (long long)b * a.table_stride;
@@ -290,8 +296,15 @@ __global__ void __launch_bounds__(kWarps * 32, kHB == 1 ? 4 : 3) fp4_attention_k
   const int page_mask = (1 << page_shift) - 1, last_page = a.num_pages - 1;
 
   for (int row0 = 0; row0 < rows; row0 += kRows) {
-    // keys below full_hi are visible to every row of the pass: a warp's step there masks nothing
-    const int full_hi = min(kv_hi, seq_len - q_len + row0 / group + 1);
+    const int pass_rows = min(kRows, rows - row0);
+    const int pos_first = seq_len - q_len + row0 / group, pos_last = seq_len - q_len + (row0 + pass_rows - 1) / group;
+    // the first key some row of the pass sees, and the keys from full_lo to full_hi that every row sees (a warp's
+    // step there masks nothing)
+    const int lo_seen = max(split_lo, pos_first - w_eff);
+    const int full_lo = pos_last - w_eff, full_hi = min(kv_hi, pos_first + 1);
+    // tiles start at a multiple of the tile (a key's slot is then a constant of the lane and the copy)
+    const int kv_lo = lo_seen > split_lo ? min(lo_seen & ~(kTile - 1), kv_hi) : split_lo;
+    int bad_first = a.num_pages > 0 || lo_seen >= split_hi ? INT_MAX : lo_seen;
     // Q^T as B fragments, column n = query row row0 + 8 hb + r: b0 = slots 2c, 2c + 1, b1 = 2c + 8, 2c + 9; and the
     // last key each of this lane's C columns (rows row0 + 8 hb + 2c + j) sees
     uint32_t qb[kHB][kKSteps][2];
@@ -339,7 +352,9 @@ __global__ void __launch_bounds__(kWarps * 32, kHB == 1 ? 4 : 3) fp4_attention_k
       if (lane <= ((kKeysPerWarp - 1) >> page_shift) && base < kv_hi) {
         const int index = min((base >> page_shift) + lane, (kv_hi - 1) >> page_shift);
         const int page = table[index];
-        if (page < 0 || page > last_page) bad_first = min(bad_first, max(index << page_shift, kv_lo));
+        // (a page wholly before every row's window is not looked at)
+        if ((page < 0 || page > last_page) && ((index + 1) << page_shift) > lo_seen)
+          bad_first = min(bad_first, max(index << page_shift, lo_seen));
         lane_page = min(max(page, 0), last_page);
       }
       return lane_page;
@@ -374,7 +389,7 @@ __global__ void __launch_bounds__(kWarps * 32, kHB == 1 ? 4 : 3) fp4_attention_k
         const int key = base + 8 * nb + r;
         int page, slot;
         locate(key, page, slot);
-        const bool valid = kFull || key < kv_hi;
+        const bool valid = kFull || (key < kv_hi && key >= lo_seen);
         cp_async(&stage.k[nb][lane], at(k_head, page, cache_page, slot * cache_token + D / 8 * c),
                  valid ? (int)sizeof(typename Stage::KChunk) : 0);
         // the 4 scale bytes holding the lane's blocks (D / 64 c ..; lanes share words); mxfp4: the key's 4
@@ -390,7 +405,7 @@ __global__ void __launch_bounds__(kWarps * 32, kHB == 1 ? 4 : 3) fp4_attention_k
           const int key = base + 16 * ks + 2 * c + (kk & 1) + 8 * (kk >> 1);
           int page, slot;
           locate(key, page, slot);
-          const bool valid = kFull || key < kv_hi;
+          const bool valid = kFull || (key < kv_hi && key >= lo_seen);
           cp_async(&stage.v[ks][kk][lane], at(v_head, page, cache_page, slot * cache_token + D / 16 * r),
                    valid ? (int)sizeof(typename Stage::VChunk) : 0);
           // the 4 scale bytes holding the lane's block (D / 128 r; D = 64: half a block a lane)
@@ -466,10 +481,21 @@ __global__ void __launch_bounds__(kWarps * 32, kHB == 1 ? 4 : 3) fp4_attention_k
 #pragma unroll
         for (int hb = 0; hb < kHB; ++hb)
 #pragma unroll
+          for (int e = 0; e < 4; ++e) cf[hb][e] *= kf[e >> 1];
+#ifndef ATTNOPS_SASS_NO_SOFT_CAP
+        if (cap2 > 0.f) {  // (uniform) soft_cap x tanh(s / soft_cap) in log2 units, tanh through exp2 (as in Triton)
+#pragma unroll
+          for (int hb = 0; hb < kHB; ++hb)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) cf[hb][e] = cap_l2 * (1.f - __fdividef(2.f, exp2f(cf[hb][e] * cap2) + 1.f));
+        }
+#endif
+#pragma unroll
+        for (int hb = 0; hb < kHB; ++hb)
+#pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const int key_e = base + 16 * mb + r + 8 * (e >> 1);
-            st[hb][mb][e] = kFull || (key_e < kv_hi && key_e <= last_key[hb][e & 1]) ? cf[hb][e] * kf[e >> 1]
-                                                                                       : -INFINITY;
+            const int key_e = base + 16 * mb + r + 8 * (e >> 1), last = last_key[hb][e & 1];
+            st[hb][mb][e] = kFull || (key_e < kv_hi && key_e <= last && key_e >= last - w_eff) ? cf[hb][e] : -INFINITY;
           }
       }
       // ---- online softmax per query row 8 hb + 2c + j, over the keys of the lanes with the same c ----
@@ -592,7 +618,7 @@ __global__ void __launch_bounds__(kWarps * 32, kHB == 1 ? 4 : 3) fp4_attention_k
       cp_async_wait<1>();
       const Stage& stage = smem.stages[it & 1][warp];
       // a warp whose 32 keys every row sees masks no score; the branch is uniform across the warp
-      if (base + kKeysPerWarp <= full_hi)
+      if (base + kKeysPerWarp <= full_hi && base >= full_lo)
         step(stage, base, std::true_type{});
       else
         step(stage, base, std::false_type{});
@@ -630,9 +656,20 @@ __global__ void __launch_bounds__(kWarps * 32, kHB == 1 ? 4 : 3) fp4_attention_k
     int block_bad = sm.bad_first[0];
 #pragma unroll
     for (int w = 1; w < kWarps; ++w) block_bad = min(block_bad, sm.bad_first[w]);
-    const int pass_rows = min(kRows, rows - row0);
-    if (threadIdx.x == 0 && (block_bad <= seq_len - q_len + (row0 + pass_rows - 1) / group))
-      atomicMin(a.errors + kErrBlockTable, b);  // some row of the pass sees a bad page
+    if (threadIdx.x < pass_rows) {
+      // whether row n sees a key of a bad page: past block_bad (the first such key of the split), within its view
+      // (rare: only a block that met a bad page scans its table entries, and only with a window)
+      const int last = seq_len - q_len + (row0 + threadIdx.x) / group;
+      const int lo = max(block_bad, last - w_eff), hi = min(last, kv_hi - 1);
+      bool bad = block_bad != INT_MAX && lo <= hi;
+      if (bad && a.window_left >= 0 && a.num_pages > 0) {
+        bad = false;
+        for (int p = lo >> page_shift; p <= hi >> page_shift && !bad; ++p) bad = table[p] < 0 || table[p] > last_page;
+      }
+      sm.row_bad[threadIdx.x] = bad;
+      if (bad) atomicMin(a.errors + kErrBlockTable, b);
+    }
+    __syncthreads();
     for (int idx = threadIdx.x; idx < pass_rows * D; idx += blockDim.x) {
       const int n = idx / D, d = idx % D, row = row0 + n;
       float m = -INFINITY;
@@ -644,7 +681,7 @@ __global__ void __launch_bounds__(kWarps * 32, kHB == 1 ? 4 : 3) fp4_attention_k
         o += sm.acc[w][n][d] * exp2f(sm.mv[w][n] - m_use);
       }
       const int token = t0 + row / group, head = kvh * group + row % group;
-      const bool nan_row = len_bad || block_bad <= seq_len - q_len + row / group;
+      const bool nan_row = len_bad || sm.row_bad[n];
       // (l is NaN where a score was: NaN in q or a key the row sees reaches the row)
       float value = l == 0.f ? 0.f : o * kFold / l;
       float lse2 = l == 0.f ? -INFINITY : m_use + log2f(l);
@@ -722,7 +759,8 @@ void fp4_paged_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache, co
                               const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& block_table,
                               const at::Tensor& seq_lens, const std::optional<at::Tensor>& cu_seqlens_q,
                               const at::Tensor& out, const std::optional<at::Tensor>& lse, const at::Tensor& workspace,
-                              const at::Tensor& errors, double scale, bool mxfp4, int64_t splits, int64_t chunk) {
+                              const at::Tensor& errors, double scale, double soft_cap, int64_t window_left,
+                              bool mxfp4, int64_t splits, int64_t chunk) {
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t page_size = k_cache.size(1), Hkv = k_cache.size(2), B = seq_lens.size(0);
   TORCH_CHECK(D == 64 || D == 128, "fp4_paged_attention_cuda: head_dim 64 or 128");
@@ -761,6 +799,8 @@ void fp4_paged_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache, co
   a.scale_page_stride = k_scale.stride(0), a.scale_token_stride = k_scale.stride(1);
   a.scale_head_stride = k_scale.stride(2);
   a.sm_scale = (float)scale;
+  a.soft_cap = (float)soft_cap;
+  a.window_left = (int)window_left;
   if (splits > 1) {
     a.part_out = workspace.data_ptr<float>();
     a.part_lse = a.part_out + T * Hq * splits * D;
@@ -789,7 +829,8 @@ TORCH_LIBRARY_FRAGMENT(attnops, m) {
   m.def(
       "fp4_paged_attention_cuda(Tensor q, Tensor k_cache, Tensor v_cache, Tensor k_scale, Tensor v_scale, "
       "Tensor block_table, Tensor seq_lens, Tensor? cu_seqlens_q, Tensor(a!) out, Tensor(b!)? lse, "
-      "Tensor(c!) workspace, Tensor(d!) errors, float scale, bool mxfp4, int splits, int chunk) -> ()");
+      "Tensor(c!) workspace, Tensor(d!) errors, float scale, float soft_cap, int window_left, bool mxfp4, int splits, "
+      "int chunk) -> ()");
   m.def("fp4_cuda_built_arch(int device) -> int", &attnops::fp4_cuda::built_arch);
 }
 
