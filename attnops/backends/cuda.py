@@ -18,7 +18,7 @@ from .. import _C  # noqa: F401  (registers the C++ and CUDA ops)
 from .. import errors
 from .base import AttentionCase, Backend, common_reasons, rows_without_a_sequence
 
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 KV_FORMATS = ("nvfp4", "mxfp4")
 Q_DTYPES = (torch.bfloat16, torch.float16)
 MIN_ARCH = (8, 9)  # cvt.rn.f16x2.e4m3x2
@@ -61,7 +61,7 @@ def _layout_reasons(head_dim, k_cache, v_cache, k_scale, v_scale) -> list[str]:
     reasons = []
     if k_cache.stride() != v_cache.stride() or k_scale.stride() != v_scale.stride():
         reasons.append("k and v caches (or their scales) have different strides")
-    chunk = head_dim // 8  # bytes of a key a lane copies
+    chunk = min(head_dim // 8, 16)  # bytes a copy of a key takes
     for name, t, align in (("k_cache", k_cache, chunk), ("v_cache", v_cache, chunk), ("k_scale", k_scale, 4),
                            ("v_scale", v_scale, 4)):
         strides = [s * t.element_size() for s in t.stride()[:3]]
@@ -74,7 +74,7 @@ def _layout_reasons(head_dim, k_cache, v_cache, k_scale, v_scale) -> list[str]:
 
 class CudaBackend(Backend):
     name = "cuda"
-    description = ("attnops' CUDA C++ kernels: 4-bit KV (nvfp4 at head dims 64/128, mxfp4 at 128) decode and verify, "
+    description = ("attnops' CUDA C++ kernels: 4-bit KV (nvfp4 at head dims 64/128/256, mxfp4 at 128) decode and verify, "
                    "windows and soft cap, read in place")
     writes_cache = False  # reshape_and_cache goes to the Triton kernels
 

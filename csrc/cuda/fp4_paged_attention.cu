@@ -166,10 +166,11 @@ __device__ __forceinline__ int qk_dim(int s, int c, int e) {
 // dim D a lane copies D / 8 bytes of each of its K keys (D / 4 dims) and D / 16 of each V key (D / 8 dims).
 template <int D, bool kMx>
 struct alignas(16) WarpStage {
-  static_assert(D == 64 || D == 128, "head dims 64 and 128");
+  static_assert(D == 64 || D == 128 || D == 256, "head dims 64, 128 and 256");
   using KChunk = std::conditional_t<D == 64, uint2, uint4>;
-  using VChunk = std::conditional_t<D == 64, uint32_t, uint2>;
-  KChunk k[4][32];        // [row block][lane]: D / 8 bytes of key 8 nb + r (dims D / 4 c ..)
+  using VChunk = std::conditional_t<D == 64, uint32_t, std::conditional_t<D == 128, uint2, uint4>>;
+  static constexpr int kKParts = D == 256 ? 2 : 1;  // copies of 16 bytes a K key takes (D = 256: 32 bytes)
+  KChunk k[4][kKParts][32];  // [row block][part][lane]: D / 8 bytes of key 8 nb + r (dims D / 4 c ..)
   VChunk v[2][4][32];     // [k-step][key of the lane's 4][lane]: D / 16 bytes (dims D / 8 r ..)
   uint32_t ks[4][32];     // the 4 K scale bytes holding the lane's blocks
   uint32_t vs[2][4][32];  // the 4 V scale bytes holding the lane's block
@@ -239,7 +240,7 @@ __device__ __forceinline__ bool cu_seqlens_ok(const Args& a, bool record) {
 // rows (token i, head h of the group) in passes of 8 kHB, over the split's keys.
 // kPageShift: log2 of the page size when known at compile time (address arithmetic folds), -1 to read it from a.
 template <int D, int kPageShift, int kHB, bool kMx>
-__global__ void __launch_bounds__(kWarps * 32, kHB == 1 ? 4 : 3) fp4_attention_kernel(Args a) {
+__global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : kHB == 1 ? 4 : 3) fp4_attention_kernel(Args a) {
   static_assert(!kMx || D == 128, "mxfp4: D = 128 (a key's 4 scale bytes in one word)");
   constexpr int kKSteps = D / 16;  // QK k-steps; PV's m-blocks of output dims
   constexpr int kRows = 8 * kHB;   // query rows a pass
@@ -247,7 +248,9 @@ __global__ void __launch_bounds__(kWarps * 32, kHB == 1 ? 4 : 3) fp4_attention_k
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int r = lane / 4, c = lane % 4;
   const int group = a.num_q_heads / a.num_kv_heads;
-  __shared__ SharedMemory<D, kMx> smem;
+  // (dynamic: D = 256 takes more than the 48 KB a static array may)
+  extern __shared__ __align__(16) unsigned char smem_bytes[];
+  SharedMemory<D, kMx>& smem = *reinterpret_cast<SharedMemory<D, kMx>*>(smem_bytes);
   using Stage = WarpStage<D, kMx>;
 
   // ---- the block's rows and keys; bad indices ----
@@ -390,8 +393,11 @@ __global__ void __launch_bounds__(kWarps * 32, kHB == 1 ? 4 : 3) fp4_attention_k
         int page, slot;
         locate(key, page, slot);
         const bool valid = kFull || (key < kv_hi && key >= lo_seen);
-        cp_async(&stage.k[nb][lane], at(k_head, page, cache_page, slot * cache_token + D / 8 * c),
-                 valid ? (int)sizeof(typename Stage::KChunk) : 0);
+#pragma unroll
+        for (int part = 0; part < Stage::kKParts; ++part)
+          cp_async(&stage.k[nb][part][lane],
+                   at(k_head, page, cache_page, slot * cache_token + D / 8 * c + 16 * part),
+                   valid ? (int)sizeof(typename Stage::KChunk) : 0);
         // the 4 scale bytes holding the lane's blocks (D / 64 c ..; lanes share words); mxfp4: the key's 4
         cp_async(&stage.ks[nb][lane],
                  at(ks_head, page, scale_page, slot * scale_token + (kMx ? 0 : 4 * (D / 64 * c / 4))), valid ? 4 : 0);
@@ -438,10 +444,9 @@ __global__ void __launch_bounds__(kWarps * 32, kHB == 1 ? 4 : 3) fp4_attention_k
       float st[kHB][2][4];
 #pragma unroll
       for (int mb = 0; mb < 2; ++mb) {
-        const typename Stage::KChunk raw_g = stage.k[2 * mb][lane], raw_h = stage.k[2 * mb + 1][lane];
         // nvfp4: the lane's blocks (D / 64 c, and + 1 for D = 128) as a half2 of scales. mxfp4: the lane's block c
         // relative to the key's largest, and that largest's power of two on the key's scores (kf)
-        uint32_t sc_g, sc_h;
+        uint32_t sc_g, sc_h, sc_g2 = 0, sc_h2 = 0;  // (sc_*2: D = 256, the lane's blocks 2 and 3)
         float kf[2] = {qk_scale, qk_scale};
         if constexpr (kMx) {
           const uint32_t w_g = stage.ks[2 * mb][lane], w_h = stage.ks[2 * mb + 1][lane];
@@ -453,10 +458,18 @@ __global__ void __launch_bounds__(kWarps * 32, kHB == 1 ? 4 : 3) fp4_attention_k
           const int kshift = 8 * (D / 64 * c % 4);
           sc_g = e4m3x2_to_half2((uint16_t)(stage.ks[2 * mb][lane] >> kshift));
           sc_h = e4m3x2_to_half2((uint16_t)(stage.ks[2 * mb + 1][lane] >> kshift));
+          if constexpr (D == 256) {
+            sc_g2 = e4m3x2_to_half2((uint16_t)(stage.ks[2 * mb][lane] >> 16));
+            sc_h2 = e4m3x2_to_half2((uint16_t)(stage.ks[2 * mb + 1][lane] >> 16));
+          }
         }
         uint32_t words_g[D / 32], words_h[D / 32];  // the lane's D / 4 dims, 8 a word
-        memcpy(words_g, &raw_g, sizeof raw_g);
-        memcpy(words_h, &raw_h, sizeof raw_h);
+        constexpr int kPartWords = (int)sizeof(typename Stage::KChunk) / 4;
+#pragma unroll
+        for (int part = 0; part < Stage::kKParts; ++part) {
+          memcpy(words_g + kPartWords * part, &stage.k[2 * mb][part][lane], sizeof(typename Stage::KChunk));
+          memcpy(words_h + kPartWords * part, &stage.k[2 * mb + 1][part][lane], sizeof(typename Stage::KChunk));
+        }
         float cf[kHB][4];
 #pragma unroll
         for (int hb = 0; hb < kHB; ++hb) cf[hb][0] = cf[hb][1] = cf[hb][2] = cf[hb][3] = 0.f;
@@ -465,9 +478,10 @@ __global__ void __launch_bounds__(kWarps * 32, kHB == 1 ? 4 : 3) fp4_attention_k
           uint32_t pg[4], ph[4];  // qk_dim's pairs of word t of keys r and r + 8 (word t: the lane's block t / 2)
           e2m1x8_to_half2x4(words_g[t], pg);
           e2m1x8_to_half2x4(words_h[t], ph);
-          // (mxfp4: the low half, the lane's one block)
-          const uint32_t scl_g = __byte_perm(sc_g, 0, t < 2 || kMx ? 0x1010 : 0x3232);
-          const uint32_t scl_h = __byte_perm(sc_h, 0, t < 2 || kMx ? 0x1010 : 0x3232);
+          // block t / 2: the low or high half of its pair (mxfp4: the low half, the lane's one block)
+          const uint32_t sel = t / 2 % 2 == 0 || kMx ? 0x1010 : 0x3232;
+          const uint32_t scl_g = __byte_perm(t / 2 < 2 ? sc_g : sc_g2, 0, sel);
+          const uint32_t scl_h = __byte_perm(t / 2 < 2 ? sc_h : sc_h2, 0, sel);
 #pragma unroll
           for (int i = 0; i < 4; ++i) pg[i] = hmul2_u32(pg[i], scl_g), ph[i] = hmul2_u32(ph[i], scl_h);
           const uint32_t a_even[4] = {pg[0], ph[0], pg[2], ph[2]};  // k-step 2t
@@ -574,7 +588,7 @@ __global__ void __launch_bounds__(kWarps * 32, kHB == 1 ? 4 : 3) fp4_attention_k
         }
         // this lane's keys 2c, 2c + 1, 2c + 8, 2c + 9 of the 16, dims D / 8 r .. (block D / 128 r: byte sh of the
         // copied word)
-        uint32_t sc01, sc89;
+        uint32_t sc01, sc89, sc01_2 = 0, sc89_2 = 0;  // (sc*_2: D = 256, the lane's second block)
         if constexpr (kMx) {  // the lane's block r / 2 relative to each key's largest (that power is in P)
           float rel[4];
 #pragma unroll
@@ -589,6 +603,10 @@ __global__ void __launch_bounds__(kWarps * 32, kHB == 1 ? 4 : 3) fp4_attention_k
           const uint32_t s8 = stage.vs[ks][2][lane] >> sh, s9 = stage.vs[ks][3][lane] >> sh;
           sc01 = e4m3x2_to_half2((uint16_t)((s0 & 0xFF) | ((s1 & 0xFF) << 8)));
           sc89 = e4m3x2_to_half2((uint16_t)((s8 & 0xFF) | ((s9 & 0xFF) << 8)));
+          if constexpr (D == 256) {  // the next byte: block 2r + 1
+            sc01_2 = e4m3x2_to_half2((uint16_t)(((s0 >> 8) & 0xFF) | (s1 & 0xFF00)));
+            sc89_2 = e4m3x2_to_half2((uint16_t)(((s8 >> 8) & 0xFF) | (s9 & 0xFF00)));
+          }
         }
         uint32_t va[D / 64], vb[D / 64], vc[D / 64], vd[D / 64];  // the lane's D / 8 dims of each key, 8 a word
         memcpy(va, &stage.v[ks][0][lane], sizeof va);
@@ -602,8 +620,10 @@ __global__ void __launch_bounds__(kWarps * 32, kHB == 1 ? 4 : 3) fp4_attention_k
           e2m1x8_pair_keys(vc[hw], vd[hw], b1);
 #pragma unroll
           for (int q = 0; q < 4; ++q) {  // m-block 4 hw + q: rows r / r + 8 are dims D / 8 r + 8 hw + 2q (+1)
-            const uint32_t av[4] = {hmul2_u32(b0[2 * q], sc01), hmul2_u32(b0[2 * q + 1], sc01),
-                                    hmul2_u32(b1[2 * q], sc89), hmul2_u32(b1[2 * q + 1], sc89)};
+            // (words hw of the lane's D / 8 dims: block hw / 2 of its blocks, a second one only at D = 256)
+            const uint32_t s01 = hw / 2 == 0 ? sc01 : sc01_2, s89 = hw / 2 == 0 ? sc89 : sc89_2;
+            const uint32_t av[4] = {hmul2_u32(b0[2 * q], s01), hmul2_u32(b0[2 * q + 1], s01),
+                                    hmul2_u32(b1[2 * q], s89), hmul2_u32(b1[2 * q + 1], s89)};
 #pragma unroll
             for (int hb = 0; hb < kHB; ++hb) mma_16816(acc_t[hb][4 * hw + q], av, pb[hb][0], pb[hb][1]);
           }
@@ -727,13 +747,20 @@ __global__ void merge_kernel(Args a, int D) {
 template <int D, int kPageShift, int kHB, bool kMx>
 void launch_attention(const Args& a, cudaStream_t stream) {
   const dim3 grid(a.num_kv_heads, a.batch, a.splits);
-  fp4_attention_kernel<D, kPageShift, kHB, kMx><<<grid, kWarps * 32, 0, stream>>>(a);
+  constexpr size_t kSmem = sizeof(SharedMemory<D, kMx>);
+  auto kernel = fp4_attention_kernel<D, kPageShift, kHB, kMx>;
+  if constexpr (kSmem > 48 * 1024)  // (a function attribute, not a stream operation: allowed inside a capture)
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kSmem));
+  kernel<<<grid, kWarps * 32, kSmem, stream>>>(a);
 }
 
 template <int D, bool kMx>
 void launch_page(const Args& a, bool wide_rows, cudaStream_t stream) {
-  // pages of 16 keys (the common size) fold their address arithmetic at compile time
-  if (a.page_shift == 4) {
+  // pages of 16 keys (the common size) fold their address arithmetic at compile time; D = 256 takes rows 8 a pass
+  // (its accumulators leave no registers for 16)
+  if constexpr (D == 256) {
+    a.page_shift == 4 ? launch_attention<D, 4, 1, kMx>(a, stream) : launch_attention<D, -1, 1, kMx>(a, stream);
+  } else if (a.page_shift == 4) {
     wide_rows ? launch_attention<D, 4, 2, kMx>(a, stream) : launch_attention<D, 4, 1, kMx>(a, stream);
   } else {
     wide_rows ? launch_attention<D, -1, 2, kMx>(a, stream) : launch_attention<D, -1, 1, kMx>(a, stream);
@@ -763,7 +790,7 @@ void fp4_paged_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache, co
                               bool mxfp4, int64_t splits, int64_t chunk) {
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t page_size = k_cache.size(1), Hkv = k_cache.size(2), B = seq_lens.size(0);
-  TORCH_CHECK(D == 64 || D == 128, "fp4_paged_attention_cuda: head_dim 64 or 128");
+  TORCH_CHECK(D == 64 || D == 128 || D == 256, "fp4_paged_attention_cuda: head_dim 64, 128 or 256");
   TORCH_CHECK(!mxfp4 || D == 128, "fp4_paged_attention_cuda: mxfp4 at head_dim 128");
   TORCH_CHECK(chunk % kTile == 0 && splits >= 1, "fp4_paged_attention_cuda: chunk must be a multiple of 128");
   if (T == 0 || B == 0) return;
@@ -811,6 +838,8 @@ void fp4_paged_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache, co
   const bool wide_rows = cu_seqlens_q.has_value() || group > 8;
   if (mxfp4)
     launch_page<128, true>(a, wide_rows, stream);
+  else if (D == 256)
+    launch_page<256, false>(a, wide_rows, stream);
   else if (D == 128)
     launch_page<128, false>(a, wide_rows, stream);
   else
