@@ -96,10 +96,16 @@ __device__ __forceinline__ uint32_t e4m3x2_to_half2(uint16_t two) {
   return out;
 }
 
-// A word's four e4m3 bytes -> two half2: (byte 0, byte 1) and (byte 2, byte 3).
+// A word's four e4m3 bytes -> two half2: (byte 0, byte 1) and (byte 2, byte 3). (The word is split inside the
+// asm: the conversion then reads its high half in place, where a shift by 16 would come first in C++.)
 __device__ __forceinline__ void e4m3x4_to_half2x2(uint32_t bytes, uint32_t& lo, uint32_t& hi) {
-  lo = e4m3x2_to_half2((uint16_t)(bytes & 0xFFFFu));
-  hi = e4m3x2_to_half2((uint16_t)(bytes >> 16));
+#if ATTNOPS_FP4_CUDA_ARCH_OK
+  asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n cvt.rn.f16x2.e4m3x2 %1, h;\n}"
+      : "=r"(lo), "=r"(hi)
+      : "r"(bytes));
+#else
+  lo = hi = 0;
+#endif
 }
 
 // e2m1 -> e4m3 by moving bits (value x 2^-6, exactly: 0.5 lands on the subnormal 2^-7). Nibbles 0, 2, 4, 6 of `w`
@@ -117,16 +123,17 @@ __device__ __forceinline__ void e2m1x8_to_half2x4(uint32_t w, uint32_t (&p)[4]) 
   e4m3x4_to_half2x2(odd, p[2], p[3]);
 }
 
-// V: two keys' words of the same 8 dims -> 8 half2 (key a, key b), [i] = dim +i, value x 2^-6.
+// V: two keys' words of the same 8 dims -> 8 half2 (key a, key b), [i] = dim +i, value x 2^-6. The keys' bytes
+// are interleaved first, (a k, b k, a k+1, b k+1): each byte holds dims 2k, 2k + 1 of one key, so the decode's even
+// and odd words come out as (a, b) pairs of dims 2k and 2k + 2 (even) and 2k + 1 and 2k + 3 (odd).
 __device__ __forceinline__ void e2m1x8_pair_keys(uint32_t wa, uint32_t wb, uint32_t (&p)[8]) {
-  uint32_t ea, oa, eb, ob;
-  e2m1x8_to_e4m3(wa, ea, oa);
-  e2m1x8_to_e4m3(wb, eb, ob);
-  // bytes (a k, b k, a k+1, b k+1): the even words' bytes are dims 0, 2, 4, 6, the odd words' 1, 3, 5, 7
-  e4m3x4_to_half2x2(__byte_perm(ea, eb, 0x5140), p[0], p[2]);
-  e4m3x4_to_half2x2(__byte_perm(ea, eb, 0x7362), p[4], p[6]);
-  e4m3x4_to_half2x2(__byte_perm(oa, ob, 0x5140), p[1], p[3]);
-  e4m3x4_to_half2x2(__byte_perm(oa, ob, 0x7362), p[5], p[7]);
+  uint32_t e, o;
+  e2m1x8_to_e4m3(__byte_perm(wa, wb, 0x5140), e, o);  // dims 0..3
+  e4m3x4_to_half2x2(e, p[0], p[2]);
+  e4m3x4_to_half2x2(o, p[1], p[3]);
+  e2m1x8_to_e4m3(__byte_perm(wa, wb, 0x7362), e, o);  // dims 4..7
+  e4m3x4_to_half2x2(e, p[4], p[6]);
+  e4m3x4_to_half2x2(o, p[5], p[7]);
 }
 
 __device__ __forceinline__ uint32_t hmul2_u32(uint32_t a, uint32_t b) {
@@ -349,18 +356,24 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : kHB == 1 ? 4 : 3) 
     }
 
     // Pages of a warp's 32 keys at `base`, one a lane (fewer for pages of more than one key), for issue_tile's
-    // shuffles; clamped into the cache (a bad one is remembered by its first key in the split: bad_first)
-    auto tile_pages = [&](int base) {
-      int lane_page = 0;
-      if (lane <= ((kKeysPerWarp - 1) >> page_shift) && base < kv_hi) {
-        const int index = min((base >> page_shift) + lane, (kv_hi - 1) >> page_shift);
-        const int page = table[index];
-        // (a page wholly before every row's window is not looked at)
-        if ((page < 0 || page > last_page) && ((index + 1) << page_shift) > lo_seen)
-          bad_first = min(bad_first, max(index << page_shift, lo_seen));
-        lane_page = min(max(page, 0), last_page);
-      }
-      return lane_page;
+    // shuffles. load_pages reads the table entries a step ahead; check_pages, when the copies are issued (the load
+    // has landed by then), clamps them into the cache and remembers a bad one by its first key in the split
+    // (bad_first)
+    auto page_entry = [&](int base) {  // (the table index of this lane's page; -1: no page for this lane)
+      return lane <= ((kKeysPerWarp - 1) >> page_shift) && base < kv_hi
+                 ? min((base >> page_shift) + lane, (kv_hi - 1) >> page_shift)
+                 : -1;
+    };
+    auto load_pages = [&](int base) {
+      const int index = page_entry(base);
+      return index >= 0 ? table[index] : 0;
+    };
+    auto check_pages = [&](int base, int page) {
+      const int index = page_entry(base);
+      // (a page wholly before every row's window is not looked at)
+      if (index >= 0 && (page < 0 || page > last_page) && ((index + 1) << page_shift) > lo_seen)
+        bad_first = min(bad_first, max(index << page_shift, lo_seen));
+      return min(max(page, 0), last_page);
     };
     // a byte's address: the page's offset as a 64-bit product (one IMAD.WIDE.U32 with the base), the rest 32-bit
     auto at = [](const uint8_t* head, int page, int page_stride, int rest) {
@@ -426,8 +439,9 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : kHB == 1 ? 4 : 3) 
     // loaded one iteration ahead, so that no copy waits on a block-table load. Each lane reads back only the bytes
     // it copied, so the pipeline needs no barrier.
     const int warp_off = warp * kKeysPerWarp;
-    int pages_next = tile_pages(kv_lo + warp_off);
-    auto issue = [&](int st, int base, int lane_page) {  // (the branch is uniform across the warp)
+    int pages_next = load_pages(kv_lo + warp_off);
+    auto issue = [&](int st, int base, int raw_page) {  // (the branch is uniform across the warp)
+      const int lane_page = check_pages(base, raw_page);
       if (base + kKeysPerWarp <= kv_hi)
         issue_tile(st, base, lane_page, std::true_type{});
       else
@@ -435,7 +449,7 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : kHB == 1 ? 4 : 3) 
     };
     if (kv_lo < kv_hi) issue(0, kv_lo + warp_off, pages_next);
     cp_async_commit();
-    pages_next = tile_pages(kv_lo + warp_off + kTile);
+    pages_next = load_pages(kv_lo + warp_off + kTile);
 
     // One 32-key step.
     auto step = [&](const Stage& stage, int base, auto full_tag) {
@@ -634,7 +648,7 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : kHB == 1 ? 4 : 3) 
       const int base = tile + warp_off;
       if (tile + kTile < kv_hi) issue((it + 1) & 1, base + kTile, pages_next);
       cp_async_commit();
-      pages_next = tile_pages(base + 2 * kTile);
+      pages_next = load_pages(base + 2 * kTile);
       cp_async_wait<1>();
       const Stage& stage = smem.stages[it & 1][warp];
       // a warp whose 32 keys every row sees masks no score; the branch is uniform across the warp
