@@ -325,6 +325,13 @@ def test_layout_it_cannot_copy_by_words_is_named():
     reasons = cuda_backend._layout_reasons(128, odd, args["v_cache"], args["k_scale"], args["v_scale"])
     assert any("k_cache is not 16-byte aligned" in r for r in reasons)
     assert any("different strides" in r for r in reasons)
+    # a key's scale row (8 bytes at head dim 128) is one copy: a view 4 bytes off is named
+    scales = args["k_scale"]
+    raw = torch.zeros(scales.numel() + 4, dtype=torch.uint8)
+    shifted = raw[4:].view(scales.dtype).view(scales.shape)
+    reasons = cuda_backend._layout_reasons(128, args["k_cache"], args["v_cache"], shifted, shifted)
+    assert reasons == ["k_scale is not 8-byte aligned with unit inner stride",
+                       "v_scale is not 8-byte aligned with unit inner stride"]
 
 
 def test_rows_without_a_sequence_are_nan_and_recorded():

@@ -56,14 +56,15 @@ def plan_splits(device_index: int, batch: int, num_kv_heads: int, capacity: int)
 
 
 def _layout_reasons(head_dim, k_cache, v_cache, k_scale, v_scale) -> list[str]:
-    """What of these tensors' layout the kernel cannot read (each lane copies 16-, 8- and 4-byte words): empty if
-    it can."""
+    """What of these tensors' layout the kernel cannot read (a lane copies D / 8 bytes of a key, at most 16 at once,
+    and a key's whole scale row): empty if it can."""
     reasons = []
     if k_cache.stride() != v_cache.stride() or k_scale.stride() != v_scale.stride():
         reasons.append("k and v caches (or their scales) have different strides")
     chunk = min(head_dim // 8, 16)  # bytes a copy of a key takes
-    for name, t, align in (("k_cache", k_cache, chunk), ("v_cache", v_cache, chunk), ("k_scale", k_scale, 4),
-                           ("v_scale", v_scale, 4)):
+    scale_row = min(k_scale.shape[-1] * k_scale.element_size(), 16)  # (4, 8 or 16 bytes)
+    for name, t, align in (("k_cache", k_cache, chunk), ("v_cache", v_cache, chunk), ("k_scale", k_scale, scale_row),
+                           ("v_scale", v_scale, scale_row)):
         strides = [s * t.element_size() for s in t.stride()[:3]]
         if t.data_ptr() % align or any(s % align or s < 0 for s in strides) or t.stride(3) != 1:
             reasons.append(f"{name} is not {align}-byte aligned with unit inner stride")

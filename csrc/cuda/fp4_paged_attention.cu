@@ -169,20 +169,24 @@ __device__ __forceinline__ int qk_dim(int s, int c, int e) {
   return D / 4 * c + 8 * (s >> 1) + 4 * (s & 1) + offsets[e];
 }
 
-// One warp's copy of one tile (its 32 keys), lane-minor so that each lane's loads back are conflict-free. For head
-// dim D a lane copies D / 8 bytes of each of its K keys (D / 4 dims) and D / 16 of each V key (D / 8 dims).
+// One warp's copy of one tile (its 32 keys). K and V are copied alike: lane (r, c) copies D / 8 bytes of key
+// 8 nb + r (bytes D / 8 c ..; D = 256: two copies of 16), so one page lookup serves both; K lands lane-minor, which
+// is what its lane reads back, V at v_slot, which makes conflict-free the V reads of D / 16 bytes of keys 2c (+1)
+// by lanes r. A key's scale row (D / 16 bytes, mxfp4 D / 32) is one copy, by lane (key - base).
 template <int D, bool kMx>
 struct alignas(16) WarpStage {
   static_assert(D == 64 || D == 128 || D == 256, "head dims 64, 128 and 256");
-  using KChunk = std::conditional_t<D == 64, uint2, uint4>;
-  using VChunk = std::conditional_t<D == 64, uint32_t, std::conditional_t<D == 128, uint2, uint4>>;
-  static constexpr int kKParts = D == 256 ? 2 : 1;  // copies of 16 bytes a K key takes (D = 256: 32 bytes)
-  KChunk k[4][kKParts][32];  // [row block][part][lane]: D / 8 bytes of key 8 nb + r (dims D / 4 c ..)
-  VChunk v[2][4][32];     // [k-step][key of the lane's 4][lane]: D / 16 bytes (dims D / 8 r ..)
-  uint32_t ks[4][32];     // the 4 K scale bytes holding the lane's blocks
-  uint32_t vs[2][4][32];  // the 4 V scale bytes holding the lane's block
-  uint32_t vsk[kMx ? 4 : 1][32];  // mxfp4: the V scales of the K keys (8 nb + r), for their per-key power of two
+  using Chunk = std::conditional_t<D == 64, uint2, uint4>;
+  static constexpr int kParts = D == 256 ? 2 : 1;       // copies of a key's D / 8 bytes
+  static constexpr int kScaleWords = kMx ? 1 : D / 64;  // a key's scale row in words
+  Chunk k[4][kParts][32];  // [row block nb][part][lane]: key 8 nb + r, dims D / 4 c ..
+  Chunk v[4][kParts][32];  // [row block nb][part][v_slot(r, c) ^ part]: the same bytes of V
+  uint32_t ks[32][kScaleWords];  // [key - base]: the scale rows
+  uint32_t vs[32][kScaleWords];
 };
+// Where lane (r, c)'s V copy of key 8 nb + r goes in row block nb: key pairs (2i, 2i + 1) share 128 bytes (D = 128),
+// their 8 chunks XOR 2i; the 16 lanes of a V read (4 even or odd keys 2c + b, chunks r / 2) then meet 8 banks each.
+__device__ __forceinline__ int v_slot(int key, int c) { return 8 * (key / 2) + ((4 * (key % 2) + c) ^ (2 * (key / 2))); }
 template <int D, bool kMx>
 union SharedMemory {
   WarpStage<D, kMx> stages[2][kWarps];
@@ -405,33 +409,21 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : kHB == 1 ? 4 : 3) 
         const int key = base + 8 * nb + r;
         int page, slot;
         locate(key, page, slot);
-        const bool valid = kFull || (key < kv_hi && key >= lo_seen);
+        const int bytes = kFull || (key < kv_hi && key >= lo_seen) ? (int)sizeof(typename Stage::Chunk) : 0;
 #pragma unroll
-        for (int part = 0; part < Stage::kKParts; ++part)
-          cp_async(&stage.k[nb][part][lane],
-                   at(k_head, page, cache_page, slot * cache_token + D / 8 * c + 16 * part),
-                   valid ? (int)sizeof(typename Stage::KChunk) : 0);
-        // the 4 scale bytes holding the lane's blocks (D / 64 c ..; lanes share words); mxfp4: the key's 4
-        cp_async(&stage.ks[nb][lane],
-                 at(ks_head, page, scale_page, slot * scale_token + (kMx ? 0 : 4 * (D / 64 * c / 4))), valid ? 4 : 0);
-        if constexpr (kMx)
-          cp_async(&stage.vsk[nb][lane], at(vs_head, page, scale_page, slot * scale_token), valid ? 4 : 0);
-      }
-#pragma unroll
-      for (int ks = 0; ks < 2; ++ks) {
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-          const int key = base + 16 * ks + 2 * c + (kk & 1) + 8 * (kk >> 1);
-          int page, slot;
-          locate(key, page, slot);
-          const bool valid = kFull || (key < kv_hi && key >= lo_seen);
-          cp_async(&stage.v[ks][kk][lane], at(v_head, page, cache_page, slot * cache_token + D / 16 * r),
-                   valid ? (int)sizeof(typename Stage::VChunk) : 0);
-          // the 4 scale bytes holding the lane's block (D / 128 r; D = 64: half a block a lane)
-          cp_async(&stage.vs[ks][kk][lane],
-                   at(vs_head, page, scale_page, slot * scale_token + (kMx ? 0 : 4 * (D * r / 128 / 4))),
-                   valid ? 4 : 0);
+        for (int part = 0; part < Stage::kParts; ++part) {
+          const int offset = slot * cache_token + D / 8 * c + 16 * part;
+          cp_async(&stage.k[nb][part][lane], at(k_head, page, cache_page, offset), bytes);
+          cp_async(&stage.v[nb][part][v_slot(r, c) ^ part], at(v_head, page, cache_page, offset), bytes);
         }
+      }
+      {  // the scale rows: this lane's key base + lane
+        const int key = base + lane;
+        int page, slot;
+        locate(key, page, slot);
+        const int bytes = kFull || (key < kv_hi && key >= lo_seen) ? 4 * Stage::kScaleWords : 0;
+        cp_async(&stage.ks[lane], at(ks_head, page, scale_page, slot * scale_token), bytes);
+        cp_async(&stage.vs[lane], at(vs_head, page, scale_page, slot * scale_token), bytes);
       }
     };
 
@@ -463,26 +455,28 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : kHB == 1 ? 4 : 3) 
         uint32_t sc_g, sc_h, sc_g2 = 0, sc_h2 = 0;  // (sc_*2: D = 256, the lane's blocks 2 and 3)
         float kf[2] = {qk_scale, qk_scale};
         if constexpr (kMx) {
-          const uint32_t w_g = stage.ks[2 * mb][lane], w_h = stage.ks[2 * mb + 1][lane];
+          const uint32_t w_g = stage.ks[16 * mb + r][0], w_h = stage.ks[16 * mb + 8 + r][0];
           const int ref_g = byte_max4(w_g), ref_h = byte_max4(w_h);
           sc_g = pack_half2(pow2_down((int)((w_g >> (8 * c)) & 0xFF) - ref_g), 0.f);
           sc_h = pack_half2(pow2_down((int)((w_h >> (8 * c)) & 0xFF) - ref_h), 0.f);
           kf[0] = qk_scale * e8m0_value(ref_g), kf[1] = qk_scale * e8m0_value(ref_h);
         } else {
-          const int kshift = 8 * (D / 64 * c % 4);
-          sc_g = e4m3x2_to_half2((uint16_t)(stage.ks[2 * mb][lane] >> kshift));
-          sc_h = e4m3x2_to_half2((uint16_t)(stage.ks[2 * mb + 1][lane] >> kshift));
+          // (the word of the key's row holding the lane's blocks D / 64 c ..)
+          const int kshift = 8 * (D / 64 * c % 4), word = D / 64 * c / 4;
+          const uint32_t w_g = stage.ks[16 * mb + r][word], w_h = stage.ks[16 * mb + 8 + r][word];
+          sc_g = e4m3x2_to_half2((uint16_t)(w_g >> kshift));
+          sc_h = e4m3x2_to_half2((uint16_t)(w_h >> kshift));
           if constexpr (D == 256) {
-            sc_g2 = e4m3x2_to_half2((uint16_t)(stage.ks[2 * mb][lane] >> 16));
-            sc_h2 = e4m3x2_to_half2((uint16_t)(stage.ks[2 * mb + 1][lane] >> 16));
+            sc_g2 = e4m3x2_to_half2((uint16_t)(w_g >> 16));
+            sc_h2 = e4m3x2_to_half2((uint16_t)(w_h >> 16));
           }
         }
         uint32_t words_g[D / 32], words_h[D / 32];  // the lane's D / 4 dims, 8 a word
-        constexpr int kPartWords = (int)sizeof(typename Stage::KChunk) / 4;
+        constexpr int kPartWords = (int)sizeof(typename Stage::Chunk) / 4;
 #pragma unroll
-        for (int part = 0; part < Stage::kKParts; ++part) {
-          memcpy(words_g + kPartWords * part, &stage.k[2 * mb][part][lane], sizeof(typename Stage::KChunk));
-          memcpy(words_h + kPartWords * part, &stage.k[2 * mb + 1][part][lane], sizeof(typename Stage::KChunk));
+        for (int part = 0; part < Stage::kParts; ++part) {
+          memcpy(words_g + kPartWords * part, &stage.k[2 * mb][part][lane], sizeof(typename Stage::Chunk));
+          memcpy(words_h + kPartWords * part, &stage.k[2 * mb + 1][part][lane], sizeof(typename Stage::Chunk));
         }
         float cf[kHB][4];
 #pragma unroll
@@ -534,7 +528,7 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : kHB == 1 ? 4 : 3) 
 #pragma unroll
         for (int mb = 0; mb < 2; ++mb)
 #pragma unroll
-          for (int h = 0; h < 2; ++h) ev[mb][h] = (float)(byte_max4(stage.vsk[2 * mb + h][lane]) - 127);
+          for (int h = 0; h < 2; ++h) ev[mb][h] = (float)(byte_max4(stage.vs[16 * mb + 8 * h + r][0]) - 127);
       }
       float alpha[kHB][2];  // acc's rescale: the P V weights' running max moved (nvfp4: the softmax's)
       bool moved = false;
@@ -593,6 +587,14 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : kHB == 1 ? 4 : 3) 
       // ---- O^T += V^T P^T: 2 k-steps of 16 keys, D / 16 m-blocks of 16 dims ----
 #pragma unroll
       for (int ks = 0; ks < 2; ++ks) {
+        // this lane's V keys 2c, 2c + 1, 2c + 8, 2c + 9 of the 16 (kk = 0..3), key - base; its D / 16 bytes of
+        // one (dims D / 8 r ..): half r % 2 of the copy of chunk r / 2 (D = 256: part r % 2)
+        auto v_key = [&](int kk) { return 16 * ks + 2 * c + (kk & 1) + 8 * (kk >> 1); };
+        auto v_bytes = [&](int kk) {
+          const int nb = 2 * ks + (kk >> 1), slot = v_slot(2 * c + (kk & 1), r / 2);
+          if constexpr (D == 256) return reinterpret_cast<const uint8_t*>(&stage.v[nb][r % 2][slot ^ (r % 2)]);
+          return reinterpret_cast<const uint8_t*>(&stage.v[nb][0][slot]) + D / 16 * (r % 2);
+        };
         // P^T's B fragments: the transposes of S^T's 8 x 8 quarters (keys r / r + 8 x rows 2c, 2c + 1)
         uint32_t pb[kHB][2];
 #pragma unroll
@@ -607,14 +609,14 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : kHB == 1 ? 4 : 3) 
           float rel[4];
 #pragma unroll
           for (int kk = 0; kk < 4; ++kk) {
-            const uint32_t w = stage.vs[ks][kk][lane];
+            const uint32_t w = stage.vs[v_key(kk)][0];
             rel[kk] = pow2_down((int)((w >> (8 * (r / 2))) & 0xFF) - byte_max4(w));
           }
           sc01 = pack_half2(rel[0], rel[1]), sc89 = pack_half2(rel[2], rel[3]);
         } else {
-          const int sh = 8 * (D * r / 128 % 4);
-          const uint32_t s0 = stage.vs[ks][0][lane] >> sh, s1 = stage.vs[ks][1][lane] >> sh;
-          const uint32_t s8 = stage.vs[ks][2][lane] >> sh, s9 = stage.vs[ks][3][lane] >> sh;
+          const int sh = 8 * (D * r / 128 % 4), word = D * r / 128 / 4;
+          const uint32_t s0 = stage.vs[v_key(0)][word] >> sh, s1 = stage.vs[v_key(1)][word] >> sh;
+          const uint32_t s8 = stage.vs[v_key(2)][word] >> sh, s9 = stage.vs[v_key(3)][word] >> sh;
           sc01 = e4m3x2_to_half2((uint16_t)((s0 & 0xFF) | ((s1 & 0xFF) << 8)));
           sc89 = e4m3x2_to_half2((uint16_t)((s8 & 0xFF) | ((s9 & 0xFF) << 8)));
           if constexpr (D == 256) {  // the next byte: block 2r + 1
@@ -623,10 +625,10 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : kHB == 1 ? 4 : 3) 
           }
         }
         uint32_t va[D / 64], vb[D / 64], vc[D / 64], vd[D / 64];  // the lane's D / 8 dims of each key, 8 a word
-        memcpy(va, &stage.v[ks][0][lane], sizeof va);
-        memcpy(vb, &stage.v[ks][1][lane], sizeof vb);
-        memcpy(vc, &stage.v[ks][2][lane], sizeof vc);
-        memcpy(vd, &stage.v[ks][3][lane], sizeof vd);
+        memcpy(va, v_bytes(0), sizeof va);
+        memcpy(vb, v_bytes(1), sizeof vb);
+        memcpy(vc, v_bytes(2), sizeof vc);
+        memcpy(vd, v_bytes(3), sizeof vd);
 #pragma unroll
         for (int hw = 0; hw < D / 64; ++hw) {
           uint32_t b0[8], b1[8];  // [i]: dim D / 8 r + 8 hw + i of keys (2c, 2c + 1) / (2c + 8, 2c + 9)
