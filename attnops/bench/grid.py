@@ -88,11 +88,13 @@ MODEL_DECODE = [(1, 32768), (32, 8192), (128, 2048), (128, 4096)]
 MODEL_FORMATS = [("bf16", "none"), ("fp8_e4m3", "per_tensor"), ("fp8_e4m3", "per_head"), ("nvfp4", "block"),
                  ("mxfp4", "block")]
 TWO_BACKEND_FORMATS = ("bf16", "fp8_e4m3/per_tensor")  # where both FlashInfer and Triton serve on sm_90
+VERIFY_FORMATS = TWO_BACKEND_FORMATS + ("nvfp4", "mxfp4")  # verify: also 4-bit (the cuda backend and Triton)
 
 
 def models_grid() -> list:
     """Every head shape of MODEL_HEADS x every KV format and scale kind: decode at MODEL_DECODE and a ragged
-    batch of 64; for the formats two backends serve, also verify (4 and 8 tokens), prefill and a chunked extend."""
+    batch of 64; also verify (4 and 8 tokens) for the formats two backends serve it in, and prefill and a chunked
+    extend for bf16 and fp8."""
     cases = []
     for model, (hq, hkv, d) in MODEL_HEADS.items():
         heads = dict(num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
@@ -101,8 +103,9 @@ def models_grid() -> list:
             fmt_args = dict(kv_format=fmt, scale_kind="per_tensor" if scale_kind in ("none", "block") else scale_kind)
             shapes = [(f"{b}x{n}", [n] * b, None) for b, n in MODEL_DECODE]
             shapes.append(("ragged64", ragged_lengths(64, seed=64), None))
-            if label in TWO_BACKEND_FORMATS:
+            if label in VERIFY_FORMATS:
                 shapes += [(f"verify32x4096q{q}", [4096] * 32, [q] * 32) for q in (4, 8)]
+            if label in TWO_BACKEND_FORMATS:
                 shapes += [("prefill4x4096", [4096] * 4, [4096] * 4),
                            ("extend2048on16384", [16384 + 2048], [2048])]
             for shape, kv_lens, q_lens in shapes:
