@@ -6,6 +6,10 @@ list of backends and takes the first with no reasons.
 """
 from __future__ import annotations
 
+import contextlib
+
+import torch
+
 from .. import errors
 from ..cases import AttentionCase, CacheWriteCase, VERIFY_MAX_Q, shape_class  # noqa: F401  (re-exported)
 
@@ -73,6 +77,20 @@ def common_reasons(case, *, devices=None, q_dtypes=None, kv_formats=None, head_d
         if case.tree_mask and not tree_mask:
             reasons.append("tree_mask not supported")
     return reasons
+
+
+@contextlib.contextmanager
+def kernel_outputs(out, lse):
+    """`out` with unit inner stride and `lse` contiguous, as the kernels write them (rows at token x Hq + head):
+    the tensors themselves where they are so, else contiguous temporaries whose values are copied into the
+    caller's tensors when the block ends."""
+    out_w = out if out.stride(-1) == 1 else torch.empty_like(out, memory_format=torch.contiguous_format)
+    lse_w = lse if lse is None or lse.is_contiguous() else torch.empty(lse.shape, dtype=lse.dtype, device=lse.device)
+    yield out_w, lse_w
+    if out_w is not out:
+        out.copy_(out_w)
+    if lse_w is not lse:
+        lse.copy_(lse_w)
 
 
 def rows_without_a_sequence(out, lse) -> None:

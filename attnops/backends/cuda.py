@@ -16,7 +16,7 @@ import torch
 
 from .. import _C  # noqa: F401  (registers the C++ and CUDA ops)
 from .. import errors
-from .base import AttentionCase, Backend, common_reasons, rows_without_a_sequence
+from .base import AttentionCase, Backend, common_reasons, kernel_outputs, rows_without_a_sequence
 
 HEAD_DIMS = (64, 128, 256)
 KV_FORMATS = ("nvfp4", "mxfp4")
@@ -118,14 +118,10 @@ class CudaBackend(Backend):
                    sinks=sinks, tree_mask=tree_mask, lse=lse)
             return
         if out.stride(-1) != 1 or (lse is not None and not lse.is_contiguous()):
-            result = torch.empty_like(out, memory_format=torch.contiguous_format)
-            lse_result = None if lse is None else torch.empty(lse.shape, dtype=lse.dtype, device=lse.device)
-            self.paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale=scale,
-                                 soft_cap=soft_cap, window_left=window_left, kv_format=kv_format, k_scale=k_scale,
-                                 v_scale=v_scale, out=result, lse=lse_result)
-            out.copy_(result)
-            if lse is not None:
-                lse.copy_(lse_result)
+            with kernel_outputs(out, lse) as (out_w, lse_w):
+                self.paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale=scale,
+                                     soft_cap=soft_cap, window_left=window_left, kv_format=kv_format,
+                                     k_scale=k_scale, v_scale=v_scale, out=out_w, lse=lse_w)
             return
         if q.stride(-1) != 1:
             q = q.contiguous()

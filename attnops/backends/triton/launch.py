@@ -10,7 +10,7 @@ import triton
 from triton.runtime.errors import OutOfResources
 
 from ... import errors, formats
-from ..base import rows_without_a_sequence
+from ..base import kernel_outputs, rows_without_a_sequence
 from . import interpreting
 from .heuristics import _capability, forced_tunables, heuristic_config, kernel_constexprs, smaller_tile
 from .kernel import merge_splits_kernel, paged_attention_kernel
@@ -52,19 +52,11 @@ def launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, s
         seq_lens = seq_lens.contiguous()
     if cu_seqlens_q is not None and cu_seqlens_q.stride(0) != 1:
         cu_seqlens_q = cu_seqlens_q.contiguous()
-    if out.stride(-1) != 1:
-        result = torch.empty_like(out, memory_format=torch.contiguous_format)
-        launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale=scale, soft_cap=soft_cap,
-               window_left=window_left, kv_format=kv_format, k_scale=k_scale, v_scale=v_scale, out=result,
-               sinks=sinks, tree_mask=tree_mask, lse=lse, config=config)
-        out.copy_(result)
-        return
-    if lse is not None and not lse.is_contiguous():  # the kernels write LSE rows at token * Hq + head
-        lse_result = torch.empty(lse.shape, dtype=lse.dtype, device=lse.device)
-        launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale=scale, soft_cap=soft_cap,
-               window_left=window_left, kv_format=kv_format, k_scale=k_scale, v_scale=v_scale, out=out,
-               sinks=sinks, tree_mask=tree_mask, lse=lse_result, config=config)
-        lse.copy_(lse_result)
+    if out.stride(-1) != 1 or (lse is not None and not lse.is_contiguous()):
+        with kernel_outputs(out, lse) as (out_w, lse_w):
+            launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale=scale, soft_cap=soft_cap,
+                   window_left=window_left, kv_format=kv_format, k_scale=k_scale, v_scale=v_scale, out=out_w,
+                   sinks=sinks, tree_mask=tree_mask, lse=lse_w, config=config)
         return
     block_q = cfg["BLOCK_Q"]
     max_splits, chunk = cfg["MAX_SPLITS"], cfg["CHUNK"]
