@@ -428,8 +428,9 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : kHB == 1 ? 4 : 3) 
     };
 
     // Two stages: the copies of the next tile fly while this one computes; the pages of the tile after that are
-    // loaded one iteration ahead, so that no copy waits on a block-table load. Each lane reads back only the bytes
-    // it copied, so the pipeline needs no barrier.
+    // loaded one iteration ahead, so that no copy waits on a block-table load. A warp's lanes read bytes other
+    // lanes of the warp copied (V, the scale rows): a warp barrier after the wait makes them visible, and one
+    // before the copies into a stage keeps them behind every lane's reads of it in the step before.
     const int warp_off = warp * kKeysPerWarp;
     int pages_next = load_pages(kv_lo + warp_off);
     auto issue = [&](int st, int base, int raw_page) {  // (the branch is uniform across the warp)
@@ -648,10 +649,12 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : kHB == 1 ? 4 : 3) 
     };
     for (int tile = kv_lo, it = 0; tile < kv_hi; tile += kTile, ++it) {
       const int base = tile + warp_off;
+      __syncwarp();
       if (tile + kTile < kv_hi) issue((it + 1) & 1, base + kTile, pages_next);
       cp_async_commit();
       pages_next = load_pages(base + 2 * kTile);
       cp_async_wait<1>();
+      __syncwarp();
       const Stage& stage = smem.stages[it & 1][warp];
       // a warp whose 32 keys every row sees masks no score; the branch is uniform across the warp
       if (base + kKeysPerWarp <= full_hi && base >= full_lo)
