@@ -2,7 +2,7 @@
 
 CPU (CI): what it declares (the cases it serves and declines, why it is unavailable), its split plan, and the
 measured rule's handling of a backend that declines a case. GPU (marked gpu): 320 seeded random cases per format
-(ragged lengths with 0 and 1, GQA groups 1-16, page sizes 1-256, head dims 64/128, one split and many), each row's
+(ragged lengths with 0 and 1, GQA groups 1-16, page sizes 1-256, head dims 64/128/256, one split and many), each row's
 LSE, the bad-index rules, a cache over 2^31 elements, call memory independent of the cache size, a CUDA graph the
 user captures replayed with new lengths, torch.compile, and opcheck.
 """
