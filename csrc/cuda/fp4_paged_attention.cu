@@ -178,7 +178,7 @@ struct alignas(16) WarpStage {
   static_assert(D == 64 || D == 128 || D == 256, "head dims 64, 128 and 256");
   using Chunk = std::conditional_t<D == 64, uint2, uint4>;
   static constexpr int kParts = D == 256 ? 2 : 1;       // copies of a key's D / 8 bytes
-  static constexpr int kScaleWords = kMx ? 1 : D / 64;  // a key's scale row in words
+  static constexpr int kScaleWords = kMx ? D / 128 : D / 64;  // a key's scale row in words
   Chunk k[4][kParts][32];  // [row block nb][part][lane]: key 8 nb + r, dims D / 4 c ..
   Chunk v[4][kParts][32];  // [row block nb][part][v_slot(r, c) ^ part]: the same bytes of V
   uint32_t ks[32][kScaleWords];  // [key - base]: the scale rows
@@ -218,6 +218,19 @@ __device__ __forceinline__ int byte_max4(uint32_t w) {
   const uint32_t m = __vmaxu2(w & 0x00FF00FFu, (w >> 8) & 0x00FF00FFu);
   return (int)max(m & 0xFFFFu, m >> 16);
 }
+// mxfp4: the largest exponent byte of a key's scale row (D / 32 bytes)
+template <int kWords>
+__device__ __forceinline__ int row_max(const uint32_t (&row)[kWords]) {
+  int m = byte_max4(row[0]);
+#pragma unroll
+  for (int i = 1; i < kWords; ++i) m = max(m, byte_max4(row[i]));
+  return m;
+}
+// byte i of a scale row
+template <int kWords>
+__device__ __forceinline__ int row_byte(const uint32_t (&row)[kWords], int i) {
+  return (int)((row[i / 4] >> (8 * (i % 4))) & 0xFF);
+}
 __device__ __forceinline__ float e8m0_value(int e) { return __int_as_float(max(e, 1) << 23); }
 __device__ __forceinline__ float pow2_down(int k) { return k < -126 ? 0.f : __int_as_float((127 + k) << 23); }
 
@@ -252,7 +265,7 @@ __device__ __forceinline__ bool cu_seqlens_ok(const Args& a, bool record) {
 // kPageShift: log2 of the page size when known at compile time (address arithmetic folds), -1 to read it from a.
 template <int D, int kPageShift, int kHB, bool kMx>
 __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : kHB == 1 ? 4 : 3) fp4_attention_kernel(Args a) {
-  static_assert(!kMx || D == 128, "mxfp4: D = 128 (a key's 4 scale bytes in one word)");
+  static_assert(!kMx || D >= 128, "mxfp4: D = 128 or 256 (a lane's K dims hold whole 32-dim blocks)");
   constexpr int kKSteps = D / 16;  // QK k-steps; PV's m-blocks of output dims
   constexpr int kRows = 8 * kHB;   // query rows a pass
   const int kvh = blockIdx.x, b = blockIdx.y, split = blockIdx.z;
@@ -451,15 +464,21 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : kHB == 1 ? 4 : 3) 
       float st[kHB][2][4];
 #pragma unroll
       for (int mb = 0; mb < 2; ++mb) {
-        // nvfp4: the lane's blocks (D / 64 c, and + 1 for D = 128) as a half2 of scales. mxfp4: the lane's block c
-        // relative to the key's largest, and that largest's power of two on the key's scores (kf)
+        // nvfp4: the lane's blocks (D / 64 c, and + 1 for D = 128) as a half2 of scales. mxfp4: the lane's block
+        // D / 128 c (D = 256: and + 1) relative to the key's largest, and that largest's power of two on the key's
+        // scores (kf)
         uint32_t sc_g, sc_h, sc_g2 = 0, sc_h2 = 0;  // (sc_*2: D = 256, the lane's blocks 2 and 3)
         float kf[2] = {qk_scale, qk_scale};
         if constexpr (kMx) {
-          const uint32_t w_g = stage.ks[16 * mb + r][0], w_h = stage.ks[16 * mb + 8 + r][0];
-          const int ref_g = byte_max4(w_g), ref_h = byte_max4(w_h);
-          sc_g = pack_half2(pow2_down((int)((w_g >> (8 * c)) & 0xFF) - ref_g), 0.f);
-          sc_h = pack_half2(pow2_down((int)((w_h >> (8 * c)) & 0xFF) - ref_h), 0.f);
+          const auto& w_g = stage.ks[16 * mb + r];
+          const auto& w_h = stage.ks[16 * mb + 8 + r];
+          const int ref_g = row_max(w_g), ref_h = row_max(w_h), blk = D / 128 * c;
+          sc_g = pack_half2(pow2_down(row_byte(w_g, blk) - ref_g), 0.f);
+          sc_h = pack_half2(pow2_down(row_byte(w_h, blk) - ref_h), 0.f);
+          if constexpr (D == 256) {  // (words 4..7 of the lane's 8: its second block)
+            sc_g2 = pack_half2(pow2_down(row_byte(w_g, blk + 1) - ref_g), 0.f);
+            sc_h2 = pack_half2(pow2_down(row_byte(w_h, blk + 1) - ref_h), 0.f);
+          }
           kf[0] = qk_scale * e8m0_value(ref_g), kf[1] = qk_scale * e8m0_value(ref_h);
         } else {
           // (the word of the key's row holding the lane's blocks D / 64 c ..)
@@ -529,7 +548,7 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : kHB == 1 ? 4 : 3) 
 #pragma unroll
         for (int mb = 0; mb < 2; ++mb)
 #pragma unroll
-          for (int h = 0; h < 2; ++h) ev[mb][h] = (float)(byte_max4(stage.vs[16 * mb + 8 * h + r][0]) - 127);
+          for (int h = 0; h < 2; ++h) ev[mb][h] = (float)(row_max(stage.vs[16 * mb + 8 * h + r]) - 127);
       }
       float alpha[kHB][2];  // acc's rescale: the P V weights' running max moved (nvfp4: the softmax's)
       bool moved = false;
@@ -606,14 +625,15 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : kHB == 1 ? 4 : 3) 
         // this lane's keys 2c, 2c + 1, 2c + 8, 2c + 9 of the 16, dims D / 8 r .. (block D / 128 r: byte sh of the
         // copied word)
         uint32_t sc01, sc89, sc01_2 = 0, sc89_2 = 0;  // (sc*_2: D = 256, the lane's second block)
-        if constexpr (kMx) {  // the lane's block r / 2 relative to each key's largest (that power is in P)
+        if constexpr (kMx) {  // the lane's block D r / 256 relative to each key's largest (that power is in P)
           float rel[4];
 #pragma unroll
           for (int kk = 0; kk < 4; ++kk) {
-            const uint32_t w = stage.vs[v_key(kk)][0];
-            rel[kk] = pow2_down((int)((w >> (8 * (r / 2))) & 0xFF) - byte_max4(w));
+            const auto& w = stage.vs[v_key(kk)];
+            rel[kk] = pow2_down(row_byte(w, D * r / 256) - row_max(w));
           }
           sc01 = pack_half2(rel[0], rel[1]), sc89 = pack_half2(rel[2], rel[3]);
+          sc01_2 = sc01, sc89_2 = sc89;  // (D = 256: the lane's 32 dims are one block)
         } else {
           const int sh = 8 * (D * r / 128 % 4), word = D * r / 128 / 4;
           const uint32_t s0 = stage.vs[v_key(0)][word] >> sh, s1 = stage.vs[v_key(1)][word] >> sh;
@@ -810,7 +830,7 @@ void fp4_paged_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache, co
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t page_size = k_cache.size(1), Hkv = k_cache.size(2), B = seq_lens.size(0);
   TORCH_CHECK(D == 64 || D == 128 || D == 256, "fp4_paged_attention_cuda: head_dim 64, 128 or 256");
-  TORCH_CHECK(!mxfp4 || D == 128, "fp4_paged_attention_cuda: mxfp4 at head_dim 128");
+  TORCH_CHECK(!mxfp4 || D >= 128, "fp4_paged_attention_cuda: mxfp4 at head_dim 128 or 256");
   TORCH_CHECK(chunk % kTile == 0 && splits >= 1, "fp4_paged_attention_cuda: chunk must be a multiple of 128");
   if (T == 0 || B == 0) return;
   c10::cuda::CUDAGuard guard(q.device());
@@ -855,7 +875,9 @@ void fp4_paged_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache, co
   const int group = (int)(Hq / Hkv);
   // decode with a group of at most 8: one block of 8 rows; otherwise two (16 rows a pass)
   const bool wide_rows = cu_seqlens_q.has_value() || group > 8;
-  if (mxfp4)
+  if (mxfp4 && D == 256)
+    launch_page<256, true>(a, wide_rows, stream);
+  else if (mxfp4)
     launch_page<128, true>(a, wide_rows, stream);
   else if (D == 256)
     launch_page<256, false>(a, wide_rows, stream);
