@@ -83,6 +83,11 @@ def attnops_model(hf) -> LlamaForCausalLM:
     return LlamaForCausalLM.from_state_dict(config, hf.state_dict(), dtype=hf.dtype, device=hf.device)
 
 
+def steps_a_point(args) -> int:
+    """The decode steps one mode runs at one point: warmup, timed, and --profile's."""
+    return args.warmup + args.steps + (PROFILE_STEPS + 1 if args.profile else 0)
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -128,7 +133,10 @@ def step_breakdown(kernels: list, steps: int, wall_us: float) -> dict:
     return result
 
 
-def profile_steps(step, device, steps: int = 10) -> dict | None:
+PROFILE_STEPS = 10  # --profile's steps a point, after one untimed: every cache a point uses has room for them
+
+
+def profile_steps(step, device, steps: int = PROFILE_STEPS) -> dict | None:
     """--profile: step_breakdown of `steps` more calls of `step`, under torch.profiler (CUDA only: None elsewhere).
     The profiler's own cost shows in `GPU idle`."""
     if device.type != "cuda":
@@ -158,7 +166,7 @@ class AttnopsRunner:
     def __init__(self, model, kv_format, modes, batches, contexts, args, device):
         c = model.config
         self.model, self.modes, self.args, self.device, self.config = model, modes, args, device, c
-        per_point = len(modes) * (args.warmup + args.steps) + 1
+        per_point = len(modes) * (steps_a_point(args) + 1) + 1  # (+1: attention_seconds_per_step's token)
         self.max_pages = -(-(max(contexts) + per_point) // args.page_size)
         self.cache = PagedKVCache(c.num_hidden_layers, max(batches) * self.max_pages, args.page_size,
                                   c.num_key_value_heads, c.head_dim, kv_format=kv_format, device=device,
@@ -238,7 +246,7 @@ def bench_transformers(hf, batch, context, args, device) -> tuple:
     from transformers import StaticCache
     params = inspect.signature(hf.forward).parameters
     cache_arg = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
-    total = context + args.warmup + args.steps + 2
+    total = context + steps_a_point(args) + 2
     cache = StaticCache(config=hf.config, max_cache_len=total)
     token = torch.randint(0, hf.config.vocab_size, (batch, 1), device=device,
                           generator=torch.Generator(device).manual_seed(0))
