@@ -31,6 +31,9 @@ class AttentionCase:
     max_kv_len: int = 0  # the block table's capacity in tokens (its width x page_size): a shape, not the lengths
     sinks: bool = False  # a per-head sink logit joins each row's softmax denominator
     tree_mask: bool = False  # a draft tree's mask replaces the causal rule inside each query block
+    # query tokens a sequence, T / B rounded up (1 in decode; VERIFY_MAX_Q + 1 for every prefill): with the GQA
+    # group, the query rows a verify kernel computes for each (sequence, KV head)
+    q_per_seq: int = 1
 
     def __hash__(self) -> int:  # computed once: dispatch looks a case up on every op call
         cached = self.__dict__.get("_hash")
@@ -41,6 +44,12 @@ class AttentionCase:
 
 
 VERIFY_MAX_Q = 16
+
+
+def q_per_seq(decode: bool, num_tokens: int, batch: int) -> int:
+    if decode:
+        return 1
+    return min(-(-num_tokens // max(batch, 1)), VERIFY_MAX_Q + 1)
 
 
 def shape_class(decode: bool, num_tokens: int, batch: int) -> str:

@@ -12,7 +12,7 @@ import math
 import torch
 
 from . import formats
-from .cases import AttentionCase, CacheWriteCase, shape_class
+from .cases import AttentionCase, CacheWriteCase, q_per_seq, shape_class
 from .env import device_arch
 
 HEAD_DIMS = (32, 64, 128, 256)
@@ -199,7 +199,8 @@ def check_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens
         page_size=page_size, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, decode=cu_seqlens_q is None,
         soft_cap=0 < soft_cap < math.inf, sliding_window=window_left >= 0, scale_kind=scale_kind,
         shape_class=shape_class(cu_seqlens_q is None, num_tokens, batch), batch=batch,
-        max_kv_len=block_table.shape[1] * page_size, sinks=sinks is not None, tree_mask=tree_mask is not None)
+        max_kv_len=block_table.shape[1] * page_size, sinks=sinks is not None, tree_mask=tree_mask is not None,
+        q_per_seq=q_per_seq(cu_seqlens_q is None, num_tokens, batch))
 
 
 def _signature(t):

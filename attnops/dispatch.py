@@ -23,7 +23,7 @@ import torch
 
 from . import capture, checks, formats, rules
 from .backends import BACKENDS
-from .backends.base import AttentionCase, Backend, CacheWriteCase
+from .backends.base import VERIFY_MAX_Q, AttentionCase, Backend, CacheWriteCase
 from .env import device_arch, environ_get
 
 # Order per device type where no rule was measured: the CPU, cache writes, and a GPU with no table at all.
@@ -255,11 +255,13 @@ def describe_attention(device: str | None = None, **fields_) -> AttentionCase:
                   q_dtype=torch.float32 if device.type == "cpu" else torch.bfloat16, kv_format=kv_format,
                   head_dim=128, page_size=16, num_q_heads=32, num_kv_heads=8, decode=True, soft_cap=False,
                   sliding_window=False, scale_kind=scale_kind, batch=1, max_kv_len=4096, shape_class=None,
-                  sinks=False, tree_mask=False)
+                  sinks=False, tree_mask=False, q_per_seq=None)
     unknown = set(fields_) - set(values)
     if unknown:
         raise TypeError(f"attnops.explain: unknown case fields {sorted(unknown)}; known: {sorted(values)}")
     values.update(fields_)
     if values["shape_class"] is None:
         values["shape_class"] = "decode" if values["decode"] else "prefill"
+    if values["q_per_seq"] is None:  # a verify of 4 tokens unless told
+        values["q_per_seq"] = {"decode": 1, "verify": 4}.get(values["shape_class"], VERIFY_MAX_Q + 1)
     return AttentionCase(**values)

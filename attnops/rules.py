@@ -19,16 +19,19 @@ from .cases import AttentionCase
 
 # (name, kind): "cat" splits by equality, "num" by a threshold. The order breaks ties between equal splits.
 FEATURES = (("kv_format", "cat"), ("shape_class", "cat"), ("scale_kind", "cat"), ("group", "num"),
-            ("head_dim", "num"), ("num_kv_heads", "num"), ("batch", "num"), ("work", "num"), ("max_kv_len", "num"))
+            ("head_dim", "num"), ("num_kv_heads", "num"), ("batch", "num"), ("work", "num"), ("max_kv_len", "num"),
+            ("rows", "num"))
 TOLERANCE = 1.03  # a backend within 3% of the fastest counts as a right choice in the leaf statistics
 
 
 def features(case: AttentionCase) -> dict:
     """What the rule may ask about a case. `work` is the (sequence, KV head) pairs: the parallelism a kernel has
-    before it splits the keys."""
+    before it splits the keys; `rows` the query rows each pair brings (the GQA group times the query tokens a
+    sequence): a verify kernel's tile height."""
     return dict(kv_format=case.kv_format, shape_class=case.shape_class, scale_kind=case.scale_kind,
                 group=case.num_q_heads // case.num_kv_heads, head_dim=case.head_dim, num_kv_heads=case.num_kv_heads,
-                batch=case.batch, work=case.batch * case.num_kv_heads, max_kv_len=case.max_kv_len)
+                batch=case.batch, work=case.batch * case.num_kv_heads, max_kv_len=case.max_kv_len,
+                rows=case.num_q_heads // case.num_kv_heads * case.q_per_seq)
 
 
 def _cost(times: dict, name: str) -> float:

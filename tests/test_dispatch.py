@@ -150,6 +150,41 @@ def test_rule_fits_the_measured_choices_and_generalises_by_features(monkeypatch)
     assert "triton within 3% of the fastest in 9" in text and "flashinfer 1.43x its time" in text
 
 
+def test_verify_rows_reach_the_rule_from_the_op_shapes(monkeypatch):
+    """The query rows a (sequence, KV head) brings, group x query tokens a sequence (from the shapes: T / B rounded
+    up), are a feature: verify of 4 and of 8 tokens on the same heads can go to different backends, as measured."""
+    tune = _tune()
+    records = []
+    for heads in ((32, 8, 128), (28, 4, 128), (16, 1, 128)):
+        for q in (4, 8):
+            group = heads[0] // heads[1]
+            fast, slow = ("cuda", "triton") if group * q <= 32 else ("triton", "cuda")
+            for impl, us in ((fast, 60), (slow, 100)):
+                r = _record(f"{heads}/verify{q}", impl, us, "verify", heads=heads, fmt="nvfp4")
+                records.append({**r, "q_tokens": q * r["batch"]})
+    names = ["triton", "cuda"]
+    cases = tune.collect(records, set(names))
+    rule = attnops.rules.fit([(f, t) for f, t, _, _ in cases.values()], names)
+    assert all(row["slowdown"] == 1.0 for row in tune.check(rule, cases, names))
+    monkeypatch.setattr(dispatch, "arch_table", lambda arch: {"rule": rule})
+    monkeypatch.setattr(dispatch, "rule_arch", lambda arch: (9, 0))
+    for q_per_seq, first in ((2, "cuda"), (4, "cuda"), (8, "triton"), (16, "triton")):  # group 7: rows 14 .. 112
+        # the op's own shapes: 3 sequences of q_per_seq tokens, one of them a token short (T / B rounds up)
+        batch, tokens = 3, 3 * q_per_seq - 1
+        q = torch.empty(tokens, 28, 128, device="meta", dtype=torch.bfloat16)
+        case = attnops.checks.check_paged_attention(
+            q, torch.empty(64, 16, 4, 64, device="meta", dtype=torch.uint8),
+            torch.empty(64, 16, 4, 64, device="meta", dtype=torch.uint8),
+            torch.empty(batch, 4, device="meta", dtype=torch.int32), torch.empty(batch, device="meta", dtype=torch.int32),
+            torch.empty(batch + 1, device="meta", dtype=torch.int32), scale=None, soft_cap=0.0, window_left=-1,
+            kv_format="nvfp4", k_scale=torch.empty(64, 16, 4, 8, device="meta", dtype=torch.float8_e4m3fn),
+            v_scale=torch.empty(64, 16, 4, 8, device="meta", dtype=torch.float8_e4m3fn), sinks=None, tree_mask=None)
+        assert case.shape_class == "verify" and case.q_per_seq == q_per_seq
+        assert attnops.rules.features(case)["rows"] == 7 * q_per_seq
+        gpu_case = dispatch.AttentionCase(**{**case.__dict__, "device_type": "cuda", "arch": (9, 0)})
+        assert dispatch.policy(gpu_case)[0] == first, (q_per_seq, rule)
+
+
 def test_tune_checks_a_backend_that_declines_some_cases_as_dispatch_would():
     """4-bit cases timed on triton and cuda (FlashInfer has no 4-bit kernels), bf16 on flashinfer and triton: the
     fitted rule is right on every case, and check() counts the first backend of a leaf that has a time."""

@@ -19,7 +19,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from .. import formats, rules
-from ..cases import shape_class
+from ..cases import q_per_seq, shape_class
 from ..dispatch import TABLES, describe_attention
 
 FLASHINFER_PEER_FOR = {"decode": "fi-decode-tensor-core", "verify": "fi-prefill-fa2", "prefill": "fi-prefill-fa3"}
@@ -30,12 +30,13 @@ def record_features(r) -> dict:
     fmt = r["kv_format"]
     decode = r["kind"] == "decode"
     batch = r.get("batch") or 1
+    q_tokens = r.get("q_tokens", batch)
     case = describe_attention(
         device="cpu", arch=None, kv_format=fmt, head_dim=r["head_dim"], page_size=r.get("page_size", 16),
         num_q_heads=r["num_q_heads"], num_kv_heads=r["num_kv_heads"], decode=decode,
         scale_kind=r["scale_kind"] if formats.is_fp8(fmt) else formats.FORMATS[fmt].default_scale_kind,
-        shape_class=shape_class(decode, r.get("q_tokens", batch), batch), batch=batch,
-        max_kv_len=r.get("max_kv_len", 0))
+        shape_class=shape_class(decode, q_tokens, batch), batch=batch, max_kv_len=r.get("max_kv_len", 0),
+        q_per_seq=q_per_seq(decode, q_tokens, batch))
     return rules.features(case)
 
 
