@@ -285,17 +285,27 @@ def bench_transformers(hf, batch, context, args, device) -> tuple:
 @torch.no_grad()
 def bench_transformers_cb(hf, batch, context, args, device) -> tuple:
     """(tokens/s, None): transformers' continuous batching on `batch` prompts of `context` random tokens, each
-    generating warmup + steps + 1 tokens greedily; tokens/s from the last request's first token to the first
-    request's last one, over the tokens generated in between (the steps every request decoded together)."""
+    generating tokens greedily; tokens/s from the last request's first token to the first request's last one,
+    over the tokens generated in between (the steps every request decoded together). The prompts' prefill takes
+    batch x context / max_batch_tokens steps, during which the first requests already decode: each request
+    generates that many tokens more than warmup + steps + 1, so that all of them still decode together after."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
-    new = args.warmup + args.steps + 1
+    max_batch_tokens = max(2048, batch)
+    prefill_steps = -(-batch * context // max_batch_tokens)
+    new = args.warmup + args.steps + 1 + 2 * prefill_steps  # (2x: a step may mix prefill chunks and decodes)
     page = 256
-    sizes = dict(num_blocks=batch * -(-(context + new + 1) // page) + 8, max_batch_tokens=max(2048, batch),
+    # Room for every request with a quarter spare: the scheduler admits no new prompt while fewer than its safety
+    # margin of the blocks are free (15% by default), which with a cache sized to the batch made the last prompts
+    # wait for the first requests to finish; the margin is also set to 0 where the config has it.
+    needed = batch * -(-(context + new + 1) // page)
+    sizes = dict(num_blocks=needed + needed // 4 + 8, max_batch_tokens=max_batch_tokens,
                  max_requests_per_batch=batch, use_cuda_graph=device.type == "cuda")
     # the page size is `block_size` in transformers 5.17, `page_size` from 5.2x
     named = set(inspect.signature(ContinuousBatchingConfig).parameters)
     sizes["page_size" if "page_size" in named else "block_size"] = page
+    if "safety_margin" in named:
+        sizes["safety_margin"] = 0.0
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, hf.config.vocab_size, (context,), generator=gen).tolist() for _ in range(batch)]
     config = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
@@ -308,6 +318,9 @@ def bench_transformers_cb(hf, batch, context, args, device) -> tuple:
     if end <= start:
         raise RuntimeError("no step in which every request decoded (the requests did not run together)")
     tokens = sum(sum(1 for t in s if start < t <= end) for s in stamps)
+    if tokens < batch * args.steps // 2:
+        raise RuntimeError(f"only {tokens} tokens were generated while all {batch} requests decoded together "
+                           f"(fewer than half of {batch} x {args.steps} steps)")
     return tokens / (end - start), None
 
 
