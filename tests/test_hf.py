@@ -432,6 +432,8 @@ def test_serve_bench_measures_transformers_continuous_batching_and_compares_with
     result = serve_bench.main(["--small", "--family", "llama", "--modes", "transformers-cb", "--batches", "2",
                                "--contexts", "40", "--steps", "3", "--warmup", "1"])
     (row,) = result["records"]
+    if row["error"] and "available memory 0" in row["error"]:  # transformers 5.17 sizes the cache from GPU memory
+        pytest.skip(f"this transformers' continuous batching does not run on the CPU: {row['error']}")
     assert row["mode"] == "transformers-cb" and row["error"] is None and row["tokens_per_s"] > 0, row
     assert serve_bench.label(row) == "transformers (continuous batching)"
     point = dict(family="llama", batch=2, context=40, kv_format="bf16")
