@@ -63,10 +63,14 @@ def test_info_lists_backends_and_choices():
 
 
 def test_demo_runs_a_decode_loop_and_prints_only_its_own_lines():
+    """With no --model: a random Llama (tiny on a CPU) in transformers' modeling code, served through attnops."""
     result = run("demo", "--batch", "2", "--prompt-len", "8", "--steps", "4", ok=False)
     assert result.returncode == 0, result.stderr
-    assert "tokens/s" in result.stdout and "backend: prefill ->" in result.stdout
-    assert "USDT" not in result.stderr + result.stdout  # the profiler's native trace lines
+    out = result.stdout
+    assert "llama (transformers' modeling code)" in out, out
+    assert "tokens/s" in out and "backend: prefill ->" in out
+    assert re.search(r"step time: attention [\d.]+ ms \(\d+%\), rest", out), out
+    assert "USDT" not in result.stderr + out  # the profiler's native trace lines
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's refusal")
