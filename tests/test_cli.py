@@ -73,6 +73,14 @@ def test_demo_runs_a_decode_loop_and_prints_only_its_own_lines():
     assert "USDT" not in result.stderr + out  # the profiler's native trace lines
 
 
+def test_demo_without_transformers_says_which_extra_to_install():
+    """The demo serves transformers' modeling code: without transformers (the base install) it says so in a line."""
+    code = "import sys; sys.modules['transformers'] = None; from attnops import cli; cli.main(['demo'])"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert result.stderr.strip().count("\n") == 0 and "pip install 'attnops[hf]'" in result.stderr, result.stderr
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's refusal")
 def test_demo_refuses_cuda_graphs_on_a_cpu_in_one_line():
     result = run("demo", "--modes", "compiled+graphs", ok=False)

@@ -19,8 +19,9 @@ the tensors.
 
     torchrun --nproc-per-node 2 -m attnops.hf.tp --batch 32     # the demo's decode loop, TP over 2 GPUs
 
-Decoders whose layers hold self_attn.{q,k,v,o}_proj and mlp.{gate,up,down}_proj as Linear layers: Llama, Qwen2,
-Qwen3, Mistral, Gemma-2. gpt-oss (experts, sinks) is refused.
+Decoders whose layers hold self_attn.{q,k,v,o}_proj and mlp.{gate,up,down}_proj as Linear layers: Llama, Qwen2
+(tests/test_tp.py: 2 ranks give 1 rank's greedy tokens), Qwen3, Mistral, Gemma-2. gpt-oss (experts, sinks) is
+refused.
 """
 from __future__ import annotations
 
