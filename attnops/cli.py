@@ -101,27 +101,27 @@ def warmup(args) -> None:
 
 
 def demo(args) -> None:
-    """The serving kit's demo; with --model, on a transformers decoder served through attnops.hf (built here: the
-    demo's layer does not reach up to attnops.hf)."""
+    """The serving kit's demo on a transformers decoder served through attnops.hf (built here: the demo's layer
+    does not reach up to attnops.hf): --model (a family or a checkpoint; default llama), --checkpoint DIR the same
+    as --model DIR."""
     from .serving import demo as serving_demo
-    if not args.model:
-        return serving_demo.main(args)
-    if args.checkpoint:
+    if args.model and args.checkpoint:
         sys.exit("demo: --model and --checkpoint each name the model: give one")
+    name = args.checkpoint or args.model or "llama"
     try:
         from . import hf
         from .hf import families
-    except ImportError as e:
-        sys.exit(f"demo: --model {e}")
+    except ImportError as e:  # transformers is missing, or too old
+        sys.exit(f"demo: {e}")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # what run_demo runs in
-    tiny = device.type == "cpu" and args.model in families.FAMILIES  # a real-shaped model is slow on a CPU
+    tiny = device.type == "cpu" and name in families.FAMILIES  # a real-shaped model is slow on a CPU
+    flag = "--checkpoint" if args.checkpoint else "--model"
     try:
-        model = hf.serving_model(families.load(args.model, device=device, dtype=dtype, tiny=tiny))
+        model = hf.serving_model(families.load(name, device=device, dtype=dtype, tiny=tiny))
     except (ValueError, OSError) as e:  # not a family, or a checkpoint transformers cannot load
-        sys.exit(f"demo: --model: {e}")
-    serving_demo.main(args, model=model,
-                      description=f"{families.describe(args.model, tiny)} (transformers' modeling code)")
+        sys.exit(f"demo: {flag}: {e}")
+    serving_demo.main(args, model=model, description=f"{families.describe(name, tiny)} (transformers' modeling code)")
 
 
 def run_benchmark(module: str, argv) -> None:
@@ -143,8 +143,8 @@ def main(argv=None) -> None:
                    help="also print the full explanation of one case (32/8/128 bf16 decode on this device)")
     p.set_defaults(func=info)
 
-    p = sub.add_parser("demo", help="a paged decode loop on a random Llama-shaped model, or any transformers decoder "
-                                    "(--model)")
+    p = sub.add_parser("demo", help="a paged decode loop on a transformers decoder served through attnops (needs "
+                                    "attnops[hf]): a random Llama-shaped model, or --model")
     p.add_argument("--batch", type=int, default=4, help="sequences decoded together (default 4)")
     p.add_argument("--prompt-len", type=int, default=32, help="tokens of each random prompt (default 32)")
     p.add_argument("--steps", type=int, default=32, help="tokens generated per sequence (default 32)")
@@ -153,12 +153,12 @@ def main(argv=None) -> None:
     p.add_argument("--modes", nargs="+", choices=("compiled+graphs", "compiled", "eager"),
                    help="how the decode step runs, each mode a run of its own: compiled+graphs = torch.compile'd and "
                         "CUDA-graph replayed (GPU only). Default: compiled+graphs then eager on a GPU, eager on a CPU")
-    p.add_argument("--checkpoint", default=None, help="a Hugging Face Llama checkpoint directory (default: random)")
     p.add_argument("--model", default=None,
-                   help="a transformers decoder served through attnops (needs attnops[hf]): a family, random "
-                        "weights of a real model's shape on a GPU, tiny on a CPU (llama: Llama-3.2-1B, qwen2: "
+                   help="the transformers decoder served through attnops: a family, random weights of a real "
+                        "model's shape on a GPU, tiny on a CPU (llama: Llama-3.2-1B, the default; qwen2: "
                         "Qwen2.5-7B, qwen3: Qwen3-8B, mistral: Mistral-7B, gemma2: gemma-2-2b, gpt-oss: "
                         "gpt-oss-20b), or a checkpoint directory or hub name")
+    p.add_argument("--checkpoint", default=None, help="a Hugging Face checkpoint directory: the same as --model DIR")
     p.set_defaults(func=demo)
     p = sub.add_parser("warmup", help="build every kernel configuration a model needs now (FlashInfer JIT, "
                                       "Triton compile), so a server does not stall on its first request")

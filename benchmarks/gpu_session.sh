@@ -32,8 +32,8 @@
 #             $results/sm_XY.json and the records to $results/models.json
 #   serve     python -m attnops serve-bench $SERVE_ARGS (JSON + PNG)
 #   serve-hf  serve-bench's transformers grid (issue 23), in five parts under their own time limits, appended to
-#             $results/serve-hf.json (+ .png): Llama-3.2-1B-shaped through transformers' modeling code and attnops'
-#             own model.py in bf16, and transformers' static-cache path; the same with fp8 KV; Qwen2.5-7B-shaped
+#             $results/serve-hf.json (+ .png): Llama-3.2-1B-shaped through transformers' modeling code in bf16,
+#             and transformers' static-cache path; the same with fp8 KV; Qwen2.5-7B-shaped
 #             with bf16 and fp8 KV; its transformers path; transformers' continuous batching on both. Contexts
 #             1K/8K x batches 1/32/128 each, each point
 #             with --profile's breakdown of its step by kind of kernel. SERVE_HF_PARTS picks parts (e.g. "3 4"),
@@ -158,7 +158,7 @@ for step in "$@"; do
         --append --plot "$results/serve.png" >> "$results/serve.txt" 2> /tmp/serve.err; tail -30 "$results/serve.txt"
       tail -3 /tmp/serve.err; stamp serve ;;
     serve-hf)
-      parts=("--family llama --model-code transformers attnops --kv-formats bf16 --modes compiled+graphs transformers"
+      parts=("--family llama --kv-formats bf16 --modes compiled+graphs transformers"
              "--family llama --kv-formats fp8_e4m3 --modes compiled+graphs"
              "--family qwen2 --kv-formats bf16 fp8_e4m3 --modes compiled+graphs"
              "--family qwen2 --modes transformers"

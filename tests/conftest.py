@@ -1,5 +1,9 @@
 """Test set-up. Without a GPU, Triton kernels run in its interpreter (TRITON_INTERPRET=1), which must be set
-before triton (and so attnops) is imported. Tests marked `gpu` are skipped where CUDA is unavailable."""
+before triton (and so attnops) is imported. Tests marked `gpu` are skipped where CUDA is unavailable.
+
+Also the tiny transformers models the tests serve through attnops.hf (`from conftest import make_config, build`):
+transformers is imported when one is made, so that test files without it still run."""
+import copy
 import os
 
 import pytest
@@ -35,3 +39,41 @@ def fp8_comparable(monkeypatch):
         return allclose(lhs, rhs, *args, **kwargs)
 
     monkeypatch.setattr(torch, "allclose", allclose_with_fp8)
+
+
+# Tiny random transformers decoders, one config per family. head_dim 32 (attnops serves 32/64/128/256). A wide init
+# (0.2, not transformers' 0.02) gives clear gaps between the top logits, so greedy choices are the model's, not
+# rounding's, and vary.
+TINY_HF = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=32, max_position_embeddings=512, initializer_range=0.2,
+               bos_token_id=None, eos_token_id=None, pad_token_id=0)  # no eos: every run makes all its tokens
+# model_type and config overrides of each family
+HF_FAMILIES = {
+    "llama": ("llama", {}),
+    "qwen2": ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),  # layer 1 slides
+    "qwen3": ("qwen3", {}),  # qk-norm (transformers' code, before attention)
+    "mistral": ("mistral", dict(sliding_window=8)),
+    # untied: a tied Gemma-2 this small repeats one token
+    "gemma2": ("gemma2", dict(sliding_window=8, attn_logit_softcapping=5.0, final_logit_softcapping=5.0,
+                              query_pre_attn_scalar=24, tie_word_embeddings=False)),
+    "gpt-oss": ("gpt_oss", dict(sliding_window=8, num_local_experts=4, num_experts_per_tok=2, intermediate_size=128,
+                                max_position_embeddings=131072)),  # yarn's factor 32 x 4096
+}
+
+
+def make_config(family, **overrides):
+    """transformers' config of a tiny `family` model (TINY_HF, the family's overrides, then `overrides`)."""
+    import transformers
+    model_type, extra = HF_FAMILIES[family]
+    return transformers.AutoConfig.for_model(model_type, **{**TINY_HF, **extra, **overrides})
+
+
+def build(config, implementation, state=None):
+    """A model of `config` in eval mode with attn_implementation `implementation` ("eager", "attnops", ...), with
+    the weights `state` if given (else random)."""
+    import transformers
+    # from_config sets the implementation on the config it is given: each model gets its own copy
+    model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=implementation)
+    if state is not None:
+        model.load_state_dict(state)
+    return model.eval().requires_grad_(False)

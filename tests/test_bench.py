@@ -68,3 +68,23 @@ def test_spec_grid_cases_carry_sinks_and_tree_masks_to_the_kernels():
         raise AssertionError("a peer timed a case without its sinks and tree mask")
     except peers.Unsupported:
         pass
+
+
+def test_serve_bench_reads_result_files_older_than_its_model_code_retirement(tmp_path):
+    """Result files from before attnops/serving/model.py was retired hold its records (model_code "attnops", or
+    no model_code, family or kv_format at all in the oldest): they are labelled, plotted and left out of the
+    summary, which compares transformers' modeling code through attnops with transformers' own paths only."""
+    from attnops.bench import serve
+    point = dict(family="llama", batch=32, context=1024, kv_format="bf16")
+    records = [dict(point, model_code="transformers", mode="compiled+graphs", tokens_per_s=300.0, error=None),
+               dict(point, model_code="attnops", mode="compiled+graphs", tokens_per_s=310.0, error=None),
+               dict(point, model_code="transformers", mode="transformers", tokens_per_s=100.0, error=None),
+               dict(mode="compiled", batch=32, context=1024, tokens_per_s=200.0, error=None)]  # the oldest form
+    assert [serve.label(r) for r in records] == ["compiled+graphs bf16", "compiled+graphs model.py bf16",
+                                                 "transformers (sdpa, static cache)", "compiled"]
+    (line,) = serve.summary(records)
+    assert line["mode"] == "compiled+graphs" and line["tokens_per_s"] == 300.0
+    assert line["vs_transformers"] == 3.0 and "vs_model_py" not in line
+    result = dict(records=records, environment=dict(gpu="test", commit="0" * 40), dtype="bf16")
+    serve.plot(result, tmp_path / "old.png")
+    assert (tmp_path / "old.png").stat().st_size > 1000

@@ -63,10 +63,22 @@ def test_info_lists_backends_and_choices():
 
 
 def test_demo_runs_a_decode_loop_and_prints_only_its_own_lines():
+    """With no --model: a random Llama (tiny on a CPU) in transformers' modeling code, served through attnops."""
     result = run("demo", "--batch", "2", "--prompt-len", "8", "--steps", "4", ok=False)
     assert result.returncode == 0, result.stderr
-    assert "tokens/s" in result.stdout and "backend: prefill ->" in result.stdout
-    assert "USDT" not in result.stderr + result.stdout  # the profiler's native trace lines
+    out = result.stdout
+    assert "llama (transformers' modeling code)" in out, out
+    assert "tokens/s" in out and "backend: prefill ->" in out
+    assert re.search(r"step time: attention [\d.]+ ms \(\d+%\), rest", out), out
+    assert "USDT" not in result.stderr + out  # the profiler's native trace lines
+
+
+def test_demo_without_transformers_says_which_extra_to_install():
+    """The demo serves transformers' modeling code: without transformers (the base install) it says so in a line."""
+    code = "import sys; sys.modules['transformers'] = None; from attnops import cli; cli.main(['demo'])"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert result.stderr.strip().count("\n") == 0 and "pip install 'attnops[hf]'" in result.stderr, result.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's refusal")

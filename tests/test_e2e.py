@@ -1,12 +1,14 @@
-"""End to end: a Llama checkpoint written by transformers itself, loaded by attnops.serving.model, served by
-attnops.serving.generate through the paged ops.
+"""End to end: a Llama checkpoint written by transformers itself, loaded as `python -m attnops demo --model DIR`
+loads it (attnops.hf.families.load: transformers' modeling code, attn_implementation="attnops"), served by
+attnops.serving.generate through attnops.hf.serving_model and the paged ops.
 
-CPU (CI): fp32 logits equal transformers' LlamaForCausalLM (its own KV cache) within 1e-4 relative for a prefill
-and 32 greedy decode steps; the compiled decode step has no graph break and compiles once per batch bucket across
-64+ steps of changing lengths, with tokens identical to eager while requests join and leave; the default CPU
-backend and the pinned reference give the same tokens; sampling follows softmax(logits / T) and its seed.
+CPU (CI): fp32 logits equal transformers' own (its attention, its KV cache) within 1e-4 relative for an extend-form
+prefill of three prompts and 32 greedy decode steps in a padded bucket; a checkpoint that does not match its config
+is refused; the compiled decode step has no graph break and compiles once per batch bucket across 64+ steps of
+changing lengths, with tokens identical to eager while requests join and leave; the default CPU backend and the
+pinned reference give the same tokens; sampling follows softmax(logits / T) and its seed.
 GPU (marked gpu): bf16 logits within bf16 tolerance; tokens identical across attention backends, bf16 and fp8 KV
-(a request may part ways only at a near tie of its bf16 logits).
+(a request may part ways only at a near tie of its bf16 logits); eager, compiled and graph-replayed steps agree.
 """
 import copy
 import inspect
@@ -21,25 +23,31 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 import attnops  # noqa: E402
+import attnops.hf  # noqa: E402
 from attnops.backends import BACKENDS  # noqa: E402
+from attnops.hf import families  # noqa: E402
 from attnops.serving.generate import DecodeStep, Generator, sample  # noqa: E402
-from attnops.serving.model import LlamaForCausalLM  # noqa: E402
 from attnops.testing import relative_error  # noqa: E402
+from conftest import TINY_HF, build, make_config  # noqa: E402
 
-# head_dim 32: attnops serves head_dim 32/64/128/256. A wide init (0.2, not transformers' 0.02) gives logits with
-# clear gaps between the top tokens, so greedy choices are decided by the model, not by rounding, and vary.
-TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6,
-            initializer_range=0.2)
+# conftest's tiny Llama (head_dim 32, a wide init: greedy choices decided by the model, not by rounding), tied, with
+# its own rope_theta and norm eps
+TINY = dict(TINY_HF, tie_word_embeddings=True, rms_norm_eps=1e-6,
+            rope_parameters=dict(rope_type="default", rope_theta=50000.0))
 PAGE_SIZE = 16
 
 
 def make_checkpoint(path, seed=0, **overrides):
+    """transformers' own Llama (its default attention), written to `path` (safetensors)."""
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(**{**TINY, "tie_word_embeddings": True, "rope_theta": 50000.0, **overrides})
-    hf = transformers.LlamaForCausalLM(config).eval()
-    hf.save_pretrained(path)  # safetensors
+    hf = build(make_config("llama", **{**TINY, **overrides}), "sdpa")
+    hf.save_pretrained(path)
     return hf
+
+
+def served(path, dtype=torch.float32, device="cpu"):
+    """The checkpoint in transformers' modeling code with attnops' attention, in the serving kit's interface."""
+    return attnops.hf.serving_model(families.load(str(path), device=device, dtype=dtype))
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +123,7 @@ PROMPTS = [[3, 17, 99, 5, 250], list(range(40, 51)), [7] * 6 + list(range(100, 1
 @pytest.mark.parametrize("backend", [None, "reference"], ids=["default", "reference"])
 def test_logits_match_transformers_prefill_and_32_decode_steps(checkpoint, backend):
     path, hf = checkpoint
-    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = served(path)
     with attnops.use_backend(backend):
         prefill, decode_logits, tokens = attnops_greedy(model, new_cache(), PROMPTS, steps=32)
     for b, prompt in enumerate(PROMPTS):
@@ -128,34 +136,13 @@ def test_logits_match_transformers_prefill_and_32_decode_steps(checkpoint, backe
     assert len({t for seq in tokens for t in seq}) > 10, "the model repeats itself: a weak check of greedy decoding"
 
 
-@torch.no_grad()
-def test_untied_head_llama3_rope_and_v4_config_keys(tmp_path):
-    """An untied lm_head, llama3 rope scaling and a large rope_theta, with the config written the transformers-4
-    way (rope_theta + rope_scaling keys) as many hub checkpoints are."""
-    rope = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                original_max_position_embeddings=64)
-    hf = make_checkpoint(tmp_path, seed=1, tie_word_embeddings=False, rope_theta=500000.0, rope_scaling=rope)
-    config = json.loads((tmp_path / "config.json").read_text())
-    config.pop("rope_parameters", None)
-    config.update(rope_theta=500000.0, rope_scaling=rope)
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    model = LlamaForCausalLM.from_pretrained(tmp_path)
-    assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
-    torch.testing.assert_close(model.model.inv_freq, hf.model.rotary_emb.inv_freq, rtol=0, atol=0)
-    prompt = list(range(1, 200, 3))  # 67 positions: past original_max_position_embeddings
-    hf_prefill, hf_decode, hf_tokens = hf_greedy(hf, prompt, steps=4)
-    prefill, decode, tokens = attnops_greedy(model, new_cache(), [prompt], steps=4)
-    assert relative_error(prefill[0], hf_prefill) < 1e-4
-    assert relative_error(decode[0], hf_decode) < 1e-4 and tokens[0] == hf_tokens
-
-
 def test_loading_refuses_a_checkpoint_that_does_not_match(checkpoint, tmp_path):
     path, _ = checkpoint
     config = json.loads((path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
     (tmp_path / "model.safetensors").symlink_to(path / "model.safetensors")
     with pytest.raises(ValueError, match="missing.*model.layers.2"):
-        LlamaForCausalLM.from_pretrained(tmp_path)
+        served(tmp_path)
 
 
 @torch.no_grad()
@@ -163,7 +150,7 @@ def test_padding_rows_write_nothing(checkpoint):
     """A bucket that served 4 rows then serves 3: the 4th row must become padding (slot -1, seq_len 0). Were it
     left as it was, it would rewrite the finished request's last slot, by then a page of a new request."""
     path, _ = checkpoint
-    model = LlamaForCausalLM.from_pretrained(path)
+    model = served(path)
     caches = []
     for reuse_buffers in (True, False):
         cache = new_cache(num_pages=8)
@@ -228,7 +215,7 @@ def test_compiled_decode_no_graph_break_no_recompile_tokens_equal_eager(checkpoi
     """100+ decode steps, requests joining and leaving: greedy tokens equal eager's, no graph break, one compiled
     frame per bucket, static shapes."""
     path, _ = checkpoint
-    model = LlamaForCausalLM.from_pretrained(path)
+    model = served(path)
     eager, eager_steps, _ = serve(model, SCHEDULE)
     assert eager_steps >= 100 and len(eager) == len(SCHEDULE)
     assert all(len(eager[f"r{i}"]) == new for i, (_, _, new) in enumerate(SCHEDULE))
@@ -256,7 +243,7 @@ def test_a_dropped_generator_frees_model_and_cache_at_once(checkpoint):
     import gc
     import weakref
     path, _ = checkpoint
-    model = LlamaForCausalLM.from_pretrained(path)
+    model = served(path)
     gc.collect()
     gc.disable()
     try:
@@ -278,7 +265,7 @@ def test_default_backend_and_reference_give_the_same_tokens(checkpoint):
     default = attnops.explain(**case).chosen
     if default == "reference":
         pytest.skip("the reference backend is the CPU default here: nothing to compare it with")
-    model = LlamaForCausalLM.from_pretrained(path)
+    model = served(path)
     tokens, _, _ = serve(model, SCHEDULE[:6])
     reference, _, _ = serve(model, SCHEDULE[:6], backend="reference")
     assert tokens == reference, f"backend {default!r} and the reference disagree"
@@ -302,7 +289,7 @@ def test_sampling_follows_softmax_and_seed():
 @torch.no_grad()
 def test_temperature_generation_is_reproducible_by_seed(checkpoint):
     path, _ = checkpoint
-    model = LlamaForCausalLM.from_pretrained(path)
+    model = served(path)
     a, _, _ = serve(model, SCHEDULE[:4], temperature=1.0, seed=1)
     b, _, _ = serve(model, SCHEDULE[:4], temperature=1.0, seed=1)
     c, _, _ = serve(model, SCHEDULE[:4], temperature=1.0, seed=2)
@@ -318,8 +305,8 @@ def test_bf16_logits_match_transformers_on_gpu(gpu_checkpoint):
     as the yardstick (teacher-forced on the fp32 model's greedy tokens, so both see the same inputs)."""
     path, hf = gpu_checkpoint
     hf32 = copy.deepcopy(hf).to("cuda")  # the fixture's CPU model stays where the CPU tests expect it
-    hf16 = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda").eval()
-    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device="cuda")
+    hf16 = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda").eval()
+    model = served(path, torch.bfloat16, "cuda")
     for prompt in PROMPTS:
         ref_prefill, _, ref_tokens = hf_greedy(hf32, prompt, steps=32)
         full = torch.tensor([prompt + ref_tokens], device="cuda")
@@ -350,7 +337,7 @@ def test_tokens_identical_across_backends_on_gpu(gpu_checkpoint, kv_format):
     later tokens follow different prompts and are not compared); a backend that computes something else parts
     ways where the model is decided."""
     path, _ = gpu_checkpoint
-    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device="cuda")
+    model = served(path, torch.bfloat16, "cuda")
     results, margins = {}, {}
     for backend in ("flashinfer", "triton", None):
         if backend is not None and (backend not in BACKENDS or BACKENDS[backend].unavailable()):
@@ -390,7 +377,7 @@ def test_eager_compiled_and_graph_replayed_tokens_identical_on_gpu(gpu_checkpoin
     Inductor's fused kernels round differently from eager's op-by-op bf16 (a near-tie may flip a token: a
     difference of the compiler, not of attnops)."""
     path, _ = gpu_checkpoint
-    model = LlamaForCausalLM.from_pretrained(path, dtype=dtype, device="cuda")
+    model = served(path, dtype, "cuda")
     kv_format = "fp32" if dtype == torch.float32 else "bf16"
     runs, held = {}, {}
     for name, options in (("eager", {}), ("compiled", dict(compile=True)),

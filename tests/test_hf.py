@@ -27,24 +27,9 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 import attnops.hf  # noqa: E402
 from attnops.serving.generate import Generator  # noqa: E402
 from attnops.testing import relative_error  # noqa: E402
+from conftest import HF_FAMILIES, build, make_config  # noqa: E402
 
-# head_dim 32 (attnops serves 32/64/128/256). A wide init (0.2) gives clear gaps between the top logits, so greedy
-# choices are the model's, not rounding's, and vary.
-BASE = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=32, max_position_embeddings=512, initializer_range=0.2,
-            bos_token_id=None, eos_token_id=None, pad_token_id=0)  # no eos: every run makes all its tokens
-# model_type, config overrides, and the features that must matter (names of attention_options keys)
-FAMILIES = {
-    "llama": ("llama", {}),
-    "qwen2": ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),  # layer 1 slides
-    "qwen3": ("qwen3", {}),  # qk-norm (transformers' code, before attention)
-    "mistral": ("mistral", dict(sliding_window=8)),
-    # untied: a tied Gemma-2 this small repeats one token
-    "gemma2": ("gemma2", dict(sliding_window=8, attn_logit_softcapping=5.0, final_logit_softcapping=5.0,
-                              query_pre_attn_scalar=24, tie_word_embeddings=False)),
-    "gpt-oss": ("gpt_oss", dict(sliding_window=8, num_local_experts=4, num_experts_per_tok=2, intermediate_size=128,
-                                max_position_embeddings=131072)),  # yarn's factor 32 x 4096
-}
+FAMILIES = HF_FAMILIES  # the tiny config of each family: conftest.py
 # what each family's eager logits must depend on: config changes that switch a feature off (or, for sinks, sinks
 # of -inf)
 FEATURES = {
@@ -59,19 +44,6 @@ FEATURES = {
 FP8_INIT = 0.02
 PROMPTS = [list(range(40, 57)), [3, 17, 99, 5, 250, 7, 7, 8, 9, 10, 11], [200, 1, 2, 3, 4]]  # 17, 11, 5 tokens
 STEPS = 32
-def make_config(family, **overrides):
-    model_type, extra = FAMILIES[family]
-    return transformers.AutoConfig.for_model(model_type, **{**BASE, **extra, **overrides})
-
-
-def build(config, implementation, state=None):
-    # from_config sets the implementation on the config it is given: each model gets its own copy
-    model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=implementation)
-    if state is not None:
-        model.load_state_dict(state)
-    return model.eval().requires_grad_(False)
-
-
 _MODELS: dict = {}
 
 
@@ -371,6 +343,22 @@ def test_demo_serves_a_family(capsys):
     assert "random tiny qwen3 (transformers' modeling code)" in out and "tokens/s" in out, out
     with pytest.raises(SystemExit, match="--model: .*must be a family"):
         cli.main(["demo", "--model", "qwen9"])
+
+
+def test_demo_serves_a_checkpoint_compiled_and_eager_with_the_same_tokens(capsys, tmp_path):
+    """--checkpoint DIR is --model DIR; two modes print their agreement (fp32 on the CPU: identical tokens)."""
+    from attnops import cli
+    eager, _ = models("llama")
+    eager.save_pretrained(tmp_path)
+    cli.main(["demo", "--checkpoint", str(tmp_path), "--modes", "compiled", "eager", "--batch", "2", "--prompt-len",
+              "8", "--steps", "4", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert f"{tmp_path} (transformers' modeling code), 2 layers, hidden 128, heads 4/2, head_dim 32" in out, out
+    assert "compiled and eager generated identical tokens" in out, out
+    with pytest.raises(SystemExit, match="give one"):
+        cli.main(["demo", "--checkpoint", str(tmp_path), "--model", "llama"])
+    with pytest.raises(SystemExit, match="--checkpoint: .*no such directory"):
+        cli.main(["demo", "--checkpoint", str(tmp_path / "missing")])
 
 
 def test_serve_bench_small_serves_a_family_and_its_transformers_baseline(tmp_path):

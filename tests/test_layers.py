@@ -16,8 +16,8 @@ LAYERS = [
     ("attnops.backends",),  # kernels behind the Backend interface: they see cases, never checks or dispatch
     ("attnops.dispatch",),  # which backend serves a case
     ("attnops.ops", "attnops.cascade"),  # the torch.library registrations; cascade attention composed of them
-    ("attnops.serving",),  # the serving kit: cache, graphs, models, generation, tp, demo
-    ("attnops.hf",),  # transformers models through the ops and the serving kit
+    ("attnops.serving",),  # the serving kit: cache, graphs, generation, demo
+    ("attnops.hf",),  # transformers models through the ops and the serving kit, and their tensor parallelism
     ("attnops.cli", "attnops.__main__", "attnops.bench", "attnops"),  # the facade, the command line, benchmarks
 ]
 

@@ -1,5 +1,6 @@
 """Shared pages in PagedKVCache: reference counts, fork, copy on write, the prefix index, and a Generator whose
-requests share a prompt prefix producing the same tokens as one that stores every prompt on its own."""
+requests share a prompt prefix (serving a tiny transformers Llama through attnops.hf) producing the same tokens as
+one that stores every prompt on its own."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +8,7 @@ import torch
 
 import attnops
 from attnops.serving.generate import Generator
-from attnops.serving.model import LlamaConfig, LlamaForCausalLM
+from conftest import build, make_config
 
 
 def write(cache, seq, tokens_kv):
@@ -83,13 +84,14 @@ def test_prefix_index_shares_full_pages_only_and_forgets_freed_pages():
 
 
 def tiny_model():
+    """A tiny Llama (transformers' modeling code, head_dim 32) served through attnops.hf, with decisive logits."""
+    pytest.importorskip("transformers")
+    import attnops.hf
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2)  # head_dim 32
-    model = LlamaForCausalLM(config)
-    for p in model.parameters():
-        p.data.normal_(0, 0.3) if p.dim() > 1 else p.data.fill_(1.0)
-    return model.eval().requires_grad_(False)
+    model = build(make_config("llama", vocab_size=128), attnops.hf.ATTN_IMPLEMENTATION)
+    for name, p in model.named_parameters():
+        p.data.fill_(1.0) if "norm" in name else p.data.normal_(0, 0.3)
+    return attnops.hf.serving_model(model)
 
 
 def generate(model, kv_format, sharing, staggered, cascade=False, device="cpu", **options):

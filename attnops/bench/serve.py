@@ -1,16 +1,15 @@
 """Serving benchmark: decode tokens/s of a decoder served through attnops, against transformers' own best path on
 the same weights, at several batch sizes and context lengths, in one run.
 
-    python -m attnops serve-bench --family llama qwen2 --kv-formats bf16 fp8_e4m3 --model-code transformers attnops \\
+    python -m attnops serve-bench --family llama qwen2 --kv-formats bf16 fp8_e4m3 \\
         --modes compiled+graphs transformers --json benchmarks/results/h200-serve-hf.json --plot ...png
     python -m attnops serve-bench --small --family llama gemma2 --json /tmp/serve.json --plot /tmp/serve.png  # CPU
     python -m attnops serve-bench --contexts 8192 --json X.json --append --plot X.png     # a part of the grid
 
 The model (--family: random weights at a real model's shape, see attnops.hf.families; or --checkpoint) runs
 through attnops in the modes below, in transformers' modeling code with attn_implementation="attnops"
-(attnops.hf.serving_model; --model-code transformers, the default) and, for Llama, also in attnops' own model
-(attnops/serving/model.py; --model-code attnops), on the same weights. Modes (each a decode step of the whole
-batch: one new token per sequence, greedy, fed back):
+(attnops.hf.serving_model), and through transformers' own paths on the same weights. Modes (each a decode step of
+the whole batch: one new token per sequence, greedy, fed back):
   eager             attnops.serving.generate.DecodeStep, eager PyTorch
   compiled          the same step under torch.compile(fullgraph=True, dynamic=False)
   compiled+graphs   the compiled step captured by attnops.serving.graphs.DecodeGraphRunner (CUDA only; the same
@@ -27,8 +26,12 @@ a step does, so the cache is filled with random data rather than by a prefill) a
 --warmup untimed ones (compilation, graph capture). attnops' time includes its host side (PagedKVCache.prepare
 building the step's metadata, padding to the bucket), as a serving loop pays it; transformers' includes
 its mask building. tokens/s = batch * steps / wall time (synchronized). One attnops cache and one compiled step
-per (model code, KV format) serve every batch and context (a block table as wide as the longest context, as a
-server's is): one compilation per batch size.
+per KV format serve every batch and context (a block table as wide as the longest context, as a server's is): one
+compilation per batch size.
+
+Records carry model_code "transformers" (the modeling code attnops' modes ran); result files from before
+attnops/serving/model.py was retired also hold its records, model_code "attnops" (or none, the oldest): they are
+read, plotted and merged as before, and left out of the summary.
 """
 from __future__ import annotations
 
@@ -49,11 +52,9 @@ from .run import environment
 from ..serving.generate import DecodeStep
 from ..serving.graphs import DecodeGraphRunner
 from ..serving.kv_cache import PagedKVCache
-from ..serving.model import LlamaConfig, LlamaForCausalLM
 
 MODES = ("eager", "compiled", "compiled+graphs", "transformers", "transformers-cb")
 BASELINES = ("transformers", "transformers-cb")
-MODEL_CODES = ("transformers", "attnops")
 ATTNOPS_MODES = MODES[:3]
 
 
@@ -75,12 +76,6 @@ def checkpoint_family(path) -> str:
         raise SystemExit(f"python -m attnops serve-bench: --checkpoint's model_type {model_type!r} is not one of the "
                          f"families ({', '.join(FAMILIES)})")
     return family
-
-
-def attnops_model(hf) -> LlamaForCausalLM:
-    """attnops' own Llama (attnops/serving/model.py) with a copy of transformers' weights (the same names)."""
-    config = LlamaConfig.from_hf_dict(hf.config.to_dict())
-    return LlamaForCausalLM.from_state_dict(config, hf.state_dict(), dtype=hf.dtype, device=hf.device)
 
 
 def steps_a_point(args) -> int:
@@ -160,7 +155,7 @@ def shown_profile(breakdown: dict) -> str:
 
 
 class AttnopsRunner:
-    """One model (either code) and KV format: one cache sized for the largest batch and context, one eager and one
+    """One model and KV format: one cache sized for the largest batch and context, one eager and one
     compiled DecodeStep over every batch bucket, and the compiled step's CUDA graphs, shared by every point."""
 
     def __init__(self, model, kv_format, modes, batches, contexts, args, device):
@@ -329,8 +324,9 @@ def label(record) -> str:
         return "transformers (continuous batching)"
     if record["mode"] == "transformers":
         return f"transformers ({record.get('attention', 'sdpa')}, static cache)"
-    code = " model.py" if record.get("model_code") == "attnops" else ""
-    return f"{record['mode']}{code} {record['kv_format']}"
+    code = " model.py" if record.get("model_code") == "attnops" else ""  # an older file's record
+    kv_format = f" {record['kv_format']}" if record.get("kv_format") else ""  # (none in the oldest files)
+    return f"{record['mode']}{code}{kv_format}"
 
 
 def plot(result, path) -> None:
@@ -369,8 +365,7 @@ def plot(result, path) -> None:
 
 def summary(records) -> list:
     """Per point: attnops' modes (transformers' modeling code) against transformers' own fastest path measured there
-    (static cache + compile, or continuous batching), and (Llama) against attnops' own model in the same mode, as
-    ratios of tokens/s."""
+    (static cache + compile, or continuous batching), as a ratio of tokens/s."""
     def tps(**match):
         return next((r["tokens_per_s"] for r in records if all(r.get(k) == v for k, v in match.items())
                      and r["tokens_per_s"]), None)
@@ -380,12 +375,9 @@ def summary(records) -> list:
             continue
         point = dict(family=r["family"], batch=r["batch"], context=r["context"])
         baseline = max((t for t in (tps(mode=m, **point) for m in BASELINES) if t), default=None)
-        own = tps(mode=r["mode"], model_code="attnops", kv_format=r["kv_format"], **point)
         line = dict(**point, mode=r["mode"], kv_format=r["kv_format"], tokens_per_s=r["tokens_per_s"])
         if baseline:
             line["vs_transformers"] = r["tokens_per_s"] / baseline
-        if own:
-            line["vs_model_py"] = r["tokens_per_s"] / own
         lines.append(line)
     return lines
 
@@ -405,9 +397,6 @@ def main(argv=None) -> dict:
                              "Qwen2.5-7B, qwen3: Qwen3-8B, mistral: Mistral-7B, gemma2: gemma-2-2b, gpt-oss: "
                              "gpt-oss-20b; tiny with --small). Default: llama")
     parser.add_argument("--checkpoint", help="a checkpoint directory instead (its family read from config.json)")
-    parser.add_argument("--model-code", nargs="+", choices=MODEL_CODES, default=None,
-                        help="whose modeling code attnops' modes run: transformers' (attn_implementation='attnops', "
-                             "the default) and/or attnops' own Llama (attnops/serving/model.py; for llama)")
     parser.add_argument("--batches", type=int, nargs="*", help="default: 1 32 128 (1 4 with --small)")
     parser.add_argument("--contexts", type=int, nargs="*", help="default: 1024 8192 (64 256 with --small)")
     parser.add_argument("--modes", nargs="*", choices=MODES,
@@ -441,9 +430,6 @@ def main(argv=None) -> dict:
         chosen_families = [family]
     else:
         chosen_families = args.family or ["llama"]
-    codes = args.model_code or ["transformers"]
-    if "attnops" in codes and set(chosen_families) - {"llama"}:
-        print("--model-code attnops: attnops' own model is a Llama; the other families run transformers' code only")
     kv_formats = args.kv_formats or [dtype_name]
     from ..formats import KV_FORMATS
     for kv_format in kv_formats:
@@ -502,8 +488,8 @@ def main(argv=None) -> dict:
         shape = model_shape(hf.config)
         models[family] = (f"{shape.num_hidden_layers}L h{shape.hidden_size} {shape.num_attention_heads}/"
                           f"{shape.num_key_value_heads} d{shape.head_dim}")
-        for code in [c for c in codes if c == "transformers" or family == "llama"] if ours else []:
-            model = serving_model(hf) if code == "transformers" else attnops_model(hf)
+        if ours:
+            model = serving_model(hf)
             for kv_format in kv_formats:
                 torch._dynamo.reset()  # a fresh compile cache per model and format: no recompilation limit
                 try:
@@ -517,7 +503,8 @@ def main(argv=None) -> dict:
                         points = runner.point(batch, context) if runner else ((m, None, None, failed, {})
                                                                               for m in ours)
                         for mode, tps, attention_s, error, extra in points:
-                            record(family, code, kv_format, mode, batch, context, tps, attention_s, error, **extra)
+                            record(family, "transformers", kv_format, mode, batch, context, tps, attention_s,
+                                   error, **extra)
                 del runner
                 gc.collect()
                 if device.type == "cuda":
@@ -551,10 +538,9 @@ def main(argv=None) -> dict:
 
     result = save()
     for line in result["summary"]:
-        ratios = "  ".join(f"{name} {line[name]:.2f}x" for name in ("vs_transformers", "vs_model_py") if name in line)
-        if ratios:
+        if "vs_transformers" in line:
             print(f"{line['family']:<8} context {line['context']:>6}  batch {line['batch']:>4}  {line['mode']} "
-                  f"{line['kv_format']}: {ratios}")
+                  f"{line['kv_format']}: vs_transformers {line['vs_transformers']:.2f}x")
     if args.plot:
         plot(result, args.plot)
     return result

@@ -80,7 +80,8 @@ def describe(model_or_family: str, tiny: bool = False) -> str:
 def load(model: str, *, device="cpu", dtype=torch.bfloat16, tiny: bool = False, seed: int = 0,
          attn_implementation: str = ATTN_IMPLEMENTATION):
     """A transformers causal LM in eval mode: `model` is a family name (random weights, at the real model's shape
-    or tiny, made on `device` in `dtype`) or a checkpoint (a directory, or a name transformers resolves)."""
+    or tiny, made on `device` in `dtype`) or a checkpoint (a directory, or a name transformers resolves; every
+    weight of its config must be in it)."""
     import transformers
     if model in FAMILIES:
         config = family_config(model, tiny=tiny)
@@ -89,9 +90,16 @@ def load(model: str, *, device="cpu", dtype=torch.bfloat16, tiny: bool = False, 
             hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation,
                                                                dtype=dtype)
     else:
-        if not Path(model).exists() and "/" not in model:
+        # a hub name is namespace/name; anything else that is not a directory here is a mistake to say so
+        if not Path(model).exists() and (model.count("/") != 1 or model.startswith(("/", ".", "~"))):
             raise ValueError(f"attnops.hf: model must be a family ({', '.join(FAMILIES)}) or a checkpoint (a "
-                             f"directory or a hub name), got {model!r}")
-        hf = transformers.AutoModelForCausalLM.from_pretrained(model, attn_implementation=attn_implementation,
-                                                               dtype=dtype).to(device)
+                             f"directory or a hub name, namespace/name), got {model!r}: no such directory")
+        hf, info = transformers.AutoModelForCausalLM.from_pretrained(
+            model, attn_implementation=attn_implementation, dtype=dtype, output_loading_info=True)
+        # transformers fills weights a checkpoint lacks with random ones (and warns): a model that does not match
+        # its config is an error here, not a random model
+        missing = sorted(info.get("missing_keys") or ())
+        if missing:
+            raise ValueError(f"attnops.hf: checkpoint {model} does not match its config: missing {missing}")
+        hf = hf.to(device)
     return hf.eval().requires_grad_(False)

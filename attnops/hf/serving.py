@@ -24,7 +24,9 @@ ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the serving kit reads from a model's config (the fields of attnops.serving.model.LlamaConfig it uses)."""
+    """What the serving kit reads from a model's config: the KV cache's layers, KV heads and head_dim, the query
+    heads the demo asks dispatch about, the vocabulary its prompts are drawn from. After attnops.hf.tp.shard, this
+    rank's heads."""
 
     num_hidden_layers: int
     num_attention_heads: int

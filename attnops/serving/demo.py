@@ -1,11 +1,12 @@
-"""`python -m attnops demo`: continuous-batching generation (attnops.serving.generate) on a Llama-architecture model
-whose attention runs through attnops' ops.
+"""`python -m attnops demo`: continuous-batching generation (attnops.serving.generate) on a decoder whose attention
+runs through attnops' ops.
 
-A random model by default (on a GPU a Llama-3.2-1B-shaped one in bf16; on the CPU a tiny fp32 one), a Hugging
-Face checkpoint directory with --checkpoint, or any transformers decoder with --model (a family or a checkpoint,
-served through attnops.hf: the command line builds it and hands it to `main`). Prints which backend serves each
-op, and for each mode (on a GPU by default the recommended one, torch.compile'd and CUDA-graph replayed, then eager
-beside it; on the CPU eager) the tokens/s of the decode steps and the step time split into attention and the rest:
+The model is built by the command line (attnops.cli: a transformers decoder served through attnops.hf; by default
+a random Llama-3.2-1B-shaped one in bf16 on a GPU, a tiny fp32 one on the CPU) and handed to `main`: this layer
+takes any model of the serving interface, forward(token_ids, positions, cache, meta), and does not reach up to
+attnops.hf. Prints which backend serves each op, and for each mode (on a GPU by default the recommended one,
+torch.compile'd and CUDA-graph replayed, then eager beside it; on the CPU eager) the tokens/s of the decode steps
+and the step time split into attention and the rest:
 
   attention = time inside the attnops ops (paged_attention + reshape_and_cache, all layers), read from
               torch.profiler over a few extra steps: CPU time of the op calls on the CPU, the op's CUDA kernel
@@ -25,16 +26,7 @@ import torch
 from ..dispatch import explain
 from .generate import Generator
 from .kv_cache import PagedKVCache
-from .model import LlamaConfig, LlamaForCausalLM
 
-# Llama-3.2-1B's shape (random weights: nothing is downloaded)
-GPU_CONFIG = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5,
-                         rope_theta=500000.0, tie_word_embeddings=True,
-                         rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
-                                           high_freq_factor=4.0, original_max_position_embeddings=8192))
-CPU_CONFIG = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=8, num_key_value_heads=2)  # head_dim 32
 ATTENTION_OPS = ("attnops::paged_attention", "attnops::reshape_and_cache")
 # A kernel replayed from a CUDA graph reaches the profiler with no op above it, so in that mode attention is the
 # kernels of these names (substrings): attnops' Triton kernels and FlashInfer's (its C++ namespace).
@@ -48,19 +40,11 @@ def default_modes(device: torch.device) -> tuple[str, ...]:
     return ("compiled+graphs", "eager") if device.type == "cuda" else ("eager",)
 
 
-def random_model(config: LlamaConfig, device, dtype, seed: int) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = LlamaForCausalLM(config).to(dtype)
-    for p in model.parameters():  # a random model with sane activations
-        p.data.normal_(0, 0.02) if p.dim() > 1 else p.data.fill_(1.0)
-    return model.eval().requires_grad_(False)
-
-
-def op_backends(cache: PagedKVCache, config: LlamaConfig, dtype, batch: int, prompt_len: int,
+def op_backends(cache: PagedKVCache, config, dtype, batch: int, prompt_len: int,
                 pages_per_seq: int) -> dict:
     """Which backend serves each op of the run, asked of dispatch with the run's own shapes: the prefill of
-    `batch` prompts, and a decode step of the batch at the prompt's length."""
+    `batch` prompts, and a decode step of the batch at the prompt's length. `config`: the model's shape (its
+    num_attention_heads, num_key_value_heads, head_dim)."""
     d, dev = config.head_dim, cache.device
     rows = batch * prompt_len
     q = torch.empty(rows, config.num_attention_heads, d, dtype=dtype, device=dev)
@@ -79,12 +63,16 @@ def op_backends(cache: PagedKVCache, config: LlamaConfig, dtype, batch: int, pro
 
 
 @torch.no_grad()
-def run_demo(batch: int = 4, prompt_len: int = 32, steps: int = 32, device: str | None = None,
-             kv_format: str | None = None, page_size: int = 16, seed: int = 0, mode: str = "eager",
-             checkpoint: str | None = None, model: torch.nn.Module | None = None, profile_steps: int = 4) -> dict:
-    """One mode's run (see MODES); `model`: one built already (by an earlier run, or any model of the serving
-    interface, forward(token_ids, positions, cache, meta), in the run's dtype: bf16 on a GPU, fp32 on the CPU);
-    a fresh cache each run."""
+def run_demo(model: torch.nn.Module, batch: int = 4, prompt_len: int = 32, steps: int = 32,
+             device: str | None = None, kv_format: str | None = None, page_size: int = 16, seed: int = 0,
+             mode: str = "eager", profile_steps: int = 4) -> dict:
+    """One mode's run (see MODES) of `model`: a model of the serving interface, forward(token_ids, positions,
+    cache, meta), with a `config` giving its shape (num_hidden_layers, num_attention_heads, num_key_value_heads,
+    head_dim, hidden_size, vocab_size; attnops.hf.serving_model's has them), on `device`, in the run's dtype:
+    bf16 on a GPU, fp32 on the CPU. A fresh cache each run."""
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+        raise TypeError(f"run_demo: model must be a torch.nn.Module of the serving interface with a config (e.g. "
+                        f"attnops.hf.serving_model(...)), got {type(model).__name__}")
     if mode not in MODES:
         raise ValueError(f"run_demo: mode must be one of {MODES}, got {mode!r}")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -94,10 +82,6 @@ def run_demo(batch: int = 4, prompt_len: int = 32, steps: int = 32, device: str 
     compile, graphs = mode != "eager", mode == "compiled+graphs"
     dtype = torch.bfloat16 if on_gpu else torch.float32
     kv_format = kv_format or ("bf16" if on_gpu else "fp32")
-    if model is None and checkpoint:
-        model = LlamaForCausalLM.from_pretrained(checkpoint, dtype=dtype, device=device)
-    elif model is None:
-        model = random_model(GPU_CONFIG if on_gpu else CPU_CONFIG, device, dtype, seed)
     config = model.config
 
     warmup = 2  # the first decode steps compile (modes other than eager) and warm caches: not timed
@@ -151,9 +135,9 @@ def run_demo(batch: int = 4, prompt_len: int = 32, steps: int = 32, device: str 
     assert not gen.has_work() or all(len(r.output) == new_tokens for r in gen.running.values())
 
     backends = op_backends(cache, config, dtype, batch, prompt_len, pages_per_seq)
-    return dict(device=str(device), model=config, module=model, dtype=dtype, kv_format=kv_format,
-                checkpoint=checkpoint, mode=mode, backends=backends, batch=batch, prompt_len=prompt_len,
-                steps=steps, first_step_s=first_step_s, step_ms=step_s * 1e3, tokens_per_s=batch / step_s,
+    return dict(device=str(device), model=config, module=model, dtype=dtype, kv_format=kv_format, mode=mode,
+                backends=backends, batch=batch, prompt_len=prompt_len, steps=steps, first_step_s=first_step_s,
+                step_ms=step_s * 1e3, tokens_per_s=batch / step_s,
                 attention_ms=min(attention_s, step_s) * 1e3, rest_ms=max(step_s - attention_s, 0.0) * 1e3,
                 tokens=[gen.finished[b].output for b in range(batch)] if not gen.has_work() else None)
 
@@ -173,8 +157,9 @@ def _native_stderr_silenced():
         os.close(saved)
 
 
-def main(args, model: torch.nn.Module | None = None, description: str | None = None) -> None:
-    """`model`, `description`: a model built by the caller (see run_demo) and what to call it."""
+def main(args, model: torch.nn.Module, description: str) -> None:
+    """`model`: the model to serve, built by the caller (see run_demo) on args.device; `description`: what to call
+    it."""
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     modes = args.modes or default_modes(device)
     if "compiled+graphs" in modes and device.type != "cuda":
@@ -186,14 +171,12 @@ def main(args, model: torch.nn.Module | None = None, description: str | None = N
             print(f"[{mode}] the first step compiles the model{' and captures a CUDA graph' if 'graphs' in mode else ''}"
                   f" (and on first use builds kernels: FlashInfer JIT, Triton; `python -m attnops warmup` does that "
                   f"ahead of time): up to a few minutes", flush=True)
-        result = run_demo(batch=args.batch, prompt_len=args.prompt_len, steps=args.steps, device=str(device),
-                          kv_format=args.kv_format, mode=mode, checkpoint=args.checkpoint, model=model)
-        model = result["module"]
+        result = run_demo(model, batch=args.batch, prompt_len=args.prompt_len, steps=args.steps, device=str(device),
+                          kv_format=args.kv_format, mode=mode)
         if i == 0:
             c = result["model"]
-            what = description or result["checkpoint"] or "random Llama-shaped model"
-            print(f"attnops demo on {result['device']}: {what}, {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
-                  f"heads {c.num_attention_heads}/{c.num_key_value_heads}, head_dim {c.head_dim}, "
+            print(f"attnops demo on {result['device']}: {description}, {c.num_hidden_layers} layers, hidden "
+                  f"{c.hidden_size}, heads {c.num_attention_heads}/{c.num_key_value_heads}, head_dim {c.head_dim}, "
                   f"{str(result['dtype']).replace('torch.', '')}, KV {result['kv_format']}")
             b = result["backends"]
             print(f"backend: prefill -> {b['paged_attention (prefill)']}, decode -> {b['paged_attention (decode)']}, "

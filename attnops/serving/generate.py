@@ -168,7 +168,8 @@ def sample(logits: torch.Tensor, temperatures: list[float], generator: torch.Gen
 
 
 class Generator:
-    """Continuous batching over `cache` with `model` (attnops.serving.model.LlamaForCausalLM or the same interface).
+    """Continuous batching over `cache` with `model`: forward(token_ids [T], positions [T], cache, meta) -> logits
+    [T, vocab] for a step's T new tokens, e.g. a transformers decoder through attnops.hf.serving_model.
 
     max_batch: most requests decoded together; max_seq_len: longest prompt + max_new_tokens accepted (it fixes
     the block table's width); compile, cuda_graphs: see DecodeStep (prefill stays eager: its shapes change
