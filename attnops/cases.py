@@ -47,6 +47,7 @@ VERIFY_MAX_Q = 16
 
 
 def q_per_seq(decode: bool, num_tokens: int, batch: int) -> int:
+    """Query tokens a sequence, T / B rounded up; VERIFY_MAX_Q + 1 stands for every prefill."""
     if decode:
         return 1
     return min(-(-num_tokens // max(batch, 1)), VERIFY_MAX_Q + 1)
@@ -55,7 +56,7 @@ def q_per_seq(decode: bool, num_tokens: int, batch: int) -> int:
 def shape_class(decode: bool, num_tokens: int, batch: int) -> str:
     if decode:
         return "decode"
-    return "verify" if num_tokens <= VERIFY_MAX_Q * max(batch, 1) else "prefill"
+    return "verify" if q_per_seq(decode, num_tokens, batch) <= VERIFY_MAX_Q else "prefill"
 
 
 @dataclass(frozen=True)
