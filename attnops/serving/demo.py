@@ -135,7 +135,7 @@ def run_demo(model: torch.nn.Module, batch: int = 4, prompt_len: int = 32, steps
     assert not gen.has_work() or all(len(r.output) == new_tokens for r in gen.running.values())
 
     backends = op_backends(cache, config, dtype, batch, prompt_len, pages_per_seq)
-    return dict(device=str(device), model=config, module=model, dtype=dtype, kv_format=kv_format, mode=mode,
+    return dict(device=str(device), model=config, dtype=dtype, kv_format=kv_format, mode=mode,
                 backends=backends, batch=batch, prompt_len=prompt_len, steps=steps, first_step_s=first_step_s,
                 step_ms=step_s * 1e3, tokens_per_s=batch / step_s,
                 attention_ms=min(attention_s, step_s) * 1e3, rest_ms=max(step_s - attention_s, 0.0) * 1e3,
