@@ -42,11 +42,11 @@ def test_serves_4bit_decode_and_verify_and_declines_the_rest():
     assert BACKEND.supports(served_case(head_dim=64)) == []
     assert BACKEND.supports(served_case(head_dim=256)) == []
     assert BACKEND.supports(served_case(kv_format="mxfp4", head_dim=256)) == []
+    assert BACKEND.supports(served_case(kv_format="mxfp4", head_dim=64)) == []
     assert BACKEND.supports(served_case(decode=False, shape_class="verify")) == []
     assert BACKEND.supports(served_case(sliding_window=True, soft_cap=True)) == []
     declined = {
         "kv_format bf16": served_case(kv_format="bf16", scale_kind="none"),
-        "mxfp4 at head_dim 128 or 256": served_case(kv_format="mxfp4", head_dim=64),
         "head_dim 32": served_case(head_dim=32),
         "prefill": served_case(decode=False, shape_class="prefill"),
         "sinks": served_case(sinks=True),
@@ -127,7 +127,7 @@ def random_case(rng: random.Random, kv_format: str, multi_token: bool):
     q_lens = [min(n, rng.randint(1, 16 // min(group, 16) or 1) if rng.random() < 0.8 else rng.randint(1, 16))
               for n in kv_lens] if multi_token else None
     return dict(kv_lens=kv_lens, q_lens=q_lens, num_q_heads=num_kv_heads * group, num_kv_heads=num_kv_heads,
-                head_dim=rng.choice([128, 256] if kv_format == "mxfp4" else [64, 128, 256]),
+                head_dim=rng.choice([64, 128, 256]),
                 page_size=rng.choice([1, 2, 4, 8, 16, 32, 64, 128, 256]), kv_format=kv_format,
                 q_dtype=rng.choice([torch.bfloat16, torch.float16]))
 

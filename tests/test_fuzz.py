@@ -149,6 +149,8 @@ CUDA_FAMILIES = [  # what the CUDA kernels serve: 4-bit decode and verify, windo
     ("verify", "nvfp4", "per_tensor", 64, (8, 1), 8, False, False, 3),
     ("decode", "nvfp4", "per_tensor", 256, (8, 4), 16, True, False, 1),
     ("verify", "mxfp4", "per_tensor", 256, (8, 4), 16, False, True, 2),
+    ("decode", "mxfp4", "per_tensor", 64, (8, 1), 16, True, True, 1),
+    ("verify", "mxfp4", "per_tensor", 64, (16, 2), 4, False, False, 3),
 ]
 GPU_FAMILIES = {"triton": TRITON_GPU_FAMILIES, "flashinfer": FLASHINFER_FAMILIES, "auto": AUTO_FAMILIES,
                 "cuda": CUDA_FAMILIES}

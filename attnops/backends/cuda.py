@@ -62,7 +62,7 @@ def _layout_reasons(head_dim, k_cache, v_cache, k_scale, v_scale) -> list[str]:
     if k_cache.stride() != v_cache.stride() or k_scale.stride() != v_scale.stride():
         reasons.append("k and v caches (or their scales) have different strides")
     chunk = min(head_dim // 8, 16)  # bytes a copy of a key takes
-    scale_row = min(k_scale.shape[-1] * k_scale.element_size(), 16)  # (4, 8 or 16 bytes)
+    scale_row = min(k_scale.shape[-1] * k_scale.element_size(), 16)  # (2 (mxfp4 at 64: a plain load), 4, 8 or 16)
     for name, t, align in (("k_cache", k_cache, chunk), ("v_cache", v_cache, chunk), ("k_scale", k_scale, scale_row),
                            ("v_scale", v_scale, scale_row)):
         strides = [s * t.element_size() for s in t.stride()[:3]]
@@ -75,7 +75,7 @@ def _layout_reasons(head_dim, k_cache, v_cache, k_scale, v_scale) -> list[str]:
 
 class CudaBackend(Backend):
     name = "cuda"
-    description = ("attnops' CUDA C++ kernels: 4-bit KV (nvfp4 at head dims 64/128/256, mxfp4 at 128/256) decode and verify, "
+    description = ("attnops' CUDA C++ kernels: 4-bit KV (nvfp4, mxfp4) at head dims 64/128/256, decode and verify, "
                    "windows and soft cap, read in place")
     writes_cache = False  # reshape_and_cache goes to the Triton kernels
 
@@ -96,8 +96,6 @@ class CudaBackend(Backend):
             return ["attention only (cache writes are the Triton kernels')"]
         reasons = common_reasons(case, devices=("cuda",), q_dtypes=Q_DTYPES, kv_formats=KV_FORMATS,
                                  head_dims=HEAD_DIMS, sinks=False, tree_mask=False, archs=lambda arch: arch >= MIN_ARCH)
-        if case.kv_format == "mxfp4" and case.head_dim not in (128, 256):
-            reasons.append("mxfp4 at head_dim 128 or 256 only")
         if case.shape_class == "prefill":
             reasons.append("prefill (more than 16 query tokens a sequence on average): decode and verify only")
         if case.batch > MAX_BATCH:

@@ -172,13 +172,17 @@ __device__ __forceinline__ int qk_dim(int s, int c, int e) {
 // One warp's copy of one tile (its 32 keys). K and V are copied alike: lane (r, c) copies D / 8 bytes of key
 // 8 nb + r (bytes D / 8 c ..; D = 256: two copies of 16), so one page lookup serves both; K lands lane-minor, which
 // is what its lane reads back, V at v_slot, which makes conflict-free the V reads of D / 16 bytes of keys 2c (+1)
-// by lanes r. A key's scale row (D / 16 bytes, mxfp4 D / 32) is one copy, by lane (key - base).
+// by lanes r. A key's scale row (D / 16 bytes, mxfp4 D / 32) is one copy, by lane (key - base); mxfp4's 2-byte rows
+// at D = 64 are under cp.async's 4-byte minimum: a plain load into a register one step ahead, stored before the
+// step that reads it (kScaleInRegister).
 template <int D, bool kMx>
 struct alignas(16) WarpStage {
   static_assert(D == 64 || D == 128 || D == 256, "head dims 64, 128 and 256");
   using Chunk = std::conditional_t<D == 64, uint2, uint4>;
   static constexpr int kParts = D == 256 ? 2 : 1;       // copies of a key's D / 8 bytes
-  static constexpr int kScaleWords = kMx ? D / 128 : D / 64;  // a key's scale row in words
+  static constexpr int kScaleBytes = kMx ? D / 32 : D / 16;  // a key's scale row
+  static constexpr bool kScaleInRegister = kScaleBytes < 4;
+  static constexpr int kScaleWords = kScaleInRegister ? 1 : kScaleBytes / 4;  // (a 2-byte row: the low half)
   Chunk k[4][kParts][32];  // [row block nb][part][lane]: key 8 nb + r, dims D / 4 c ..
   Chunk v[4][kParts][32];  // [row block nb][part][v_slot(r, c) ^ part]: the same bytes of V
   uint32_t ks[32][kScaleWords];  // [key - base]: the scale rows
@@ -265,7 +269,6 @@ __device__ __forceinline__ bool cu_seqlens_ok(const Args& a, bool record) {
 // kPageShift: log2 of the page size when known at compile time (address arithmetic folds), -1 to read it from a.
 template <int D, int kPageShift, int kHB, bool kMx>
 __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : kHB == 1 ? 4 : 3) fp4_attention_kernel(Args a) {
-  static_assert(!kMx || D >= 128, "mxfp4: D = 128 or 256 (a lane's K dims hold whole 32-dim blocks)");
   constexpr int kKSteps = D / 16;  // QK k-steps; PV's m-blocks of output dims
   constexpr int kRows = 8 * kHB;   // query rows a pass
   const int kvh = blockIdx.x, b = blockIdx.y, split = blockIdx.z;
@@ -396,6 +399,8 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : kHB == 1 ? 4 : 3) 
     auto at = [](const uint8_t* head, int page, int page_stride, int rest) {
       return head + (uint64_t)(uint32_t)page * (uint32_t)page_stride + (uint32_t)rest;
     };
+    // (kScaleInRegister: the scale rows of the tile issued last, K and V, for the stage the next step reads)
+    uint32_t scale_rows_next[2] = {0u, 0u};
     // Issues the copies of this lane's bytes of the warp's 32 keys at `base` into stage `st` (cp.async, zero-filled
     // past the split: every address is inside the cache, no branch). A tile whose keys are all in range (kFull)
     // needs no clamp: key base + off sits in page off >> page_shift of the tile's at slot
@@ -434,9 +439,22 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : kHB == 1 ? 4 : 3) 
         const int key = base + lane;
         int page, slot;
         locate(key, page, slot);
-        const int bytes = kFull || (key < kv_hi && key >= lo_seen) ? 4 * Stage::kScaleWords : 0;
-        cp_async(&stage.ks[lane], at(ks_head, page, scale_page, slot * scale_token), bytes);
-        cp_async(&stage.vs[lane], at(vs_head, page, scale_page, slot * scale_token), bytes);
+        const bool copied = kFull || (key < kv_hi && key >= lo_seen);
+        const uint8_t* ks_at = at(ks_head, page, scale_page, slot * scale_token);
+        const uint8_t* vs_at = at(vs_head, page, scale_page, slot * scale_token);
+        if constexpr (Stage::kScaleInRegister) {  // (zero where cp.async would zero-fill; nothing waits on the
+          uint32_t k_row = 0u, v_row = 0u;       // loads before the next step stores them)
+          if (copied) {
+            k_row = __ldg(reinterpret_cast<const unsigned short*>(ks_at));
+            v_row = __ldg(reinterpret_cast<const unsigned short*>(vs_at));
+          }
+          scale_rows_next[0] = k_row;
+          scale_rows_next[1] = v_row;
+        } else {
+          const int bytes = copied ? 4 * Stage::kScaleWords : 0;
+          cp_async(&stage.ks[lane], ks_at, bytes);
+          cp_async(&stage.vs[lane], vs_at, bytes);
+        }
       }
     };
 
@@ -465,14 +483,14 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : kHB == 1 ? 4 : 3) 
 #pragma unroll
       for (int mb = 0; mb < 2; ++mb) {
         // nvfp4: the lane's blocks (D / 64 c, and + 1 for D = 128) as a half2 of scales. mxfp4: the lane's block
-        // D / 128 c (D = 256: and + 1) relative to the key's largest, and that largest's power of two on the key's
-        // scores (kf)
+        // D c / 128 (D = 256: and + 1; D = 64: lanes c hold half a block each) relative to the key's largest, and
+        // that largest's power of two on the key's scores (kf)
         uint32_t sc_g, sc_h, sc_g2 = 0, sc_h2 = 0;  // (sc_*2: D = 256, the lane's blocks 2 and 3)
         float kf[2] = {qk_scale, qk_scale};
         if constexpr (kMx) {
           const auto& w_g = stage.ks[16 * mb + r];
           const auto& w_h = stage.ks[16 * mb + 8 + r];
-          const int ref_g = row_max(w_g), ref_h = row_max(w_h), blk = D / 128 * c;
+          const int ref_g = row_max(w_g), ref_h = row_max(w_h), blk = D * c / 128;
           sc_g = pack_half2(pow2_down(row_byte(w_g, blk) - ref_g), 0.f);
           sc_h = pack_half2(pow2_down(row_byte(w_h, blk) - ref_h), 0.f);
           if constexpr (D == 256) {  // (words 4..7 of the lane's 8: its second block)
@@ -670,6 +688,11 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : kHB == 1 ? 4 : 3) 
     for (int tile = kv_lo, it = 0; tile < kv_hi; tile += kTile, ++it) {
       const int base = tile + warp_off;
       __syncwarp();
+      if constexpr (Stage::kScaleInRegister) {  // this step's scale rows, loaded while the step before ran
+        Stage& stage = smem.stages[it & 1][warp];
+        stage.ks[lane][0] = scale_rows_next[0];
+        stage.vs[lane][0] = scale_rows_next[1];
+      }
       if (tile + kTile < kv_hi) issue((it + 1) & 1, base + kTile, pages_next);
       cp_async_commit();
       pages_next = load_pages(base + 2 * kTile);
@@ -830,7 +853,6 @@ void fp4_paged_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache, co
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t page_size = k_cache.size(1), Hkv = k_cache.size(2), B = seq_lens.size(0);
   TORCH_CHECK(D == 64 || D == 128 || D == 256, "fp4_paged_attention_cuda: head_dim 64, 128 or 256");
-  TORCH_CHECK(!mxfp4 || D >= 128, "fp4_paged_attention_cuda: mxfp4 at head_dim 128 or 256");
   TORCH_CHECK(chunk % kTile == 0 && splits >= 1, "fp4_paged_attention_cuda: chunk must be a multiple of 128");
   if (T == 0 || B == 0) return;
   c10::cuda::CUDAGuard guard(q.device());
@@ -877,8 +899,10 @@ void fp4_paged_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache, co
   const bool wide_rows = cu_seqlens_q.has_value() || group > 8;
   if (mxfp4 && D == 256)
     launch_page<256, true>(a, wide_rows, stream);
-  else if (mxfp4)
+  else if (mxfp4 && D == 128)
     launch_page<128, true>(a, wide_rows, stream);
+  else if (mxfp4)
+    launch_page<64, true>(a, wide_rows, stream);
   else if (D == 256)
     launch_page<256, false>(a, wide_rows, stream);
   else if (D == 128)
