@@ -136,6 +136,15 @@ __device__ __forceinline__ void e2m1x8_pair_keys(uint32_t wa, uint32_t wb, uint3
   e4m3x4_to_half2x2(o, p[5], p[7]);
 }
 
+// 2^x with results below 2^-126 flushed to 0: exp2f's range check (a compare and two predicated multiplies around
+// each MUFU.EX2, for denormal results) buys nothing in a softmax whose weights become fp16 (smallest 2^-24).
+// -inf gives 0 and NaN NaN, as exp2f.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __device__ __forceinline__ uint32_t hmul2_u32(uint32_t a, uint32_t b) {
   __half2 r = __hmul2(*reinterpret_cast<__half2*>(&a), *reinterpret_cast<__half2*>(&b));
   return *reinterpret_cast<uint32_t*>(&r);
@@ -547,7 +556,7 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : kHB == 1 ? 4 : 3) 
 #pragma unroll
           for (int hb = 0; hb < kHB; ++hb)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) cf[hb][e] = cap_l2 * (1.f - __fdividef(2.f, exp2f(cf[hb][e] * cap2) + 1.f));
+            for (int e = 0; e < 4; ++e) cf[hb][e] = cap_l2 * (1.f - __fdividef(2.f, exp2_ftz(cf[hb][e] * cap2) + 1.f));
         }
 #endif
 #pragma unroll
@@ -583,29 +592,29 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : kHB == 1 ? 4 : 3) 
               quad_max(fmaxf(fmaxf(st[hb][0][j], st[hb][0][j + 2]), fmaxf(st[hb][1][j], st[hb][1][j + 2])));
           const float m_new = fmaxf(m_t[hb][j], mx);
           const float m_use = m_new == -INFINITY ? 0.f : m_new;
-          const float alpha_l = exp2f(m_t[hb][j] - m_use);
+          const float alpha_l = exp2_ftz(m_t[hb][j] - m_use);
           float sum = 0.f;
           if constexpr (kMx) {
             const float mvx = quad_max(fmaxf(fmaxf(st[hb][0][j] + ev[0][0], st[hb][0][j + 2] + ev[0][1]),
                                              fmaxf(st[hb][1][j] + ev[1][0], st[hb][1][j + 2] + ev[1][1])));
             const float mv_new = fmaxf(mv_t[hb][j], mvx);
             const float mv_use = mv_new == -INFINITY ? 0.f : mv_new;
-            alpha[hb][j] = exp2f(mv_t[hb][j] - mv_use);
+            alpha[hb][j] = exp2_ftz(mv_t[hb][j] - mv_use);
 #pragma unroll
             for (int mb = 0; mb < 2; ++mb)
 #pragma unroll
               for (int h = 0; h < 2; ++h) {
                 float& x = st[hb][mb][j + 2 * h];
-                sum += exp2f(x - m_use);
-                x = exp2f(x + ev[mb][h] - mv_use);
+                sum += exp2_ftz(x - m_use);
+                x = exp2_ftz(x + ev[mb][h] - mv_use);
               }
             mv_t[hb][j] = mv_new;
           } else {
             alpha[hb][j] = alpha_l;
 #pragma unroll
             for (int mb = 0; mb < 2; ++mb) {
-              st[hb][mb][j] = exp2f(st[hb][mb][j] - m_use);
-              st[hb][mb][j + 2] = exp2f(st[hb][mb][j + 2] - m_use);
+              st[hb][mb][j] = exp2_ftz(st[hb][mb][j] - m_use);
+              st[hb][mb][j + 2] = exp2_ftz(st[hb][mb][j + 2] - m_use);
               sum += st[hb][mb][j] + st[hb][mb][j + 2];
             }
           }
