@@ -277,7 +277,7 @@ __device__ __forceinline__ bool cu_seqlens_ok(const Args& a, bool record) {
 // rows (token i, head h of the group) in passes of 8 kHB, over the split's keys.
 // kPageShift: log2 of the page size when known at compile time (address arithmetic folds), -1 to read it from a.
 template <int D, int kPageShift, int kHB, bool kMx>
-__global__ void __launch_bounds__(kWarps * 32, D == 256 || kHB == 2 ? 2 : 4) fp4_attention_kernel(Args a) {
+__global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : kHB == 1 ? 4 : 3) fp4_attention_kernel(Args a) {
   constexpr int kKSteps = D / 16;  // QK k-steps; PV's m-blocks of output dims
   constexpr int kRows = 8 * kHB;   // query rows a pass
   const int kvh = blockIdx.x, b = blockIdx.y, split = blockIdx.z;
