@@ -404,3 +404,20 @@ def test_serve_bench_small_runs_and_writes_json_and_png(tmp_path):
     assert all(r["tokens_per_s"] > 0 for r in result["records"])
     assert json.loads((tmp_path / "s.json").read_text())["records"] == result["records"]
     assert (tmp_path / "s.png").stat().st_size > 1000
+
+
+def test_serve_bench_append_keeps_the_other_parts_records_and_model_shapes(tmp_path):
+    """A grid run in parts (`--append`): the second part's run keeps the first part's records and the shapes of
+    its families (the plot titles them), and replaces a record only where family, format, mode, batch and
+    context are equal."""
+    from attnops.bench import serve as serve_bench
+    path = tmp_path / "grid.json"
+    common = ["--small", "--batches", "2", "--contexts", "40", "--steps", "2", "--warmup", "1", "--json", str(path)]
+    serve_bench.main(common + ["--family", "llama", "--modes", "eager"])
+    serve_bench.main(common + ["--family", "qwen2", "--modes", "eager", "--append"])
+    result = serve_bench.main(common + ["--family", "qwen2", "--modes", "eager", "--append", "--plot",
+                                        str(tmp_path / "grid.png")])
+    saved = json.loads(path.read_text())
+    assert sorted((r["family"], r["mode"]) for r in saved["records"]) == [("llama", "eager"), ("qwen2", "eager")]
+    assert sorted(saved["models"]) == ["llama", "qwen2"] == sorted(result["models"])
+    assert (tmp_path / "grid.png").stat().st_size > 1000

@@ -337,18 +337,21 @@ def plot(result, path) -> None:
     records = result["records"]
     families = list(dict.fromkeys(r.get("family", "llama") for r in records))
     contexts = sorted({r["context"] for r in records})
+    # one order and one colour per series in every panel: attnops' series first, then transformers'
+    names = sorted(dict.fromkeys(label(r) for r in records), key=lambda n: (n.startswith("transformers"), n))
+    colours = {name: f"C{i % 10}" for i, name in enumerate(names)}
     fig, axes = plt.subplots(len(families), len(contexts), figsize=(7 * len(contexts), 4.5 * len(families)),
                              squeeze=False)
     for row, family in zip(axes, families):
         for ax, context in zip(row, contexts):
             chosen = [r for r in records if r.get("family", "llama") == family and r["context"] == context]
             batches = sorted({r["batch"] for r in chosen})
-            series = list(dict.fromkeys(label(r) for r in chosen))
+            series = [name for name in names if any(label(r) == name for r in chosen)]
             width = 0.8 / max(len(series), 1)
             for i, name in enumerate(series):
                 values = [next((r["tokens_per_s"] or 0 for r in chosen if label(r) == name and r["batch"] == b), 0)
                           for b in batches]
-                ax.bar([j + i * width for j in range(len(batches))], values, width, label=name)
+                ax.bar([j + i * width for j in range(len(batches))], values, width, label=name, color=colours[name])
             ax.set_xticks([j + width * (len(series) - 1) / 2 for j in range(len(batches))], [str(b) for b in batches])
             ax.set_xlabel("batch")
             ax.set_ylabel("decode tokens/s")
@@ -447,10 +450,11 @@ def main(argv=None) -> dict:
         modes.remove("transformers-cb")
     ours = [m for m in ATTNOPS_MODES if m in modes]  # compiled before compiled+graphs
 
-    old_records = []
+    old_records, models = [], {}
     if args.json and args.append and Path(args.json).exists():
-        old_records = json.loads(Path(args.json).read_text())["records"]
-    records, models = [], {}
+        old = json.loads(Path(args.json).read_text())
+        old_records, models = old["records"], dict(old.get("models", {}))  # (the shapes of the families kept)
+    records = []
 
     def key(r):
         return (r.get("family", "llama"), r.get("model_code", "attnops"), r.get("kv_format"), r["mode"], r["batch"],
