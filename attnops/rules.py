@@ -87,7 +87,7 @@ def _fill(features: dict, times: dict, names) -> tuple[dict, dict]:
             {n: times[n] if n in times else UNSERVED * slowest for n in names})
 
 
-def fit(samples, names, max_depth: int = 8, min_gain: float = 0.01) -> dict:
+def fit(samples, names, max_depth: int = 9, min_gain: float = 0.01) -> dict:
     """A tree from `samples` [(features dict, {backend: us})], each timed on some backends of `names` (one with
     no time declines the case: UNSERVED). A split is kept only if it saves at least `min_gain` (log units, summed
     over cases: 0.01 is 1% of one case)."""
