@@ -22,6 +22,11 @@
 #   ab        an A/B of the Triton kernels of two source trees in one run: builds the tree in $AB_OLD in place and
 #             runs each tree's benchmark on $AB_ARGS (Triton only; the A tree's must be benchmarks/bench.py, as
 #             before attnops.bench): $results/ab-old.json, $results/ab-new.json
+#   ab-cuda   an A/B of the 4-bit CUDA kernel across source trees in one run: each tree in $AB_TREES (e.g. made by
+#             `git archive <rev> | tar -x -C DIR`) built in place, in parallel, then each timed on the fp4 grid in
+#             turn, $AB_ROUNDS rounds (default 2) alternating the trees, this tree's package uninstalled meanwhile
+#             (an editable install would win over the tree's own); AB_ARGS narrows the grid (e.g. --cases 32-8-64);
+#             $results/ab-cuda-<tree>-<round>.json and a table of each case's best time per tree
 #   tests     the GPU tests, suites in parallel processes (TEST_SUITES, default "capture triton flashinfer e2e":
 #             captures of the op; Triton under pytest-xdist; FlashInfer + graphs + devices; end to end; also "spec"
 #             (sinks, trees, merge, page sharing, cascade, LSE), "hf" (transformers models) and "cuda" (the 4-bit
@@ -131,6 +136,41 @@ for step in "$@"; do
       python3 -c "import attnops; print('B:', attnops.__file__)"
       timeout 200 python3 -m attnops bench --backends triton --peers --graph-only --rep-ms 50 ${AB_ARGS:-} \
         --json "$results/ab-new.json" > /tmp/ab-new.txt 2>&1; tail -2 /tmp/ab-new.txt; stamp ab ;;
+    ab-cuda)
+      trees=(${AB_TREES:?set AB_TREES to source trees}); build_pids=""
+      for tree in "${trees[@]}"; do
+        (cd "$tree" && MAX_JOBS=4 python3 setup.py -q build_ext --inplace > "/tmp/ab-build-$(basename "$tree").log" 2>&1) &
+        build_pids="$build_pids $!"
+      done
+      wait $build_pids; stamp "ab-cuda built"
+      python3 -m pip uninstall -q -y attnops
+      for round in $(seq 1 ${AB_ROUNDS:-2}); do
+        for tree in "${trees[@]}"; do
+          name=$(basename "$tree")
+          (cd "$tree" && timeout ${AB_TIMEOUT:-200} python3 -m attnops bench --grid fp4 --backends cuda --peers \
+            --graph-only --rep-ms ${REP_MS:-30} ${AB_ARGS:-} --json "$results/ab-cuda-$name-$round.json" \
+            > "/tmp/ab-cuda-$name-$round.txt" 2>&1) || { echo "$name: failed"; tail -5 "/tmp/ab-cuda-$name-$round.txt"; \
+            tail -5 "/tmp/ab-build-$name.log"; }
+        done
+      done
+      python3 -m pip install -q --no-build-isolation --no-deps -e . > /tmp/build.log 2>&1
+      python3 - "$results" "${trees[@]}" <<'PY'
+import glob, json, os, sys
+results, trees = sys.argv[1], [os.path.basename(t) for t in sys.argv[2:]]
+best = {}  # case -> tree -> best graph time over the rounds (us)
+for tree in trees:
+    for path in glob.glob(f"{results}/ab-cuda-{tree}-*.json"):
+        for r in json.load(open(path))["records"]:
+            if r.get("status") == "ok" and r.get("graph_us"):
+                cell = best.setdefault(r["case"], {})
+                cell[tree] = min(cell.get(tree, float("inf")), r["graph_us"])
+print(f"{'case':<40}" + "".join(f"{t[:22]:>24}" for t in trees))
+for case, cell in best.items():
+    base = cell.get(trees[0])
+    print(f"{case:<40}" + "".join(f"{cell[t]:>14.1f} us" + (f" x{base / cell[t]:.3f}" if base and t in cell else "")
+                                   if t in cell else f"{'-':>24}" for t in trees))
+PY
+      stamp ab-cuda ;;
     tests)
       limit=${TESTS_TIMEOUT:-240}
       suites=${TEST_SUITES:-capture triton flashinfer e2e}
