@@ -24,8 +24,9 @@
 #             before attnops.bench): $results/ab-old.json, $results/ab-new.json
 #   ab-cuda   an A/B of the 4-bit CUDA kernel across source trees in one run: each tree in $AB_TREES (e.g. made by
 #             `git archive <rev> | tar -x -C DIR`) built in place, in parallel, then each timed on the fp4 grid in
-#             turn, $AB_ROUNDS rounds (default 2) alternating the trees, this tree's package uninstalled meanwhile
-#             (an editable install would win over the tree's own); AB_ARGS narrows the grid (e.g. --cases 32-8-64);
+#             turn, $AB_ROUNDS rounds (default 2) alternating the trees, this tree's package (if installed: no need
+#             to build it first) uninstalled meanwhile (an editable install would win over the tree's own) and
+#             reinstalled after; AB_ARGS narrows the grid (e.g. --cases 32-8-64);
 #             $results/ab-cuda-<tree>-<round>.json and a table of each case's best time per tree
 #   tests     the GPU tests, suites in parallel processes (TEST_SUITES, default "capture triton flashinfer e2e":
 #             captures of the op; Triton under pytest-xdist; FlashInfer + graphs + devices; end to end; also "spec"
@@ -143,7 +144,8 @@ for step in "$@"; do
         build_pids="$build_pids $!"
       done
       wait $build_pids; stamp "ab-cuda built"
-      python3 -m pip uninstall -q -y attnops
+      installed=$(python3 -m pip show -q attnops > /dev/null 2>&1 && echo 1)
+      [ -n "$installed" ] && python3 -m pip uninstall -q -y attnops
       for round in $(seq 1 ${AB_ROUNDS:-2}); do
         for tree in "${trees[@]}"; do
           name=$(basename "$tree")
@@ -153,7 +155,8 @@ for step in "$@"; do
             tail -5 "/tmp/ab-build-$name.log"; }
         done
       done
-      python3 -m pip install -q --no-build-isolation --no-deps -e . > /tmp/build.log 2>&1
+      # (this tree's package back, for the steps after this one)
+      [ -n "$installed" ] && python3 -m pip install -q --no-build-isolation --no-deps -e . > /tmp/build.log 2>&1
       python3 - "$results" "${trees[@]}" <<'PY'
 import glob, json, os, sys
 results, trees = sys.argv[1], [os.path.basename(t) for t in sys.argv[2:]]
