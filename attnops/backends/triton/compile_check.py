@@ -319,29 +319,32 @@ def sass_profile(cubin: bytes) -> dict:
 
 
 def print_sass(formats_: list, q_dtype: str, target, sms: int, shared_per_block: int, overrides: dict,
-               case: str = "decode 128 x 4096") -> None:
-    """For each format, the heuristic's tile for `case` (one of HEURISTIC_SHAPES; 32 q / 8 KV heads, D=128, pages
-    of 16) on the target, with `overrides` (tunables, e.g. {"V_DEQUANT_FIRST": 1}; maxnreg 0 = no cap): its
+               case: str = "decode 128 x 4096", heads: tuple = (32, 8, 128)) -> None:
+    """For each format, the heuristic's tile for `case` (one of HEURISTIC_SHAPES; `heads` = (q heads, KV heads,
+    head dim), pages of 16) on the target, with `overrides` (tunables, e.g. {"V_DEQUANT_FIRST": 1}; maxnreg 0 = no cap): its
     registers and the instructions one thread issues per step of BLOCK_N keys. Decode of a quantized cache is bound
     by its instructions, not bytes, when these are high: this is the number to lower."""
     torch_q = TORCH_DTYPE[q_dtype]
     _, decode, batch, q_len, capacity = next(shape for shape in HEURISTIC_SHAPES + TREE_SHAPES if shape[0] == case)
     tree = any(shape[0] == case for shape in TREE_SHAPES)
     lse = case.startswith("prefix")
+    num_q_heads, num_kv_heads, head_dim = heads
+    group = num_q_heads // num_kv_heads
     for fmt in formats_:
         with _heuristic_for(target.arch, sms, shared_per_block):
-            cfg = dict(heuristics.heuristic_config(torch.device("cuda"), decode, batch, batch * q_len, 32, 8, 128,
-                                                   16, capacity, fmt, torch_q), **overrides)
+            cfg = dict(heuristics.heuristic_config(torch.device("cuda"), decode, batch, batch * q_len, num_q_heads,
+                                                   num_kv_heads, head_dim, 16, capacity, fmt, torch_q), **overrides)
         constexprs, options = heuristics.kernel_constexprs(cfg, q_dtype=torch_q, kv_format=fmt, decode=decode,
-                                                       num_q_heads=32, head_dim=128, group=4, page_size=16,
-                                                       window=False, soft_cap=False, on_gpu=True, tree=tree,
+                                                       num_q_heads=num_q_heads, head_dim=head_dim, group=group,
+                                                       page_size=16, window=False, soft_cap=False, on_gpu=True,
+                                                       tree=tree,
                                                        lse=lse, offsets_fit_32=True)  # (a cache of the case's size)
         compiled = compile_one(paged_attention_kernel, attention_types(fmt, q_dtype, lse), constexprs, target,
                                **options)
         prof = sass_profile(compiled.asm["cubin"])
-        values = constexprs["BLOCK_N"] * 128 * 2 / (32 * options["num_warps"])  # K and V values a thread, a step
+        values = constexprs["BLOCK_N"] * head_dim * 2 / (32 * options["num_warps"])  # K and V values a thread, a step
         top = ", ".join(f"{op} {n}" for op, n in prof["ops"].most_common(12))
-        print(f"{case}, {fmt} ({q_dtype} q): BLOCK_Q {constexprs['BLOCK_Q']}, BLOCK_N {constexprs['BLOCK_N']}, "
+        print(f"{case}, {num_q_heads}/{num_kv_heads}/{head_dim}, {fmt} ({q_dtype} q): BLOCK_Q {constexprs['BLOCK_Q']}, BLOCK_N {constexprs['BLOCK_N']}, "
               f"{options['num_warps']} warps, "
               f"{options['num_stages']} stages{', maxnreg ' + str(options['maxnreg']) if 'maxnreg' in options else ''}"
               f": {prof['registers']} registers, {prof['stack']} stack bytes; main loop {prof['loop']} instructions a "
@@ -399,6 +402,8 @@ def main():
     parser.add_argument("--case", default="decode 128 x 4096",
                         choices=[shape[0] for shape in HEURISTIC_SHAPES + TREE_SHAPES],
                         help="--sass: the shape whose heuristic tile is compiled")
+    parser.add_argument("--heads", default="32/8/128", metavar="HQ/HKV/D",
+                        help="--sass: query heads, KV heads and head dim of the case")
     parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
                         help="--sass: tunables to set on the heuristic's tile, e.g. V_DEQUANT_FIRST=1 maxnreg=0")
     parser.add_argument("--sms", type=int, default=132,
@@ -412,7 +417,8 @@ def main():
     t0 = time.time()
     if opts.sass:
         overrides = {key: int(value) for key, value in (item.split("=", 1) for item in opts.set)}
-        print_sass(opts.sass, opts.q_dtype, target, opts.sms, opts.shared, overrides, opts.case)
+        heads = tuple(int(x) for x in opts.heads.split("/"))
+        print_sass(opts.sass, opts.q_dtype, target, opts.sms, opts.shared, overrides, opts.case, heads)
         return
     if opts.heuristic:
         failures = check_heuristic(target, opts.sms, opts.shared, opts.quick)
