@@ -54,8 +54,11 @@ DECODE_CASES = {
 }
 DEFAULT_CASES = tuple(DECODE_CASES)  # the benchmark grid's decode cases
 DECODE_CASES["64x1024"] = [1024] * 64  # cascade's suffix pass (issue 25): opt in with --cases
+DECODE_CASES["32x8192"] = [8192] * 32  # the fp8 bar's case (issue 24): opt in with --cases
 TILE_CASES = ("128x4096", "1x32768")
-CHUNKS = (128, 256, 512, 1024, 2048, 4096, 8192, None)  # None: one split per sequence
+# None: one split per sequence. 1536 and 3072 split 4096 and 8192 keys in three and 8192 in six: a split count that
+# is no power of two fills an SM count's waves differently (256 programs x 3 on 132 SMs x 3)
+CHUNKS = (128, 256, 512, 1024, 1536, 2048, 3072, 4096, 8192, None)
 
 
 # verify and prefill cases, bf16: name -> (KV lengths, query lengths)
