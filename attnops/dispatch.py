@@ -102,12 +102,27 @@ def rule_leaf(case: AttentionCase) -> tuple[dict, list[str], tuple[int, int]] | 
     return leaf, path, arch
 
 
+def untimed(order, kv_format: str, table: dict) -> list[str]:
+    """The backends of `order` that the table timed on no format of `kv_format`'s family while another backend
+    of `order` was (its leaf, fitted on other formats, says nothing of them there); none for a table without the
+    record."""
+    timed = table.get("timed_formats")
+    family = formats.FORMATS[kv_format].family
+    if not timed or not any(family in timed.get(n, ()) for n in order):
+        return []
+    return [n for n in order if family not in timed.get(n, ())]
+
+
 def policy(case: AttentionCase | CacheWriteCase) -> tuple[str, ...]:
-    """The backends to try for `case`, in order: the measured rule's order for attention on a GPU, then the
-    static order for the rest."""
+    """The backends to try for `case`, in order: the measured rule's order for attention on a GPU, the backends
+    never timed on the case's format moved behind the timed ones (a backend that learns a format is not chosen
+    before the table is refitted with its times), then the static order for the rest."""
     static = STATIC_ORDER.get(case.device_type, ("reference",))
     decided = rule_leaf(case) if isinstance(case, AttentionCase) else None
     measured = decided[0]["order"] if decided else []
+    if decided:
+        late = untimed(measured, case.kv_format, arch_table(decided[2]))
+        measured = [n for n in measured if n not in late] + late
     return tuple(measured) + tuple(name for name in static if name not in measured)
 
 
@@ -155,8 +170,10 @@ class Explanation:
         where = f"sm_{arch[0]}{arch[1]}"
         if arch != self.case.arch:
             where += f", the nearest measured arch (none for sm_{self.case.arch[0]}{self.case.arch[1]})"
+        late = untimed(leaf["order"], self.case.kv_format, arch_table(arch))
         return (f"auto: rule measured on {where}, attnops/tables: {' and '.join(path) or 'every case'} -> "
-                f"{rules.describe_leaf(leaf)}")
+                f"{rules.describe_leaf(leaf)}" + (f"; never timed on {formats.FORMATS[self.case.kv_format].family}, "
+                                                  f"so tried after the timed: {', '.join(late)}" if late else ""))
 
 
 CAPTURE_WORDS = {capture.REPLANNED: "a CUDA graph whose driver re-plans before each replay (attnops.capture)",

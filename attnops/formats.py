@@ -31,6 +31,12 @@ class KVFormat:
     kernel_code: int = 0  # what the kernels' FMT constexpr is for this format (0: read as is, converted on load)
 
     @property
+    def family(self) -> str:
+        """What a timing of this format stands for: fp8_e4m3 and fp8_e5m2 ("fp8") share every kernel's code path
+        and bytes but the decode of a value, so a backend timed on one counts as timed on both (dispatch's tables)."""
+        return "fp8" if self.scale == "tensor" else self.name
+
+    @property
     def default_scale_kind(self) -> str:
         """The scale kind of a case in this format unless its scales say otherwise (fp8 may be per_head)."""
         return {"none": "none", "tensor": "per_tensor", "block": "block"}[self.scale]

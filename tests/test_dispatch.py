@@ -150,6 +150,39 @@ def test_rule_fits_the_measured_choices_and_generalises_by_features(monkeypatch)
     assert "triton within 3% of the fastest in 9" in text and "flashinfer 1.43x its time" in text
 
 
+def test_a_backend_never_timed_on_a_format_is_tried_after_the_timed_ones(monkeypatch):
+    """A rule's leaf fitted on one format says nothing of a backend's speed on another: the table records which
+    formats (fp8's two as one family) each backend was timed on, and dispatch tries the untimed ones last, so a
+    backend that learns a format is not chosen before the table is refitted with its times."""
+    tune = _tune()
+    records = []
+    for batch in (1, 32, 128):  # cuda timed on nvfp4 only, fastest there; triton and flashinfer on fp8 and bf16
+        records += [_record(f"nvfp4/{batch}", "cuda", 50, fmt="nvfp4", batch=batch),
+                    _record(f"nvfp4/{batch}", "triton", 100, fmt="nvfp4", batch=batch),
+                    _record(f"fp8/{batch}", "triton", 70, fmt="fp8_e4m3", batch=batch),
+                    _record(f"fp8/{batch}", "flashinfer", 100, fmt="fp8_e4m3", batch=batch),
+                    _record(f"bf16/{batch}", "flashinfer", 80, batch=batch),
+                    _record(f"bf16/{batch}", "triton", 100, batch=batch)]
+    names = ["flashinfer", "triton", "cuda"]
+    cases = tune.collect(records, set(names))
+    timed = tune.timed_formats(cases, names)
+    assert timed == {"flashinfer": ["bf16", "fp8"], "triton": ["bf16", "fp8", "nvfp4"], "cuda": ["nvfp4"]}
+    # one leaf for every format, cuda first (as a leaf fitted on nvfp4 would order a format it never saw)
+    rule = {"order": ["cuda", "triton", "flashinfer"], "cases": 9, "right": 3, "slower": [None, None]}
+    table = {"rule": rule, "timed_formats": timed}
+    monkeypatch.setattr(dispatch, "arch_table", lambda arch: table)
+    monkeypatch.setattr(dispatch, "rule_arch", lambda arch: (9, 0))
+    fp8 = dict(kv_format="fp8_e5m2", scale_kind="per_tensor")  # (never timed itself: e4m3 stands for it)
+    assert dispatch.policy(_cuda_case(**fp8)) == ("triton", "flashinfer", "cuda", "reference")
+    assert dispatch.policy(_cuda_case(kv_format="nvfp4", scale_kind="block")) == (
+        "cuda", "triton", "flashinfer", "reference")
+    assert dispatch.policy(_cuda_case(kv_format="fp16")) == ("cuda", "triton", "flashinfer", "reference")  # no one
+    text = dispatch._explain_case(_cuda_case(**fp8), None).rule_text()
+    assert text.endswith("never timed on fp8, so tried after the timed: cuda"), text
+    table.pop("timed_formats")  # a table written before the record: the leaf's order as it is
+    assert dispatch.policy(_cuda_case(**fp8))[0] == "cuda"
+
+
 def test_verify_rows_reach_the_rule_from_the_op_shapes(monkeypatch):
     """The query rows a (sequence, KV head) brings, group x query tokens a sequence (from the shapes: T / B rounded
     up), are a feature: verify of 4 and of 8 tokens on the same heads can go to different backends, as measured."""

@@ -68,6 +68,13 @@ def collect(records, backends):
     return cases
 
 
+def timed_formats(cases, names) -> dict:
+    """{backend: the format families (formats.KVFormat.family) it has a time for}: dispatch puts a backend behind
+    the timed ones on a format it was never timed on, whatever the rule's leaf says."""
+    return {n: sorted({formats.FORMATS[f["kv_format"]].family for f, t, _, _ in cases.values() if n in t})
+            for n in names}
+
+
 def check(rule, cases, names) -> list:
     """Per case timed on at least two backends of `names`: the rule's choice (the first of its leaf's order that
     has a time: one without declines the case, as dispatch would pass it over) against the fastest."""
@@ -175,7 +182,8 @@ def main(argv=None):
     per_case, held_out, autos = check(rule, cases, names), cross_validate(cases, names), auto_rows(cases)
     out = Path(args.out or TABLES / f"{args.arch}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(arch=args.arch, sources=sources, backends=names, rule=rule, per_case=per_case,
+    out.write_text(json.dumps(dict(arch=args.arch, sources=sources, backends=names,
+                                   timed_formats=timed_formats(cases, names), rule=rule, per_case=per_case,
                                    held_out_head_shapes=held_out, auto_measured=autos), indent=1))
     print(f"wrote {out}\n\nthe rule:\n{rules.render(rule)}")
     print(summary(per_case, "the rule on the cases it was fitted to"))
