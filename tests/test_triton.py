@@ -612,6 +612,8 @@ for v in picked:
         prof = cc.sass_profile(compiled.asm["cubin"])
         assert prof["ops"]["HMMA"] > 0 and 100 < prof["loop"] < prof["instructions"], prof
         assert prof["registers"] > 0, prof
+# --sass at a head shape of its own (--heads): the heuristic's tile for it, its loop counted a K/V value at D = 64
+cc.print_sass(["fp8_e4m3"], "bf16", target, 132, 232448, {}, "decode 128 x 4096", (32, 8, 64))
 cc.compile_cache_write("nvfp4", "bf16", 64, target)
 cc.compile_cache_write("fp8_e4m3", "fp32", 128, target)
 cc.compile_page_layout(True, target)
@@ -629,6 +631,8 @@ print("compiled")
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
     assert result.stdout.count("fits:") == 2, result.stdout
+    sass = next(line for line in result.stdout.splitlines() if line.startswith("decode 128 x 4096, 32/8/64"))
+    assert "fp8_e4m3 (bf16 q): BLOCK_Q 1, BLOCK_N 128" in sass and "instructions a thread a step" in sass, sass
 
 
 # ----------------------------------------------------------------------------------------------------------------
