@@ -51,6 +51,9 @@
 #             compiled (after `jit`)
 #   fp4       python -m attnops bench --grid fp4 (4-bit decode and verify against FlashInfer's bf16, same run):
 #             $results/fp4.{json,png,txt}
+#   fp8       issue 24's fp8 bar: the models grid's fp8 e4m3 decode at 32 x 8192 and 128 x 4096 on every head shape
+#             (per tensor and per head), every backend that serves it (FP8_BACKENDS, default cuda triton flashinfer;
+#             after `jit` for FlashInfer's), one run: $results/fp8.{json,png,txt}
 #   fuzz      tests/test_fuzz.py's GPU part: $FUZZ_CASES (default 1000) seeded cases each for triton, flashinfer,
 #             auto dispatch and the cuda backend (FUZZ_K: a pytest -k expression), random corruptions included (after `jit` and `fuzz-warm`, so that FlashInfer's and
 #             Triton's kernels are built); pytest-xdist over FUZZ_WORKERS processes; $results/fuzz.log. FUZZ_SEED
@@ -240,6 +243,11 @@ PY
       timeout ${FP4_TIMEOUT:-420} python3 -m attnops bench --grid fp4 --backends cuda triton flashinfer --peers \
         --graph-only --rep-ms ${REP_MS:-30} --json "$results/fp4.json" --plot "$results/fp4.png" > "$results/fp4.txt" 2>&1
       grep -E " ok " "$results/fp4.txt" | tail -40; stamp fp4 ;;
+    fp8)
+      timeout ${FP8_TIMEOUT:-420} python3 -m attnops bench --grid models --formats fp8_e4m3 --cases '*/32x8192' \
+        '*/128x4096' --backends ${FP8_BACKENDS:-cuda triton flashinfer} --peers --graph-only --rep-ms ${REP_MS:-20} \
+        --json "$results/fp8.json" --plot "$results/fp8.png" > "$results/fp8.txt" 2>&1
+      grep -E " ok " "$results/fp8.txt" | tail -60; stamp fp8 ;;
     sanitize)
       sanitizer=$(command -v compute-sanitizer || echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer")
       PYTORCH_NO_CUDA_MEMORY_CACHING=1 ATTNOPS_FUZZ_GUARD=0 ATTNOPS_FUZZ_CASES=${SANITIZE_CASES:-20} \
