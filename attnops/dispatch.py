@@ -171,9 +171,12 @@ class Explanation:
         if arch != self.case.arch:
             where += f", the nearest measured arch (none for sm_{self.case.arch[0]}{self.case.arch[1]})"
         late = untimed(leaf["order"], self.case.kv_format, arch_table(arch))
-        return (f"auto: rule measured on {where}, attnops/tables: {' and '.join(path) or 'every case'} -> "
-                f"{rules.describe_leaf(leaf)}" + (f"; never timed on {formats.FORMATS[self.case.kv_format].family}, "
-                                                  f"so tried after the timed: {', '.join(late)}" if late else ""))
+        text = (f"auto: rule measured on {where}, attnops/tables: {' and '.join(path) or 'every case'} -> "
+                f"{rules.describe_leaf(leaf)}")
+        if late:
+            text += (f"; never timed on {formats.FORMATS[self.case.kv_format].family}, so tried after the timed: "
+                     f"{', '.join(late)}")
+        return text
 
 
 CAPTURE_WORDS = {capture.REPLANNED: "a CUDA graph whose driver re-plans before each replay (attnops.capture)",

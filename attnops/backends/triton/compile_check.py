@@ -321,9 +321,9 @@ def sass_profile(cubin: bytes) -> dict:
 def print_sass(formats_: list, q_dtype: str, target, sms: int, shared_per_block: int, overrides: dict,
                case: str = "decode 128 x 4096", heads: tuple = (32, 8, 128)) -> None:
     """For each format, the heuristic's tile for `case` (one of HEURISTIC_SHAPES; `heads` = (q heads, KV heads,
-    head dim), pages of 16) on the target, with `overrides` (tunables, e.g. {"V_DEQUANT_FIRST": 1}; maxnreg 0 = no cap): its
-    registers and the instructions one thread issues per step of BLOCK_N keys. Decode of a quantized cache is bound
-    by its instructions, not bytes, when these are high: this is the number to lower."""
+    head dim), pages of 16) on the target, with `overrides` (tunables, e.g. {"V_DEQUANT_FIRST": 1}; maxnreg 0 = no
+    cap): its registers and the instructions one thread issues per step of BLOCK_N keys. Decode of a quantized
+    cache is bound by its instructions, not bytes, when these are high: this is the number to lower."""
     torch_q = TORCH_DTYPE[q_dtype]
     _, decode, batch, q_len, capacity = next(shape for shape in HEURISTIC_SHAPES + TREE_SHAPES if shape[0] == case)
     tree = any(shape[0] == case for shape in TREE_SHAPES)
@@ -337,15 +337,15 @@ def print_sass(formats_: list, q_dtype: str, target, sms: int, shared_per_block:
         constexprs, options = heuristics.kernel_constexprs(cfg, q_dtype=torch_q, kv_format=fmt, decode=decode,
                                                        num_q_heads=num_q_heads, head_dim=head_dim, group=group,
                                                        page_size=16, window=False, soft_cap=False, on_gpu=True,
-                                                       tree=tree,
-                                                       lse=lse, offsets_fit_32=True)  # (a cache of the case's size)
+                                                       tree=tree, lse=lse,
+                                                       offsets_fit_32=True)  # (a cache of the case's size)
         compiled = compile_one(paged_attention_kernel, attention_types(fmt, q_dtype, lse), constexprs, target,
                                **options)
         prof = sass_profile(compiled.asm["cubin"])
         values = constexprs["BLOCK_N"] * head_dim * 2 / (32 * options["num_warps"])  # K and V values a thread, a step
         top = ", ".join(f"{op} {n}" for op, n in prof["ops"].most_common(12))
-        print(f"{case}, {num_q_heads}/{num_kv_heads}/{head_dim}, {fmt} ({q_dtype} q): BLOCK_Q {constexprs['BLOCK_Q']}, BLOCK_N {constexprs['BLOCK_N']}, "
-              f"{options['num_warps']} warps, "
+        print(f"{case}, {num_q_heads}/{num_kv_heads}/{head_dim}, {fmt} ({q_dtype} q): BLOCK_Q {constexprs['BLOCK_Q']}, "
+              f"BLOCK_N {constexprs['BLOCK_N']}, {options['num_warps']} warps, "
               f"{options['num_stages']} stages{', maxnreg ' + str(options['maxnreg']) if 'maxnreg' in options else ''}"
               f": {prof['registers']} registers, {prof['stack']} stack bytes; main loop {prof['loop']} instructions a "
               f"thread a step ({prof['loop'] / values:.1f} per K/V value): {top}"
