@@ -22,11 +22,12 @@
 #   ab        an A/B of the Triton kernels of two source trees in one run: builds the tree in $AB_OLD in place and
 #             runs each tree's benchmark on $AB_ARGS (Triton only; the A tree's must be benchmarks/bench.py, as
 #             before attnops.bench): $results/ab-old.json, $results/ab-new.json
-#   ab-cuda   an A/B of the 4-bit CUDA kernel across source trees in one run: each tree in $AB_TREES (e.g. made by
+#   ab-cuda   an A/B of the CUDA kernels across source trees in one run: each tree in $AB_TREES (e.g. made by
 #             `git archive <rev> | tar -x -C DIR`) built in place, in parallel, then each timed on the fp4 grid in
 #             turn, $AB_ROUNDS rounds (default 2) alternating the trees, this tree's package (if installed: no need
 #             to build it first) uninstalled meanwhile (an editable install would win over the tree's own) and
-#             reinstalled after; AB_ARGS narrows the grid (e.g. --cases 32-8-64);
+#             reinstalled after; AB_GRID picks another grid (e.g. models, with AB_ARGS="--formats fp8_e4m3"),
+#             AB_ARGS narrows it (e.g. --cases 32-8-64);
 #             $results/ab-cuda-<tree>-<round>.json and a table of each case's best time per tree
 #   tests     the GPU tests, suites in parallel processes (TEST_SUITES, default "capture triton flashinfer e2e":
 #             captures of the op; Triton under pytest-xdist; FlashInfer + graphs + devices; end to end; also "spec"
@@ -152,7 +153,7 @@ for step in "$@"; do
       for round in $(seq 1 ${AB_ROUNDS:-2}); do
         for tree in "${trees[@]}"; do
           name=$(basename "$tree")
-          (cd "$tree" && timeout ${AB_TIMEOUT:-200} python3 -m attnops bench --grid fp4 --backends cuda --peers \
+          (cd "$tree" && timeout ${AB_TIMEOUT:-200} python3 -m attnops bench --grid ${AB_GRID:-fp4} --backends cuda --peers \
             --graph-only --rep-ms ${REP_MS:-30} ${AB_ARGS:-} --json "$results/ab-cuda-$name-$round.json" \
             > "/tmp/ab-cuda-$name-$round.txt" 2>&1) || { echo "$name: failed"; tail -5 "/tmp/ab-cuda-$name-$round.txt"; \
             tail -5 "/tmp/ab-build-$name.log"; }
