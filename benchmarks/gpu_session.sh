@@ -12,7 +12,9 @@
 #             COMPARE_ARGS="--rounds 5 --extend-cases 'verify16 32x4096' 'tree16 32x4096'"
 #   overhead  benchmarks/overhead.py --profile (eager per-call cost of the op against the kernels)
 #   breakdown benchmarks/decode_breakdown.py $BREAKDOWN_ARGS (a decode's time by stage: op, attention kernel
-#             alone, merge, a plain read of the same bytes, one launch)
+#             alone, merge, plain reads of the same bytes: through the block table as the decode reads them, and
+#             contiguous; one launch). BREAKDOWN_ARGS="--backend cuda --formats nvfp4 mxfp4 fp8_e4m3 ..." for the
+#             cuda backend's decode
 #   bench     python -m attnops bench $BENCH_ARGS (JSON + PNG), on a quiet GPU
 #   jit       FlashInfer's kernels for every head dim (64, 128, 256) x KV type (bf16, fp8) of the models grid,
 #             JIT-built in parallel processes (`python -m attnops warmup` with FlashInfer pinned); jit-start ...

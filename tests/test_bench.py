@@ -88,3 +88,46 @@ def test_serve_bench_reads_result_files_older_than_its_model_code_retirement(tmp
     result = dict(records=records, environment=dict(gpu="test", commit="0" * 40), dtype="bf16")
     serve.plot(result, tmp_path / "old.png")
     assert (tmp_path / "old.png").stat().st_size > 1000
+
+
+def _xor_of_bytes(*tensors) -> int:
+    import numpy as np
+    data = np.concatenate([t.contiguous().view(torch.uint8).reshape(-1).numpy() for t in tensors])
+    return int(np.bitwise_xor.reduce(data)) if data.size else 0
+
+
+def test_decode_breakdown_paged_read_reads_exactly_the_bytes_a_decode_reads():
+    """benchmarks/decode_breakdown.py's paged read (the limit a decode is compared with) XORs the K and V rows (and
+    4-bit scale rows) of each program's keys: checked program by program against the bytes the block table points
+    at, for fixed splits (the cuda backend's plan) and splits by length (Triton's), on ragged lengths with 0 and 1."""
+    import importlib.util
+    import math
+    from pathlib import Path
+    from attnops.testing import random_paged_inputs
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "decode_breakdown.py"
+    spec = importlib.util.spec_from_file_location("decode_breakdown", path)
+    breakdown = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(breakdown)
+    lens = [0, 1, 300, 37]
+    cases = (("fp16", 64, 16, (3, 128, 0)), ("fp8_e4m3", 128, 8, (4, 64, 32)), ("nvfp4", 64, 16, (4, 64, 32)),
+             ("mxfp4", 128, 32, (2, 256, 0)))  # (format, head dim, page size, (splits, chunk, split_align))
+    for fmt, head_dim, page, (splits, chunk, align) in cases:
+        args = random_paged_inputs(lens, num_q_heads=4, num_kv_heads=2, head_dim=head_dim, page_size=page,
+                                   kv_format=fmt, q_dtype=torch.float16, seed=len(fmt))
+        tensors = [args["k_cache"], args["v_cache"]]
+        if fmt in ("nvfp4", "mxfp4"):
+            tensors += [args["k_scale"], args["v_scale"]]
+        table = args["block_table"].long()
+        sink = breakdown.paged_read(args, splits, chunk, align).view(len(lens), 2, splits)
+        for b, n in enumerate(lens):
+            if align:  # Triton's plan: ceil(n / chunk) splits (at most the grid's) of equal aligned length
+                used = max(1, min(math.ceil(n / chunk), splits))
+                split_len = math.ceil(math.ceil(n / used) / align) * align
+            else:
+                split_len = chunk
+            for h in range(2):
+                for s in range(splits):
+                    keys = torch.arange(s * split_len, max(s * split_len, min(n, (s + 1) * split_len)))
+                    pages, offsets = table[b, keys // page], keys % page
+                    expected = _xor_of_bytes(*(t[pages, offsets, h] for t in tensors))
+                    assert int(sink[b, h, s]) == expected, (fmt, b, h, s)
