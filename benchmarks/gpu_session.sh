@@ -15,6 +15,8 @@
 #             alone, merge, plain reads of the same bytes: through the block table as the decode reads them, and
 #             contiguous; one launch). BREAKDOWN_ARGS="--backend cuda --formats nvfp4 mxfp4 fp8_e4m3 ..." for the
 #             cuda backend's decode
+#   splits    benchmarks/cuda_splits.py $SPLITS_ARGS (the cuda backend's decode at every split count beside its
+#             plan's: $results/cuda-splits.json)
 #   bench     python -m attnops bench $BENCH_ARGS (JSON + PNG), on a quiet GPU
 #   jit       FlashInfer's kernels for every head dim (64, 128, 256) x KV type (bf16, fp8) of the models grid,
 #             JIT-built in parallel processes (`python -m attnops warmup` with FlashInfer pinned); jit-start ...
@@ -100,6 +102,9 @@ for step in "$@"; do
     breakdown)
       timeout ${BREAKDOWN_TIMEOUT:-180} python3 benchmarks/decode_breakdown.py ${BREAKDOWN_ARGS:-} \
         --json "$results/breakdown.json" > "$results/breakdown.log" 2>&1; tail -20 "$results/breakdown.log"; stamp breakdown ;;
+    splits)
+      timeout ${SPLITS_TIMEOUT:-300} python3 benchmarks/cuda_splits.py ${SPLITS_ARGS:-} --json "$results/cuda-splits.json" \
+        > "$results/cuda-splits.log" 2>&1; cut -c1-200 "$results/cuda-splits.log" | tail -40; stamp splits ;;
     bench)
       timeout ${BENCH_TIMEOUT:-300} python3 -m attnops bench ${BENCH_ARGS:-} --json "$results/bench.json" \
         --plot "$results/bench.png" > "$results/bench.txt" 2> /tmp/bench.err; tail -3 /tmp/bench.err
