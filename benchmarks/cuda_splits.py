@@ -6,10 +6,12 @@ blocks' waves (blocks / (blocks an SM holds x SMs)) line up with it.
     python benchmarks/cuda_splits.py                                   # nvfp4 and fp8_e4m3, 32/8/128, four cases
     python benchmarks/cuda_splits.py --formats fp8_e4m3 --shapes 32/8/128 32/8/64 16/1/128 --cases 32x8192 128x4096
     python benchmarks/cuda_splits.py --splits 1 2 3 4 6 8 --json splits.json
+    python benchmarks/cuda_splits.py --tokens 4 --cases 32x4096        # verify 4 tokens
 
 Times are CUDA-graph medians of the op (`attnops.paged_attention` pinned to the cuda backend: its attention and
-merge kernels), each split count's output checked against the reference before it is timed. Decode only (one
-query token a sequence), page size 16, bf16 queries, random pages.
+merge kernels), each split count's output checked against the reference before it is timed. Decode (one query
+token a sequence), or verify with --tokens N (N query tokens a sequence, causal, the 16-row kernel); page size 16,
+bf16 queries, random pages.
 """
 from __future__ import annotations
 
@@ -61,19 +63,21 @@ class PlanSpy:
         return plan
 
 
-def resident_blocks(fmt: str, group: int, head_dim: int):
-    """Blocks an SM of the variant this decode launches, where this build can say (None where it cannot)."""
+def resident_blocks(fmt: str, group: int, head_dim: int, decode: bool):
+    """Blocks an SM of the variant this call launches, where this build can say (None where it cannot)."""
     query = getattr(cuda_backend, "resident_blocks", None)
     if query is None:
         return None
-    return query(0, fmt, head_dim, PAGE, cuda_backend.wide_rows(True, group))
+    return query(0, fmt, head_dim, PAGE, cuda_backend.wide_rows(decode, group))
 
 
-def sweep(fmt: str, shape: tuple[int, int, int], case: str, counts, spy: PlanSpy) -> dict:
+def sweep(fmt: str, shape: tuple[int, int, int], case: str, tokens: int, counts, spy: PlanSpy) -> dict:
     hq, hkv, d = shape
     lens = CASES[case]
-    args = random_paged_inputs(lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=PAGE, kv_format=fmt,
-                               q_dtype=torch.bfloat16, device="cuda", seed=1, spare_pages=8, table_padding=0)
+    q_lens = None if tokens == 1 else [tokens] * len(lens)
+    args = random_paged_inputs(lens, q_lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=PAGE,
+                               kv_format=fmt, q_dtype=torch.bfloat16, device="cuda", seed=1, spare_pages=8,
+                               table_padding=0)
     ref = paged_attention_reference(**args, compute_dtype=torch.float32)
     out = torch.empty_like(args["q"])
 
@@ -82,9 +86,9 @@ def sweep(fmt: str, shape: tuple[int, int, int], case: str, counts, spy: PlanSpy
 
     tiles = math.ceil(args["block_table"].shape[1] * PAGE / cuda_backend.TILE)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    resident = resident_blocks(fmt, hq // hkv, d)
-    record = dict(format=fmt, heads=f"{hq}/{hkv}/{d}", case=case, tiles=tiles, sms=sms, resident=resident,
-                  times={}, errors={})
+    resident = resident_blocks(fmt, hq // hkv, d, tokens == 1)
+    record = dict(format=fmt, heads=f"{hq}/{hkv}/{d}", case=case, tokens=tokens, tiles=tiles, sms=sms,
+                  resident=resident, times={}, errors={})
     plans = {}
     for count in counts:  # each count's shortest whole-tile split length; counts past the tiles collapse
         chunk_tiles = math.ceil(tiles / count)
@@ -114,6 +118,15 @@ def sweep(fmt: str, shape: tuple[int, int, int], case: str, counts, spy: PlanSpy
     return record
 
 
+def summary(r: dict) -> str:
+    """One line a case: the plan's splits and time, the best count and the plan's time over it, the curve."""
+    curve = " ".join(f"{k}:{v:.1f}" for k, v in r["times"].items() if k != "plan")
+    line = (f"{r['format']:>9} {r['heads']:>9} {r['case']:>9} q{r['tokens']}  plan {r.get('plan', ['?'])[0]} splits "
+            f"{r['times'].get('plan', math.nan):.1f} us, best {r.get('best', ['?'])[0]} "
+            f"(plan/best x{r.get('plan_over_best', math.nan):.3f}), {r['resident']} blocks an SM | {curve}")
+    return line + (f" | wrong: {r['errors']}" if r["errors"] else "")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--formats", nargs="+", choices=cuda_backend.KV_FORMATS,
@@ -123,16 +136,20 @@ def main(argv=None):
                         help="head shapes, e.g. 32/8/128 32/8/64")
     parser.add_argument("--cases", nargs="+", default=list(DEFAULT_CASES), choices=sorted(CASES),
                         help="batch x keys of each sequence (ragged64: 64 log-uniform lengths, 256 to 64K)")
+    parser.add_argument("--tokens", type=int, default=1,
+                        help="query tokens a sequence: 1 decode (default), 2-16 verify (causal)")
     parser.add_argument("--splits", nargs="+", type=int, default=list(SPLIT_COUNTS),
                         help="split counts to time (each as even as whole 128-key tiles allow)")
     parser.add_argument("--json", help="write the records here")
     opts = parser.parse_args(argv)
+    if not 1 <= opts.tokens <= 16:
+        parser.error("--tokens: 1 (decode) to 16 (the cuda backend's verify)")
+    if any(s < 1 or s > cuda_backend.MAX_SPLITS for s in opts.splits):
+        parser.error(f"--splits: counts from 1 to {cuda_backend.MAX_SPLITS}")
     if not torch.cuda.is_available():
         sys.exit("cuda_splits.py times the cuda backend's kernels: it needs a CUDA GPU")
     if not cuda_backend.built():
         sys.exit("this build of attnops has no CUDA kernels (build it where torch has CUDA and nvcc is found)")
-    if any(s < 1 or s > cuda_backend.MAX_SPLITS for s in opts.splits):
-        parser.error(f"--splits: counts from 1 to {cuda_backend.MAX_SPLITS}")
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     spy = PlanSpy()
     cuda_backend.plan_splits = spy
@@ -142,14 +159,9 @@ def main(argv=None):
             for shape in opts.shapes:
                 for fmt in opts.formats:
                     for case in opts.cases:
-                        r = sweep(fmt, shape, case, opts.splits, spy)
+                        r = sweep(fmt, shape, case, opts.tokens, opts.splits, spy)
                         records.append(r)
-                        curve = " ".join(f"{k}:{v:.1f}" for k, v in r["times"].items() if k != "plan")
-                        plan = r.get("plan", ["?"])[0]
-                        print(f"{fmt:>9} {r['heads']:>9} {case:>9}  plan {plan} splits {r['times'].get('plan', 0):.1f}"
-                              f" us, best {r.get('best', ['?'])[0]} (plan/best x{r.get('plan_over_best', 0):.3f}),"
-                              f" {r['resident']} blocks an SM | {curve}"
-                              + (f" | wrong: {r['errors']}" if r["errors"] else ""), flush=True)
+                        print(summary(r), flush=True)
     finally:
         cuda_backend.plan_splits = spy.real
     if opts.json:
