@@ -152,15 +152,10 @@ class _NoMerge:
         return lambda *args, **kwargs: None
 
 
-def attention_programs(runner: Runner, fmt: str) -> int:
-    """Programs of the heuristic's attention grid that have work: KV heads x sequences x splits (about: the
-    device lengthens splits past MAX_SPLITS)."""
-    a = runner.args
-    cfg = theur.heuristic_config(a["q"].device, True, a["seq_lens"].numel(), a["q"].shape[0], a["q"].shape[1],
-                                   HKV, a["q"].shape[2], a["k_cache"].shape[1],
-                                   a["block_table"].shape[1] * a["k_cache"].shape[1], fmt, a["q"].dtype)
-    splits = [min(cfg["MAX_SPLITS"], max(1, -(-int(n) // cfg["CHUNK"]))) for n in a["seq_lens"].tolist()]
-    return HKV * sum(splits)
+def programs_with_work(seq_lens: torch.Tensor, splits: int, chunk: int) -> int:
+    """Programs of the plan's attention grid that have work: KV heads x the sum over sequences of their splits of
+    `chunk` keys (at least one, at most `splits`; about, for Triton: its device lengthens splits past MAX_SPLITS)."""
+    return HKV * sum(min(splits, max(1, -(-int(n) // chunk))) for n in seq_lens.tolist())
 
 
 def read_time_us(nbytes: int, programs: int, block: int = 2048, num_warps: int = 8) -> float:
@@ -198,13 +193,12 @@ def breakdown(case: str, fmt: str, backend: str) -> dict:
     splits, chunk, split_align = backend_plan(backend, runner.args, fmt)
     if backend == "cuda":
         op_us = cuda_op_time_us(runner)
-        programs = HKV * sum(min(splits, -(-int(n) // chunk)) for n in runner.args["seq_lens"].tolist())
     else:
         op_us = runner.time(None)  # checked against the reference first
         if op_us is None:
             raise RuntimeError(f"{case} {fmt}: the op failed or gave a wrong answer")
-        programs = attention_programs(runner, fmt)
-    row = dict(case=case, fmt=fmt, backend=backend, bytes=nbytes, programs=programs, op=op_us)
+    row = dict(case=case, fmt=fmt, backend=backend, bytes=nbytes, op=op_us,
+               programs=programs_with_work(runner.args["seq_lens"], splits, chunk))
     if backend == "triton":
         saved = tlaunch.merge_splits_kernel
         tlaunch.merge_splits_kernel = _NoMerge()
