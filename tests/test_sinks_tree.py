@@ -262,6 +262,46 @@ def test_sinks_change_the_answer_and_a_sink_of_minus_infinity_does_not():
         assert big.norm() < plain.norm()
 
 
+ROWS_WITHOUT_KEYS = [
+    ([0, 30], None),  # decode of an empty sequence
+    ([2, 9], [5, 3]),  # extend blocks with more queries than keys: their first rows sit before position 0
+]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize("config", [None, dict(MAX_SPLITS=3, CHUNK=16, BLOCK_N=16)], ids=["one-split", "splits"])
+def test_a_row_that_sees_no_key_is_zero_whatever_its_sink(device, backend, config):
+    """A sink of -inf is no sink, also on a row with no key: 0 and an LSE of -inf (not -inf - -inf = NaN); a
+    finite sink gives 0 and the sink as LSE."""
+    if device == "cuda" and backend != "triton":
+        pytest.skip("the C++ kernels run on the CPU, and the reference is checked there")
+    if config is not None and backend != "triton":
+        pytest.skip("a forced split plan is Triton's")
+    dtype = torch.float16 if device == "cpu" else torch.bfloat16
+    for kv_lens, q_lens in ROWS_WITHOUT_KEYS:
+        args = random_paged_inputs(kv_lens, q_lens, num_q_heads=4, num_kv_heads=2, q_dtype=dtype, device=device,
+                                   kv_format="fp16" if dtype == torch.float16 else "bf16")
+        empty = [0] if q_lens is None else [0, 1, 2]  # the rows that see no key (positions -1 and before)
+        for sink in (-math.inf, 1.5):
+            sinks = torch.full((4,), sink, device=device)
+            if config is None:
+                with attnops.use_backend(backend):
+                    out, lse = torch.ops.attnops.paged_attention_with_lse(**args, sinks=sinks)
+            else:
+                out, lse = torch.empty_like(args["q"]), torch.empty(args["q"].shape[:2], device=device)
+                triton_launch(**{k: args.get(k) for k in ("q", "k_cache", "v_cache", "block_table", "seq_lens",
+                                                          "cu_seqlens_q", "k_scale", "v_scale")},
+                              sinks=sinks, scale=args["q"].shape[-1] ** -0.5, soft_cap=0.0, window_left=-1,
+                              kv_format=formats.resolve_kv_format("auto", args["k_cache"].dtype),
+                              out=out, lse=lse, config=config)
+            assert not out.isnan().any(), (kv_lens, sink)
+            assert out[empty].abs().max() == 0, (kv_lens, sink)
+            assert (lse[empty] == sink).all(), (kv_lens, sink, lse[empty])
+            ref = paged_attention_reference(**args, sinks=sinks, compute_dtype=torch.float64)
+            assert relative_error(out, ref) < TOLERANCE[dtype]
+
+
 # --------------------------------------------------------------------------------------------------------------
 # validation, opcheck, compile, graphs
 

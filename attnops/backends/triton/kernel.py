@@ -608,9 +608,12 @@ def paged_attention_kernel(
         if HAS_SINKS:
             # the sink joins the denominator: out = acc e^(m-M) / (l e^(m-M) + e^(s-M)), M = max(m, s) (base 2)
             sink = tl.load(sinks_ptr + row_head, mask=row_valid, other=0.0) * LOG2E
+            # a row with no key stays 0 (inv_l is 0 there): with a sink of -inf too, M would be -inf and the
+            # factor NaN, so M falls back to 0 and the factor to 1
             big = tl.maximum(m_i, sink)
+            big = tl.where(big == float("-inf"), 0.0, big)
             keep = tl.exp2(m_i - big) * l_i
-            inv_l = inv_l * (keep / (keep + tl.exp2(sink - big)))
+            inv_l = inv_l * tl.where(has_keys, keep / tl.where(has_keys, keep + tl.exp2(sink - big), 1.0), 1.0)
         o_ptr = out_ptr + tok[:, None] * stride_ot + row_head.to(tl.int64)[:, None] * stride_oh + col[None, :]
         tl.store(o_ptr, (acc * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
         if PAIRED_V:
