@@ -62,6 +62,8 @@ def _check_caches(op, k_cache, v_cache, kv_format):
         _fail(op, TypeError, f"k_cache of dtype {k_cache.dtype} cannot hold kv_format {kv_format!r} "
                              f"(expected {expected})")
     _, page_size, num_kv_heads, stored_dim = k_cache.shape
+    if num_kv_heads < 1:  # every kernel divides by it (the query heads a KV head serves, a slot's row)
+        _fail(op, ValueError, f"num_kv_heads (k_cache.shape[2]) must be at least 1 (got {num_kv_heads})")
     if not (1 <= page_size <= MAX_PAGE_SIZE and page_size & (page_size - 1) == 0):
         _fail(op, ValueError, f"page_size (k_cache.shape[1]) must be a power of two from 1 to {MAX_PAGE_SIZE} "
                               f"(got {page_size})")
@@ -129,7 +131,7 @@ def check_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens
     fmt, page_size, num_kv_heads, stored_dim = _check_caches(op, k_cache, v_cache, kv_format)
     num_tokens, num_q_heads, head_dim = q.shape
     _check_head_dim(op, head_dim, stored_dim, fmt, "q")
-    if num_q_heads % num_kv_heads != 0:
+    if num_q_heads < 1 or num_q_heads % num_kv_heads != 0:
         _fail(op, ValueError, f"q's num_q_heads ({num_q_heads}) must be a multiple of the cache's num_kv_heads "
                               f"({num_kv_heads})")
 

@@ -45,6 +45,8 @@ BAD_ATTENTION = {
     "decode T != B": (ValueError, "cu_seqlens_q", lambda: good_attention_args(cu_seqlens_q=None)),
     "heads not a multiple": (ValueError, "num_q_heads", lambda: good_attention_args(q=torch.randn(5, 3, 64))),
     "head_dim mismatch": (ValueError, "head_dim", lambda: good_attention_args(q=torch.randn(5, 4, 32))),
+    "no KV heads": (ValueError, "num_kv_heads", lambda: good_attention_args(**caches((8, 16, 0, 64)))),
+    "no query heads": (ValueError, "num_q_heads", lambda: good_attention_args(q=torch.randn(5, 0, 64))),
     "unsupported head_dim": (ValueError, "head_dim", lambda: good_attention_args(
         q=torch.randn(5, 4, 48), **caches((8, 16, 2, 48)))),
     "page_size not power of two": (ValueError, "page_size", lambda: good_attention_args(**caches((8, 12, 2, 64)))),
@@ -118,6 +120,8 @@ BAD_WRITES = {
     "mxfp4 block scale shape": (ValueError, "k_block_scale", lambda: good_write_args(
         "mxfp4", k_block_scale=torch.zeros(4, 16, 2, 4, dtype=torch.uint8))),
     "caches differ": (ValueError, "v_cache", lambda: good_write_args(v_cache=torch.randn(4, 16, 2, 64))),
+    "no KV heads": (ValueError, "num_kv_heads", lambda: good_write_args(  # was a SIGFPE in the C++ kernel
+        key=torch.randn(6, 0, 64), value=torch.randn(6, 0, 64), **caches((4, 16, 0, 64)))),
 }
 
 
