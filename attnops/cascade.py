@@ -20,6 +20,9 @@ from typing import NamedTuple
 
 import torch
 
+from . import errors
+from .checks import check_cascade_prefix_values
+from .env import values_checked
 from .ops import merge_attention_states, paged_attention_with_lse
 
 
@@ -31,35 +34,58 @@ class PrefixPass(NamedTuple):
     block_table: torch.Tensor  # int32 [1, P + ceil(T / page_size)]
     seq_lens: torch.Tensor  # int32 [1]: prefix_len + T
     cu_seqlens_q: torch.Tensor  # int32 [2]: [0, T]
-    tree_mask: torch.Tensor  # bool [T, T], all False
+    tree_mask: torch.Tensor  # bool [T, max(T, 1)], all False
+    # bool [1] on the device: the caller's prefix_len or prefix_table was bad (every row of the result is NaN);
+    # None where the prefix came from the host, which checked it
+    bad: torch.Tensor | None = None
 
 
-def prefix_pass(prefix_table: torch.Tensor, prefix_len: torch.Tensor, page_size: int, num_rows: int) -> PrefixPass:
-    """The prefix pass's inputs, made on the device from the prefix's pages and length (graph-safe). The T rows'
-    own positions (prefix_len ... prefix_len + T - 1) are never seen, so they only need a page the kernel may
-    read: page 0 past the prefix's own pages (page 0 exists in any cache with pages)."""
+def prefix_pass(prefix_table: torch.Tensor, prefix_len: torch.Tensor, page_size: int, num_rows: int,
+                num_pages: int | None = None) -> PrefixPass:
+    """The prefix pass's inputs, made on the device from the prefix's pages and length (graph-safe: no host sync).
+    The T rows' own positions (prefix_len ... prefix_len + T - 1) are never seen, so they only need a page the
+    kernel may read: page 0 past the prefix's own pages (page 0 exists in any cache with pages).
+
+    Bad indices follow the ops' rules (docs/design.md, "Bad indices"): a prefix_len outside
+    [0, P x page_size], or a page of the prefix outside [0, num_pages) (checked when num_pages is given), reads
+    no page of the prefix, marks the pass `bad` (cascade_attention makes every row NaN) and is recorded for
+    attnops.take_errors() as "prefix_len" (position 0) or "prefix_table" (the first bad entry)."""
+    device = prefix_table.device
     extra = -(-num_rows // page_size)
     width = prefix_table.shape[0] + extra
-    prefix_pages = torch.div(prefix_len + page_size - 1, page_size, rounding_mode="floor")
-    index = torch.arange(width, device=prefix_table.device)
+    length = prefix_len.view(-1)[:1]
+    bad_len = (length < 0) | (length > prefix_table.shape[0] * page_size)
+    length = torch.where(bad_len, 0, length)
+    prefix_pages = torch.div(length + page_size - 1, page_size, rounding_mode="floor")
+    index = torch.arange(width, device=device)
     padded = torch.cat((prefix_table, prefix_table.new_zeros(extra)))
-    table = torch.where(index < prefix_pages, padded, torch.zeros_like(padded))
-    device = prefix_table.device
-    return PrefixPass(block_table=table.view(1, width), seq_lens=(prefix_len + num_rows).to(torch.int32).view(1),
+    in_prefix = index < prefix_pages
+    bad = bad_len
+    if num_pages is not None:
+        bad_page = in_prefix & ((padded < 0) | (padded >= num_pages))
+        in_prefix = in_prefix & ~bad_page
+        errors.record(device, errors.PREFIX_TABLE, torch.where(bad_page, index, errors.NONE).min())
+        bad = bad | bad_page.any()
+    errors.record(device, errors.PREFIX_LEN, torch.where(bad_len, 0, errors.NONE))
+    table = torch.where(in_prefix, padded, torch.zeros_like(padded))
+    return PrefixPass(block_table=table.view(1, width), seq_lens=(length + num_rows).to(torch.int32).view(1),
                       cu_seqlens_q=torch.arange(2, dtype=torch.int32, device=device) * num_rows,  # no host copy
-                      tree_mask=torch.zeros(num_rows, num_rows, dtype=torch.bool, device=device))
+                      tree_mask=torch.zeros(num_rows, max(num_rows, 1), dtype=torch.bool, device=device), bad=bad)
 
 
 def host_prefix_pass(prefix_pages: list[int], prefix_tokens: int, page_size: int, num_rows: int,
                      device) -> PrefixPass:
     """prefix_pass() from the host's list of the prefix's pages: one copy a tensor, no device arithmetic (a
     serving loop that knows its pages)."""
+    if not 0 <= prefix_tokens <= len(prefix_pages) * page_size:
+        raise ValueError(f"attnops.cascade.host_prefix_pass: prefix_tokens must be in [0, {len(prefix_pages)} pages "
+                         f"x {page_size}] (got {prefix_tokens})")
     used = -(-prefix_tokens // page_size)
     pages = [p if i < used else 0 for i, p in enumerate(prefix_pages)] + [0] * -(-num_rows // page_size)
     return PrefixPass(block_table=torch.tensor([pages], dtype=torch.int32, device=device),
                       seq_lens=torch.tensor([prefix_tokens + num_rows], dtype=torch.int32, device=device),
                       cu_seqlens_q=torch.tensor([0, num_rows], dtype=torch.int32, device=device),
-                      tree_mask=torch.zeros(num_rows, num_rows, dtype=torch.bool, device=device))
+                      tree_mask=torch.zeros(num_rows, max(num_rows, 1), dtype=torch.bool, device=device))
 
 
 def cascade_attention(q, k_cache, v_cache, prefix_table, prefix_len, block_table, seq_lens, cu_seqlens_q=None, *,
@@ -85,7 +111,9 @@ def cascade_attention(q, k_cache, v_cache, prefix_table, prefix_len, block_table
         if prefix_table.device != q.device or prefix_len.device != q.device:
             raise ValueError(f"attnops.cascade_attention: prefix_table and prefix_len must be on q's device "
                              f"{q.device}")
-        prefix = prefix_pass(prefix_table, prefix_len.view(-1), k_cache.shape[1], q.shape[0])
+        if values_checked():
+            check_cascade_prefix_values(prefix_table, prefix_len, k_cache)
+        prefix = prefix_pass(prefix_table, prefix_len.view(-1), k_cache.shape[1], q.shape[0], k_cache.shape[0])
     if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.shape != (q.shape[1],)
                               or sinks.dtype != torch.float32):
         raise ValueError(f"attnops.cascade_attention: sinks must be a float32 tensor [num_q_heads={q.shape[1]}]")
@@ -93,6 +121,8 @@ def cascade_attention(q, k_cache, v_cache, prefix_table, prefix_len, block_table
     out_prefix, lse_prefix = paged_attention_with_lse(q, k_cache, v_cache, prefix.block_table, prefix.seq_lens,
                                                       prefix.cu_seqlens_q, tree_mask=prefix.tree_mask, **common)
     out_own, lse_own = paged_attention_with_lse(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, **common)
+    if prefix.bad is not None:  # a NaN LSE makes its row NaN in the merge
+        lse_prefix = torch.where(prefix.bad, torch.nan, lse_prefix)
     out, lse = merge_attention_states(out_prefix, lse_prefix, out_own, lse_own, out=out_prefix, lse=lse_prefix)
     if sinks is not None:  # the sink's e^s joins the denominator: out x e^lse / (e^lse + e^s)
         out = (out.float() * torch.sigmoid(lse - sinks)[..., None]).to(out.dtype)

@@ -277,6 +277,20 @@ def check_paged_attention_values(q, k_cache, block_table, seq_lens, cu_seqlens_q
                               f"{longest} rows: Q must be at least that")
 
 
+def check_cascade_prefix_values(prefix_table, prefix_len, k_cache) -> None:
+    """cascade_attention's prefix, read on the host (ATTNOPS_CHECK=1 only): its length fits its table and its
+    pages exist."""
+    op = "cascade_attention"
+    num_pages, page_size = k_cache.shape[0], k_cache.shape[1]
+    length, capacity = int(prefix_len.reshape(-1)[0]), prefix_table.shape[0] * page_size
+    if not 0 <= length <= capacity:
+        _fail(op, ValueError, f"prefix_len must be in [0, prefix_table's {prefix_table.shape[0]} pages x page_size "
+                              f"{page_size} = {capacity}] (got {length})")
+    used = prefix_table[: (length + page_size - 1) // page_size]
+    if used.numel() and (used.min().item() < 0 or used.max().item() >= num_pages):
+        _fail(op, ValueError, f"prefix_table points outside the cache's {num_pages} pages (entries {used.tolist()})")
+
+
 def check_reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, kv_format, k_scale, v_scale,
                             k_block_scale, v_block_scale) -> CacheWriteCase:
     op = "reshape_and_cache"

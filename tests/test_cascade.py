@@ -137,8 +137,9 @@ def test_a_prefix_pass_made_once_a_step_gives_the_same(prefix_len):
     page_size = cascade["k_cache"].shape[1]
     device_made = prefix_pass(cascade["prefix_table"], cascade["prefix_len"], page_size, 3)
     host_made = host_prefix_pass(cascade["prefix_table"].tolist(), prefix_len, page_size, 3, "cpu")
-    for name, got, want in zip(device_made._fields, host_made, device_made):
+    for name, got, want in zip(device_made._fields[:4], host_made, device_made):
         assert torch.equal(got, want), name
+    assert host_made.bad is None and not device_made.bad.any()
     with attnops.use_backend("reference"):
         given = cascade_attention(**{**cascade, "prefix_table": None, "prefix_len": None}, prefix=host_made)
     assert relative_error(given, paged_attention_reference(**full, compute_dtype=torch.float64)) < 1e-5
@@ -152,6 +153,44 @@ def test_bad_arguments_name_themselves():
         cascade_attention(**{**cascade, "prefix_table": cascade["prefix_table"].long()})
     with pytest.raises(ValueError, match="sinks"):
         cascade_attention(**cascade, sinks=torch.zeros(3))
+
+
+BAD_PREFIXES = {  # (prefix_table, prefix_len) of a two-page prefix of 32 tokens -> the argument recorded, position
+    "length past the table": (lambda t: t, 40, ("prefix_len", 0)),
+    "negative length": (lambda t: t, -1, ("prefix_len", 0)),
+    "empty table, a length": (lambda t: t[:0], 5, ("prefix_len", 0)),
+    "page past the cache": (lambda t: torch.tensor([t[0], 10_000], dtype=torch.int32), 32, ("prefix_table", 1)),
+    "negative page": (lambda t: torch.tensor([-1, t[1]], dtype=torch.int32), 20, ("prefix_table", 0)),
+}
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize("bad", BAD_PREFIXES)
+def test_a_bad_prefix_follows_the_bad_index_rules(backend, bad, monkeypatch):
+    """A prefix length outside its table or a prefix page outside the cache reads no page of the prefix (never
+    page 0 in its place), makes every row NaN, and is recorded under its own name; ATTNOPS_CHECK=1 raises."""
+    if BACKENDS[backend].unavailable():
+        pytest.skip("; ".join(BACKENDS[backend].unavailable()))
+    cascade, _ = shared_case(32, [3, 4, 9])
+    make_table, length, (argument, position) = BAD_PREFIXES[bad]
+    args = {**cascade, "prefix_table": make_table(cascade["prefix_table"]).to(torch.int32),
+            "prefix_len": torch.tensor([length], dtype=torch.int32)}
+    attnops.take_errors()
+    with attnops.use_backend(backend):
+        out = cascade_attention(**args)
+    assert out.isnan().all()
+    assert attnops.take_errors() == {argument: position}
+    monkeypatch.setenv("ATTNOPS_CHECK", "1")
+    with pytest.raises(ValueError, match=rf"cascade_attention: {argument}\b"):
+        cascade_attention(**args)
+
+
+def test_a_batch_of_no_query_rows_gives_an_empty_result():
+    cascade, _ = shared_case(32, [3, 4], q_lens=[1, 1])
+    q = cascade["q"][:0]
+    with attnops.use_backend("reference"):
+        out = cascade_attention(**{**cascade, "q": q, "cu_seqlens_q": torch.zeros(3, dtype=torch.int32)})
+    assert out.shape == q.shape
 
 
 def test_compiles_without_a_graph_break():

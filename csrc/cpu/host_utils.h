@@ -24,15 +24,16 @@ namespace attnops::cpu {
 // TORCH_CHECK_VALUE: a ValueError in Python, as the contract says for bad input
 #define ATTNOPS_ARG_CHECK(op, cond, ...) TORCH_CHECK_VALUE(cond, "attnops.", op, ": ", __VA_ARGS__)
 
-// Entries of attnops.errors' buffer (int32, one per index argument: the lowest position seen bad)
+// Entries of attnops.errors' buffer (int32, one per index argument: the lowest position seen bad); the ops' own
+// arguments come first, and the buffer may hold more after them (those of the layers above the ops)
 constexpr int64_t kErrBlockTable = 0, kErrSeqLens = 1, kErrCuSeqlensQ = 2, kErrSlotMapping = 3, kNumErrors = 4;
 
 inline void check_errors(const char* op, const std::optional<at::Tensor>& errors) {
   if (!errors.has_value()) return;
   ATTNOPS_ARG_CHECK(op,
                     errors->device().is_cpu() && errors->scalar_type() == at::kInt && errors->dim() == 1 &&
-                        errors->size(0) == kNumErrors && errors->is_contiguous(),
-                    "errors must be attnops.errors' int32 [", kNumErrors, "] CPU buffer");
+                        errors->size(0) >= kNumErrors && errors->is_contiguous(),
+                    "errors must be attnops.errors' int32 [", kNumErrors, " or more] CPU buffer");
 }
 
 inline bool is_fp8(at::ScalarType t) { return t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2; }
