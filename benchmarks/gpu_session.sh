@@ -68,9 +68,10 @@
 #             allocation: $results/sanitize.log, whose last lines give memcheck's error count; SANITIZE_K: a pytest
 #             -k expression (e.g. "triton")
 #   A/B of the index bounds (docs/design.md, "Bad indices"): the compare step with COMPARE="BOUNDS=0"
-#             COMPARE_ARGS="--no-extend --rounds 5" (the bench grid's decode cases, every format)
+#             COMPARE_ARGS="--no-extend --rounds 5" (the bench grid's decode cases, every format) for Triton;
+#             benchmarks/cuda_bounds_ab.sh for the CUDA kernels
 set -uo pipefail
-results=${ATTNOPS_OUT:-gpu-out}; mkdir -p "$results"
+results=${ATTNOPS_OUT:-gpu-out}; mkdir -p "$results"; results=$(cd "$results" && pwd)  # (steps that cd elsewhere)
 t0=$(date +%s); stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 # the fuzz steps' cases and seed; one CPU thread a process: the workers' float64 references on the CPU would
 # otherwise each start a thread per core and contend
@@ -168,8 +169,8 @@ for step in "$@"; do
       done
       # (this tree's package back, for the steps after this one)
       [ -n "$installed" ] && python3 -m pip install -q --no-build-isolation --no-deps -e . > /tmp/build.log 2>&1
-      python3 - "$results" "${trees[@]}" <<'PY'
-import glob, json, os, sys
+      python3 - "$results" "${trees[@]}" <<'PY' | tee "$results/ab-cuda.txt"
+import glob, json, math, os, sys
 results, trees = sys.argv[1], [os.path.basename(t) for t in sys.argv[2:]]
 best = {}  # case -> tree -> best graph time over the rounds (us)
 for tree in trees:
@@ -183,6 +184,11 @@ for case, cell in best.items():
     base = cell.get(trees[0])
     print(f"{case:<40}" + "".join(f"{cell[t]:>14.1f} us" + (f" x{base / cell[t]:.3f}" if base and t in cell else "")
                                    if t in cell else f"{'-':>24}" for t in trees))
+for t in trees[1:]:  # the first tree's time over this one's, geometric mean over the cases both ran (> 1: faster)
+    ratios = [cell[trees[0]] / cell[t] for cell in best.values() if trees[0] in cell and t in cell]
+    if ratios:
+        print(f"{t}: {trees[0]}'s time / its time, geometric mean over {len(ratios)} cases: "
+              f"x{math.exp(sum(map(math.log, ratios)) / len(ratios)):.4f}")
 PY
       stamp ab-cuda ;;
     tests)

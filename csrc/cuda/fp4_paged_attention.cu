@@ -25,6 +25,12 @@
 // page index outside the cache is never read (clamped into it) and makes NaN the rows that see one of its keys;
 // cu_seqlens_q that does not run non-decreasing from 0 to T makes every row NaN. Each is recorded in the error
 // buffer (attnops/errors.py) with atomic min.
+//
+// ATTNOPS_CUDA_BOUNDS=0 builds the kernel without those checks, only to measure what they cost
+// (benchmarks/cuda_bounds_ab.sh): such a build reads whatever a bad index names. Never ship it.
+#ifndef ATTNOPS_CUDA_BOUNDS
+#define ATTNOPS_CUDA_BOUNDS 1
+#endif
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -50,6 +56,7 @@ constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kFold = 64.0f;  // decoded values are value x 2^-6
 // attnops/errors.py ARGUMENTS
 constexpr int kErrBlockTable = 0, kErrSeqLens = 1, kErrCuSeqlensQ = 2;
+constexpr bool kBounds = ATTNOPS_CUDA_BOUNDS != 0;
 
 struct Args {
   const void* q;              // [T, Hq, D], bf16 or fp16 (q_bf16), strides q_token, q_head (elements), inner 1
@@ -292,7 +299,7 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : kHB == 1 ? 4 : 3) 
   // ---- the block's rows and keys; bad indices ----
   int t0 = b, q_len = 1;
   if (a.cu_seqlens_q != nullptr) {
-    if (!cu_seqlens_ok(a, b == 0 && kvh == 0 && split == 0)) {
+    if (kBounds && !cu_seqlens_ok(a, b == 0 && kvh == 0 && split == 0)) {
       // every row NaN: this block writes the tokens b, b + B, ... of its heads (for this split), reads nothing
       for (int t = b; t < a.num_tokens; t += a.batch)
         for (int idx = threadIdx.x; idx < group * D; idx += blockDim.x) {
@@ -313,7 +320,7 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : kHB == 1 ? 4 : 3) 
   const int rows = q_len * group;
   if (rows == 0) return;  // a sequence with no query rows reads nothing
   const int seq_len_raw = a.seq_lens[b];
-  const bool len_bad = seq_len_raw < 0 || seq_len_raw > a.capacity;
+  const bool len_bad = kBounds && (seq_len_raw < 0 || seq_len_raw > a.capacity);
   if (len_bad && kvh == 0 && split == 0 && threadIdx.x == 0) atomicMin(a.errors + kErrSeqLens, b);
   const int seq_len = len_bad ? 0 : seq_len_raw;
   // this block's keys: split `split` of `chunk` (each pass narrows it to its rows' windows)
@@ -343,7 +350,7 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : kHB == 1 ? 4 : 3) 
     const int full_lo = pos_last - w_eff, full_hi = min(kv_hi, pos_first + 1);
     // tiles start at a multiple of the tile (a key's slot is then a constant of the lane and the copy)
     const int kv_lo = lo_seen > split_lo ? min(lo_seen & ~(kTile - 1), kv_hi) : split_lo;
-    int bad_first = a.num_pages > 0 || lo_seen >= split_hi ? INT_MAX : lo_seen;
+    int bad_first = !kBounds || a.num_pages > 0 || lo_seen >= split_hi ? INT_MAX : lo_seen;
     // Q^T as B fragments, column n = query row row0 + 8 hb + r: b0 = slots 2c, 2c + 1, b1 = 2c + 8, 2c + 9; and the
     // last key each of this lane's C columns (rows row0 + 8 hb + 2c + j) sees
     uint32_t qb[kHB][kKSteps][2];
@@ -398,6 +405,7 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : kHB == 1 ? 4 : 3) 
       return index >= 0 ? table[index] : 0;
     };
     auto check_pages = [&](int base, int page) {
+      if constexpr (!kBounds) return page;
       const int index = page_entry(base);
       // (a page wholly before every row's window is not looked at)
       if (index >= 0 && (page < 0 || page > last_page) && ((index + 1) << page_shift) > lo_seen)
@@ -752,7 +760,7 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : kHB == 1 ? 4 : 3) 
       // (rare: only a block that met a bad page scans its table entries, and only with a window)
       const int last = seq_len - q_len + (row0 + threadIdx.x) / group;
       const int lo = max(block_bad, last - w_eff), hi = min(last, kv_hi - 1);
-      bool bad = block_bad != INT_MAX && lo <= hi;
+      bool bad = kBounds && block_bad != INT_MAX && lo <= hi;
       if (bad && a.window_left >= 0 && a.num_pages > 0) {
         bad = false;
         for (int p = lo >> page_shift; p <= hi >> page_shift && !bad; ++p) bad = table[p] < 0 || table[p] > last_page;
