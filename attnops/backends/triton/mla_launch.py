@@ -1,0 +1,98 @@
+"""Runs the latent-attention (MLA) kernels for one op call: the split plan (from shapes only), the workspace for
+split partials, and the launches."""
+from __future__ import annotations
+
+import torch
+import triton
+
+from ... import errors
+from ..base import kernel_outputs, rows_without_a_sequence
+from . import interpreting
+from .mla_kernel import mla_attention_kernel, mla_cache_write_kernel, mla_merge_kernel
+
+
+def mla_plan(num_tokens: int, num_heads: int, capacity: int, latent_dim: int, on_gpu: bool) -> dict:
+    """Tiles and splits of a call, from shapes only (a captured graph replays any lengths within the table).
+    Heads are the tile's rows: at most 64 a program (the fp32 accumulator of 64 x 512 is what a program holds),
+    at least 16 (tl.dot's smallest M). Splits fill about two waves of 132 SMs when tokens x head blocks are few."""
+    block_h = max(16, min(64 if latent_dim <= 256 else 32, triton.next_power_of_2(num_heads)))
+    block_n = 32 if latent_dim > 256 else 64
+    if not on_gpu:
+        block_h, block_n = max(16, min(block_h, 32)), 16
+    programs = max(num_tokens, 1) * triton.cdiv(num_heads, block_h)
+    splits = max(1, min(32, (2 * 132) // programs, triton.cdiv(capacity, 4 * block_n))) if on_gpu else \
+        max(1, min(4, triton.cdiv(capacity, 64)))
+    chunk = triton.cdiv(triton.cdiv(max(capacity, 1), splits), block_n) * block_n
+    splits = triton.cdiv(max(capacity, 1), chunk)
+    return dict(BLOCK_H=block_h, BLOCK_N=block_n, MAX_SPLITS=splits, CHUNK=chunk,
+                num_warps=8 if latent_dim > 256 and on_gpu else 4, num_stages=2 if on_gpu else 1)
+
+
+def mla_launch(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, *, scale: float, kv_format: str,
+               kv_scale, sinks, tree_mask, out, lse=None, config: dict | None = None) -> None:
+    """Latent attention into `out` [T, H, R] (and each row's natural-log LSE into `lse` [T, H]). Inputs are
+    validated by the op."""
+    num_tokens, num_heads, latent = q_nope.shape
+    rope = q_pe.shape[2]
+    page_size = kv_cache.shape[1]
+    batch = seq_lens.shape[0]
+    if num_tokens == 0:
+        return
+    if batch == 0:
+        rows_without_a_sequence(out, lse)
+        return
+    if out.stride(-1) != 1 or (lse is not None and not lse.is_contiguous()):
+        with kernel_outputs(out, lse) as (out_w, lse_w):
+            mla_launch(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, scale=scale, kv_format=kv_format,
+                       kv_scale=kv_scale, sinks=sinks, tree_mask=tree_mask, out=out_w, lse=lse_w, config=config)
+        return
+    block_table = block_table.contiguous()
+    seq_lens = seq_lens.contiguous()
+    capacity = block_table.shape[1] * page_size
+    plan = mla_plan(num_tokens, num_heads, capacity, latent, q_nope.is_cuda and not interpreting())
+    plan.update(config or {})
+    splits = plan["MAX_SPLITS"]
+    fp8 = kv_format == "fp8_e4m3"
+    kv = kv_cache.view(torch.uint8) if fp8 else kv_cache
+    r_p2, p_p2 = triton.next_power_of_2(latent), triton.next_power_of_2(rope)
+    part_out = part_lse = out  # (placeholders: one split writes out directly)
+    if splits > 1:
+        part_out = torch.empty(num_tokens * num_heads * splits * r_p2, dtype=torch.float32, device=q_nope.device)
+        part_lse = torch.empty(num_tokens * num_heads * splits, dtype=torch.float32, device=q_nope.device)
+    cu = cu_seqlens_q.contiguous() if cu_seqlens_q is not None else seq_lens
+    tm = tree_mask.view(torch.uint8) if tree_mask is not None else seq_lens
+    grid = (num_tokens, triton.cdiv(num_heads, plan["BLOCK_H"]), splits)
+    mla_attention_kernel[grid](
+        q_nope, q_pe, kv, block_table, seq_lens, cu, kv_scale if fp8 else seq_lens,
+        sinks if sinks is not None else seq_lens, tm, out, lse if lse is not None else seq_lens, part_out, part_lse,
+        errors.buffer(q_nope.device),
+        batch, num_tokens, kv_cache.shape[0], capacity, float(scale), plan["CHUNK"],
+        tree_mask.shape[1] if tree_mask is not None else 0,
+        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), kv_cache.stride(0), kv_cache.stride(1),
+        block_table.stride(0), out.stride(0), out.stride(1), tree_mask.stride(0) if tree_mask is not None else 0,
+        NUM_HEADS=num_heads, R=latent, P=rope, R_P2=r_p2, P_P2=p_p2, PAGE=page_size, BLOCK_H=plan["BLOCK_H"],
+        BLOCK_N=plan["BLOCK_N"], MAX_SPLITS=splits, IS_DECODE=cu_seqlens_q is None, FP8=fp8,
+        HAS_SINKS=sinks is not None, HAS_TREE=tree_mask is not None, WRITE_LSE=lse is not None,
+        num_warps=plan["num_warps"], num_stages=plan["num_stages"])
+    if splits > 1:
+        mla_merge_kernel[(num_tokens, num_heads)](
+            out, lse if lse is not None else part_lse, part_out, part_lse, sinks if sinks is not None else part_lse,
+            out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, R=latent, R_P2=r_p2, MAX_SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits),
+            HAS_SINKS=sinks is not None, WRITE_LSE=lse is not None, num_warps=4)
+
+
+def mla_cache_write(kv_c, k_pe, kv_cache, slot_mapping, *, kv_format: str, kv_scale) -> None:
+    """Row slot_mapping[i] of the cache = [kv_c[i], k_pe[i]], quantized for fp8 (validated by the op)."""
+    num_tokens, latent = kv_c.shape
+    if num_tokens == 0:
+        return
+    rope = k_pe.shape[1]
+    fp8 = kv_format == "fp8_e4m3"
+    kv = kv_cache.view(torch.uint8) if fp8 else kv_cache
+    mla_cache_write_kernel[(num_tokens,)](
+        kv_c, k_pe, kv, slot_mapping.contiguous(), kv_scale if fp8 else slot_mapping, errors.buffer(kv_c.device),
+        kv_cache.shape[0] * kv_cache.shape[1], kv_c.stride(0), k_pe.stride(0), kv_cache.stride(0),
+        kv_cache.stride(1), R=latent, P=rope, R_P2=triton.next_power_of_2(latent),
+        P_P2=triton.next_power_of_2(rope), PAGE=kv_cache.shape[1], FP8=fp8,
+        SOFT_FP8=interpreting() or not kv_c.is_cuda, num_warps=4)
