@@ -1,0 +1,146 @@
+"""Latent-attention (MLA) decode on the GPU: attnops' Triton kernel against FlashInfer's MLA wrapper (where
+FlashInfer is installed) and the bandwidth ceiling, same data, same run.
+
+    python benchmarks/mla_decode.py                      # DeepSeek's shape: R 512, P 64, heads 16 and 128
+    python benchmarks/mla_decode.py --heads 8 16 32 64 128 --cases 1x32768 32x8192 128x4096 --json mla.json
+
+Each case: a paged bf16 (or --kv-format fp8_e4m3) latent cache of random rows in random page order, one query token a
+sequence; the output is checked against the float64 reference before it is timed (CUDA-graph replay, median of
+triton.testing.do_bench). Achieved TB/s counts the latent rows read once (R + P values a token, in the stored
+format) plus q and out; the ceiling is the H200's 4.8 TB/s datasheet bandwidth.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+import torch
+
+CEILING_TBS = 4.8
+
+
+def make_case(batch, kv_len, heads, latent, rope, page_size, kv_format, seed=0):
+    gen = torch.Generator("cuda").manual_seed(seed)
+    pages_each = -(-kv_len // page_size)
+    num_pages = batch * pages_each
+    table = torch.randperm(num_pages, generator=gen, device="cuda").view(batch, pages_each).to(torch.int32)
+    rows = torch.randn(num_pages, page_size, latent + rope, generator=gen, device="cuda")
+    kv_scale = None
+    if kv_format == "fp8_e4m3":
+        kv_scale = torch.tensor([0.25], device="cuda")
+        kv = (rows / kv_scale).to(torch.float8_e4m3fn)
+    else:
+        kv = rows.to(torch.bfloat16)
+    q_nope = torch.randn(batch, heads, latent, generator=gen, device="cuda").to(torch.bfloat16)
+    q_pe = torch.randn(batch, heads, rope, generator=gen, device="cuda").to(torch.bfloat16)
+    seq_lens = torch.full((batch,), kv_len, dtype=torch.int32, device="cuda")
+    return dict(q_nope=q_nope, q_pe=q_pe, kv_cache=kv, block_table=table, seq_lens=seq_lens, kv_scale=kv_scale)
+
+
+def graph_time_us(fn) -> float:
+    import triton
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return 1000 * triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
+
+
+def attnops_fn(case, scale, out, use_op):
+    from attnops.backends.triton.mla_launch import mla_launch
+    if use_op:
+        return lambda: torch.ops.attnops.mla_attention.out(
+            case["q_nope"], case["q_pe"], case["kv_cache"], case["block_table"], case["seq_lens"], None, scale=scale,
+            kv_format="fp8_e4m3" if case["kv_scale"] is not None else "auto", kv_scale=case["kv_scale"], out=out)
+    return lambda: mla_launch(case["q_nope"], case["q_pe"], case["kv_cache"], case["block_table"], case["seq_lens"],
+                              None, scale=scale, kv_format="fp8_e4m3" if case["kv_scale"] is not None else "auto",
+                              kv_scale=case["kv_scale"], sinks=None, tree_mask=None, out=out)
+
+
+def flashinfer_fn(case, scale, out):
+    """FlashInfer's BatchMLAPagedAttentionWrapper over the same cache (bf16 only), planned once (the plan is host
+    work a serving loop does before its graph replays)."""
+    import flashinfer
+    q_nope, q_pe, kv = case["q_nope"], case["q_pe"], case["kv_cache"]
+    batch, heads, latent = q_nope.shape
+    page_size = kv.shape[1]
+    table, seq_lens = case["block_table"], case["seq_lens"]
+    workspace = torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device="cuda")
+    wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(workspace, backend="auto")
+    qo_indptr = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    kv_indptr = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * table.shape[1]
+    wrapper.plan(qo_indptr, kv_indptr, table.flatten(), seq_lens, heads, latent, q_pe.shape[2], page_size, False,
+                 scale, torch.bfloat16, torch.bfloat16)
+    ckv, kpe = kv[..., :latent].contiguous(), kv[..., latent:].contiguous()  # (its two caches, same values)
+    return lambda: wrapper.run(q_nope, q_pe, ckv, kpe, out=out)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--heads", type=int, nargs="+", default=[16, 128], help="query heads (a TP shard's)")
+    parser.add_argument("--cases", nargs="+", default=["1x32768", "32x8192", "128x4096"], help="BATCHxKV_LEN")
+    parser.add_argument("--latent", type=int, default=512, help="R, the latent (compressed KV) width")
+    parser.add_argument("--rope", type=int, default=64, help="P, the rotary part's width")
+    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--kv-format", default="bf16", choices=["bf16", "fp8_e4m3"])
+    parser.add_argument("--launch", action="store_true", help="time the kernel launcher, not the registered op")
+    parser.add_argument("--json", help="write the records here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("mla_decode.py needs a CUDA GPU")
+    import attnops  # noqa: F401  (registers the ops)
+    from attnops.backends.reference import paged_attention_reference
+    records = []
+    print(f"{'case':<28}{'attnops us':>12}{'TB/s':>8}{'of ceil':>9}{'flashinfer us':>15}{'ratio':>8}")
+    for heads in args.heads:
+        for spec in args.cases:
+            batch, kv_len = (int(x) for x in spec.split("x"))
+            case = make_case(batch, kv_len, heads, args.latent, args.rope, args.page_size, args.kv_format)
+            scale = 1 / math.sqrt(192)  # DeepSeek's (qk_nope 128 + rope 64)^-0.5: not (R + P)^-0.5
+            out = torch.empty_like(case["q_nope"])
+            fn = attnops_fn(case, scale, out, not args.launch)
+            fn()
+            # checked on the first two sequences (the float64 reference loops on the host)
+            sub = slice(0, min(batch, 2))
+            q = torch.cat([case["q_nope"][sub], case["q_pe"][sub]], -1)
+            k = case["kv_cache"][:, :, None, :]
+            ref = paged_attention_reference(q, k, k, case["block_table"][sub], case["seq_lens"][sub], scale=scale,
+                                            kv_format="auto", k_scale=case["kv_scale"], v_scale=case["kv_scale"],
+                                            compute_dtype=torch.float64)[..., : args.latent]
+            err = ((out[sub].double() - ref).norm() / ref.norm()).item()
+            assert err < 2e-2, f"{spec} H{heads}: relative error {err:.3g}"
+            ours = graph_time_us(fn)
+            element = case["kv_cache"].element_size()
+            nbytes = batch * kv_len * (args.latent + args.rope) * element + 2 * out.numel() * 2 + \
+                case["q_pe"].numel() * 2
+            tbs = nbytes / ours / 1e6
+            record = dict(case=f"mla/{heads}/{spec}/{args.kv_format}", heads=heads, batch=batch, kv_len=kv_len,
+                          latent=args.latent, rope=args.rope, attnops_us=ours, tbs=tbs, rel_error=err,
+                          gpu=torch.cuda.get_device_name())
+            fi_text = f"{'-':>15}{'-':>8}"
+            if args.kv_format == "bf16":
+                try:
+                    fi_out = torch.empty_like(out)
+                    fi = flashinfer_fn(case, scale, fi_out)
+                    fi()
+                    fi_err = ((fi_out[sub].double() - ref).norm() / ref.norm()).item()
+                    theirs = graph_time_us(fi)
+                    record.update(flashinfer_us=theirs, flashinfer_rel_error=fi_err)
+                    fi_text = f"{theirs:>15.1f}{theirs / ours:>8.2f}"
+                except Exception as e:  # not installed, or no kernel for this shape
+                    record["flashinfer"] = f"{type(e).__name__}: {e}"[:200]
+            print(f"{record['case']:<28}{ours:>12.1f}{tbs:>8.2f}{tbs / CEILING_TBS:>9.2f}{fi_text}")
+            records.append(record)
+            del case, out
+            torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(records=records), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
