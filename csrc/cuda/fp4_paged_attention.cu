@@ -320,7 +320,9 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : kHB == 1 ? 4 : 3) 
   const int rows = q_len * group;
   if (rows == 0) return;  // a sequence with no query rows reads nothing
   const int seq_len_raw = a.seq_lens[b];
-  const bool len_bad = kBounds && (seq_len_raw < 0 || seq_len_raw > a.capacity);
+  // (read again for the epilogue, not kept live through the loop: a register there costs the loop instructions)
+  auto length_bad = [&](int n) { return kBounds && (n < 0 || n > a.capacity); };
+  const bool len_bad = length_bad(seq_len_raw);
   if (len_bad && kvh == 0 && split == 0 && threadIdx.x == 0) atomicMin(a.errors + kErrSeqLens, b);
   const int seq_len = len_bad ? 0 : seq_len_raw;
   // this block's keys: split `split` of `chunk` (each pass narrows it to its rows' windows)
@@ -350,7 +352,7 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : kHB == 1 ? 4 : 3) 
     const int full_lo = pos_last - w_eff, full_hi = min(kv_hi, pos_first + 1);
     // tiles start at a multiple of the tile (a key's slot is then a constant of the lane and the copy)
     const int kv_lo = lo_seen > split_lo ? min(lo_seen & ~(kTile - 1), kv_hi) : split_lo;
-    int bad_first = !kBounds || a.num_pages > 0 || lo_seen >= split_hi ? INT_MAX : lo_seen;
+    bool met_bad = false;  // this lane clamped a bad page index (a flag in the loop; where, found after it)
     // Q^T as B fragments, column n = query row row0 + 8 hb + r: b0 = slots 2c, 2c + 1, b1 = 2c + 8, 2c + 9; and the
     // last key each of this lane's C columns (rows row0 + 8 hb + 2c + j) sees
     uint32_t qb[kHB][kKSteps][2];
@@ -393,8 +395,7 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : kHB == 1 ? 4 : 3) 
 
     // Pages of a warp's 32 keys at `base`, one a lane (fewer for pages of more than one key), for issue_tile's
     // shuffles. load_pages reads the table entries a step ahead; check_pages, when the copies are issued (the load
-    // has landed by then), clamps them into the cache and remembers a bad one by its first key in the split
-    // (bad_first)
+    // has landed by then), clamps them into the cache and flags a bad one (met_bad)
     auto page_entry = [&](int base) {  // (the table index of this lane's page; -1: no page for this lane)
       return lane <= ((kKeysPerWarp - 1) >> page_shift) && base < kv_hi
                  ? min((base >> page_shift) + lane, (kv_hi - 1) >> page_shift)
@@ -406,11 +407,11 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : kHB == 1 ? 4 : 3) 
     };
     auto check_pages = [&](int base, int page) {
       if constexpr (!kBounds) return page;
-      const int index = page_entry(base);
-      // (a page wholly before every row's window is not looked at)
-      if (index >= 0 && (page < 0 || page > last_page) && ((index + 1) << page_shift) > lo_seen)
-        bad_first = min(bad_first, max(index << page_shift, lo_seen));
-      return min(max(page, 0), last_page);
+      // one unsigned min clamps a negative index too; a lane with no page has page 0 (bad only in a cache of no
+      // pages, which reads no tile)
+      const int clamped = (int)min((unsigned)page, (unsigned)last_page);
+      met_bad |= clamped != page;
+      return clamped;
     };
     // a byte's address: the page's offset as a 64-bit product (one IMAD.WIDE.U32 with the base), the rest 32-bit
     auto at = [](const uint8_t* head, int page, int page_stride, int rest) {
@@ -723,10 +724,9 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : kHB == 1 ? 4 : 3) 
         step(stage, base, std::false_type{});
     }
     cp_async_wait<0>();
-    // the block's first key in a bad page (every warp looked at the pages of its own keys)
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) bad_first = min(bad_first, __shfl_xor_sync(0xffffffffu, bad_first, o));
-    __syncthreads();  // (the stages' memory is reused below)
+    // (the stages' memory is reused below)
+    const bool block_met_bad = kBounds && __syncthreads_or(met_bad);
+    if constexpr (!kBounds) __syncthreads();
 
     // ---- merge the 4 warps' states, normalize, write the pass's rows ----
     auto& sm = smem.merge;
@@ -750,11 +750,27 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : kHB == 1 ? 4 : 3) 
       for (int mb = 0; mb < kKSteps; ++mb)
 #pragma unroll
         for (int e = 0; e < 4; ++e) sm.acc[warp][8 * hb + 2 * c + (e & 1)][D / 8 * r + 2 * mb + (e >> 1)] = acc_t[hb][mb][e];
-    if (lane == 0) sm.bad_first[warp] = bad_first;
-    __syncthreads();
-    int block_bad = sm.bad_first[0];
+    // the first key of a bad page among the pages the loop read that some row sees (a page wholly before every
+    // row's window is not looked at): a cache of no pages has nothing but; otherwise only a block that clamped one
+    // looks for it (rare), its threads over the table entries in parallel
+    int block_bad = kBounds && a.num_pages == 0 && lo_seen < split_hi ? lo_seen : INT_MAX;
+    if (block_met_bad) {  // (uniform across the block)
+      int first = INT_MAX;
+      for (int p = (lo_seen >> page_shift) + threadIdx.x; p <= (kv_hi - 1) >> page_shift; p += blockDim.x)
+        if ((unsigned)table[p] > (unsigned)last_page) {
+          first = p;
+          break;
+        }
 #pragma unroll
-    for (int w = 1; w < kWarps; ++w) block_bad = min(block_bad, sm.bad_first[w]);
+      for (int o = 16; o > 0; o >>= 1) first = min(first, __shfl_xor_sync(0xffffffffu, first, o));
+      if (lane == 0) sm.bad_first[warp] = first;
+    }
+    __syncthreads();
+    if (block_met_bad) {
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w)
+        if (sm.bad_first[w] != INT_MAX) block_bad = min(block_bad, max(sm.bad_first[w] << page_shift, lo_seen));
+    }
     if (threadIdx.x < pass_rows) {
       // whether row n sees a key of a bad page: past block_bad (the first such key of the split), within its view
       // (rare: only a block that met a bad page scans its table entries, and only with a window)
@@ -765,8 +781,8 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : kHB == 1 ? 4 : 3) 
         bad = false;
         for (int p = lo >> page_shift; p <= hi >> page_shift && !bad; ++p) bad = table[p] < 0 || table[p] > last_page;
       }
-      sm.row_bad[threadIdx.x] = bad;
       if (bad) atomicMin(a.errors + kErrBlockTable, b);
+      sm.row_bad[threadIdx.x] = bad || length_bad(a.seq_lens[b]);
     }
     __syncthreads();
     for (int idx = threadIdx.x; idx < pass_rows * D; idx += blockDim.x) {
@@ -780,7 +796,7 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : kHB == 1 ? 4 : 3) 
         o += sm.acc[w][n][d] * exp2f(sm.mv[w][n] - m_use);
       }
       const int token = t0 + row / group, head = kvh * group + row % group;
-      const bool nan_row = len_bad || sm.row_bad[n];
+      const bool nan_row = sm.row_bad[n];
       // (l is NaN where a score was: NaN in q or a key the row sees reaches the row)
       float value = l == 0.f ? 0.f : o * kFold / l;
       float lse2 = l == 0.f ? -INFINITY : m_use + log2f(l);
