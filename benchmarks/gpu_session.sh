@@ -35,8 +35,8 @@
 #             $results/ab-cuda-<tree>-<round>.json and a table of each case's best time per tree
 #   tests     the GPU tests, suites in parallel processes (TEST_SUITES, default "capture triton flashinfer e2e":
 #             captures of the op; Triton under pytest-xdist; FlashInfer + graphs + devices; end to end; also "spec"
-#             (sinks, trees, merge, page sharing, cascade, LSE), "hf" (transformers models) and "cuda" (the 4-bit
-#             CUDA kernels)), one log;
+#             (sinks, trees, merge, page sharing, cascade, LSE), "hf" (transformers models), "cuda" (the 4-bit
+#             CUDA kernels) and "mla" (latent attention)), one log;
 #             TESTS_TIMEOUT seconds.
 #             Run at most four at once: more overload a 16-core machine with compiles
 #   models    python -m attnops tune on the models grid (MODELS_ARGS narrows it), writing the table to
@@ -54,6 +54,8 @@
 #   demo      python -m attnops demo $DEMO_ARGS, as a newcomer runs it: $results/demo.txt
 #   fuzz-warm each fuzz backend's first chunk in one process, so that the fuzz step's workers find every kernel
 #             compiled (after `jit`)
+#   mla       benchmarks/mla_decode.py $MLA_ARGS (latent-attention decode against FlashInfer's MLA wrapper where
+#             FlashInfer is installed, and the ceiling): $results/mla.json, mla.txt
 #   fp4       python -m attnops bench --grid fp4 (4-bit decode and verify against FlashInfer's bf16, same run):
 #             $results/fp4.{json,png,txt}
 #   fp8       issue 24's fp8 bar: the models grid's fp8 e4m3 decode at 32 x 8192 and 128 x 4096 on every head shape
@@ -191,6 +193,10 @@ for t in trees[1:]:  # the first tree's time over this one's, geometric mean ove
               f"x{math.exp(sum(map(math.log, ratios)) / len(ratios)):.4f}")
 PY
       stamp ab-cuda ;;
+    mla)
+      timeout ${MLA_TIMEOUT:-300} python3 benchmarks/mla_decode.py ${MLA_ARGS:-} --json "$results/mla.json" \
+        2>&1 | tee "$results/mla.txt" | tail -20
+      stamp mla ;;
     tests)
       limit=${TESTS_TIMEOUT:-240}
       suites=${TEST_SUITES:-capture triton flashinfer e2e}
@@ -204,6 +210,7 @@ PY
           spec) files="-m gpu -n 8 tests/test_sinks_tree.py tests/test_merge.py tests/test_prefix_sharing.py tests/test_cascade.py tests/test_lse.py" ;;
           hf) files="-m gpu tests/test_hf.py" ;;
           cuda) files="-m gpu tests/test_cuda_backend.py" ;;
+          mla) files="-m gpu tests/test_mla.py" ;;
           *) echo "unknown suite $suite"; exit 2 ;;
         esac
         timeout $limit python3 -m pytest -q -rA -p no:cacheprovider $files > "/tmp/tests-$suite.log" 2>&1 &
