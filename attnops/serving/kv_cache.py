@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import formats
+from ..checks import HEAD_DIMS, MAX_PAGE_SIZE
 
 
 @dataclass
@@ -78,7 +79,12 @@ class PagedKVCache:
     Pages are reference-counted: `fork` gives a new sequence another's pages without copying them, and
     `share_prefix`/`index_prefix` do the same for any sequence whose tokens start with pages already cached (a
     prefix index over full pages). A shared page is copied before a sequence writes into it (copy on write), and
-    goes back to the free list when its last sequence lets it go.
+    goes back to the free list when its last sequence lets it go. A page's index entry dies when the page is
+    written again (after `truncate`, or a `fork` mid-page whose source let the page go) or freed, so the index
+    only ever names pages that hold its tokens.
+
+    Bad arguments are ValueErrors (TypeErrors for a wrong type) naming them, and an operation that fails (out of
+    pages, an unknown sequence) changes nothing.
     """
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, *,
@@ -86,6 +92,18 @@ class PagedKVCache:
                  v_scale: torch.Tensor | float | None = None, shuffle_pages: bool = False, seed: int = 0):
         if kv_format not in formats.KV_FORMATS:
             raise ValueError(f"PagedKVCache: kv_format must be one of {formats.KV_FORMATS} (got {kv_format!r})")
+        for name, value, least in (("num_layers", num_layers, 1), ("num_pages", num_pages, 1),
+                                   ("page_size", page_size, 1), ("num_kv_heads", num_kv_heads, 1),
+                                   ("head_dim", head_dim, 1)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"PagedKVCache: {name} must be an int (got {type(value).__name__})")
+            if value < least:
+                raise ValueError(f"PagedKVCache: {name} must be at least {least} (got {value})")
+        if page_size > MAX_PAGE_SIZE or page_size & (page_size - 1):
+            raise ValueError(f"PagedKVCache: page_size must be a power of two from 1 to {MAX_PAGE_SIZE}, as the ops "
+                             f"take (got {page_size})")
+        if head_dim not in HEAD_DIMS:
+            raise ValueError(f"PagedKVCache: head_dim must be one the ops serve, {HEAD_DIMS} (got {head_dim})")
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.num_kv_heads, self.head_dim, self.kv_format = num_kv_heads, head_dim, kv_format
         self.device = torch.device(device)
@@ -163,7 +181,19 @@ class PagedKVCache:
         """Distinct pages held by live sequences (a page shared by several counts once)."""
         return self.num_pages - len(self._free_pages)
 
+    def _known(self, method: str, seq_id) -> None:
+        if seq_id not in self._pages:
+            raise ValueError(f"PagedKVCache.{method}: no sequence {seq_id!r} (allocate it first)")
+
+    def _forget_index(self, page: int) -> None:
+        """The page is about to be written: its tokens will no longer be the ones its index entry names."""
+        key = self._key_of.pop(page, None)
+        if key is not None:
+            del self._indexed[key]
+
     def _take_page(self) -> int:
+        if not self._free_pages:
+            raise RuntimeError(f"PagedKVCache: out of pages (all {self.num_pages} in use)")
         page = self._free_pages.pop()
         self._refs[page] = 1
         return page
@@ -192,6 +222,9 @@ class PagedKVCache:
     def fork(self, src, dst, num_tokens: int | None = None) -> None:
         """A new sequence `dst` holding the first `num_tokens` (default: all) tokens of `src`, sharing its pages;
         the last page, if partial, is copied when either sequence writes into it."""
+        self._known("fork", src)
+        if dst in self._pages:
+            raise ValueError(f"PagedKVCache.fork: sequence {dst!r} already exists")
         n = self._lengths[src] if num_tokens is None else num_tokens
         if not 0 <= n <= self._lengths[src]:
             raise ValueError(f"PagedKVCache.fork: num_tokens must be in [0, {self._lengths[src]}] (got {n})")
@@ -213,6 +246,7 @@ class PagedKVCache:
         """For a new, empty sequence whose tokens will be `tokens`: attaches the longest run of cached full pages
         that holds their start (see index_prefix), leaving at least the last token to compute. Returns the tokens
         now in the sequence (a multiple of page_size)."""
+        self._known("share_prefix", seq_id)
         if self._lengths[seq_id]:
             raise ValueError(f"PagedKVCache.share_prefix: sequence {seq_id!r} is not empty")
         pages = []
@@ -230,11 +264,13 @@ class PagedKVCache:
     def index_prefix(self, seq_id, tokens: list[int]) -> None:
         """Records the sequence's full pages, whose stored tokens are `tokens` (written already), so that later
         sequences starting with the same tokens share them (share_prefix)."""
+        self._known("index_prefix", seq_id)
         for page, key in zip(self._pages[seq_id], self._page_keys(tokens[: self._lengths[seq_id]])):
             if key not in self._indexed and page not in self._key_of:
                 self._indexed[key], self._key_of[page] = page, key
 
     def free(self, seq_id) -> None:
+        self._known("free", seq_id)
         self._release(self._pages.pop(seq_id))
         del self._lengths[seq_id]
         row = self._row.pop(seq_id)
@@ -253,10 +289,12 @@ class PagedKVCache:
         pages.extend(new_pages)
 
     def seq_len(self, seq_id) -> int:
+        self._known("seq_len", seq_id)
         return self._lengths[seq_id]
 
     def truncate(self, seq_id, length: int) -> None:
         """Drops the sequence's tokens from position `length` on; pages left empty go back to the free list."""
+        self._known("truncate", seq_id)
         if not 0 <= length <= self._lengths[seq_id]:
             raise ValueError(f"PagedKVCache.truncate: length must be in [0, {self._lengths[seq_id]}] for sequence "
                              f"{seq_id!r} (got {length})")
@@ -272,6 +310,7 @@ class PagedKVCache:
         whose indices in the block are `path` (increasing: the accepted root-to-leaf path) move to positions
         block_start, block_start + 1, ..., in every layer (keys, values and block scales), and the sequence ends
         after them."""
+        self._known("keep_path", seq_id)
         end = self._lengths[seq_id]
         if not 0 <= block_start <= end:
             raise ValueError(f"PagedKVCache.keep_path: block_start must be in [0, {end}] (got {block_start})")
@@ -279,8 +318,14 @@ class PagedKVCache:
             raise ValueError(f"PagedKVCache.keep_path: path must be increasing indices into the block's "
                              f"{end - block_start} tokens (got {path})")
         if list(path) != list(range(len(path))):
-            for i in range(block_start // self.page_size, -(-(block_start + len(path)) // self.page_size)):
+            written = range(block_start // self.page_size, -(-(block_start + len(path)) // self.page_size))
+            copies = sum(self._refs[self._pages[seq_id][i]] > 1 for i in written)
+            if copies > len(self._free_pages):  # fail before anything changes
+                raise RuntimeError(f"PagedKVCache: out of pages ({copies} needed for copy on write, "
+                                   f"{len(self._free_pages)} free)")
+            for i in written:
                 self._own_page(seq_id, i)  # the pages written below
+                self._forget_index(self._pages[seq_id][i])
             pages = torch.tensor(self._pages[seq_id], dtype=torch.long)
             src = torch.tensor(path, dtype=torch.long) + block_start
             dst = torch.arange(block_start, block_start + len(path))
@@ -298,8 +343,13 @@ class PagedKVCache:
 
         decode: one token per sequence and cu_seqlens_q None; by default, when every sequence adds one token.
         max_pages: width of block_table (default: the most any sequence of the batch needs)."""
+        for seq_id in seq_ids:
+            self._known("prepare", seq_id)
         if isinstance(num_new_tokens, int):
             num_new_tokens = [num_new_tokens] * len(seq_ids)
+        if len(num_new_tokens) != len(seq_ids) or any(not isinstance(n, int) or n < 0 for n in num_new_tokens):
+            raise ValueError(f"PagedKVCache.prepare: num_new_tokens must be an int >= 0 or one per sequence "
+                             f"(got {num_new_tokens} for {len(seq_ids)} sequences)")
         if decode is None:
             decode = all(n == 1 for n in num_new_tokens)
         if decode and any(n != 1 for n in num_new_tokens):
@@ -313,6 +363,11 @@ class PagedKVCache:
             raise RuntimeError(f"PagedKVCache: out of pages ({needed} needed, {len(self._free_pages)} free)")
         for s in writes_shared:
             self._own_page(s, len(self._pages[s]) - 1)
+        # a partial last page written into leaves the prefix index (its tokens change; a shared one was copied
+        # above, and the copy is not indexed)
+        for s, n in zip(seq_ids, num_new_tokens):
+            if n and self._lengths[s] % self.page_size:
+                self._forget_index(self._pages[s][-1])
         # slots of short runs (decode) as Python ints, flushed as one tensor before each long run (prefill)
         slot_runs, pending, lengths = [], [], []
         page_size = self.page_size
@@ -368,7 +423,7 @@ class PagedKVCache:
 
         def make_prefix():
             prefix = host_prefix_pass(pages, tokens, self.page_size, meta.num_tokens, "cpu")
-            return prefix._replace(**{k: self._to_device(v) for k, v in prefix._asdict().items()})
+            return prefix._replace(**{k: self._to_device(v) for k, v in prefix._asdict().items() if v is not None})
         return CascadeSplit(block_table=meta.block_table[:, shared:], seq_lens=meta.seq_lens - tokens,
                             prefix_tokens=tokens, prefix_pages=pages, host_seq_lens=[n - tokens for n in lengths],
                             make_prefix=make_prefix)
