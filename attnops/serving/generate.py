@@ -180,12 +180,23 @@ class Generator:
     cascade: a decode step whose whole batch shares leading pages reads them once (attnops.cascade_attention in
     every layer; its own compiled function and CUDA graphs per bucket) when attnops.cascade.cascade_pays says it
     is worth it; `stats["cascade_steps"]` counts those steps;
-    seed: the sampling generator's seed (temperature > 0 only)."""
+    seed: the sampling generator's seed (temperature > 0 only);
+    vocab_size: the token ids a prompt may hold are [0, vocab_size) (default: the model's config.vocab_size, where
+    it has one).
+
+    One bad request never harms the others: a request that can never be served (an empty or non-integer prompt, a
+    token id outside the vocabulary, a duplicate id, a budget below 1, more tokens than max_seq_len or more pages
+    than the whole cache holds) is refused by `add_request` with a ValueError naming the argument; a request
+    that cannot fit now waits for pages; and one whose prefill still fails is taken out alone: its pages go
+    back, `failed[req_id]` says why, and the requests beside it go on to produce the tokens they would have
+    without it. `run()` returns the finished requests' tokens."""
 
     def __init__(self, model, cache: PagedKVCache, *, max_batch: int = 8, max_seq_len: int = 2048,
                  buckets: tuple[int, ...] | None = None, compile: bool | dict = False, cuda_graphs: bool = False,
-                 prefix_sharing: bool = True, cascade: bool = True, seed: int = 0):
+                 prefix_sharing: bool = True, cascade: bool = True, seed: int = 0, vocab_size: int | None = None):
         self.model, self.cache = model, cache
+        self.vocab_size = vocab_size if vocab_size is not None else getattr(getattr(model, "config", None),
+                                                                              "vocab_size", None)
         self.prefix_sharing = prefix_sharing
         self.stats = dict(prompt_tokens=0, prefix_tokens_reused=0, peak_pages_in_use=0, cascade_steps=0)
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
@@ -196,18 +207,41 @@ class Generator:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: dict[object, Request] = {}  # in admission order: the decode batch's row order
         self.finished: dict[object, Request] = {}
+        self.failed: dict[object, str] = {}  # requests taken out of a step that failed for them, and why
         self._reserved_pages = 0  # pages the running requests may still claim, so admission never overcommits
 
     def add_request(self, req_id, prompt: list[int], max_new_tokens: int, *, temperature: float = 0.0,
                     eos_token_id: int | None = None) -> Request:
-        if not prompt or max_new_tokens < 1:
-            raise ValueError("Generator.add_request: needs a non-empty prompt and max_new_tokens >= 1")
+        """Queues a request; refuses (ValueError, naming the argument) one that could never be served."""
+        try:
+            hash(req_id)
+        except TypeError:
+            raise TypeError(f"Generator.add_request: req_id must be hashable (got {type(req_id).__name__})") from None
+        if (any(r.req_id == req_id for r in self.waiting) or req_id in self.running or req_id in self.finished
+                or req_id in self.failed):
+            raise ValueError(f"Generator.add_request: req_id {req_id!r} already exists")
+        prompt = list(prompt) if isinstance(prompt, (list, tuple)) else prompt
+        if not isinstance(prompt, list) or not prompt:
+            raise ValueError(f"Generator.add_request: prompt must be a non-empty list of token ids (got "
+                             f"{prompt!r:.60})")
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in prompt):
+            raise ValueError("Generator.add_request: prompt must hold Python ints (token ids)")
+        limit = self.vocab_size
+        bad = next((t for t in prompt if t < 0 or (limit is not None and t >= limit)), None)
+        if bad is not None:
+            raise ValueError(f"Generator.add_request: prompt token {bad} is outside the vocabulary "
+                             f"[0, {limit if limit is not None else 'vocab_size'})")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"Generator.add_request: max_new_tokens must be an int >= 1 (got {max_new_tokens!r})")
+        if not (isinstance(temperature, (int, float)) and temperature >= 0 and temperature != float("inf")):
+            raise ValueError(f"Generator.add_request: temperature must be finite and >= 0 (got {temperature!r})")
         if len(prompt) + max_new_tokens > self.max_seq_len:
             raise ValueError(f"Generator.add_request: prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) "
                              f"exceeds max_seq_len {self.max_seq_len}")
-        if any(r.req_id == req_id for r in self.waiting) or req_id in self.running or req_id in self.finished:
-            raise ValueError(f"Generator.add_request: request {req_id!r} already exists")
-        req = Request(req_id, list(prompt), max_new_tokens, temperature, eos_token_id)
+        req = Request(req_id, prompt, max_new_tokens, temperature, eos_token_id)
+        if self._pages(req) > self.cache.num_pages:
+            raise ValueError(f"Generator.add_request: prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) "
+                             f"need {self._pages(req)} pages; the whole cache has {self.cache.num_pages}")
         self.waiting.append(req)
         return req
 
@@ -225,9 +259,6 @@ class Generator:
             req = self.waiting.popleft()
             self._reserved_pages += self._pages(req)
             admitted.append(req)
-        if self.waiting and not self.running and not admitted:
-            raise RuntimeError(f"Generator: request {self.waiting[0].req_id!r} needs {self._pages(self.waiting[0])} "
-                               f"pages; the cache has {self.cache.num_pages}")
         return admitted
 
     def _emit(self, reqs: list[Request], logits: torch.Tensor, new: dict) -> None:
@@ -244,6 +275,25 @@ class Generator:
             self.cache.free(req_id)
             self._reserved_pages -= self._pages(req)
             self.finished[req_id] = req
+
+    def _prefill_alone_if_failing(self, reqs: list[Request], new: dict) -> None:
+        """Prefills `reqs` together; if that fails, takes them back out (their pages freed) and prefills each alone,
+        so that only a request whose own prefill fails is dropped (into `failed`, with the reason)."""
+        try:
+            logits = self.prefill(reqs)
+        except Exception as e:  # (any error of the model or the cache: the caller reads it in `failed`)
+            for req in reqs:
+                self.running.pop(req.req_id, None)
+                if req.req_id in self.cache:
+                    self.cache.free(req.req_id)
+            if len(reqs) > 1:
+                for req in reqs:
+                    self._prefill_alone_if_failing([req], new)
+                return
+            self._reserved_pages -= self._pages(reqs[0])
+            self.failed[reqs[0].req_id] = f"{type(e).__name__}: {e}"
+            return
+        self._emit(reqs, logits, new)
 
     @torch.no_grad()
     def prefill(self, reqs: list[Request]) -> torch.Tensor:
@@ -274,7 +324,7 @@ class Generator:
         new: dict = {}
         admitted = self._admit()
         if admitted:
-            self._emit(admitted, self.prefill(admitted), new)
+            self._prefill_alone_if_failing(admitted, new)
             self._retire()
         batch = list(self.running.values())
         if batch:

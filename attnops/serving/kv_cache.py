@@ -181,6 +181,10 @@ class PagedKVCache:
         """Distinct pages held by live sequences (a page shared by several counts once)."""
         return self.num_pages - len(self._free_pages)
 
+    def __contains__(self, seq_id) -> bool:
+        """Whether the sequence is allocated."""
+        return seq_id in self._pages
+
     def _known(self, method: str, seq_id) -> None:
         if seq_id not in self._pages:
             raise ValueError(f"PagedKVCache.{method}: no sequence {seq_id!r} (allocate it first)")
