@@ -83,6 +83,39 @@ def test_prefix_index_shares_full_pages_only_and_forgets_freed_pages():
     assert cache.share_prefix("e", prompt) == 0  # freed pages left the index
 
 
+def token_kv(tokens: list[int]) -> torch.Tensor:
+    """[n, 2, 1, 64]: K = V = the token id in every dimension."""
+    return torch.tensor(tokens, dtype=torch.float32)[:, None, None, None].expand(-1, 2, 1, 64)
+
+
+def test_a_page_written_again_after_truncate_leaves_the_prefix_index():
+    cache = attnops.PagedKVCache(1, 8, 4, 1, 64, kv_format="fp32")
+    cache.allocate("a")
+    write(cache, "a", token_kv([1, 2, 3, 4, 5]))
+    cache.index_prefix("a", [1, 2, 3, 4, 5])
+    cache.truncate("a", 2)
+    write(cache, "a", token_kv([9, 9]))  # into the indexed page, which now holds 1, 2, 9, 9
+    cache.allocate("c")
+    shared = cache.share_prefix("c", [1, 2, 3, 4, 7])
+    assert (stored(cache, "c")[:, 0, 0, 0].tolist() if shared else []) == [1, 2, 3, 4][:shared]
+    assert shared == 0
+
+
+@pytest.mark.parametrize("free_source", [True, False])
+def test_a_page_forked_mid_page_keeps_its_index_entry_only_while_it_holds_the_tokens(free_source):
+    cache = attnops.PagedKVCache(1, 8, 4, 1, 64, kv_format="fp32")
+    cache.allocate("a")
+    write(cache, "a", token_kv([1, 2, 3, 4, 5]))
+    cache.index_prefix("a", [1, 2, 3, 4, 5])
+    cache.fork("a", "b", 2)
+    if free_source:
+        cache.free("a")  # b alone holds the indexed page: its write goes into it
+    write(cache, "b", token_kv([9, 9]))  # else b writes into a copy, and the indexed page is a's, unchanged
+    cache.allocate("c")
+    shared = cache.share_prefix("c", [1, 2, 3, 4, 7])
+    assert (stored(cache, "c")[:, 0, 0, 0].tolist() if shared else []) == [1, 2, 3, 4][:shared]
+    assert shared == (0 if free_source else 4)
+
 def tiny_model():
     """A tiny Llama (transformers' modeling code, head_dim 32) served through attnops.hf, with decisive logits."""
     pytest.importorskip("transformers")

@@ -189,6 +189,12 @@ class PagedKVCache:
         if seq_id not in self._pages:
             raise ValueError(f"PagedKVCache.{method}: no sequence {seq_id!r} (allocate it first)")
 
+    @staticmethod
+    def _count(method: str, name: str, value) -> None:
+        """A token count or position argument must be an int (a float slices nothing and fails halfway)."""
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"PagedKVCache.{method}: {name} must be an int (got {type(value).__name__})")
+
     def _forget_index(self, page: int) -> None:
         """The page is about to be written: its tokens will no longer be the ones its index entry names."""
         key = self._key_of.pop(page, None)
@@ -230,6 +236,7 @@ class PagedKVCache:
         if dst in self._pages:
             raise ValueError(f"PagedKVCache.fork: sequence {dst!r} already exists")
         n = self._lengths[src] if num_tokens is None else num_tokens
+        self._count("fork", "num_tokens", n)
         if not 0 <= n <= self._lengths[src]:
             raise ValueError(f"PagedKVCache.fork: num_tokens must be in [0, {self._lengths[src]}] (got {n})")
         self.allocate(dst)
@@ -299,6 +306,7 @@ class PagedKVCache:
     def truncate(self, seq_id, length: int) -> None:
         """Drops the sequence's tokens from position `length` on; pages left empty go back to the free list."""
         self._known("truncate", seq_id)
+        self._count("truncate", "length", length)
         if not 0 <= length <= self._lengths[seq_id]:
             raise ValueError(f"PagedKVCache.truncate: length must be in [0, {self._lengths[seq_id]}] for sequence "
                              f"{seq_id!r} (got {length})")
@@ -315,6 +323,7 @@ class PagedKVCache:
         block_start, block_start + 1, ..., in every layer (keys, values and block scales), and the sequence ends
         after them."""
         self._known("keep_path", seq_id)
+        self._count("keep_path", "block_start", block_start)
         end = self._lengths[seq_id]
         if not 0 <= block_start <= end:
             raise ValueError(f"PagedKVCache.keep_path: block_start must be in [0, {end}] (got {block_start})")
@@ -349,6 +358,8 @@ class PagedKVCache:
         max_pages: width of block_table (default: the most any sequence of the batch needs)."""
         for seq_id in seq_ids:
             self._known("prepare", seq_id)
+        if len(set(seq_ids)) != len(seq_ids):  # a sequence twice would be given the same slots twice
+            raise ValueError(f"PagedKVCache.prepare: seq_ids must be distinct (got {list(seq_ids)})")
         if isinstance(num_new_tokens, int):
             num_new_tokens = [num_new_tokens] * len(seq_ids)
         if len(num_new_tokens) != len(seq_ids) or any(not isinstance(n, int) or n < 0 for n in num_new_tokens):
@@ -361,10 +372,14 @@ class PagedKVCache:
         # a shared partial last page that this step writes into is copied first (copy on write)
         writes_shared = [s for s, n in zip(seq_ids, num_new_tokens)
                          if n and self._lengths[s] % self.page_size and self._refs[self._pages[s][-1]] > 1]
-        needed = len(writes_shared) + sum(max(0, -(-(self._lengths[s] + n) // self.page_size) - len(self._pages[s]))
-                                          for s, n in zip(seq_ids, num_new_tokens))
+        page_counts = [-(-(self._lengths[s] + n) // self.page_size) for s, n in zip(seq_ids, num_new_tokens)]
+        needed = len(writes_shared) + sum(max(0, count - len(self._pages[s])) for s, count in zip(seq_ids, page_counts))
         if needed > len(self._free_pages):
             raise RuntimeError(f"PagedKVCache: out of pages ({needed} needed, {len(self._free_pages)} free)")
+        width = max(page_counts + [1]) if max_pages is None else max_pages
+        if max(page_counts, default=0) > width:
+            raise ValueError(f"PagedKVCache.prepare: max_pages must be at least the {max(page_counts)} pages a "
+                             f"sequence needs (got {width})")
         for s in writes_shared:
             self._own_page(s, len(self._pages[s]) - 1)
         # a partial last page written into leaves the prefix index (its tokens change; a shared one was copied
@@ -390,9 +405,6 @@ class PagedKVCache:
                 slot_runs.append(row[positions // page_size].long() * page_size + positions % page_size)
             self._lengths[seq_id] = start + n
             lengths.append(start + n)
-        width = max([len(self._pages[s]) for s in seq_ids] + [1]) if max_pages is None else max_pages
-        if any(len(self._pages[s]) > width for s in seq_ids):
-            raise ValueError(f"PagedKVCache.prepare: a sequence needs more than max_pages={width} pages")
         rows = self._table.index_select(0, torch.tensor([self._row[s] for s in seq_ids], dtype=torch.long))
         table = torch.full((len(seq_ids), width), -1, dtype=torch.int32)
         used = min(width, rows.shape[1])
