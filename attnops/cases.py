@@ -1,11 +1,17 @@
-"""The contract between the op layer and the backends: what one call looks like to dispatch (shapes, dtypes and
-flags, never tensor data). checks.py builds these; dispatch.py and every backend read them."""
+"""The contract between the op layer and the backends: what one call looks like to dispatch (a case: shapes,
+dtypes and flags, never tensor data) and what a backend is handed to run it (a call: the case and the call's
+tensors and scalars). checks.py builds both after validating; dispatch.py reads cases, every backend reads calls."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
+
+from .env import device_arch
+from .formats import FORMATS, KVFormat
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,35 @@ class AttentionCase:
     # query tokens a sequence, T / B rounded up (1 in decode; VERIFY_MAX_Q + 1 for every prefill): with the GQA
     # group, the query rows a verify kernel computes for each (sequence, KV head)
     q_per_seq: int = 1
+    # every key row of the caches (and of 4-bit block scales) can be copied by aligned words, K and V alike, with
+    # 32-bit page offsets (checks.kv_layout_reasons): from strides and addresses, what a kernel that copies rows
+    # to shared memory by words needs (the cuda backend's)
+    aligned_kv: bool = True
+
+    @classmethod
+    def of_shapes(cls, *, device_type: str, arch: tuple[int, int] | None, q_dtype: torch.dtype, kv_format: str,
+                  head_dim: int, page_size: int, num_q_heads: int, num_kv_heads: int, batch: int, num_tokens: int,
+                  max_kv_len: int, decode: bool, scale_kind: str | None = None, soft_cap: bool = False,
+                  sliding_window: bool = False, sinks: bool = False, tree_mask: bool = False,
+                  aligned_kv: bool = True) -> AttentionCase:
+        """The case of a call of these shapes: shape_class and q_per_seq follow from decode, the query tokens and
+        the batch; the scale kind defaults to the format's."""
+        return cls(device_type=device_type, arch=arch, q_dtype=q_dtype, kv_format=kv_format, head_dim=head_dim,
+                   page_size=page_size, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, decode=decode,
+                   soft_cap=soft_cap, sliding_window=sliding_window,
+                   scale_kind=FORMATS[kv_format].default_scale_kind if scale_kind is None else scale_kind,
+                   shape_class=shape_class(decode, num_tokens, batch), batch=batch, max_kv_len=max_kv_len,
+                   sinks=sinks, tree_mask=tree_mask, q_per_seq=q_per_seq(decode, num_tokens, batch),
+                   aligned_kv=aligned_kv)
+
+    @property
+    def format(self) -> KVFormat:
+        return FORMATS[self.kv_format]
+
+    @property
+    def group(self) -> int:
+        """Query heads a KV head serves."""
+        return self.num_q_heads // self.num_kv_heads
 
     def __hash__(self) -> int:  # computed once: dispatch looks a case up on every op call
         cached = self.__dict__.get("_hash")
@@ -71,3 +106,111 @@ class CacheWriteCase:
     page_size: int
     num_kv_heads: int
     scale_kind: str
+
+
+class AttentionCall(NamedTuple):
+    """One paged_attention (or paged_attention_with_lse) call as a backend runs it: its case and its arguments,
+    validated, `kv_format` resolved into the case, `scale` a float, `soft_cap` 0.0 for no cap (an infinite cap is
+    0 here). The op builds it once (checks.attention_call); `Backend.paged_attention(call)` takes it.
+
+    A NamedTuple rather than a frozen dataclass: one is built on every op call, and a frozen dataclass's __init__
+    costs three times as much (1.8 against 0.6 us here)."""
+
+    case: AttentionCase
+    q: torch.Tensor  # [T, Hq, D]
+    k_cache: torch.Tensor  # [num_pages, page_size, Hkv, D (D/2 for 4-bit)]
+    v_cache: torch.Tensor
+    block_table: torch.Tensor  # int32 [B, max_pages]
+    seq_lens: torch.Tensor  # int32 [B]
+    cu_seqlens_q: torch.Tensor | None  # int32 [B + 1]; None: decode
+    out: torch.Tensor  # written: [T, Hq, D], q's dtype
+    scale: float
+    soft_cap: float = 0.0
+    window_left: int = -1
+    k_scale: torch.Tensor | None = None  # fp8: float32 per tensor or per KV head; 4-bit: the block scales
+    v_scale: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None  # float32 [Hq]
+    tree_mask: torch.Tensor | None = None  # bool [T, Q]
+    lse: torch.Tensor | None = None  # written when given: float32 [T, Hq]
+
+    @classmethod
+    def of(cls, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q=None, *, scale: float | None, soft_cap,
+           window_left: int, kv_format: str, k_scale, v_scale, out, sinks=None, tree_mask=None,
+           lse=None) -> AttentionCall:
+        """The call of these arguments, its case read from their shapes, for a caller that validated them itself
+        (the op validates, then builds the call with checks.attention_call): `kv_format` resolved, scales as the
+        format needs them. The layout is taken as aligned (`aligned_kv`): only checks.py measures it."""
+        num_tokens, num_q_heads, head_dim = q.shape
+        _, page_size, num_kv_heads, _ = k_cache.shape
+        fmt = FORMATS[kv_format]
+        case = AttentionCase.of_shapes(
+            device_type=q.device.type, arch=device_arch(q.device), q_dtype=q.dtype, kv_format=kv_format,
+            head_dim=head_dim, page_size=page_size, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+            batch=seq_lens.shape[0], num_tokens=num_tokens, max_kv_len=block_table.shape[1] * page_size,
+            decode=cu_seqlens_q is None, scale_kind=fmt.scale_kind(k_scale, v_scale),
+            soft_cap=0 < soft_cap < math.inf, sliding_window=window_left >= 0, sinks=sinks is not None,
+            tree_mask=tree_mask is not None)
+        return cls(case, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out,
+                   head_dim ** -0.5 if scale is None else float(scale), float(soft_cap) if case.soft_cap else 0.0,
+                   int(window_left), k_scale, v_scale, sinks, tree_mask, lse)
+
+    @property
+    def kv_format(self) -> str:
+        return self.case.kv_format
+
+    @property
+    def format(self) -> KVFormat:
+        return FORMATS[self.case.kv_format]
+
+    @property
+    def decode(self) -> bool:
+        return self.case.decode
+
+    @property
+    def batch(self) -> int:
+        return self.case.batch
+
+    @property
+    def num_tokens(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def group(self) -> int:
+        return self.case.group
+
+    @property
+    def capacity(self) -> int:
+        """The block table's capacity in tokens (its width x page_size)."""
+        return self.case.max_kv_len
+
+    @property
+    def num_pages(self) -> int:
+        return self.k_cache.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+
+class CacheWriteCall(NamedTuple):
+    """One reshape_and_cache call as a backend runs it: its case and its arguments, validated (`kv_format`
+    resolved into the case). The op builds it once (checks.cache_write_call)."""
+
+    case: CacheWriteCase
+    key: torch.Tensor  # [T, Hkv, D]
+    value: torch.Tensor
+    k_cache: torch.Tensor  # written
+    v_cache: torch.Tensor  # written
+    slot_mapping: torch.Tensor  # int64 [T]
+    k_scale: torch.Tensor | None = None  # fp8: read-only, per tensor or per KV head
+    v_scale: torch.Tensor | None = None
+    k_block_scale: torch.Tensor | None = None  # 4-bit: written, paged like the cache
+    v_block_scale: torch.Tensor | None = None
+
+    @property
+    def kv_format(self) -> str:
+        return self.case.kv_format
+
+    @property
+    def format(self) -> KVFormat:
+        return FORMATS[self.case.kv_format]

@@ -10,9 +10,10 @@ from __future__ import annotations
 import math
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from . import formats
-from .cases import AttentionCase, CacheWriteCase, q_per_seq, shape_class
+from .cases import AttentionCall, AttentionCase, CacheWriteCall, CacheWriteCase
 from .env import device_arch
 
 HEAD_DIMS = (32, 64, 128, 256)
@@ -81,10 +82,11 @@ def _check_head_dim(op, head_dim, stored_dim, fmt, what):
 
 
 def _check_scales(op, fmt, k_cache, num_kv_heads, head_dim, names, k_scale, v_scale) -> str:
-    """fp8: a per-tensor or per-head float32 scale each; 4-bit: block scales paged like the cache; others: none.
-    Returns the scale kind."""
+    """What the format's scale (KVFormat.scale) asks of k_scale/v_scale: a per-tensor or per-head float32 scale
+    each (tensor scales), block scales paged like the cache (block scales), or none. Returns the scale kind."""
     k_name, v_name = names
-    if formats.is_fp8(fmt):
+    f = formats.FORMATS[fmt]
+    if f.scale == formats.TENSOR_SCALE:
         for name, s in ((k_name, k_scale), (v_name, v_scale)):
             if s is None:
                 _fail(op, ValueError, f"kv_format {fmt} needs {name} (float32, 0-d, [1] or [num_kv_heads])")
@@ -94,10 +96,9 @@ def _check_scales(op, fmt, k_cache, num_kv_heads, head_dim, names, k_scale, v_sc
             if not (s.numel() == 1 and s.dim() <= 1) and tuple(s.shape) != (num_kv_heads,):
                 _fail(op, ValueError, f"{name} must be 0-d, [1] (per tensor) or [num_kv_heads={num_kv_heads}] "
                                       f"(per head) (got {list(s.shape)})")
-        return "per_tensor" if k_scale.numel() == 1 and v_scale.numel() == 1 else "per_head"
-    if formats.is_fp4(fmt):
-        expected = formats.FORMATS[fmt].block_scale_shape(tuple(k_cache.shape), head_dim)
-        dtype = formats.FORMATS[fmt].scale_dtype
+    elif f.scale == formats.BLOCK_SCALE:
+        expected = f.block_scale_shape(tuple(k_cache.shape), head_dim)
+        dtype = f.scale_dtype
         for name, s in ((k_name, k_scale), (v_name, v_scale)):
             if s is None:
                 _fail(op, ValueError, f"kv_format {fmt} needs {name} ({str(dtype).replace('torch.', '')} "
@@ -109,11 +110,42 @@ def _check_scales(op, fmt, k_cache, num_kv_heads, head_dim, names, k_scale, v_sc
                 _fail(op, ValueError, f"{name} must be {list(expected)} for {fmt} (got {list(s.shape)})")
             if s.stride(-1) != 1:
                 _fail(op, ValueError, f"{name} must be contiguous in its last dimension")
-        return "block"
-    for name, s in ((k_name, k_scale), (v_name, v_scale)):
-        if s is not None:
-            _fail(op, ValueError, f"{name} is only for fp8 and 4-bit caches (this cache is {fmt})")
-    return "none"
+    elif f.scale == formats.NO_SCALE:
+        for name, s in ((k_name, k_scale), (v_name, v_scale)):
+            if s is not None:
+                _fail(op, ValueError, f"{name} is only for fp8 and 4-bit caches (this cache is {fmt})")
+    return f.scale_kind(k_scale, v_scale)  # (an unknown scale: a ValueError naming it)
+
+
+def _address(t: torch.Tensor) -> int:
+    """Where t's first element is: its address, or for a tensor without memory (meta; fake, in the fakes at trace
+    time) its byte offset in its storage."""
+    if t.device.type == "meta" or isinstance(t, FakeTensor):
+        return t.storage_offset() * t.element_size()
+    return t.data_ptr()
+
+
+def kv_layout_reasons(fmt, k_cache, v_cache, k_scale=None, v_scale=None) -> list[str]:
+    """What keeps the caches (validated) from being read by aligned word copies (AttentionCase.aligned_kv): a key
+    row is copied in words of a quarter of its bytes, at most 16 (4-bit at head dim 128: 16 bytes, a lane's
+    copy), and a 4-bit format's row of block scales in one copy of its bytes, at most 16; so each tensor's address
+    and outer strides must be multiples of that, K's and V's strides equal, and pages less than 4 GiB apart (32-bit
+    page offsets). Shapes, strides and addresses only. Empty if they can."""
+    reasons = []
+    tensors = [("k_cache", k_cache), ("v_cache", v_cache)]
+    if formats.FORMATS[fmt].scale == formats.BLOCK_SCALE:
+        tensors += [("k_scale", k_scale), ("v_scale", v_scale)]
+    if k_cache.stride() != v_cache.stride() or (len(tensors) > 2 and k_scale.stride() != v_scale.stride()):
+        reasons.append("k and v caches (or their scales) have different strides")
+    row = min(k_cache.shape[-1] * k_cache.element_size() // 4, 16)  # bytes a copy of a key takes
+    for name, t in tensors:
+        align = row if name.endswith("cache") else min(t.shape[-1] * t.element_size(), 16)  # a scale row: one copy
+        strides = [s * t.element_size() for s in t.stride()[:3]]
+        if _address(t) % align or any(s % align or s < 0 for s in strides) or t.stride(3) != 1:
+            reasons.append(f"{name} is not {align}-byte aligned with unit inner stride")
+        if strides[0] >= 2 ** 32:
+            reasons.append(f"{name}'s pages are 4 GiB or more apart")
+    return reasons
 
 
 def check_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left,
@@ -196,18 +228,23 @@ def check_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens
     if window_left < -1:
         _fail(op, ValueError, f"window_left must be -1 (no window) or >= 0 (got {window_left})")
 
-    return AttentionCase(
+    return AttentionCase.of_shapes(
         device_type=q.device.type, arch=device_arch(q.device), q_dtype=q.dtype, kv_format=fmt, head_dim=head_dim,
-        page_size=page_size, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, decode=cu_seqlens_q is None,
-        soft_cap=0 < soft_cap < math.inf, sliding_window=window_left >= 0, scale_kind=scale_kind,
-        shape_class=shape_class(cu_seqlens_q is None, num_tokens, batch), batch=batch,
-        max_kv_len=block_table.shape[1] * page_size, sinks=sinks is not None, tree_mask=tree_mask is not None,
-        q_per_seq=q_per_seq(cu_seqlens_q is None, num_tokens, batch))
+        page_size=page_size, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, batch=batch, num_tokens=num_tokens,
+        max_kv_len=block_table.shape[1] * page_size, decode=cu_seqlens_q is None, scale_kind=scale_kind,
+        soft_cap=0 < soft_cap < math.inf, sliding_window=window_left >= 0, sinks=sinks is not None,
+        tree_mask=tree_mask is not None, aligned_kv=not kv_layout_reasons(fmt, k_cache, v_cache, k_scale, v_scale))
 
 
 def _signature(t):
     """What validation looks at in a tensor argument (raises AttributeError for a non-tensor: not memoized)."""
     return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
+def _placed(t):
+    """_signature and the address's alignment (up to 16 bytes, what kv_layout_reasons asks of the caches and their
+    scales)."""
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16)
 
 
 _VALID_ATTENTION: dict = {}  # signature of valid arguments -> their case: validation costs tens of us in Python
@@ -218,9 +255,9 @@ def attention_case(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, sca
     """check_paged_attention, memoized on everything it reads (shapes, strides, dtypes, devices, flags): the
     op's hot path validates a signature once and then only looks it up."""
     try:
-        key = (_signature(q), _signature(k_cache), _signature(v_cache), _signature(block_table),
+        key = (_signature(q), _placed(k_cache), _placed(v_cache), _signature(block_table),
                _signature(seq_lens), _signature(cu_seqlens_q), scale, soft_cap, window_left, kv_format,
-               _signature(k_scale), _signature(v_scale), _signature(sinks), _signature(tree_mask), _signature(out))
+               _placed(k_scale), _placed(v_scale), _signature(sinks), _signature(tree_mask), _signature(out))
         if lse is not None:  # (a longer key: paged_attention's own calls build the same key as without lse)
             key += (_signature(lse),)
     except AttributeError:  # a non-tensor where a tensor belongs: let the full check name it
@@ -232,6 +269,17 @@ def attention_case(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, sca
         if key is not None and len(_VALID_ATTENTION) < 4096:
             _VALID_ATTENTION[key] = case
     return case
+
+
+def attention_call(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left,
+                   kv_format, k_scale, v_scale, sinks, tree_mask, out, lse=None) -> AttentionCall:
+    """The op's arguments validated (attention_case) and made the call a backend runs: the case, `scale` resolved
+    to a float, `soft_cap` 0.0 where there is no cap."""
+    case = attention_case(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left,
+                          kv_format, k_scale, v_scale, sinks, tree_mask, out, lse)
+    return AttentionCall(case, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out,
+                         q.shape[-1] ** -0.5 if scale is None else scale, soft_cap if case.soft_cap else 0.0,
+                         window_left, k_scale, v_scale, sinks, tree_mask, lse)
 
 
 def _check_fp8_scale_values(op, k_scale, v_scale) -> None:
@@ -313,7 +361,7 @@ def check_reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, kv_forma
         _fail(op, TypeError, f"slot_mapping must be int64 (got {slot_mapping.dtype})")
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] != num_tokens:
         _fail(op, ValueError, f"slot_mapping must be [num_tokens] = [{num_tokens}] (got {_describe(slot_mapping)})")
-    if formats.is_fp4(fmt):
+    if formats.FORMATS[fmt].scale == formats.BLOCK_SCALE:  # scales computed on the way in
         if k_scale is not None or v_scale is not None:
             _fail(op, ValueError, f"k_scale/v_scale are for fp8; {fmt} computes k_block_scale/v_block_scale")
         scale_kind = _check_scales(op, fmt, k_cache, num_kv_heads, head_dim, ("k_block_scale", "v_block_scale"),
@@ -328,6 +376,15 @@ def check_reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, kv_forma
     return CacheWriteCase(device_type=key.device.type, arch=device_arch(key.device), src_dtype=key.dtype,
                           kv_format=fmt, head_dim=head_dim, page_size=page_size, num_kv_heads=num_kv_heads,
                           scale_kind=scale_kind)
+
+
+def cache_write_call(key, value, k_cache, v_cache, slot_mapping, kv_format, k_scale, v_scale, k_block_scale,
+                     v_block_scale) -> CacheWriteCall:
+    """reshape_and_cache's arguments validated and made the call a backend runs."""
+    case = check_reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, kv_format, k_scale, v_scale,
+                                   k_block_scale, v_block_scale)
+    return CacheWriteCall(case, key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, k_block_scale,
+                          v_block_scale)
 
 
 def check_reshape_and_cache_values(k_cache, slot_mapping, k_scale=None, v_scale=None) -> None:

@@ -275,7 +275,7 @@ def describe_attention(device: str | None = None, **fields_) -> AttentionCase:
                   q_dtype=torch.float32 if device.type == "cpu" else torch.bfloat16, kv_format=kv_format,
                   head_dim=128, page_size=16, num_q_heads=32, num_kv_heads=8, decode=True, soft_cap=False,
                   sliding_window=False, scale_kind=scale_kind, batch=1, max_kv_len=4096, shape_class=None,
-                  sinks=False, tree_mask=False, q_per_seq=None)
+                  sinks=False, tree_mask=False, q_per_seq=None, aligned_kv=True)
     unknown = set(fields_) - set(values)
     if unknown:
         raise TypeError(f"attnops.explain: unknown case fields {sorted(unknown)}; known: {sorted(values)}")

@@ -16,17 +16,27 @@ from dataclasses import dataclass
 import torch
 
 
+# How a format's values are scaled (KVFormat.scale): what the checks ask of k_scale/v_scale, how the kernels index
+# them, and which scale kind a case records
+NO_SCALE = "none"  # stored as is
+TENSOR_SCALE = "tensor"  # float32, per tensor (0-d or [1]) or per KV head ([Hkv]); read-only
+BLOCK_SCALE = "block"  # one per `block` values, paged like the cache; written by reshape_and_cache
+SCALES = (NO_SCALE, TENSOR_SCALE, BLOCK_SCALE)
+
+
 @dataclass(frozen=True)
 class KVFormat:
     """One KV-cache format: everything the ops, dispatch, the cache, the kernels' launch code, the tests and the
-    benchmarks need to know about it. A new format is a new entry here, its (de)quantization below, and the
-    kernels that read it."""
+    benchmarks need to know about it. A new format is a new entry here, its (de)quantization below, the kernels
+    that read it, and its name in the KV_FORMATS of each backend that serves it (every backend names its own).
+    Code that depends on how values are scaled branches on `scale` (an unknown kind is an error there), and on
+    is_fp8/is_fp4 only where the encoding of a value matters."""
 
     name: str
     storage_dtype: torch.dtype  # the cache tensor's dtype
     value_bits: int  # bits a value takes in the cache (scales apart)
-    scale: str  # "none"; "tensor" (fp8: float32, per tensor or per KV head); "block" (4-bit: paged like the cache)
-    block: int = 0  # values per block scale ("block" formats)
+    scale: str  # one of SCALES: NO_SCALE, TENSOR_SCALE (fp8), BLOCK_SCALE (4-bit)
+    block: int = 0  # values per block scale (BLOCK_SCALE formats)
     scale_dtype: torch.dtype | None = None  # the block scales' dtype
     kernel_code: int = 0  # what the kernels' FMT constexpr is for this format (0: read as is, converted on load)
 
@@ -34,12 +44,23 @@ class KVFormat:
     def family(self) -> str:
         """What a timing of this format stands for: fp8_e4m3 and fp8_e5m2 ("fp8") share every kernel's code path
         and bytes but the decode of a value, so a backend timed on one counts as timed on both (dispatch's tables)."""
-        return "fp8" if self.scale == "tensor" else self.name
+        return "fp8" if self.scale == TENSOR_SCALE else self.name
 
     @property
     def default_scale_kind(self) -> str:
         """The scale kind of a case in this format unless its scales say otherwise (fp8 may be per_head)."""
-        return {"none": "none", "tensor": "per_tensor", "block": "block"}[self.scale]
+        return {NO_SCALE: "none", TENSOR_SCALE: "per_tensor", BLOCK_SCALE: "block"}[self.scale]
+
+    def scale_kind(self, k_scale, v_scale) -> str:
+        """The scale kind of a call with these (validated) scales: "none", "per_tensor" or "per_head" (a tensor
+        scale of one element each, or one a KV head), or "block"."""
+        if self.scale == NO_SCALE:
+            return "none"
+        if self.scale == TENSOR_SCALE:
+            return "per_tensor" if k_scale.numel() == 1 and v_scale.numel() == 1 else "per_head"
+        if self.scale == BLOCK_SCALE:
+            return "block"
+        raise ValueError(f"kv_format {self.name}: unknown scale {self.scale!r} (expected one of {SCALES})")
 
     def stored_head_dim(self, head_dim: int) -> int:
         """The cache's last dimension for `head_dim` values (two 4-bit values a byte)."""
@@ -51,22 +72,22 @@ class KVFormat:
 
     def bytes_per_value(self) -> float:
         """Cache bytes a value costs, block scales included."""
-        scales = self.scale_dtype.itemsize / self.block if self.scale == "block" else 0.0
+        scales = self.scale_dtype.itemsize / self.block if self.scale == BLOCK_SCALE else 0.0
         return self.value_bits / 8 + scales
 
 
 FORMATS = {f.name: f for f in (
-    KVFormat("bf16", torch.bfloat16, 16, "none"),
-    KVFormat("fp16", torch.float16, 16, "none"),
-    KVFormat("fp32", torch.float32, 32, "none"),
-    KVFormat("fp8_e4m3", torch.float8_e4m3fn, 8, "tensor", kernel_code=1),
-    KVFormat("fp8_e5m2", torch.float8_e5m2, 8, "tensor", kernel_code=1),
-    KVFormat("nvfp4", torch.uint8, 4, "block", block=16, scale_dtype=torch.float8_e4m3fn, kernel_code=2),
-    KVFormat("mxfp4", torch.uint8, 4, "block", block=32, scale_dtype=torch.uint8, kernel_code=3),
+    KVFormat("bf16", torch.bfloat16, 16, NO_SCALE),
+    KVFormat("fp16", torch.float16, 16, NO_SCALE),
+    KVFormat("fp32", torch.float32, 32, NO_SCALE),
+    KVFormat("fp8_e4m3", torch.float8_e4m3fn, 8, TENSOR_SCALE, kernel_code=1),
+    KVFormat("fp8_e5m2", torch.float8_e5m2, 8, TENSOR_SCALE, kernel_code=1),
+    KVFormat("nvfp4", torch.uint8, 4, BLOCK_SCALE, block=16, scale_dtype=torch.float8_e4m3fn, kernel_code=2),
+    KVFormat("mxfp4", torch.uint8, 4, BLOCK_SCALE, block=32, scale_dtype=torch.uint8, kernel_code=3),
 )}
 KV_FORMATS = tuple(FORMATS)
 # formats found from the cache's dtype alone (kv_format="auto"): the plain and fp8 ones
-_BY_DTYPE = {f.storage_dtype: f.name for f in FORMATS.values() if f.scale != "block"}
+_BY_DTYPE = {f.storage_dtype: f.name for f in FORMATS.values() if f.scale != BLOCK_SCALE}
 
 
 def resolve_kv_format(kv_format: str, cache_dtype: torch.dtype) -> str | None:
@@ -78,11 +99,14 @@ def resolve_kv_format(kv_format: str, cache_dtype: torch.dtype) -> str | None:
 
 
 def is_fp8(fmt: str) -> bool:
-    return FORMATS[fmt].scale == "tensor"
+    """8-bit float values (fp8_e4m3, fp8_e5m2): the encoding of a value, not how it is scaled (KVFormat.scale)."""
+    f = FORMATS[fmt]
+    return f.value_bits == 8 and f.storage_dtype.is_floating_point
 
 
 def is_fp4(fmt: str) -> bool:
-    return FORMATS[fmt].scale == "block"
+    """4-bit e2m1 values packed two a byte (nvfp4, mxfp4): the encoding of a value, not how it is scaled."""
+    return FORMATS[fmt].value_bits == 4
 
 
 def stored_head_dim(fmt: str, head_dim: int) -> int:

@@ -16,7 +16,7 @@ import torch
 from . import _C  # loads the schemas: TORCH_LIBRARY(attnops, m) in csrc/ops.cpp
 from .backends import flashinfer_replay
 from .backends.reference import merge_attention_states_reference
-from .checks import (attention_case, check_merge_attention_states, check_paged_attention,
+from .checks import (attention_call, cache_write_call, check_merge_attention_states, check_paged_attention,
                      check_paged_attention_values, check_reshape_and_cache, check_reshape_and_cache_values)
 from .dispatch import select_backend
 from .env import values_checked
@@ -37,19 +37,15 @@ def on_device(device: torch.device):
 
 def _run_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left,
                          kv_format, k_scale, v_scale, sinks, tree_mask, out, lse=None) -> None:
-    """paged_attention into `out`; paged_attention_with_lse with `lse` given."""
-    case = attention_case(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left,
+    """paged_attention into `out`; paged_attention_with_lse with `lse` given. (The C++ CUDA kernel hands calls
+    here with these positional arguments.)"""
+    call = attention_call(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left,
                           kv_format, k_scale, v_scale, sinks, tree_mask, out, lse)
     if values_checked():
         check_paged_attention_values(q, k_cache, block_table, seq_lens, cu_seqlens_q, k_scale, v_scale, tree_mask)
-    if not case.soft_cap:
-        soft_cap = 0.0  # inf: no cap
-    backend = select_backend(case, q.device)
+    backend = select_backend(call.case, q.device)
     with on_device(q.device):
-        backend.paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
-                                scale=q.shape[-1] ** -0.5 if scale is None else scale, soft_cap=soft_cap,
-                                window_left=window_left, kv_format=case.kv_format, k_scale=k_scale,
-                                v_scale=v_scale, sinks=sinks, tree_mask=tree_mask, out=out, lse=lse)
+        backend.paged_attention(call)
 
 
 # torch.library.impl rather than register_kernel: register_kernel wraps each kernel in a dynamo-disable frame
@@ -137,14 +133,12 @@ def _paged_attention_with_lse_out_fake(q, k_cache, v_cache, block_table, seq_len
 @torch.library.impl("attnops::reshape_and_cache", DEVICES)
 def _reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, *, kv_format="auto", k_scale=None, v_scale=None,
                        k_block_scale=None, v_block_scale=None):
-    case = check_reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, kv_format, k_scale, v_scale,
-                                   k_block_scale, v_block_scale)
+    call = cache_write_call(key, value, k_cache, v_cache, slot_mapping, kv_format, k_scale, v_scale,
+                            k_block_scale, v_block_scale)
     if values_checked():
         check_reshape_and_cache_values(k_cache, slot_mapping, k_scale, v_scale)
     with on_device(key.device):
-        select_backend(case).reshape_and_cache(key, value, k_cache, v_cache, slot_mapping,
-                                               kv_format=case.kv_format, k_scale=k_scale, v_scale=v_scale,
-                                               k_block_scale=k_block_scale, v_block_scale=v_block_scale)
+        select_backend(call.case).reshape_and_cache(call)
 
 
 @torch.library.register_fake("attnops::reshape_and_cache")

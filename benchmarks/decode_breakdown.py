@@ -42,6 +42,8 @@ from attnops import formats  # noqa: E402
 from attnops.backends import cuda as cuda_backend  # noqa: E402
 from attnops.backends.triton import heuristics as theur, launch as tlaunch  # noqa: E402
 from attnops.bench.run import graph_time_us  # noqa: E402
+from attnops.cases import AttentionCase  # noqa: E402
+from attnops.env import device_arch  # noqa: E402
 from attnops.testing import relative_error  # noqa: E402
 from triton_tuning import D, DECODE_CASES, HKV, Runner, kv_bytes, make_inputs  # noqa: E402
 
@@ -135,8 +137,11 @@ def backend_plan(backend: str, args: dict, fmt: str) -> tuple[int, int, int]:
     capacity = table.shape[1] * k.shape[1]
     if backend == "cuda":
         return (*cuda_backend.plan_splits(k.device.index or 0, seq_lens.numel(), HKV, capacity), 0)
-    cfg = theur.heuristic_config(q.device, True, seq_lens.numel(), q.shape[0], q.shape[1], HKV, q.shape[2],
-                                 k.shape[1], capacity, fmt, q.dtype)
+    case = AttentionCase.of_shapes(device_type=q.device.type, arch=device_arch(q.device), q_dtype=q.dtype,
+                                   kv_format=fmt, head_dim=q.shape[2], page_size=k.shape[1], num_q_heads=q.shape[1],
+                                   num_kv_heads=HKV, batch=seq_lens.numel(), num_tokens=q.shape[0],
+                                   max_kv_len=capacity, decode=True)
+    cfg = theur.heuristic_config(case, q.shape[0], q.device)
     return cfg["MAX_SPLITS"], cfg["CHUNK"], cfg["BLOCK_N"]
 
 

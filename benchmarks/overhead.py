@@ -21,6 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import attnops  # noqa: E402
 from attnops.backends import BACKENDS, flashinfer_replay  # noqa: E402
+from attnops.checks import attention_call  # noqa: E402
 from attnops.testing import random_paged_inputs  # noqa: E402
 
 
@@ -66,10 +67,9 @@ def main(argv=None):
                                  q_dtype=torch.bfloat16, device="cuda")
     out = torch.empty_like(inputs["q"])
     results = {}
-    kernel_args = (inputs["q"], inputs["k_cache"], inputs["v_cache"], inputs["block_table"], inputs["seq_lens"],
-                   None)
-    kernel_kwargs = dict(scale=128 ** -0.5, soft_cap=0.0, window_left=-1, kv_format="bf16", k_scale=None,
-                         v_scale=None, out=out)
+    # the call a backend runs, built once (validated, its case made) as the op builds it on every call
+    call = attention_call(inputs["q"], inputs["k_cache"], inputs["v_cache"], inputs["block_table"],
+                          inputs["seq_lens"], None, 128 ** -0.5, 0.0, -1, "bf16", None, None, None, None, out)
     for name in ("flashinfer", "triton"):
         if BACKENDS[name].unavailable():
             continue
@@ -89,13 +89,12 @@ def main(argv=None):
                 del os.environ["ATTNOPS_FLASHINFER_REPLAY"]
         backend = BACKENDS[name]
         if name == "flashinfer":
-            wrapper, _, _ = backend._plan(inputs["q"], inputs["k_cache"], inputs["block_table"], inputs["seq_lens"],
-                                          None, 128 ** -0.5, 0.0, -1)
+            wrapper = backend._plan(call)[0]
             kv = (inputs["k_cache"], inputs["v_cache"])
             bare_us = per_call_us(lambda: wrapper.run(inputs["q"], kv, out=out))
-            backend_us = per_call_us(lambda: backend.paged_attention(*kernel_args, **kernel_kwargs))
+            backend_us = per_call_us(lambda: backend.paged_attention(call))
         else:
-            bare_us = backend_us = per_call_us(lambda: backend.paged_attention(*kernel_args, **kernel_kwargs))
+            bare_us = backend_us = per_call_us(lambda: backend.paged_attention(call))
         if args.profile:
             with attnops.use_backend(name):
                 profile(name, lambda: torch.ops.attnops.paged_attention.out(**inputs, out=out))

@@ -19,6 +19,7 @@ from attnops import formats, rules
 from attnops.backends import BACKENDS
 from attnops.backends import cuda as cuda_backend
 from attnops.backends.reference import paged_attention_reference
+from attnops.cases import AttentionCall
 from attnops.dispatch import describe_attention
 from attnops.testing import extra_call_memory, random_paged_inputs, relative_error
 
@@ -315,24 +316,44 @@ def test_call_memory_independent_of_cache_size(kv_format):
     assert extra[1] == extra[40], extra
 
 
-def test_layout_it_cannot_copy_by_words_is_named():
-    """The caches attnops makes are read in place; a view at an odd byte offset, or K and V with different
-    strides, is named (the Triton kernels then serve the call, with a warning)."""
+def test_layout_it_cannot_copy_by_words_is_declined_for_triton():
+    """The caches attnops makes are read in place; a view at an odd byte offset, or K's and V's block scales with
+    different strides, is named by checks.kv_layout_reasons, recorded in the case (aligned_kv), and declined by
+    the cuda backend with a reason, so dispatch gives it to the Triton kernels and explain says why."""
+    from attnops.checks import check_paged_attention, kv_layout_reasons
     args = random_paged_inputs([40, 7], num_q_heads=8, num_kv_heads=2, head_dim=128, kv_format="nvfp4", seed=1)
-    layout = (128, args["k_cache"], args["v_cache"], args["k_scale"], args["v_scale"])
-    assert cuda_backend._layout_reasons(*layout) == []
+    assert kv_layout_reasons("nvfp4", args["k_cache"], args["v_cache"], args["k_scale"], args["v_scale"]) == []
     raw = torch.zeros(args["k_cache"].numel() + 1, dtype=torch.uint8)
     odd = raw[1:].view(args["k_cache"].shape)
-    reasons = cuda_backend._layout_reasons(128, odd, args["v_cache"], args["k_scale"], args["v_scale"])
-    assert any("k_cache is not 16-byte aligned" in r for r in reasons)
-    assert any("different strides" in r for r in reasons)
+    assert kv_layout_reasons("nvfp4", odd, odd, args["k_scale"], args["v_scale"]) == [
+        "k_cache is not 16-byte aligned with unit inner stride",
+        "v_cache is not 16-byte aligned with unit inner stride"]
     # a key's scale row (8 bytes at head dim 128) is one copy: a view 4 bytes off is named
     scales = args["k_scale"]
     raw = torch.zeros(scales.numel() + 4, dtype=torch.uint8)
     shifted = raw[4:].view(scales.dtype).view(scales.shape)
-    reasons = cuda_backend._layout_reasons(128, args["k_cache"], args["v_cache"], shifted, shifted)
-    assert reasons == ["k_scale is not 8-byte aligned with unit inner stride",
-                       "v_scale is not 8-byte aligned with unit inner stride"]
+    assert kv_layout_reasons("nvfp4", args["k_cache"], args["v_cache"], shifted, shifted) == [
+        "k_scale is not 8-byte aligned with unit inner stride", "v_scale is not 8-byte aligned with unit inner stride"]
+    transposed = scales.transpose(0, 1).contiguous().transpose(0, 1)
+    assert "k and v caches (or their scales) have different strides" in kv_layout_reasons(
+        "nvfp4", args["k_cache"], args["v_cache"], transposed, args["v_scale"])
+
+    def case(**changes):
+        case = check_paged_attention(**{**args, "scale": None, "soft_cap": 0.0, "window_left": -1, "sinks": None,
+                                        "tree_mask": None, **changes})
+        return dataclasses.replace(case, device_type="cuda", arch=(9, 0), q_dtype=torch.bfloat16)
+
+    assert case().aligned_kv and BACKEND.supports(case()) == []
+    misaligned = case(k_cache=odd, v_cache=odd)  # (the same address: its alignment, not the data, is asked)
+    assert not misaligned.aligned_kv
+    assert any("aligned words" in r for r in BACKEND.supports(misaligned))
+    assert BACKENDS["triton"].supports(misaligned) == []
+    assert not case(k_scale=shifted, v_scale=shifted).aligned_kv
+    # the op's memoized validation tells the views apart by address: the same shapes and strides, aligned or not
+    from attnops.checks import attention_case
+    memo = dict(scale=None, soft_cap=0.0, window_left=-1, sinks=None, tree_mask=None, out=args["q"])
+    assert attention_case(**args, **memo).aligned_kv
+    assert not attention_case(**{**args, "k_cache": odd, "v_cache": odd}, **memo).aligned_kv
 
 
 def test_rows_without_a_sequence_are_nan_and_recorded():
@@ -342,8 +363,9 @@ def test_rows_without_a_sequence_are_nan_and_recorded():
     scales = torch.zeros(2, 16, 1, 4, dtype=torch.uint8).view(torch.float8_e4m3fn)
     out, lse = torch.zeros(3, 4, 64), torch.zeros(3, 4)
     attnops.take_errors()
-    BACKEND.paged_attention(q, cache, cache, torch.zeros(0, 1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32),
-                            torch.zeros(1, dtype=torch.int32), scale=0.1, soft_cap=0.0, window_left=-1,
-                            kv_format="nvfp4", k_scale=scales, v_scale=scales, out=out, lse=lse)
+    BACKEND.paged_attention(AttentionCall.of(
+        q, cache, cache, torch.zeros(0, 1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32),
+        torch.zeros(1, dtype=torch.int32), scale=0.1, soft_cap=0.0, window_left=-1, kv_format="nvfp4",
+        k_scale=scales, v_scale=scales, out=out, lse=lse))
     assert out.isnan().all() and lse.isnan().all()
     assert attnops.take_errors() == {"cu_seqlens_q": 0}

@@ -53,13 +53,13 @@ def test_matches_reference(mode, kv_format, heads, page_size):
 
 @pytest.mark.parametrize("window_left", [-1, 40])
 def test_decode_page_layout_kernel_equals_the_torch_layout(window_left):
-    """The decode layout in one launch (triton/page_layout.py: eager decode steps and every replan of a captured
+    """The decode layout in one launch (attnops/backends/pages.py: eager decode steps and every replan of a captured
     graph) equals checked_pages + page_metadata wherever FlashInfer reads (indptr, last_page_len, indices[:nnz]),
     sets the same rows, records the same errors; the host's indptr and last_page_len of a graph's replan equal the
     device's. Page sizes 1, 16, 64; lengths 0, bad pages, bad lengths."""
     import os
     from attnops.backends.flashinfer import checked_pages, host_page_metadata, page_metadata
-    from attnops.backends.triton.page_layout import decode_page_layout
+    from attnops.backends.pages import decode_page_layout
 
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("no GPU and not under the Triton interpreter")
@@ -120,12 +120,18 @@ def test_checked_pages_follow_the_rules(q_lens, window_left):
 def test_wrapper_kind_sends_long_prefills_to_fa3_only_when_q_and_kv_types_match():
     from attnops.backends.flashinfer import wrapper_kind
 
-    bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
-    assert wrapper_kind(True, 8, 8, (9, 0), bf16, bf16) == "decode"
-    assert wrapper_kind(False, 2, 8, (9, 0), bf16, bf16) == "prefill-fa2"  # a verify block
-    assert wrapper_kind(False, 2, 4096, (9, 0), bf16, bf16) == "prefill-fa3"
-    assert wrapper_kind(False, 2, 4096, (9, 0), bf16, fp8) == "prefill-fa2"  # fa3 has no bf16 x e4m3 wgmma
-    assert wrapper_kind(False, 2, 4096, (8, 0), bf16, bf16) == "prefill-fa2"
+    from attnops.cases import AttentionCase
+
+    def kind(decode, batch, num_tokens, arch, kv_format):
+        return wrapper_kind(AttentionCase.of_shapes(
+            device_type="cuda", arch=arch, q_dtype=torch.bfloat16, kv_format=kv_format, head_dim=128, page_size=16,
+            num_q_heads=32, num_kv_heads=8, batch=batch, num_tokens=num_tokens, max_kv_len=8192, decode=decode))
+
+    assert kind(True, 8, 8, (9, 0), "bf16") == "decode"
+    assert kind(False, 2, 8, (9, 0), "bf16") == "prefill-fa2"  # a verify block
+    assert kind(False, 2, 4096, (9, 0), "bf16") == "prefill-fa3"
+    assert kind(False, 2, 4096, (9, 0), "fp8_e4m3") == "prefill-fa2"  # fa3 has no bf16 x e4m3 wgmma
+    assert kind(False, 2, 4096, (8, 0), "bf16") == "prefill-fa2"
 
 
 @gpu
@@ -145,10 +151,10 @@ def test_prefill_long_goes_to_fa3_and_matches(kv_format):
 def test_plans_once_per_step_and_replans_for_a_new_step(monkeypatch):
     if BACKENDS["flashinfer"].unavailable():
         pytest.skip("; ".join(BACKENDS["flashinfer"].unavailable()))
-    from attnops.backends.triton import page_layout  # a decode plan lays out its pages in one launch of this
+    from attnops.backends import pages  # a decode plan lays out its pages in one launch of this
     calls = []
-    real = page_layout.decode_page_layout
-    monkeypatch.setattr(page_layout, "decode_page_layout", lambda *a: calls.append(1) or real(*a))
+    real = pages.decode_page_layout
+    monkeypatch.setattr(pages, "decode_page_layout", lambda *a: calls.append(1) or real(*a))
     args = random_paged_inputs([100, 37], num_q_heads=32, num_kv_heads=8, head_dim=128, kv_format="bf16",
                                q_dtype=torch.bfloat16, device="cuda")
     with attnops.use_backend("flashinfer"):

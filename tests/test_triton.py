@@ -207,6 +207,14 @@ def test_fp4_scales_loaded_per_value(kv_format, q_lens, q_dtype):
     assert relative_error(out, ref) < TOLERANCE[q_dtype]
 
 
+def prefill_case(kv_format, q_dtype):
+    """A prefill of 8 sequences of 4096 tokens, 32/8/128, on an sm_90 GPU."""
+    from attnops.cases import AttentionCase
+    return AttentionCase.of_shapes(device_type="cuda", arch=(9, 0), q_dtype=q_dtype, kv_format=kv_format,
+                                   head_dim=128, page_size=16, num_q_heads=32, num_kv_heads=8, batch=8,
+                                   num_tokens=8 * 4096, max_kv_len=4096, decode=False)
+
+
 def test_prefill_pipeline_depth_follows_shared_memory(monkeypatch):
     """GPU tile choice, from device properties alone: 128-key prefill tiles of a 16-bit cache take 3 stages only
     where a block may use 227 KB of shared memory (what the H200 measured), 2 elsewhere and for fp8 caches."""
@@ -217,13 +225,11 @@ def test_prefill_pipeline_depth_follows_shared_memory(monkeypatch):
     for shared, kv_format in itertools.product((232448, 166912), ("bf16", "fp8_e4m3")):
         monkeypatch.setattr(theur, "_shared_memory_per_block", lambda device, shared=shared: shared)
         theur.heuristic_config.cache_clear()
-        config = theur.heuristic_config(torch.device("cuda"), False, 8, 8 * 4096, 32, 8, 128, 16, 4096, kv_format,
-                                          torch.bfloat16)
+        config = theur.heuristic_config(prefill_case(kv_format, torch.bfloat16), 8 * 4096, torch.device("cuda"))
         assert (config["BLOCK_N"], config["BLOCK_Q"], config["num_warps"]) == (128, 32, 8)
         stages[shared, kv_format] = config["num_stages"]
         # fp32 q (fp32 dots): 128 x 128 tiles take 256+ KB of shared memory at any depth; 64-key tiles
-        config = theur.heuristic_config(torch.device("cuda"), False, 8, 8 * 4096, 32, 8, 128, 16, 4096, kv_format,
-                                          torch.float32)
+        config = theur.heuristic_config(prefill_case(kv_format, torch.float32), 8 * 4096, torch.device("cuda"))
         assert config["BLOCK_N"] == 64
     theur.heuristic_config.cache_clear()
     assert stages == {(232448, "bf16"): 3, (232448, "fp8_e4m3"): 2, (166912, "bf16"): 2, (166912, "fp8_e4m3"): 2}
@@ -538,15 +544,16 @@ def test_32_bit_offsets_only_where_every_offset_fits():
     2^31 elements (a meta tensor: shapes and strides, no memory) keeps int64."""
     from attnops.backends.triton.heuristics import heuristic_config, kernel_constexprs
     from attnops.backends.triton.launch import _largest_offset
+    from attnops.cases import AttentionCase
     big = torch.empty((2 ** 31) // (16 * 8 * 128) + 1, 16, 8, 128, device="meta")
     assert _largest_offset(big) >= 2 ** 31 and _largest_offset(big[:4]) < 2 ** 31
     assert _largest_offset(big[:0]) == 0
-    cfg = dict(heuristic_config(torch.device("cpu"), True, 2, 2, 32, 8, 128, 16, 1024, "bf16", torch.bfloat16),
-               OFFSETS_32=True)
-    shape = dict(q_dtype=torch.bfloat16, kv_format="bf16", decode=True, num_q_heads=32, head_dim=128, group=4,
-                 page_size=16, window=False, soft_cap=False, on_gpu=False)
-    assert kernel_constexprs(cfg, **shape, offsets_fit_32=True)[0]["OFFSETS_32"]
-    assert not kernel_constexprs(cfg, **shape, offsets_fit_32=False)[0]["OFFSETS_32"]
+    case = AttentionCase.of_shapes(device_type="cpu", arch=None, q_dtype=torch.bfloat16, kv_format="bf16",
+                                   head_dim=128, page_size=16, num_q_heads=32, num_kv_heads=8, batch=2, num_tokens=2,
+                                   max_kv_len=1024, decode=True)
+    cfg = dict(heuristic_config(case, 2, torch.device("cpu")), OFFSETS_32=True)
+    assert kernel_constexprs(cfg, case, on_gpu=False, offsets_fit_32=True)[0]["OFFSETS_32"]
+    assert not kernel_constexprs(cfg, case, on_gpu=False, offsets_fit_32=False)[0]["OFFSETS_32"]
 
 
 def test_write_then_read_roundtrip():

@@ -11,7 +11,8 @@ import contextlib
 import torch
 
 from .. import errors
-from ..cases import AttentionCase, CacheWriteCase, VERIFY_MAX_Q, shape_class  # noqa: F401  (re-exported)
+from ..cases import (AttentionCall, AttentionCase, CacheWriteCall, CacheWriteCase, VERIFY_MAX_Q,  # noqa: F401
+                     shape_class)  # (re-exported)
 
 
 class Backend:
@@ -37,17 +38,17 @@ class Backend:
         """Reasons this backend cannot serve `case`; empty if it can."""
         raise NotImplementedError
 
-    def paged_attention(self, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale: float,
-                        soft_cap: float, window_left: int, kv_format: str, k_scale, v_scale, out, sinks=None,
-                        tree_mask=None, lse=None) -> None:
-        """Writes the attention output into `out` ([T, Hq, D], q's dtype) and, when `lse` is given (float32
-        [T, Hq], any strides), each row's log-sum-exp into it (docs/design.md, paged_attention_with_lse). Inputs
-        are already validated; `kv_format` is resolved and `scale` is a float. `sinks` and `tree_mask` come only
-        to a backend whose `supports` accepted a case with them."""
+    def paged_attention(self, call: AttentionCall) -> None:
+        """Writes the attention output into `call.out` ([T, Hq, D], q's dtype) and, when `call.lse` is given
+        (float32 [T, Hq], any strides), each row's log-sum-exp into it (docs/design.md, paged_attention_with_lse).
+        The call is validated and `call.case` is the case this backend's `supports` accepted (its format resolved,
+        decode, batch, GQA group, table capacity: read them there, not from the tensors); `call.scale` is a float
+        and `call.soft_cap` 0.0 for no cap. `sinks` and `tree_mask` come only with a case that has them."""
         raise NotImplementedError
 
-    def reshape_and_cache(self, key, value, k_cache, v_cache, slot_mapping, *, kv_format: str, k_scale, v_scale,
-                          k_block_scale, v_block_scale) -> None:
+    def reshape_and_cache(self, call: CacheWriteCall) -> None:
+        """Writes `call.key`/`call.value` into the caches at `call.slot_mapping` in `call.case.kv_format`
+        (validated), and a 4-bit format's block scales into `call.k_block_scale`/`call.v_block_scale`."""
         raise NotImplementedError
 
 

@@ -64,18 +64,17 @@ class CPUBackend(Backend):
             self._cache_write = torch.ops.attnops.cpu_reshape_and_cache.default
         return self._attention, self._cache_write
 
-    def paged_attention(self, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, soft_cap,
-                        window_left, kv_format, k_scale, v_scale, out, sinks=None, tree_mask=None,
-                        lse=None) -> None:
+    def paged_attention(self, call) -> None:
         attention, _ = self._ops()
-        args = (q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, float(scale), float(soft_cap),
-                int(window_left), k_scale, v_scale, sinks, tree_mask, out, errors.buffer(q.device))
-        if lse is None:
+        args = (call.q, call.k_cache, call.v_cache, call.block_table, call.seq_lens, call.cu_seqlens_q,
+                float(call.scale), float(call.soft_cap), int(call.window_left), call.k_scale, call.v_scale,
+                call.sinks, call.tree_mask, call.out, errors.buffer(call.q.device))
+        if call.lse is None:
             attention(*args)
         else:  # the kernel writes each row's LSE from its online softmax's running max and sum
-            attention(*args, lse)
+            attention(*args, call.lse)
 
-    def reshape_and_cache(self, key, value, k_cache, v_cache, slot_mapping, *, kv_format, k_scale, v_scale,
-                          k_block_scale, v_block_scale) -> None:
+    def reshape_and_cache(self, call) -> None:
         _, cache_write = self._ops()
-        cache_write(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, errors.buffer(key.device))
+        cache_write(call.key, call.value, call.k_cache, call.v_cache, call.slot_mapping, call.k_scale, call.v_scale,
+                    errors.buffer(call.key.device))

@@ -2,6 +2,10 @@
 over a 4-bit KV cache (nvfp4, mxfp4) for decode and verify, read in place with a register layout Triton cannot
 express (csrc/cuda/fp4_paged_attention.cu says how).
 
+A cache view it cannot copy by aligned words (AttentionCase.aligned_kv: an odd byte offset, a scale row off its own
+size's alignment, K's and V's scales with different strides) is declined, so dispatch gives it to Triton, which
+reads any layout, and `attnops.explain` says why.
+
 The split of each sequence's keys is planned from shapes only (the block table's capacity, the batch, the GPU's SM
 count), so a CUDA graph replays it for any lengths; partial results live in a workspace the size of the output
 times the splits, never of the cache.
@@ -10,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import math
-import warnings
 
 import torch
 
@@ -55,24 +58,6 @@ def plan_splits(device_index: int, batch: int, num_kv_heads: int, capacity: int)
     return math.ceil(tiles * TILE / chunk), chunk
 
 
-def _layout_reasons(head_dim, k_cache, v_cache, k_scale, v_scale) -> list[str]:
-    """What of these tensors' layout the kernel cannot read (a lane copies D / 8 bytes of a key, at most 16 at once,
-    and a key's whole scale row): empty if it can."""
-    reasons = []
-    if k_cache.stride() != v_cache.stride() or k_scale.stride() != v_scale.stride():
-        reasons.append("k and v caches (or their scales) have different strides")
-    chunk = min(head_dim // 8, 16)  # bytes a copy of a key takes
-    scale_row = min(k_scale.shape[-1] * k_scale.element_size(), 16)  # (2 (mxfp4 at 64: a plain load), 4, 8 or 16)
-    for name, t, align in (("k_cache", k_cache, chunk), ("v_cache", v_cache, chunk), ("k_scale", k_scale, scale_row),
-                           ("v_scale", v_scale, scale_row)):
-        strides = [s * t.element_size() for s in t.stride()[:3]]
-        if t.data_ptr() % align or any(s % align or s < 0 for s in strides) or t.stride(3) != 1:
-            reasons.append(f"{name} is not {align}-byte aligned with unit inner stride")
-        if strides[0] >= 2 ** 32:
-            reasons.append(f"{name}'s pages are 4 GiB or more apart")
-    return reasons
-
-
 class CudaBackend(Backend):
     name = "cuda"
     description = ("attnops' CUDA C++ kernels: 4-bit KV (nvfp4, mxfp4) at head dims 64/128/256, decode and verify, "
@@ -100,44 +85,32 @@ class CudaBackend(Backend):
             reasons.append("prefill (more than 16 query tokens a sequence on average): decode and verify only")
         if case.batch > MAX_BATCH:
             reasons.append(f"more than {MAX_BATCH} sequences (a grid dimension of its launch)")
+        if not case.aligned_kv:
+            reasons.append("a cache view it cannot copy by aligned words (an odd byte offset, a scale row off its "
+                           "own size's alignment, K's and V's scales with different strides, pages 4 GiB or more "
+                           "apart): checks.kv_layout_reasons names which")
         return reasons
 
-    def paged_attention(self, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, soft_cap,
-                        window_left, kv_format, k_scale, v_scale, out, sinks=None, tree_mask=None,
-                        lse=None) -> None:
-        layout = _layout_reasons(q.shape[-1], k_cache, v_cache, k_scale, v_scale)
-        if layout:
-            # views the kernel cannot copy by words (odd offsets, mixed strides): the Triton kernels read any
-            warnings.warn(f"attnops cuda backend: {'; '.join(layout)}; the Triton kernels serve this call",
-                          RuntimeWarning, stacklevel=2)
-            from .triton.launch import launch
-            launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale=scale, soft_cap=soft_cap,
-                   window_left=window_left, kv_format=kv_format, k_scale=k_scale, v_scale=v_scale, out=out,
-                   sinks=sinks, tree_mask=tree_mask, lse=lse)
-            return
+    def paged_attention(self, call) -> None:
+        out, lse = call.out, call.lse
         if out.stride(-1) != 1 or (lse is not None and not lse.is_contiguous()):
             with kernel_outputs(out, lse) as (out_w, lse_w):
-                self.paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale=scale,
-                                     soft_cap=soft_cap, window_left=window_left, kv_format=kv_format,
-                                     k_scale=k_scale, v_scale=v_scale, out=out_w, lse=lse_w)
+                self.paged_attention(call._replace(out=out_w, lse=lse_w))
             return
-        if q.stride(-1) != 1:
-            q = q.contiguous()
-        if block_table.stride(1) != 1:
-            block_table = block_table.contiguous()
-        seq_lens = seq_lens.contiguous()
-        if cu_seqlens_q is not None:
-            cu_seqlens_q = cu_seqlens_q.contiguous()
-        num_tokens, num_q_heads, head_dim = q.shape
-        if seq_lens.shape[0] == 0 and num_tokens > 0:
+        case = call.case
+        q = call.q if call.q.stride(-1) == 1 else call.q.contiguous()
+        block_table = call.block_table if call.block_table.stride(1) == 1 else call.block_table.contiguous()
+        seq_lens = call.seq_lens.contiguous()
+        cu_seqlens_q = None if call.cu_seqlens_q is None else call.cu_seqlens_q.contiguous()
+        if case.batch == 0 and call.num_tokens > 0:
             rows_without_a_sequence(out, lse)
             return
-        page_size = k_cache.shape[1]
         splits, chunk = plan_splits(q.device.index if q.device.index is not None else torch.cuda.current_device(),
-                                    seq_lens.shape[0], k_cache.shape[2], block_table.shape[1] * page_size)
-        workspace = torch.empty(num_tokens * num_q_heads * splits * (head_dim + 1) if splits > 1 else 0,
+                                    case.batch, case.num_kv_heads, call.capacity)
+        workspace = torch.empty(call.num_tokens * case.num_q_heads * splits * (case.head_dim + 1) if splits > 1 else 0,
                                 dtype=torch.float32, device=q.device)
         torch.ops.attnops.fp4_paged_attention_cuda(
-            q, k_cache, v_cache, k_scale.view(torch.uint8), v_scale.view(torch.uint8), block_table, seq_lens,
-            cu_seqlens_q, out, lse, workspace, errors.buffer(q.device), float(scale),
-            float(soft_cap) if math.isfinite(soft_cap) else 0.0, int(window_left), kv_format == "mxfp4", splits, chunk)
+            q, call.k_cache, call.v_cache, call.k_scale.view(torch.uint8), call.v_scale.view(torch.uint8), block_table,
+            seq_lens, cu_seqlens_q, out, lse, workspace, errors.buffer(q.device), float(call.scale),
+            float(call.soft_cap) if math.isfinite(call.soft_cap) else 0.0, int(call.window_left),
+            call.kv_format == "mxfp4", splits, chunk)

@@ -15,8 +15,8 @@ v_scale into the output, so a compiled graph neither syncs nor recompiles when s
 
 Bad indices (docs/design.md, "Bad indices"): FlashInfer's kernels read whatever pages the layout names, so the
 layout is made safe on the device before plan() (bad lengths as 0, pages outside the cache as a good page of the
-same sequence: for decode in one Triton launch, triton/page_layout.py; for the prefill kinds checked_pages' torch
-ops) and the rows the contract makes NaN are set after run(), together with the decode rows of empty sequences, in
+same sequence: for decode in one Triton launch, attnops/backends/pages.py; for the prefill kinds checked_pages'
+torch ops) and the rows the contract makes NaN are set after run(), together with the decode rows of empty sequences, in
 one launch, only on steps that have any (graphs: always). cu_seqlens_q, which FlashInfer's plan reads on the host,
 is checked on the host at plan time.
 """
@@ -29,9 +29,9 @@ import weakref
 import torch
 
 from .. import capture, errors, formats
-from ..env import device_arch, values_checked
+from ..env import values_checked
 from . import flashinfer_replay
-from .base import Backend, CacheWriteCase, common_reasons, shape_class
+from .base import AttentionCase, Backend, CacheWriteCase, common_reasons
 
 log = logging.getLogger("attnops.flashinfer")
 
@@ -136,14 +136,15 @@ def fa3_serves(arch, q_dtype, kv_dtype) -> bool:
     return arch[0] == 9 and kv_dtype == q_dtype
 
 
-def wrapper_kind(decode: bool, batch: int, num_tokens: int, arch, q_dtype, kv_dtype) -> str:
-    """Which FlashInfer entry point serves a call, from shapes and dtypes: verify blocks go to fa2 (several times
-    faster than fa3 on 4-8 token blocks: docs/bench.md); long prefills to fa3 where it serves the types
+def wrapper_kind(case: AttentionCase) -> str:
+    """Which FlashInfer entry point serves a case, from its shape class and dtypes: verify blocks go to fa2 (several
+    times faster than fa3 on 4-8 token blocks: docs/bench.md); long prefills to fa3 where it serves the types
     (fa3_serves), else fa2."""
-    kind = shape_class(decode, num_tokens, batch)
-    if kind == "decode":
+    if case.shape_class == "decode":
         return "decode"
-    return "prefill-fa3" if kind == "prefill" and fa3_serves(arch, q_dtype, kv_dtype) else "prefill-fa2"
+    return ("prefill-fa3" if case.shape_class == "prefill" and fa3_serves(case.arch, case.q_dtype,
+                                                                          case.format.storage_dtype)
+            else "prefill-fa2")
 
 
 class _Plans:
@@ -223,20 +224,22 @@ class FlashInferBackend(Backend):
             reasons.append("per-head fp8 scales: FlashInfer takes one scale per tensor")
         if formats.is_fp4(case.kv_format):
             reasons.append(f"{case.kv_format}: FlashInfer has no paged 4-bit KV on sm_90 and older")
-        if formats.is_fp8(case.kv_format) and case.q_dtype == torch.float16 and case.kv_format == "fp8_e5m2":
+        if case.q_dtype == torch.float16 and case.kv_format == "fp8_e5m2":
             reasons.append("fp8_e5m2 KV with fp16 q is not among FlashInfer's prebuilt type pairs")
         return reasons
 
     # ---------------------------------------------------------------------------------------------------------
-    def _plan(self, q, k_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left):
+    def _plan(self, call):
         """The wrapper planned for this step's metadata (planned now if this step has not been seen yet), the rows
         run()'s output must be set in (mask, values; or None), whether the step's cu_seqlens_q is bad (no run: all
         rows NaN), and whether it was planned now."""
+        case, q, k_cache = call.case, call.q, call.k_cache
+        block_table, seq_lens, cu_seqlens_q = call.block_table, call.seq_lens, call.cu_seqlens_q
+        scale, soft_cap, window_left = call.scale, call.soft_cap, call.window_left
         plans = _plans(q.device)
-        num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
-        kind = wrapper_kind(cu_seqlens_q is None, seq_lens.shape[0], q.shape[0], device_arch(q.device),
-                            q.dtype, k_cache.dtype)
-        signature = (q.dtype, k_cache.dtype, q.shape[1], num_kv_heads, head_dim, page_size, scale, soft_cap,
+        num_pages, page_size, num_kv_heads, head_dim = call.num_pages, case.page_size, case.num_kv_heads, case.head_dim
+        kind = wrapper_kind(case)
+        signature = (q.dtype, k_cache.dtype, case.num_q_heads, num_kv_heads, head_dim, page_size, scale, soft_cap,
                      window_left)
         graph = capture.current_capture()
         if graph is not None:
@@ -245,7 +248,7 @@ class FlashInferBackend(Backend):
             key = ("graph", id(graph), kind, signature)
             if key not in plans.wrappers:  # fixed buffers sized for the captured batch, as CUDA graphs need
                 import flashinfer
-                batch = seq_lens.shape[0]
+                batch = case.batch
                 plans.wrappers[key] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                     plans.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
                     paged_kv_indptr_buffer=torch.empty(batch + 1, dtype=torch.int32, device=q.device),
@@ -268,7 +271,7 @@ class FlashInferBackend(Backend):
             plans.built.add(build_key)
 
         if kind == "decode":  # device buffers of the layout (graphs: fixed, sized for the captured batch)
-            batch = seq_lens.shape[0]
+            batch = case.batch
             layout = plans.decode_layout.get(key)
             if layout is None or layout[1].shape[0] < block_table.numel() or layout[0].shape[0] != batch + 1:
                 plans.decode_layout[key] = (torch.empty(batch + 1, dtype=torch.int32, device=q.device),
@@ -280,13 +283,13 @@ class FlashInferBackend(Backend):
             flashinfer_replay.disarm(wrapper)  # a replay of the old plan must not run on the new one's buffers
             plans.bad_cu[key] = False
             if cu_seqlens_q is not None:  # eager only (graphs capture decode): FlashInfer's plan syncs anyway
-                bad_entry = errors.cu_seqlens_violation(cu_seqlens_q.tolist(), q.shape[0])
+                bad_entry = errors.cu_seqlens_violation(cu_seqlens_q.tolist(), call.num_tokens)
                 if bad_entry is not None:  # which rows are whose is undefined: every row NaN, FlashInfer not run
                     errors.record(q.device, errors.CU_SEQLENS_Q, bad_entry)
                     plans.bad_cu[key] = True
                     plans.planned_for[key] = _step_key(block_table, seq_lens, cu_seqlens_q)
                     return
-            rows = seq_lens.shape[0] if kind == "decode" else q.shape[0]
+            rows = case.batch if kind == "decode" else call.num_tokens
             fix = plans.row_fix.get(key)
             if fix is None or fix[0].shape[0] != rows:  # in place otherwise: graphs hold them
                 fix = plans.row_fix[key] = (torch.empty(rows, 1, 1, dtype=torch.bool, device=q.device),
@@ -297,24 +300,24 @@ class FlashInferBackend(Backend):
             if kind == "decode":
                 # one launch (a Triton kernel) for the layout, the rows to set and the records: the replan of a
                 # captured graph runs before every replay, so its host time is the serving loop's
-                from .triton.page_layout import decode_page_layout
+                from .pages import decode_page_layout  # (imports triton: here, not when attnops is imported)
                 indptr, indices, last_page_len = plans.decode_layout[key]
                 decode_page_layout(block_table, seq_lens.contiguous(), page_size, num_pages, window_left, indptr,
                                    indices, last_page_len, mask, values)
                 if graph is not None:  # from the host's lengths: no sync
                     indptr, last_page_len = host_page_metadata(graph.host_seq_lens, page_size,
-                                                               block_table.shape[1] * page_size if num_pages else 0)
+                                                               call.capacity if num_pages else 0)
                     needs_fix = True  # a captured graph sets them always (its padding rows come and go)
                 else:  # (planning syncs anyway: one read for the pages in use and whether any row is set)
                     nnz, needs_fix = torch.stack((indptr[-1], mask.any().to(torch.int32))).tolist()
                     indices = indices[:nnz]
-                wrapper.plan(indptr, indices, last_page_len, q.shape[1], num_kv_heads, head_dim, page_size,
+                wrapper.plan(indptr, indices, last_page_len, case.num_q_heads, num_kv_heads, head_dim, page_size,
                              **common)
             else:
                 lens, table, nan_rows = checked_pages(block_table, seq_lens, page_size, num_pages, window_left,
-                                                      cu_seqlens_q, q.shape[0])
+                                                      cu_seqlens_q, call.num_tokens)
                 indptr, indices, last_page_len = page_metadata(table, lens, page_size)
-                wrapper.plan(cu_seqlens_q, indptr, indices, last_page_len, q.shape[1], num_kv_heads, head_dim,
+                wrapper.plan(cu_seqlens_q, indptr, indices, last_page_len, case.num_q_heads, num_kv_heads, head_dim,
                              page_size, causal=True, **common)
                 mask.copy_(nan_rows)
                 values.zero_().masked_fill_(nan_rows, float("nan"))
@@ -328,31 +331,36 @@ class FlashInferBackend(Backend):
             graph.replanners.append(plan)
         return wrapper, plans.fix_now.get(key), plans.bad_cu.get(key), True
 
-    def paged_attention(self, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, soft_cap,
-                        window_left, kv_format, k_scale, v_scale, out, sinks=None, tree_mask=None,
-                        lse=None) -> None:
-        wrapper, row_fix, bad_cu, planned_now = self._plan(q, k_cache, block_table, seq_lens, cu_seqlens_q, scale,
-                                                           soft_cap, window_left)
+    def paged_attention(self, call) -> None:
+        wrapper, row_fix, bad_cu, planned_now = self._plan(call)
+        out, lse = call.out, call.lse
         if bad_cu:
             out.fill_(float("nan"))
             if lse is not None:
                 lse.fill_(float("nan"))
             return
-        fp8 = formats.is_fp8(kv_format)
-        if fp8:
-            q = q * k_scale.to(q.dtype)  # scores scale with k: fold k_scale into q, on the device (the LSE too)
+        q, k_cache, v_cache = call.q, call.k_cache, call.v_cache
+        # a tensor scale (fp8; per tensor: supports declines per head) is applied around run(), on the device; the
+        # formats FlashInfer reads have it or no scale
+        scale = call.format.scale
+        if scale not in (formats.NO_SCALE, formats.TENSOR_SCALE):
+            raise ValueError(f"FlashInfer backend: kv_format {call.kv_format} has {scale} scales, which it cannot "
+                             f"apply")
+        tensor_scaled = scale == formats.TENSOR_SCALE
+        if tensor_scaled:
+            q = q * call.k_scale.to(q.dtype)  # scores scale with k: fold k_scale into q, on the device (the LSE too)
         # the first call of an eager plan arms the C++ replay of the kernel call for the step's other calls: only
         # where run() is the whole call (no fp8 scaling or row masking around it, no LSE asked) and no check reads
         # the data
         if lse is not None:
             self._run_with_lse(wrapper, q, k_cache, v_cache, out, lse)
-        elif (planned_now and not fp8 and row_fix is None and capture.current_capture() is None
+        elif (planned_now and not tensor_scaled and row_fix is None and capture.current_capture() is None
                 and not values_checked() and flashinfer_replay.enabled()):
             flashinfer_replay.run_and_arm(wrapper, q, k_cache, v_cache, out)
         else:
             wrapper.run(q, (k_cache, v_cache), out=out)
-        if fp8:
-            out.mul_(v_scale.to(out.dtype))
+        if tensor_scaled:
+            out.mul_(call.v_scale.to(out.dtype))
         if row_fix is not None:
             torch.where(row_fix[0], row_fix[1], out, out=out)
             if lse is not None:  # values are 0 (an empty row) or NaN (a bad one): -inf or NaN
@@ -368,5 +376,5 @@ class FlashInferBackend(Backend):
         if lse_buffer is not lse:
             lse.copy_(lse_buffer)
 
-    def reshape_and_cache(self, *args, **kwargs) -> None:
+    def reshape_and_cache(self, call) -> None:
         raise NotImplementedError("FlashInfer backend: cache writes go through attnops' own kernels")

@@ -9,7 +9,11 @@ from __future__ import annotations
 import torch
 
 from .. import errors, formats
-from .base import Backend
+from .base import Backend, common_reasons
+
+# Every format formats.py defines, each read through its (de)quantization there; a new format is served here once
+# it is named
+KV_FORMATS = ("bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "nvfp4", "mxfp4")
 
 
 def _gather_sequence(cache: torch.Tensor, scale: torch.Tensor | None, pages: torch.Tensor, length: int, fmt: str,
@@ -17,7 +21,7 @@ def _gather_sequence(cache: torch.Tensor, scale: torch.Tensor | None, pages: tor
     """The first `length` tokens of one sequence from its pages (indices inside the cache), dequantized:
     [length, Hkv, D]."""
     stored = cache[pages].flatten(0, 1)[:length]
-    if formats.is_fp4(fmt):  # block scales are paged like the cache
+    if formats.FORMATS[fmt].scale == formats.BLOCK_SCALE:  # paged like the cache
         scale = scale[pages].flatten(0, 1)[:length]
     return formats.dequantize(stored, fmt, scale, dtype)
 
@@ -166,23 +170,21 @@ class ReferenceBackend(Backend):
     description = "plain PyTorch, any device, every format and feature; host loop per sequence (slow, not graph-safe)"
 
     def supports(self, case) -> list[str]:
-        return []  # the oracle serves every valid case
+        return common_reasons(case, kv_formats=KV_FORMATS)  # the oracle serves every valid case of its formats
 
-    def paged_attention(self, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, soft_cap,
-                        window_left, kv_format, k_scale, v_scale, out, sinks=None, tree_mask=None,
-                        lse=None) -> None:
+    def paged_attention(self, call) -> None:
         result = paged_attention_reference(
-            q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale=scale, soft_cap=soft_cap,
-            window_left=window_left, kv_format=kv_format, k_scale=k_scale, v_scale=v_scale, sinks=sinks,
-            tree_mask=tree_mask, compute_dtype=torch.float64, return_lse=lse is not None)
-        if lse is None:
-            out.copy_(result)
+            call.q, call.k_cache, call.v_cache, call.block_table, call.seq_lens, call.cu_seqlens_q, scale=call.scale,
+            soft_cap=call.soft_cap, window_left=call.window_left, kv_format=call.kv_format, k_scale=call.k_scale,
+            v_scale=call.v_scale, sinks=call.sinks, tree_mask=call.tree_mask, compute_dtype=torch.float64,
+            return_lse=call.lse is not None)
+        if call.lse is None:
+            call.out.copy_(result)
         else:
-            out.copy_(result[0])
-            lse.copy_(result[1])
+            call.out.copy_(result[0])
+            call.lse.copy_(result[1])
 
-    def reshape_and_cache(self, key, value, k_cache, v_cache, slot_mapping, *, kv_format, k_scale, v_scale,
-                          k_block_scale, v_block_scale) -> None:
-        reshape_and_cache_reference(key, value, k_cache, v_cache, slot_mapping, kv_format=kv_format,
-                                    k_scale=k_scale, v_scale=v_scale, k_block_scale=k_block_scale,
-                                    v_block_scale=v_block_scale)
+    def reshape_and_cache(self, call) -> None:
+        reshape_and_cache_reference(call.key, call.value, call.k_cache, call.v_cache, call.slot_mapping,
+                                    kv_format=call.kv_format, k_scale=call.k_scale, v_scale=call.v_scale,
+                                    k_block_scale=call.k_block_scale, v_block_scale=call.v_block_scale)

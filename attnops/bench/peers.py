@@ -38,7 +38,7 @@ def _flashinfer_kv(case, args):
     if case.scale_kind == "per_head" and formats.is_fp8(case.kv_format):
         raise Unsupported("FlashInfer takes per-tensor fp8 scales only")
     scales = {}
-    if formats.is_fp8(case.kv_format):
+    if formats.FORMATS[case.kv_format].scale == formats.TENSOR_SCALE:
         scales = dict(k_scale=args["k_scale"].item(), v_scale=args["v_scale"].item())
     return (args["k_cache"], args["v_cache"]), scales
 
@@ -114,7 +114,7 @@ def gather_dense(args, case, dtype):
     for cache, scale in ((args["k_cache"], args.get("k_scale")), (args["v_cache"], args.get("v_scale"))):
         fmt = formats.resolve_kv_format(args["kv_format"], cache.dtype)
         stored = cache[pages].flatten(1, 2)[:, :length]  # [B, L, Hkv, Ds]
-        if formats.is_fp4(fmt):
+        if formats.FORMATS[fmt].scale == formats.BLOCK_SCALE:  # paged like the cache
             scale = scale[pages].flatten(1, 2)[:, :length]
         out.append(formats.dequantize(stored, fmt, scale, dtype).transpose(1, 2).contiguous())
     return out

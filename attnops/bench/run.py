@@ -30,7 +30,7 @@ import attnops
 from .. import formats
 from ..backends import BACKENDS
 from ..backends.reference import paged_attention_reference
-from ..checks import check_paged_attention
+from ..checks import attention_call
 from ..serving.spec import tree_mask_from_parents
 from ..testing import random_paged_inputs, relative_error
 from . import grid as grid_module
@@ -123,25 +123,21 @@ def backend_runner(name, case, args):
     """(op call, bare backend call) for attnops backend `name`, or raise Unsupported with its reasons."""
     backend = BACKENDS[name]
     op_args = dict(args)
-    attention_case = check_paged_attention(
+    out = torch.empty_like(args["q"])
+    call = attention_call(
         op_args["q"], op_args["k_cache"], op_args["v_cache"], op_args["block_table"], op_args["seq_lens"],
         op_args["cu_seqlens_q"], None, 0.0, -1, op_args["kv_format"], op_args.get("k_scale"), op_args.get("v_scale"),
-        op_args.get("sinks"), op_args.get("tree_mask"))
-    reasons = backend.unavailable() + backend.supports(attention_case)
+        op_args.get("sinks"), op_args.get("tree_mask"), out)
+    reasons = backend.unavailable() + backend.supports(call.case)
     if reasons:
         raise peers_module.Unsupported("; ".join(reasons))
-    out = torch.empty_like(args["q"])
 
     def op():
         with attnops.use_backend(name):
             return torch.ops.attnops.paged_attention(**op_args)
 
     def bare():
-        backend.paged_attention(args["q"], args["k_cache"], args["v_cache"], args["block_table"], args["seq_lens"],
-                                args["cu_seqlens_q"], scale=case.head_dim ** -0.5, soft_cap=0.0, window_left=-1,
-                                kv_format=attention_case.kv_format, k_scale=args.get("k_scale"),
-                                v_scale=args.get("v_scale"), sinks=args.get("sinks"),
-                                tree_mask=args.get("tree_mask"), out=out)
+        backend.paged_attention(call)
         return out
     return op, bare
 

@@ -10,11 +10,12 @@ import os
 
 import torch
 
-from ... import formats
 from ..base import AttentionCase, Backend, common_reasons
 
 HEAD_DIMS = (32, 64, 128, 256)
-KV_FORMATS = formats.KV_FORMATS  # every format: the kernels read each in place
+# the formats the kernels read in place and write (kernel.py and common.py decode each by its FMT code,
+# cache_write.py encodes each): a new format is served here once its kernels are
+KV_FORMATS = ("bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "nvfp4", "mxfp4")
 Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -58,16 +59,10 @@ class TritonBackend(Backend):
                            f"(this GPU is sm_{case.arch[0]}{case.arch[1]})")
         return reasons
 
-    def paged_attention(self, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, *, scale, soft_cap,
-                        window_left, kv_format, k_scale, v_scale, out, sinks=None, tree_mask=None,
-                        lse=None) -> None:
-        from .launch import launch
-        launch(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale=scale, soft_cap=soft_cap,
-               window_left=window_left, kv_format=kv_format, k_scale=k_scale, v_scale=v_scale, sinks=sinks,
-               tree_mask=tree_mask, out=out, lse=lse)
+    def paged_attention(self, call) -> None:
+        from .launch import launch_call
+        launch_call(call)
 
-    def reshape_and_cache(self, key, value, k_cache, v_cache, slot_mapping, *, kv_format, k_scale, v_scale,
-                          k_block_scale, v_block_scale) -> None:
+    def reshape_and_cache(self, call) -> None:
         from .cache_write import reshape_and_cache
-        reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, kv_format=kv_format, k_scale=k_scale,
-                          v_scale=v_scale, k_block_scale=k_block_scale, v_block_scale=v_block_scale)
+        reshape_and_cache(call)

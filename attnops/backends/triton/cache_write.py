@@ -117,43 +117,50 @@ def reshape_and_cache_kernel(
                cache_off, v_bs_off, FMT, HEAD_DIM, SCALE_BLOCK, FP8_DTYPE, FP8_MAX, SOFT_FP8)
 
 
-def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, *, kv_format, k_scale=None, v_scale=None,
-                      k_block_scale=None, v_block_scale=None) -> None:
-    """Writes key/value [T, Hkv, D] to their slots in k_cache/v_cache (validated by the op)."""
+def reshape_and_cache(call) -> None:
+    """Writes call.key/call.value [T, Hkv, D] to their slots in the caches (a validated CacheWriteCall)."""
+    key, value, slot_mapping = call.key, call.value, call.slot_mapping
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
-    fmt = FMT_CODE[kv_format]  # a plain int for the kernel's FMT
-    page_size = k_cache.shape[1]
+    kv_format, f = call.kv_format, call.format
+    page_size = call.case.page_size
     if slot_mapping.stride(0) != 1:
         slot_mapping = slot_mapping.contiguous()
     if key.stride(-1) != 1:
         key = key.contiguous()
     if value.stride(-1) != 1:
         value = value.contiguous()
-    fp8_dtype, fp8_max, scale_block = tl.float8e4nv, 0.0, 16
-    ks_h = vs_h = 0
-    kb_strides = vb_strides = (0, 0, 0)
-    if formats.is_fp8(kv_format):
+    k_cache, v_cache = call.k_cache, call.v_cache
+    fp8_dtype, fp8_max = tl.float8e4nv, 0.0
+    if formats.is_fp8(kv_format):  # fp8 values written as their bytes
         fp8_dtype = tl.float8e4nv if kv_format == "fp8_e4m3" else tl.float8e5
         fp8_max = formats.fp8_max(kv_format)
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-        ks_h = 0 if k_scale.numel() == 1 else k_scale.stride(0)  # per tensor: every head reads element 0
+    # the scales by the format's kind; placeholders the kernel never reads where a kind has none
+    scale_block, ks_h, vs_h, kb_strides, vb_strides = 16, 0, 0, (0, 0, 0), (0, 0, 0)
+    if f.scale == formats.TENSOR_SCALE:  # read-only; per tensor: every head reads element 0
+        k_scale, v_scale, kb, vb = call.k_scale, call.v_scale, k_cache, v_cache
+        ks_h = 0 if k_scale.numel() == 1 else k_scale.stride(0)
         vs_h = 0 if v_scale.numel() == 1 else v_scale.stride(0)
-    elif formats.is_fp4(kv_format):
-        scale_block = formats.FORMATS[kv_format].block
-        kb_strides, vb_strides = k_block_scale.stride()[:3], v_block_scale.stride()[:3]
-        # e4m3 block scales are written as their bytes
-        k_block_scale = k_block_scale.view(torch.uint8)
-        v_block_scale = v_block_scale.view(torch.uint8)
-    k_scale = k_cache if k_scale is None else k_scale  # placeholders the kernel never reads
-    v_scale = v_cache if v_scale is None else v_scale
-    kb = k_cache if k_block_scale is None else k_block_scale
-    vb = v_cache if v_block_scale is None else v_block_scale
+    elif f.scale == formats.BLOCK_SCALE:  # computed here and written, paged like the cache (e4m3 ones as bytes)
+        scale_block = f.block
+        kb_strides, vb_strides = call.k_block_scale.stride()[:3], call.v_block_scale.stride()[:3]
+        k_scale, v_scale = k_cache, v_cache
+        kb, vb = call.k_block_scale.view(torch.uint8), call.v_block_scale.view(torch.uint8)
+    elif f.scale == formats.NO_SCALE:
+        k_scale, v_scale, kb, vb = k_cache, v_cache, k_cache, v_cache
+    else:
+        raise ValueError(f"attnops Triton cache write: kv_format {kv_format} has scales of kind {f.scale!r}, which "
+                         f"the kernel cannot write (known: {formats.SCALES})")
     reshape_and_cache_kernel[(num_tokens, num_kv_heads)](
-        key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, kb, vb, errors.buffer(key.device),
-        k_cache.shape[0] * page_size, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        *kb_strides, *vb_strides, ks_h, vs_h,
-        PAGE=page_size, HEAD_DIM=head_dim, FMT=fmt, SCALE_BLOCK=scale_block, FP8_DTYPE=fp8_dtype,
+        key_ptr=key, value_ptr=value, k_cache_ptr=k_cache, v_cache_ptr=v_cache, slot_ptr=slot_mapping,
+        k_scale_ptr=k_scale, v_scale_ptr=v_scale, kb_ptr=kb, vb_ptr=vb, err_ptr=errors.buffer(key.device),
+        num_slots=k_cache.shape[0] * page_size, stride_kt=key.stride(0), stride_kh=key.stride(1),
+        stride_vt=value.stride(0), stride_vh=value.stride(1),
+        stride_cp=k_cache.stride(0), stride_ct=k_cache.stride(1), stride_ch=k_cache.stride(2),
+        stride_kbp=kb_strides[0], stride_kbt=kb_strides[1], stride_kbh=kb_strides[2],
+        stride_vbp=vb_strides[0], stride_vbt=vb_strides[1], stride_vbh=vb_strides[2],
+        stride_ksh=ks_h, stride_vsh=vs_h,
+        PAGE=page_size, HEAD_DIM=head_dim, FMT=FMT_CODE[kv_format], SCALE_BLOCK=scale_block, FP8_DTYPE=fp8_dtype,
         FP8_MAX=fp8_max, SOFT_FP8=not key.is_cuda, num_warps=1 if head_dim <= 64 else 2)

@@ -34,7 +34,9 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from .cache_write import reshape_and_cache_kernel  # noqa: E402
 from .common import FMT_CODE  # noqa: E402
-from ...formats import FORMATS, KV_FORMATS  # noqa: E402
+from ...cases import AttentionCase  # noqa: E402
+from ...formats import FORMATS  # noqa: E402
+from . import KV_FORMATS  # noqa: E402
 from . import heuristics  # noqa: E402
 from .kernel import TL_DTYPE, merge_splits_kernel, paged_attention_kernel  # noqa: E402
 
@@ -187,19 +189,25 @@ def heuristic_configurations(arch: int, sms: int, shared_per_block: int, quick: 
                 fmts if not quick else ["bf16", "fp8_e4m3", "nvfp4"], ["bf16", "fp16", "fp32"],
                 (64, 128, 256) if not quick else (128,), (1, 4, 16) if not quick else (4,), HEURISTIC_SHAPES):
             num_kv_heads = 8 if group < 16 else 2
-            cfg = heuristics.heuristic_config(torch.device("cuda"), is_decode, batch, batch * q_len,
-                                          num_kv_heads * group, num_kv_heads, head_dim, 16, capacity, fmt,
-                                          TORCH_DTYPE[q_dtype])
-            constexprs, options = heuristics.kernel_constexprs(
-                cfg, q_dtype=TORCH_DTYPE[q_dtype], kv_format=fmt, decode=is_decode,
-                num_q_heads=num_kv_heads * group, head_dim=head_dim, group=group, page_size=16, window=False,
-                soft_cap=False, on_gpu=True)
+            case = target_case(arch, q_dtype, fmt, is_decode, batch, batch * q_len, num_kv_heads * group,
+                               num_kv_heads, head_dim, capacity)
+            cfg = heuristics.heuristic_config(case, batch * q_len, torch.device("cuda"))
+            constexprs, options = heuristics.kernel_constexprs(cfg, case, on_gpu=True)
             key = (fmt, q_dtype, tuple(sorted((k, str(v)) for k, v in constexprs.items())),
                    tuple(sorted(options.items())))
             if key not in seen:
                 seen.add(key)
                 yield f"{name}, {fmt} cache, {q_dtype} q, D={head_dim}, group {group}", q_dtype, fmt, constexprs, \
                     options
+
+
+def target_case(arch: int, q_dtype: str, fmt: str, decode: bool, batch: int, num_tokens: int, num_q_heads: int,
+                num_kv_heads: int, head_dim: int, capacity: int, tree: bool = False) -> AttentionCase:
+    """The case of a call of these shapes on an sm_`arch` GPU (pages of 16), as the heuristic is asked for it."""
+    return AttentionCase.of_shapes(device_type="cuda", arch=(arch // 10, arch % 10), q_dtype=TORCH_DTYPE[q_dtype],
+                                   kv_format=fmt, head_dim=head_dim, page_size=16, num_q_heads=num_q_heads,
+                                   num_kv_heads=num_kv_heads, batch=batch, num_tokens=num_tokens,
+                                   max_kv_len=capacity, decode=decode, tree_mask=tree)
 
 
 @contextlib.contextmanager
@@ -264,8 +272,8 @@ def compile_cache_write(fmt, src, head_dim, target):
 
 
 def compile_page_layout(window: bool, target):
-    """FlashInfer's decode page layout kernel (page_layout.py)."""
-    from .page_layout import decode_page_layout_kernel
+    """FlashInfer's decode page layout kernel (attnops/backends/pages.py)."""
+    from ..pages import decode_page_layout_kernel
     types = dict(table_ptr="*i32", lens_ptr="*i32", indptr_ptr="*i32", indices_ptr="*i32", last_ptr="*i32",
                  fix_ptr="*i1", value_ptr="*bf16", err_ptr="*i32")
     return compile_one(decode_page_layout_kernel, types, dict(PAGE=16, BLOCK_B=64, BLOCK_W=128, HAS_WINDOW=window),
@@ -324,21 +332,17 @@ def print_sass(formats_: list, q_dtype: str, target, sms: int, shared_per_block:
     head dim), pages of 16) on the target, with `overrides` (tunables, e.g. {"V_DEQUANT_FIRST": 1}; maxnreg 0 = no
     cap): its registers and the instructions one thread issues per step of BLOCK_N keys. Decode of a quantized
     cache is bound by its instructions, not bytes, when these are high: this is the number to lower."""
-    torch_q = TORCH_DTYPE[q_dtype]
     _, decode, batch, q_len, capacity = next(shape for shape in HEURISTIC_SHAPES + TREE_SHAPES if shape[0] == case)
     tree = any(shape[0] == case for shape in TREE_SHAPES)
     lse = case.startswith("prefix")
     num_q_heads, num_kv_heads, head_dim = heads
-    group = num_q_heads // num_kv_heads
     for fmt in formats_:
+        shaped = target_case(target.arch, q_dtype, fmt, decode, batch, batch * q_len, num_q_heads, num_kv_heads,
+                             head_dim, capacity, tree)
         with _heuristic_for(target.arch, sms, shared_per_block):
-            cfg = dict(heuristics.heuristic_config(torch.device("cuda"), decode, batch, batch * q_len, num_q_heads,
-                                                   num_kv_heads, head_dim, 16, capacity, fmt, torch_q), **overrides)
-        constexprs, options = heuristics.kernel_constexprs(cfg, q_dtype=torch_q, kv_format=fmt, decode=decode,
-                                                       num_q_heads=num_q_heads, head_dim=head_dim, group=group,
-                                                       page_size=16, window=False, soft_cap=False, on_gpu=True,
-                                                       tree=tree, lse=lse,
-                                                       offsets_fit_32=True)  # (a cache of the case's size)
+            cfg = dict(heuristics.heuristic_config(shaped, batch * q_len, torch.device("cuda")), **overrides)
+        constexprs, options = heuristics.kernel_constexprs(cfg, shaped, on_gpu=True, lse=lse,
+                                                           offsets_fit_32=True)  # (a cache of the case's size)
         compiled = compile_one(paged_attention_kernel, attention_types(fmt, q_dtype, lse), constexprs, target,
                                **options)
         prof = sass_profile(compiled.asm["cubin"])

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from ... import formats
+from ...cases import AttentionCase
 from .common import FMT_CODE
 from .kernel import TL_DTYPE
 
@@ -77,12 +78,13 @@ def dot_dtype(q_dtype: torch.dtype, kv_format: str) -> torch.dtype:
 
 
 @functools.lru_cache(maxsize=4096)
-def heuristic_config(device, decode: bool, batch: int, num_tokens: int, num_q_heads: int, num_kv_heads: int,
-                     head_dim: int, page_size: int, capacity: int, kv_format: str, q_dtype: torch.dtype) -> dict:
-    """Tunables from shapes and dtypes only (cached per shape). The number of splits a sequence actually gets is
-    decided on the device (common.kv_plan); here: CHUNK (keys per program), MAX_SPLITS (grid size, workspace)
-    and tile sizes."""
-    group = num_q_heads // num_kv_heads
+def heuristic_config(case: AttentionCase, num_tokens: int, device: torch.device) -> dict:
+    """Tunables for a case of `num_tokens` query tokens on `device`, from shapes and dtypes only (cached per
+    case). The number of splits a sequence actually gets is decided on the device (common.kv_plan); here: CHUNK
+    (keys per program), MAX_SPLITS (grid size, workspace) and tile sizes."""
+    decode, batch, group, capacity = case.decode, case.batch, case.group, case.max_kv_len
+    num_q_heads, num_kv_heads, head_dim = case.num_q_heads, case.num_kv_heads, case.head_dim
+    kv_format, q_dtype = case.kv_format, case.q_dtype
     sms = _num_sms(device)
     if decode:
         block_q = 1
@@ -185,27 +187,27 @@ def smaller_tile(cfg: dict) -> dict | None:
     return None
 
 
-def kernel_constexprs(cfg: dict, *, q_dtype: torch.dtype, kv_format: str, decode: bool, num_q_heads: int,
-                      head_dim: int, group: int, page_size: int, window: bool, soft_cap: bool,
-                      on_gpu: bool, sinks: bool = False, tree: bool = False,
-                      lse: bool = False, offsets_fit_32: bool = False) -> tuple[dict, dict]:
+def kernel_constexprs(cfg: dict, case: AttentionCase, *, on_gpu: bool, lse: bool = False,
+                      offsets_fit_32: bool = False) -> tuple[dict, dict]:
     """The attention kernel's constexpr arguments and compiler options (num_warps, num_stages, maxnreg) for a
-    configuration: the one place that turns tunables into what Triton compiles, for launch() and for
+    configuration and a case: the one place that turns tunables into what Triton compiles, for launch() and for
     compile_check (which compiles the heuristic's choices for a GPU target without one). Tunables that do not
     apply to the format, q dtype or machine are switched off here. on_gpu: compiled for a GPU (not the
-    interpreter): inline PTX and register caps apply. offsets_fit_32: every element offset into the caches (and
-    4-bit scales) fits int32, which OFFSETS_32 needs."""
-    ddt = dot_dtype(q_dtype, kv_format)
+    interpreter): inline PTX and register caps apply. lse: each row's LSE is written (paged_attention_with_lse).
+    offsets_fit_32: every element offset into the caches (and 4-bit scales) fits int32, which OFFSETS_32 needs."""
+    kv_format, group = case.kv_format, case.group
+    ddt = dot_dtype(case.q_dtype, kv_format)
     # fp8 pairs need fp16 dots; a forced V_DEQUANT_FIRST is another way to read V
     fp8_pairs = formats.is_fp8(kv_format) and ddt == torch.float16
     constexprs = dict(
-        NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, PAGE=page_size, GROUP=group, BLOCK_Q=cfg["BLOCK_Q"],
-        BLOCK_M=max(16, triton.next_power_of_2(cfg["BLOCK_Q"] * group)), BLOCK_N=cfg["BLOCK_N"],
-        FMT=FMT_CODE[kv_format], IS_DECODE=decode, HAS_WINDOW=window, HAS_SOFTCAP=soft_cap, HAS_SINKS=sinks,
-        HAS_TREE=tree, WRITE_LSE=lse,
+        NUM_Q_HEADS=case.num_q_heads, HEAD_DIM=case.head_dim, PAGE=case.page_size, GROUP=group,
+        BLOCK_Q=cfg["BLOCK_Q"], BLOCK_M=max(16, triton.next_power_of_2(cfg["BLOCK_Q"] * group)),
+        BLOCK_N=cfg["BLOCK_N"], FMT=FMT_CODE[kv_format], IS_DECODE=case.decode, HAS_WINDOW=case.sliding_window,
+        HAS_SOFTCAP=case.soft_cap, HAS_SINKS=case.sinks, HAS_TREE=case.tree_mask, WRITE_LSE=lse,
         DOT_DTYPE=TL_DTYPE[ddt], DOT_PRECISION="ieee" if ddt == torch.float32 else "tf32",
         FP8_DTYPE=tl.float8e4nv if kv_format == "fp8_e4m3" else tl.float8e5,
-        SCALE_BCAST=bool(cfg["SCALE_BCAST"]) and formats.is_fp4(kv_format),
+        # block scales loaded once per block and repeated in registers
+        SCALE_BCAST=bool(cfg["SCALE_BCAST"]) and case.format.scale == formats.BLOCK_SCALE,
         FP4_ASM=bool(cfg["FP4_ASM"]) and formats.is_fp4(kv_format) and on_gpu,
         V_DEQUANT_FIRST=bool(cfg["V_DEQUANT_FIRST"]) and (formats.is_fp8(kv_format) or formats.is_fp4(kv_format))
         and on_gpu,

@@ -48,7 +48,8 @@ def merge_states(out_a, lse_a, out_b, lse_b, out, lse) -> None:
     if num_tokens == 0:
         return
     merge_states_kernel[(num_tokens,)](
-        out_a, lse_a, out_b, lse_b, out, lse, out_a.stride(0), out_a.stride(1), out_b.stride(0), out_b.stride(1),
-        out.stride(0), out.stride(1), lse_a.stride(0), lse_b.stride(0), lse.stride(0),
-        NUM_HEADS=num_heads, HEADS_P2=triton.next_power_of_2(num_heads), HEAD_DIM=head_dim,
+        out_a_ptr=out_a, lse_a_ptr=lse_a, out_b_ptr=out_b, lse_b_ptr=lse_b, out_ptr=out, lse_ptr=lse,
+        stride_at=out_a.stride(0), stride_ah=out_a.stride(1), stride_bt=out_b.stride(0), stride_bh=out_b.stride(1),
+        stride_ot=out.stride(0), stride_oh=out.stride(1), stride_lat=lse_a.stride(0), stride_lbt=lse_b.stride(0),
+        stride_lot=lse.stride(0), NUM_HEADS=num_heads, HEADS_P2=triton.next_power_of_2(num_heads), HEAD_DIM=head_dim,
         num_warps=4 if head_dim * num_heads >= 2048 else 2)

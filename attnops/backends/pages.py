@@ -1,6 +1,10 @@
-"""FlashInfer's page layout of a decode step, made safe, in one launch: what attnops/backends/flashinfer.py's
-checked_pages + page_metadata do with some thirty small torch ops, for the step FlashInfer re-plans before every
-replay of a captured decode graph (host time per step) and every eager decode step.
+"""Page-table work any backend may use, on the device: FlashInfer's page layout of a decode step (CSR indptr,
+indices, last_page_len), made safe, in one launch, what attnops/backends/flashinfer.py's checked_pages +
+page_metadata do with some thirty small torch ops, for the step FlashInfer re-plans before every replay of a
+captured decode graph (host time per step) and every eager decode step.
+
+The kernel is Triton's: this module imports triton, so a backend imports it where it first needs it (FlashInfer's
+plan), not at import, and attnops imports where triton is missing.
 
 docs/design.md, "Bad indices": a length outside [0, the table's capacity] gets no pages and its row NaN; a page index
 outside the cache within a length is written as a good page of the same sequence (page 0 where it has none), and
@@ -13,8 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ... import errors
-from .common import ERR_BLOCK_TABLE, ERR_SEQ_LENS
+from .. import errors
+
+ERR_BLOCK_TABLE, ERR_SEQ_LENS = tl.constexpr(errors.BLOCK_TABLE), tl.constexpr(errors.SEQ_LENS)
 
 
 @triton.jit(do_not_specialize=["batch", "width", "stride_table", "num_pages", "window_left"])
@@ -86,7 +91,8 @@ def decode_page_layout(block_table: torch.Tensor, seq_lens: torch.Tensor, page_s
     if block_table.stride(1) != 1:
         block_table = block_table.contiguous()
     decode_page_layout_kernel[(batch,)](
-        block_table, seq_lens, indptr, indices, last_page_len, fix, values, errors.buffer(seq_lens.device),
-        batch, width, block_table.stride(0), num_pages, window_left,
+        table_ptr=block_table, lens_ptr=seq_lens, indptr_ptr=indptr, indices_ptr=indices, last_ptr=last_page_len,
+        fix_ptr=fix, value_ptr=values, err_ptr=errors.buffer(seq_lens.device), batch=batch, width=width,
+        stride_table=block_table.stride(0), num_pages=num_pages, window_left=window_left,
         PAGE=page_size, BLOCK_B=max(16, triton.next_power_of_2(batch)), BLOCK_W=128, HAS_WINDOW=window_left >= 0,
         num_warps=4)
