@@ -214,3 +214,67 @@ class CacheWriteCall(NamedTuple):
     @property
     def format(self) -> KVFormat:
         return FORMATS[self.case.kv_format]
+
+
+@dataclass(frozen=True)
+class MLACase:
+    """Everything dispatch may look at for one mla_attention call (latent attention: one latent row of
+    latent_dim + rope_dim values a token, shared by num_heads query heads)."""
+
+    device_type: str
+    arch: tuple[int, int] | None
+    q_dtype: torch.dtype
+    kv_format: str  # resolved: "bf16", "fp16", "fp32" (the cache's dtype) or "fp8_e4m3"
+    latent_dim: int  # R: the compressed KV's width, and the output's
+    rope_dim: int  # P: the rotary part's
+    num_heads: int
+    page_size: int
+    decode: bool
+    shape_class: str = "decode"
+    batch: int = 1
+    max_kv_len: int = 0  # the block table's capacity in tokens
+    sinks: bool = False
+    tree_mask: bool = False
+
+
+@dataclass(frozen=True)
+class MLAWriteCase:
+    """Everything dispatch may look at for one mla_cache_write call."""
+
+    device_type: str
+    arch: tuple[int, int] | None
+    src_dtype: torch.dtype
+    kv_format: str
+    latent_dim: int
+    rope_dim: int
+    page_size: int
+
+
+class MLACall(NamedTuple):
+    """One mla_attention (or mla_attention_with_lse) call as a backend runs it: its case and its validated
+    arguments (the op builds it once; `Backend.mla_attention(call)` takes it)."""
+
+    case: MLACase
+    q_nope: torch.Tensor  # [T, H, R]
+    q_pe: torch.Tensor  # [T, H, P]
+    kv_cache: torch.Tensor  # [num_pages, page_size, R + P]
+    block_table: torch.Tensor  # int32 [B, max_pages]
+    seq_lens: torch.Tensor  # int32 [B]
+    cu_seqlens_q: torch.Tensor | None  # int32 [B + 1]; None: decode
+    out: torch.Tensor  # written: [T, H, R], q's dtype
+    scale: float
+    kv_scale: torch.Tensor | None = None  # fp8: float32, one element
+    sinks: torch.Tensor | None = None  # float32 [H]
+    tree_mask: torch.Tensor | None = None  # bool [T, Q]
+    lse: torch.Tensor | None = None  # written when given: float32 [T, H]
+
+
+class MLAWriteCall(NamedTuple):
+    """One mla_cache_write call as a backend runs it."""
+
+    case: MLAWriteCase
+    kv_c: torch.Tensor  # [N, R]
+    k_pe: torch.Tensor  # [N, P]
+    kv_cache: torch.Tensor  # written
+    slot_mapping: torch.Tensor  # int64 [N]
+    kv_scale: torch.Tensor | None = None

@@ -282,20 +282,20 @@ def attention_call(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, sca
                          window_left, k_scale, v_scale, sinks, tree_mask, lse)
 
 
-def _check_fp8_scale_values(op, k_scale, v_scale) -> None:
+def _check_fp8_scale_values(op, k_scale, v_scale, names=("k_scale", "v_scale")) -> None:
     """fp8 scales (float32; 4-bit block scales have other dtypes and are not checked here)."""
-    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+    for name, s in zip(names, (k_scale, v_scale)):
         if s is not None and s.dtype == torch.float32 and not bool(torch.isfinite(s).all() and (s > 0).all()):
             _fail(op, ValueError, f"{name} must be finite and > 0 (got {s.tolist()})")
 
 
 def check_paged_attention_values(q, k_cache, block_table, seq_lens, cu_seqlens_q, k_scale=None,
-                                 v_scale=None, tree_mask=None) -> None:
+                                 v_scale=None, tree_mask=None, *, op="paged_attention",
+                                 scale_names=("k_scale", "v_scale")) -> None:
     """The checks that read data (ATTNOPS_CHECK=1 only): lengths fit the table, used pages exist, query rows
     are ordered, no sequence has more queries than keys, and a tree mask has a column for every query of the
-    longest block."""
-    op = "paged_attention"
-    _check_fp8_scale_values(op, k_scale, v_scale)
+    longest block. (Latent attention's too, under its op's name: the same rules.)"""
+    _check_fp8_scale_values(op, k_scale, v_scale, scale_names)
     num_pages, page_size = k_cache.shape[0], k_cache.shape[1]
     lengths = seq_lens.tolist()
     if any(n < 0 for n in lengths):
@@ -389,10 +389,15 @@ def cache_write_call(key, value, k_cache, v_cache, slot_mapping, kv_format, k_sc
 
 def check_reshape_and_cache_values(k_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
     _check_fp8_scale_values("reshape_and_cache", k_scale, v_scale)
-    slots = k_cache.shape[0] * k_cache.shape[1]
+    check_slot_mapping_values(k_cache, slot_mapping, op="reshape_and_cache")
+
+
+def check_slot_mapping_values(cache, slot_mapping, *, op: str) -> None:
+    """Every slot is -1 (padding) or inside the cache's pages x page_size (ATTNOPS_CHECK=1 only)."""
+    slots = cache.shape[0] * cache.shape[1]
     if slot_mapping.numel() and (slot_mapping.min().item() < -1 or slot_mapping.max().item() >= slots):
-        _fail("reshape_and_cache", ValueError, f"slot_mapping entries must be -1 (padding) or in [0, {slots}) "
-                                               f"(got min {slot_mapping.min().item()}, max {slot_mapping.max().item()})")
+        _fail(op, ValueError, f"slot_mapping entries must be -1 (padding) or in [0, {slots}) "
+                              f"(got min {slot_mapping.min().item()}, max {slot_mapping.max().item()})")
 
 
 def check_merge_attention_states(out_a, lse_a, out_b, lse_b, out=None, lse=None) -> None:

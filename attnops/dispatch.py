@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from . import capture, checks, formats, rules
+from . import capture, checks, checks_mla, formats, rules
 from .backends import BACKENDS
-from .backends.base import VERIFY_MAX_Q, AttentionCase, Backend, CacheWriteCase
+from .backends.base import VERIFY_MAX_Q, AttentionCase, Backend, CacheWriteCase, MLACase, MLAWriteCase
 from .env import device_arch, environ_get
 
 # Order per device type where no rule was measured: the CPU, cache writes, and a GPU with no table at all.
@@ -136,6 +136,8 @@ def capture_reasons(backend: Backend, capture_state: str) -> list[str]:
 
 
 def reasons_against(backend: Backend, case, capture_state: str = capture.NONE) -> list[str]:
+    if isinstance(case, (MLACase, MLAWriteCase)) and not backend.serves_mla:
+        return ["has no latent-attention (MLA) kernels"]
     return backend.unavailable() + backend.supports(case) + capture_reasons(backend, capture_state)
 
 
@@ -195,7 +197,7 @@ def describe_case(case) -> str:
 
 
 def _explain_case(case, pinned: str | None, capture_state: str = capture.NONE) -> Explanation:
-    if pinned is not None and isinstance(case, CacheWriteCase) and pinned in BACKENDS \
+    if pinned is not None and isinstance(case, (CacheWriteCase, MLAWriteCase)) and pinned in BACKENDS \
             and not BACKENDS[pinned].writes_cache:
         pinned = None  # a pinned attention-only backend (FlashInfer): cache writes go by the policy
     if pinned is not None:
@@ -241,7 +243,8 @@ def explain(**kwargs) -> Explanation:
     """Which backend serves a case and why the others were passed over.
 
     Either the op's own arguments (`q=..., k_cache=..., v_cache=..., block_table=..., seq_lens=...` and any
-    keyword of paged_attention; meta tensors are fine; `key=..., value=...` etc. for reshape_and_cache), or a
+    keyword of paged_attention; meta tensors are fine; `key=..., value=...` etc. for reshape_and_cache;
+    `q_nope=...` for mla_attention and `kv_c=...` for mla_cache_write), or a
     case description: any fields of AttentionCase, the rest defaulting to a Llama-3-8B-like bf16 decode on the
     current device. `capture_state=` ("none", "replanned", "foreign": attnops.capture) asks about a call made in
     that state of CUDA-graph capture; by default, the state of the current stream."""
@@ -251,6 +254,11 @@ def explain(**kwargs) -> Explanation:
         defaults = dict(cu_seqlens_q=None, scale=None, soft_cap=0.0, window_left=-1, kv_format="auto",
                         k_scale=None, v_scale=None, sinks=None, tree_mask=None)
         case = checks.check_paged_attention(**{**defaults, **kwargs})
+    elif "q_nope" in kwargs:  # latent attention (mla_attention's arguments)
+        defaults = dict(cu_seqlens_q=None, kv_format="auto", kv_scale=None, sinks=None, tree_mask=None)
+        case = checks_mla.check_mla_attention(**{**defaults, **kwargs})
+    elif "kv_c" in kwargs:
+        case = checks_mla.check_mla_cache_write(**{**dict(kv_format="auto", kv_scale=None), **kwargs})
     elif "key" in kwargs:
         defaults = dict(kv_format="auto", k_scale=None, v_scale=None, k_block_scale=None, v_block_scale=None)
         case = checks.check_reshape_and_cache(**{**defaults, **kwargs})

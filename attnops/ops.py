@@ -18,6 +18,8 @@ from .backends import flashinfer_replay
 from .backends.reference import merge_attention_states_reference
 from .checks import (attention_call, cache_write_call, check_merge_attention_states, check_paged_attention,
                      check_paged_attention_values, check_reshape_and_cache, check_reshape_and_cache_values)
+from .checks_mla import (check_mla_attention, check_mla_attention_values, check_mla_cache_write,
+                         check_mla_cache_write_values, mla_call, mla_write_call)
 from .dispatch import select_backend
 from .env import values_checked
 
@@ -182,7 +184,7 @@ def _merge_attention_states_out_fake(out_a, lse_a, out_b, lse_b, *, out, lse):
 
 
 _EXPECTED = {"k_scale": "float32, 0-d or [num_kv_heads] for fp8", "v_scale": "float32, 0-d or [num_kv_heads] for fp8",
-             "sinks": "float32 [num_q_heads]"}
+             "sinks": "float32 [num_q_heads]", "kv_scale": "float32, one element, for an fp8 latent cache"}
 
 
 def _scales_are_tensors(op: str, **scales) -> None:
@@ -253,3 +255,115 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b, *, out=None, lse=None):
         raise ValueError("attnops.merge_attention_states: give both out and lse, or neither")
     torch.ops.attnops.merge_attention_states.out(out_a, lse_a, out_b, lse_b, out=out, lse=lse)
     return out, lse
+
+
+# --- latent attention (MLA): docs/design.md, "mla_attention" ----------------------------------------------------
+def _run_mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, scale, kv_format, kv_scale,
+                       sinks, tree_mask, out, lse=None) -> None:
+    call = mla_call(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, scale, kv_format, kv_scale, sinks,
+                    tree_mask, out, lse)
+    if values_checked():
+        check_mla_attention_values(q_nope, kv_cache, block_table, seq_lens, cu_seqlens_q, kv_scale, tree_mask)
+    backend = select_backend(call.case, q_nope.device)
+    with on_device(q_nope.device):
+        backend.mla_attention(call)
+
+
+def _mla_check(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, scale, kv_format, kv_scale, sinks,
+               tree_mask, out=None, lse=None) -> None:
+    check_mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, scale, kv_format, kv_scale,
+                        sinks, tree_mask, out, lse)
+
+
+@torch.library.impl("attnops::mla_attention", DEVICES)
+def _mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q=None, *, scale, kv_format="auto",
+                   kv_scale=None, sinks=None, tree_mask=None):
+    out = torch.empty_like(q_nope)
+    _run_mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, scale, kv_format, kv_scale, sinks,
+                       tree_mask, out)
+    return out
+
+
+@torch.library.register_fake("attnops::mla_attention")
+def _mla_attention_fake(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q=None, *, scale,
+                        kv_format="auto", kv_scale=None, sinks=None, tree_mask=None):
+    _mla_check(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, scale, kv_format, kv_scale, sinks,
+               tree_mask)
+    return torch.empty_like(q_nope)
+
+
+@torch.library.impl("attnops::mla_attention.out", DEVICES)
+def _mla_attention_out(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q=None, *, scale, kv_format="auto",
+                       kv_scale=None, sinks=None, tree_mask=None, out):
+    _run_mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, scale, kv_format, kv_scale, sinks,
+                       tree_mask, out)
+
+
+@torch.library.register_fake("attnops::mla_attention.out")
+def _mla_attention_out_fake(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q=None, *, scale,
+                            kv_format="auto", kv_scale=None, sinks=None, tree_mask=None, out):
+    _mla_check(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, scale, kv_format, kv_scale, sinks,
+               tree_mask, out)
+
+
+@torch.library.impl("attnops::mla_attention_with_lse", DEVICES)
+def _mla_attention_with_lse(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q=None, *, scale,
+                            kv_format="auto", kv_scale=None, sinks=None, tree_mask=None):
+    out, lse = torch.empty_like(q_nope), _lse_like(q_nope)
+    _run_mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, scale, kv_format, kv_scale, sinks,
+                       tree_mask, out, lse)
+    return out, lse
+
+
+@torch.library.register_fake("attnops::mla_attention_with_lse")
+def _mla_attention_with_lse_fake(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q=None, *, scale,
+                                 kv_format="auto", kv_scale=None, sinks=None, tree_mask=None):
+    _mla_check(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, scale, kv_format, kv_scale, sinks,
+               tree_mask)
+    return torch.empty_like(q_nope), _lse_like(q_nope)
+
+
+@torch.library.impl("attnops::mla_attention_with_lse.out", DEVICES)
+def _mla_attention_with_lse_out(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q=None, *, scale,
+                                kv_format="auto", kv_scale=None, sinks=None, tree_mask=None, out, lse):
+    _run_mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, scale, kv_format, kv_scale, sinks,
+                       tree_mask, out, lse)
+
+
+@torch.library.register_fake("attnops::mla_attention_with_lse.out")
+def _mla_attention_with_lse_out_fake(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q=None, *, scale,
+                                     kv_format="auto", kv_scale=None, sinks=None, tree_mask=None, out, lse):
+    _mla_check(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, scale, kv_format, kv_scale, sinks,
+               tree_mask, out, lse)
+
+
+@torch.library.impl("attnops::mla_cache_write", DEVICES)
+def _mla_cache_write(kv_c, k_pe, kv_cache, slot_mapping, *, kv_format="auto", kv_scale=None):
+    call = mla_write_call(kv_c, k_pe, kv_cache, slot_mapping, kv_format, kv_scale)
+    if values_checked():
+        check_mla_cache_write_values(kv_cache, slot_mapping, kv_scale)
+    with on_device(kv_c.device):
+        select_backend(call.case).mla_cache_write(call)
+
+
+@torch.library.register_fake("attnops::mla_cache_write")
+def _mla_cache_write_fake(kv_c, k_pe, kv_cache, slot_mapping, *, kv_format="auto", kv_scale=None):
+    check_mla_cache_write(kv_c, k_pe, kv_cache, slot_mapping, kv_format, kv_scale)
+
+
+def mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q=None, *, scale, kv_format="auto",
+                  kv_scale=None, sinks=None, tree_mask=None, out=None):
+    """`torch.ops.attnops.mla_attention` (latent attention over a paged cache of [c, r] rows; docs/design.md), or
+    its `.out` overload when `out` is given (then returns `out`)."""
+    _scales_are_tensors("mla_attention", kv_scale=kv_scale, sinks=sinks)
+    args = dict(scale=scale, kv_format=kv_format, kv_scale=kv_scale, sinks=sinks, tree_mask=tree_mask)
+    if out is None:
+        return torch.ops.attnops.mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, **args)
+    torch.ops.attnops.mla_attention.out(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, **args, out=out)
+    return out
+
+
+def mla_cache_write(kv_c, k_pe, kv_cache, slot_mapping, *, kv_format="auto", kv_scale=None) -> None:
+    """`torch.ops.attnops.mla_cache_write`: row slot_mapping[i] of the latent cache = [kv_c[i], k_pe[i]]."""
+    _scales_are_tensors("mla_cache_write", kv_scale=kv_scale)
+    torch.ops.attnops.mla_cache_write(kv_c, k_pe, kv_cache, slot_mapping, kv_format=kv_format, kv_scale=kv_scale)

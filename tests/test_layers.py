@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parent.parent / "attnops"
 LAYERS = [
     ("attnops._C", "attnops.env", "attnops.formats", "attnops.cases", "attnops.capture",
      "attnops.errors"),  # contract and helpers
-    ("attnops.rules", "attnops.checks", "attnops.testing"),  # the dispatch rule, validation, test inputs
+    ("attnops.rules", "attnops.checks", "attnops.checks_mla", "attnops.testing"),  # the dispatch rule, validation,
+    # test inputs
     ("attnops.backends",),  # kernels behind the Backend interface: they see cases, never checks or dispatch
     ("attnops.dispatch",),  # which backend serves a case
     ("attnops.ops", "attnops.cascade"),  # the torch.library registrations; cascade attention composed of them

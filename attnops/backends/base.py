@@ -11,8 +11,8 @@ import contextlib
 import torch
 
 from .. import errors
-from ..cases import (AttentionCall, AttentionCase, CacheWriteCall, CacheWriteCase, VERIFY_MAX_Q,  # noqa: F401
-                     shape_class)  # (re-exported)
+from ..cases import (AttentionCall, AttentionCase, CacheWriteCall, CacheWriteCase, MLACall, MLACase,  # noqa: F401
+                     MLAWriteCall, MLAWriteCase, VERIFY_MAX_Q, shape_class)  # (re-exported)
 
 
 class Backend:
@@ -25,6 +25,9 @@ class Backend:
     # replays correctly only if its driver re-plans before each replay (attnops.capture); dispatch passes such a
     # backend over inside any other capture
     plans_on_host: bool = False
+    # True: it has latent-attention kernels (mla_attention, mla_cache_write) and its `supports` answers MLACase
+    # and MLAWriteCase; dispatch passes over every other backend for them
+    serves_mla: bool = False
 
     def forget_steps(self) -> None:
         """Drops whatever the backend keeps from one call to the next of a step (plans, replays); dispatch calls it
@@ -44,6 +47,15 @@ class Backend:
         The call is validated and `call.case` is the case this backend's `supports` accepted (its format resolved,
         decode, batch, GQA group, table capacity: read them there, not from the tensors); `call.scale` is a float
         and `call.soft_cap` 0.0 for no cap. `sinks` and `tree_mask` come only with a case that has them."""
+        raise NotImplementedError
+
+    def mla_attention(self, call: MLACall) -> None:
+        """Latent attention into `call.out` [T, H, R] (and `call.lse` [T, H] when given): docs/design.md,
+        "mla_attention". Only for a backend that `serves_mla`."""
+        raise NotImplementedError
+
+    def mla_cache_write(self, call: MLAWriteCall) -> None:
+        """Rows `call.slot_mapping` of `call.kv_cache` = [kv_c, k_pe], quantized to the case's format."""
         raise NotImplementedError
 
     def reshape_and_cache(self, call: CacheWriteCall) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .. import errors, formats
-from .base import Backend, common_reasons
+from .base import Backend, MLACase, MLAWriteCase, common_reasons
 
 # Every format formats.py defines, each read through its (de)quantization there; a new format is served here once
 # it is named
@@ -168,9 +168,27 @@ def merge_attention_states_reference(out_a, lse_a, out_b, lse_b, out, lse) -> No
 class ReferenceBackend(Backend):
     name = "reference"
     description = "plain PyTorch, any device, every format and feature; host loop per sequence (slow, not graph-safe)"
+    serves_mla = True
 
     def supports(self, case) -> list[str]:
+        if isinstance(case, (MLACase, MLAWriteCase)):
+            return []  # every valid latent-attention case (the checks bound its formats and shapes)
         return common_reasons(case, kv_formats=KV_FORMATS)  # the oracle serves every valid case of its formats
+
+    def mla_attention(self, call) -> None:
+        from .mla_reference import mla_attention_reference
+        out, lse = mla_attention_reference(
+            call.q_nope, call.q_pe, call.kv_cache, call.block_table, call.seq_lens, call.cu_seqlens_q,
+            scale=call.scale, kv_scale=call.kv_scale, sinks=call.sinks, tree_mask=call.tree_mask,
+            compute_dtype=torch.float64, return_lse=True)
+        call.out.copy_(out)
+        if call.lse is not None:
+            call.lse.copy_(lse)
+
+    def mla_cache_write(self, call) -> None:
+        from .mla_reference import mla_cache_write_reference
+        mla_cache_write_reference(call.kv_c, call.k_pe, call.kv_cache, call.slot_mapping,
+                                  kv_format=call.case.kv_format, kv_scale=call.kv_scale)
 
     def paged_attention(self, call) -> None:
         result = paged_attention_reference(

@@ -1,5 +1,5 @@
 """attnops' own Triton kernels: split-KV paged attention (decode, verify, extend, prefill) over every KV format,
-and reshape_and_cache for every format.
+and reshape_and_cache for every format; latent attention (MLA: mla_kernel.py) and its cache write.
 
 Triton is imported lazily: attnops imports (and this backend declines, saying why) where triton is missing.
 """
@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from ..base import AttentionCase, Backend, common_reasons
+from ..base import AttentionCase, Backend, MLACase, MLAWriteCase, common_reasons
 
 HEAD_DIMS = (32, 64, 128, 256)
 # the formats the kernels read in place and write (kernel.py and common.py decode each by its FMT code,
@@ -36,7 +36,8 @@ def _import_error() -> str | None:
 class TritonBackend(Backend):
     name = "triton"
     description = ("attnops' Triton kernels: split-KV paged attention with GQA packing (decode/verify/prefill), "
-                   "fp8 and 4-bit KV read in-kernel, reshape_and_cache for every format")
+                   "fp8 and 4-bit KV read in-kernel, reshape_and_cache for every format; latent attention (MLA)")
+    serves_mla = True
 
     def unavailable(self) -> list[str]:
         error = _import_error()
@@ -48,6 +49,8 @@ class TritonBackend(Backend):
     def supports(self, case) -> list[str]:
         # CUDA tensors; CPU tensors only under the interpreter (tests)
         devices = ("cuda", "cpu") if interpreting() else ("cuda",)
+        if isinstance(case, (MLACase, MLAWriteCase)):
+            return self._latent_reasons(case, devices)
         reasons = common_reasons(case, devices=devices, q_dtypes=Q_DTYPES, kv_formats=KV_FORMATS,
                                  head_dims=HEAD_DIMS, archs=lambda arch: arch >= (8, 0))
         src_dtype = case.q_dtype if isinstance(case, AttentionCase) else case.src_dtype
@@ -59,9 +62,35 @@ class TritonBackend(Backend):
                            f"(this GPU is sm_{case.arch[0]}{case.arch[1]})")
         return reasons
 
+    @staticmethod
+    def _latent_reasons(case, devices) -> list[str]:
+        reasons = []
+        if case.device_type not in devices:
+            reasons.append(f"runs on {'/'.join(devices)}, not {case.device_type}")
+        if case.arch is not None and case.arch < (8, 0):
+            reasons.append(f"not built for sm_{case.arch[0]}{case.arch[1]}")
+        dtype = case.q_dtype if isinstance(case, MLACase) else case.src_dtype
+        if case.device_type == "cpu" and (dtype == torch.bfloat16 or case.kv_format == "bf16"):
+            reasons.append("bf16 is not supported by the Triton interpreter (CPU)")
+        if case.kv_format == "fp8_e4m3" and case.arch is not None and case.arch < (8, 9):
+            reasons.append(f"fp8_e4m3 needs e4m3 conversions, which Triton supports from sm_89 "
+                           f"(this GPU is sm_{case.arch[0]}{case.arch[1]})")
+        return reasons
+
     def paged_attention(self, call) -> None:
         from .launch import launch_call
         launch_call(call)
+
+    def mla_attention(self, call) -> None:
+        from .mla_launch import mla_launch
+        mla_launch(call.q_nope, call.q_pe, call.kv_cache, call.block_table, call.seq_lens, call.cu_seqlens_q,
+                   scale=call.scale, kv_format=call.case.kv_format, kv_scale=call.kv_scale, sinks=call.sinks,
+                   tree_mask=call.tree_mask, out=call.out, lse=call.lse)
+
+    def mla_cache_write(self, call) -> None:
+        from .mla_launch import mla_cache_write
+        mla_cache_write(call.kv_c, call.k_pe, call.kv_cache, call.slot_mapping, kv_format=call.case.kv_format,
+                        kv_scale=call.kv_scale)
 
     def reshape_and_cache(self, call) -> None:
         from .cache_write import reshape_and_cache

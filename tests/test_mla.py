@@ -1,0 +1,333 @@
+"""Latent attention (mla_attention, mla_attention_with_lse, mla_cache_write): the reference against an independent
+dense computation, the Triton kernels against the reference on random ragged batches (decode, extend, verify with
+draft trees, sinks, fp8, forced splits; in the interpreter here, bf16 on a GPU), validation, the bad-index rules,
+opcheck, torch.compile and CUDA graphs."""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+import attnops
+from attnops.backends import BACKENDS
+from attnops.backends.mla_reference import mla_attention_reference, mla_cache_write_reference
+from attnops.backends.triton.mla_launch import mla_cache_write, mla_launch
+from attnops.testing import relative_error
+
+GPU = torch.cuda.is_available()
+
+
+def mla_inputs(kv_lens, q_lens=None, *, heads=4, latent=64, rope=16, page_size=4, dtype=torch.float16,
+               kv_format="auto", device="cpu", seed=0, spare_pages=2):
+    """Keyword arguments of mla_attention: a paged latent cache of random rows in random page order, garbage (-1 or
+    a random page) past each sequence's pages, one query row a sequence (decode) or q_lens rows each."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = len(kv_lens)
+    pages = [-(-n // page_size) for n in kv_lens]
+    num_pages = sum(pages) + spare_pages
+    order = torch.randperm(num_pages, generator=gen)
+    width = max(pages + [1]) + 1
+    table = torch.where(torch.rand(batch, width, generator=gen) < 0.5, -1,
+                        torch.randint(0, num_pages, (batch, width), generator=gen)).to(torch.int32)
+    start = 0
+    for b, n in enumerate(pages):
+        table[b, :n] = order[start:start + n]
+        start += n
+    rows = torch.randn(num_pages, page_size, latent + rope, generator=gen)
+    args = {}
+    if kv_format == "fp8_e4m3":
+        args["kv_scale"] = torch.tensor([0.5])
+        kv = (rows / args["kv_scale"]).to(torch.float8_e4m3fn)
+    else:
+        kv = rows.to(dtype)
+    tokens = batch if q_lens is None else sum(q_lens)
+    args.update(q_nope=torch.randn(tokens, heads, latent, generator=gen).to(dtype),
+                q_pe=torch.randn(tokens, heads, rope, generator=gen).to(dtype), kv_cache=kv, block_table=table,
+                seq_lens=torch.tensor(kv_lens, dtype=torch.int32), kv_format=kv_format, scale=0.13,
+                cu_seqlens_q=None if q_lens is None else
+                torch.tensor([0] + list(q_lens)).cumsum(0).to(torch.int32))
+    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
+
+
+def dense_mla(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q=None, *, scale, kv_format="auto",
+              kv_scale=None, sinks=None, tree_mask=None):
+    """The contract written out, one sequence at a time over its gathered rows, float64."""
+    latent = q_nope.shape[2]
+    out = torch.zeros(q_nope.shape, dtype=torch.float64)
+    rows = kv_cache.double() * (kv_scale.double() if kv_scale is not None else 1.0)
+    starts = list(range(len(seq_lens) + 1)) if cu_seqlens_q is None else cu_seqlens_q.tolist()
+    page_size = kv_cache.shape[1]
+    for b, n in enumerate(seq_lens.tolist()):
+        seq = rows[block_table[b, :-(-n // page_size)].long()].flatten(0, 1)[:n]  # [n, R + P]
+        for i, t in enumerate(range(starts[b], starts[b + 1])):
+            q_len = starts[b + 1] - starts[b]
+            pos = n - q_len + i
+            visible = torch.arange(n) <= pos
+            if tree_mask is not None:
+                block = torch.arange(n) >= n - q_len
+                cols = (torch.arange(n) - (n - q_len)).clamp(min=0)
+                seen = torch.tensor([bool(tree_mask[t, c]) if c < tree_mask.shape[1] else False
+                                     for c in cols.tolist()])
+                visible = ~block | seen
+            scores = (torch.cat([q_nope[t], q_pe[t]], -1).double() @ seq.T) * scale  # [H, n]
+            scores = scores.masked_fill(~visible, -math.inf)
+            if sinks is not None:
+                scores = torch.cat([scores, sinks.double()[:, None]], -1)
+            if not visible.any():
+                continue
+            probs = torch.softmax(scores, -1)[:, :n]
+            out[t] = probs @ seq[:, :latent]
+    return out
+
+
+CASES = [  # kv_lens, q_lens, heads, latent, rope, page_size
+    ([5, 0, 40, 17], None, 16, 64, 16, 4),
+    ([33, 1, 70], None, 3, 128, 32, 16),
+    ([9, 30, 3], [3, 5, 3], 20, 192, 48, 8),
+    ([2, 9], [5, 3], 8, 64, 64, 1),  # more queries than keys: the first rows see nothing
+    ([64, 16], [4, 16], 5, 256, 16, 32),
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_reference_matches_an_independent_dense_computation(case):
+    kv_lens, q_lens, heads, latent, rope, page = CASES[case]
+    args = mla_inputs(kv_lens, q_lens, heads=heads, latent=latent, rope=rope, page_size=page, dtype=torch.float32,
+                      seed=case)
+    sinks = torch.randn(heads)
+    got = mla_attention_reference(**args, sinks=sinks, compute_dtype=torch.float64)
+    assert relative_error(got, dense_mla(**args, sinks=sinks)) < 1e-5
+
+
+def random_spec(rng: random.Random) -> dict:
+    batch = rng.randint(1, 4)
+    decode = rng.random() < 0.4
+    kv_lens = [rng.choice([0, 1, rng.randint(2, 80)]) for _ in range(batch)]
+    q_lens = None if decode else [rng.randint(0, min(n, 6)) if n else rng.randint(0, 2) for n in kv_lens]
+    return dict(kv_lens=kv_lens, q_lens=q_lens, heads=rng.choice([1, 4, 16, 20]), latent=rng.choice([64, 128, 192]),
+                rope=rng.choice([16, 32, 64]), page_size=rng.choice([1, 4, 16]), seed=rng.randrange(1 << 30),
+                kv_format=rng.choice(["auto", "auto", "fp8_e4m3"]), sinks=rng.random() < 0.4,
+                tree=not decode and rng.random() < 0.5,
+                config=rng.choice([None, None, dict(MAX_SPLITS=3, CHUNK=16, BLOCK_N=16)]))
+
+
+def check_triton(spec, device, dtype):
+    args = mla_inputs(spec["kv_lens"], spec["q_lens"], heads=spec["heads"], latent=spec["latent"],
+                      rope=spec["rope"], page_size=spec["page_size"], dtype=dtype, kv_format=spec["kv_format"],
+                      device=device, seed=spec["seed"])
+    gen = torch.Generator().manual_seed(spec["seed"])
+    if spec["sinks"]:
+        args["sinks"] = (torch.randn(spec["heads"], generator=gen) * 2).to(device)
+    if spec["tree"]:
+        args["tree_mask"] = (torch.rand(args["q_nope"].shape[0], max(spec["q_lens"]) + 1, generator=gen)
+                             < 0.5).to(device)
+    out = torch.full_like(args["q_nope"], float("nan"))
+    lse = torch.full(args["q_nope"].shape[:2], float("nan"), device=device)
+    launch_args = {k: v for k, v in args.items() if k not in ("sinks", "tree_mask", "kv_scale")}
+    mla_launch(**launch_args, kv_scale=args.get("kv_scale"), sinks=args.get("sinks"),
+               tree_mask=args.get("tree_mask"), out=out, lse=lse, config=spec["config"])
+    ref, ref_lse = mla_attention_reference(**args, return_lse=True)
+    if ref.numel():
+        assert relative_error(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2), spec
+        torch.testing.assert_close(lse, ref_lse.float().to(device), atol=2e-3, rtol=1e-3, equal_nan=True,
+                                   msg=lambda m: f"{spec}: {m}")
+
+
+@pytest.mark.skipif(GPU, reason="the interpreter's run; the GPU run is below")
+@pytest.mark.parametrize("seed", range(3))
+def test_triton_matches_the_reference_in_the_interpreter(seed):
+    rng = random.Random(seed)
+    for _ in range(8):
+        check_triton(random_spec(rng), "cpu", rng.choice([torch.float16, torch.float32]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(4))
+def test_triton_matches_the_reference_on_the_gpu(seed):
+    rng = random.Random(100 + seed)
+    for _ in range(40):
+        check_triton(random_spec(rng), "cuda", rng.choice([torch.bfloat16, torch.float16]))
+
+
+@pytest.mark.gpu
+def test_gpu_deepseek_shapes_through_the_op():
+    """R 512, P 64 at every tensor-parallel head count, decode and verify, bf16 and fp8, through the op."""
+    for heads in (8, 16, 32, 64, 128):
+        for q_lens, kv_format in ((None, "auto"), ([4, 4, 4], "auto"), (None, "fp8_e4m3")):
+            args = mla_inputs([700, 3000, 129], q_lens, heads=heads, latent=512, rope=64, page_size=64,
+                              dtype=torch.bfloat16, kv_format=kv_format, device="cuda", seed=heads)
+            assert attnops.explain(**args).chosen == "triton"
+            out = torch.ops.attnops.mla_attention(**args)
+            assert relative_error(out, mla_attention_reference(**args)) < 1e-2, (heads, q_lens, kv_format)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the ops: auto dispatch, the cache write, validation, bad indices, opcheck, compile, graphs
+
+
+def test_the_op_on_the_cpu_is_the_reference_and_pins_work():
+    args = mla_inputs([20, 7], [3, 2], heads=4)
+    want = mla_attention_reference(**args)
+    assert relative_error(torch.ops.attnops.mla_attention(**args), want) < 1e-2
+    with attnops.use_backend("triton"):
+        assert relative_error(torch.ops.attnops.mla_attention(**args), want) < 1e-2
+    with attnops.use_backend("flashinfer"), pytest.raises(ValueError, match="latent"):
+        torch.ops.attnops.mla_attention(**args)
+    out, lse = torch.ops.attnops.mla_attention_with_lse(**args)
+    assert relative_error(out, want) < 1e-2 and lse.shape == (5, 4)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("kv_format", ["auto", "fp8_e4m3"])
+def test_cache_write_quantizes_as_formats_does_and_skips_bad_slots(backend, kv_format):
+    """mla_cache_write through each backend writes each row as attnops.formats quantizes it; padding and a bad
+    slot write nothing (the bad one is recorded), and the attention op reads the rows back."""
+    page_size, latent, rope = 4, 64, 32
+    dtype = torch.float32 if kv_format == "auto" else torch.float16
+    cache = torch.zeros(6, page_size, latent + rope, dtype=torch.float8_e4m3fn if kv_format != "auto" else dtype)
+    kv_scale = torch.tensor([0.25]) if kv_format != "auto" else None
+    kv_c, k_pe = torch.randn(10, latent).to(dtype), torch.randn(10, rope).to(dtype)
+    slots = torch.tensor([8, 9, 10, 11, 12, 13, -1, 99, 0, 1])
+    attnops.take_errors()
+    with attnops.use_backend(backend):
+        torch.ops.attnops.mla_cache_write(kv_c, k_pe, cache, slots, kv_format=kv_format, kv_scale=kv_scale)
+    assert attnops.take_errors() == {"slot_mapping": 7}
+    expected = torch.zeros_like(cache)
+    mla_cache_write_reference(kv_c, k_pe, expected, slots, kv_format=kv_format, kv_scale=kv_scale)
+    assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
+    assert cache.view(torch.uint8)[[1, 4, 5]].eq(0).all()  # pages no good slot names are untouched
+    rows = dict(q_nope=torch.randn(1, 2, latent).to(dtype), q_pe=torch.randn(1, 2, rope).to(dtype),
+                block_table=torch.tensor([[2, 3]], dtype=torch.int32), seq_lens=torch.tensor([6], dtype=torch.int32),
+                scale=0.2, kv_format=kv_format, kv_scale=kv_scale)
+    with attnops.use_backend(backend):
+        got = torch.ops.attnops.mla_attention(kv_cache=cache, **rows)
+    written = torch.cat([kv_c[:6], k_pe[:6]], -1).double()  # the rows at slots 8..13, unquantized
+    probs = torch.softmax(torch.cat([rows["q_nope"][0], rows["q_pe"][0]], -1).double() @ written.T * 0.2, -1)
+    assert relative_error(got[0], probs @ written[:, :latent]) < (1e-5 if kv_format == "auto" else 0.1)
+
+
+BAD = {
+    "q_nope int": (TypeError, "q_nope", lambda a: dict(a, q_nope=a["q_nope"].int())),
+    "q_pe rows": (ValueError, "q_pe", lambda a: dict(a, q_pe=a["q_pe"][:1])),
+    "latent not a multiple of 64": (ValueError, "R", lambda a: dict(a, q_nope=torch.randn(5, 4, 48).half())),
+    "rope too wide": (ValueError, "P", lambda a: dict(a, q_pe=torch.randn(5, 4, 80).half(),
+                                                      kv_cache=torch.zeros(9, 4, 144, dtype=torch.half))),
+    "cache width": (ValueError, "kv_cache", lambda a: dict(a, kv_cache=a["kv_cache"][..., :70])),
+    "cache dtype": (TypeError, "kv_cache", lambda a: dict(a, kv_cache=a["kv_cache"].float())),
+    "page size": (ValueError, "page_size", lambda a: dict(a, kv_cache=torch.zeros(9, 3, 80, dtype=torch.half))),
+    "fp8 without scale": (ValueError, "kv_scale", lambda a: dict(a, kv_format="fp8_e4m3",
+                                                                 kv_cache=a["kv_cache"].to(torch.float8_e4m3fn))),
+    "scale for a plain cache": (ValueError, "kv_scale", lambda a: dict(a, kv_scale=torch.ones(1))),
+    "unknown format": (ValueError, "kv_format", lambda a: dict(a, kv_format="nvfp4")),
+    "no scale": (ValueError, "scale", lambda a: dict(a, scale=float("nan"))),
+    "table dtype": (TypeError, "block_table", lambda a: dict(a, block_table=a["block_table"].long())),
+    "seq_lens length": (ValueError, "seq_lens", lambda a: dict(a, seq_lens=a["seq_lens"][:1])),
+    "cu_seqlens_q length": (ValueError, "cu_seqlens_q", lambda a: dict(a, cu_seqlens_q=a["cu_seqlens_q"][:2])),
+    "sinks shape": (ValueError, "sinks", lambda a: dict(a, sinks=torch.zeros(3))),
+    "tree_mask dtype": (TypeError, "tree_mask", lambda a: dict(a, tree_mask=torch.ones(5, 3, dtype=torch.int32))),
+    "too many heads": (ValueError, "num_heads", lambda a: dict(a, q_nope=torch.randn(5, 129, 64).half(),
+                                                               q_pe=torch.randn(5, 129, 16).half())),
+}
+
+
+@pytest.mark.parametrize("name", BAD)
+def test_bad_input_is_named_before_any_kernel_runs(name):
+    error, argument, change = BAD[name]
+    args = change(mla_inputs([10, 7], [3, 2], heads=4))
+    with pytest.raises(error, match=rf"attnops\.mla_attention: .*\b{argument}\b"):
+        torch.ops.attnops.mla_attention(**args)
+    with pytest.raises(error, match=rf"\b{argument}\b"), torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True):
+        torch.ops.attnops.mla_attention(**args)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_bad_indices_follow_paged_attentions_rules(backend, monkeypatch):
+    args = mla_inputs([10, 7, 12], [3, 2, 1], heads=4)
+    args["seq_lens"][1] = 10_000  # sequence 1: NaN, nothing read
+    args["block_table"][2, 1] = 999  # sequence 2's second page: its row sees it
+    attnops.take_errors()
+    with attnops.use_backend(backend):
+        out = torch.ops.attnops.mla_attention(**args)
+    assert attnops.take_errors() == {"seq_lens": 1, "block_table": 2}
+    assert out[3:].isnan().all() and not out[:3].isnan().any()
+    monkeypatch.setenv("ATTNOPS_CHECK", "1")
+    with pytest.raises(ValueError, match=r"attnops\.mla_attention: seq_lens"):
+        torch.ops.attnops.mla_attention(**args)
+
+
+def test_opcheck():
+    args = mla_inputs([10, 7], [3, 2], heads=4)
+    sinks = torch.randn(4)
+    for extra in ({}, dict(sinks=sinks), dict(tree_mask=torch.rand(5, 3) < 0.5)):
+        kwargs = {k: v for k, v in dict(args, **extra).items() if k not in ("q_nope", "q_pe", "kv_cache",
+                                                                             "block_table", "seq_lens")}
+        pos = (args["q_nope"], args["q_pe"], args["kv_cache"], args["block_table"], args["seq_lens"])
+        torch.library.opcheck(torch.ops.attnops.mla_attention.default, pos, kwargs)
+        torch.library.opcheck(torch.ops.attnops.mla_attention_with_lse.default, pos, kwargs)
+        torch.library.opcheck(torch.ops.attnops.mla_attention.out, pos,
+                              dict(kwargs, out=torch.empty_like(args["q_nope"])))
+    cache = torch.zeros(4, 4, 80, dtype=torch.float16)
+    torch.library.opcheck(torch.ops.attnops.mla_cache_write.default,
+                          (torch.randn(3, 64).half(), torch.randn(3, 16).half(), cache, torch.tensor([0, 5, -1])))
+
+
+def test_compiles_fullgraph():
+    args = mla_inputs([10, 7], None, heads=4)
+    torch._dynamo.reset()
+
+    def step(q_nope, q_pe, kv_cache, block_table, seq_lens):
+        out = torch.ops.attnops.mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, scale=0.13)
+        return out * 2
+
+    compiled = torch.compile(step, fullgraph=True)
+    got = compiled(args["q_nope"], args["q_pe"], args["kv_cache"], args["block_table"], args["seq_lens"])
+    assert relative_error(got, 2 * mla_attention_reference(**args)) < 1e-2
+
+
+@pytest.mark.gpu
+def test_a_user_cuda_graph_replays_new_lengths_and_tables():
+    args = mla_inputs([300, 40, 1000], None, heads=16, latent=512, rope=64, page_size=16, dtype=torch.bfloat16,
+                      device="cuda")
+    out = torch.empty_like(args["q_nope"])
+    torch.ops.attnops.mla_attention.out(**args, out=out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.ops.attnops.mla_attention.out(**args, out=out)
+    for lengths in ([5, 900, 17], [0, 1, 1100]):
+        args["seq_lens"].copy_(torch.tensor(lengths))
+        args["block_table"].copy_(args["block_table"].flip(0))
+        graph.replay()
+        assert relative_error(out, mla_attention_reference(**args)) < 1e-2, lengths
+
+
+@pytest.mark.gpu
+def test_compiled_with_cuda_graphs():
+    args = mla_inputs([300, 40], None, heads=16, latent=512, rope=64, page_size=16, dtype=torch.bfloat16,
+                      device="cuda")
+    torch._dynamo.reset()
+
+    def step(q_nope, q_pe, kv_cache, block_table, seq_lens):
+        return torch.ops.attnops.mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, scale=0.13)
+
+    compiled = torch.compile(step, fullgraph=True, mode="reduce-overhead")
+    for lengths in ([300, 40], [12, 250], [300, 300]):
+        args["seq_lens"].copy_(torch.tensor(lengths))
+        got = compiled(args["q_nope"], args["q_pe"], args["kv_cache"], args["block_table"], args["seq_lens"])
+        assert relative_error(got, mla_attention_reference(**args)) < 1e-2, lengths
+
+
+def test_triton_cache_write_is_the_references_bit_for_bit_with_nan_and_inf():
+    for kv_format, dtype in (("auto", torch.float16), ("fp8_e4m3", torch.float32)):
+        kv_c, k_pe = torch.randn(7, 128) * 3, torch.randn(7, 32) * 3
+        kv_c[0, 0], kv_c[1, 1], k_pe[2, 0] = float("nan"), float("inf"), 1e6
+        kv_c, k_pe = kv_c.to(dtype), k_pe.to(dtype)
+        cache_dtype = torch.float8_e4m3fn if kv_format != "auto" else dtype
+        a, b = torch.zeros(4, 4, 160, dtype=cache_dtype), torch.zeros(4, 4, 160, dtype=cache_dtype)
+        slots = torch.tensor([0, 5, -1, 15, 16, -7, 3])
+        scale = torch.tensor([0.7]) if kv_format != "auto" else None
+        mla_cache_write(kv_c, k_pe, a, slots, kv_format=kv_format, kv_scale=scale)
+        mla_cache_write_reference(kv_c, k_pe, b, slots, kv_format=kv_format, kv_scale=scale)
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), kv_format
+    attnops.take_errors()
