@@ -32,6 +32,14 @@ STATIC_ORDER = {
     "cuda": ("flashinfer", "cuda", "triton", "reference"),
 }
 
+# Latent attention (MLA) where no rule was measured: its Triton kernels have run only in Triton's interpreter so far,
+# so on a GPU they are tried after the reference until benchmarks/mla_decode.py (and tests/test_mla.py's GPU tests)
+# have measured them there; pinning triton (use_backend, ATTNOPS_BACKEND) runs them now.
+MLA_ORDER = {
+    "cpu": ("reference",),
+    "cuda": ("reference", "triton"),
+}
+
 _pinned_backend: contextvars.ContextVar[str | None] = contextvars.ContextVar("attnops_backend", default=None)
 
 
@@ -117,6 +125,8 @@ def policy(case: AttentionCase | CacheWriteCase) -> tuple[str, ...]:
     """The backends to try for `case`, in order: the measured rule's order for attention on a GPU, the backends
     never timed on the case's format moved behind the timed ones (a backend that learns a format is not chosen
     before the table is refitted with its times), then the static order for the rest."""
+    if isinstance(case, (MLACase, MLAWriteCase)):
+        return MLA_ORDER.get(case.device_type, ("reference",))
     static = STATIC_ORDER.get(case.device_type, ("reference",))
     decided = rule_leaf(case) if isinstance(case, AttentionCase) else None
     measured = decided[0]["order"] if decided else []

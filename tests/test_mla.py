@@ -158,8 +158,9 @@ def test_gpu_deepseek_shapes_through_the_op():
         for q_lens, kv_format in ((None, "auto"), ([4, 4, 4], "auto"), (None, "fp8_e4m3")):
             args = mla_inputs([700, 3000, 129], q_lens, heads=heads, latent=512, rope=64, page_size=64,
                               dtype=torch.bfloat16, kv_format=kv_format, device="cuda", seed=heads)
-            assert attnops.explain(**args).chosen == "triton"
-            out = torch.ops.attnops.mla_attention(**args)
+            with attnops.use_backend("triton"):
+                assert attnops.explain(**args).chosen == "triton"
+                out = torch.ops.attnops.mla_attention(**args)
             assert relative_error(out, mla_attention_reference(**args)) < 1e-2, (heads, q_lens, kv_format)
 
 
@@ -177,6 +178,17 @@ def test_the_op_on_the_cpu_is_the_reference_and_pins_work():
         torch.ops.attnops.mla_attention(**args)
     out, lse = torch.ops.attnops.mla_attention_with_lse(**args)
     assert relative_error(out, want) < 1e-2 and lse.shape == (5, 4)
+
+
+def test_only_latent_backends_serve_it_and_triton_waits_for_its_gpu_measurement():
+    from attnops.cases import MLACase
+    from attnops.dispatch import policy, reasons_against
+    from attnops.backends import BACKENDS
+    case = MLACase(device_type="cuda", arch=(9, 0), q_dtype=torch.bfloat16, kv_format="bf16", latent_dim=512,
+                   rope_dim=64, num_heads=16, page_size=64, decode=True)
+    assert policy(case) == ("reference", "triton")  # until benchmarks/mla_decode.py has run on a GPU
+    for name in ("flashinfer", "cuda", "cpu"):
+        assert reasons_against(BACKENDS[name], case) == ["has no latent-attention (MLA) kernels"]
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
@@ -291,10 +303,11 @@ def test_a_user_cuda_graph_replays_new_lengths_and_tables():
     args = mla_inputs([300, 40, 1000], None, heads=16, latent=512, rope=64, page_size=16, dtype=torch.bfloat16,
                       device="cuda")
     out = torch.empty_like(args["q_nope"])
-    torch.ops.attnops.mla_attention.out(**args, out=out)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with attnops.use_backend("triton"):
         torch.ops.attnops.mla_attention.out(**args, out=out)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            torch.ops.attnops.mla_attention.out(**args, out=out)
     for lengths in ([5, 900, 17], [0, 1, 1100]):
         args["seq_lens"].copy_(torch.tensor(lengths))
         args["block_table"].copy_(args["block_table"].flip(0))
@@ -312,10 +325,11 @@ def test_compiled_with_cuda_graphs():
         return torch.ops.attnops.mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, scale=0.13)
 
     compiled = torch.compile(step, fullgraph=True, mode="reduce-overhead")
-    for lengths in ([300, 40], [12, 250], [300, 300]):
-        args["seq_lens"].copy_(torch.tensor(lengths))
-        got = compiled(args["q_nope"], args["q_pe"], args["kv_cache"], args["block_table"], args["seq_lens"])
-        assert relative_error(got, mla_attention_reference(**args)) < 1e-2, lengths
+    with attnops.use_backend("triton"):
+        for lengths in ([300, 40], [12, 250], [300, 300]):
+            args["seq_lens"].copy_(torch.tensor(lengths))
+            got = compiled(args["q_nope"], args["q_pe"], args["kv_cache"], args["block_table"], args["seq_lens"])
+            assert relative_error(got, mla_attention_reference(**args)) < 1e-2, lengths
 
 
 def test_triton_cache_write_is_the_references_bit_for_bit_with_nan_and_inf():

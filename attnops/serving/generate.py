@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import numbers
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -167,6 +168,34 @@ def sample(logits: torch.Tensor, temperatures: list[float], generator: torch.Gen
     return torch.where(temps > 0, drawn, greedy)
 
 
+def _model_vocab_size(model) -> int | None:
+    """The vocabulary a model embeds: its config's vocab_size (a transformers model, attnops.hf.serving_model's
+    ModelShape), else its input embedding's rows; None where it shows neither."""
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    if isinstance(size, int) and not isinstance(size, bool):
+        return size
+    embeddings = getattr(model, "get_input_embeddings", None)
+    size = getattr(embeddings() if callable(embeddings) else None, "num_embeddings", None)
+    return size if isinstance(size, int) else None
+
+
+_NONE = object()
+
+
+def _token_list(prompt) -> list[int]:
+    """`prompt` as a list of Python ints, or a ValueError naming what it holds instead."""
+    if hasattr(prompt, "tolist") and getattr(prompt, "ndim", 1) == 1:  # a tensor or array: its elements, at once
+        prompt = prompt.tolist()
+    if not isinstance(prompt, (list, tuple, range)) or not prompt:
+        raise ValueError(f"Generator.add_request: prompt must be a non-empty list of token ids (got {prompt!r:.60})")
+    # a bool (an int subclass), or a float that happens to be whole, is a caller's mistake, not a token id
+    bad = next((t for t in prompt if isinstance(t, bool) or not isinstance(t, numbers.Integral)), _NONE)
+    if bad is not _NONE:
+        raise ValueError(f"Generator.add_request: prompt must hold integer token ids (got {bad!r}, a "
+                         f"{type(bad).__name__})")
+    return [int(t) for t in prompt]
+
+
 class Generator:
     """Continuous batching over `cache` with `model`: forward(token_ids [T], positions [T], cache, meta) -> logits
     [T, vocab] for a step's T new tokens, e.g. a transformers decoder through attnops.hf.serving_model.
@@ -181,22 +210,36 @@ class Generator:
     every layer; its own compiled function and CUDA graphs per bucket) when attnops.cascade.cascade_pays says it
     is worth it; `stats["cascade_steps"]` counts those steps;
     seed: the sampling generator's seed (temperature > 0 only);
-    vocab_size: the token ids a prompt may hold are [0, vocab_size) (default: the model's config.vocab_size, where
-    it has one).
+    vocab_size: the token ids a prompt may hold are [0, vocab_size) (default: the model's config.vocab_size, else
+    its input embedding's num_embeddings, where it has either).
 
-    One bad request never harms the others: a request that can never be served (an empty or non-integer prompt, a
-    token id outside the vocabulary, a duplicate id, a budget below 1, more tokens than max_seq_len or more pages
-    than the whole cache holds) is refused by `add_request` with a ValueError naming the argument; a request
-    that cannot fit now waits for pages; and one whose prefill still fails is taken out alone: its pages go
-    back, `failed[req_id]` says why, and the requests beside it go on to produce the tokens they would have
-    without it. `run()` returns the finished requests' tokens."""
+    One bad request never harms the others:
+    - a request that can never be served is refused by `add_request` with a ValueError naming the argument: an
+      empty prompt or one of non-integer tokens, a token id outside [0, vocab_size), a req_id already taken (by
+      a queued, running, finished or failed request), max_new_tokens not an int >= 1, prompt + max_new_tokens
+      beyond max_seq_len or needing more pages than the whole cache holds;
+    - a request that fits the cache alone but not beside the running ones waits in the queue (first come, first
+      served) until their pages come back; admission reserves each request's whole budget of pages, so a
+      running request never runs out of pages (one that still does, the pages being held outside this
+      Generator, goes back to wait while others run);
+    - a request whose step still fails fails alone: a failing batched prefill is retried request by request, a
+      failing decode step recomputes each of its requests alone (a prefill over its prompt and tokens so far,
+      as vLLM's preemption by recomputation); a request whose own prefill fails leaves the Generator, its pages
+      freed, and `failed[req_id]` holds the reason ("ExceptionType: message"). The others produce the tokens
+      they would have produced without it (greedy decoding: a recomputation gives the same logits up to
+      rounding).
+    `finished` holds the finished requests (their `output`), `run()` returns their tokens, `failed` the reasons
+    of the failed ones.
+    """
 
     def __init__(self, model, cache: PagedKVCache, *, max_batch: int = 8, max_seq_len: int = 2048,
                  buckets: tuple[int, ...] | None = None, compile: bool | dict = False, cuda_graphs: bool = False,
                  prefix_sharing: bool = True, cascade: bool = True, seed: int = 0, vocab_size: int | None = None):
         self.model, self.cache = model, cache
-        self.vocab_size = vocab_size if vocab_size is not None else getattr(getattr(model, "config", None),
-                                                                              "vocab_size", None)
+        if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int)
+                                       or vocab_size < 1):
+            raise ValueError(f"Generator: vocab_size must be an int >= 1 (got {vocab_size!r})")
+        self.vocab_size = vocab_size if vocab_size is not None else _model_vocab_size(model)
         self.prefix_sharing = prefix_sharing
         self.stats = dict(prompt_tokens=0, prefix_tokens_reused=0, peak_pages_in_use=0, cascade_steps=0)
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
@@ -209,23 +252,22 @@ class Generator:
         self.finished: dict[object, Request] = {}
         self.failed: dict[object, str] = {}  # requests taken out of a step that failed for them, and why
         self._reserved_pages = 0  # pages the running requests may still claim, so admission never overcommits
+        self._requeued = 0
 
     def add_request(self, req_id, prompt: list[int], max_new_tokens: int, *, temperature: float = 0.0,
                     eos_token_id: int | None = None) -> Request:
-        """Queues a request; refuses (ValueError, naming the argument) one that could never be served."""
+        """Queues a request; refuses (ValueError, naming the argument) one that could never be served. `prompt`:
+        token ids (a list, tuple, or a 1-D integer tensor or array)."""
         try:
             hash(req_id)
         except TypeError:
             raise TypeError(f"Generator.add_request: req_id must be hashable (got {type(req_id).__name__})") from None
-        if (any(r.req_id == req_id for r in self.waiting) or req_id in self.running or req_id in self.finished
-                or req_id in self.failed):
-            raise ValueError(f"Generator.add_request: req_id {req_id!r} already exists")
-        prompt = list(prompt) if isinstance(prompt, (list, tuple)) else prompt
-        if not isinstance(prompt, list) or not prompt:
-            raise ValueError(f"Generator.add_request: prompt must be a non-empty list of token ids (got "
-                             f"{prompt!r:.60})")
-        if any(isinstance(t, bool) or not isinstance(t, int) for t in prompt):
-            raise ValueError("Generator.add_request: prompt must hold Python ints (token ids)")
+        # finished and failed ids stay taken too: their results are read by id (finished, failed, run())
+        state = ("queued" if any(r.req_id == req_id for r in self.waiting) else "running" if req_id in self.running
+                 else "finished" if req_id in self.finished else "failed" if req_id in self.failed else None)
+        if state is not None:
+            raise ValueError(f"Generator.add_request: req_id {req_id!r} is already taken (a {state} request)")
+        prompt = _token_list(prompt)
         limit = self.vocab_size
         bad = next((t for t in prompt if t < 0 or (limit is not None and t >= limit)), None)
         if bad is not None:
@@ -233,8 +275,11 @@ class Generator:
                              f"[0, {limit if limit is not None else 'vocab_size'})")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"Generator.add_request: max_new_tokens must be an int >= 1 (got {max_new_tokens!r})")
-        if not (isinstance(temperature, (int, float)) and temperature >= 0 and temperature != float("inf")):
+        if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
+                or not 0 <= temperature < float("inf")):
             raise ValueError(f"Generator.add_request: temperature must be finite and >= 0 (got {temperature!r})")
+        if eos_token_id is not None and (isinstance(eos_token_id, bool) or not isinstance(eos_token_id, int)):
+            raise ValueError(f"Generator.add_request: eos_token_id must be an int or None (got {eos_token_id!r})")
         if len(prompt) + max_new_tokens > self.max_seq_len:
             raise ValueError(f"Generator.add_request: prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) "
                              f"exceeds max_seq_len {self.max_seq_len}")
@@ -278,58 +323,84 @@ class Generator:
 
     def _prefill_alone_if_failing(self, reqs: list[Request], new: dict) -> None:
         """Prefills `reqs` together; if that fails, takes them back out (their pages freed) and prefills each alone,
-        so that only a request whose own prefill fails is dropped (into `failed`, with the reason)."""
+        so that only a request whose own prefill fails is dropped (into `failed`, with the reason). A request
+        alone that finds the cache out of pages waits at the head of the queue instead while a request beside it
+        runs (its pages come back when that one finishes)."""
         try:
             logits = self.prefill(reqs)
         except Exception as e:  # (any error of the model or the cache: the caller reads it in `failed`)
             for req in reqs:
-                self.running.pop(req.req_id, None)
-                if req.req_id in self.cache:
+                # only what prefill allocated: an id the cache already held (allocate refused it) is not ours
+                if self.running.pop(req.req_id, None) is not None:
                     self.cache.free(req.req_id)
             if len(reqs) > 1:
                 for req in reqs:
                     self._prefill_alone_if_failing([req], new)
                 return
-            self._reserved_pages -= self._pages(reqs[0])
-            self.failed[reqs[0].req_id] = f"{type(e).__name__}: {e}"
+            req = reqs[0]
+            self._reserved_pages -= self._pages(req)
+            if isinstance(e, RuntimeError) and "out of pages" in str(e) and self.running:
+                # (pages held outside this Generator: it waits, ahead of the queue, for ours to come back)
+                self.waiting.insert(self._requeued, req)
+                self._requeued += 1
+                return
+            self.failed[req.req_id] = f"{type(e).__name__}: {e}"
             return
         self._emit(reqs, logits, new)
 
+    def _decode_or_recompute(self, batch: list[Request], new: dict) -> None:
+        """One decode step over `batch`; if it fails, each request's pages are dropped and it is recomputed alone
+        (prefilled over its prompt and its tokens so far, which gives the same next token), so that only a
+        request whose own step fails is dropped."""
+        last = torch.tensor([r.output[-1] for r in batch], dtype=torch.int64, device=self.cache.device)
+        try:
+            logits = self.decode([r.req_id for r in batch], last)
+            self._emit(batch, logits, new)
+        except Exception:  # (the cache may hold part of the step: every request of it starts over)
+            # one at a time, the rest still running: a request short of pages then waits for theirs
+            for req in batch:
+                del self.running[req.req_id]
+                self.cache.free(req.req_id)
+                self._prefill_alone_if_failing([req], new)
+
     @torch.no_grad()
     def prefill(self, reqs: list[Request]) -> torch.Tensor:
-        """One extend-form forward over all of `reqs`' prompts; returns each prompt's last-position logits."""
+        """One extend-form forward over all of `reqs`' tokens (the prompt, and the tokens generated so far of a
+        request that starts over); returns each one's last-position logits."""
         ids = [r.req_id for r in reqs]
-        cached = []  # prompt tokens already in the cache (shared pages), per request
-        for r in reqs:
+        seqs = [r.prompt + r.output for r in reqs]
+        cached = []  # tokens already in the cache (shared pages), per request
+        for r, seq in zip(reqs, seqs):
             self.cache.allocate(r.req_id)
             self.running[r.req_id] = r
-            cached.append(self.cache.share_prefix(r.req_id, r.prompt) if self.prefix_sharing else 0)
-        lens = [len(r.prompt) - c for r, c in zip(reqs, cached)]
+            cached.append(self.cache.share_prefix(r.req_id, seq) if self.prefix_sharing else 0)
+        lens = [len(seq) - c for seq, c in zip(seqs, cached)]
         meta = self.cache.prepare(ids, lens, decode=False)
         device = self.cache.device
-        tokens = torch.tensor([t for r, c in zip(reqs, cached) for t in r.prompt[c:]], dtype=torch.int64,
+        tokens = torch.tensor([t for seq, c in zip(seqs, cached) for t in seq[c:]], dtype=torch.int64,
                               device=device)
-        positions = torch.cat([torch.arange(c, len(r.prompt), device=device) for r, c in zip(reqs, cached)])
+        positions = torch.cat([torch.arange(c, len(seq), device=device) for seq, c in zip(seqs, cached)])
         logits = self.model(tokens, positions, self.cache, meta)
         if self.prefix_sharing:
             for r in reqs:
                 self.cache.index_prefix(r.req_id, r.prompt)
-        self.stats["prompt_tokens"] += sum(len(r.prompt) for r in reqs)
-        self.stats["prefix_tokens_reused"] += sum(cached)
+        fresh = [(r, c) for r, c in zip(reqs, cached) if not r.output]  # (a recomputed prompt counts once)
+        self.stats["prompt_tokens"] += sum(len(r.prompt) for r, _ in fresh)
+        self.stats["prefix_tokens_reused"] += sum(c for _, c in fresh)
         return logits[meta.cu_seqlens_q[1:].long() - 1]
 
     def step(self) -> dict:
         """Admits and prefills queued requests, then decodes one token for every running request; frees the
         pages of those that finished. Returns {req_id: [tokens generated this step]}."""
         new: dict = {}
+        self._requeued = 0  # requests of this step sent back to wait, in their order, ahead of the queue
         admitted = self._admit()
         if admitted:
             self._prefill_alone_if_failing(admitted, new)
             self._retire()
         batch = list(self.running.values())
         if batch:
-            last = torch.tensor([r.output[-1] for r in batch], dtype=torch.int64, device=self.cache.device)
-            self._emit(batch, self.decode([r.req_id for r in batch], last), new)
+            self._decode_or_recompute(batch, new)
             self.stats["peak_pages_in_use"] = max(self.stats["peak_pages_in_use"], self.cache.pages_in_use)
             self.stats["cascade_steps"] = self.decode.cascade_steps
             self._retire()
