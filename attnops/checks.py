@@ -148,6 +148,55 @@ def kv_layout_reasons(fmt, k_cache, v_cache, k_scale=None, v_scale=None) -> list
     return reasons
 
 
+def check_batch(op, q_name, num_tokens, block_table, seq_lens, cu_seqlens_q) -> int:
+    """The batch's metadata: block_table int32 [B, max_pages], seq_lens int32 [B], cu_seqlens_q int32 [B + 1] or
+    None (decode: one query row a sequence). Returns B."""
+    for name, t in (("block_table", block_table), ("seq_lens", seq_lens)):
+        _check_tensor(op, name, t)
+        if t.dtype != torch.int32:
+            _fail(op, TypeError, f"{name} must be int32 (got {t.dtype})")
+    if block_table.dim() != 2:
+        _fail(op, ValueError, f"block_table must be [B, max_pages] (got {_describe(block_table)})")
+    if seq_lens.dim() != 1 or seq_lens.shape[0] != block_table.shape[0]:
+        _fail(op, ValueError, f"seq_lens must be [B] with B == block_table.shape[0] = {block_table.shape[0]} "
+                              f"(got {_describe(seq_lens)})")
+    batch = seq_lens.shape[0]
+    if cu_seqlens_q is None:
+        if num_tokens != batch:
+            _fail(op, ValueError, f"{q_name} has {num_tokens} rows but decode (cu_seqlens_q=None) needs one per "
+                                  f"sequence: num_tokens == B = {batch}; pass cu_seqlens_q for multi-token queries")
+    else:
+        _check_tensor(op, "cu_seqlens_q", cu_seqlens_q)
+        if cu_seqlens_q.dtype != torch.int32:
+            _fail(op, TypeError, f"cu_seqlens_q must be int32 (got {cu_seqlens_q.dtype})")
+        if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] != batch + 1:
+            _fail(op, ValueError, f"cu_seqlens_q must be [B+1] = [{batch + 1}] (got {_describe(cu_seqlens_q)})")
+    return batch
+
+
+def check_sinks_and_tree(op, heads_name, num_heads, num_tokens, cu_seqlens_q, sinks, tree_mask) -> None:
+    """sinks float32 [num_heads]; tree_mask bool [T, Q >= 1], contiguous rows, only with cu_seqlens_q."""
+    if sinks is not None:
+        _check_tensor(op, "sinks", sinks)
+        if sinks.dtype != torch.float32:
+            _fail(op, TypeError, f"sinks must be float32 (got {sinks.dtype})")
+        if tuple(sinks.shape) != (num_heads,):
+            _fail(op, ValueError, f"sinks must be [{heads_name}] = [{num_heads}] (got {list(sinks.shape)})")
+    if tree_mask is not None:
+        _check_tensor(op, "tree_mask", tree_mask)
+        if cu_seqlens_q is None:
+            _fail(op, ValueError, "tree_mask needs cu_seqlens_q: a tree mask orders the query rows of a draft "
+                                  "block, and decode (cu_seqlens_q=None) has one row per sequence")
+        if tree_mask.dtype != torch.bool:
+            _fail(op, TypeError, f"tree_mask must be bool (got {tree_mask.dtype})")
+        if tree_mask.dim() != 2 or tree_mask.shape[0] != num_tokens or tree_mask.shape[1] < 1:
+            _fail(op, ValueError, f"tree_mask must be [num_query_rows, Q] = [{num_tokens}, Q >= 1], Q at least "
+                                  f"the longest query block (got {list(tree_mask.shape)})")
+        if tree_mask.stride(-1) != 1:
+            _fail(op, ValueError, f"tree_mask must be contiguous in its last dimension (strides "
+                                  f"{tree_mask.stride()})")
+
+
 def check_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left,
                           kv_format, k_scale, v_scale, sinks=None, tree_mask=None, out=None,
                           lse=None) -> AttentionCase:
@@ -167,46 +216,9 @@ def check_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens
         _fail(op, ValueError, f"q's num_q_heads ({num_q_heads}) must be a multiple of the cache's num_kv_heads "
                               f"({num_kv_heads})")
 
-    for name, t in (("block_table", block_table), ("seq_lens", seq_lens)):
-        _check_tensor(op, name, t)
-        if t.dtype != torch.int32:
-            _fail(op, TypeError, f"{name} must be int32 (got {t.dtype})")
-    if block_table.dim() != 2:
-        _fail(op, ValueError, f"block_table must be [B, max_pages] (got {_describe(block_table)})")
-    if seq_lens.dim() != 1 or seq_lens.shape[0] != block_table.shape[0]:
-        _fail(op, ValueError, f"seq_lens must be [B] with B == block_table.shape[0] = {block_table.shape[0]} "
-                              f"(got {_describe(seq_lens)})")
-    batch = seq_lens.shape[0]
-    if cu_seqlens_q is None:
-        if num_tokens != batch:
-            _fail(op, ValueError, f"q has {num_tokens} rows but decode (cu_seqlens_q=None) needs one per sequence: "
-                                  f"num_tokens == B = {batch}; pass cu_seqlens_q for multi-token queries")
-    else:
-        _check_tensor(op, "cu_seqlens_q", cu_seqlens_q)
-        if cu_seqlens_q.dtype != torch.int32:
-            _fail(op, TypeError, f"cu_seqlens_q must be int32 (got {cu_seqlens_q.dtype})")
-        if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] != batch + 1:
-            _fail(op, ValueError, f"cu_seqlens_q must be [B+1] = [{batch + 1}] (got {_describe(cu_seqlens_q)})")
+    batch = check_batch(op, "q", num_tokens, block_table, seq_lens, cu_seqlens_q)
     scale_kind = _check_scales(op, fmt, k_cache, num_kv_heads, head_dim, ("k_scale", "v_scale"), k_scale, v_scale)
-    if sinks is not None:
-        _check_tensor(op, "sinks", sinks)
-        if sinks.dtype != torch.float32:
-            _fail(op, TypeError, f"sinks must be float32 (got {sinks.dtype})")
-        if tuple(sinks.shape) != (num_q_heads,):
-            _fail(op, ValueError, f"sinks must be [num_q_heads] = [{num_q_heads}] (got {list(sinks.shape)})")
-    if tree_mask is not None:
-        _check_tensor(op, "tree_mask", tree_mask)
-        if cu_seqlens_q is None:
-            _fail(op, ValueError, "tree_mask needs cu_seqlens_q: a tree mask orders the query rows of a draft "
-                                  "block, and decode (cu_seqlens_q=None) has one row per sequence")
-        if tree_mask.dtype != torch.bool:
-            _fail(op, TypeError, f"tree_mask must be bool (got {tree_mask.dtype})")
-        if tree_mask.dim() != 2 or tree_mask.shape[0] != num_tokens or tree_mask.shape[1] < 1:
-            _fail(op, ValueError, f"tree_mask must be [num_query_rows, Q] = [{num_tokens}, Q >= 1], Q at least "
-                                  f"the longest query block (got {list(tree_mask.shape)})")
-        if tree_mask.stride(-1) != 1:
-            _fail(op, ValueError, f"tree_mask must be contiguous in its last dimension (strides "
-                                  f"{tree_mask.stride()})")
+    check_sinks_and_tree(op, "num_q_heads", num_q_heads, num_tokens, cu_seqlens_q, sinks, tree_mask)
     if out is not None:
         _check_tensor(op, "out", out)
         if out.shape != q.shape or out.dtype != q.dtype:

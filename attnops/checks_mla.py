@@ -9,7 +9,8 @@ import math
 import torch
 
 from .cases import MLACall, MLACase, MLAWriteCall, MLAWriteCase, shape_class
-from .checks import MAX_PAGE_SIZE, _check_fp8_scale_values, check_paged_attention_values, check_slot_mapping_values
+from .checks import (MAX_PAGE_SIZE, _check_fp8_scale_values, check_batch, check_paged_attention_values,
+                     check_sinks_and_tree, check_slot_mapping_values)
 from .env import device_arch
 
 MAX_LATENT_DIM, MAX_ROPE_DIM, MAX_HEADS = 512, 64, 128
@@ -92,39 +93,10 @@ def check_mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlen
         _fail(op, ValueError, f"num_heads (q_nope.shape[1]) must be from 1 to {MAX_HEADS} (got {num_heads})")
     _check_dims(op, latent_dim, rope_dim, "q_nope.shape[2]; P: q_pe.shape[2]")
     fmt = _check_latent_cache(op, kv_cache, kv_format, kv_scale, latent_dim, rope_dim, q_nope.dtype)
-    for name, t in (("block_table", block_table), ("seq_lens", seq_lens)):
-        _tensor(op, name, t, (torch.int32,))
-    if block_table.dim() != 2:
-        _fail(op, ValueError, f"block_table must be [B, max_pages] (got {_describe(block_table)})")
-    if seq_lens.dim() != 1 or seq_lens.shape[0] != block_table.shape[0]:
-        _fail(op, ValueError, f"seq_lens must be [B] with B == block_table.shape[0] = {block_table.shape[0]} "
-                              f"(got {_describe(seq_lens)})")
-    batch = seq_lens.shape[0]
-    if cu_seqlens_q is None:
-        if num_tokens != batch:
-            _fail(op, ValueError, f"q_nope has {num_tokens} rows but decode (cu_seqlens_q=None) needs one per "
-                                  f"sequence: num_tokens == B = {batch}; pass cu_seqlens_q for multi-token queries")
-    else:
-        _tensor(op, "cu_seqlens_q", cu_seqlens_q, (torch.int32,), 1)
-        if cu_seqlens_q.shape[0] != batch + 1:
-            _fail(op, ValueError, f"cu_seqlens_q must be [B+1] = [{batch + 1}] (got {_describe(cu_seqlens_q)})")
+    batch = check_batch(op, "q_nope", num_tokens, block_table, seq_lens, cu_seqlens_q)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale > 0):
         _fail(op, ValueError, f"scale must be a finite float > 0, the model's softmax scale (got {scale!r})")
-    if sinks is not None:
-        _tensor(op, "sinks", sinks, (torch.float32,))
-        if tuple(sinks.shape) != (num_heads,):
-            _fail(op, ValueError, f"sinks must be [num_heads] = [{num_heads}] (got {list(sinks.shape)})")
-    if tree_mask is not None:
-        _tensor(op, "tree_mask", tree_mask, (torch.bool,))
-        if cu_seqlens_q is None:
-            _fail(op, ValueError, "tree_mask needs cu_seqlens_q: a tree mask orders the query rows of a draft "
-                                  "block, and decode (cu_seqlens_q=None) has one row per sequence")
-        if tree_mask.dim() != 2 or tree_mask.shape[0] != num_tokens or tree_mask.shape[1] < 1:
-            _fail(op, ValueError, f"tree_mask must be [num_query_rows, Q] = [{num_tokens}, Q >= 1] (got "
-                                  f"{list(tree_mask.shape)})")
-        if tree_mask.stride(-1) != 1:
-            _fail(op, ValueError, f"tree_mask must be contiguous in its last dimension (strides "
-                                  f"{tree_mask.stride()})")
+    check_sinks_and_tree(op, "num_heads", num_heads, num_tokens, cu_seqlens_q, sinks, tree_mask)
     if out is not None:
         _tensor(op, "out", out)
         if tuple(out.shape) != (num_tokens, num_heads, latent_dim) or out.dtype != q_nope.dtype:
