@@ -13,7 +13,13 @@ import contextlib
 
 import torch
 
-from . import _C  # loads the schemas: TORCH_LIBRARY(attnops, m) in csrc/ops.cpp
+try:
+    from . import _C  # loads the schemas: TORCH_LIBRARY(attnops, m) in csrc/ops.cpp
+except ImportError as e:  # a source folder named attnops on the path (the current directory, say), not the build
+    import os
+    raise ImportError(f"attnops: the package imported from {os.path.dirname(__file__)} has no compiled extension "
+                      f"(attnops/_C): that folder is a source tree, not a built install. Run from another directory, "
+                      f"or build it there: pip install --no-build-isolation -e <checkout> ({e})") from e
 from .backends import flashinfer_replay
 from .backends.reference import merge_attention_states_reference
 from .checks import (attention_call, cache_write_call, check_merge_attention_states, check_paged_attention,

@@ -2,6 +2,7 @@
 reported as wrong, never timed."""
 import json
 
+import pytest
 import torch
 
 from attnops.backends import BACKENDS
@@ -131,3 +132,19 @@ def test_decode_breakdown_paged_read_reads_exactly_the_bytes_a_decode_reads():
                     pages, offsets = table[b, keys // page], keys % page
                     expected = _xor_of_bytes(*(t[pages, offsets, h] for t in tensors))
                     assert int(sink[b, h, s]) == expected, (fmt, b, h, s)
+
+
+def test_a_plot_without_matplotlib_fails_before_anything_runs(monkeypatch):
+    """--plot needs matplotlib: said at once, not after a grid that ran for minutes."""
+    import builtins
+    import attnops.bench.run as run
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError("no matplotlib here")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    with pytest.raises(SystemExit, match="needs matplotlib"):
+        run.main(["--cpu", "--plot", "x.png"])

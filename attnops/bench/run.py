@@ -35,6 +35,7 @@ from ..serving.spec import tree_mask_from_parents
 from ..testing import random_paged_inputs, relative_error
 from . import grid as grid_module
 from . import peers as peers_module
+from . import require_matplotlib
 
 HBM_TBPS = 4.8  # H200 datasheet
 TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2, "fp16": 2e-2}  # vs the reference on the same stored cache
@@ -343,6 +344,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--json", help="write the records here")
     parser.add_argument("--plot", help="write a PNG here (matplotlib)")
     args = parser.parse_args(argv)
+    require_matplotlib(args.plot)
 
     device = torch.device("cpu" if args.cpu or not torch.cuda.is_available() else "cuda")
     grid_name = args.grid or ("cpu" if device.type == "cpu" else "gpu")

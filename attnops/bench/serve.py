@@ -52,6 +52,7 @@ from .run import environment
 from ..serving.generate import DecodeStep
 from ..serving.graphs import DecodeGraphRunner
 from ..serving.kv_cache import PagedKVCache
+from . import require_matplotlib
 
 MODES = ("eager", "compiled", "compiled+graphs", "transformers", "transformers-cb")
 BASELINES = ("transformers", "transformers-cb")
@@ -419,6 +420,7 @@ def main(argv=None) -> dict:
                              "kernel (attention, KV cache write, matmul, copies, other kernels) and the time the "
                              "GPU was idle, printed and in the JSON (profile_ms)")
     args = parser.parse_args(argv)
+    require_matplotlib(args.plot)
 
     from ..hf import model_shape, serving_model
 

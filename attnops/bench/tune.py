@@ -21,6 +21,7 @@ from pathlib import Path
 from .. import formats, rules
 from ..cases import q_per_seq, shape_class
 from ..dispatch import TABLES, describe_attention
+from . import require_matplotlib
 
 FLASHINFER_PEER_FOR = {"decode": "fi-decode-tensor-core", "verify": "fi-prefill-fa2", "prefill": "fi-prefill-fa3"}
 
@@ -161,6 +162,7 @@ def main(argv=None):
                         help="the backends to order (default: flashinfer triton cuda)")
     parser.add_argument("--plot", help="a PNG of the checks: each case's time under the rule over its fastest")
     args, bench_args = parser.parse_known_args(argv)
+    require_matplotlib(args.plot)
     if args.from_json:
         records = [r for path in args.from_json for r in json.loads(Path(path).read_text())["records"]]
         sources = args.from_json
