@@ -180,6 +180,17 @@ def test_the_op_on_the_cpu_is_the_reference_and_pins_work():
     assert relative_error(out, want) < 1e-2 and lse.shape == (5, 4)
 
 
+def test_explain_answers_for_latent_attention():
+    args = mla_inputs([20, 7], [3, 2], heads=4)
+    explanation = attnops.explain(**args)
+    assert explanation.chosen == "reference" and "latent_dim=64" in str(explanation)
+    with attnops.use_backend("cpu"):
+        assert attnops.explain(**args).rejected == {"cpu": ["has no latent-attention (MLA) kernels"]}
+    write = attnops.explain(kv_c=torch.randn(3, 64).half(), k_pe=torch.randn(3, 16).half(),
+                            kv_cache=torch.zeros(2, 4, 80, dtype=torch.half), slot_mapping=torch.arange(3))
+    assert write.chosen == "reference"
+
+
 def test_only_latent_backends_serve_it_and_triton_waits_for_its_gpu_measurement():
     from attnops.cases import MLACase
     from attnops.dispatch import policy, reasons_against
