@@ -42,14 +42,14 @@
 #   models    python -m attnops tune on the models grid (MODELS_ARGS narrows it), writing the table to
 #             $results/sm_XY.json and the records to $results/models.json
 #   serve     python -m attnops serve-bench $SERVE_ARGS (JSON + PNG)
-#   serve-hf  serve-bench's transformers grid (issue 23), in five parts under their own time limits, appended to
+#   serve-hf  serve-bench's transformers grid, in five parts under their own time limits, appended to
 #             $results/serve-hf.json (+ .png): Llama-3.2-1B-shaped through transformers' modeling code in bf16,
 #             and transformers' static-cache path; the same with fp8 KV; Qwen2.5-7B-shaped
 #             with bf16 and fp8 KV; its transformers path; transformers' continuous batching on both. Contexts
 #             1K/8K x batches 1/32/128 each, each point
 #             with --profile's breakdown of its step by kind of kernel. SERVE_HF_PARTS picks parts (e.g. "3 4"),
 #             each up to SERVE_TIMEOUT seconds (540)
-#   cascade   benchmarks/cascade.py (issue 25: 64 x (32K shared + 1K own), bf16 and fp8) and its --sweep in bf16:
+#   cascade   benchmarks/cascade.py (64 x (32K shared + 1K own), bf16 and fp8) and its --sweep in bf16:
 #             $results/cascade.{json,png,txt}, $results/cascade-sweep.{json,txt}
 #   demo      python -m attnops demo $DEMO_ARGS, as a newcomer runs it: $results/demo.txt
 #   fuzz-warm each fuzz backend's first chunk in one process, so that the fuzz step's workers find every kernel
@@ -58,7 +58,7 @@
 #             FlashInfer is installed, and the ceiling): $results/mla.json, mla.txt
 #   fp4       python -m attnops bench --grid fp4 (4-bit decode and verify against FlashInfer's bf16, same run):
 #             $results/fp4.{json,png,txt}
-#   fp8       issue 24's fp8 bar: the models grid's fp8 e4m3 decode at 32 x 8192 and 128 x 4096 on every head shape
+#   fp8       the fp8 bar (docs/bench.md): the models grid's fp8 e4m3 decode at 32 x 8192 and 128 x 4096 on every head shape
 #             (per tensor and per head), every backend that serves it (FP8_BACKENDS, default cuda triton flashinfer;
 #             after `jit` for FlashInfer's), one run: $results/fp8.{json,png,txt}
 #   fuzz      tests/test_fuzz.py's GPU part: $FUZZ_CASES (default 1000) seeded cases each for triton, flashinfer,
