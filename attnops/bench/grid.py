@@ -1,4 +1,4 @@
-"""The shape grid of ../shared/BENCH.md (docs/bench.md): Llama-3-8B-like heads (32/8/128), bf16 q, page size 16,
+"""The shape grid of docs/bench.md: Llama-3-8B-like heads (32/8/128), bf16 q, page size 16,
 unless a case says otherwise. A small CPU grid for CI and CPU users."""
 from __future__ import annotations
 
@@ -177,8 +177,8 @@ def cpu_grid() -> list:
                  kv_format=c.kv_format) for c in cases]
 
 
-def cpu_issue_grid() -> list:
-    """The CPU backend's own bar (issue 3): 8 x 2048 and 1 x 16384 decode, 32/8/128, fp32 and bf16."""
+def cpu_bar_grid() -> list:
+    """The CPU backend's own bar (docs/bench.md): 8 x 2048 and 1 x 16384 decode, 32/8/128, fp32 and bf16."""
     return [Case(f"cpu-decode/{b}x{n}/{fmt}", "cpu-decode", [n] * b, kv_format=fmt)
             for fmt in ("fp32", "bf16") for b, n in ((8, 2048), (1, 16384))]
 
@@ -205,4 +205,4 @@ def fp4_grid() -> list:
 
 
 GRIDS = {"gpu": gpu_grid, "models": models_grid, "models-unseen": models_unseen_grid, "spec": spec_grid,
-         "fp4": fp4_grid, "cpu": cpu_grid, "cpu-issue": cpu_issue_grid}
+         "fp4": fp4_grid, "cpu": cpu_grid, "cpu-bar": cpu_bar_grid}
