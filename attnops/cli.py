@@ -60,6 +60,15 @@ def info(args) -> None:
                     why = "; ".join(f"{n}: {', '.join(r)}" for n, r in e.rejected.items())
                     label = f"{kv_format}{'/' + scale_kind if scale_kind else ''} {'decode' if decode else 'extend'}"
                     print(f"  {label:<28} -> {e.chosen or 'NONE':<10} {('(passed over ' + why + ')') if why else ''}")
+        from .cases import MLACase
+        from .dispatch import explain_case
+        for kv_format in ("fp32" if device == "cpu" else "bf16", "fp8_e4m3"):  # DeepSeek's 512 + 64, 16 heads
+            case = MLACase(device_type=device, arch=device_arch(torch.device(device)), q_dtype=q_dtype,
+                           kv_format=kv_format, latent_dim=512, rope_dim=64, num_heads=16, page_size=64, decode=True)
+            e = explain_case(case)
+            why = "; ".join(f"{n}: {', '.join(r)}" for n, r in e.rejected.items())
+            label = f"MLA {kv_format} decode"
+            print(f"  {label:<28} -> {e.chosen or 'NONE':<10} {('(passed over ' + why + ')') if why else ''}")
     if args.verbose:
         print("\n" + str(explain(**describe_attention().__dict__)))
 

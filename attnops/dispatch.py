@@ -282,6 +282,11 @@ def explain(**kwargs) -> Explanation:
     return _explain_case(case, pinned, state)
 
 
+def explain_case(case) -> Explanation:
+    """explain() for a case already built (an AttentionCase, CacheWriteCase, MLACase...), outside any capture."""
+    return _explain_case(case, pinned_backend())
+
+
 def describe_attention(device: str | None = None, **fields_) -> AttentionCase:
     """An AttentionCase from keywords, defaulting to 32/8/128 bf16 decode with a page size of 16."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
