@@ -301,13 +301,13 @@ def compile_mla(q_dtype: str, fp8: bool, num_heads: int, latent: int, rope: int,
                  kv_scale_ptr="*fp32", sinks_ptr="*fp32", tm_ptr="*u8", out_ptr=q, lse_ptr="*fp32",
                  part_out_ptr="*fp32", part_lse_ptr="*fp32", err_ptr="*i32")
     constexprs = dict(NUM_HEADS=num_heads, R=latent, P=rope, R_P2=r_p2, P_P2=p_p2, PAGE=64, BLOCK_H=plan["BLOCK_H"],
-                      BLOCK_N=plan["BLOCK_N"], MAX_SPLITS=plan["MAX_SPLITS"], IS_DECODE=decode, FP8=fp8,
+                      BLOCK_N=plan["BLOCK_N"], SPLIT=plan["MAX_SPLITS"] > 1, IS_DECODE=decode, FP8=fp8,
                       HAS_SINKS=sinks, HAS_TREE=tree, WRITE_LSE=sinks)
     kernel = compile_one(mla_attention_kernel, types, constexprs, target, plan["num_warps"], plan["num_stages"])
     if plan["MAX_SPLITS"] > 1:
         compile_one(mla_merge_kernel, dict(out_ptr=q, lse_ptr="*fp32", part_out_ptr="*fp32", part_lse_ptr="*fp32",
                                            sinks_ptr="*fp32"),
-                    dict(NUM_HEADS=num_heads, R=latent, R_P2=r_p2, MAX_SPLITS=plan["MAX_SPLITS"],
+                    dict(NUM_HEADS=num_heads, R=latent, R_P2=r_p2,
                          SPLITS_P2=triton.next_power_of_2(plan["MAX_SPLITS"]), HAS_SINKS=sinks, WRITE_LSE=sinks),
                     target, 4, 1)
     compile_one(mla_cache_write_kernel, dict(kv_c_ptr=q, k_pe_ptr=q, kv_ptr="*u8" if fp8 else q, slot_ptr="*i64",

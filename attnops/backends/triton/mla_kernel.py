@@ -42,21 +42,23 @@ def _latent_tile(kv_ptr, bt_row, kpos, vis, num_pages, stride_page, stride_tok, 
     return value, bad
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_pages", "capacity", "CHUNK", "tm_cols"])
+# (the split count and length are runtime values: a new batch size or table width compiles nothing new)
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_pages", "capacity", "CHUNK", "tm_cols",
+                               "MAX_SPLITS"])
 def mla_attention_kernel(
     qn_ptr, qp_ptr, kv_ptr, bt_ptr, seq_lens_ptr, cu_ptr, kv_scale_ptr, sinks_ptr, tm_ptr, out_ptr, lse_ptr,
     part_out_ptr, part_lse_ptr, err_ptr,
-    num_seqs, num_tokens, num_pages, capacity, sm_scale, CHUNK, tm_cols,
+    num_seqs, num_tokens, num_pages, capacity, sm_scale, CHUNK, tm_cols, MAX_SPLITS,
     stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_page, stride_tok, stride_bt, stride_ot, stride_oh,
     stride_tm,
     NUM_HEADS: tl.constexpr, R: tl.constexpr, P: tl.constexpr, R_P2: tl.constexpr, P_P2: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     IS_DECODE: tl.constexpr, FP8: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_TREE: tl.constexpr,
     WRITE_LSE: tl.constexpr,
 ):
     """Program (token t, head block, split): the token's heads of the block against the split's keys of its
     sequence (those at or before its position; a tree mask decides inside its query block). With one split it
-    writes out (and lse); with more, its partial (normalized output, base-2 LSE) for mla_merge_kernel."""
+    writes out (and lse); with more (SPLIT), its partial (normalized output, base-2 LSE) for mla_merge_kernel."""
     t = tl.program_id(0)
     split = tl.program_id(2)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -137,7 +139,7 @@ def mla_attention_kernel(
     has_keys = l_i > 0.0
     inv_l = tl.where(has_keys, v_mul / tl.where(has_keys, l_i, 1.0), 0.0)
     lse2 = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-    if MAX_SPLITS == 1:
+    if not SPLIT:
         if HAS_SINKS:  # the sink joins the denominator; a row with no key stays 0 whatever its sink
             sink = tl.load(sinks_ptr + heads, mask=hvalid, other=0.0) * LOG2E
             big = tl.maximum(m_i, sink)
@@ -163,10 +165,10 @@ def mla_attention_kernel(
         tl.store(part_lse_ptr + part_row, tl.where(poison, float("nan"), lse2), mask=hvalid)
 
 
-@triton.jit
-def mla_merge_kernel(out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, sinks_ptr, stride_ot, stride_oh,
-                     NUM_HEADS: tl.constexpr, R: tl.constexpr, R_P2: tl.constexpr, MAX_SPLITS: tl.constexpr,
-                     SPLITS_P2: tl.constexpr, HAS_SINKS: tl.constexpr, WRITE_LSE: tl.constexpr):
+@triton.jit(do_not_specialize=["MAX_SPLITS"])
+def mla_merge_kernel(out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, sinks_ptr, stride_ot, stride_oh, MAX_SPLITS,
+                     NUM_HEADS: tl.constexpr, R: tl.constexpr, R_P2: tl.constexpr, SPLITS_P2: tl.constexpr,
+                     HAS_SINKS: tl.constexpr, WRITE_LSE: tl.constexpr):
     """Program (token, head): its splits' partials combined by their LSEs (base 2), the sink in the denominator;
     a NaN partial (a bad index its split met) makes the row NaN."""
     t = tl.program_id(0).to(tl.int64)

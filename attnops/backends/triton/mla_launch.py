@@ -67,18 +67,18 @@ def mla_launch(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, *, s
         sinks if sinks is not None else seq_lens, tm, out, lse if lse is not None else seq_lens, part_out, part_lse,
         errors.buffer(q_nope.device),
         batch, num_tokens, kv_cache.shape[0], capacity, float(scale), plan["CHUNK"],
-        tree_mask.shape[1] if tree_mask is not None else 0,
+        tree_mask.shape[1] if tree_mask is not None else 0, splits,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), kv_cache.stride(0), kv_cache.stride(1),
         block_table.stride(0), out.stride(0), out.stride(1), tree_mask.stride(0) if tree_mask is not None else 0,
         NUM_HEADS=num_heads, R=latent, P=rope, R_P2=r_p2, P_P2=p_p2, PAGE=page_size, BLOCK_H=plan["BLOCK_H"],
-        BLOCK_N=plan["BLOCK_N"], MAX_SPLITS=splits, IS_DECODE=cu_seqlens_q is None, FP8=fp8,
+        BLOCK_N=plan["BLOCK_N"], SPLIT=splits > 1, IS_DECODE=cu_seqlens_q is None, FP8=fp8,
         HAS_SINKS=sinks is not None, HAS_TREE=tree_mask is not None, WRITE_LSE=lse is not None,
         num_warps=plan["num_warps"], num_stages=plan["num_stages"])
     if splits > 1:
         mla_merge_kernel[(num_tokens, num_heads)](
             out, lse if lse is not None else part_lse, part_out, part_lse, sinks if sinks is not None else part_lse,
-            out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, R=latent, R_P2=r_p2, MAX_SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits),
+            out.stride(0), out.stride(1), splits,
+            NUM_HEADS=num_heads, R=latent, R_P2=r_p2, SPLITS_P2=triton.next_power_of_2(splits),
             HAS_SINKS=sinks is not None, WRITE_LSE=lse is not None, num_warps=4)
 
 
