@@ -1,5 +1,7 @@
 """Dispatch: explain names the chosen backend and every passed-over one with reasons; ATTNOPS_BACKEND and
 use_backend pin a backend, and a pinned backend that cannot serve a case is an error naming why."""
+import json
+
 import pytest
 import torch
 
@@ -297,3 +299,22 @@ def test_pinning_an_attention_only_backend_leaves_cache_writes_to_the_policy(mon
         explanation = attnops.explain(key=key, value=key, slot_mapping=meta.slot_mapping, **cache.write_args(0))
     assert explanation.chosen not in (None, "declines") and explanation.pinned is None
     torch.testing.assert_close(cache.kv[0][:, 0].flatten(0, 1)[meta.slot_mapping], key)
+
+
+def test_tune_ships_the_rule_and_writes_its_checks_beside_it(tmp_path):
+    """The table in the package holds what dispatch reads (the rule, the timed formats); the case-by-case checks
+    go to a file of their own."""
+    tune = _tune()
+    records = []
+    for batch in (1, 32):
+        records += [_record(f"bf16/{batch}", "triton", 100 if batch > 1 else 50, batch=batch),
+                    _record(f"bf16/{batch}", "flashinfer", 80, batch=batch)]
+    source = tmp_path / "records.json"
+    source.write_text(json.dumps({"records": records}))
+    table, checks = tmp_path / "sm_90.json", tmp_path / "checks.json"
+    tune.main(["--from-json", str(source), "--arch", "sm_90", "--backends", "flashinfer", "triton",
+               "--out", str(table), "--checks-out", str(checks)])
+    shipped = json.loads(table.read_text())
+    assert set(shipped) == {"arch", "sources", "backends", "timed_formats", "rule"}
+    assert {"per_case", "held_out_head_shapes", "auto_measured"} <= set(json.loads(checks.read_text()))
+    assert set(dispatch.arch_table((9, 0))) == set(shipped)  # the shipped sm_90 table: the same keys

@@ -157,7 +157,10 @@ def main(argv=None):
                                      epilog="Other options go to the benchmark (python -m attnops bench --help).")
     parser.add_argument("--from-json", nargs="*", help="benchmark JSON files to read instead of measuring")
     parser.add_argument("--arch", help="sm_XY (default: this GPU's)")
-    parser.add_argument("--out", help="default: attnops/tables/<arch>.json")
+    parser.add_argument("--out", help="the table dispatch reads (the rule and what it was fitted on); default: "
+                                      "attnops/tables/<arch>.json")
+    parser.add_argument("--checks-out", help="the rule's checks, case by case (on its own cases, held out by head "
+                                             "shape, auto as timed); default: <arch>-rule-checks.json here")
     parser.add_argument("--backends", nargs="*", default=["flashinfer", "triton", "cuda"],
                         help="the backends to order (default: flashinfer triton cuda)")
     parser.add_argument("--plot", help="a PNG of the checks: each case's time under the rule over its fastest")
@@ -184,10 +187,13 @@ def main(argv=None):
     per_case, held_out, autos = check(rule, cases, names), cross_validate(cases, names), auto_rows(cases)
     out = Path(args.out or TABLES / f"{args.arch}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
+    # the package ships only what dispatch reads; the per-case evidence goes beside the benchmark results
     out.write_text(json.dumps(dict(arch=args.arch, sources=sources, backends=names,
-                                   timed_formats=timed_formats(cases, names), rule=rule, per_case=per_case,
-                                   held_out_head_shapes=held_out, auto_measured=autos), indent=1))
-    print(f"wrote {out}\n\nthe rule:\n{rules.render(rule)}")
+                                   timed_formats=timed_formats(cases, names), rule=rule), indent=1))
+    checks_out = Path(args.checks_out or f"{args.arch}-rule-checks.json")
+    checks_out.write_text(json.dumps(dict(arch=args.arch, sources=sources, backends=names, per_case=per_case,
+                                          held_out_head_shapes=held_out, auto_measured=autos), indent=1))
+    print(f"wrote {out} and {checks_out}\n\nthe rule:\n{rules.render(rule)}")
     print(summary(per_case, "the rule on the cases it was fitted to"))
     print(summary(held_out, "fitted without each head shape, on that head shape's cases"))
     print(summary(autos, "auto dispatch as timed in the runs read (with the rule installed when they ran)"))
