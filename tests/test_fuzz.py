@@ -765,3 +765,9 @@ def test_the_error_buffer_records_in_a_captured_graph():
     args["block_table"][1, 1] = good
     graph.replay()
     assert attnops.take_errors() == {} and not out.isnan().any()
+
+
+def test_the_fuzz_covers_every_backend():
+    """The backend registry is the one list: a backend added to attnops.backends.BACKENDS fails here until the fuzz
+    has its cases."""
+    assert set(DEFAULT_CASES) - {"auto"} == set(BACKENDS)

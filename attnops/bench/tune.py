@@ -20,7 +20,7 @@ from pathlib import Path
 
 from .. import formats, rules
 from ..cases import q_per_seq, shape_class
-from ..dispatch import TABLES, describe_attention
+from ..dispatch import STATIC_ORDER, TABLES, describe_attention
 from . import require_matplotlib
 
 FLASHINFER_PEER_FOR = {"decode": "fi-decode-tensor-core", "verify": "fi-prefill-fa2", "prefill": "fi-prefill-fa3"}
@@ -161,8 +161,9 @@ def main(argv=None):
                                       "attnops/tables/<arch>.json")
     parser.add_argument("--checks-out", help="the rule's checks, case by case (on its own cases, held out by head "
                                              "shape, auto as timed); default: <arch>-rule-checks.json here")
-    parser.add_argument("--backends", nargs="*", default=["flashinfer", "triton", "cuda"],
-                        help="the backends to order (default: flashinfer triton cuda)")
+    gpu_backends = [name for name in STATIC_ORDER["cuda"] if name != "reference"]  # (dispatch's list, one source)
+    parser.add_argument("--backends", nargs="*", default=gpu_backends,
+                        help=f"the backends to order (default: {' '.join(gpu_backends)})")
     parser.add_argument("--plot", help="a PNG of the checks: each case's time under the rule over its fastest")
     args, bench_args = parser.parse_known_args(argv)
     require_matplotlib(args.plot)
