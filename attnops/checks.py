@@ -294,7 +294,7 @@ def attention_call(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, sca
                          window_left, k_scale, v_scale, sinks, tree_mask, lse)
 
 
-def _check_fp8_scale_values(op, k_scale, v_scale, names=("k_scale", "v_scale")) -> None:
+def check_fp8_scale_values(op, k_scale, v_scale, names=("k_scale", "v_scale")) -> None:
     """fp8 scales (float32; 4-bit block scales have other dtypes and are not checked here)."""
     for name, s in zip(names, (k_scale, v_scale)):
         if s is not None and s.dtype == torch.float32 and not bool(torch.isfinite(s).all() and (s > 0).all()):
@@ -307,7 +307,7 @@ def check_paged_attention_values(q, k_cache, block_table, seq_lens, cu_seqlens_q
     """The checks that read data (ATTNOPS_CHECK=1 only): lengths fit the table, used pages exist, query rows
     are ordered, no sequence has more queries than keys, and a tree mask has a column for every query of the
     longest block. (Latent attention's too, under its op's name: the same rules.)"""
-    _check_fp8_scale_values(op, k_scale, v_scale, scale_names)
+    check_fp8_scale_values(op, k_scale, v_scale, scale_names)
     num_pages, page_size = k_cache.shape[0], k_cache.shape[1]
     lengths = seq_lens.tolist()
     if any(n < 0 for n in lengths):
@@ -400,7 +400,7 @@ def cache_write_call(key, value, k_cache, v_cache, slot_mapping, kv_format, k_sc
 
 
 def check_reshape_and_cache_values(k_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
-    _check_fp8_scale_values("reshape_and_cache", k_scale, v_scale)
+    check_fp8_scale_values("reshape_and_cache", k_scale, v_scale)
     check_slot_mapping_values(k_cache, slot_mapping, op="reshape_and_cache")
 
 

@@ -9,7 +9,7 @@ import math
 import torch
 
 from .cases import MLACall, MLACase, MLAWriteCall, MLAWriteCase, shape_class
-from .checks import (MAX_PAGE_SIZE, _check_fp8_scale_values, check_batch, check_paged_attention_values,
+from .checks import (MAX_PAGE_SIZE, check_batch, check_fp8_scale_values, check_paged_attention_values,
                      check_sinks_and_tree, check_slot_mapping_values)
 from .env import device_arch
 
@@ -146,7 +146,7 @@ def check_mla_cache_write(kv_c, k_pe, kv_cache, slot_mapping, kv_format, kv_scal
 
 
 def check_mla_cache_write_values(kv_cache, slot_mapping, kv_scale) -> None:
-    _check_fp8_scale_values("mla_cache_write", kv_scale, None, ("kv_scale", "kv_scale"))
+    check_fp8_scale_values("mla_cache_write", kv_scale, None, ("kv_scale", "kv_scale"))
     check_slot_mapping_values(kv_cache, slot_mapping, op="mla_cache_write")
 
 
