@@ -63,22 +63,25 @@ def mla_launch(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, *, s
     tm = tree_mask.view(torch.uint8) if tree_mask is not None else seq_lens
     grid = (num_tokens, triton.cdiv(num_heads, plan["BLOCK_H"]), splits)
     mla_attention_kernel[grid](
-        q_nope, q_pe, kv, block_table, seq_lens, cu, kv_scale if fp8 else seq_lens,
-        sinks if sinks is not None else seq_lens, tm, out, lse if lse is not None else seq_lens, part_out, part_lse,
-        errors.buffer(q_nope.device),
-        batch, num_tokens, kv_cache.shape[0], capacity, float(scale), plan["CHUNK"],
-        tree_mask.shape[1] if tree_mask is not None else 0, splits,
-        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), kv_cache.stride(0), kv_cache.stride(1),
-        block_table.stride(0), out.stride(0), out.stride(1), tree_mask.stride(0) if tree_mask is not None else 0,
+        qn_ptr=q_nope, qp_ptr=q_pe, kv_ptr=kv, bt_ptr=block_table, seq_lens_ptr=seq_lens, cu_ptr=cu,
+        kv_scale_ptr=kv_scale if fp8 else seq_lens, sinks_ptr=sinks if sinks is not None else seq_lens, tm_ptr=tm,
+        out_ptr=out, lse_ptr=lse if lse is not None else seq_lens, part_out_ptr=part_out, part_lse_ptr=part_lse,
+        err_ptr=errors.buffer(q_nope.device),
+        num_seqs=batch, num_tokens=num_tokens, num_pages=kv_cache.shape[0], capacity=capacity, sm_scale=float(scale),
+        CHUNK=plan["CHUNK"], tm_cols=tree_mask.shape[1] if tree_mask is not None else 0, MAX_SPLITS=splits,
+        stride_qn_t=q_nope.stride(0), stride_qn_h=q_nope.stride(1), stride_qp_t=q_pe.stride(0),
+        stride_qp_h=q_pe.stride(1), stride_page=kv_cache.stride(0), stride_tok=kv_cache.stride(1),
+        stride_bt=block_table.stride(0), stride_ot=out.stride(0), stride_oh=out.stride(1),
+        stride_tm=tree_mask.stride(0) if tree_mask is not None else 0,
         NUM_HEADS=num_heads, R=latent, P=rope, R_P2=r_p2, P_P2=p_p2, PAGE=page_size, BLOCK_H=plan["BLOCK_H"],
         BLOCK_N=plan["BLOCK_N"], SPLIT=splits > 1, IS_DECODE=cu_seqlens_q is None, FP8=fp8,
         HAS_SINKS=sinks is not None, HAS_TREE=tree_mask is not None, WRITE_LSE=lse is not None,
         num_warps=plan["num_warps"], num_stages=plan["num_stages"])
     if splits > 1:
         mla_merge_kernel[(num_tokens, num_heads)](
-            out, lse if lse is not None else part_lse, part_out, part_lse, sinks if sinks is not None else part_lse,
-            out.stride(0), out.stride(1), splits,
-            NUM_HEADS=num_heads, R=latent, R_P2=r_p2, SPLITS_P2=triton.next_power_of_2(splits),
+            out_ptr=out, lse_ptr=lse if lse is not None else part_lse, part_out_ptr=part_out, part_lse_ptr=part_lse,
+            sinks_ptr=sinks if sinks is not None else part_lse, stride_ot=out.stride(0), stride_oh=out.stride(1),
+            MAX_SPLITS=splits, NUM_HEADS=num_heads, R=latent, R_P2=r_p2, SPLITS_P2=triton.next_power_of_2(splits),
             HAS_SINKS=sinks is not None, WRITE_LSE=lse is not None, num_warps=4)
 
 
@@ -91,8 +94,9 @@ def mla_cache_write(kv_c, k_pe, kv_cache, slot_mapping, *, kv_format: str, kv_sc
     fp8 = kv_format == "fp8_e4m3"
     kv = kv_cache.view(torch.uint8) if fp8 else kv_cache
     mla_cache_write_kernel[(num_tokens,)](
-        kv_c, k_pe, kv, slot_mapping.contiguous(), kv_scale if fp8 else slot_mapping, errors.buffer(kv_c.device),
-        kv_cache.shape[0] * kv_cache.shape[1], kv_c.stride(0), k_pe.stride(0), kv_cache.stride(0),
-        kv_cache.stride(1), R=latent, P=rope, R_P2=triton.next_power_of_2(latent),
-        P_P2=triton.next_power_of_2(rope), PAGE=kv_cache.shape[1], FP8=fp8,
+        kv_c_ptr=kv_c, k_pe_ptr=k_pe, kv_ptr=kv, slot_ptr=slot_mapping.contiguous(),
+        kv_scale_ptr=kv_scale if fp8 else slot_mapping, err_ptr=errors.buffer(kv_c.device),
+        num_slots=kv_cache.shape[0] * kv_cache.shape[1], stride_c=kv_c.stride(0), stride_pe=k_pe.stride(0),
+        stride_page=kv_cache.stride(0), stride_tok=kv_cache.stride(1), R=latent, P=rope,
+        R_P2=triton.next_power_of_2(latent), P_P2=triton.next_power_of_2(rope), PAGE=kv_cache.shape[1], FP8=fp8,
         SOFT_FP8=interpreting() or not kv_c.is_cuda, num_warps=4)
