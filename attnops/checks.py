@@ -29,6 +29,11 @@ def _describe(t: torch.Tensor) -> str:
     return f"{str(t.dtype).replace('torch.', '')} {list(t.shape)}"
 
 
+def is_page_size(page_size: int) -> bool:
+    """A page size the ops take: a power of two from 1 to MAX_PAGE_SIZE."""
+    return 1 <= page_size <= MAX_PAGE_SIZE and page_size & (page_size - 1) == 0
+
+
 def _check_tensor(op, name, t):
     if not isinstance(t, torch.Tensor):
         _fail(op, TypeError, f"{name} must be a Tensor (got {type(t).__name__})")
@@ -65,7 +70,7 @@ def _check_caches(op, k_cache, v_cache, kv_format):
     _, page_size, num_kv_heads, stored_dim = k_cache.shape
     if num_kv_heads < 1:  # every kernel divides by it (the query heads a KV head serves, a slot's row)
         _fail(op, ValueError, f"num_kv_heads (k_cache.shape[2]) must be at least 1 (got {num_kv_heads})")
-    if not (1 <= page_size <= MAX_PAGE_SIZE and page_size & (page_size - 1) == 0):
+    if not is_page_size(page_size):
         _fail(op, ValueError, f"page_size (k_cache.shape[1]) must be a power of two from 1 to {MAX_PAGE_SIZE} "
                               f"(got {page_size})")
     return fmt, page_size, num_kv_heads, stored_dim

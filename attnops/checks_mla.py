@@ -8,28 +8,19 @@ import math
 
 import torch
 
+from . import formats
 from .cases import MLACall, MLACase, MLAWriteCall, MLAWriteCase, shape_class
-from .checks import (MAX_PAGE_SIZE, check_batch, check_fp8_scale_values, check_paged_attention_values,
-                     check_sinks_and_tree, check_slot_mapping_values)
+from .checks import (MAX_PAGE_SIZE, Q_DTYPES, _check_tensor, _describe, _fail, check_batch, check_fp8_scale_values,
+                     check_paged_attention_values, check_sinks_and_tree, check_slot_mapping_values, is_page_size)
 from .env import device_arch
 
 MAX_LATENT_DIM, MAX_ROPE_DIM, MAX_HEADS = 512, 64, 128
-Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 KV_FORMATS = ("auto", "fp8_e4m3")
 
 
-def _fail(op: str, error: type, message: str):
-    raise error(f"attnops.{op}: {message}")
-
-
-def _describe(t) -> str:
-    return f"{str(t.dtype).replace('torch.', '')} {list(t.shape)}" if isinstance(t, torch.Tensor) else \
-        type(t).__name__
-
-
 def _tensor(op, name, t, dtypes=None, dim=None):
-    if not isinstance(t, torch.Tensor):
-        _fail(op, TypeError, f"{name} must be a Tensor (got {type(t).__name__})")
+    """A tensor, of one of `dtypes` and of `dim` dimensions where given."""
+    _check_tensor(op, name, t)
     if dtypes is not None and t.dtype not in dtypes:
         names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
         _fail(op, TypeError, f"{name} must be {names} (got {t.dtype})")
@@ -46,7 +37,7 @@ def _check_latent_cache(op, kv_cache, kv_format, kv_scale, latent_dim, rope_dim,
     if kv_cache.stride(-1) != 1:
         _fail(op, ValueError, f"kv_cache must be contiguous in its last dimension (strides {kv_cache.stride()})")
     page_size = kv_cache.shape[1]
-    if not (1 <= page_size <= MAX_PAGE_SIZE and page_size & (page_size - 1) == 0):
+    if not is_page_size(page_size):
         _fail(op, ValueError, f"page_size (kv_cache.shape[1]) must be a power of two from 1 to {MAX_PAGE_SIZE} "
                               f"(got {page_size})")
     if kv_format not in KV_FORMATS:
@@ -66,7 +57,7 @@ def _check_latent_cache(op, kv_cache, kv_format, kv_scale, latent_dim, rope_dim,
                              f"'auto' (got {kv_cache.dtype}); a float8_e4m3fn cache is kv_format='fp8_e4m3'")
     if kv_scale is not None:
         _fail(op, ValueError, "kv_scale is only for kv_format 'fp8_e4m3'")
-    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[kv_cache.dtype]
+    return formats.resolve_kv_format("auto", kv_cache.dtype)
 
 
 def _check_dims(op, latent_dim, rope_dim, what):

@@ -275,12 +275,6 @@ def _run_mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens
         backend.mla_attention(call)
 
 
-def _mla_check(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, scale, kv_format, kv_scale, sinks,
-               tree_mask, out=None, lse=None) -> None:
-    check_mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, scale, kv_format, kv_scale,
-                        sinks, tree_mask, out, lse)
-
-
 @torch.library.impl("attnops::mla_attention", DEVICES)
 def _mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q=None, *, scale, kv_format="auto",
                    kv_scale=None, sinks=None, tree_mask=None):
@@ -293,8 +287,8 @@ def _mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q=N
 @torch.library.register_fake("attnops::mla_attention")
 def _mla_attention_fake(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q=None, *, scale,
                         kv_format="auto", kv_scale=None, sinks=None, tree_mask=None):
-    _mla_check(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, scale, kv_format, kv_scale, sinks,
-               tree_mask)
+    check_mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, scale, kv_format, kv_scale,
+                        sinks, tree_mask)
     return torch.empty_like(q_nope)
 
 
@@ -308,8 +302,8 @@ def _mla_attention_out(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens
 @torch.library.register_fake("attnops::mla_attention.out")
 def _mla_attention_out_fake(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q=None, *, scale,
                             kv_format="auto", kv_scale=None, sinks=None, tree_mask=None, out):
-    _mla_check(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, scale, kv_format, kv_scale, sinks,
-               tree_mask, out)
+    check_mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, scale, kv_format, kv_scale,
+                        sinks, tree_mask, out)
 
 
 @torch.library.impl("attnops::mla_attention_with_lse", DEVICES)
@@ -324,8 +318,8 @@ def _mla_attention_with_lse(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_se
 @torch.library.register_fake("attnops::mla_attention_with_lse")
 def _mla_attention_with_lse_fake(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q=None, *, scale,
                                  kv_format="auto", kv_scale=None, sinks=None, tree_mask=None):
-    _mla_check(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, scale, kv_format, kv_scale, sinks,
-               tree_mask)
+    check_mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, scale, kv_format, kv_scale,
+                        sinks, tree_mask)
     return torch.empty_like(q_nope), _lse_like(q_nope)
 
 
@@ -339,8 +333,8 @@ def _mla_attention_with_lse_out(q_nope, q_pe, kv_cache, block_table, seq_lens, c
 @torch.library.register_fake("attnops::mla_attention_with_lse.out")
 def _mla_attention_with_lse_out_fake(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q=None, *, scale,
                                      kv_format="auto", kv_scale=None, sinks=None, tree_mask=None, out, lse):
-    _mla_check(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, scale, kv_format, kv_scale, sinks,
-               tree_mask, out, lse)
+    check_mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, scale, kv_format, kv_scale,
+                        sinks, tree_mask, out, lse)
 
 
 @torch.library.impl("attnops::mla_cache_write", DEVICES)

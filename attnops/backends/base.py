@@ -73,9 +73,10 @@ def common_reasons(case, *, devices=None, q_dtypes=None, kv_formats=None, head_d
         reasons.append(f"runs on {'/'.join(devices)}, not {case.device_type}")
     if archs is not None and case.arch is not None and not archs(case.arch):
         reasons.append(f"not built for sm_{case.arch[0]}{case.arch[1]}")
-    dtype = case.q_dtype if isinstance(case, AttentionCase) else case.src_dtype
+    attends = hasattr(case, "q_dtype")  # an attention case (paged or latent), not a cache write
+    dtype = case.q_dtype if attends else case.src_dtype
     if q_dtypes is not None and dtype not in q_dtypes:
-        reasons.append(f"{'q' if isinstance(case, AttentionCase) else 'key/value'} dtype {dtype} not supported")
+        reasons.append(f"{'q' if attends else 'key/value'} dtype {dtype} not supported")
     if kv_formats is not None and case.kv_format not in kv_formats:
         reasons.append(f"kv_format {case.kv_format} not supported")
     if head_dims is not None and case.head_dim not in head_dims:

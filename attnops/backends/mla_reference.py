@@ -37,6 +37,6 @@ def mla_cache_write_reference(kv_c, k_pe, kv_cache, slot_mapping, *, kv_format="
         errors.record(kv_c.device, errors.SLOT_MAPPING, int(bad.nonzero()[0, 0]))
     keep = (slot_mapping >= 0) & ~bad
     rows = torch.cat([kv_c, k_pe], dim=-1)[keep]
-    fmt = "fp8_e4m3" if kv_format == "fp8_e4m3" else formats.resolve_kv_format("auto", kv_cache.dtype)
+    fmt = formats.resolve_kv_format(kv_format, kv_cache.dtype)
     stored, _ = formats.quantize(rows, fmt, kv_scale, kv_cache.dtype)
     kv_cache.view(-1, kv_cache.shape[2])[slot_mapping[keep]] = stored

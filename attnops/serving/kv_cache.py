@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import formats
-from ..checks import HEAD_DIMS, MAX_PAGE_SIZE
+from ..checks import HEAD_DIMS, MAX_PAGE_SIZE, is_page_size
 
 
 @dataclass
@@ -99,7 +99,7 @@ class PagedKVCache:
                 raise TypeError(f"PagedKVCache: {name} must be an int (got {type(value).__name__})")
             if value < least:
                 raise ValueError(f"PagedKVCache: {name} must be at least {least} (got {value})")
-        if page_size > MAX_PAGE_SIZE or page_size & (page_size - 1):
+        if not is_page_size(page_size):
             raise ValueError(f"PagedKVCache: page_size must be a power of two from 1 to {MAX_PAGE_SIZE}, as the ops "
                              f"take (got {page_size})")
         if head_dim not in HEAD_DIMS:
@@ -382,16 +382,15 @@ class PagedKVCache:
                              f"sequence needs (got {width})")
         for s in writes_shared:
             self._own_page(s, len(self._pages[s]) - 1)
-        # a partial last page written into leaves the prefix index (its tokens change; a shared one was copied
-        # above, and the copy is not indexed)
-        for s, n in zip(seq_ids, num_new_tokens):
-            if n and self._lengths[s] % self.page_size:
-                self._forget_index(self._pages[s][-1])
         # slots of short runs (decode) as Python ints, flushed as one tensor before each long run (prefill)
         slot_runs, pending, lengths = [], [], []
         page_size = self.page_size
         for seq_id, n in zip(seq_ids, num_new_tokens):
             pages, start = self._pages[seq_id], self._lengths[seq_id]
+            if n and start % page_size:
+                # a partial last page written into leaves the prefix index (its tokens change; a shared one was
+                # copied above, and the copy is not indexed)
+                self._forget_index(pages[-1])
             missing = -(-(start + n) // page_size) - len(pages)
             if missing > 0:
                 self._grow(seq_id, [self._take_page() for _ in range(missing)])

@@ -49,31 +49,17 @@ class TritonBackend(Backend):
     def supports(self, case) -> list[str]:
         # CUDA tensors; CPU tensors only under the interpreter (tests)
         devices = ("cuda", "cpu") if interpreting() else ("cuda",)
-        if isinstance(case, (MLACase, MLAWriteCase)):
-            return self._latent_reasons(case, devices)
-        reasons = common_reasons(case, devices=devices, q_dtypes=Q_DTYPES, kv_formats=KV_FORMATS,
-                                 head_dims=HEAD_DIMS, archs=lambda arch: arch >= (8, 0))
-        src_dtype = case.q_dtype if isinstance(case, AttentionCase) else case.src_dtype
+        if isinstance(case, (MLACase, MLAWriteCase)):  # (checks_mla bounds the latent formats and shapes)
+            reasons = common_reasons(case, devices=devices, archs=lambda arch: arch >= (8, 0))
+        else:
+            reasons = common_reasons(case, devices=devices, q_dtypes=Q_DTYPES, kv_formats=KV_FORMATS,
+                                     head_dims=HEAD_DIMS, archs=lambda arch: arch >= (8, 0))
+        src_dtype = case.q_dtype if isinstance(case, (AttentionCase, MLACase)) else case.src_dtype
         if case.device_type == "cpu" and (src_dtype == torch.bfloat16 or case.kv_format == "bf16"):
             reasons.append("bf16 is not supported by the Triton interpreter (CPU)")
         if case.kv_format in ("fp8_e4m3", "nvfp4") and case.arch is not None and case.arch < (8, 9):
             # Triton has no fp8e4nv (e4m3: the fp8 format, and nvfp4's block scales) before sm_89
             reasons.append(f"{case.kv_format} needs e4m3 conversions, which Triton supports from sm_89 "
-                           f"(this GPU is sm_{case.arch[0]}{case.arch[1]})")
-        return reasons
-
-    @staticmethod
-    def _latent_reasons(case, devices) -> list[str]:
-        reasons = []
-        if case.device_type not in devices:
-            reasons.append(f"runs on {'/'.join(devices)}, not {case.device_type}")
-        if case.arch is not None and case.arch < (8, 0):
-            reasons.append(f"not built for sm_{case.arch[0]}{case.arch[1]}")
-        dtype = case.q_dtype if isinstance(case, MLACase) else case.src_dtype
-        if case.device_type == "cpu" and (dtype == torch.bfloat16 or case.kv_format == "bf16"):
-            reasons.append("bf16 is not supported by the Triton interpreter (CPU)")
-        if case.kv_format == "fp8_e4m3" and case.arch is not None and case.arch < (8, 9):
-            reasons.append(f"fp8_e4m3 needs e4m3 conversions, which Triton supports from sm_89 "
                            f"(this GPU is sm_{case.arch[0]}{case.arch[1]})")
         return reasons
 
