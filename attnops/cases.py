@@ -150,8 +150,16 @@ class AttentionCall(NamedTuple):
             decode=cu_seqlens_q is None, scale_kind=fmt.scale_kind(k_scale, v_scale),
             soft_cap=0 < soft_cap < math.inf, sliding_window=window_left >= 0, sinks=sinks is not None,
             tree_mask=tree_mask is not None)
+        return cls.of_case(case, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap,
+                           window_left, k_scale, v_scale, sinks, tree_mask, out, lse)
+
+    @classmethod
+    def of_case(cls, case: AttentionCase, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap,
+                window_left, k_scale, v_scale, sinks, tree_mask, out, lse=None) -> AttentionCall:
+        """The call of these arguments and their case: `scale` resolved (D^-0.5 by default), `soft_cap` 0.0 where
+        the case has no cap."""
         return cls(case, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out,
-                   head_dim ** -0.5 if scale is None else float(scale), float(soft_cap) if case.soft_cap else 0.0,
+                   q.shape[-1] ** -0.5 if scale is None else float(scale), float(soft_cap) if case.soft_cap else 0.0,
                    int(window_left), k_scale, v_scale, sinks, tree_mask, lse)
 
     @property

@@ -294,9 +294,8 @@ def attention_call(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, sca
     to a float, `soft_cap` 0.0 where there is no cap."""
     case = attention_case(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left,
                           kv_format, k_scale, v_scale, sinks, tree_mask, out, lse)
-    return AttentionCall(case, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out,
-                         q.shape[-1] ** -0.5 if scale is None else scale, soft_cap if case.soft_cap else 0.0,
-                         window_left, k_scale, v_scale, sinks, tree_mask, lse)
+    return AttentionCall.of_case(case, q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap,
+                                 window_left, k_scale, v_scale, sinks, tree_mask, out, lse)
 
 
 def check_fp8_scale_values(op, k_scale, v_scale, names=("k_scale", "v_scale")) -> None:
