@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import attnops  # noqa: E402
 from attnops.backends import BACKENDS, flashinfer_replay  # noqa: E402
 from attnops.checks import attention_call  # noqa: E402
+from attnops.dispatch import STATIC_ORDER  # noqa: E402
 from attnops.testing import random_paged_inputs  # noqa: E402
 
 
@@ -70,8 +71,8 @@ def main(argv=None):
     # the call a backend runs, built once (validated, its case made) as the op builds it on every call
     call = attention_call(inputs["q"], inputs["k_cache"], inputs["v_cache"], inputs["block_table"],
                           inputs["seq_lens"], None, 128 ** -0.5, 0.0, -1, "bf16", None, None, None, None, out)
-    for name in ("flashinfer", "triton"):
-        if BACKENDS[name].unavailable():
+    for name in STATIC_ORDER["cuda"]:  # every GPU backend that serves this bf16 decode
+        if name == "reference" or BACKENDS[name].unavailable() or BACKENDS[name].supports(call.case):
             continue
         extra = {}
         with attnops.use_backend(name):

@@ -2,7 +2,7 @@
 before triton (and so attnops) is imported. Tests marked `gpu` are skipped where CUDA is unavailable.
 
 Also the tiny transformers models the tests serve through attnops.hf (`from conftest import make_config, build`):
-transformers is imported when one is made, so that test files without it still run."""
+the families are attnops.hf's (none without transformers, so that test files without it still run)."""
 import copy
 import os
 
@@ -47,18 +47,32 @@ def fp8_comparable(monkeypatch):
 TINY_HF = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, head_dim=32, max_position_embeddings=512, initializer_range=0.2,
                bos_token_id=None, eos_token_id=None, pad_token_id=0)  # no eos: every run makes all its tokens
-# model_type and config overrides of each family
-HF_FAMILIES = {
-    "llama": ("llama", {}),
-    "qwen2": ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),  # layer 1 slides
-    "qwen3": ("qwen3", {}),  # qk-norm (transformers' code, before attention)
-    "mistral": ("mistral", dict(sliding_window=8)),
+# each family of attnops.hf.families (so that a family added there is tested here), with the overrides that make its
+# attention features show at the tiny size
+HF_TEST_OVERRIDES = {
+    "qwen2": dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),  # layer 1 slides
+    "qwen3": {},  # qk-norm (transformers' code, before attention)
+    "mistral": dict(sliding_window=8),
     # untied: a tied Gemma-2 this small repeats one token
-    "gemma2": ("gemma2", dict(sliding_window=8, attn_logit_softcapping=5.0, final_logit_softcapping=5.0,
-                              query_pre_attn_scalar=24, tie_word_embeddings=False)),
-    "gpt-oss": ("gpt_oss", dict(sliding_window=8, num_local_experts=4, num_experts_per_tok=2, intermediate_size=128,
-                                max_position_embeddings=131072)),  # yarn's factor 32 x 4096
+    "gemma2": dict(sliding_window=8, attn_logit_softcapping=5.0, final_logit_softcapping=5.0,
+                   query_pre_attn_scalar=24, tie_word_embeddings=False),
+    "gpt-oss": dict(sliding_window=8, num_local_experts=4, num_experts_per_tok=2, intermediate_size=128,
+                    max_position_embeddings=131072),  # yarn's factor 32 x 4096
 }
+
+
+def _hf_families():
+    """{family: (model_type, overrides)} for every family attnops.hf serves; {} without transformers."""
+    try:
+        from attnops.hf.families import FAMILIES
+    except ImportError:
+        return {}
+    unknown = set(HF_TEST_OVERRIDES) - set(FAMILIES)
+    assert not unknown, f"HF_TEST_OVERRIDES names families attnops.hf does not have: {unknown}"
+    return {name: (spec.model_type, HF_TEST_OVERRIDES.get(name, {})) for name, spec in FAMILIES.items()}
+
+
+HF_FAMILIES = _hf_families()
 
 
 def make_config(family, **overrides):

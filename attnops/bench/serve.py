@@ -393,13 +393,17 @@ def main(argv=None) -> dict:
                          "pip install 'attnops[bench]'")
     parser = argparse.ArgumentParser(prog="python -m attnops serve-bench", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    families = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gpt-oss")  # attnops.hf.families, without the import
+    if importlib.util.find_spec("transformers") is not None:
+        from ..hf.families import FAMILIES
+        families = list(FAMILIES)
+        shapes = ", ".join(f"{name}: {spec.real_name}" for name, spec in FAMILIES.items())
+    else:  # only --help gets here: it still answers
+        families, shapes = None, "see attnops.hf.families"
     parser.add_argument("--small", action="store_true", help="tiny models and sizes (runs on the CPU in seconds)")
     parser.add_argument("--device", default=None, help="default: cuda if available (cpu with --small)")
     parser.add_argument("--family", nargs="+", choices=families, default=None,
-                        help="model families, random weights at a real model's shape (llama: Llama-3.2-1B, qwen2: "
-                             "Qwen2.5-7B, qwen3: Qwen3-8B, mistral: Mistral-7B, gemma2: gemma-2-2b, gpt-oss: "
-                             "gpt-oss-20b; tiny with --small). Default: llama")
+                        help=f"model families, random weights at a real model's shape ({shapes}; tiny with "
+                             "--small). Default: llama")
     parser.add_argument("--checkpoint", help="a checkpoint directory instead (its family read from config.json)")
     parser.add_argument("--batches", type=int, nargs="*", help="default: 1 32 128 (1 4 with --small)")
     parser.add_argument("--contexts", type=int, nargs="*", help="default: 1024 8192 (64 256 with --small)")
