@@ -49,12 +49,17 @@ def graph_time_us(fn) -> float:
     return 1000 * triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
 
 
-def attnops_fn(case, scale, out, use_op):
+def attnops_fn(case, scale, out, use_op, backend):
+    import attnops
     from attnops.backends.triton.mla_launch import mla_launch
     if use_op:
-        return lambda: torch.ops.attnops.mla_attention.out(
-            case["q_nope"], case["q_pe"], case["kv_cache"], case["block_table"], case["seq_lens"], None, scale=scale,
-            kv_format="fp8_e4m3" if case["kv_scale"] is not None else "auto", kv_scale=case["kv_scale"], out=out)
+        def op():
+            with attnops.use_backend(None if backend == "auto" else backend):
+                torch.ops.attnops.mla_attention.out(
+                    case["q_nope"], case["q_pe"], case["kv_cache"], case["block_table"], case["seq_lens"], None,
+                    scale=scale, kv_format="fp8_e4m3" if case["kv_scale"] is not None else "auto",
+                    kv_scale=case["kv_scale"], out=out)
+        return op
     return lambda: mla_launch(case["q_nope"], case["q_pe"], case["kv_cache"], case["block_table"], case["seq_lens"],
                               None, scale=scale, kv_format="fp8_e4m3" if case["kv_scale"] is not None else "auto",
                               kv_scale=case["kv_scale"], sinks=None, tree_mask=None, out=out)
@@ -86,6 +91,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rope", type=int, default=64, help="P, the rotary part's width")
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--kv-format", default="bf16", choices=["bf16", "fp8_e4m3"])
+    parser.add_argument("--backend", default="triton",
+                        help="the attnops backend the op is pinned to (default triton; auto: dispatch's choice)")
     parser.add_argument("--launch", action="store_true", help="time the kernel launcher, not the registered op")
     parser.add_argument("--json", help="write the records here")
     args = parser.parse_args(argv)
@@ -101,7 +108,7 @@ def main(argv=None) -> int:
             case = make_case(batch, kv_len, heads, args.latent, args.rope, args.page_size, args.kv_format)
             scale = 1 / math.sqrt(192)  # DeepSeek's (qk_nope 128 + rope 64)^-0.5: not (R + P)^-0.5
             out = torch.empty_like(case["q_nope"])
-            fn = attnops_fn(case, scale, out, not args.launch)
+            fn = attnops_fn(case, scale, out, not args.launch, args.backend)
             fn()
             # checked on the first two sequences (the float64 reference loops on the host)
             sub = slice(0, min(batch, 2))

@@ -51,7 +51,8 @@ def mla_launch(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, *, s
     capacity = block_table.shape[1] * page_size
     plan = mla_plan(num_tokens, num_heads, capacity, latent, q_nope.is_cuda and not interpreting())
     plan.update(config or {})
-    splits = plan["MAX_SPLITS"]
+    # the splits cover the table whatever CHUNK a config gives
+    splits = plan["MAX_SPLITS"] = triton.cdiv(max(capacity, 1), plan["CHUNK"])
     fp8 = kv_format == "fp8_e4m3"
     kv = kv_cache.view(torch.uint8) if fp8 else kv_cache
     r_p2, p_p2 = triton.next_power_of_2(latent), triton.next_power_of_2(rope)
