@@ -368,6 +368,115 @@ def _kv_tiles(lo, hi, split_hi, acc, acc_o, m_i, l_i, qa, qb, k_ptr, v_ptr, ks_p
 # Runtime values that change from call to call (batch size, window, split plan, the sizes the bounds checks compare
 # with, the block table's width) must not be specialized on (Triton compiles a variant for an int argument equal to
 # 1 or divisible by 16): a batch of 1, MAX_SPLITS=1 or a table of 3 pages a row reuses the same binary.
+@triton.jit
+def _program(NUM_KV_HEADS: tl.constexpr, HEADS_INNER: tl.constexpr, IS_DECODE: tl.constexpr):
+    """This program's (query block, KV head, split). HEADS_INNER: axis 0 walks (query block, KV head) with the
+    heads fastest, so that the programs the GPU runs at the same time read every head of the same pages (an NHD page
+    holds all heads of its tokens side by side) rather than one head of many pages; otherwise axis 0 walks query
+    blocks and axis 1 the KV heads."""
+    if HEADS_INNER:
+        pid_q = tl.program_id(0) // NUM_KV_HEADS
+        kvh = tl.program_id(0) % NUM_KV_HEADS
+        num_q_programs = tl.num_programs(0) // NUM_KV_HEADS
+    else:
+        pid_q = tl.program_id(0)
+        kvh = tl.program_id(1)
+        num_q_programs = tl.num_programs(0)
+    if not IS_DECODE:
+        # heaviest first: a sequence's last query blocks see the most keys, and the grid runs roughly in order,
+        # so walking it backwards leaves the short blocks for the tail (longest-processing-time scheduling)
+        pid_q = num_q_programs - 1 - pid_q
+    return pid_q, kvh, tl.program_id(2)
+
+
+@triton.jit
+def _folded_scales(ks_ptr, vs_ptr, kvh, stride_ksh, stride_vsh, sm_scale, FMT: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                   HAS_SOFTCAP: tl.constexpr):
+    """(score scale, output multiplier): the per-tensor (stride 0) or per-head fp8 scales folded, k into the score
+    scale, v into the output; 4-bit tiles' fp4_fold taken out of both; log2(e) in the score scale (base-2 softmax)
+    unless a soft cap must see the natural scores first."""
+    qk_scale = sm_scale
+    v_mul = 1.0
+    if FMT == FMT_FP8:
+        qk_scale = qk_scale * tl.load(ks_ptr + kvh * stride_ksh)
+        v_mul = tl.load(vs_ptr + kvh * stride_vsh)
+    if FMT == FMT_NVFP4 or FMT == FMT_MXFP4:  # _load_fp4_tile's values are value x scale x fp4_fold
+        qk_scale = qk_scale / fp4_fold(FMT, DOT_DTYPE)
+        v_mul = v_mul / fp4_fold(FMT, DOT_DTYPE)
+    if not HAS_SOFTCAP:
+        qk_scale = qk_scale * LOG2E
+    return qk_scale, v_mul
+
+
+@triton.jit
+def _load_q(q_ptr, q_row_off, row_valid, HEAD_DIM: tl.constexpr, PAIRED_K: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """The rows' queries as dot operands: whole, or (PAIRED_K) their even and odd elements as two tiles."""
+    if PAIRED_K:
+        offs_d = tl.arange(0, HEAD_DIM // 2)
+        q_e = tl.load(q_ptr + q_row_off[:, None] + 2 * offs_d[None, :], mask=row_valid[:, None], other=0.0)
+        q_o = tl.load(q_ptr + q_row_off[:, None] + 2 * offs_d[None, :] + 1, mask=row_valid[:, None], other=0.0)
+        qa = q_e.to(DOT_DTYPE)
+        qb = q_o.to(DOT_DTYPE)
+    else:
+        offs_d = tl.arange(0, HEAD_DIM)
+        q = tl.load(q_ptr + q_row_off[:, None] + offs_d[None, :], mask=row_valid[:, None], other=0.0)
+        qa = q.to(DOT_DTYPE)
+        qb = qa
+    return qa, qb
+
+
+@triton.jit
+def _write_rows(acc, acc_o, m_i, l_i, v_mul, seq_bad, row_bad, n_splits, split, MAX_SPLITS, tok, row_head, row_valid,
+                sinks_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, stride_ot, stride_oh,
+                NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAIRED_V: tl.constexpr, HAS_SINKS: tl.constexpr,
+                WRITE_LSE: tl.constexpr, BOUNDS: tl.constexpr):
+    """A program's rows after its key loop: normalized (v_mul: the V scale folded out of the dots), NaN (with
+    BOUNDS) where the sequence's length is bad, the row saw a bad page's key or its sum is NaN, written to out (and lse) when its sequence has one split, else as this split's partial
+    (normalized output, base-2 LSE) for merge_splits_kernel."""
+    has_keys = l_i > 0.0
+    inv_l = tl.where(has_keys, v_mul / tl.where(has_keys, l_i, 1.0), 0.0)  # no key seen: the row is 0
+    if BOUNDS:
+        # (a NaN sum: it read a NaN; has_keys is false there, and 0 x a NaN accumulator would depend on the hardware)
+        poison = (l_i != l_i) | seq_bad | row_bad
+        inv_l = tl.where(poison, float("nan"), inv_l)
+    if PAIRED_V:
+        col = 2 * tl.arange(0, HEAD_DIM // 2)
+    else:
+        col = tl.arange(0, HEAD_DIM)
+    if n_splits == 1:
+        if HAS_SINKS:
+            # the sink joins the denominator: out = acc e^(m-M) / (l e^(m-M) + e^(s-M)), M = max(m, s) (base 2)
+            sink = tl.load(sinks_ptr + row_head, mask=row_valid, other=0.0) * LOG2E
+            # a row with no key stays 0 (inv_l is 0 there): with a sink of -inf too, M would be -inf and the
+            # factor NaN, so M falls back to 0 and the factor to 1
+            big = tl.maximum(m_i, sink)
+            big = tl.where(big == float("-inf"), 0.0, big)
+            keep = tl.exp2(m_i - big) * l_i
+            inv_l = inv_l * tl.where(has_keys, keep / tl.where(has_keys, keep + tl.exp2(sink - big), 1.0), 1.0)
+        o_ptr = out_ptr + tok[:, None] * stride_ot + row_head.to(tl.int64)[:, None] * stride_oh + col[None, :]
+        tl.store(o_ptr, (acc * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+        if PAIRED_V:
+            tl.store(o_ptr + 1, (acc_o * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+        if WRITE_LSE:
+            # base 2 like the scores; no key: -inf, or with a sink its term alone (a merge stays exact)
+            row_lse = m_i + _log2_or_neg_inf(l_i)
+            if HAS_SINKS:
+                row_lse = _log2_add_exp2(row_lse, sink)
+            if BOUNDS:
+                row_lse = tl.where(poison, float("nan"), row_lse)
+            tl.store(lse_ptr + tok * NUM_Q_HEADS + row_head, row_lse * LN2, mask=row_valid)
+    else:
+        part_row = (tok * NUM_Q_HEADS + row_head) * MAX_SPLITS + split  # int64
+        p_ptr = part_out_ptr + part_row[:, None] * HEAD_DIM + col[None, :]
+        tl.store(p_ptr, acc * inv_l[:, None], mask=row_valid[:, None])
+        if PAIRED_V:
+            tl.store(p_ptr + 1, acc_o * inv_l[:, None], mask=row_valid[:, None])
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        if BOUNDS:  # NaN weighs every split of the row NaN in the merge, whatever the other splits' LSEs
+            lse = tl.where(poison, float("nan"), lse)
+        tl.store(part_lse_ptr + part_row, lse, mask=row_valid)
+
+
 @triton.jit(do_not_specialize=["num_seqs", "window_left", "MAX_SPLITS", "CHUNK", "num_tokens", "num_pages",
                                "capacity", "stride_table", "stride_tm", "tm_cols"])
 def paged_attention_kernel(
@@ -390,23 +499,7 @@ def paged_attention_kernel(
 ):
     if PDL:  # the merge kernel may start now: its programs wait (griddepcontrol.wait) before reading partials
         gdc_launch_dependents()
-    # HEADS_INNER: axis 0 walks (query block, KV head) with the heads fastest, so that the programs the GPU runs
-    # at the same time read every head of the same pages (an NHD page holds all heads of its tokens side by side)
-    # rather than one head of many pages; otherwise axis 0 walks query blocks and axis 1 the KV heads.
-    NUM_KV_HEADS: tl.constexpr = NUM_Q_HEADS // GROUP
-    if HEADS_INNER:
-        pid_q = tl.program_id(0) // NUM_KV_HEADS
-        kvh = tl.program_id(0) % NUM_KV_HEADS
-        num_q_programs = tl.num_programs(0) // NUM_KV_HEADS
-    else:
-        pid_q = tl.program_id(0)
-        kvh = tl.program_id(1)
-        num_q_programs = tl.num_programs(0)
-    if not IS_DECODE:
-        # heaviest first: a sequence's last query blocks see the most keys, and the grid runs roughly in order,
-        # so walking it backwards leaves the short blocks for the tail (longest-processing-time scheduling)
-        pid_q = num_q_programs - 1 - pid_q
-    split = tl.program_id(2)
+    pid_q, kvh, split = _program(NUM_Q_HEADS // GROUP, HEADS_INNER, IS_DECODE)
 
     # --- which sequence and which of its query tokens -------------------------------------------------------
     if IS_DECODE:
@@ -500,17 +593,8 @@ def paged_attention_kernel(
         split_end = split_hi  # (the keys checked after the loop, with CLAMP)
         split_hi = tl.where(no_read, split_lo, split_hi)
 
-    # per-tensor (stride 0) or per-head fp8 scales, folded: k into the score scale, v into the output
-    qk_scale = sm_scale
-    v_mul = 1.0
-    if FMT == FMT_FP8:
-        qk_scale = qk_scale * tl.load(ks_ptr + kvh * stride_ksh)
-        v_mul = tl.load(vs_ptr + kvh * stride_vsh)
-    if FMT == FMT_NVFP4 or FMT == FMT_MXFP4:  # _load_fp4_tile's values are value x scale x fp4_fold
-        qk_scale = qk_scale / fp4_fold(FMT, DOT_DTYPE)
-        v_mul = v_mul / fp4_fold(FMT, DOT_DTYPE)
-    if not HAS_SOFTCAP:
-        qk_scale = qk_scale * LOG2E
+    qk_scale, v_mul = _folded_scales(ks_ptr, vs_ptr, kvh, stride_ksh, stride_vsh, sm_scale, FMT, DOT_DTYPE,
+                                     HAS_SOFTCAP)
 
     IS_FP4: tl.constexpr = FMT == FMT_NVFP4 or FMT == FMT_MXFP4
     # V_DEQUANT_FIRST (fp8, 4-bit): Triton moves V's conversion (a cast, or the 4-bit decode) behind the change to
@@ -526,17 +610,7 @@ def paged_attention_kernel(
     # V's even and odd elements in two tiles and two accumulators (output columns interleaved at the end): 4-bit
     # (_load_fp4_tile) and, with FP8_V_PAIRS, fp8 (_load_fp8_pairs)
     PAIRED_V: tl.constexpr = IS_FP4 or (FMT == FMT_FP8 and FP8_V_PAIRS)
-    if PAIRED_K:
-        offs_d = tl.arange(0, HALF)
-        q_e = tl.load(q_ptr + q_row_off[:, None] + 2 * offs_d[None, :], mask=row_valid[:, None], other=0.0)
-        q_o = tl.load(q_ptr + q_row_off[:, None] + 2 * offs_d[None, :] + 1, mask=row_valid[:, None], other=0.0)
-        qa = q_e.to(DOT_DTYPE)
-        qb = q_o.to(DOT_DTYPE)
-    else:
-        offs_d = tl.arange(0, HEAD_DIM)
-        q = tl.load(q_ptr + q_row_off[:, None] + offs_d[None, :], mask=row_valid[:, None], other=0.0)
-        qa = q.to(DOT_DTYPE)
-        qb = qa
+    qa, qb = _load_q(q_ptr, q_row_off, row_valid, HEAD_DIM, PAIRED_K, DOT_DTYPE)
     if PAIRED_V:
         acc = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
         acc_o = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
@@ -593,49 +667,13 @@ def paged_attention_kernel(
         row_bad = row_bad | (split_bad > 0)
 
     # --- epilogue: normalized output, directly or as a split partial ---------------------------------------
-    has_keys = l_i > 0.0
-    inv_l = tl.where(has_keys, v_mul / tl.where(has_keys, l_i, 1.0), 0.0)  # no key seen: the row is 0
-    if BOUNDS:
-        # NaN: every row of a bad length or that sees a bad page's key, and every row whose sum is NaN (it read a
-        # NaN; has_keys is false there, and 0 x a NaN accumulator would depend on the hardware)
-        poison = (l_i != l_i) | seq_bad | row_bad
-        inv_l = tl.where(poison, float("nan"), inv_l)
-    if PAIRED_V:
-        col = 2 * tl.arange(0, HALF)
-    else:
-        col = tl.arange(0, HEAD_DIM)
-    if n_splits == 1:
-        if HAS_SINKS:
-            # the sink joins the denominator: out = acc e^(m-M) / (l e^(m-M) + e^(s-M)), M = max(m, s) (base 2)
-            sink = tl.load(sinks_ptr + row_head, mask=row_valid, other=0.0) * LOG2E
-            # a row with no key stays 0 (inv_l is 0 there): with a sink of -inf too, M would be -inf and the
-            # factor NaN, so M falls back to 0 and the factor to 1
-            big = tl.maximum(m_i, sink)
-            big = tl.where(big == float("-inf"), 0.0, big)
-            keep = tl.exp2(m_i - big) * l_i
-            inv_l = inv_l * tl.where(has_keys, keep / tl.where(has_keys, keep + tl.exp2(sink - big), 1.0), 1.0)
-        o_ptr = out_ptr + tok[:, None] * stride_ot + row_head.to(tl.int64)[:, None] * stride_oh + col[None, :]
-        tl.store(o_ptr, (acc * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
-        if PAIRED_V:
-            tl.store(o_ptr + 1, (acc_o * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
-        if WRITE_LSE:
-            # base 2 like the scores; no key: -inf, or with a sink its term alone (a merge stays exact)
-            row_lse = m_i + _log2_or_neg_inf(l_i)
-            if HAS_SINKS:
-                row_lse = _log2_add_exp2(row_lse, sink)
-            if BOUNDS:
-                row_lse = tl.where(poison, float("nan"), row_lse)
-            tl.store(lse_ptr + tok * NUM_Q_HEADS + row_head, row_lse * LN2, mask=row_valid)
-    else:
-        part_row = (tok * NUM_Q_HEADS + row_head) * MAX_SPLITS + split  # int64
-        p_ptr = part_out_ptr + part_row[:, None] * HEAD_DIM + col[None, :]
-        tl.store(p_ptr, acc * inv_l[:, None], mask=row_valid[:, None])
-        if PAIRED_V:
-            tl.store(p_ptr + 1, acc_o * inv_l[:, None], mask=row_valid[:, None])
-        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-        if BOUNDS:  # NaN weighs every split of the row NaN in the merge, whatever the other splits' LSEs
-            lse = tl.where(poison, float("nan"), lse)
-        tl.store(part_lse_ptr + part_row, lse, mask=row_valid)
+    if not BOUNDS:
+        seq_bad = False  # (unused)
+        row_bad = False
+    _write_rows(acc, acc_o, m_i, l_i, v_mul, seq_bad, row_bad, n_splits, split, MAX_SPLITS, tok, row_head, row_valid,
+                sinks_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, stride_ot, stride_oh,
+                NUM_Q_HEADS=NUM_Q_HEADS, HEAD_DIM=HEAD_DIM, PAIRED_V=PAIRED_V, HAS_SINKS=HAS_SINKS,
+                WRITE_LSE=WRITE_LSE, BOUNDS=BOUNDS)
 
 
 @triton.jit(do_not_specialize=["num_seqs", "window_left", "MAX_SPLITS", "CHUNK", "capacity"])
