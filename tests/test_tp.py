@@ -1,7 +1,12 @@
-"""Tensor parallelism (attnops.hf.tp): a transformers decoder sharded over 2 ranks (gloo, on the CPU here; NCCL on
-GPUs) and served through attnops.hf gives the same greedy tokens as 1 rank for 64 steps of continuous batching
-(Llama; Qwen2, whose q/k/v have biases). Sharding keeps each rank's rows and columns, makes the config local, and
-refuses counts that do not divide."""
+"""Tensor parallelism (attnops.hf.tp): transformers' own plan (from_pretrained with DistributedConfig, DTensor) over
+2 ranks (gloo, on the CPU here; NCCL on GPUs) served through attnops.hf gives the same greedy tokens as 1 rank, for
+64 steps of continuous batching (serving_model + paged_kv_cache) and for generate with a PagedCache: Llama loaded
+from a checkpoint directory with tp_plan "auto", Qwen2 (q/k/v biases, a sliding-window layer) through
+attnops.hf.tp.shard. Each rank keeps its heads' rows (and their biases) and o_proj's columns, and model_shape reads
+this rank's heads from the config; counts that do not divide and plans that leave the attention whole are refused.
+
+transformers' tensor-parallel load needs `accelerate` (its device-map check, on CPUs too): the 2-rank tests skip
+without it."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -10,7 +15,7 @@ import torch.multiprocessing as mp
 pytest.importorskip("transformers")
 
 import attnops.hf  # noqa: E402
-from attnops.hf.tp import RowParallelLinear, shard  # noqa: E402
+from attnops.hf.tp import heads_per_rank, shard  # noqa: E402
 from attnops.serving.generate import Generator  # noqa: E402
 from conftest import build, make_config  # noqa: E402
 
@@ -29,7 +34,7 @@ def full_model(family="llama"):
 
 
 @torch.no_grad()
-def generate(model):
+def serve(model):
     """64 steps with requests joining (two waves) and leaving (different lengths)."""
     cache = attnops.hf.paged_kv_cache(model.config, 64, page_size=16, kv_format="fp32")
     gen = Generator(attnops.hf.serving_model(model), cache, max_batch=4, max_seq_len=160)
@@ -41,67 +46,105 @@ def generate(model):
             for i in range(3, 6):
                 gen.add_request(i, prompts[i][: 5 + 7 * i], max_new_tokens=30)
         gen.step()
+    assert not gen.failed, gen.failed
     return {r.req_id: r.output for r in list(gen.finished.values()) + list(gen.running.values())}
 
 
-def rank_main(rank, world, store, path, family):
+@torch.no_grad()
+def generate(model):
+    """transformers' generate with a PagedCache: a batch of 2, the second row left-padded."""
+    ids = torch.randint(1, SHAPE["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    cache = attnops.hf.PagedCache(model.config, max_cache_len=64, kv_format="fp32")
+    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=16, do_sample=False)
+    return out[:, ids.shape[1]:].tolist()
+
+
+def rank_main(rank, world, store, checkpoint, path, family):
+    import transformers
+    from transformers.distributed import DistributedConfig
     # a file store, not a TCP port: no port to pick and lose to another process between picking and binding
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        model = shard(full_model(family), rank, world)
-        assert model.config.num_key_value_heads == SHAPE["num_key_value_heads"] // world
-        tokens = generate(model)
+        if checkpoint:
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                checkpoint, attn_implementation=attnops.hf.ATTN_IMPLEMENTATION, dtype=torch.float32,
+                distributed_config=DistributedConfig(tp_size=world, tp_plan="auto")).eval()
+        else:
+            whole = full_model(family)
+            model = shard(whole, rank, world)
+            check_blocks(model, whole, rank)
+        shape = attnops.hf.model_shape(model.config)  # what the serving kit, the KV cache and PagedCache read
+        assert (shape.num_attention_heads, shape.num_key_value_heads, shape.head_dim) == (4, 1, 32)
+        result = {"serve": serve(model), "generate": generate(model)}
         if rank == 0:
-            torch.save(tokens, path)
+            torch.save(result, path)
         dist.barrier()  # no rank tears the group down while another still has collectives in flight
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_tp2_greedy_tokens_equal_tp1(tmp_path, family):
-    expected = generate(full_model(family))
+def check_blocks(model, whole, rank):
+    """This rank's rows of q/k/v (and of their biases), columns of o_proj and down_proj, rows of up_proj."""
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    whole_attn, whole_mlp = whole.model.layers[0].self_attn, whole.model.layers[0].mlp
+    q, kv, f = (slice(n * rank, n * (rank + 1)) for n in (128, 32, 256))  # 4 heads, 1 KV head, half the MLP
+    for local, full in ((attn.q_proj.weight, whole_attn.q_proj.weight[q]),
+                        (attn.k_proj.bias, whole_attn.k_proj.bias[kv]),
+                        (attn.v_proj.weight, whole_attn.v_proj.weight[kv]),
+                        (attn.o_proj.weight, whole_attn.o_proj.weight[:, q]),
+                        (mlp.up_proj.weight, whole_mlp.up_proj.weight[f]),
+                        (mlp.down_proj.weight, whole_mlp.down_proj.weight[:, f])):
+        torch.testing.assert_close(local.to_local(), full, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family,loaded", [("llama", "from_pretrained"), ("qwen2", "shard")])
+def test_tp2_greedy_tokens_equal_tp1(tmp_path, family, loaded):
+    pytest.importorskip("accelerate", reason="transformers' tensor-parallel load needs accelerate")
+    model = full_model(family)
+    expected = {"serve": serve(model), "generate": generate(model)}
+    checkpoint = ""
+    if loaded == "from_pretrained":
+        checkpoint = str(tmp_path / "checkpoint")
+        model.save_pretrained(checkpoint)
     path = tmp_path / "tp2.pt"
-    mp.spawn(rank_main, args=(2, str(tmp_path / "store"), str(path), family), nprocs=2, join=True)
+    mp.spawn(rank_main, args=(2, str(tmp_path / "store"), checkpoint, str(path), family), nprocs=2, join=True)
     got = torch.load(path)
-    assert sorted(got) == sorted(expected) == list(range(6))
-    assert sum(len(t) for t in expected.values()) > 150
-    assert len({t for tokens in expected.values() for t in tokens}) > 20, "the model repeats itself: a weak check"
-    for req_id in expected:
-        assert got[req_id] == expected[req_id], f"request {req_id}"
+    assert sorted(got["serve"]) == sorted(expected["serve"]) == list(range(6))
+    assert sum(len(t) for t in expected["serve"].values()) > 150
+    tokens = {t for tokens in expected["serve"].values() for t in tokens}
+    assert len(tokens) > 20, "the model repeats itself: a weak check"
+    for req_id in expected["serve"]:
+        assert got["serve"][req_id] == expected["serve"][req_id], f"request {req_id}"
+    assert got["generate"] == expected["generate"]
 
 
-def test_shard_splits_heads_mlp_and_biases_and_makes_the_config_local():
-    full = full_model("qwen2")
-    local = shard(full_model("qwen2"), 1, 2)
-    attn, mlp = local.model.layers[0].self_attn, local.model.layers[0].mlp
-    whole_attn, whole_mlp = full.model.layers[0].self_attn, full.model.layers[0].mlp
-    assert attn.q_proj.weight.shape == (4 * 32, 256) and attn.k_proj.weight.shape == (1 * 32, 256)
-    assert attn.q_proj.bias.shape == (4 * 32,) and attn.v_proj.bias.shape == (32,)
-    assert isinstance(attn.o_proj, RowParallelLinear) and attn.o_proj.weight.shape == (256, 4 * 32)
-    assert isinstance(mlp.down_proj, RowParallelLinear) and mlp.down_proj.weight.shape == (256, 256)
-    assert mlp.gate_proj.weight.shape == mlp.up_proj.weight.shape == (256, 256)
-    # rank 1's block: the second half of the rows (column parallel) and of the columns (row parallel)
-    torch.testing.assert_close(attn.q_proj.weight, whole_attn.q_proj.weight[128:], rtol=0, atol=0)
-    torch.testing.assert_close(attn.k_proj.bias, whole_attn.k_proj.bias[32:], rtol=0, atol=0)
-    torch.testing.assert_close(attn.o_proj.weight, whole_attn.o_proj.weight[:, 128:], rtol=0, atol=0)
-    torch.testing.assert_close(mlp.up_proj.weight, whole_mlp.up_proj.weight[256:], rtol=0, atol=0)
-    torch.testing.assert_close(mlp.down_proj.weight, whole_mlp.down_proj.weight[:, 256:], rtol=0, atol=0)
-    shape = attnops.hf.model_shape(local.config)  # what the serving kit and the KV cache read
+def test_heads_per_rank_follows_the_plan_and_refuses_counts_that_do_not_divide():
+    from transformers.distributed import DistributedConfig
+    config = make_config("llama", **SHAPE)
+    assert heads_per_rank(config, 8, 2) == (8, 2)  # no distributed config: the whole model
+    config.distributed_config = DistributedConfig(tp_size=2)
+    shape = attnops.hf.model_shape(config)
     assert (shape.num_attention_heads, shape.num_key_value_heads, shape.head_dim) == (4, 1, 32)
-    assert local.config.intermediate_size == 256 and local.config.hidden_size == 256
+    config.distributed_config = DistributedConfig(tp_size=2, tp_plan={})  # no rules: attention whole
+    assert heads_per_rank(config, 8, 2) == (8, 2)
+    config.distributed_config = DistributedConfig(tp_size=4)
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        attnops.hf.model_shape(config)  # 2 KV heads over 4 ranks
+    config.distributed_config = DistributedConfig(tp_size=2, tp_plan={"layers.*.self_attn.k_proj": "colwise_rep"})
+    with pytest.raises(ValueError, match="colwise"):
+        heads_per_rank(config, 8, 2)
 
 
 def test_shard_refuses_counts_that_do_not_divide_and_models_it_cannot_split():
     with pytest.raises(ValueError, match="num_key_value_heads"):
         shard(full_model(), 0, 4)  # 2 KV heads over 4 ranks
-    with pytest.raises(ValueError, match="intermediate_size"):
-        shard(build(make_config("llama", **{**SHAPE, "intermediate_size": 257}), "eager"), 0, 2)
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        shard(full_model(), 0, 3)
     with pytest.raises(ValueError, match="rank"):
         shard(full_model(), 2, 2)
-    with pytest.raises(ValueError, match=r"mlp\.gate_proj"):  # gpt-oss: experts, not a dense MLP
-        shard(build(make_config("gpt-oss"), "eager"), 0, 2)
-    model = full_model()
-    with pytest.raises(ValueError, match="num_attention_heads"):
-        shard(model, 0, 3)
-    assert model.model.layers[0].self_attn.q_proj.weight.shape == (256, 256), "a refused shard changed the model"
+    with pytest.raises(ValueError, match="does not split the attention heads"):  # gpt-oss: experts, its plan
+        shard(build(make_config("gpt-oss"), "eager"), 0, 2)                     # splits the embeddings only
+    with pytest.raises(ValueError, match="no process group"):
+        shard(full_model(), 0, 2)

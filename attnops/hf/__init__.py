@@ -11,8 +11,9 @@ cache and the decode loop are attnops'.
     kv = attnops.hf.paged_kv_cache(model.config, num_pages=4096, kv_format="bf16", device="cuda")
     gen = Generator(served, kv, max_batch=64, max_seq_len=4096, compile=True, cuda_graphs=True)
 
-    # tensor parallelism over torch.distributed ranks (before serving_model and paged_kv_cache): attnops.hf.tp
-    attnops.hf.tp.shard(model, rank, world_size)
+    # tensor parallelism (before serving_model and paged_kv_cache) is transformers' plan: from_pretrained(...,
+    # distributed_config=DistributedConfig(tp_size=N)) under torchrun, or for a model built whole on every rank:
+    model = attnops.hf.tp.shard(model, rank, world_size)
 
 Every attention layer writes its new keys and values with `torch.ops.attnops.reshape_and_cache` and attends with
 `torch.ops.attnops.paged_attention` (prefill in the cu_seqlens_q form, decode with cu_seqlens_q=None), with the

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..serving.kv_cache import BatchMetadata, PagedKVCache
+from . import tp
 from .attention import ATTN_IMPLEMENTATION
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -25,8 +26,8 @@ ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 @dataclass(frozen=True)
 class ModelShape:
     """What the serving kit reads from a model's config: the KV cache's layers, KV heads and head_dim, the query
-    heads the demo asks dispatch about, the vocabulary its prompts are drawn from. After attnops.hf.tp.shard, this
-    rank's heads."""
+    heads the demo asks dispatch about, the vocabulary its prompts are drawn from. Under transformers' tensor
+    parallelism (config.distributed_config, see attnops.hf.tp), this rank's heads."""
 
     num_hidden_layers: int
     num_attention_heads: int
@@ -40,6 +41,7 @@ class ModelShape:
 def model_shape(config) -> ModelShape:
     """The attention shape of a transformers decoder config (its text config, for a multimodal one); every layer
     must be an attention layer with the same heads and head_dim."""
+    whole = config  # transformers' distributed config is on the whole model's config
     if hasattr(config, "get_text_config"):
         config = config.get_text_config(decoder=True)
     for name in ("num_hidden_layers", "num_attention_heads", "hidden_size", "vocab_size"):
@@ -53,6 +55,7 @@ def model_shape(config) -> ModelShape:
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    heads, kv_heads = tp.heads_per_rank(whole, heads, kv_heads)
     return ModelShape(config.num_hidden_layers, heads, kv_heads, head_dim, config.hidden_size, config.vocab_size,
                       getattr(config, "model_type", ""))
 

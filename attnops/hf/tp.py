@@ -1,150 +1,133 @@
-"""Tensor parallelism for a transformers decoder served through attnops, over torch.distributed (NCCL on GPUs, gloo
-on CPUs).
+"""Tensor parallelism for a transformers decoder served through attnops: transformers' own plan (the model's
+`base_model_tp_plan`, applied by `from_pretrained(..., distributed_config=DistributedConfig(tp_size=N))` with
+DTensor), over torch.distributed (NCCL on GPUs, gloo on CPUs). attnops adds no sharding of its own.
 
-Each rank keeps 1/N of the heads and of the MLP: q/k/v and gate/up projections split by output rows (column
-parallel: a bias, such as Qwen2's on q/k/v, goes with its rows), o_proj and down_proj by input columns (row
-parallel) followed by one all-reduce each (a bias of theirs is added once, after it), so every decoder layer costs
-two all-reduces (attention, MLP) and the embeddings, norms and lm_head are replicated. The all-reduce is the
-functional collective, which torch.compile traces without a graph break.
-
-The model's config is made local too (heads, KV heads and intermediate size divided by N, head_dim written out), so
-that what reads it sees this rank's share: serving_model's shape, paged_kv_cache (each rank's KV cache holds its
-own KV heads), PagedCache. transformers' attention layers reshape q/k/v by head_dim (not by head counts) and keep
-num_key_value_groups, a ratio that sharding leaves as it is; the attention function takes its head counts from
-the tensors.
-
-    model = attnops.hf.families.load("llama", device=f"cuda:{rank}", dtype=torch.bfloat16)  # the same on every rank
-    attnops.hf.tp.shard(model, rank, world_size)                                            # in place
+    # under torchrun, every rank:
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="attnops",
+                                                 distributed_config=DistributedConfig(tp_size=world_size))
+    # or a model built whole on every rank (the same weights), e.g. attnops.hf.families.load(...):
+    model = attnops.hf.tp.shard(model, rank, world_size)                   # a new model; `model` is left whole
     gen = Generator(attnops.hf.serving_model(model), attnops.hf.paged_kv_cache(model.config, ...), ...)
 
     torchrun --nproc-per-node 2 -m attnops.hf.tp --batch 32     # the demo's decode loop, TP over 2 GPUs
 
-Decoders whose layers hold self_attn.{q,k,v,o}_proj and mlp.{gate,up,down}_proj as Linear layers: Llama, Qwen2
-(tests/test_tp.py: 2 ranks give 1 rank's greedy tokens), Qwen3, Mistral, Gemma-2. gpt-oss (experts, sinks) is
-refused.
+What transformers does (Llama, Qwen2, Qwen3, Mistral, Gemma-2's plan): q/k/v and gate/up split by output rows
+(colwise; a bias goes with its rows), o_proj and down_proj by input columns (rowwise: one all-reduce each, a bias
+added once after it), the input embeddings by vocabulary rows (an all-reduce), lm_head by vocabulary rows with the
+logits gathered; norms replicated. Under no_grad (attnops' serving loop, generate) the Linear layers run on their
+local shards, so the attention function gets this rank's heads as plain tensors and takes its head counts from
+them; torch.compile(fullgraph=True) traces the step, all-reduces included, without a graph break.
+
+The config is left as transformers leaves it (the whole model's counts, and `config.distributed_config`);
+`heads_per_rank` reads this rank's heads from it, and `attnops.hf.model_shape` (so serving_model, paged_kv_cache,
+PagedCache) uses it: each rank's KV cache holds its own KV heads.
+
+transformers needs `accelerate` installed for any tensor-parallel load (its device-map check), on CPUs too.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed import _functional_collectives as funcol
 
-COLUMN_PARALLEL = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
-ROW_PARALLEL = {"self_attn": "o_proj", "mlp": "down_proj"}
-SHARDED_COUNTS = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
-
-
-def _block(tensor: torch.Tensor, rank: int, world_size: int, dim: int) -> torch.Tensor:
-    # a copy, so that the full tensor's storage can go
-    return tensor.chunk(world_size, dim=dim)[rank].clone()
+# the projections whose output rows are the attention's keys, fused or not (as transformers' own
+# get_kv_heads_per_rank, which sizes its StaticCache under tensor parallelism, reads them)
+KEY_PROJECTIONS = ("k_proj", "qkv_proj", "query_key_value")
 
 
-class RowParallelLinear(nn.Module):
-    """A Linear holding this rank's block of the input features: the partial products of all ranks are summed
-    (one all-reduce), then the bias, if any, is added once."""
-
-    def __init__(self, linear: nn.Linear, rank: int, world_size: int, group=None):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features // world_size, linear.out_features
-        self.weight = nn.Parameter(_block(linear.weight.data, rank, world_size, 1),
-                                   requires_grad=linear.weight.requires_grad)
-        self.bias = linear.bias  # whole, on every rank
-        self.group = group if group is not None else dist.group.WORLD
-
-    def forward(self, x):
-        out = funcol.all_reduce(nn.functional.linear(x, self.weight), "sum", self.group)
-        return out if self.bias is None else out + self.bias
-
-
-def _column_parallel(linear: nn.Linear, rank: int, world_size: int) -> None:
-    """This rank's block of output rows, weight and bias, in place."""
-    linear.weight = nn.Parameter(_block(linear.weight.data, rank, world_size, 0),
-                                 requires_grad=linear.weight.requires_grad)
-    if linear.bias is not None:
-        linear.bias = nn.Parameter(_block(linear.bias.data, rank, world_size, 0),
-                                   requires_grad=linear.bias.requires_grad)
-    linear.out_features //= world_size
-
-
-def text_config(model: nn.Module):
-    config = model.config
+def _text_config(config):
     return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
 
 
-def local_counts(config, world_size: int) -> dict:
-    """This rank's heads, KV heads and intermediate size, and head_dim (unchanged, written out); a ValueError
-    names the first count that does not divide."""
+def _tp_size(config) -> int:
+    return getattr(getattr(config, "distributed_config", None), "tp_size", None) or 1
+
+
+def _plan(config) -> dict:
+    """The tensor-parallel plan of `config`'s model as the config tells it: the model's own (base_model_tp_plan,
+    of the text config and of the whole), with a dict `distributed_config.tp_plan` over it (`{}`: no rules)."""
+    override = getattr(getattr(config, "distributed_config", None), "tp_plan", None)
+    if isinstance(override, dict) and not override:
+        return {}
+    plan = {}
+    for part in {id(c): c for c in (_text_config(config), config)}.values():
+        plan.update(getattr(part, "base_model_tp_plan", None) or {})
+    if isinstance(override, dict):
+        plan.update(override)
+    return plan
+
+
+def heads_per_rank(config, heads: int, kv_heads: int, tp_size: int | None = None) -> tuple[int, int]:
+    """This rank's query and KV heads of a model with `heads` and `kv_heads` under transformers' tensor
+    parallelism over `tp_size` ranks (default: `config.distributed_config.tp_size`, which from_pretrained sets; 1
+    without it): divided when the plan splits the key projection by rows ("colwise"), whole when it leaves the
+    attention replicated (gpt-oss's plan splits only the embeddings). A ValueError names a count that does not
+    divide, or a style on the key projection that attnops does not read."""
+    tp_size = _tp_size(config) if tp_size is None else tp_size
+    if not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"attnops.hf.tp: the tensor-parallel size must be a positive int (got {tp_size!r})")
+    if tp_size == 1:
+        return heads, kv_heads
+    styles = {style for key, style in _plan(config).items() if key.rsplit(".", 1)[-1] in KEY_PROJECTIONS}
+    if not styles:
+        return heads, kv_heads
+    if styles != {"colwise"}:
+        raise ValueError(f"attnops.hf.tp: the tensor-parallel plan splits the key projection as {sorted(styles)}; "
+                         f"attnops reads heads per rank under 'colwise' only")
+    for name, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
+        if value % tp_size:
+            raise ValueError(f"attnops.hf.tp: tensor parallel over {tp_size} ranks needs config.{name} ({value}) "
+                             f"to divide evenly (each rank keeps whole heads)")
+    return heads // tp_size, kv_heads // tp_size
+
+
+def _heads(config) -> tuple[int, int]:
+    text = _text_config(config)
+    heads = text.num_attention_heads
+    return heads, getattr(text, "num_key_value_heads", None) or heads
+
+
+def shard(model: nn.Module, rank: int, world_size: int) -> nn.Module:
+    """This rank's share of `model` (a transformers causal LM, whole and the same on every rank) under
+    transformers' tensor-parallel plan: a new model, loaded by from_pretrained from `model`'s config and weights
+    with DistributedConfig(tp_size=world_size), in eval mode; `model` is left whole. torch.distributed must be
+    initialized with `world_size` ranks, this one `rank`. On GPUs transformers places the shard on
+    cuda:LOCAL_RANK (torchrun sets it); it must be `model`'s device."""
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"attnops.hf.tp: world_size must be a positive int (got {world_size!r})")
-    heads = config.num_attention_heads
-    counts = dict(num_attention_heads=heads, num_key_value_heads=getattr(config, "num_key_value_heads", None) or heads,
-                  intermediate_size=config.intermediate_size)
-    for name, value in counts.items():
-        if not isinstance(value, int) or value % world_size:
-            raise ValueError(f"attnops.hf.tp: tensor parallel over {world_size} ranks needs config.{name} "
-                             f"({value!r}) to divide evenly")
-    local = {name: value // world_size for name, value in counts.items()}
-    local["head_dim"] = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return local
-
-
-def decoder_layers(model: nn.Module) -> list:
-    """The layers of `model` with a self_attn and an mlp, each projection a Linear (a ValueError names what is
-    missing)."""
-    layers = [m for m in model.modules() if hasattr(m, "self_attn") and hasattr(m, "mlp")]
-    if not layers:
-        raise ValueError(f"attnops.hf.tp: {type(model).__name__} has no decoder layers with self_attn and mlp")
-    for i, layer in enumerate(layers):
-        for part, names in COLUMN_PARALLEL.items():
-            for name in names + (ROW_PARALLEL[part],):
-                if not isinstance(getattr(getattr(layer, part), name, None), nn.Linear):
-                    raise ValueError(f"attnops.hf.tp: layer {i}'s {part}.{name} is not a Linear layer "
-                                     f"({type(getattr(layer, part)).__name__}): tensor parallelism shards dense "
-                                     f"decoders (Llama, Qwen2, Qwen3, Mistral, Gemma-2)")
-    return layers
-
-
-def shard(model: nn.Module, rank: int, world_size: int, group=None) -> nn.Module:
-    """Keeps this rank's share of `model` (a transformers causal LM, the full model, the same on every rank), in
-    place, and makes its config local (see the module's docstring); returns `model`. `group`: the process group
-    of the all-reduces (default: the world, resolved now: call after init_process_group to run the model)."""
-    config = text_config(model)
-    local = local_counts(config, world_size)
     if not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"attnops.hf.tp: rank must be an int in [0, {world_size}) (got {rank!r})")
-    layers = decoder_layers(model)
-    # the full model's rows, which the config's counts must describe
-    full = {"q_proj": local["num_attention_heads"] * world_size * local["head_dim"],
-            "k_proj": local["num_key_value_heads"] * world_size * local["head_dim"],
-            "gate_proj": local["intermediate_size"] * world_size}
-    for i, layer in enumerate(layers):  # every layer checked before any is changed
-        for name, rows in full.items():
-            part = layer.mlp if name == "gate_proj" else layer.self_attn
-            if getattr(part, name).out_features != rows:
-                raise ValueError(f"attnops.hf.tp: layer {i}'s {name} has {getattr(part, name).out_features} "
-                                 f"outputs; the config says {rows}")
-    for layer in layers:
-        for part, names in COLUMN_PARALLEL.items():
-            module = getattr(layer, part)
-            for name in names:
-                _column_parallel(getattr(module, name), rank, world_size)
-            setattr(module, ROW_PARALLEL[part], RowParallelLinear(getattr(module, ROW_PARALLEL[part]), rank,
-                                                                  world_size, group))
-        if hasattr(layer.mlp, "intermediate_size"):  # (not read in forward; kept true)
-            layer.mlp.intermediate_size = local["intermediate_size"]
-    for name, value in local.items():
-        setattr(config, name, value)
-    return model
+    config = model.config
+    heads, kv_heads = _heads(config)
+    if heads_per_rank(config, heads, kv_heads, world_size) == (heads, kv_heads) and world_size > 1:
+        raise ValueError(f"attnops.hf.tp: {type(model).__name__}'s tensor-parallel plan does not split the "
+                         f"attention heads (plan: {_plan(config) or 'none'}): tensor parallelism serves dense "
+                         f"decoders (Llama, Qwen2, Qwen3, Mistral, Gemma-2)")
+    if not dist.is_initialized() or (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
+        found = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else "no process group"
+        raise ValueError(f"attnops.hf.tp: shard(model, {rank}, {world_size}) needs torch.distributed initialized "
+                         f"with world size {world_size}, this process rank {rank} (found {found})")
+    from transformers.distributed import DistributedConfig
+    config = copy.deepcopy(config)  # from_pretrained writes the distributed config into the one it is given
+    sharded = type(model).from_pretrained(
+        None, config=config, state_dict=model.state_dict(), dtype=model.dtype,
+        attn_implementation=getattr(config, "_attn_implementation", None),
+        distributed_config=DistributedConfig(tp_size=world_size))
+    if sharded.device != model.device:
+        raise ValueError(f"attnops.hf.tp: transformers placed rank {rank}'s shard on {sharded.device}, the model "
+                         f"is on {model.device} (on GPUs it uses cuda:LOCAL_RANK; LOCAL_RANK="
+                         f"{os.environ.get('LOCAL_RANK')})")
+    return sharded.eval().requires_grad_(False)
 
 
 def main(argv=None) -> None:
-    """The demo's decode loop under torchrun: a model (a family, random, or a checkpoint) sharded over the ranks,
-    greedy, tokens/s at each batch."""
+    """The demo's decode loop under torchrun: a model (a family, random, or a checkpoint) sharded over the ranks by
+    transformers' plan, greedy, tokens/s at each batch."""
     from ..serving.generate import Generator
     from . import families, paged_kv_cache, serving_model
 
@@ -162,7 +145,7 @@ def main(argv=None) -> None:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on shared hosts
     dist.init_process_group("nccl" if on_gpu else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device(f"cuda:{rank}") if on_gpu else torch.device("cpu")
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}") if on_gpu else torch.device("cpu")
     if on_gpu:
         torch.cuda.set_device(device)
     dtype = torch.bfloat16 if on_gpu else torch.float32
