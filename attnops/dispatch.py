@@ -32,11 +32,12 @@ STATIC_ORDER = {
     "cuda": ("flashinfer", "cuda", "triton", "reference"),
 }
 
-# Latent attention (MLA) where no rule was measured: its Triton kernels have run only in Triton's interpreter so far,
-# so on a GPU they are tried after the reference until benchmarks/mla_decode.py (and tests/test_mla.py's GPU tests)
-# have measured them there; pinning triton (use_backend, ATTNOPS_BACKEND) runs them now.
+# Latent attention (MLA) where no rule was measured: on the CPU the C++ kernels, as for paged attention. Its Triton
+# kernels have run only in Triton's interpreter so far, so on a GPU they are tried after the reference until
+# benchmarks/mla_decode.py (and tests/test_mla.py's GPU tests) have measured them there; pinning triton
+# (use_backend, ATTNOPS_BACKEND) runs them now.
 MLA_ORDER = {
-    "cpu": ("reference",),
+    "cpu": ("cpu", "reference"),
     "cuda": ("reference", "triton"),
 }
 

@@ -1,11 +1,16 @@
 """Latent attention (mla_attention, mla_attention_with_lse, mla_cache_write): the reference against an independent
 dense computation, the Triton kernels against the reference on random ragged batches (decode, extend, verify with
-draft trees, sinks, fp8, forced splits; in the interpreter here, bf16 on a GPU), validation, the bad-index rules,
-opcheck, torch.compile and CUDA graphs."""
+draft trees, sinks, fp8, forced splits; in the interpreter here, bf16 on a GPU), the C++ CPU kernels against the
+float64 reference (the same batches in fp32/bf16/fp16 with fp32/bf16/fp16/fp8 caches, DeepSeek's R 512 P 64, thread
+counts, every instruction-set copy, NaN), validation, the bad-index rules, opcheck, torch.compile and CUDA graphs."""
 from __future__ import annotations
 
 import math
+import os
 import random
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -113,7 +118,8 @@ def random_spec(rng: random.Random) -> dict:
                 config=rng.choice([None, None, dict(CHUNK=16, BLOCK_N=16)]))  # forced splits
 
 
-def check_triton(spec, device, dtype):
+def spec_inputs(spec, device, dtype):
+    """mla_attention's keyword arguments for a random_spec: mla_inputs, and the spec's sinks and tree mask."""
     args = mla_inputs(spec["kv_lens"], spec["q_lens"], heads=spec["heads"], latent=spec["latent"],
                       rope=spec["rope"], page_size=spec["page_size"], dtype=dtype, kv_format=spec["kv_format"],
                       device=device, seed=spec["seed"])
@@ -123,6 +129,11 @@ def check_triton(spec, device, dtype):
     if spec["tree"]:
         args["tree_mask"] = (torch.rand(args["q_nope"].shape[0], max(spec["q_lens"]) + 1, generator=gen)
                              < 0.5).to(device)
+    return args
+
+
+def check_triton(spec, device, dtype):
+    args = spec_inputs(spec, device, dtype)
     out = torch.full_like(args["q_nope"], float("nan"))
     lse = torch.full(args["q_nope"].shape[:2], float("nan"), device=device)
     launch_args = {k: v for k, v in args.items() if k not in ("sinks", "tree_mask", "kv_scale")}
@@ -165,15 +176,177 @@ def test_gpu_deepseek_shapes_through_the_op():
 
 
 # ------------------------------------------------------------------------------------------------------------
+# the C++ CPU kernels (csrc/cpu/mla_attention.cpp: paged attention's inner loops over the latent rows)
+
+# relative error against the float64 result: fp32 accumulation, then (bf16, fp16) the output's own rounding
+CPU_TOLERANCE = {torch.float32: 2e-6, torch.float16: 5e-4, torch.bfloat16: 3e-3}
+
+
+def run_cpu(args):
+    """(out, lse) of mla_attention_with_lse.out with the cpu backend pinned, into outputs poisoned with NaN."""
+    out = torch.full_like(args["q_nope"], float("nan"))
+    lse = torch.full(args["q_nope"].shape[:2], float("nan"))
+    with attnops.use_backend("cpu"):
+        torch.ops.attnops.mla_attention_with_lse.out(**args, out=out, lse=lse)
+    return out, lse
+
+
+def check_cpu(args, what="") -> float:
+    """The cpu backend against the reference fed the same (stored) cache with q in float64, so that the reference's
+    output is not rounded to q's dtype; returns the relative error."""
+    out, lse = run_cpu(args)
+    exact = {**args, "q_nope": args["q_nope"].double(), "q_pe": args["q_pe"].double()}
+    ref, ref_lse = mla_attention_reference(**exact, return_lse=True)
+    assert out.dtype == args["q_nope"].dtype and not out.isnan().any() and not lse.isnan().any(), what
+    torch.testing.assert_close(lse, ref_lse.float(), rtol=1e-5, atol=1e-5, msg=lambda m: f"{what}: {m}")
+    unseen = (ref == 0).all(-1)  # rows that see no key: exactly 0
+    assert (out[unseen] == 0).all(), what
+    err = relative_error(out, ref) if ref.abs().sum() > 0 else 0.0
+    assert err < CPU_TOLERANCE[args["q_nope"].dtype], f"{what}: relative error {err:.3g}"
+    return err
+
+
+def random_cpu_spec(rng: random.Random) -> tuple[dict, torch.dtype]:
+    """random_spec's ragged batches, with R up to 512, pages up to 64 and up to 128 heads, and a q dtype."""
+    spec = random_spec(rng)
+    spec.update(latent=rng.choice([64, 128, 192, 256, 512]), page_size=rng.choice([1, 4, 16, 64]),
+                heads=rng.choice([1, 4, 16, 20, 128]))
+    # (no tree for a batch without query rows: torch gives the empty [0, Q] mask a stride the checks refuse)
+    spec["tree"] = spec["tree"] and sum(spec["q_lens"]) > 0
+    return spec, rng.choice([torch.float32, torch.bfloat16, torch.float16])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_cpu_matches_the_float64_reference_on_random_batches(seed):
+    rng = random.Random(1000 + seed)
+    for i in range(10):
+        spec, dtype = random_cpu_spec(rng)
+        what = f"case {i}: {dtype} {spec}"
+        print(f"{what}: err={check_cpu(spec_inputs(spec, 'cpu', dtype), what):.2e}")
+
+
+@pytest.mark.parametrize("dtype,kv_format", [(torch.bfloat16, "auto"), (torch.float16, "auto"),
+                                             (torch.float32, "auto"), (torch.bfloat16, "fp8_e4m3")])
+def test_cpu_deepseek_shapes(dtype, kv_format):
+    """R 512, P 64, pages of 64: decode over 16 heads, and a verify of draft trees with sinks over 128."""
+    for heads, q_lens in ((16, None), (128, [4, 1, 4])):
+        args = mla_inputs([300, 700, 129], q_lens, heads=heads, latent=512, rope=64, page_size=64, dtype=dtype,
+                          kv_format=kv_format, seed=heads)
+        if q_lens is not None:
+            gen = torch.Generator().manual_seed(heads)
+            args["sinks"] = torch.randn(heads, generator=gen)
+            args["tree_mask"] = torch.rand(sum(q_lens), 4, generator=gen) < 0.5
+            args["tree_mask"][:, 0] = True  # each draft sees the root
+        check_cpu(args, f"heads={heads} q_lens={q_lens}")
+
+
+def test_cpu_thread_count_changes_nothing_but_rounding():
+    """One long sequence: with more threads its keys are split into pieces merged by log-sum-exp (paged attention's
+    splits); the answer moves by rounding only."""
+    previous = torch.get_num_threads()
+    try:
+        for q_lens in (None, [5]):
+            args = mla_inputs([3000], q_lens, heads=16, latent=512, rope=64, page_size=16, dtype=torch.float32,
+                              seed=7)
+            if q_lens is not None:
+                args["sinks"] = torch.randn(16)
+                args["tree_mask"] = torch.rand(5, 5, generator=torch.Generator().manual_seed(7)) < 0.5
+            results = {}
+            for threads in (1, 2, 8):
+                torch.set_num_threads(threads)
+                results[threads] = run_cpu(args)
+                check_cpu(args, f"threads={threads} q_lens={q_lens}")
+            for threads in (2, 8):
+                assert relative_error(results[threads][0], results[1][0]) < 1e-6, (threads, q_lens)
+                torch.testing.assert_close(results[threads][1], results[1][1], rtol=1e-6, atol=1e-6)
+    finally:
+        torch.set_num_threads(previous)
+
+
+ISA_SCRIPT = textwrap.dedent("""
+    import random, sys
+    sys.path.insert(0, {tests!r})
+    from attnops.backends import BACKENDS
+    import test_mla as t
+    print("isa", BACKENDS["cpu"].isa())
+    rng = random.Random({seed})
+    for i in range(8):
+        spec, dtype = t.random_cpu_spec(rng)
+        print(f"case {{i}} err={{t.check_cpu(t.spec_inputs(spec, 'cpu', dtype), str(spec)):.2e}}")
+""")
+
+
+@pytest.mark.parametrize("capability,isa", [("default", "default"), ("avx2", "avx2"), ("avx512", "avx512")])
+def test_cpu_every_instruction_set(capability, isa):
+    """Each compiled copy of the inner loops (the process picks one at first use, so each runs in a subprocess):
+    their vectors are 8 or 16 floats, and R + P (80, 208, ...) is a whole number of either."""
+    expected = {"default": True, "avx2": torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"),
+                "avx512": torch.backends.cpu.get_cpu_capability() == "AVX512"}
+    if not expected[isa]:
+        pytest.skip(f"this CPU has no {isa}")
+    script = ISA_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)), seed=len(isa))
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    print(result.stdout)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines()[0] == f"isa {isa}"
+
+
+@pytest.mark.parametrize("q_lens", [None, [3, 2]], ids=["decode", "extend"])
+@pytest.mark.parametrize("where,position", [("q_nope", 0), ("q_pe", 0), ("c", 0), ("c", 20), ("r", 20), ("r", 39),
+                                            ("c", 39)])
+def test_cpu_nan_reaches_the_same_rows_as_the_reference(q_lens, where, position, request):
+    """A NaN in q, in a key's rotary part, or in a c part every row of the sequence sees, reaches exactly the rows
+    that read it; the c part is also the value, so a NaN there that only the last query sees meets the other rows'
+    masked weight 0 (docs/design.md: as paged attention's V)."""
+    if where == "c" and q_lens is not None and position == 39:
+        request.applymarker(pytest.mark.xfail(strict=True, reason="0 x NaN in the kernel's P @ V, as documented"))
+    args = mla_inputs([40, 33], q_lens, heads=4, latent=64, rope=16, page_size=4, dtype=torch.float32, seed=1)
+    page = args["block_table"][0, position // 4].item()
+    if where in ("q_nope", "q_pe"):
+        args[where][0, 1, 0] = float("nan")
+    else:
+        args["kv_cache"][page, position % 4, 3 + (64 if where == "r" else 0)] = float("nan")
+    with attnops.use_backend("cpu"):
+        out = torch.ops.attnops.mla_attention(**args)
+    ref = mla_attention_reference(**args)
+    assert torch.equal(out.isnan(), ref.isnan())
+    torch.testing.assert_close(out[~ref.isnan()], ref[~ref.isnan()], rtol=1e-5, atol=1e-6)
+
+
+def test_cpu_kernel_checks_shapes_when_called_directly():
+    """The internal op checks what it reads (a C++ caller bypasses attnops' validation): a ValueError, not a read
+    out of bounds."""
+    args = mla_inputs([10, 7], None, heads=4)
+    out = torch.empty_like(args["q_nope"])
+    op = torch.ops.attnops.cpu_mla_attention
+    call = (args["q_nope"], args["q_pe"], args["kv_cache"], args["block_table"], args["seq_lens"], None,
+            args["scale"], None, None, None, out)
+    op(*call)
+    assert relative_error(out, mla_attention_reference(**args)) < 1e-3
+    with pytest.raises(ValueError, match="kv_cache"):
+        op(*call[:2], args["kv_cache"][..., :72], *call[3:])
+    with pytest.raises(ValueError, match="seq_lens"):
+        op(*call[:4], args["seq_lens"][:1], *call[5:])
+    with pytest.raises(ValueError, match="kv_scale"):
+        op(*call[:7], torch.ones(1), *call[8:])
+    with pytest.raises(ValueError, match="kv_c"):
+        torch.ops.attnops.cpu_mla_cache_write(torch.randn(2, 64), torch.randn(3, 16), torch.zeros(2, 4, 80),
+                                              torch.tensor([0, 1]), None)
+
+
+# ------------------------------------------------------------------------------------------------------------
 # the ops: auto dispatch, the cache write, validation, bad indices, opcheck, compile, graphs
 
 
-def test_the_op_on_the_cpu_is_the_reference_and_pins_work():
+def test_the_op_on_the_cpu_is_the_cpu_kernel_and_pins_work():
     args = mla_inputs([20, 7], [3, 2], heads=4)
     want = mla_attention_reference(**args)
+    assert attnops.explain(**args).chosen == "cpu"
     assert relative_error(torch.ops.attnops.mla_attention(**args), want) < 1e-2
-    with attnops.use_backend("triton"):
-        assert relative_error(torch.ops.attnops.mla_attention(**args), want) < 1e-2
+    for backend in ("reference", "triton", "cpu"):
+        with attnops.use_backend(backend):
+            assert relative_error(torch.ops.attnops.mla_attention(**args), want) < 1e-2, backend
     with attnops.use_backend("flashinfer"), pytest.raises(ValueError, match="latent"):
         torch.ops.attnops.mla_attention(**args)
     out, lse = torch.ops.attnops.mla_attention_with_lse(**args)
@@ -183,12 +356,12 @@ def test_the_op_on_the_cpu_is_the_reference_and_pins_work():
 def test_explain_answers_for_latent_attention():
     args = mla_inputs([20, 7], [3, 2], heads=4)
     explanation = attnops.explain(**args)
-    assert explanation.chosen == "reference" and "latent_dim=64" in str(explanation)
-    with attnops.use_backend("cpu"):
-        assert attnops.explain(**args).rejected == {"cpu": ["has no latent-attention (MLA) kernels"]}
+    assert explanation.chosen == "cpu" and "latent_dim=64" in str(explanation)
+    with attnops.use_backend("cuda"):
+        assert attnops.explain(**args).rejected == {"cuda": ["has no latent-attention (MLA) kernels"]}
     write = attnops.explain(kv_c=torch.randn(3, 64).half(), k_pe=torch.randn(3, 16).half(),
                             kv_cache=torch.zeros(2, 4, 80, dtype=torch.half), slot_mapping=torch.arange(3))
-    assert write.chosen == "reference"
+    assert write.chosen == "cpu"
 
 
 def test_only_latent_backends_serve_it_and_triton_waits_for_its_gpu_measurement():
@@ -198,11 +371,16 @@ def test_only_latent_backends_serve_it_and_triton_waits_for_its_gpu_measurement(
     case = MLACase(device_type="cuda", arch=(9, 0), q_dtype=torch.bfloat16, kv_format="bf16", latent_dim=512,
                    rope_dim=64, num_heads=16, page_size=64, decode=True)
     assert policy(case) == ("reference", "triton")  # until benchmarks/mla_decode.py has run on a GPU
-    for name in ("flashinfer", "cuda", "cpu"):
+    for name in ("flashinfer", "cuda"):
         assert reasons_against(BACKENDS[name], case) == ["has no latent-attention (MLA) kernels"]
+    assert reasons_against(BACKENDS["cpu"], case) == ["runs on cpu, not cuda"]
+    # on the CPU the C++ kernels come first, as for paged attention
+    cpu_case = MLACase(**{**case.__dict__, "device_type": "cpu", "arch": None})
+    assert policy(cpu_case) == ("cpu", "reference")
+    assert reasons_against(BACKENDS["cpu"], cpu_case) == []
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend", ["reference", "triton", "cpu"])
 @pytest.mark.parametrize("kv_format", ["auto", "fp8_e4m3"])
 def test_cache_write_quantizes_as_formats_does_and_skips_bad_slots(backend, kv_format):
     """mla_cache_write through each backend writes each row as attnops.formats quantizes it; padding and a bad
@@ -265,7 +443,7 @@ def test_bad_input_is_named_before_any_kernel_runs(name):
         torch.ops.attnops.mla_attention(**args)
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend", ["reference", "triton", "cpu"])
 def test_bad_indices_follow_paged_attentions_rules(backend, monkeypatch):
     args = mla_inputs([10, 7, 12], [3, 2, 1], heads=4)
     args["seq_lens"][1] = 10_000  # sequence 1: NaN, nothing read
@@ -280,20 +458,30 @@ def test_bad_indices_follow_paged_attentions_rules(backend, monkeypatch):
         torch.ops.attnops.mla_attention(**args)
 
 
-def test_opcheck():
-    args = mla_inputs([10, 7], [3, 2], heads=4)
-    sinks = torch.randn(4)
-    for extra in ({}, dict(sinks=sinks), dict(tree_mask=torch.rand(5, 3) < 0.5)):
-        kwargs = {k: v for k, v in dict(args, **extra).items() if k not in ("q_nope", "q_pe", "kv_cache",
-                                                                             "block_table", "seq_lens")}
-        pos = (args["q_nope"], args["q_pe"], args["kv_cache"], args["block_table"], args["seq_lens"])
-        torch.library.opcheck(torch.ops.attnops.mla_attention.default, pos, kwargs)
-        torch.library.opcheck(torch.ops.attnops.mla_attention_with_lse.default, pos, kwargs)
-        torch.library.opcheck(torch.ops.attnops.mla_attention.out, pos,
-                              dict(kwargs, out=torch.empty_like(args["q_nope"])))
-    cache = torch.zeros(4, 4, 80, dtype=torch.float16)
-    torch.library.opcheck(torch.ops.attnops.mla_cache_write.default,
-                          (torch.randn(3, 64).half(), torch.randn(3, 16).half(), cache, torch.tensor([0, 5, -1])))
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_opcheck(backend, fp8_comparable):
+    with attnops.use_backend(backend):
+        for kv_format in ("auto", "fp8_e4m3"):
+            args = mla_inputs([10, 7], [3, 2], heads=4, kv_format=kv_format)
+            sinks = torch.randn(4)
+            for extra in ({}, dict(sinks=sinks), dict(tree_mask=torch.rand(5, 3) < 0.5)):
+                kwargs = {k: v for k, v in dict(args, **extra).items() if k not in ("q_nope", "q_pe", "kv_cache",
+                                                                                     "block_table", "seq_lens")}
+                pos = (args["q_nope"], args["q_pe"], args["kv_cache"], args["block_table"], args["seq_lens"])
+                torch.library.opcheck(torch.ops.attnops.mla_attention.default, pos, kwargs)
+                torch.library.opcheck(torch.ops.attnops.mla_attention_with_lse.default, pos, kwargs)
+                torch.library.opcheck(torch.ops.attnops.mla_attention.out, pos,
+                                      dict(kwargs, out=torch.empty_like(args["q_nope"])))
+                torch.library.opcheck(torch.ops.attnops.mla_attention_with_lse.out, pos,
+                                      dict(kwargs, out=torch.empty_like(args["q_nope"]),
+                                           lse=torch.empty(args["q_nope"].shape[:2])))
+        cache = torch.zeros(4, 4, 80, dtype=torch.float16)
+        torch.library.opcheck(torch.ops.attnops.mla_cache_write.default,
+                              (torch.randn(3, 64).half(), torch.randn(3, 16).half(), cache, torch.tensor([0, 5, -1])))
+        cache = torch.zeros(4, 4, 80, dtype=torch.float8_e4m3fn)
+        torch.library.opcheck(torch.ops.attnops.mla_cache_write.default,
+                              (torch.randn(3, 64), torch.randn(3, 16), cache, torch.tensor([0, 5, -1])),
+                              dict(kv_format="fp8_e4m3", kv_scale=torch.tensor([0.5])))
 
 
 def test_compiles_fullgraph():

@@ -1,10 +1,12 @@
-"""The CPU backend: binds the C++ kernels of csrc/cpu (paged_attention.cpp, reshape_and_cache.cpp).
+"""The CPU backend: binds the C++ kernels of csrc/cpu (paged_attention.cpp, mla_attention.cpp,
+reshape_and_cache.cpp).
 
-The kernels are registered as internal ops, `torch.ops.attnops.cpu_paged_attention` and
-`torch.ops.attnops.cpu_reshape_and_cache`, which take already-validated arguments (attnops/ops.py validates, then
-dispatches here) and the device's error buffer (attnops.errors), where they record bad indices. They run on
-at::parallel_for's threads (torch.get_num_threads()), with inner loops compiled for AVX-512, AVX2 and portable C++
-and picked at run time.
+The kernels are registered as internal ops, `torch.ops.attnops.cpu_paged_attention`,
+`torch.ops.attnops.cpu_reshape_and_cache`, and for latent attention (MLA) `cpu_mla_attention` and
+`cpu_mla_cache_write`, which take already-validated arguments (attnops/ops.py validates, then dispatches here) and
+the device's error buffer (attnops.errors), where they record bad indices. They run on at::parallel_for's threads
+(torch.get_num_threads()), with inner loops compiled for AVX-512, AVX2 and portable C++ and picked at run time;
+latent attention runs paged attention's, as multi-query attention over the latent rows.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import torch
 
 from .. import _C  # noqa: F401  (registers the C++ ops)
 from .. import errors, formats
-from .base import Backend, common_reasons
+from .base import Backend, MLACase, MLAWriteCase, common_reasons
 
 # What the kernels serve, as data (dispatch and `attnops.explain` read the reasons built from it).
 DEVICES = ("cpu",)
@@ -23,23 +25,26 @@ FP4_REASON = ("4-bit KV (nvfp4, mxfp4) is not implemented in the C++ CPU kernels
               "serves it")
 
 
+OPS = ("cpu_paged_attention", "cpu_reshape_and_cache", "cpu_mla_attention", "cpu_mla_cache_write")
+
+
 def _ops_built() -> bool:
-    return hasattr(torch.ops.attnops, "cpu_paged_attention") and hasattr(torch.ops.attnops, "cpu_reshape_and_cache")
+    return all(hasattr(torch.ops.attnops, name) for name in OPS)
 
 
 class CPUBackend(Backend):
     name = "cpu"
+    serves_mla = True
 
     @property
     def description(self) -> str:
         isa = self.isa() if _ops_built() else "not built"
         return ("C++ kernels (csrc/cpu): at::parallel_for over sequences x KV heads x KV splits, online softmax in "
                 f"fp32, at::vec inner loops (running the {isa} copy of avx512/avx2/default); GQA groups share each "
-                "K/V row")
+                "K/V row; latent attention (MLA) as multi-query attention over the latent rows")
 
     def __init__(self):
-        self._attention = None
-        self._cache_write = None
+        self._ops_cache = None
 
     def unavailable(self) -> list[str]:
         if not _ops_built():
@@ -47,6 +52,8 @@ class CPUBackend(Backend):
         return []
 
     def supports(self, case) -> list[str]:
+        if isinstance(case, (MLACase, MLAWriteCase)):  # (checks_mla bounds the latent formats and shapes)
+            return common_reasons(case, devices=DEVICES, q_dtypes=Q_DTYPES, kv_formats=KV_FORMATS)
         reasons = common_reasons(case, devices=DEVICES, q_dtypes=Q_DTYPES, kv_formats=KV_FORMATS,
                                  head_dims=HEAD_DIMS)
         if formats.is_fp4(case.kv_format):
@@ -57,15 +64,14 @@ class CPUBackend(Backend):
         """The instruction set of the inner loops in use: "avx512", "avx2" or "default" (portable)."""
         return torch.ops.attnops.cpu_kernel_isa()
 
-    # The op overloads are looked up once (torch.ops attribute lookups cost microseconds per call).
+    # The op overloads are looked up once (torch.ops attribute lookups cost microseconds per call): OPS' order.
     def _ops(self):
-        if self._attention is None:
-            self._attention = torch.ops.attnops.cpu_paged_attention.default
-            self._cache_write = torch.ops.attnops.cpu_reshape_and_cache.default
-        return self._attention, self._cache_write
+        if self._ops_cache is None:
+            self._ops_cache = tuple(getattr(torch.ops.attnops, name).default for name in OPS)
+        return self._ops_cache
 
     def paged_attention(self, call) -> None:
-        attention, _ = self._ops()
+        attention = self._ops()[0]
         args = (call.q, call.k_cache, call.v_cache, call.block_table, call.seq_lens, call.cu_seqlens_q,
                 float(call.scale), float(call.soft_cap), int(call.window_left), call.k_scale, call.v_scale,
                 call.sinks, call.tree_mask, call.out, errors.buffer(call.q.device))
@@ -75,6 +81,17 @@ class CPUBackend(Backend):
             attention(*args, call.lse)
 
     def reshape_and_cache(self, call) -> None:
-        _, cache_write = self._ops()
+        cache_write = self._ops()[1]
         cache_write(call.key, call.value, call.k_cache, call.v_cache, call.slot_mapping, call.k_scale, call.v_scale,
                     errors.buffer(call.key.device))
+
+    def mla_attention(self, call) -> None:
+        attention = self._ops()[2]
+        attention(call.q_nope, call.q_pe, call.kv_cache, call.block_table, call.seq_lens, call.cu_seqlens_q,
+                  call.scale, call.kv_scale, call.sinks, call.tree_mask, call.out, errors.buffer(call.q_nope.device),
+                  call.lse)
+
+    def mla_cache_write(self, call) -> None:
+        cache_write = self._ops()[3]
+        cache_write(call.kv_c, call.k_pe, call.kv_cache, call.slot_mapping, call.kv_scale,
+                    errors.buffer(call.kv_c.device))

@@ -11,6 +11,8 @@
 //   acc[r] += sum_j P[r][j] * v_j
 // All math is fp32. The K and V rows are converted to fp32 in registers as they are loaded (bf16, fp16: shifts and
 // cvtph; fp8: a 256-entry table), and every row is loaded once per tile, for all the tile's rows.
+// Latent attention (MLA) runs the same loops: one KV head whose K row is the latent row [c, r] (head_dim = R + P),
+// whose V row is the same row's first value_dim = R values, and whose q row is [q_nope, q_pe] (cpu_kernels.h).
 #pragma once
 
 #ifndef ATTNOPS_ISA
@@ -364,8 +366,8 @@ struct RowLimits {
   int64_t lo, hi;
 };
 
-// What a key on a page outside the cache reads instead (head_dim <= 256 elements of up to 4 bytes).
-alignas(64) inline constexpr unsigned char kZeroRow[256 * 4] = {};
+// What a key on a page outside the cache reads instead (head_dim <= kMaxHeadDim elements of up to 4 bytes).
+alignas(64) inline constexpr unsigned char kZeroRow[kMaxHeadDim * 4] = {};
 
 inline RowLimits token_limits(const AttentionParams& p, const Tile& tile, int64_t token) {
   const int64_t pos = tile.first_pos + token;
@@ -418,23 +420,30 @@ template <typename QT, typename Loader>
 void attend_impl(const AttentionParams& p, const Loader& ld, const Tile& tile, const WorkItem& item,
                  const Partials& partials, float* scratch) {
   using KT = typename Loader::T;
-  const int64_t D = p.head_dim;
+  const int64_t D = p.head_dim, Dv = p.value_dim;
   const TileRows rows(p, tile);
   float* qf = scratch;                               // [rows][D]
-  float* acc = qf + p.max_tile_rows * D;             // [rows][D]
-  float* S = acc + p.max_tile_rows * D;              // [rows][kKeyChunk]
+  float* acc = qf + p.max_tile_rows * D;             // [rows][Dv]
+  float* S = acc + p.max_tile_rows * Dv;             // [rows][kKeyChunk]
   float* row_max = S + p.max_tile_rows * kKeyChunk;  // [rows]
   float* row_sum = row_max + p.max_tile_rows;        // [rows]
 
   // q rows in fp32, times the softmax scale and the head's key scale (so that stored fp8 keys are used as stored)
+  // (MLA: the values from q_nope_dim on come from q_pe)
   const QT* q = static_cast<const QT*>(p.q);
+  const QT* q_pe = static_cast<const QT*>(p.q_pe);
+  const int64_t q_dim = q_pe != nullptr ? p.q_nope_dim : D;
   for (int64_t r = 0; r < rows.total; ++r) {
     const float q_mult = p.scale * p.k_scale[tile.kv_head + r / rows.per_head];
-    const QT* src =
-        q + (tile.q_begin + rows.token(p, r)) * p.q_stride_token + rows.q_head(p, tile, r) * p.q_stride_head;
-    for (int64_t d = 0; d < D; ++d) qf[r * D + d] = to_float(src[d]) * q_mult;
+    const int64_t token = tile.q_begin + rows.token(p, r), head = rows.q_head(p, tile, r);
+    const QT* src = q + token * p.q_stride_token + head * p.q_stride_head;
+    for (int64_t d = 0; d < q_dim; ++d) qf[r * D + d] = to_float(src[d]) * q_mult;
+    if (q_pe != nullptr) {
+      const QT* pe = q_pe + token * p.q_pe_stride_token + head * p.q_pe_stride_head;
+      for (int64_t d = q_dim; d < D; ++d) qf[r * D + d] = to_float(pe[d - q_dim]) * q_mult;
+    }
   }
-  std::fill(acc, acc + rows.total * D, 0.f);
+  std::fill(acc, acc + rows.total * Dv, 0.f);
   std::fill(row_max, row_max + rows.total, kNegInf);
   std::fill(row_sum, row_sum + rows.total, 0.f);
 
@@ -556,16 +565,16 @@ void attend_impl(const AttentionParams& p, const Loader& ld, const Tile& tile, c
       row_sum[r] = row_sum[r] * alpha + hsum(vsum);
       row_max[r] = m_new;
       if (alpha != 1.f) {
-        float* a = acc + r * D;
+        float* a = acc + r * Dv;
         const Vec va(alpha);
-        for (int64_t d = 0; d < D; d += kVec) (Vec::loadu(a + d) * va).store(a + d);
+        for (int64_t d = 0; d < Dv; d += kVec) (Vec::loadu(a + d) * va).store(a + d);
       }
     }
 
     for (int64_t hi = 0; hi < tile.num_heads; ++hi) {
       const int64_t head = (tile.kv_head + hi) * p.cache_stride_head;
       for (int64_t j = 0; j < n; ++j) v_rows[j] = row(v_cache, head, offsets[j]);
-      pv(ld, S + hi * rows.per_head * kKeyChunk, rows.per_head, n, v_rows, acc + hi * rows.per_head * D, D);
+      pv(ld, S + hi * rows.per_head * kKeyChunk, rows.per_head, n, v_rows, acc + hi * rows.per_head * Dv, Dv);
     }
     std::swap(offsets, offsets_next);
     std::swap(bad, bad_next);
@@ -573,7 +582,7 @@ void attend_impl(const AttentionParams& p, const Loader& ld, const Tile& tile, c
   }
 
   if (item.slot >= 0) {  // a split: leave the unnormalized partial result for merge()
-    std::copy(acc, acc + rows.total * D, partials.acc + item.slot * p.max_tile_rows * D);
+    std::copy(acc, acc + rows.total * Dv, partials.acc + item.slot * p.max_tile_rows * Dv);
     std::copy(row_max, row_max + rows.total, partials.max + item.slot * p.max_tile_rows);
     std::copy(row_sum, row_sum + rows.total, partials.sum + item.slot * p.max_tile_rows);
     return;
@@ -583,8 +592,8 @@ void attend_impl(const AttentionParams& p, const Loader& ld, const Tile& tile, c
     QT* dst =
         out + (tile.q_begin + rows.token(p, r)) * p.out_stride_token + rows.q_head(p, tile, r) * p.out_stride_head;
     const float norm = output_norm(p, tile, rows, r, row_max[r], row_sum[r]);
-    const float* a = acc + r * D;
-    for (int64_t d = 0; d < D; ++d) dst[d * p.out_stride_dim] = from_float<QT>(a[d] * norm);
+    const float* a = acc + r * Dv;
+    for (int64_t d = 0; d < Dv; ++d) dst[d * p.out_stride_dim] = from_float<QT>(a[d] * norm);
     if (p.lse != nullptr) store_lse(p, tile, rows, r, row_max[r], row_sum[r]);
   }
 }
@@ -592,16 +601,16 @@ void attend_impl(const AttentionParams& p, const Loader& ld, const Tile& tile, c
 template <typename QT>
 void merge_impl(const AttentionParams& p, const Tile& tile, int64_t first_slot, int64_t num_slots,
                 const Partials& partials) {
-  const int64_t D = p.head_dim;
+  const int64_t Dv = p.value_dim;
   const TileRows rows(p, tile);
   QT* out = static_cast<QT*>(p.out);
-  float merged[256];  // head_dim <= 256 (checked by the host)
+  float merged[kMaxValueDim];  // value_dim <= kMaxValueDim (checked by the host)
   for (int64_t r = 0; r < rows.total; ++r) {
     // log-sum-exp merge: out = sum_s acc_s * exp(m_s - M) / sum_s l_s * exp(m_s - M), M = max_s m_s
     float m = kNegInf;
     for (int64_t s = first_slot; s < first_slot + num_slots; ++s)
       m = nan_max(m, partials.max[s * p.max_tile_rows + r]);
-    std::fill(merged, merged + D, 0.f);
+    std::fill(merged, merged + Dv, 0.f);
     float l = 0.f;
     if (m != kNegInf) {
       for (int64_t s = first_slot; s < first_slot + num_slots; ++s) {
@@ -609,16 +618,16 @@ void merge_impl(const AttentionParams& p, const Tile& tile, int64_t first_slot, 
         if (ms == kNegInf) continue;  // this split had no key visible to the row
         const float w = std::exp(ms - m);
         l += partials.sum[s * p.max_tile_rows + r] * w;
-        const float* a = partials.acc + (s * p.max_tile_rows + r) * D;
+        const float* a = partials.acc + (s * p.max_tile_rows + r) * Dv;
         const Vec vw(w);
-        for (int64_t d = 0; d < D; d += kVec)
+        for (int64_t d = 0; d < Dv; d += kVec)
           at::vec::fmadd(Vec::loadu(a + d), vw, Vec::loadu(merged + d)).store(merged + d);
       }
     }
     const float norm = output_norm(p, tile, rows, r, m, l);
     QT* dst =
         out + (tile.q_begin + rows.token(p, r)) * p.out_stride_token + rows.q_head(p, tile, r) * p.out_stride_head;
-    for (int64_t d = 0; d < D; ++d) dst[d * p.out_stride_dim] = from_float<QT>(merged[d] * norm);
+    for (int64_t d = 0; d < Dv; ++d) dst[d * p.out_stride_dim] = from_float<QT>(merged[d] * norm);
     if (p.lse != nullptr) store_lse(p, tile, rows, r, m, l);
   }
 }

@@ -1,7 +1,7 @@
 // The interface between the host side of the CPU attention kernel (paged_attention.cpp: argument unpacking, work
-// partitioning, threading) and its inner loops (attention_kernels.h), which are compiled once per instruction set
-// (kernels_default.cpp, kernels_avx2.cpp, kernels_avx512.cpp) and picked at run time, the way ATen's own CPU
-// kernels are.
+// partitioning, threading; mla_attention.cpp unpacks latent attention's arguments into the same parameters) and
+// its inner loops (attention_kernels.h), which are compiled once per instruction set (kernels_default.cpp,
+// kernels_avx2.cpp, kernels_avx512.cpp) and picked at run time, the way ATen's own CPU kernels are.
 //
 // Only plain structs and raw pointers cross this boundary: the per-ISA translation units include as little of
 // torch as possible (see kernels_avx512.cpp for why).
@@ -41,6 +41,14 @@ struct AttentionParams {
   int64_t num_pages;  // a page index outside [0, num_pages) is never read: its keys are NaN to the rows seeing them
 
   int64_t num_q_heads, num_kv_heads, group, head_dim;
+  // Latent attention (MLA) is multi-query attention whose K row is the whole latent row [c, r] and whose V row is
+  // its first R values, with the query in two tensors. value_dim: the leading values of a V row that are the value
+  // (head_dim in paged attention; R in MLA, where v_cache is k_cache). q_pe (null in paged attention) holds each
+  // query row's values from q_nope_dim on, q (q_nope) those before; any strides, last dim contiguous.
+  int64_t value_dim;
+  const void* q_pe;
+  int64_t q_pe_stride_token, q_pe_stride_head;
+  int64_t q_nope_dim;
   float scale;          // softmax scale (applied to q . k)
   float soft_cap;       // > 0: scores become soft_cap * tanh(score / soft_cap)
   int64_t window_left;  // >= 0: a query sees keys at most window_left positions before it
@@ -78,8 +86,8 @@ struct WorkItem {
   int64_t slot;  // -1: writes the final output directly
 };
 
-// Partial results of split tiles: for slot s, row r: acc [slots][max_tile_rows][D], row max m and row sum l
-// [slots][max_tile_rows].
+// Partial results of split tiles: for slot s, row r: acc [slots][max_tile_rows][value_dim], row max m and row sum
+// l [slots][max_tile_rows].
 struct Partials {
   float* acc;
   float* max;
@@ -91,9 +99,15 @@ struct Partials {
 // size from 1 to 256 takes the same path.
 constexpr int64_t kKeyChunk = 32;
 
-// Floats of scratch memory one worker needs: the tile's q rows in fp32 and its accumulators ([rows][D] each), the
-// chunk's scores ([rows][kKeyChunk]), and the running max and sum ([rows] each).
-inline int64_t scratch_floats(const AttentionParams& p) { return p.max_tile_rows * (2 * p.head_dim + kKeyChunk + 2); }
+// The widest rows the inner loops take: a K row of head_dim values (paged attention's 256; MLA's R + P = 512 + 64)
+// and a value of value_dim (MLA's R = 512).
+constexpr int64_t kMaxHeadDim = 576, kMaxValueDim = 512;
+
+// Floats of scratch memory one worker needs: the tile's q rows in fp32 ([rows][head_dim]) and its accumulators
+// ([rows][value_dim]), the chunk's scores ([rows][kKeyChunk]), and the running max and sum ([rows] each).
+inline int64_t scratch_floats(const AttentionParams& p) {
+  return p.max_tile_rows * (p.head_dim + p.value_dim + kKeyChunk + 2);
+}
 
 // The inner loops for one instruction set.
 struct KernelTable {

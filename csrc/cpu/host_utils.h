@@ -1,5 +1,5 @@
-// Helpers shared by the host sides of the CPU ops (paged_attention.cpp, reshape_and_cache.cpp): cheap argument
-// checks, fp8 tables, scale unpacking, kv_format names.
+// Helpers shared by the host sides of the CPU ops (paged_attention.cpp, mla_attention.cpp, reshape_and_cache.cpp):
+// cheap argument checks, fp8 tables, scale unpacking, kv_format names, and the attention runner.
 //
 // The Python package validates every argument (attnops/checks.py) before it calls the C++ ops, so the checks here
 // are the cheap ones that keep a direct C++ caller from reading or writing out of bounds: shapes, dtypes, strides,
@@ -122,5 +122,60 @@ inline void check_kv_format(const char* op, c10::string_view kv_format, at::Scal
   ATTNOPS_ARG_CHECK(op, fmt == expected, "kv_format '", fmt, "' does not match the cache dtype ", cache_dtype,
                     " (expected 'auto' or '", expected, "')");
 }
+
+// The arguments that say which query rows are whose and what each sees, as paged_attention and mla_attention take
+// them: block_table int32 [B, max_pages], seq_lens int32 [B], cu_seqlens_q int32 [B+1] (None: decode, one row a
+// sequence), sinks float32 [num_q_heads], tree_mask bool [num_tokens, Q], lse float32 [num_tokens, num_q_heads].
+inline void check_rows(const char* op, int64_t num_tokens, int64_t num_q_heads, const at::Tensor& block_table,
+                       const at::Tensor& seq_lens, const std::optional<at::Tensor>& cu_seqlens_q,
+                       const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& tree_mask,
+                       const std::optional<at::Tensor>& lse) {
+  if (lse.has_value()) {
+    ATTNOPS_ARG_CHECK(op,
+                      lse->device().is_cpu() && lse->scalar_type() == at::kFloat && lse->dim() == 2 &&
+                          lse->size(0) == num_tokens && lse->size(1) == num_q_heads,
+                      "lse must be a float32 CPU tensor [num_tokens, num_q_heads]");
+  }
+  ATTNOPS_ARG_CHECK(op,
+                    block_table.device().is_cpu() && block_table.scalar_type() == at::kInt && block_table.dim() == 2,
+                    "block_table must be int32 [B, max_pages] on the CPU");
+  const int64_t batch = block_table.size(0);
+  ATTNOPS_ARG_CHECK(op,
+                    seq_lens.device().is_cpu() && seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 &&
+                        seq_lens.size(0) == batch,
+                    "seq_lens must be int32 [B] on the CPU, with B == block_table.shape[0]");
+  const bool decode = !cu_seqlens_q.has_value();
+  if (decode) {
+    ATTNOPS_ARG_CHECK(op, num_tokens == batch, "decode (cu_seqlens_q=None) needs one query row per sequence");
+  } else {
+    ATTNOPS_ARG_CHECK(op,
+                      cu_seqlens_q->device().is_cpu() && cu_seqlens_q->scalar_type() == at::kInt &&
+                          cu_seqlens_q->dim() == 1 && cu_seqlens_q->size(0) == batch + 1,
+                      "cu_seqlens_q must be int32 [B+1] on the CPU");
+  }
+  if (sinks.has_value()) {
+    ATTNOPS_ARG_CHECK(op,
+                      sinks->device().is_cpu() && sinks->scalar_type() == at::kFloat && sinks->dim() == 1 &&
+                          sinks->size(0) == num_q_heads && sinks->stride(0) == 1,
+                      "sinks must be a contiguous float32 CPU tensor [num_q_heads]");
+  }
+  if (tree_mask.has_value()) {
+    ATTNOPS_ARG_CHECK(op, !decode, "tree_mask needs cu_seqlens_q (decode has one query row per sequence)");
+    ATTNOPS_ARG_CHECK(op,
+                      tree_mask->device().is_cpu() && tree_mask->scalar_type() == at::kBool &&
+                          tree_mask->dim() == 2 && tree_mask->size(0) == num_tokens && tree_mask->size(1) >= 1 &&
+                          tree_mask->stride(1) == 1,
+                      "tree_mask must be a bool CPU tensor [num_tokens, Q], contiguous in its last dimension");
+  }
+}
+
+// Runs attention as `p` describes it (every field set but max_tile_rows) over the sequences of block_table,
+// seq_lens and cu_seqlens_q (None: decode), which the caller checked for shape and dtype (paged_attention.cpp): cuts
+// the work into tiles and key splits, runs them on at::parallel_for's threads, merges the splits. The lengths,
+// offsets and page indices are read here, from host memory: bad ones give docs/design.md's "Bad indices" results
+// in out/lse and are recorded in `errors` when given.
+void run_attention(AttentionParams& p, int64_t num_tokens, const at::Tensor& block_table, const at::Tensor& seq_lens,
+                   const std::optional<at::Tensor>& cu_seqlens_q, const at::Tensor& out,
+                   const std::optional<at::Tensor>& errors, const std::optional<at::Tensor>& lse);
 
 }  // namespace attnops::cpu

@@ -1,5 +1,6 @@
 // The CPU paged-attention kernel, host side: unpacks the arguments, cuts the work into items, runs them on
-// at::parallel_for's threads, and registers the op.
+// at::parallel_for's threads, and registers the op. run_attention (the work items, the threads) also runs latent
+// attention (mla_attention.cpp), whose arguments unpack into the same parameters.
 //
 // Work decomposition. A tile is the query rows of one sequence: a block of its query tokens (one in decode, up to
 // kTileRows / group in a prefill) x the query heads of one or more KV heads. Each K/V row read from the cache
@@ -75,53 +76,17 @@ void paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const a
                     ")");
   ATTNOPS_ARG_CHECK(op, out.device().is_cpu() && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
                     "out must be a CPU tensor of q's shape and dtype");
-  if (lse.has_value()) {
-    ATTNOPS_ARG_CHECK(op,
-                      lse->device().is_cpu() && lse->scalar_type() == at::kFloat && lse->dim() == 2 &&
-                          lse->size(0) == q.size(0) && lse->size(1) == q.size(1),
-                      "lse must be a float32 CPU tensor [num_tokens, num_q_heads]");
-  }
   const int64_t num_tokens = q.size(0), num_q_heads = q.size(1), head_dim = q.size(2);
-  const int64_t num_pages = k_cache.size(0), page_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t num_pages = k_cache.size(0), num_kv_heads = k_cache.size(2);
   ATTNOPS_ARG_CHECK(op, k_cache.size(3) == head_dim, "q's head_dim (", head_dim, ") != the cache's (", k_cache.size(3),
                     ")");
   ATTNOPS_ARG_CHECK(op, head_dim % 32 == 0 && head_dim <= 256, "the CPU kernels take head_dim 32, 64, ..., 256 (got ",
                     head_dim, ")");
   ATTNOPS_ARG_CHECK(op, num_kv_heads > 0 && num_q_heads % num_kv_heads == 0, "num_q_heads (", num_q_heads,
                     ") must be a multiple of num_kv_heads (", num_kv_heads, ")");
-  ATTNOPS_ARG_CHECK(op,
-                    block_table.device().is_cpu() && block_table.scalar_type() == at::kInt && block_table.dim() == 2,
-                    "block_table must be int32 [B, max_pages] on the CPU");
-  const int64_t batch = block_table.size(0), max_pages = block_table.size(1);
-  ATTNOPS_ARG_CHECK(op,
-                    seq_lens.device().is_cpu() && seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 &&
-                        seq_lens.size(0) == batch,
-                    "seq_lens must be int32 [B] on the CPU, with B == block_table.shape[0]");
-  const bool decode = !cu_seqlens_q.has_value();
-  if (decode) {
-    ATTNOPS_ARG_CHECK(op, num_tokens == batch, "decode (cu_seqlens_q=None) needs one query row per sequence");
-  } else {
-    ATTNOPS_ARG_CHECK(op,
-                      cu_seqlens_q->device().is_cpu() && cu_seqlens_q->scalar_type() == at::kInt &&
-                          cu_seqlens_q->dim() == 1 && cu_seqlens_q->size(0) == batch + 1,
-                      "cu_seqlens_q must be int32 [B+1] on the CPU");
-  }
+  check_rows(op, num_tokens, num_q_heads, block_table, seq_lens, cu_seqlens_q, sinks, tree_mask, lse);
   ATTNOPS_ARG_CHECK(op, scale > 0 && soft_cap >= 0 && window_left >= -1,
                     "need scale > 0, soft_cap >= 0, window_left >= -1");
-  if (sinks.has_value()) {
-    ATTNOPS_ARG_CHECK(op,
-                      sinks->device().is_cpu() && sinks->scalar_type() == at::kFloat && sinks->dim() == 1 &&
-                          sinks->size(0) == num_q_heads && sinks->stride(0) == 1,
-                      "sinks must be a contiguous float32 CPU tensor [num_q_heads]");
-  }
-  if (tree_mask.has_value()) {
-    ATTNOPS_ARG_CHECK(op, !decode, "tree_mask needs cu_seqlens_q (decode has one query row per sequence)");
-    ATTNOPS_ARG_CHECK(op,
-                      tree_mask->device().is_cpu() && tree_mask->scalar_type() == at::kBool &&
-                          tree_mask->dim() == 2 && tree_mask->size(0) == num_tokens && tree_mask->size(1) >= 1 &&
-                          tree_mask->stride(1) == 1,
-                      "tree_mask must be a bool CPU tensor [num_tokens, Q], contiguous in its last dimension");
-  }
   const bool fp8 = is_fp8(k_cache.scalar_type());
   const std::vector<float> k_scales = unpack_scale(op, "k_scale", k_scale, fp8, num_kv_heads);
   const std::vector<float> v_scales = unpack_scale(op, "v_scale", v_scale, fp8, num_kv_heads);
@@ -163,6 +128,19 @@ void paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const a
   p.tree_mask = tree_mask.has_value() ? tree_mask->const_data_ptr<bool>() : nullptr;
   p.tree_mask_stride = tree_mask.has_value() ? tree_mask->stride(0) : 0;
   p.tree_mask_cols = tree_mask.has_value() ? tree_mask->size(1) : 0;
+  p.value_dim = head_dim;
+  p.q_pe = nullptr;
+  p.q_nope_dim = head_dim;
+  run_attention(p, num_tokens, block_table, seq_lens, cu_seqlens_q, out, errors, lse);
+}
+
+void run_attention(AttentionParams& p, int64_t num_tokens, const at::Tensor& block_table, const at::Tensor& seq_lens,
+                   const std::optional<at::Tensor>& cu_seqlens_q, const at::Tensor& out,
+                   const std::optional<at::Tensor>& errors, const std::optional<at::Tensor>& lse) {
+  const bool decode = !cu_seqlens_q.has_value();
+  const int64_t batch = block_table.size(0), max_pages = block_table.size(1);
+  const int64_t page_size = int64_t{1} << p.page_shift, num_kv_heads = p.num_kv_heads;
+  const int64_t window_left = p.window_left;
 
   // Tiles. Lengths and offsets are read from host memory (CPU tensors: no device sync), and checked so that no key
   // or page outside the tensors is ever read.
@@ -208,9 +186,9 @@ void paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const a
     // negative: no key) to kv_len - 1.
     const int64_t seen_from =
         window_left >= 0 ? std::max<int64_t>(0, kv_len - (q_end - q_begin) - window_left) : 0;
-    for (int64_t i = 0; i < (kv_len + page_size - 1) >> page_shift; ++i) {
+    for (int64_t i = 0; i < (kv_len + page_size - 1) >> p.page_shift; ++i) {
       const int64_t page = p.block_table[b * p.bt_stride_seq + i * p.bt_stride_page];
-      if ((page < 0 || page >= num_pages) && (i + 1) * page_size > seen_from) {
+      if ((page < 0 || page >= p.num_pages) && (i + 1) * page_size > seen_from) {
         record(kErrBlockTable, b);
         break;
       }
@@ -302,9 +280,9 @@ void paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const a
   Partials partials{nullptr, nullptr, nullptr};
   if (num_slots > 0) {
     const int64_t rows = p.max_tile_rows;
-    partial_storage.reset(new float[num_slots * rows * (head_dim + 2)]);
+    partial_storage.reset(new float[num_slots * rows * (p.value_dim + 2)]);
     partials.acc = partial_storage.get();
-    partials.max = partials.acc + num_slots * rows * head_dim;
+    partials.max = partials.acc + num_slots * rows * p.value_dim;
     partials.sum = partials.max + num_slots * rows;
   }
 

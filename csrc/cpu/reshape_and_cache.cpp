@@ -6,6 +6,9 @@
 //
 // Memory-bound and simple: tokens in parallel, one scalar conversion per element (c10's conversions round to
 // nearest even, exactly as Tensor.to() does, so the result is bit-identical to the reference backend's).
+//
+// The latent cache write (mla_cache_write) is here too, with the same conversions and slot rules: row
+// slot_mapping[i] of kv_cache [num_pages, page_size, R + P] = [kv_c[i], k_pe[i]].
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -18,6 +21,7 @@
 #include <cmath>
 #include <limits>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "host_utils.h"
@@ -76,22 +80,67 @@ void write_cache(const at::Tensor& key, const at::Tensor& value, const at::Tenso
   });
 }
 
-template <typename Src>
-void write_cache_from(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache,
-                      const at::Tensor& v_cache, const int64_t* slots, int64_t slot_stride,
-                      const std::vector<float>& k_scale, const std::vector<float>& v_scale) {
-  switch (k_cache.scalar_type()) {
-    case at::kFloat: return write_cache<Src, float>(key, value, k_cache, v_cache, slots, slot_stride, k_scale, v_scale);
-    case at::kBFloat16:
-      return write_cache<Src, c10::BFloat16>(key, value, k_cache, v_cache, slots, slot_stride, k_scale, v_scale);
-    case at::kHalf:
-      return write_cache<Src, c10::Half>(key, value, k_cache, v_cache, slots, slot_stride, k_scale, v_scale);
-    case at::kFloat8_e4m3fn:
-      return write_cache<Src, c10::Float8_e4m3fn>(key, value, k_cache, v_cache, slots, slot_stride, k_scale, v_scale);
-    case at::kFloat8_e5m2:
-      return write_cache<Src, c10::Float8_e5m2>(key, value, k_cache, v_cache, slots, slot_stride, k_scale, v_scale);
-    default: TORCH_CHECK(false, "attnops.reshape_and_cache: unsupported cache dtype ", k_cache.scalar_type());
+// Calls f(Src{}, Dst{}) with the C++ types of the source values (float32, bfloat16, float16: checked by the caller)
+// and of the cache.
+template <typename F>
+void with_types(const char* op, at::ScalarType src, at::ScalarType dst, const F& f) {
+  auto to = [&](auto source) {
+    switch (dst) {
+      case at::kFloat: return f(source, float{});
+      case at::kBFloat16: return f(source, c10::BFloat16{});
+      case at::kHalf: return f(source, c10::Half{});
+      case at::kFloat8_e4m3fn: return f(source, c10::Float8_e4m3fn{});
+      case at::kFloat8_e5m2: return f(source, c10::Float8_e5m2{});
+      default: TORCH_CHECK(false, "attnops.", op, ": unsupported cache dtype ", dst);
+    }
+  };
+  switch (src) {
+    case at::kFloat: return to(float{});
+    case at::kBFloat16: return to(c10::BFloat16{});
+    default: return to(c10::Half{});
   }
+}
+
+// Slots are read from host memory: the first bad one (below -1, or past the cache's num_slots) is recorded in
+// attnops.errors' buffer when given; the writes skip them all.
+void record_bad_slot(const char* op, const int64_t* slots, int64_t slot_stride, int64_t num_tokens, int64_t num_slots,
+                     const std::optional<at::Tensor>& errors) {
+  check_errors(op, errors);
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const int64_t slot = slots[t * slot_stride];
+    if (slot < -1 || slot >= num_slots) {
+      if (errors.has_value()) {
+        int32_t* entry = errors->data_ptr<int32_t>() + kErrSlotMapping;
+        *entry = std::min<int32_t>(*entry, static_cast<int32_t>(t));
+      }
+      return;
+    }
+  }
+}
+
+// The latent rows: kv_c [N, R] and k_pe [N, P] (any strides) side by side in row slots[i] of kv_cache.
+template <typename Src, typename Dst>
+void write_latent(const at::Tensor& kv_c, const at::Tensor& k_pe, const at::Tensor& kv_cache, const int64_t* slots,
+                  int64_t slot_stride, float scale) {
+  const int64_t num_tokens = kv_c.size(0), latent_dim = kv_c.size(1), rope_dim = k_pe.size(1);
+  const int64_t page_size = kv_cache.size(1), num_slots = kv_cache.size(0) * page_size;
+  const Src* c_data = kv_c.const_data_ptr<Src>();
+  const Src* pe_data = k_pe.const_data_ptr<Src>();
+  Dst* cache = static_cast<Dst*>(kv_cache.data_ptr());
+  const int64_t grain = std::max<int64_t>(1, 16384 / (latent_dim + rope_dim));
+  at::parallel_for(0, num_tokens, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t slot = slots[t * slot_stride];
+      if (slot < 0 || slot >= num_slots) continue;  // padding, or a bad index (recorded by the caller)
+      Dst* row = cache + (slot / page_size) * kv_cache.stride(0) + (slot % page_size) * kv_cache.stride(1);
+      const Src* c = c_data + t * kv_c.stride(0);
+      const Src* pe = pe_data + t * k_pe.stride(0);
+      for (int64_t d = 0; d < latent_dim; ++d)
+        row[d] = Store<Dst>::convert(static_cast<float>(c[d * kv_c.stride(1)]), scale);
+      for (int64_t d = 0; d < rope_dim; ++d)
+        row[latent_dim + d] = Store<Dst>::convert(static_cast<float>(pe[d * k_pe.stride(1)]), scale);
+    }
+  });
 }
 
 }  // namespace
@@ -118,27 +167,46 @@ void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, const
   const bool fp8 = is_fp8(k_cache.scalar_type());
   const std::vector<float> k_scales = unpack_scale(op, "k_scale", k_scale, fp8, k_cache.size(2));
   const std::vector<float> v_scales = unpack_scale(op, "v_scale", v_scale, fp8, k_cache.size(2));
-  // slots are read from host memory: the first bad one is recorded here (write_cache skips them all)
   const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
   const int64_t slot_stride = slot_mapping.stride(0), num_slots = k_cache.size(0) * k_cache.size(1);
-  check_errors(op, errors);
-  for (int64_t t = 0; t < key.size(0); ++t) {
-    const int64_t slot = slots[t * slot_stride];
-    if (slot < -1 || slot >= num_slots) {
-      if (errors.has_value()) {
-        int32_t* entry = errors->data_ptr<int32_t>() + kErrSlotMapping;
-        *entry = std::min<int32_t>(*entry, static_cast<int32_t>(t));
-      }
-      break;
-    }
-  }
-  switch (key.scalar_type()) {
-    case at::kFloat:
-      return write_cache_from<float>(key, value, k_cache, v_cache, slots, slot_stride, k_scales, v_scales);
-    case at::kBFloat16:
-      return write_cache_from<c10::BFloat16>(key, value, k_cache, v_cache, slots, slot_stride, k_scales, v_scales);
-    default: return write_cache_from<c10::Half>(key, value, k_cache, v_cache, slots, slot_stride, k_scales, v_scales);
-  }
+  record_bad_slot(op, slots, slot_stride, key.size(0), num_slots, errors);
+  with_types(op, key.scalar_type(), k_cache.scalar_type(), [&](auto src, auto dst) {
+    write_cache<decltype(src), decltype(dst)>(key, value, k_cache, v_cache, slots, slot_stride, k_scales, v_scales);
+  });
+}
+
+// The latent cache write: kv_c [N, R] and k_pe [N, P] (float32, bfloat16 or float16, one dtype) into row
+// slot_mapping[i] of kv_cache [num_pages, page_size, R + P] (last dim contiguous), converted to the cache's dtype
+// (fp8: divided by the per-tensor kv_scale and saturated). Slot -1 is skipped; a bad slot writes nothing and is
+// recorded.
+void mla_cache_write_cpu(const at::Tensor& kv_c, const at::Tensor& k_pe, const at::Tensor& kv_cache,
+                         const at::Tensor& slot_mapping, const std::optional<at::Tensor>& kv_scale,
+                         const std::optional<at::Tensor>& errors) {
+  const char* op = "mla_cache_write";
+  ATTNOPS_ARG_CHECK(op,
+                    kv_c.device().is_cpu() && k_pe.device().is_cpu() && kv_c.dim() == 2 && k_pe.dim() == 2 &&
+                        k_pe.size(0) == kv_c.size(0) && k_pe.scalar_type() == kv_c.scalar_type(),
+                    "kv_c [N, R] and k_pe [N, P] must be CPU tensors of one dtype and N");
+  ATTNOPS_ARG_CHECK(op, is_plain(kv_c.scalar_type()), "kv_c must be float32, bfloat16 or float16 (got ",
+                    kv_c.scalar_type(), ")");
+  ATTNOPS_ARG_CHECK(op,
+                    kv_cache.device().is_cpu() && kv_cache.dim() == 3 &&
+                        kv_cache.size(2) == kv_c.size(1) + k_pe.size(1) && kv_cache.stride(2) == 1,
+                    "kv_cache must be a CPU tensor [num_pages, page_size, R + P], contiguous in its last dimension "
+                    "(got ", kv_cache.sizes(), ")");
+  ATTNOPS_ARG_CHECK(op, is_plain(kv_cache.scalar_type()) || is_fp8(kv_cache.scalar_type()),
+                    "kv_cache must be float32, bfloat16, float16 or fp8 (got ", kv_cache.scalar_type(), ")");
+  ATTNOPS_ARG_CHECK(op,
+                    slot_mapping.device().is_cpu() && slot_mapping.scalar_type() == at::kLong &&
+                        slot_mapping.dim() == 1 && slot_mapping.size(0) == kv_c.size(0),
+                    "slot_mapping must be int64 [N] on the CPU");
+  const float scale = unpack_scale(op, "kv_scale", kv_scale, is_fp8(kv_cache.scalar_type()), 1)[0];
+  const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
+  const int64_t slot_stride = slot_mapping.stride(0), num_slots = kv_cache.size(0) * kv_cache.size(1);
+  record_bad_slot(op, slots, slot_stride, kv_c.size(0), num_slots, errors);
+  with_types(op, kv_c.scalar_type(), kv_cache.scalar_type(), [&](auto src, auto dst) {
+    write_latent<decltype(src), decltype(dst)>(kv_c, k_pe, kv_cache, slots, slot_stride, scale);
+  });
 }
 
 namespace {
@@ -148,6 +216,12 @@ void cpu_reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::T
                            const at::Tensor& slot_mapping, const std::optional<at::Tensor>& k_scale,
                            const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& errors) {
   reshape_and_cache_cpu(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, errors);
+}
+
+void cpu_mla_cache_write(const at::Tensor& kv_c, const at::Tensor& k_pe, at::Tensor& kv_cache,
+                         const at::Tensor& slot_mapping, const std::optional<at::Tensor>& kv_scale,
+                         const std::optional<at::Tensor>& errors) {
+  mla_cache_write_cpu(kv_c, k_pe, kv_cache, slot_mapping, kv_scale, errors);
 }
 
 #ifdef ATTNOPS_STANDALONE
@@ -161,6 +235,18 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
                     "k_block_scale/v_block_scale are for 4-bit caches, which the C++ CPU kernels do not serve");
   reshape_and_cache_cpu(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, std::nullopt);
 }
+
+void mla_cache_write(const at::Tensor& kv_c, const at::Tensor& k_pe, at::Tensor& kv_cache,
+                     const at::Tensor& slot_mapping, c10::string_view kv_format,
+                     const std::optional<at::Tensor>& kv_scale) {
+  const std::string fmt(kv_format);
+  ATTNOPS_ARG_CHECK("mla_cache_write",
+                    fmt == "fp8_e4m3" ? kv_cache.scalar_type() == at::kFloat8_e4m3fn
+                                      : fmt == "auto" && kv_cache.scalar_type() == kv_c.scalar_type(),
+                    "kv_format must be 'auto' (a cache of kv_c's dtype) or 'fp8_e4m3' (a float8_e4m3fn cache); got '",
+                    fmt, "' with a ", kv_cache.scalar_type(), " cache");
+  mla_cache_write_cpu(kv_c, k_pe, kv_cache, slot_mapping, kv_scale, std::nullopt);
+}
 #endif  // ATTNOPS_STANDALONE
 
 }  // namespace
@@ -169,12 +255,17 @@ TORCH_LIBRARY_FRAGMENT(attnops, m) {
   m.def(
       "cpu_reshape_and_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
       "Tensor? k_scale, Tensor? v_scale, Tensor(c!)? errors=None) -> ()");
+  m.def(
+      "cpu_mla_cache_write(Tensor kv_c, Tensor k_pe, Tensor(a!) kv_cache, Tensor slot_mapping, Tensor? kv_scale, "
+      "Tensor(b!)? errors=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(attnops, CPU, m) {
   m.impl("cpu_reshape_and_cache", &cpu_reshape_and_cache);
+  m.impl("cpu_mla_cache_write", &cpu_mla_cache_write);
 #ifdef ATTNOPS_STANDALONE
   m.impl("reshape_and_cache", &reshape_and_cache);
+  m.impl("mla_cache_write", &mla_cache_write);
 #endif
 }
 
