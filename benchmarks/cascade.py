@@ -1,4 +1,4 @@
-"""Cascade decode against plain paged decode of the same batch: requests that share a long prefix (issue 25).
+"""Cascade decode against plain paged decode of the same batch: requests that share a long prefix.
 
     python benchmarks/cascade.py                                   # 64 x (32K shared + 1K own), bf16 and fp8 (GPU)
     python benchmarks/cascade.py --sweep --json cascade.json --plot cascade.png

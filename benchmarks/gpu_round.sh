@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A round of GPU work on a CUDA machine, as a list of steps run in order, each under its own time limit; logs and
 # JSON go to the directory $ATTNOPS_OUT (default gpu-out/), a few files in all:
-#   ATTNOPS_OUT=results ATTNOPS_COMMIT=<sha> bash benchmarks/gpu_session.sh build jit tests models
+#   ATTNOPS_OUT=results ATTNOPS_COMMIT=<sha> bash benchmarks/gpu_round.sh build jit tests models
 # ATTNOPS_COMMIT: the commit being measured, written into the JSON and plots (where the tree has no git history).
 # Steps:
 #   build     the extension against the device's torch (always first)
