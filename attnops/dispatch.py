@@ -32,13 +32,12 @@ STATIC_ORDER = {
     "cuda": ("flashinfer", "cuda", "triton", "reference"),
 }
 
-# Latent attention (MLA) where no rule was measured: on the CPU the C++ kernels, as for paged attention. Its Triton
-# kernels have run only in Triton's interpreter so far, so on a GPU they are tried after the reference until
-# benchmarks/mla_decode.py (and tests/test_mla.py's GPU tests) have measured them there; pinning triton
-# (use_backend, ATTNOPS_BACKEND) runs them now.
+# Latent attention (MLA) where no rule was measured: on the CPU the C++ kernels, as for paged attention; on a GPU
+# Triton's kernels (tests/test_mla.py's GPU tests pass on sm_90: eager, a user's CUDA graph, reduce-overhead), the
+# reference only behind them (a host loop: slow, and not CUDA-graph safe).
 MLA_ORDER = {
     "cpu": ("cpu", "reference"),
-    "cuda": ("reference", "triton"),
+    "cuda": ("triton", "reference"),
 }
 
 _pinned_backend: contextvars.ContextVar[str | None] = contextvars.ContextVar("attnops_backend", default=None)
