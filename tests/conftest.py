@@ -5,6 +5,8 @@ Also the tiny transformers models the tests serve through attnops.hf (`from conf
 the families are attnops.hf's (none without transformers, so that test files without it still run)."""
 import copy
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -91,3 +93,23 @@ def build(config, implementation, state=None):
     if state is not None:
         model.load_state_dict(state)
     return model.eval().requires_grad_(False)
+
+
+# The CPU kernels' instruction-set copies: the process picks one at first use, so each runs in a subprocess with
+# ATEN_CPU_CAPABILITY set; the copies exist as `isa` (attnops' name) for a `capability` (ATen's).
+ISA_PARAMS = [("default", "default"), ("avx2", "avx2"), ("avx512", "avx512")]
+
+
+def run_with_cpu_isa(script: str, capability: str, isa: str) -> str:
+    """Runs `script` (Python source whose first printed line is "isa <the copy in use>") under ATen's
+    `capability`: skips where this CPU lacks it, fails unless the script succeeds on copy `isa`; its output."""
+    expected = {"default": True, "avx2": torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"),
+                "avx512": torch.backends.cpu.get_cpu_capability() == "AVX512"}
+    if not expected[isa]:
+        pytest.skip(f"this CPU has no {isa}")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    print(result.stdout)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines()[0] == f"isa {isa}"
+    return result.stdout

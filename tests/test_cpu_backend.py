@@ -22,7 +22,6 @@ import random
 import re
 import shutil
 import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -35,6 +34,7 @@ from attnops.backends.reference import paged_attention_reference, reshape_and_ca
 from attnops.dispatch import select_backend
 from attnops.checks import check_paged_attention, check_reshape_and_cache
 from attnops.testing import random_paged_inputs, relative_error
+from conftest import ISA_PARAMS, run_with_cpu_isa
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 NUM_RANDOM_CASES = 200
@@ -185,19 +185,10 @@ ISA_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("capability,isa", [("default", "default"), ("avx2", "avx2"), ("avx512", "avx512")])
+@pytest.mark.parametrize("capability,isa", ISA_PARAMS)
 def test_every_instruction_set(capability, isa):
     """Each compiled copy of the inner loops (the process picks one at first use, so each runs in a subprocess)."""
-    expected = {"default": True, "avx2": torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"),
-                "avx512": torch.backends.cpu.get_cpu_capability() == "AVX512"}
-    if not expected[isa]:
-        pytest.skip(f"this CPU has no {isa}")
-    script = ISA_SCRIPT.format(tests=os.path.join(ROOT, "tests"), seed=len(isa))
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    print(result.stdout)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.splitlines()[0] == f"isa {isa}"
+    run_with_cpu_isa(ISA_SCRIPT.format(tests=os.path.join(ROOT, "tests"), seed=len(isa)), capability, isa)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -8,8 +8,6 @@ from __future__ import annotations
 import math
 import os
 import random
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -20,6 +18,7 @@ from attnops.backends import BACKENDS
 from attnops.backends.mla_reference import mla_attention_reference, mla_cache_write_reference
 from attnops.backends.triton.mla_launch import mla_cache_write, mla_launch
 from attnops.testing import relative_error
+from conftest import ISA_PARAMS, run_with_cpu_isa
 
 GPU = torch.cuda.is_available()
 
@@ -276,20 +275,12 @@ ISA_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("capability,isa", [("default", "default"), ("avx2", "avx2"), ("avx512", "avx512")])
+@pytest.mark.parametrize("capability,isa", ISA_PARAMS)
 def test_cpu_every_instruction_set(capability, isa):
     """Each compiled copy of the inner loops (the process picks one at first use, so each runs in a subprocess):
     their vectors are 8 or 16 floats, and R + P (80, 208, ...) is a whole number of either."""
-    expected = {"default": True, "avx2": torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"),
-                "avx512": torch.backends.cpu.get_cpu_capability() == "AVX512"}
-    if not expected[isa]:
-        pytest.skip(f"this CPU has no {isa}")
-    script = ISA_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)), seed=len(isa))
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    print(result.stdout)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.splitlines()[0] == f"isa {isa}"
+    run_with_cpu_isa(ISA_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)), seed=len(isa)),
+                     capability, isa)
 
 
 @pytest.mark.parametrize("q_lens", [None, [3, 2]], ids=["decode", "extend"])

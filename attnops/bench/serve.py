@@ -388,12 +388,13 @@ def summary(records) -> list:
 
 def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if importlib.util.find_spec("transformers") is None and not {"-h", "--help"} & set(argv):
+    has_transformers = importlib.util.find_spec("transformers") is not None
+    if not has_transformers and not {"-h", "--help"} & set(argv):
         raise SystemExit("python -m attnops serve-bench: needs transformers (the models and the baseline): "
                          "pip install 'attnops[bench]'")
     parser = argparse.ArgumentParser(prog="python -m attnops serve-bench", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    if importlib.util.find_spec("transformers") is not None:
+    if has_transformers:
         from ..hf.families import FAMILIES
         families = list(FAMILIES)
         shapes = ", ".join(f"{name}: {spec.real_name}" for name, spec in FAMILIES.items())

@@ -11,10 +11,13 @@ from . import interpreting
 from .mla_kernel import mla_attention_kernel, mla_cache_write_kernel, mla_merge_kernel
 
 
-def mla_plan(num_tokens: int, num_heads: int, capacity: int, latent_dim: int, on_gpu: bool) -> dict:
+def mla_plan(num_tokens: int, num_heads: int, capacity: int, latent_dim: int, on_gpu: bool,
+             config: dict | None = None) -> dict:
     """Tiles and splits of a call, from shapes only (a captured graph replays any lengths within the table).
     Heads are the tile's rows: at most 64 a program (the fp32 accumulator of 64 x 512 is what a program holds),
-    at least 16 (tl.dot's smallest M). Splits fill about two waves of 132 SMs when tokens x head blocks are few."""
+    at least 16 (tl.dot's smallest M). Splits fill about two waves of 132 SMs when tokens x head blocks are few.
+    `config` overrides tiles and CHUNK; the split count always follows from CHUNK, so that the splits cover the
+    table."""
     block_h = max(16, min(64 if latent_dim <= 256 else 32, triton.next_power_of_2(num_heads)))
     block_n = 32 if latent_dim > 256 else 64
     if not on_gpu:
@@ -23,9 +26,11 @@ def mla_plan(num_tokens: int, num_heads: int, capacity: int, latent_dim: int, on
     splits = max(1, min(32, (2 * 132) // programs, triton.cdiv(capacity, 4 * block_n))) if on_gpu else \
         max(1, min(4, triton.cdiv(capacity, 64)))
     chunk = triton.cdiv(triton.cdiv(max(capacity, 1), splits), block_n) * block_n
-    splits = triton.cdiv(max(capacity, 1), chunk)
-    return dict(BLOCK_H=block_h, BLOCK_N=block_n, MAX_SPLITS=splits, CHUNK=chunk,
-                num_warps=8 if latent_dim > 256 and on_gpu else 4, num_stages=2 if on_gpu else 1)
+    plan = dict(BLOCK_H=block_h, BLOCK_N=block_n, CHUNK=chunk, num_warps=8 if latent_dim > 256 and on_gpu else 4,
+                num_stages=2 if on_gpu else 1)
+    plan.update(config or {})
+    plan["MAX_SPLITS"] = triton.cdiv(max(capacity, 1), plan["CHUNK"])
+    return plan
 
 
 def mla_launch(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, *, scale: float, kv_format: str,
@@ -49,10 +54,8 @@ def mla_launch(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, *, s
     block_table = block_table.contiguous()
     seq_lens = seq_lens.contiguous()
     capacity = block_table.shape[1] * page_size
-    plan = mla_plan(num_tokens, num_heads, capacity, latent, q_nope.is_cuda and not interpreting())
-    plan.update(config or {})
-    # the splits cover the table whatever CHUNK a config gives
-    splits = plan["MAX_SPLITS"] = triton.cdiv(max(capacity, 1), plan["CHUNK"])
+    plan = mla_plan(num_tokens, num_heads, capacity, latent, q_nope.is_cuda and not interpreting(), config)
+    splits = plan["MAX_SPLITS"]
     fp8 = kv_format == "fp8_e4m3"
     kv = kv_cache.view(torch.uint8) if fp8 else kv_cache
     r_p2, p_p2 = triton.next_power_of_2(latent), triton.next_power_of_2(rope)
