@@ -3,6 +3,10 @@ FlashInfer is installed) and the bandwidth ceiling, same data, same run.
 
     python benchmarks/mla_decode.py                      # DeepSeek's shape: R 512, P 64, heads 16 and 128
     python benchmarks/mla_decode.py --heads 8 16 32 64 128 --cases 1x32768 32x8192 128x4096 --json mla.json
+    python benchmarks/mla_decode.py --sweep --json mla-sweep.json   # Triton's tiles and splits, each case
+
+--sweep times the Triton launcher at every tile (BLOCK_H, BLOCK_N), warp count, stage count and split count of a
+small grid beside the plan's own choice, and prints each case's best: what mla_plan's choices are fitted to.
 
 Each case: a paged bf16 (or --kv-format fp8_e4m3) latent cache of random rows in random page order, one query token a
 sequence; the output is checked against the float64 reference before it is timed (CUDA-graph replay, median of
@@ -49,6 +53,15 @@ def graph_time_us(fn) -> float:
     return 1000 * triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
 
 
+def eager_time_us(fn) -> float:
+    """Eager calls (a host-planned backend cannot run in a graph nobody re-plans): the op's first call plans the
+    step, the timed calls reuse the plan as a model's other layers do."""
+    import triton
+    fn()
+    torch.cuda.synchronize()
+    return 1000 * triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
 def attnops_fn(case, scale, out, use_op, backend):
     import attnops
     from attnops.backends.triton.mla_launch import mla_launch
@@ -63,6 +76,50 @@ def attnops_fn(case, scale, out, use_op, backend):
     return lambda: mla_launch(case["q_nope"], case["q_pe"], case["kv_cache"], case["block_table"], case["seq_lens"],
                               None, scale=scale, kv_format="fp8_e4m3" if case["kv_scale"] is not None else "auto",
                               kv_scale=case["kv_scale"], sinks=None, tree_mask=None, out=out)
+
+
+SWEEP = dict(BLOCK_H=(16, 32, 64), BLOCK_N=(16, 32, 64), num_warps=(4, 8), num_stages=(1, 2, 3),
+             split_factor=(0.5, 1, 2))
+
+
+def sweep_case(case, scale, out, budget_s):
+    """The launcher's time at each config of SWEEP (split_factor scales the plan's split count), the plan first;
+    configs a GPU cannot hold (shared memory, registers) are skipped. Stops after budget_s seconds."""
+    import itertools
+    import time
+
+    import triton
+    from attnops.backends.triton.mla_launch import mla_launch, mla_plan
+    batch, heads, latent = case["q_nope"].shape
+    capacity = case["block_table"].shape[1] * case["kv_cache"].shape[1]
+    plan = mla_plan(batch, heads, capacity, latent, True)
+    fmt = "fp8_e4m3" if case["kv_scale"] is not None else "auto"
+
+    def timed(config):
+        fn = lambda: mla_launch(case["q_nope"], case["q_pe"], case["kv_cache"], case["block_table"],  # noqa: E731
+                                case["seq_lens"], None, scale=scale, kv_format=fmt, kv_scale=case["kv_scale"],
+                                sinks=None, tree_mask=None, out=out, config=config)
+        return graph_time_us(fn)
+
+    rows = [dict(config="plan", us=timed(None), **{k: plan[k] for k in ("BLOCK_H", "BLOCK_N", "num_warps",
+                                                                          "num_stages", "MAX_SPLITS")})]
+    start = time.time()
+    for values in itertools.product(*SWEEP.values()):
+        if time.time() - start > budget_s:
+            break
+        knobs = dict(zip(SWEEP, values))
+        factor = knobs.pop("split_factor")
+        base = mla_plan(batch, heads, capacity, latent, True, dict(BLOCK_H=knobs["BLOCK_H"],
+                                                                   BLOCK_N=knobs["BLOCK_N"]))
+        splits = max(1, round(base["MAX_SPLITS"] * factor))
+        chunk = triton.cdiv(triton.cdiv(capacity, splits), knobs["BLOCK_N"]) * knobs["BLOCK_N"]
+        try:
+            us = timed({**knobs, "CHUNK": chunk})
+        except Exception as e:  # (out of shared memory or registers: a config this GPU cannot run)
+            rows.append(dict(**knobs, CHUNK=chunk, error=f"{type(e).__name__}"))
+            continue
+        rows.append(dict(**knobs, CHUNK=chunk, MAX_SPLITS=triton.cdiv(capacity, chunk), us=us))
+    return rows
 
 
 def flashinfer_fn(case, scale, out):
@@ -92,8 +149,12 @@ def main(argv=None) -> int:
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--kv-format", default="bf16", choices=["bf16", "fp8_e4m3"])
     parser.add_argument("--backend", default="triton",
-                        help="the attnops backend the op is pinned to (default triton; auto: dispatch's choice)")
+                        help="the attnops backend the op is pinned to (default triton; auto: dispatch's choice; "
+                             "flashinfer: timed eagerly, a layer's call reusing its step's plan)")
     parser.add_argument("--launch", action="store_true", help="time the kernel launcher, not the registered op")
+    parser.add_argument("--sweep", action="store_true",
+                        help="time Triton's launcher over a grid of tiles, warps, stages and splits per case")
+    parser.add_argument("--sweep-budget", type=float, default=60, help="seconds of sweep per case (default 60)")
     parser.add_argument("--json", help="write the records here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -119,14 +180,24 @@ def main(argv=None) -> int:
                                             compute_dtype=torch.float64)[..., : args.latent]
             err = ((out[sub].double() - ref).norm() / ref.norm()).item()
             assert err < 2e-2, f"{spec} H{heads}: relative error {err:.3g}"
-            ours = graph_time_us(fn)
+            ours = (eager_time_us if args.backend == "flashinfer" else graph_time_us)(fn)
             element = case["kv_cache"].element_size()
             nbytes = batch * kv_len * (args.latent + args.rope) * element + 2 * out.numel() * 2 + \
                 case["q_pe"].numel() * 2
             tbs = nbytes / ours / 1e6
-            record = dict(case=f"mla/{heads}/{spec}/{args.kv_format}", heads=heads, batch=batch, kv_len=kv_len,
-                          latent=args.latent, rope=args.rope, attnops_us=ours, tbs=tbs, rel_error=err,
+            record = dict(case=f"mla/{heads}/{spec}/{args.kv_format}", backend=args.backend,
+                          timing="eager" if args.backend == "flashinfer" else "graph", heads=heads, batch=batch,
+                          kv_len=kv_len, latent=args.latent, rope=args.rope, attnops_us=ours, tbs=tbs, rel_error=err,
                           gpu=torch.cuda.get_device_name())
+            if args.sweep:
+                rows = sweep_case(case, scale, out, args.sweep_budget)
+                timed_rows = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
+                record["sweep"] = rows
+                best = timed_rows[0]
+                print(f"  sweep: plan {rows[0]['us']:.1f} us, best {best['us']:.1f} us at "
+                      + ", ".join(f"{k}={v}" for k, v in best.items() if k not in ("us", "config")))
+                for r in timed_rows[1:4]:
+                    print(f"         {r['us']:.1f} us at " + ", ".join(f"{k}={v}" for k, v in r.items() if k != "us"))
             fi_text = f"{'-':>15}{'-':>8}"
             if args.kv_format == "bf16":
                 try:

@@ -174,6 +174,69 @@ def test_gpu_deepseek_shapes_through_the_op():
             assert relative_error(out, mla_attention_reference(**args)) < 1e-2, (heads, q_lens, kv_format)
 
 
+def flashinfer_importable() -> bool:
+    try:
+        import flashinfer  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not flashinfer_importable(), reason="FlashInfer is not installed")
+def test_flashinfer_matches_the_reference_through_the_op():
+    """FlashInfer's MLA wrapper behind the op (flashinfer_mla.py) on random ragged batches at DeepSeek's R 512, P 64:
+    decode and extend, empty sequences, more queries than keys, bad lengths and pages, LSE, a plan reused by the
+    step's second call (another layer) and replanned when the lengths change in place."""
+    rng = random.Random(7)
+    for trial in range(24):
+        batch = rng.randint(1, 6)
+        decode = trial % 2 == 0
+        kv_lens = [rng.choice([0, 1, rng.randint(2, 300), rng.randint(300, 3000)]) for _ in range(batch)]
+        q_lens = None if decode else [rng.randint(0, min(n, 8)) if n else 0 for n in kv_lens]
+        if not decode and trial % 4 == 1:
+            q_lens[0] = kv_lens[0] + 2  # more queries than keys: the first rows see none
+        heads = rng.choice([8, 16, 64, 128])
+        dtype = rng.choice([torch.bfloat16, torch.float16])
+        args = mla_inputs(kv_lens, q_lens, heads=heads, latent=512, rope=64, page_size=rng.choice([1, 16, 64]),
+                          dtype=dtype, device="cuda", seed=trial)
+        if trial % 6 == 5:
+            args["seq_lens"][0] = 10 ** 6  # a bad length: its rows NaN
+        attnops.take_errors()
+        with attnops.use_backend("flashinfer"):
+            assert attnops.explain(**args).chosen == "flashinfer"
+            for layer in range(2):  # the second call reuses the step's plan
+                out, lse = torch.ops.attnops.mla_attention_with_lse(**args)
+                ref, ref_lse = mla_attention_reference(**args, return_lse=True)
+                if ref.numel():
+                    assert relative_error(out, ref) < 1e-2, (trial, layer)
+                    torch.testing.assert_close(lse, ref_lse.float(), atol=2e-3, rtol=1e-3, equal_nan=True)
+        want_errors = {"seq_lens": 0} if trial % 6 == 5 and (decode or q_lens[0]) else {}
+        assert attnops.take_errors() == want_errors, trial
+        if any(kv_lens):  # the same tensors rewritten in place: a new step, planned again
+            args["seq_lens"].copy_(torch.tensor([n // 2 for n in kv_lens]))
+            if q_lens is None or all(q <= n // 2 for q, n in zip(q_lens, kv_lens)):
+                with attnops.use_backend("flashinfer"):
+                    out = torch.ops.attnops.mla_attention(**args)
+                assert relative_error(out, mla_attention_reference(**args)) < 1e-2, trial
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not flashinfer_importable(), reason="FlashInfer is not installed")
+def test_flashinfer_is_passed_over_inside_a_capture():
+    args = mla_inputs([300, 40], None, heads=16, latent=512, rope=64, page_size=16, dtype=torch.bfloat16,
+                      device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    out = torch.empty_like(args["q_nope"])
+    torch.ops.attnops.mla_attention.out(**args, out=out)
+    with torch.cuda.graph(graph):
+        chosen = attnops.explain(**args).chosen
+        torch.ops.attnops.mla_attention.out(**args, out=out)
+    assert chosen == "triton"
+    graph.replay()
+    assert relative_error(out, mla_attention_reference(**args)) < 1e-2
+
+
 # ------------------------------------------------------------------------------------------------------------
 # the C++ CPU kernels (csrc/cpu/mla_attention.cpp: paged attention's inner loops over the latent rows)
 
@@ -355,6 +418,21 @@ def test_explain_answers_for_latent_attention():
     assert write.chosen == "cpu"
 
 
+def test_flashinfer_declines_what_its_mla_kernels_are_not_built_for():
+    from attnops.backends import flashinfer_mla
+    from attnops.cases import MLACase
+    case = MLACase(device_type="cuda", arch=(9, 0), q_dtype=torch.bfloat16, kv_format="bf16", latent_dim=512,
+                   rope_dim=64, num_heads=128, page_size=64, decode=True)
+    assert flashinfer_mla.reasons(case) == []
+    for change, words in [(dict(latent_dim=256), "R 256, P 64"), (dict(rope_dim=32), "R 512, P 32"),
+                          (dict(kv_format="fp16"), "in q's dtype"), (dict(kv_format="fp8_e4m3"), "fp8_e4m3"),
+                          (dict(q_dtype=torch.float32, kv_format="fp32"), "dtype"), (dict(sinks=True), "sinks"),
+                          (dict(tree_mask=True), "tree_mask"), (dict(device_type="cpu", arch=None), "cuda"),
+                          (dict(arch=(7, 5)), "sm_75")]:
+        found = flashinfer_mla.reasons(MLACase(**{**case.__dict__, **change}))
+        assert any(words in r for r in found), (change, found)
+
+
 def test_only_latent_backends_serve_it_and_triton_comes_first_on_a_gpu():
     from attnops.cases import MLACase
     from attnops.dispatch import policy, reasons_against
@@ -362,8 +440,8 @@ def test_only_latent_backends_serve_it_and_triton_comes_first_on_a_gpu():
     case = MLACase(device_type="cuda", arch=(9, 0), q_dtype=torch.bfloat16, kv_format="bf16", latent_dim=512,
                    rope_dim=64, num_heads=16, page_size=64, decode=True)
     assert policy(case) == ("triton", "reference")
-    for name in ("flashinfer", "cuda"):
-        assert reasons_against(BACKENDS[name], case) == ["has no latent-attention (MLA) kernels"]
+    assert reasons_against(BACKENDS["cuda"], case) == ["has no latent-attention (MLA) kernels"]
+    assert BACKENDS["flashinfer"].serves_mla
     assert reasons_against(BACKENDS["cpu"], case) == ["runs on cpu, not cuda"]
     # on the CPU the C++ kernels come first, as for paged attention
     cpu_case = MLACase(**{**case.__dict__, "device_type": "cpu", "arch": None})

@@ -31,7 +31,7 @@ import torch
 from .. import capture, errors, formats
 from ..env import values_checked
 from . import flashinfer_replay
-from .base import AttentionCase, Backend, CacheWriteCase, common_reasons
+from .base import AttentionCase, Backend, CacheWriteCase, MLACase, MLAWriteCase, common_reasons
 
 log = logging.getLogger("attnops.flashinfer")
 
@@ -200,9 +200,11 @@ def _same_step(key, block_table, seq_lens, cu_seqlens_q) -> bool:
 class FlashInferBackend(Backend):
     name = "flashinfer"
     description = ("FlashInfer's CUDA kernels: tensor-core paged decode, fa2/fa3 paged prefill for verify and "
-                   "extend; bf16/fp16 and fp8 (per-tensor scale) KV; planned once per step")
+                   "extend; bf16/fp16 and fp8 (per-tensor scale) KV; latent attention (MLA) at R 512, P 64; "
+                   "planned once per step")
     writes_cache = False
     plans_on_host = True
+    serves_mla = True  # (flashinfer_mla.py: DeepSeek's latent rows, bf16/fp16)
 
     def forget_steps(self) -> None:
         flashinfer_replay.clear()  # replayed calls skip dispatch: none armed under an old pin may run
@@ -215,8 +217,11 @@ class FlashInferBackend(Backend):
         return reasons
 
     def supports(self, case) -> list[str]:
-        if isinstance(case, CacheWriteCase):
+        if isinstance(case, (CacheWriteCase, MLAWriteCase)):
             return ["writes the cache through attnops' own kernels (FlashInfer has no fp8-scaled/4-bit cache write)"]
+        if isinstance(case, MLACase):
+            from . import flashinfer_mla
+            return flashinfer_mla.reasons(case)
         reasons = common_reasons(case, devices=("cuda",), q_dtypes=Q_DTYPES, kv_formats=KV_FORMATS,
                                  head_dims=HEAD_DIMS, archs=lambda arch: arch >= (8, 0), sinks=False,
                                  tree_mask=False)
@@ -377,4 +382,11 @@ class FlashInferBackend(Backend):
             lse.copy_(lse_buffer)
 
     def reshape_and_cache(self, call) -> None:
+        raise NotImplementedError("FlashInfer backend: cache writes go through attnops' own kernels")
+
+    def mla_attention(self, call) -> None:
+        from . import flashinfer_mla
+        flashinfer_mla.mla_attention(call)
+
+    def mla_cache_write(self, call) -> None:
         raise NotImplementedError("FlashInfer backend: cache writes go through attnops' own kernels")
