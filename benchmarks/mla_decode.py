@@ -78,8 +78,8 @@ def attnops_fn(case, scale, out, use_op, backend):
                               kv_scale=case["kv_scale"], sinks=None, tree_mask=None, out=out)
 
 
-SWEEP = dict(BLOCK_H=(16, 32, 64), BLOCK_N=(16, 32, 64), num_warps=(4, 8), num_stages=(1, 2, 3),
-             split_factor=(0.5, 1, 2))
+SWEEP = dict(BLOCK_H=(16, 32, 64), BLOCK_N=(16, 32, 64), num_warps=(4, 8), num_stages=(1, 2),
+             split_factor=(0.5, 1, 2, 4))
 
 
 def sweep_case(case, scale, out, budget_s):
@@ -109,6 +109,8 @@ def sweep_case(case, scale, out, budget_s):
             break
         knobs = dict(zip(SWEEP, values))
         factor = knobs.pop("split_factor")
+        if knobs["BLOCK_H"] > max(16, triton.next_power_of_2(heads)):  # (rows of no head)
+            continue
         base = mla_plan(batch, heads, capacity, latent, True, dict(BLOCK_H=knobs["BLOCK_H"],
                                                                    BLOCK_N=knobs["BLOCK_N"]))
         splits = max(1, round(base["MAX_SPLITS"] * factor))

@@ -153,6 +153,15 @@ def test_triton_matches_the_reference_in_the_interpreter(seed):
         check_triton(random_spec(rng), "cpu", rng.choice([torch.float16, torch.float32]))
 
 
+@pytest.mark.skipif(GPU, reason="the interpreter's run; the GPU runs many splits in its random batches")
+def test_triton_merges_many_splits():
+    """More splits than the merge reads at once (it takes them SPLIT_BLOCK at a time): 19 and 11 splits of 16 keys,
+    a sequence shorter than one split, sinks and the LSE."""
+    spec = dict(kv_lens=[300, 5, 170], q_lens=None, heads=4, latent=64, rope=16, page_size=4, seed=3,
+                kv_format="auto", sinks=True, tree=False, config=dict(CHUNK=16, BLOCK_N=16))
+    check_triton(spec, "cpu", torch.float32)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("seed", range(4))
 def test_triton_matches_the_reference_on_the_gpu(seed):

@@ -168,9 +168,11 @@ def mla_attention_kernel(
 @triton.jit(do_not_specialize=["MAX_SPLITS"])
 def mla_merge_kernel(out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, sinks_ptr, stride_ot, stride_oh, MAX_SPLITS,
                      NUM_HEADS: tl.constexpr, R: tl.constexpr, R_P2: tl.constexpr, SPLITS_P2: tl.constexpr,
-                     HAS_SINKS: tl.constexpr, WRITE_LSE: tl.constexpr):
+                     SPLIT_BLOCK: tl.constexpr, HAS_SINKS: tl.constexpr, WRITE_LSE: tl.constexpr):
     """Program (token, head): its splits' partials combined by their LSEs (base 2), the sink in the denominator;
-    a NaN partial (a bad index its split met) makes the row NaN."""
+    a NaN partial (a bad index its split met) makes the row NaN. The LSEs are read at once, the partials
+    SPLIT_BLOCK splits at a time (a single long sequence has up to a few hundred splits: their rows at once
+    would not fit in registers)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     row = (t * NUM_HEADS + h) * MAX_SPLITS
@@ -184,17 +186,23 @@ def mla_merge_kernel(out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, sinks_ptr, st
         sink = tl.load(sinks_ptr + h) * LOG2E
         mx = tl.maximum(mx, sink)
     mx = tl.where(mx == float("-inf"), 0.0, mx)
-    w = tl.exp2(lse - mx)
-    denom = tl.sum(w, 0)
+    denom = tl.sum(tl.exp2(lse - mx), 0)
     total = denom
     if HAS_SINKS:
         sink_w = tl.exp2(sink - mx)
         denom += tl.where(keys, sink_w, 0.0)  # a row with no key stays 0
         total += sink_w
     offs_r = tl.arange(0, R_P2)
-    part = tl.load(part_out_ptr + (row + offs_s)[:, None] * R_P2 + offs_r[None, :],
-                   mask=(offs_s < MAX_SPLITS)[:, None], other=0.0)
-    o = tl.sum(w[:, None] * part, 0) / tl.where(denom > 0.0, denom, 1.0)
+    o = tl.zeros([R_P2], dtype=tl.float32)
+    for first in range(0, MAX_SPLITS, SPLIT_BLOCK):
+        offs_b = first + tl.arange(0, SPLIT_BLOCK)
+        inside = offs_b < MAX_SPLITS
+        lse_b = tl.load(part_lse_ptr + row + offs_b, mask=inside, other=float("-inf"))
+        w = tl.exp2(tl.where(lse_b != lse_b, float("-inf"), lse_b) - mx)
+        part = tl.load(part_out_ptr + (row + offs_b)[:, None] * R_P2 + offs_r[None, :], mask=inside[:, None],
+                       other=0.0)
+        o += tl.sum(tl.where(w[:, None] > 0.0, w[:, None] * part, 0.0), 0)
+    o = o / tl.where(denom > 0.0, denom, 1.0)
     o = tl.where(any_nan, float("nan"), o)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_r, o.to(out_ptr.dtype.element_ty), mask=offs_r < R)
     if WRITE_LSE:
