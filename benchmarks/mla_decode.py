@@ -153,6 +153,9 @@ def main(argv=None) -> int:
     parser.add_argument("--backend", default="triton",
                         help="the attnops backend the op is pinned to (default triton; auto: dispatch's choice; "
                              "flashinfer: timed eagerly, a layer's call reusing its step's plan)")
+    parser.add_argument("--timing", default="auto", choices=["auto", "graph", "eager"],
+                        help="CUDA-graph replay or eager calls (auto: eager for flashinfer, whose host plan a graph "
+                             "nobody re-plans cannot hold; graph otherwise)")
     parser.add_argument("--launch", action="store_true", help="time the kernel launcher, not the registered op")
     parser.add_argument("--sweep", action="store_true",
                         help="time Triton's launcher over a grid of tiles, warps, stages and splits per case")
@@ -182,13 +185,14 @@ def main(argv=None) -> int:
                                             compute_dtype=torch.float64)[..., : args.latent]
             err = ((out[sub].double() - ref).norm() / ref.norm()).item()
             assert err < 2e-2, f"{spec} H{heads}: relative error {err:.3g}"
-            ours = (eager_time_us if args.backend == "flashinfer" else graph_time_us)(fn)
+            timing = args.timing if args.timing != "auto" else "eager" if args.backend == "flashinfer" else "graph"
+            ours = (eager_time_us if timing == "eager" else graph_time_us)(fn)
             element = case["kv_cache"].element_size()
             nbytes = batch * kv_len * (args.latent + args.rope) * element + 2 * out.numel() * 2 + \
                 case["q_pe"].numel() * 2
             tbs = nbytes / ours / 1e6
             record = dict(case=f"mla/{heads}/{spec}/{args.kv_format}", backend=args.backend,
-                          timing="eager" if args.backend == "flashinfer" else "graph", heads=heads, batch=batch,
+                          timing=timing, heads=heads, batch=batch,
                           kv_len=kv_len, latent=args.latent, rope=args.rope, attnops_us=ours, tbs=tbs, rel_error=err,
                           gpu=torch.cuda.get_device_name())
             if args.sweep:

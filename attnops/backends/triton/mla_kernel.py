@@ -56,12 +56,16 @@ def mla_attention_kernel(
     IS_DECODE: tl.constexpr, FP8: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_TREE: tl.constexpr,
     WRITE_LSE: tl.constexpr,
 ):
-    """Program (token t, head block, split): the token's heads of the block against the split's keys of its
+    """Program (token t and head block, split): the token's heads of the block against the split's keys of its
     sequence (those at or before its position; a tree mask decides inside its query block). With one split it
     writes out (and lse); with more (SPLIT), its partial (normalized output, base-2 LSE) for mla_merge_kernel."""
-    t = tl.program_id(0)
-    split = tl.program_id(2)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    # the head blocks of a token are neighbours in launch order: they run together and read the same latent rows,
+    # so all but the first find them in L2
+    HEAD_BLOCKS: tl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
+    t = tl.program_id(0) // HEAD_BLOCKS
+    head_block = tl.program_id(0) % HEAD_BLOCKS
+    split = tl.program_id(1)
+    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     hvalid = heads < NUM_HEADS
     DOT_DTYPE: tl.constexpr = qn_ptr.dtype.element_ty
 
@@ -73,14 +77,14 @@ def mla_attention_kernel(
     else:
         violation = cu_seqlens_violation(cu_ptr, num_seqs, num_tokens, 128)
         cu_bad = violation <= num_seqs
-        if cu_bad & (t == 0) & (tl.program_id(1) == 0) & (split == 0):
+        if cu_bad & (t == 0) & (head_block == 0) & (split == 0):
             tl.atomic_min(err_ptr + ERR_CU_SEQLENS_Q, violation)
         b = find_sequence(cu_ptr, t, num_seqs, 1, False)
         q_start = tl.load(cu_ptr + b)
         q_len = tl.load(cu_ptr + b + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + b)
     len_bad = (seq_len < 0) | (seq_len > capacity)
-    if len_bad & (tl.program_id(1) == 0) & (split == 0) & ~cu_bad:
+    if len_bad & (head_block == 0) & (split == 0) & ~cu_bad:
         tl.atomic_min(err_ptr + ERR_SEQ_LENS, b)
     seq_len = tl.where(len_bad | cu_bad, 0, seq_len)
     block_start = seq_len - q_len  # the query block's first position

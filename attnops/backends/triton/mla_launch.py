@@ -65,7 +65,7 @@ def mla_launch(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, *, s
         part_lse = torch.empty(num_tokens * num_heads * splits, dtype=torch.float32, device=q_nope.device)
     cu = cu_seqlens_q.contiguous() if cu_seqlens_q is not None else seq_lens
     tm = tree_mask.view(torch.uint8) if tree_mask is not None else seq_lens
-    grid = (num_tokens, triton.cdiv(num_heads, plan["BLOCK_H"]), splits)
+    grid = (num_tokens * triton.cdiv(num_heads, plan["BLOCK_H"]), splits)
     mla_attention_kernel[grid](
         qn_ptr=q_nope, qp_ptr=q_pe, kv_ptr=kv, bt_ptr=block_table, seq_lens_ptr=seq_lens, cu_ptr=cu,
         kv_scale_ptr=kv_scale if fp8 else seq_lens, sinks_ptr=sinks if sinks is not None else seq_lens, tm_ptr=tm,
