@@ -36,7 +36,7 @@
 #   tests     the GPU tests, suites in parallel processes (TEST_SUITES, default "capture triton flashinfer e2e":
 #             captures of the op; Triton under pytest-xdist; FlashInfer + graphs + devices; end to end; also "spec"
 #             (sinks, trees, merge, page sharing, cascade, LSE), "hf" (transformers models), "cuda" (the 4-bit
-#             CUDA kernels) and "mla" (latent attention)), one log;
+#             CUDA kernels) and "mla" (latent attention: the ops and DeepSeek through attnops.hf)), one log;
 #             TESTS_TIMEOUT seconds.
 #             Run at most four at once: more overload a 16-core machine with compiles
 #   models    python -m attnops tune on the models grid (MODELS_ARGS narrows it), writing the table to
@@ -210,7 +210,7 @@ PY
           spec) files="-m gpu -n 8 tests/test_sinks_tree.py tests/test_merge.py tests/test_prefix_sharing.py tests/test_cascade.py tests/test_lse.py" ;;
           hf) files="-m gpu tests/test_hf.py" ;;
           cuda) files="-m gpu tests/test_cuda_backend.py" ;;
-          mla) files="-m gpu tests/test_mla.py" ;;
+          mla) files="-m gpu tests/test_mla.py tests/test_hf_mla.py" ;;
           *) echo "unknown suite $suite"; exit 2 ;;
         esac
         timeout $limit python3 -m pytest -q -rA -p no:cacheprovider $files > "/tmp/tests-$suite.log" 2>&1 &

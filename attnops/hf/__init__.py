@@ -15,6 +15,10 @@ cache and the decode loop are attnops'.
     # distributed_config=DistributedConfig(tp_size=N)) under torchrun, or for a model built whole on every rank:
     model = attnops.hf.tp.shard(model, rank, world_size)
 
+    # DeepSeek-V2/V3 latent attention (MLA), absorbed, over a latent cache (attnops.hf.mla):
+    model = attnops.hf.enable_mla(AutoModelForCausalLM.from_pretrained(path))
+    out = model.generate(input_ids, past_key_values=attnops.hf.LatentCache(model.config, max_cache_len=2048))
+
 Every attention layer writes its new keys and values with `torch.ops.attnops.reshape_and_cache` and attends with
 `torch.ops.attnops.paged_attention` (prefill in the cu_seqlens_q form, decode with cu_seqlens_q=None), with the
 layer's own sliding window, soft cap, scaling and (gpt-oss) sinks. Without a PagedCache (a plain forward, or
@@ -46,9 +50,10 @@ if _version(transformers.__version__) < MIN_TRANSFORMERS:
 
 from .attention import ATTN_IMPLEMENTATION, attention_forward, padding_mask, register  # noqa: E402
 from .cache import PagedCache  # noqa: E402
+from .mla import LatentCache, enable_mla  # noqa: E402
 from .serving import ModelShape, ServingModel, model_shape, paged_kv_cache, serving_model  # noqa: E402
 
 register()
 
-__all__ = ["ATTN_IMPLEMENTATION", "ModelShape", "PagedCache", "ServingModel", "attention_forward", "model_shape",
-           "padding_mask", "paged_kv_cache", "serving_model"]
+__all__ = ["ATTN_IMPLEMENTATION", "LatentCache", "ModelShape", "PagedCache", "ServingModel", "attention_forward",
+           "enable_mla", "model_shape", "padding_mask", "paged_kv_cache", "serving_model"]

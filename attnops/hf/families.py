@@ -3,6 +3,11 @@ weights: nothing is downloaded) and tiny (for the CPU), and loading a model by f
 
     model = attnops.hf.families.load("qwen2", device="cuda", dtype=torch.bfloat16)   # Qwen2.5-7B-shaped, random
     model = attnops.hf.families.load("/path/to/checkpoint", device="cuda", dtype=torch.bfloat16)
+
+FAMILIES are served by attn_implementation "attnops" and a PagedCache or the serving kit (what the demo,
+serve-bench and the generic tests run on every one of them). MLA_FAMILIES (DeepSeek's latent attention) are
+served only through attnops.hf.mla (enable_mla and a LatentCache), so they are kept apart: `load` builds them with
+enable_mla applied, and nothing that walks FAMILIES meets a model the generic path cannot serve.
 """
 from __future__ import annotations
 
@@ -58,21 +63,47 @@ FAMILIES = {
         tiny=dict(sliding_window=32, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=131072)),
 }
 
+# Latent attention (attnops.hf.mla). `real` is DeepSeek-V3's attention exactly (and its YaRN RoPE: the scale's
+# mscale) with 4 of its 61 layers and 8 of its 256 routed experts: the whole 671B model is absurd to build with
+# random weights, and every layer's attention is the same. About 4.2B parameters (8.4 GB in bf16), most of them the
+# vocabulary's and the experts'.
+MLA_FAMILIES = {
+    "deepseek_v3": Family("deepseek_v3", "DeepSeek-V3 (4 of 61 layers, 8 of 256 routed experts)", dict(
+        vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=4,
+        first_k_dense_replace=1, num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536,
+        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=8,
+        num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5,
+        rms_norm_eps=1e-6, max_position_embeddings=163840, tie_word_embeddings=False, rope_interleave=True,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=4096,
+                             beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)),
+        # one dense layer then one MoE layer of 4 small experts; every head its own KV head (eager's repeat_kv);
+        # head_dim is the rotary dims' (TINY's 32 would size RoPE's tables)
+        tiny=dict(num_key_value_heads=4, head_dim=16, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32,
+                  qk_rope_head_dim=16, v_head_dim=32, moe_intermediate_size=64, n_routed_experts=4,
+                  num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1, first_k_dense_replace=1)),
+}
+
+
+def _spec(family: str) -> Family:
+    spec = FAMILIES.get(family) or MLA_FAMILIES.get(family)
+    if spec is None:
+        raise ValueError(f"attnops.hf: family must be one of {sorted(FAMILIES) + sorted(MLA_FAMILIES)} (got "
+                         f"{family!r})")
+    return spec
+
 
 def family_config(family: str, *, tiny: bool = False):
-    """transformers' config of `family` at its real model's shape, or tiny."""
+    """transformers' config of `family` (of FAMILIES or MLA_FAMILIES) at its real model's shape, or tiny."""
     import transformers
-    if family not in FAMILIES:
-        raise ValueError(f"attnops.hf: family must be one of {sorted(FAMILIES)} (got {family!r})")
-    spec = FAMILIES[family]
+    spec = _spec(family)
     fields = {**TINY, **spec.tiny} if tiny else copy.deepcopy(spec.real)
     return transformers.AutoConfig.for_model(spec.model_type, **fields)
 
 
 def describe(model_or_family: str, tiny: bool = False) -> str:
     """'random Qwen2.5-7B-shaped qwen2' for a family, the path otherwise."""
-    if model_or_family in FAMILIES:
-        spec = FAMILIES[model_or_family]
+    if model_or_family in FAMILIES or model_or_family in MLA_FAMILIES:
+        spec = _spec(model_or_family)
         return f"random {'tiny ' + model_or_family if tiny else spec.real_name + '-shaped ' + model_or_family}"
     return model_or_family
 
@@ -81,9 +112,11 @@ def load(model: str, *, device="cpu", dtype=torch.bfloat16, tiny: bool = False, 
          attn_implementation: str = ATTN_IMPLEMENTATION):
     """A transformers causal LM in eval mode: `model` is a family name (random weights, at the real model's shape
     or tiny, made on `device` in `dtype`) or a checkpoint (a directory, or a name transformers resolves; every
-    weight of its config must be in it)."""
+    weight of its config must be in it). A latent-attention model (MLA_FAMILIES, a DeepSeek-V2/V3 checkpoint)
+    with attn_implementation "attnops" comes through attnops.hf.mla.enable_mla: serve it with a LatentCache."""
     import transformers
-    if model in FAMILIES:
+    from .mla import enable_mla, has_latent_attention
+    if model in FAMILIES or model in MLA_FAMILIES:
         config = family_config(model, tiny=tiny)
         torch.manual_seed(seed)
         with torch.device(device):
@@ -92,8 +125,9 @@ def load(model: str, *, device="cpu", dtype=torch.bfloat16, tiny: bool = False, 
     else:
         # a hub name is namespace/name; anything else that is not a directory here is a mistake to say so
         if not Path(model).exists() and (model.count("/") != 1 or model.startswith(("/", ".", "~"))):
-            raise ValueError(f"attnops.hf: model must be a family ({', '.join(FAMILIES)}) or a checkpoint (a "
-                             f"directory or a hub name, namespace/name), got {model!r}: no such directory")
+            raise ValueError(f"attnops.hf: model must be a family ({', '.join([*FAMILIES, *MLA_FAMILIES])}) or a "
+                             f"checkpoint (a directory or a hub name, namespace/name), got {model!r}: no such "
+                             f"directory")
         hf, info = transformers.AutoModelForCausalLM.from_pretrained(
             model, attn_implementation=attn_implementation, dtype=dtype, output_loading_info=True)
         # transformers fills weights a checkpoint lacks with random ones (and warns): a model that does not match
@@ -102,4 +136,6 @@ def load(model: str, *, device="cpu", dtype=torch.bfloat16, tiny: bool = False, 
         if missing:
             raise ValueError(f"attnops.hf: checkpoint {model} does not match its config: missing {missing}")
         hf = hf.to(device)
+    if attn_implementation == ATTN_IMPLEMENTATION and has_latent_attention(hf):
+        enable_mla(hf)
     return hf.eval().requires_grad_(False)

@@ -1,0 +1,372 @@
+"""DeepSeek-V2/V3 latent attention (MLA) through attnops' latent ops, in the absorbed form vLLM and SGLang serve.
+
+    import attnops.hf
+    model = attnops.hf.enable_mla(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16))
+    cache = attnops.hf.LatentCache(model.config, max_cache_len=4096)              # or kv_format="fp8_e4m3"
+    out = model.generate(input_ids, attention_mask=mask, past_key_values=cache, max_new_tokens=256)
+
+Why it is its own path: transformers' DeepseekV3Attention (and V2's) up-projects the latents into full per-head
+keys (DeepSeek-V3: qk_nope + rope = 192 values) and values (128) before it calls the attention interface, so the
+function behind attn_implementation="attnops" only ever sees decompressed keys: it could not keep the latent cache
+(one row of R + P values a token, shared by every head), and paged_attention does not take those head dims anyway.
+The absorbed form needs the module's own projections, so `enable_mla` replaces the forward of each latent-attention
+module of the model with `latent_attention_forward`, which:
+
+- makes q (q_proj, or q_a_proj / q_a_layernorm / q_b_proj) and the compressed kv (kv_a_proj_with_mqa,
+  kv_a_layernorm): c [T, R] and k_pe [T, P]; applies RoPE to q_pe and k_pe with transformers' own functions;
+- absorbs the key up-projection into the query: with kv_b_proj's weight viewed [H, qk_nope + v_head, R], W_UK
+  its first qk_nope rows a head, q_latent[h] = W_UK[h]^T q_nope[h], so that q_latent . c_j = q_nope . k_nope_j;
+- writes [c, k_pe] with mla_cache_write and attends with mla_attention at the module's own `scaling` (YaRN's
+  mscale included); applies the value up-projection W_UV (the next v_head rows) a head, then o_proj.
+
+The latents reach it as the generic attention function's keys do (attnops/hf/attention.py): from a LatentCache
+(generate's incremental decoding: the new tokens are written to its pages), from a cache of transformers' (a
+DynamicCache keeps the latents and hands back the whole history: paged into a scratch cache for the call), or from
+none (a plain forward). `enable_mla` also sets attn_implementation "attnops", whose mask function hands each layer
+the 2D padding mask: padded tokens (left padding) are neither written nor attended, their output rows are 0.
+"""
+from __future__ import annotations
+
+import functools
+import types
+from dataclasses import dataclass
+
+import torch
+from transformers import Cache, DynamicCache
+
+from .. import ops  # noqa: F401  (the op schemas and implementations)
+from ..checks_mla import MAX_HEADS, MAX_LATENT_DIM, MAX_ROPE_DIM
+from .attention import ATTN_IMPLEMENTATION, PLAIN_FORMATS, SCRATCH_PAGE_SIZE, _index, _unpack
+
+KV_FORMATS = ("fp8_e4m3",)  # beside the default, the model's own dtype (fp32, bf16, fp16)
+
+
+def _rotary_v3(module, q_pe, k_pe, position_embeddings):
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as v3
+    cos, sin = position_embeddings
+    # DeepSeek's checkpoints lay the rotary dims out in interleaved pairs (config.rope_interleave)
+    rotate = v3.apply_rotary_pos_emb_interleave if module.config.rope_interleave else v3.apply_rotary_pos_emb
+    return rotate(q_pe, k_pe, cos, sin)
+
+
+def _rotary_v2(module, q_pe, k_pe, position_embeddings):
+    from transformers.models.deepseek_v2 import modeling_deepseek_v2 as v2
+    return v2.apply_rotary_emb(q_pe, k_pe, position_embeddings.to(q_pe.device))  # complex freqs_cis
+
+
+@functools.cache
+def latent_attention_classes() -> dict:
+    """{transformers' latent-attention module class: its RoPE, as its own forward applies it}."""
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Attention
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
+    return {DeepseekV3Attention: _rotary_v3, DeepseekV2Attention: _rotary_v2}
+
+
+def has_latent_attention(model: torch.nn.Module) -> bool:
+    """Whether `model` has layers enable_mla serves."""
+    classes = latent_attention_classes()
+    return any(type(m) in classes for m in model.modules())
+
+
+def enable_mla(model: torch.nn.Module) -> torch.nn.Module:
+    """Serves every latent-attention layer of `model` (a transformers DeepSeek-V2/V3 causal LM) through attnops'
+    latent ops: replaces each layer's forward with `latent_attention_forward` and sets attn_implementation
+    "attnops" (for its padding mask). Returns the model."""
+    classes = latent_attention_classes()
+    layers = [m for m in model.modules() if type(m) in classes]
+    if not layers:
+        raise TypeError(f"enable_mla: model must have latent-attention layers ("
+                        f"{', '.join(c.__name__ for c in classes)}); {type(model).__name__} has none")
+    if not hasattr(model, "set_attn_implementation"):
+        raise TypeError(f"enable_mla: model must be a transformers PreTrainedModel (got {type(model).__name__})")
+    for m in layers:
+        _check_layer(m)
+    for m in layers:
+        m.forward = types.MethodType(latent_attention_forward, m)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    return model
+
+
+def _check_layer(m) -> None:
+    """What the absorbed form and the ops need of a layer, said before any forward."""
+    where = f"enable_mla: layer {m.layer_idx}"
+    heads = m.kv_b_proj.weight.shape[0] // (m.qk_nope_head_dim + m.v_head_dim)
+    if not (m.kv_lora_rank % 64 == 0 and 64 <= m.kv_lora_rank <= MAX_LATENT_DIM):
+        raise ValueError(f"{where}: kv_lora_rank must be a multiple of 64 from 64 to {MAX_LATENT_DIM}, as "
+                         f"mla_attention takes (got {m.kv_lora_rank})")
+    if not (m.qk_rope_head_dim % 16 == 0 and 16 <= m.qk_rope_head_dim <= MAX_ROPE_DIM):
+        raise ValueError(f"{where}: qk_rope_head_dim must be a multiple of 16 from 16 to {MAX_ROPE_DIM}, as "
+                         f"mla_attention takes (got {m.qk_rope_head_dim})")
+    if not 1 <= heads <= MAX_HEADS:
+        raise ValueError(f"{where}: num_attention_heads must be from 1 to {MAX_HEADS} (got {heads})")
+    # absorbing W_UK into the query and applying W_UV to the latent output needs the plain weight, and no bias
+    if m.kv_b_proj.bias is not None or not m.kv_b_proj.weight.is_floating_point() or \
+            m.kv_b_proj.weight.element_size() == 1:
+        raise TypeError(f"{where}: kv_b_proj must be a plain linear layer without bias (weight fp32/bf16/fp16, got "
+                        f"{type(m.kv_b_proj).__name__} of {m.kv_b_proj.weight.dtype}); dequantize it first")
+
+
+def latent_attention_forward(self, hidden_states: torch.Tensor, position_embeddings=None,
+                             attention_mask: torch.Tensor | None = None, cache: Cache | None = None,
+                             past_key_values: Cache | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """DeepseekV3Attention.forward (and V2's) in the absorbed form over attnops' latent ops (bound to the module
+    by enable_mla). transformers 5.2x passes the cache as `cache`, earlier versions as `past_key_values`."""
+    if kwargs.get("attnops_meta") is not None:
+        raise ValueError("attnops latent attention: attnops_meta (attnops.hf.serving_model's step) is not served: "
+                         "its PagedKVCache holds per-head keys and values; use LatentCache with generate")
+    if self.training and self.attention_dropout:
+        raise ValueError(f"attnops latent attention: dropout must be 0 (inference only; got "
+                         f"{self.attention_dropout}): call model.eval()")
+    cache = cache if cache is not None else past_key_values
+    if cache is not None and not isinstance(cache, (LatentCache, DynamicCache)):
+        raise TypeError(f"attnops latent attention: cache must be an attnops.hf.LatentCache or a transformers "
+                        f"DynamicCache (got {type(cache).__name__})")
+    batch, q_len = hidden_states.shape[:2]
+    nope, rope, v_dim, rank = self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim, self.kv_lora_rank
+
+    if self.q_lora_rank is None:
+        q = self.q_proj(hidden_states)
+    else:
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+    q_nope, q_pe = q.view(batch, q_len, -1, nope + rope).transpose(1, 2).split([nope, rope], -1)  # [B, H, S, .]
+    kv_c, k_pe = self.kv_a_proj_with_mqa(hidden_states).split([rank, rope], -1)
+    kv_c = self.kv_a_layernorm(kv_c)  # [B, S, R]
+    # RoPE in transformers' layout ([B, H, S, P], the key one shared head), by transformers' function
+    q_pe, k_pe = latent_attention_classes()[type(self)](self, q_pe, k_pe.view(batch, 1, q_len, rope),
+                                                        position_embeddings)
+    q_pe, k_pe = q_pe.transpose(1, 2), k_pe[:, 0]  # [B, S, H, P], [B, S, P]
+
+    weight = self.kv_b_proj.weight.view(-1, nope + v_dim, rank)  # [H, qk_nope + v_head, R]: W_UK over W_UV
+    q_latent = torch.einsum("bhsd,hdr->bshr", q_nope, weight[:, :nope])  # [B, S, H, R]
+    if isinstance(cache, LatentCache):
+        out = cache.attend(self.layer_idx, q_latent, q_pe, kv_c, k_pe, attention_mask, self.scaling)
+    else:
+        if cache is not None:  # transformers' cache keeps the latents and hands back the whole history
+            kv_c, k_pe = cache.update(kv_c[:, None], k_pe[:, None], self.layer_idx)
+            kv_c, k_pe = kv_c[:, 0], k_pe[:, 0]
+        out = _scratch_attention(q_latent, q_pe, kv_c, k_pe, attention_mask, self.scaling)
+    out = torch.einsum("bshr,hvr->bshv", out, weight[:, nope:])  # [B, S, H, v_head]
+    return self.o_proj(out.reshape(batch, q_len, -1)), None
+
+
+@dataclass
+class _Step:
+    """One forward's metadata for the ops (a LatentCache's is shared by the forward's layers)."""
+
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    slot_mapping: torch.Tensor
+    cu_seqlens_q: torch.Tensor | None
+    kv_index: torch.Tensor | None  # flat rows of the latents to write (the valid ones), or None: every one
+    q_index: torch.Tensor | None  # flat rows of the valid queries, or None: every one
+    batch: int
+    q_len: int
+
+
+def _step(held: list[int], new: list[int], q_counts: list[int] | None, kv_index, q_index, q_len: int,
+          pages_per_row: int, page_size: int, device) -> _Step:
+    """Row b of the batch owns pages [b * pages_per_row, (b + 1) * pages_per_row) of its cache (one batch a
+    cache: no allocator needed); it holds held[b] tokens, and its new[b] valid new latents follow them. Its query
+    rows are its last q_counts[b] tokens (None: decode, one a row)."""
+    batch = len(held)
+    lengths = [h + n for h, n in zip(held, new)]
+    width = max(1, -(-max(lengths) // page_size))
+    table = torch.arange(width, dtype=torch.int32) + torch.arange(batch, dtype=torch.int32)[:, None] * pages_per_row
+    row_size = pages_per_row * page_size
+    slots = torch.cat([torch.arange(h, h + n) + b * row_size for b, (h, n) in enumerate(zip(held, new))])
+    cu = None if q_counts is None else torch.tensor([0] + q_counts).cumsum(0).to(device, torch.int32)
+    return _Step(table.to(device), torch.tensor(lengths, dtype=torch.int32, device=device), slots.to(device), cu,
+                 kv_index, q_index, batch, q_len)
+
+
+def _attend(pages: torch.Tensor, step: _Step, q_latent, q_pe, kv_c, k_pe, scale, format_args) -> torch.Tensor:
+    """Writes the valid latents (kv_c [B, L, R], k_pe [B, L, P]) at the step's slots and attends the valid
+    queries (q_latent [B, S, H, R], q_pe [B, S, H, P]); returns [B, S, H, R], padding rows 0."""
+    kv_c, k_pe, q_latent, q_pe = (t.flatten(0, 1) for t in (kv_c, k_pe, q_latent, q_pe))
+    if step.kv_index is not None:
+        kv_c, k_pe = kv_c.index_select(0, step.kv_index), k_pe.index_select(0, step.kv_index)
+    if step.q_index is not None:
+        q_latent, q_pe = q_latent.index_select(0, step.q_index), q_pe.index_select(0, step.q_index)
+    torch.ops.attnops.mla_cache_write(kv_c, k_pe, pages, step.slot_mapping, **format_args)
+    out = torch.ops.attnops.mla_attention(q_latent, q_pe, pages, step.block_table, step.seq_lens, step.cu_seqlens_q,
+                                          scale=float(scale), **format_args)
+    return _unpack(out, step.q_index, step.batch, step.q_len)
+
+
+def _scratch_attention(q_latent, q_pe, kv_c, k_pe, attention_mask, scale) -> torch.Tensor:
+    """Latents kv_c/k_pe [B, L, R]/[B, L, P] that are the whole history (a plain forward, or a cache of
+    transformers'): the valid ones written to a scratch cache of one layer, the valid queries (the last S
+    columns) attended there."""
+    batch, q_len, kv_len = q_latent.shape[0], q_latent.shape[1], kv_c.shape[1]
+    if kv_c.dtype not in PLAIN_FORMATS:
+        raise TypeError(f"attnops latent attention: the model's activations must be float32, bfloat16 or float16 "
+                        f"(got {kv_c.dtype})")
+    kv_counts, q_counts, kv_index, q_index = [kv_len] * batch, [q_len] * batch, None, None
+    if attention_mask is not None:
+        valid = _padding(attention_mask, batch, kv_len)
+        kv_counts, q_counts = valid.sum(-1).tolist(), valid[:, kv_len - q_len:].sum(-1).tolist()
+        kv_index = None if all(n == kv_len for n in kv_counts) else _index(valid, kv_c.device)
+        q_index = None if all(n == q_len for n in q_counts) else _index(valid[:, kv_len - q_len:], kv_c.device)
+    pages_per_row = -(-kv_len // SCRATCH_PAGE_SIZE)
+    pages = kv_c.new_empty(batch * pages_per_row, SCRATCH_PAGE_SIZE, kv_c.shape[2] + k_pe.shape[2])
+    step = _step([0] * batch, kv_counts, q_counts, kv_index, q_index, q_len, pages_per_row, SCRATCH_PAGE_SIZE,
+                 kv_c.device)
+    return _attend(pages, step, q_latent, q_pe, kv_c, k_pe, scale, {})
+
+
+def _padding(attention_mask, batch: int, columns: int) -> torch.Tensor:
+    """The 2D padding mask (True: a token) on the host, checked against [batch, columns]."""
+    if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, columns):
+        raise ValueError(f"attnops latent attention: attention_mask must be a 2D padding mask [batch, kv_length] = "
+                         f"[{batch}, {columns}] (got {list(attention_mask.shape)}); enable_mla(model) sets the "
+                         f"attn_implementation whose masks these are")
+    return attention_mask.bool().cpu()  # the slots are laid out on the host
+
+
+class LatentCache(Cache):
+    """The latent KV cache of a DeepSeek-V2/V3 model (`config`) in attnops pages: one row of kv_lora_rank +
+    qk_rope_head_dim values a token and layer, shared by every head (DeepSeek-V3: 576 values, against 128 heads x
+    (192 + 128) of decompressed keys and values), for `model.generate(..., past_key_values=LatentCache(...))` on a
+    model passed through `enable_mla`.
+
+    max_cache_len: the most tokens a row holds (prompt and generated, padding excluded); the pages, batch x
+    max_cache_len / page_size a layer, are allocated at the first forward, on its device.
+    kv_format: None (the model's activation dtype) or "fp8_e4m3" (kv_scale: float, stored = value / kv_scale;
+    default 1.0). One batch per cache: `reset()` empties it for the next one. `pages` is the storage,
+    [num_layers, num_pages, page_size, R + P].
+
+    Lengths follow transformers' convention, as PagedCache's: `get_seq_length()` counts the columns processed,
+    padding included; the pages hold only the valid tokens.
+    """
+
+    def __init__(self, config, *, max_cache_len: int, kv_format: str | None = None, page_size: int = 16,
+                 kv_scale: float | None = None):
+        super().__init__(layers=[])
+        if hasattr(config, "get_text_config"):
+            config = config.get_text_config(decoder=True)
+        dims = {name: getattr(config, name, None) for name in ("num_hidden_layers", "kv_lora_rank",
+                                                               "qk_rope_head_dim")}
+        if not all(isinstance(v, int) and v > 0 for v in dims.values()):
+            raise ValueError(f"LatentCache: config must be a latent-attention (MLA) model's, with positive "
+                             f"{', '.join(dims)} (got {dims} for model_type {getattr(config, 'model_type', None)!r})")
+        if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 1:
+            raise ValueError(f"LatentCache: max_cache_len must be a positive int (got {max_cache_len!r})")
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or not 1 <= page_size <= 256 or \
+                page_size & (page_size - 1):
+            raise ValueError(f"LatentCache: page_size must be a power of two from 1 to 256 (got {page_size!r})")
+        if kv_format is not None and kv_format not in KV_FORMATS:
+            raise ValueError(f"LatentCache: kv_format must be None (the model's dtype) or one of {KV_FORMATS} (got "
+                             f"{kv_format!r})")
+        if kv_scale is not None and (kv_format is None or isinstance(kv_scale, bool) or
+                                     not isinstance(kv_scale, (int, float)) or not 0 < kv_scale < float("inf")):
+            raise ValueError(f"LatentCache: kv_scale must be a finite float > 0, with kv_format 'fp8_e4m3' (got "
+                             f"{kv_scale!r} with kv_format {kv_format!r})")
+        self.num_layers, self.latent_dim, self.rope_dim = dims.values()
+        self._max_cache_len, self.kv_format, self.page_size = max_cache_len, kv_format, page_size
+        self.kv_scale = 1.0 if kv_scale is None else float(kv_scale)
+        self.pages_per_row = -(-max_cache_len // page_size)
+        self.pages: torch.Tensor | None = None  # [num_layers, num_pages, page_size, R + P], at the first forward
+        self._scale: torch.Tensor | None = None  # kv_scale on the pages' device (fp8)
+        self._lengths: list[int] = []  # valid tokens held per row; [] until the first forward, and after reset()
+        self._columns = 0  # positions processed per row, padding included
+        self._last_layer = None  # the layer of the latest call: a layer at or below it starts a new forward
+        self._step: _Step | None = None
+
+    # --- what transformers asks of a Cache (as PagedCache) ------------------------------------------------------
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        raise ValueError("LatentCache: a layer called update, so its attention is transformers' own: pass the model "
+                         "through attnops.hf.enable_mla(model) first")
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._columns
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self._columns + query_length, 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self._columns
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return self._max_cache_len
+
+    @property
+    def is_compileable(self) -> bool:
+        return False  # a step's slots are laid out from the padding mask on the host
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.pages is not None
+
+    @property
+    def batch_size(self) -> int:
+        return len(self._lengths) or -1
+
+    def __len__(self) -> int:
+        return self.num_layers
+
+    def reset(self) -> None:
+        """Empties the cache (its pages stay allocated) for a new batch."""
+        self._lengths, self._columns, self._last_layer, self._step = [], 0, None, None
+
+    def reorder_cache(self, beam_idx: torch.LongTensor):
+        raise ValueError("LatentCache: beam search (reorder_cache) is not supported")
+
+    def crop(self, max_length: int) -> None:
+        raise ValueError("LatentCache: crop (assisted decoding) is not supported")
+
+    def batch_repeat_interleave(self, repeats: int):
+        raise ValueError("LatentCache: batch_repeat_interleave is not supported: expand the inputs before the first "
+                         "forward (generate's num_return_sequences does)")
+
+    def batch_select_indices(self, indices: torch.Tensor):
+        raise ValueError("LatentCache: batch_select_indices is not supported")
+
+    # --- attnops ---------------------------------------------------------------------------------------------
+    def _format_args(self) -> dict:
+        return dict(kv_format="fp8_e4m3", kv_scale=self._scale) if self.kv_format else {}
+
+    def _prepare(self, kv_c: torch.Tensor, q_len: int, attention_mask) -> _Step:
+        batch = kv_c.shape[0]
+        if self._lengths and batch != len(self._lengths):
+            raise ValueError(f"LatentCache: this cache holds a batch of {len(self._lengths)} rows, the forward has "
+                             f"{batch}: reset() it for a new batch")
+        if kv_c.dtype not in PLAIN_FORMATS:
+            raise TypeError(f"LatentCache: the model's activations must be float32, bfloat16 or float16 (got "
+                            f"{kv_c.dtype})")
+        counts, index = [q_len] * batch, None
+        if attention_mask is not None:
+            valid = _padding(attention_mask, batch, self._columns)[:, -q_len:]
+            counts = valid.sum(-1).tolist()
+            index = None if all(n == q_len for n in counts) else _index(valid, kv_c.device)
+        held = self._lengths or [0] * batch
+        for b, n in enumerate(counts):
+            if held[b] + n > self._max_cache_len:
+                raise ValueError(f"LatentCache: row {b} would hold {held[b] + n} tokens, over "
+                                 f"max_cache_len={self._max_cache_len}")
+        dtype = torch.float8_e4m3fn if self.kv_format else kv_c.dtype
+        num_pages = batch * self.pages_per_row
+        if self.pages is None or self.pages.dtype != dtype or self.pages.device != kv_c.device or \
+                self.pages.shape[1] < num_pages:
+            self.pages = torch.zeros(self.num_layers, num_pages, self.page_size, self.latent_dim + self.rope_dim,
+                                     dtype=dtype, device=kv_c.device)
+            self._scale = torch.tensor([self.kv_scale], dtype=torch.float32, device=kv_c.device)
+        decode = q_len == 1 and index is None  # one valid token a row: cu_seqlens_q None
+        step = _step(held, counts, None if decode else counts, index, index, q_len, self.pages_per_row,
+                     self.page_size, kv_c.device)
+        self._lengths = [h + n for h, n in zip(held, counts)]
+        return step
+
+    def attend(self, layer: int, q_latent, q_pe, kv_c, k_pe, attention_mask, scale) -> torch.Tensor:
+        """Writes the layer's valid new latents (kv_c [B, S, R], k_pe [B, S, P]) into its pages and attends the
+        absorbed queries (q_latent [B, S, H, R], q_pe [B, S, H, P]); returns [B, S, H, R]."""
+        if self._last_layer is None or layer <= self._last_layer:  # a new forward
+            self._columns += kv_c.shape[1]
+            self._step = None
+        self._last_layer = layer
+        if self._step is None:
+            self._step = self._prepare(kv_c, kv_c.shape[1], attention_mask)
+        return _attend(self.pages[layer], self._step, q_latent, q_pe, kv_c, k_pe, scale, self._format_args())

@@ -1,0 +1,247 @@
+"""DeepSeek-V2/V3 latent attention (MLA) through attnops.hf.mla: enable_mla and LatentCache.
+
+Tiny random DeepSeek models (fp32, CPU) against the same weights under transformers' "eager" (which up-projects
+the latents into full keys and values): prefill logits within 1e-4, greedy generate of a left-padded batch token
+for token; the latent cache holds R + P values a token, and only the valid tokens; bad inputs are errors that name
+the argument. The tiny config uses YaRN RoPE with mscale_all_dim, so the softmax scale is not (qk_nope + rope)^-0.5:
+a path that ignored the module's own `scaling` could not pass.
+"""
+import copy
+import inspect
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import attnops.hf  # noqa: E402
+from attnops.hf import families  # noqa: E402
+
+R, P, NOPE, V_HEAD, HEADS = 64, 16, 32, 32, 4  # kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim
+# wide init (0.2) for clear gaps between the top logits, so that greedy choices are the model's; no eos
+TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=HEADS, num_key_value_heads=HEADS, q_lora_rank=64, kv_lora_rank=R,
+            qk_nope_head_dim=NOPE, qk_rope_head_dim=P, v_head_dim=V_HEAD, n_routed_experts=4, num_experts_per_tok=2,
+            n_shared_experts=1, first_k_dense_replace=1, max_position_embeddings=512, initializer_range=0.2,
+            bos_token_id=None, eos_token_id=None, pad_token_id=0,
+            rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=128,
+                                 beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0))
+VARIANTS = {
+    "v3": ("deepseek_v3", dict(n_group=1, topk_group=1)),  # q_lora (q_a_proj, q_b_proj), interleaved RoPE
+    "v3-q_proj-rotate_half": ("deepseek_v3", dict(n_group=1, topk_group=1, q_lora_rank=None, rope_interleave=False)),
+    "v2": ("deepseek_v2", {}),  # RoPE as complex frequencies
+}
+PROMPTS = [list(range(40, 57)), [3, 17, 99, 5, 250, 7, 7, 8, 9, 10, 11]]  # 17 and 11 tokens: left padding
+NEW_TOKENS = 8
+_MODELS: dict = {}
+
+
+def config(variant="v3", **overrides):
+    model_type, extra = VARIANTS[variant]
+    return transformers.AutoConfig.for_model(model_type, **{**TINY, **extra, **overrides})
+
+
+def build(cfg, implementation="eager", state=None):
+    model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=implementation)
+    if state is not None:
+        model.load_state_dict(state)
+    return model.eval().requires_grad_(False)
+
+
+def models(variant="v3"):
+    """(transformers' eager model, the same weights through enable_mla), built once."""
+    if variant not in _MODELS:
+        torch.manual_seed(0)
+        eager = build(config(variant))
+        _MODELS[variant] = eager, attnops.hf.enable_mla(build(config(variant), state=eager.state_dict()))
+    return _MODELS[variant]
+
+
+def cache_arg(model):
+    """transformers 5.2x renamed past_key_values to cache (the old name warns)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def left_padded(prompts=PROMPTS):
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+def latent_cache(model, **kwargs):
+    return attnops.hf.LatentCache(model.config, **{"max_cache_len": 64, **kwargs})
+
+
+def max_error(out, ref) -> float:
+    """max |out - ref|, relative to the reference logits' scale (their largest magnitude)."""
+    return ((out - ref).abs().max() / ref.abs().max()).item()
+
+
+@torch.no_grad()
+def prefill(model, cache="default"):
+    """Logits of a plain forward of the left-padded prompts: with generate's positions, and with transformers'
+    default cache (a DynamicCache), none (use_cache=False) or the cache given."""
+    ids, mask = left_padded()
+    options = dict(attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
+    if cache is None:
+        options["use_cache"] = False
+    elif cache != "default":
+        options[cache_arg(model)] = cache
+    return model(ids, **options).logits
+
+
+def generate(model, cache=None, **options):
+    ids, mask = left_padded()
+    extra = {} if cache is None else {cache_arg(model): cache}
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, **extra, **options)
+    return out[:, ids.shape[1]:].tolist()
+
+
+def test_the_scale_is_yarns_not_the_head_dims():
+    """What makes the comparisons below check the scale: the module's own (with YaRN's mscale) is not the default."""
+    eager, ours = models()
+    attention = ours.model.layers[0].self_attn
+    assert attention.scaling > 1.2 * (NOPE + P) ** -0.5
+    assert ours.config._attn_implementation == attnops.hf.ATTN_IMPLEMENTATION
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_prefill_logits_match_eager(variant):
+    eager, ours = models(variant)
+    reference = prefill(eager)
+    valid = left_padded()[1].bool()
+    for name, cache in (("DynamicCache", "default"), ("no cache", None), ("LatentCache", latent_cache(ours))):
+        logits = prefill(ours, cache)
+        err = max_error(logits[valid], reference[valid])
+        assert err < 1e-4, f"{variant}, {name}: max error {err:.2e} of the logits' scale"
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_generate_matches_eager_greedy(variant):
+    """A left-padded batch of two prompts of different lengths, 8 new tokens each: the latent cache's incremental
+    decoding (one query a row, cu_seqlens_q None) and transformers' default cache give eager's tokens."""
+    eager, ours = models(variant)
+    expected = generate(eager)
+    assert len({t for row in expected for t in row}) > NEW_TOKENS, "the model repeats itself: a weak check"
+    assert generate(ours, latent_cache(ours)) == expected
+    assert generate(ours) == expected
+
+
+def test_latent_cache_holds_r_plus_p_values_a_token_and_only_the_valid_ones():
+    _, ours = models()
+    cache = latent_cache(ours, max_cache_len=40, page_size=8)
+    generate(ours, cache)
+    layers, pages_per_row = ours.config.num_hidden_layers, 5  # 40 tokens / 8
+    assert cache.pages.shape == (layers, len(PROMPTS) * pages_per_row, 8, R + P)
+    # fp32: (R + P) values a token and layer, where decompressed keys and values take HEADS x (NOPE + P + V_HEAD)
+    # (4x as many here; DeepSeek-V3: 71x)
+    assert cache.pages.nbytes == layers * len(PROMPTS) * 40 * (R + P) * 4
+    assert cache.get_seq_length() == max(map(len, PROMPTS)) + NEW_TOKENS - 1  # columns, padding included
+
+    # the rows are the latents transformers' cache gets from the same forward code, the valid tokens only, in
+    # order from each row's first page; nothing past them is written
+    ids, mask = left_padded()
+    dynamic = transformers.DynamicCache(config=ours.config)
+    with torch.no_grad():
+        ours(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+             **{cache_arg(ours): dynamic})
+    for layer in range(layers):
+        kv_c, k_pe = dynamic.layers[layer].keys[:, 0], dynamic.layers[layer].values[:, 0]  # [B, L, R], [B, L, P]
+        for b, prompt in enumerate(PROMPTS):
+            rows = cache.pages[layer, b * pages_per_row:(b + 1) * pages_per_row].flatten(0, 1)  # the row's slots
+            valid = mask[b].bool()
+            expected = torch.cat((kv_c[b, valid], k_pe[b, valid]), -1)
+            torch.testing.assert_close(rows[:len(prompt)], expected, rtol=1e-5, atol=1e-5)
+            assert rows[len(prompt) + NEW_TOKENS - 1:].eq(0).all(), "written past the row's valid tokens"
+            assert rows[len(prompt):len(prompt) + NEW_TOKENS - 1].ne(0).any(-1).all(), "a decoded token missing"
+
+
+class Fp8RoundedCache(transformers.DynamicCache):
+    """transformers' cache holding the latents rounded to fp8 e4m3 as an fp8 latent cache stores them (value /
+    scale, saturated at 448): what a model with an fp8 latent cache computes, in fp32."""
+
+    scale = 0.5
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        def rounded(x):
+            return (x / self.scale).clamp(-448, 448).to(torch.float8_e4m3fn).to(x.dtype) * self.scale
+        return super().update(rounded(key_states), rounded(value_states), layer_idx, *args, **kwargs)
+
+
+def test_fp8_latent_cache_is_the_format_and_nothing_more():
+    """kv_format fp8_e4m3: one byte a value, and the logits of the same model over fp8-rounded latents."""
+    _, ours = models()
+    fp8 = latent_cache(ours, kv_format="fp8_e4m3", kv_scale=Fp8RoundedCache.scale)
+    logits, reference = prefill(ours, fp8), prefill(ours, Fp8RoundedCache())
+    assert fp8.pages.dtype == torch.float8_e4m3fn and fp8.pages.element_size() == 1
+    valid = left_padded()[1].bool()
+    assert max_error(logits[valid], reference[valid]) < 1e-4
+    assert max_error(logits[valid], prefill(ours)[valid]) > 1e-3  # the rounding shows
+    assert len(generate(ours, latent_cache(ours, kv_format="fp8_e4m3"))[0]) == NEW_TOKENS
+
+
+def test_families_load_enables_mla():
+    model = families.load("deepseek_v3", tiny=True, dtype=torch.float32)
+    assert model.config._attn_implementation == attnops.hf.ATTN_IMPLEMENTATION
+    assert len(generate(model, latent_cache(model))[0]) == NEW_TOKENS
+    eager = families.load("deepseek_v3", tiny=True, dtype=torch.float32, attn_implementation="eager")
+    assert eager.config._attn_implementation == "eager"
+    real = families.family_config("deepseek_v3")  # DeepSeek-V3's attention
+    assert (real.hidden_size, real.num_attention_heads, real.q_lora_rank, real.kv_lora_rank, real.qk_nope_head_dim,
+            real.qk_rope_head_dim, real.v_head_dim) == (7168, 128, 1536, 512, 128, 64, 128)
+    assert "deepseek_v3" not in families.FAMILIES  # the generic path's families: it cannot serve latent attention
+
+
+def test_bad_inputs():
+    eager, ours = models()
+    with pytest.raises(TypeError, match="enable_mla: model must have latent-attention layers"):
+        attnops.hf.enable_mla(build(transformers.AutoConfig.for_model(
+            "llama", vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)))
+    with pytest.raises(ValueError, match="kv_lora_rank must be a multiple of 64"):
+        attnops.hf.enable_mla(build(config(kv_lora_rank=48)))
+    with pytest.raises(ValueError, match="LatentCache: config must be a latent-attention"):
+        attnops.hf.LatentCache(transformers.AutoConfig.for_model("llama"), max_cache_len=8)
+    for kwargs, match in ((dict(max_cache_len=0), "max_cache_len"), (dict(page_size=3), "page_size"),
+                          (dict(kv_format="nvfp4"), "kv_format"), (dict(kv_scale=2.0), "kv_scale"),
+                          (dict(kv_format="fp8_e4m3", kv_scale=-1.0), "kv_scale")):
+        with pytest.raises(ValueError, match=match):
+            latent_cache(ours, **kwargs)
+
+    with pytest.raises(ValueError, match="enable_mla"):  # a latent cache in transformers' own attention
+        prefill(eager, latent_cache(eager))
+    with pytest.raises(TypeError, match="cache must be an attnops.hf.LatentCache"):  # per-head pages
+        prefill(ours, attnops.hf.PagedCache(ours.config, max_cache_len=64))
+    with pytest.raises(ValueError, match="over max_cache_len=8"):
+        prefill(ours, latent_cache(ours, max_cache_len=8))
+    cache = latent_cache(ours)
+    prefill(ours, cache)
+    with pytest.raises(ValueError, match="reset"):  # one batch a cache
+        ours(torch.tensor([[1, 2, 3]]), **{cache_arg(ours): cache})
+    with pytest.raises(ValueError, match="attention_mask must be a 2D padding mask"):
+        ours(torch.tensor([[1, 2, 3]]), attention_mask=torch.ones(1, 1, 3, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="beam search|not supported"):
+        generate(ours, latent_cache(ours), num_beams=2)
+    dropout = attnops.hf.enable_mla(build(config(attention_dropout=0.1))).train()
+    with pytest.raises(ValueError, match="dropout must be 0"):
+        dropout(torch.tensor([[1, 2, 3]]))
+
+
+@pytest.mark.gpu
+def test_bf16_on_cuda_close_to_eager():
+    """bf16 on a GPU (mla_attention's Triton kernels): prefill logits and greedy decoding near eager's."""
+    torch.manual_seed(0)
+    eager = build(config(initializer_range=0.02)).to("cuda", torch.bfloat16)
+    ours = attnops.hf.enable_mla(build(config(initializer_range=0.02), state=eager.state_dict())).to("cuda",
+                                                                                                  torch.bfloat16)
+    ids, mask = (t.cuda() for t in left_padded())
+    valid = mask.bool()
+    with torch.no_grad():
+        reference = eager(ids, attention_mask=mask).logits.float()
+        logits = ours(ids, attention_mask=mask, **{cache_arg(ours): latent_cache(ours)}).logits.float()
+        expected = eager.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
+        out = ours.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                            **{cache_arg(ours): latent_cache(ours)})
+    assert max_error(logits[valid], reference[valid]) < 3e-2
+    assert (out == expected).float().mean() >= 0.9
