@@ -55,7 +55,9 @@
 #   fuzz-warm each fuzz backend's first chunk in one process, so that the fuzz step's workers find every kernel
 #             compiled (after `jit`)
 #   mla       benchmarks/mla_decode.py $MLA_ARGS (latent-attention decode against FlashInfer's MLA wrapper where
-#             FlashInfer is installed, and the ceiling): $results/mla.json, mla.txt
+#             FlashInfer is installed, and the ceiling): $results/$MLA_NAME.json, .txt (MLA_NAME default mla).
+#             MLA_ARGS="--sweep" times Triton's tiles and splits per case (what mla_plan is fitted to);
+#             MLA_ARGS="--backend flashinfer" the op through FlashInfer's MLA backend (eager: a step's plan reused)
 #   fp4       python -m attnops bench --grid fp4 (4-bit decode and verify against FlashInfer's bf16, same run):
 #             $results/fp4.{json,png,txt}
 #   fp8       the fp8 bar (docs/bench.md): the models grid's fp8 e4m3 decode at 32 x 8192 and 128 x 4096 on every head shape
@@ -194,8 +196,8 @@ for t in trees[1:]:  # the first tree's time over this one's, geometric mean ove
 PY
       stamp ab-cuda ;;
     mla)
-      timeout ${MLA_TIMEOUT:-300} python3 benchmarks/mla_decode.py ${MLA_ARGS:-} --json "$results/mla.json" \
-        2>&1 | tee "$results/mla.txt" | tail -20
+      timeout ${MLA_TIMEOUT:-300} python3 benchmarks/mla_decode.py ${MLA_ARGS:-} --json "$results/${MLA_NAME:-mla}.json" \
+        2>&1 | tee "$results/${MLA_NAME:-mla}.txt" | tail -40
       stamp mla ;;
     tests)
       limit=${TESTS_TIMEOUT:-240}
