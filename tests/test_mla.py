@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import sys
 import textwrap
 
 import pytest
@@ -189,6 +190,83 @@ def flashinfer_importable() -> bool:
     except Exception:
         return False
     return True
+
+
+class FakeMLAWrapper:
+    """FlashInfer's BatchMLAPagedAttentionWrapper as its documentation states it, computed in float64 on the CPU from
+    the CSR metadata it is planned with: checks what attnops hands it (page layout, lengths, query rows, causal
+    offset, layouts, LSE base), whatever device runs the test. Rows that see no key get 123 (FlashInfer leaves
+    them undefined), so the backend's row fix is tested too."""
+
+    plans = 0
+
+    def __init__(self, workspace, backend="auto"):
+        assert backend == "auto"
+
+    def plan(self, *, metadata, num_heads, head_dim_ckv, head_dim_kpe, page_size, causal, sm_scale, q_data_type,
+             kv_data_type, query_layout, kv_cache_layout, lse_mode):
+        assert (query_layout, kv_cache_layout, lse_mode) == ("split", "packed", "base2")
+        FakeMLAWrapper.plans += 1
+        self.meta, self.causal, self.scale, self.dims = metadata, causal, sm_scale, (head_dim_ckv, head_dim_kpe)
+        self.page_size = page_size
+
+    def run(self, *, query, kv_cache, out, lse, return_lse):
+        q_nope, q_pe = query
+        latent = self.dims[0]
+        qo, kv_indptr, kv_indices, kv_lens = (t.tolist() for t in (self.meta.qo_indptr, self.meta.kv_indptr,
+                                                                   self.meta.kv_indices, self.meta.kv_len_arr))
+        assert len(qo) == len(kv_indptr) == len(kv_lens) + 1 and kv_indptr[-1] == len(kv_indices)
+        for b, n in enumerate(kv_lens):
+            pages = kv_indices[kv_indptr[b]:kv_indptr[b + 1]]
+            assert len(pages) == -(-n // self.page_size) and all(0 <= p < kv_cache.shape[0] for p in pages)
+            rows = kv_cache[pages].double().flatten(0, 1)[:n]
+            q_len = qo[b + 1] - qo[b]
+            for i, t in enumerate(range(qo[b], qo[b + 1])):
+                seen = n - q_len + i + 1 if self.causal else n
+                if seen <= 0:
+                    out[t], lse[t] = 123.0, 123.0
+                    continue
+                scores = torch.cat([q_nope[t], q_pe[t]], -1).double() @ rows[:seen].T * self.scale
+                out[t] = (torch.softmax(scores, -1) @ rows[:seen, :latent]).to(out.dtype)
+                lse[t] = torch.logsumexp(scores, -1) / math.log(2)
+        return out, lse
+
+
+def test_flashinfer_mla_plumbing_against_a_model_of_its_wrapper(monkeypatch):
+    """flashinfer_mla.py's page layout, row fixes, LSE and per-step plans, with FlashInfer's wrapper replaced by
+    FakeMLAWrapper (the GPU test below runs the real one): ragged decode and extend, an empty sequence, more
+    queries than keys, a bad length, a bad page, a bad cu_seqlens_q."""
+    import types
+    from attnops.backends import flashinfer_mla
+    from attnops.checks_mla import mla_call
+    fake = types.SimpleNamespace(mla=types.SimpleNamespace(BatchMLAPagedAttentionWrapper=FakeMLAWrapper,
+                                                           MLAPlanMetadata=types.SimpleNamespace(csr=lambda *a:
+        types.SimpleNamespace(**dict(zip(("qo_indptr", "kv_indptr", "kv_indices", "kv_len_arr"), a))))))
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    flashinfer_mla._plans.cache_clear()
+    cases = [([40, 0, 9, 17], None, {}), ([12, 5, 30], [3, 7, 2], {}), ([9, 8, 20], [1, 1, 4], {"seq_lens": 1}),
+             ([9, 30, 20], [2, 2, 2], {"block_table": 1}), ([9, 30], [2, 2], {"cu_seqlens_q": 1})]
+    for kv_lens, q_lens, bad in cases:
+        args = mla_inputs(kv_lens, q_lens, heads=3, latent=64, rope=16, page_size=4, dtype=torch.float32, seed=5)
+        if "seq_lens" in bad:
+            args["seq_lens"][1] = 10 ** 6
+        if "block_table" in bad:
+            args["block_table"][1, 2] = 999
+        if "cu_seqlens_q" in bad:
+            args["cu_seqlens_q"][1] = 5  # past the last row
+        attnops.take_errors()
+        ref, ref_lse = mla_attention_reference(**args, return_lse=True)
+        before = FakeMLAWrapper.plans
+        for layer in range(2):  # one plan a step, whatever the layers
+            out = torch.full_like(args["q_nope"], float("nan"))
+            lse = torch.full(args["q_nope"].shape[:2], float("nan"))
+            flashinfer_mla.mla_attention(mla_call(**{**dict(sinks=None, tree_mask=None, kv_scale=None), **args},
+                                                  out=out, lse=lse))
+            torch.testing.assert_close(out, ref.float(), atol=1e-5, rtol=1e-5, equal_nan=True)
+            torch.testing.assert_close(lse, ref_lse.float(), atol=1e-5, rtol=1e-5, equal_nan=True)
+        assert FakeMLAWrapper.plans - before == (0 if bad.get("cu_seqlens_q") else 1)
+        assert attnops.take_errors() == bad, (kv_lens, q_lens)
+    flashinfer_mla._plans.cache_clear()
 
 
 @pytest.mark.gpu

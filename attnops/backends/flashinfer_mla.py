@@ -70,7 +70,7 @@ def _plan(call):
     wrapper = plans.wrappers[key]
     if _same_step(plans.planned_for.get(key), block_table, seq_lens, cu_seqlens_q):
         return wrapper, plans.fix_now.get(key), plans.bad_cu.get(key)
-    if torch.cuda.is_current_stream_capturing():  # (reasons() keeps captures away; this is the backstop)
+    if q_nope.is_cuda and torch.cuda.is_current_stream_capturing():  # (reasons() keeps captures away: a backstop)
         raise RuntimeError("attnops.mla_attention (flashinfer): no plan inside a CUDA graph capture")
     import flashinfer
 
