@@ -13,6 +13,7 @@ rows for it, drops a bad slot's write, and records it on the device; `attnops.ta
 from .cascade import cascade_attention
 from .dispatch import explain, use_backend
 from .errors import take_errors
+from .invariance import batch_invariant
 from .ops import (merge_attention_states, mla_attention, mla_cache_write, paged_attention, paged_attention_with_lse,
                   reshape_and_cache)
 from .serving.graphs import DecodeGraphRunner
@@ -20,6 +21,6 @@ from .serving.kv_cache import BatchMetadata, PagedKVCache
 from .serving.spec import tree_mask_from_parents
 
 __version__ = "0.1.0"
-__all__ = ["BatchMetadata", "DecodeGraphRunner", "PagedKVCache", "cascade_attention", "explain",
+__all__ = ["BatchMetadata", "DecodeGraphRunner", "PagedKVCache", "batch_invariant", "cascade_attention", "explain",
            "merge_attention_states", "mla_attention", "mla_cache_write", "paged_attention", "paged_attention_with_lse", "reshape_and_cache", "take_errors",
            "tree_mask_from_parents", "use_backend"]

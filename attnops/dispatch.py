@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from . import capture, checks, checks_mla, formats, rules
+from . import capture, checks, checks_mla, formats, invariance, rules
 from .backends import BACKENDS
 from .backends.base import VERIFY_MAX_Q, AttentionCase, Backend, CacheWriteCase, MLACase, MLAWriteCase
 from .env import device_arch, environ_get
@@ -145,10 +145,13 @@ def capture_reasons(backend: Backend, capture_state: str) -> list[str]:
     return []
 
 
-def reasons_against(backend: Backend, case, capture_state: str = capture.NONE) -> list[str]:
+def reasons_against(backend: Backend, case, capture_state: str = capture.NONE, invariant: bool = False) -> list[str]:
     if isinstance(case, (MLACase, MLAWriteCase)) and not backend.serves_mla:
         return ["has no latent-attention (MLA) kernels"]
-    return backend.unavailable() + backend.supports(case) + capture_reasons(backend, capture_state)
+    reasons = backend.unavailable() + backend.supports(case) + capture_reasons(backend, capture_state)
+    if invariant and isinstance(case, (AttentionCase, MLACase)):
+        reasons += backend.invariance_reasons(case)
+    return reasons
 
 
 @dataclass
@@ -160,11 +163,15 @@ class Explanation:
     rejected: dict[str, list[str]] = field(default_factory=dict)
     pinned: str | None = None
     capture_state: str = capture.NONE
+    invariant: bool = False  # asked in batch-invariant mode (attnops.invariance)
 
     def __str__(self) -> str:
         lines = [f"case: {describe_case(self.case)}"]
         if self.capture_state != capture.NONE:
             lines.append(f"capture: {CAPTURE_WORDS[self.capture_state]}")
+        if self.invariant:
+            lines.append("mode: batch-invariant (attnops.batch_invariant): only backends that keep a row's bits "
+                         "independent of the rest of the call")
         if self.pinned:
             how = f"pinned by {'use_backend' if _pinned_backend.get() else 'ATTNOPS_BACKEND'}"
         else:
@@ -206,7 +213,7 @@ def describe_case(case) -> str:
     return ", ".join(parts)
 
 
-def _explain_case(case, pinned: str | None, capture_state: str = capture.NONE) -> Explanation:
+def _explain_case(case, pinned: str | None, capture_state: str = capture.NONE, invariant: bool = False) -> Explanation:
     if pinned is not None and isinstance(case, (CacheWriteCase, MLAWriteCase)) and pinned in BACKENDS \
             and not BACKENDS[pinned].writes_cache:
         pinned = None  # a pinned attention-only backend (FlashInfer): cache writes go by the policy
@@ -214,15 +221,15 @@ def _explain_case(case, pinned: str | None, capture_state: str = capture.NONE) -
         if pinned not in BACKENDS:
             raise ValueError(f"attnops: unknown backend {pinned!r} (ATTNOPS_BACKEND or use_backend); "
                              f"known: {sorted(BACKENDS)}")
-        reasons = reasons_against(BACKENDS[pinned], case, capture_state)
+        reasons = reasons_against(BACKENDS[pinned], case, capture_state, invariant)
         return Explanation(case, None if reasons else pinned, {pinned: reasons} if reasons else {}, pinned,
-                           capture_state)
-    explanation = Explanation(case, None, capture_state=capture_state)
+                           capture_state, invariant)
+    explanation = Explanation(case, None, capture_state=capture_state, invariant=invariant)
     for name in policy(case):
         if name not in BACKENDS:
             explanation.rejected[name] = ["not built into this version of attnops"]
             continue
-        reasons = reasons_against(BACKENDS[name], case, capture_state)
+        reasons = reasons_against(BACKENDS[name], case, capture_state, invariant)
         if not reasons:
             explanation.chosen = name
             break
@@ -231,8 +238,8 @@ def _explain_case(case, pinned: str | None, capture_state: str = capture.NONE) -
 
 
 @functools.lru_cache(maxsize=4096)
-def _select_cached(case, pinned: str | None, capture_state: str) -> Backend:
-    explanation = _explain_case(case, pinned, capture_state)
+def _select_cached(case, pinned: str | None, capture_state: str, invariant: bool = False) -> Backend:
+    explanation = _explain_case(case, pinned, capture_state, invariant)
     if explanation.chosen is None:
         what = f"pinned backend {pinned!r} cannot serve" if pinned else "no backend can serve"
         raise ValueError(f"attnops: {what} this case.\n{explanation}")
@@ -246,7 +253,7 @@ def select_backend(case, device: torch.device | None = None) -> Backend:
     """The backend that serves `case` on `device` in the capture state the call is in there (raises ValueError
     listing every backend's reasons if none can)."""
     state = capture.capture_state(device) if device is not None else capture.NONE
-    return _select_cached(case, pinned_backend(), state)
+    return _select_cached(case, pinned_backend(), state, invariance.enabled())
 
 
 def explain(**kwargs) -> Explanation:
@@ -279,12 +286,12 @@ def explain(**kwargs) -> Explanation:
     elif state not in CAPTURE_WORDS and state != capture.NONE:
         raise ValueError(f"attnops.explain: capture_state must be one of {capture.NONE!r}, {capture.REPLANNED!r}, "
                          f"{capture.FOREIGN!r} (got {state!r})")
-    return _explain_case(case, pinned, state)
+    return _explain_case(case, pinned, state, invariance.enabled())
 
 
 def explain_case(case) -> Explanation:
     """explain() for a case already built (an AttentionCase, CacheWriteCase, MLACase...), outside any capture."""
-    return _explain_case(case, pinned_backend())
+    return _explain_case(case, pinned_backend(), invariant=invariance.enabled())
 
 
 def describe_attention(device: str | None = None, **fields_) -> AttentionCase:

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent / "attnops"
 # lowest first; a module belongs to the longest prefix listed
 LAYERS = [
     ("attnops._C", "attnops.env", "attnops.formats", "attnops.cases", "attnops.capture",
-     "attnops.errors"),  # contract and helpers
+     "attnops.errors", "attnops.invariance"),  # contract and helpers
     ("attnops.rules", "attnops.checks", "attnops.checks_mla", "attnops.testing"),  # the dispatch rule, validation,
     # test inputs
     ("attnops.backends",),  # kernels behind the Backend interface: they see cases, never checks or dispatch

@@ -29,6 +29,12 @@ class Backend:
     # and MLAWriteCase; dispatch passes over every other backend for them
     serves_mla: bool = False
 
+    def invariance_reasons(self, case: AttentionCase | MLACase) -> list[str]:
+        """Why this backend cannot serve `case` batch-invariantly (attnops.invariance: a row's bits independent of
+        the rest of the call); empty if it can. Asked only in batch-invariant mode, only of attention cases (cache
+        writes are per-row copies, invariant by construction). The default: it cannot."""
+        return ["not batch-invariant: its reduction order may depend on the rest of the batch"]
+
     def forget_steps(self) -> None:
         """Drops whatever the backend keeps from one call to the next of a step (plans, replays); dispatch calls it
         when the pinned backend changes."""

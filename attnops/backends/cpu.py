@@ -51,6 +51,9 @@ class CPUBackend(Backend):
             return ["attnops._C was built without the C++ CPU kernels (csrc/cpu)"]
         return []
 
+    def invariance_reasons(self, case) -> list[str]:
+        return ["the C++ kernels split a sequence's keys by the batch and the thread count; not yet batch-invariant"]
+
     def supports(self, case) -> list[str]:
         if isinstance(case, (MLACase, MLAWriteCase)):  # (checks_mla bounds the latent formats and shapes)
             return common_reasons(case, devices=DEVICES, q_dtypes=Q_DTYPES, kv_formats=KV_FORMATS)

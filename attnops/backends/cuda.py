@@ -76,6 +76,9 @@ class CudaBackend(Backend):
                     f"(TORCH_CUDA_ARCH_LIST at build time)"]
         return []
 
+    def invariance_reasons(self, case) -> list[str]:
+        return ["its split plan follows the batch; not yet batch-invariant"]
+
     def supports(self, case) -> list[str]:
         if not isinstance(case, AttentionCase):
             return ["attention only (cache writes are the Triton kernels')"]

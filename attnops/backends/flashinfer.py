@@ -216,6 +216,9 @@ class FlashInferBackend(Backend):
             reasons.append("no CUDA GPU")
         return reasons
 
+    def invariance_reasons(self, case) -> list[str]:
+        return ["FlashInfer's plan splits keys by the whole batch (its fixed-split option is not used by attnops)"]
+
     def supports(self, case) -> list[str]:
         if isinstance(case, (CacheWriteCase, MLAWriteCase)):
             return ["writes the cache through attnops' own kernels (FlashInfer has no fp8-scaled/4-bit cache write)"]

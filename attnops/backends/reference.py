@@ -175,6 +175,9 @@ class ReferenceBackend(Backend):
             return []  # every valid latent-attention case (the checks bound its formats and shapes)
         return common_reasons(case, kv_formats=KV_FORMATS)  # the oracle serves every valid case of its formats
 
+    def invariance_reasons(self, case) -> list[str]:
+        return []  # one sequence at a time: a row's sums are its own sequence's, in one order
+
     def mla_attention(self, call) -> None:
         from .mla_reference import mla_attention_reference
         out, lse = mla_attention_reference(

@@ -10,6 +10,7 @@ import os
 
 import torch
 
+from ... import invariance
 from ..base import AttentionCase, Backend, MLACase, MLAWriteCase, common_reasons
 
 HEAD_DIMS = (32, 64, 128, 256)
@@ -63,6 +64,11 @@ class TritonBackend(Backend):
                            f"(this GPU is sm_{case.arch[0]}{case.arch[1]})")
         return reasons
 
+    def invariance_reasons(self, case) -> list[str]:
+        if isinstance(case, MLACase):  # (mla_plan: a fixed split length in the mode)
+            return []
+        return ["paged attention's split plan follows the batch (splits to fill the GPU); not yet batch-invariant"]
+
     def paged_attention(self, call) -> None:
         from .launch import launch_call
         launch_call(call)
@@ -71,7 +77,7 @@ class TritonBackend(Backend):
         from .mla_launch import mla_launch
         mla_launch(call.q_nope, call.q_pe, call.kv_cache, call.block_table, call.seq_lens, call.cu_seqlens_q,
                    scale=call.scale, kv_format=call.case.kv_format, kv_scale=call.kv_scale, sinks=call.sinks,
-                   tree_mask=call.tree_mask, out=call.out, lse=call.lse)
+                   tree_mask=call.tree_mask, out=call.out, lse=call.lse, invariant=invariance.enabled())
 
     def mla_cache_write(self, call) -> None:
         from .mla_launch import mla_cache_write

@@ -11,13 +11,20 @@ from . import interpreting
 from .mla_kernel import mla_attention_kernel, mla_cache_write_kernel, mla_merge_kernel
 
 
+# batch-invariant mode (attnops.invariance): keys a split, fixed, so that a sequence's splits (and the order of its
+# sums) follow from its own length only; the interpreter's is small, so that CPU tests cover several splits
+INVARIANT_CHUNK = 2048
+INTERPRETER_INVARIANT_CHUNK = 32
+
+
 def mla_plan(num_tokens: int, num_heads: int, capacity: int, latent_dim: int, on_gpu: bool,
-             config: dict | None = None) -> dict:
+             config: dict | None = None, invariant: bool = False) -> dict:
     """Tiles and splits of a call, from shapes only (a captured graph replays any lengths within the table).
     Heads are the tile's rows: at most 64 a program (the fp32 accumulator of 64 x 512 is what a program holds),
     at least 16 (tl.dot's smallest M). Splits fill about two waves of 132 SMs when tokens x head blocks are few.
     `config` overrides tiles and CHUNK; the split count always follows from CHUNK, so that the splits cover the
-    table."""
+    table. `invariant` (batch-invariant mode): CHUNK fixed; the tiles depend on heads and R only, so a row is
+    computed by the same program code over the same splits whatever the batch and the table's width."""
     block_h = max(16, min(64 if latent_dim <= 256 else 32, triton.next_power_of_2(num_heads)))
     block_n = 32 if latent_dim > 256 else 64
     if not on_gpu:
@@ -26,6 +33,8 @@ def mla_plan(num_tokens: int, num_heads: int, capacity: int, latent_dim: int, on
     splits = max(1, min(32, (2 * 132) // programs, triton.cdiv(capacity, 4 * block_n))) if on_gpu else \
         max(1, min(4, triton.cdiv(capacity, 64)))
     chunk = triton.cdiv(triton.cdiv(max(capacity, 1), splits), block_n) * block_n
+    if invariant:
+        chunk = INVARIANT_CHUNK if on_gpu else INTERPRETER_INVARIANT_CHUNK
     plan = dict(BLOCK_H=block_h, BLOCK_N=block_n, CHUNK=chunk, num_warps=8 if latent_dim > 256 and on_gpu else 4,
                 num_stages=2 if on_gpu else 1)
     plan.update(config or {})
@@ -34,7 +43,7 @@ def mla_plan(num_tokens: int, num_heads: int, capacity: int, latent_dim: int, on
 
 
 def mla_launch(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, *, scale: float, kv_format: str,
-               kv_scale, sinks, tree_mask, out, lse=None, config: dict | None = None) -> None:
+               kv_scale, sinks, tree_mask, out, lse=None, config: dict | None = None, invariant: bool = False) -> None:
     """Latent attention into `out` [T, H, R] (and each row's natural-log LSE into `lse` [T, H]). Inputs are
     validated by the op."""
     num_tokens, num_heads, latent = q_nope.shape
@@ -49,12 +58,14 @@ def mla_launch(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, *, s
     if out.stride(-1) != 1 or (lse is not None and not lse.is_contiguous()):
         with kernel_outputs(out, lse) as (out_w, lse_w):
             mla_launch(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, scale=scale, kv_format=kv_format,
-                       kv_scale=kv_scale, sinks=sinks, tree_mask=tree_mask, out=out_w, lse=lse_w, config=config)
+                       kv_scale=kv_scale, sinks=sinks, tree_mask=tree_mask, out=out_w, lse=lse_w, config=config,
+                       invariant=invariant)
         return
     block_table = block_table.contiguous()
     seq_lens = seq_lens.contiguous()
     capacity = block_table.shape[1] * page_size
-    plan = mla_plan(num_tokens, num_heads, capacity, latent, q_nope.is_cuda and not interpreting(), config)
+    plan = mla_plan(num_tokens, num_heads, capacity, latent, q_nope.is_cuda and not interpreting(), config,
+                    invariant)
     splits = plan["MAX_SPLITS"]
     fp8 = kv_format == "fp8_e4m3"
     kv = kv_cache.view(torch.uint8) if fp8 else kv_cache

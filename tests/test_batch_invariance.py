@@ -1,0 +1,157 @@
+"""Batch-invariant mode (attnops.batch_invariant, attnops/invariance.py): a row's output and LSE are bitwise the same
+whatever else is in the call. Each test puts a random target sequence, alone, then inside random batches (other
+sequences of random count, lengths and contents before and after it, its pages elsewhere in a bigger cache, a wider
+block table) and compares its rows bit for bit; and checks that dispatch takes only backends that declare the case
+invariant, says why it passed the others over, and refuses a pinned one that is not."""
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+
+import attnops
+from attnops import dispatch, invariance
+from attnops.testing import random_paged_inputs
+
+GPU = torch.cuda.is_available()
+
+
+def sequence(rng: random.Random, gen: torch.Generator, *, decode: bool, page_size: int, latent: bool,
+             heads: int, dim: int, rope: int, dtype) -> dict:
+    """One sequence's own data: its pages (random values), its query rows and its length."""
+    kv_len = rng.choice([1, rng.randint(2, 40), rng.randint(40, 200)])
+    q_len = 1 if decode else rng.randint(1, min(kv_len, 5))
+    pages = -(-kv_len // page_size)
+    if latent:
+        cache = {"kv_cache": torch.randn(pages, page_size, dim + rope, generator=gen).to(dtype)}
+        q = {"q_nope": torch.randn(q_len, heads, dim, generator=gen).to(dtype),
+             "q_pe": torch.randn(q_len, heads, rope, generator=gen).to(dtype)}
+    else:
+        kv_heads = max(1, heads // 2)
+        cache = {name: torch.randn(pages, page_size, kv_heads, dim, generator=gen).to(dtype)
+                 for name in ("k_cache", "v_cache")}
+        q = {"q": torch.randn(q_len, heads, dim, generator=gen).to(dtype)}
+    return dict(cache=cache, q=q, kv_len=kv_len, q_len=q_len, pages=pages)
+
+
+def assemble(seqs, *, decode: bool, extra_width: int, spare_pages: int, gen: torch.Generator, device) -> dict:
+    """The call's arguments for `seqs` in this order: their pages at random places of one cache (spare pages
+    random), a block table `extra_width` pages wider than needed (garbage past each sequence's pages)."""
+    total = sum(s["pages"] for s in seqs) + spare_pages
+    order = torch.randperm(total, generator=gen)
+    width = max(s["pages"] for s in seqs) + extra_width
+    table = torch.randint(-1, total, (len(seqs), width), generator=gen, dtype=torch.int32)
+    caches = {name: torch.randn((total,) + t.shape[1:], generator=gen).to(t.dtype)
+              for name, t in seqs[0]["cache"].items()}
+    start = 0
+    for b, s in enumerate(seqs):
+        where = order[start:start + s["pages"]]
+        table[b, :s["pages"]] = where.to(torch.int32)
+        for name, pages in s["cache"].items():
+            caches[name][where] = pages
+        start += s["pages"]
+    args = {name: t.to(device) for name, t in caches.items()}
+    args.update({name: torch.cat([s["q"][name] for s in seqs]).to(device) for name in seqs[0]["q"]})
+    args.update(block_table=table.to(device), seq_lens=torch.tensor([s["kv_len"] for s in seqs],
+                                                                    dtype=torch.int32, device=device))
+    if not decode:
+        cu = torch.tensor([0] + [s["q_len"] for s in seqs]).cumsum(0).to(torch.int32)
+        args["cu_seqlens_q"] = cu.to(device)
+    return args
+
+
+def target_rows(args, seqs, position):
+    start = sum(s["q_len"] for s in seqs[:position])
+    return slice(start, start + seqs[position]["q_len"])
+
+
+def check_invariant(backend: str, *, latent: bool, device: str, dtype, trials: int, seed: int) -> None:
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    op = torch.ops.attnops.mla_attention_with_lse if latent else torch.ops.attnops.paged_attention_with_lse
+    for trial in range(trials):
+        decode = rng.random() < 0.5
+        shape = dict(decode=decode, page_size=rng.choice([1, 4, 16]), latent=latent, heads=rng.choice([1, 4, 8]),
+                     dim=rng.choice([64, 128]) if latent else rng.choice([32, 64]), rope=16, dtype=dtype)
+        target = sequence(rng, gen, **shape)
+        extra = dict(scale=0.11) if latent else dict(scale=0.11)
+        with attnops.batch_invariant(), attnops.use_backend(backend):
+            alone = assemble([target], decode=decode, extra_width=0, spare_pages=0, gen=gen, device=device)
+            want_out, want_lse = op(**alone, **extra)
+            for _ in range(3):
+                others = [sequence(rng, gen, **shape) for _ in range(rng.randint(1, 5))]
+                position = rng.randint(0, len(others))
+                seqs = others[:position] + [target] + others[position:]
+                args = assemble(seqs, decode=decode, extra_width=rng.randint(0, 12), spare_pages=rng.randint(0, 4),
+                                gen=gen, device=device)
+                out, lse = op(**args, **extra)
+                rows = target_rows(args, seqs, position)
+                assert torch.equal(out[rows], want_out), (backend, trial, position)
+                assert torch.equal(lse[rows], want_lse), (backend, trial, position)
+
+
+@pytest.mark.parametrize("latent", [False, True], ids=["paged", "latent"])
+def test_reference_is_invariant(latent):
+    check_invariant("reference", latent=latent, device="cpu", dtype=torch.float32, trials=6, seed=1)
+
+
+@pytest.mark.skipif(GPU, reason="the interpreter's run; the GPU run is below")
+def test_triton_latent_attention_is_invariant_in_the_interpreter():
+    check_invariant("triton", latent=True, device="cpu", dtype=torch.float16, trials=5, seed=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_latent_attention_is_invariant_on_the_gpu(dtype):
+    check_invariant("triton", latent=True, device="cuda", dtype=dtype, trials=20, seed=3)
+
+
+def test_dispatch_takes_only_invariant_backends_and_says_why():
+    case = dispatch.describe_attention(device="cpu", kv_format="fp32", q_dtype=torch.float32)
+    assert dispatch.explain_case(case).chosen == "cpu"
+    with attnops.batch_invariant():
+        explanation = dispatch.explain_case(case)
+        assert explanation.chosen == "reference"
+        assert any("not yet batch-invariant" in r for r in explanation.rejected["cpu"])
+        assert "mode: batch-invariant" in str(explanation)
+        with attnops.batch_invariant(False):  # an inner block turns it off
+            assert dispatch.explain_case(case).chosen == "cpu"
+    gpu = dispatch.describe_attention(device="cpu", kv_format="bf16")
+    gpu = type(gpu)(**{**gpu.__dict__, "device_type": "cuda", "arch": (9, 0)})
+    for name in ("triton", "flashinfer", "cuda"):
+        from attnops.backends import BACKENDS
+        assert BACKENDS[name].invariance_reasons(gpu), name
+    from attnops.backends import BACKENDS
+    from attnops.cases import MLACase
+    mla = MLACase(device_type="cuda", arch=(9, 0), q_dtype=torch.bfloat16, kv_format="bf16", latent_dim=512,
+                  rope_dim=64, num_heads=16, page_size=64, decode=True)
+    assert BACKENDS["triton"].invariance_reasons(mla) == []
+    assert BACKENDS["flashinfer"].invariance_reasons(mla)
+
+
+def test_a_pinned_backend_that_is_not_invariant_is_refused(monkeypatch):
+    args = random_paged_inputs([9, 20], num_q_heads=4, num_kv_heads=2, head_dim=32)
+    with attnops.batch_invariant(), attnops.use_backend("cpu"):
+        with pytest.raises(ValueError, match="not yet batch-invariant"):
+            torch.ops.attnops.paged_attention(**args)
+    monkeypatch.setenv("ATTNOPS_BATCH_INVARIANT", "1")
+    assert invariance.enabled()
+    with attnops.use_backend("cpu"), pytest.raises(ValueError, match="batch-invariant"):
+        torch.ops.attnops.paged_attention(**args)
+    with attnops.batch_invariant(False), attnops.use_backend("cpu"):
+        torch.ops.attnops.paged_attention(**args)
+
+
+def test_the_mode_is_thread_local_and_checks_its_argument():
+    seen = []
+    with attnops.batch_invariant():
+        thread = threading.Thread(target=lambda: seen.append(invariance.enabled()))
+        thread.start()
+        thread.join()
+        assert invariance.enabled()
+    assert seen == [False] and not invariance.enabled()
+    with pytest.raises(TypeError, match="enabled"):
+        with attnops.batch_invariant("yes"):
+            pass
