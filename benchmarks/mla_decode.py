@@ -82,7 +82,20 @@ SWEEP = dict(BLOCK_H=(16, 32, 64), BLOCK_N=(16, 32, 64), num_warps=(4, 8), num_s
              split_factor=(0.5, 1, 2, 4))
 
 
-def sweep_case(case, scale, out, budget_s):
+def sweep_grid(text: str | None) -> dict:
+    """SWEEP, or the grid of --sweep-grid: KEY=V1,V2 ... (e.g. "BLOCK_H=32,64 num_warps=8 split_factor=1,4")."""
+    if not text:
+        return SWEEP
+    grid = dict(SWEEP)
+    for item in text.split():
+        key, _, values = item.partition("=")
+        if key not in SWEEP:
+            sys.exit(f"--sweep-grid: {key!r} is not one of {sorted(SWEEP)}")
+        grid[key] = tuple(float(v) if key == "split_factor" else int(v) for v in values.split(","))
+    return grid
+
+
+def sweep_case(case, scale, out, budget_s, grid=SWEEP):
     """The launcher's time at each config of SWEEP (split_factor scales the plan's split count), the plan first;
     configs a GPU cannot hold (shared memory, registers) are skipped. Stops after budget_s seconds."""
     import itertools
@@ -104,10 +117,10 @@ def sweep_case(case, scale, out, budget_s):
     rows = [dict(config="plan", us=timed(None), **{k: plan[k] for k in ("BLOCK_H", "BLOCK_N", "num_warps",
                                                                           "num_stages", "MAX_SPLITS")})]
     start = time.time()
-    for values in itertools.product(*SWEEP.values()):
+    for values in itertools.product(*grid.values()):
         if time.time() - start > budget_s:
             break
-        knobs = dict(zip(SWEEP, values))
+        knobs = dict(zip(grid, values))
         factor = knobs.pop("split_factor")
         if knobs["BLOCK_H"] > max(16, triton.next_power_of_2(heads)):  # (rows of no head)
             continue
@@ -160,6 +173,8 @@ def main(argv=None) -> int:
     parser.add_argument("--sweep", action="store_true",
                         help="time Triton's launcher over a grid of tiles, warps, stages and splits per case")
     parser.add_argument("--sweep-budget", type=float, default=60, help="seconds of sweep per case (default 60)")
+    parser.add_argument("--sweep-grid", help="narrow the sweep: KEY=V1,V2 ... over BLOCK_H, BLOCK_N, num_warps, "
+                                             "num_stages, split_factor (e.g. \"BLOCK_H=32,64 split_factor=1,4\")")
     parser.add_argument("--json", help="write the records here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -196,7 +211,7 @@ def main(argv=None) -> int:
                           kv_len=kv_len, latent=args.latent, rope=args.rope, attnops_us=ours, tbs=tbs, rel_error=err,
                           gpu=torch.cuda.get_device_name())
             if args.sweep:
-                rows = sweep_case(case, scale, out, args.sweep_budget)
+                rows = sweep_case(case, scale, out, args.sweep_budget, sweep_grid(args.sweep_grid))
                 timed_rows = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
                 record["sweep"] = rows
                 best = timed_rows[0]
