@@ -82,12 +82,12 @@ SWEEP = dict(BLOCK_H=(16, 32, 64), BLOCK_N=(16, 32, 64), num_warps=(4, 8), num_s
              split_factor=(0.5, 1, 2, 4))
 
 
-def sweep_grid(text: str | None) -> dict:
-    """SWEEP, or the grid of --sweep-grid: KEY=V1,V2 ... (e.g. "BLOCK_H=32,64 num_warps=8 split_factor=1,4")."""
-    if not text:
+def sweep_grid(items: list[str] | None) -> dict:
+    """SWEEP, or the grid of --sweep-grid: KEY=V1,V2 ... (e.g. BLOCK_H=32,64 num_warps=8 split_factor=1,4)."""
+    if not items:
         return SWEEP
     grid = dict(SWEEP)
-    for item in text.split():
+    for item in items:
         key, _, values = item.partition("=")
         if key not in SWEEP:
             sys.exit(f"--sweep-grid: {key!r} is not one of {sorted(SWEEP)}")
@@ -173,8 +173,9 @@ def main(argv=None) -> int:
     parser.add_argument("--sweep", action="store_true",
                         help="time Triton's launcher over a grid of tiles, warps, stages and splits per case")
     parser.add_argument("--sweep-budget", type=float, default=60, help="seconds of sweep per case (default 60)")
-    parser.add_argument("--sweep-grid", help="narrow the sweep: KEY=V1,V2 ... over BLOCK_H, BLOCK_N, num_warps, "
-                                             "num_stages, split_factor (e.g. \"BLOCK_H=32,64 split_factor=1,4\")")
+    parser.add_argument("--sweep-grid", nargs="+", help="narrow the sweep: KEY=V1,V2 ... over BLOCK_H, BLOCK_N, "
+                                                        "num_warps, num_stages, split_factor (e.g. BLOCK_H=32,64 "
+                                                        "split_factor=1,4)")
     parser.add_argument("--json", help="write the records here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
