@@ -21,7 +21,8 @@ GPU = torch.cuda.is_available()
 def sequence(rng: random.Random, gen: torch.Generator, *, decode: bool, page_size: int, latent: bool,
              heads: int, dim: int, rope: int, dtype) -> dict:
     """One sequence's own data: its pages (random values), its query rows and its length."""
-    kv_len = rng.choice([1, rng.randint(2, 40), rng.randint(40, 200)])
+    # (over 1024 keys: more splits than the default plan's cap in the interpreter, where it lengthens them)
+    kv_len = rng.choice([1, rng.randint(2, 40), rng.randint(40, 200), rng.randint(1025, 1500)])
     q_len = 1 if decode else rng.randint(1, min(kv_len, 5))
     pages = -(-kv_len // page_size)
     if latent:
@@ -98,14 +99,16 @@ def test_reference_is_invariant(latent):
 
 
 @pytest.mark.skipif(GPU, reason="the interpreter's run; the GPU run is below")
-def test_triton_latent_attention_is_invariant_in_the_interpreter():
-    check_invariant("triton", latent=True, device="cpu", dtype=torch.float16, trials=5, seed=2)
+@pytest.mark.parametrize("latent", [False, True], ids=["paged", "latent"])
+def test_triton_is_invariant_in_the_interpreter(latent):
+    check_invariant("triton", latent=latent, device="cpu", dtype=torch.float16, trials=5, seed=2)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("latent", [False, True], ids=["paged", "latent"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_triton_latent_attention_is_invariant_on_the_gpu(dtype):
-    check_invariant("triton", latent=True, device="cuda", dtype=dtype, trials=20, seed=3)
+def test_triton_is_invariant_on_the_gpu(dtype, latent):
+    check_invariant("triton", latent=latent, device="cuda", dtype=dtype, trials=20, seed=3)
 
 
 def test_dispatch_takes_only_invariant_backends_and_says_why():
@@ -120,10 +123,10 @@ def test_dispatch_takes_only_invariant_backends_and_says_why():
             assert dispatch.explain_case(case).chosen == "cpu"
     gpu = dispatch.describe_attention(device="cpu", kv_format="bf16")
     gpu = type(gpu)(**{**gpu.__dict__, "device_type": "cuda", "arch": (9, 0)})
-    for name in ("triton", "flashinfer", "cuda"):
-        from attnops.backends import BACKENDS
-        assert BACKENDS[name].invariance_reasons(gpu), name
     from attnops.backends import BACKENDS
+    assert BACKENDS["triton"].invariance_reasons(gpu) == []
+    for name in ("flashinfer", "cuda"):
+        assert BACKENDS[name].invariance_reasons(gpu), name
     from attnops.cases import MLACase
     mla = MLACase(device_type="cuda", arch=(9, 0), q_dtype=torch.bfloat16, kv_format="bf16", latent_dim=512,
                   rope_dim=64, num_heads=16, page_size=64, decode=True)
@@ -155,3 +158,36 @@ def test_the_mode_is_thread_local_and_checks_its_argument():
     with pytest.raises(TypeError, match="enabled"):
         with attnops.batch_invariant("yes"):
             pass
+
+
+def test_triton_gpu_plan_in_the_mode_depends_on_no_batch(monkeypatch):
+    """The GPU's heuristic (an H200's 132 SMs, sm_90, asked here without a GPU): outside the mode the tiles and
+    splits follow the batch; inside it every knob that shapes a row's sums is the same for any batch, token count
+    and table width (MAX_SPLITS only grows with the table: the splits past a sequence's length are empty)."""
+    from attnops.backends.triton import heuristics
+    monkeypatch.setattr(heuristics, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(heuristics, "_capability", lambda device: 9)
+    monkeypatch.setattr(heuristics, "_shared_memory_per_block", lambda device: 227 * 1024)
+    heuristics.heuristic_config.cache_clear()
+    base = dispatch.describe_attention(device="cpu", kv_format="bf16")
+    cuda = torch.device("cuda")
+    calls = []
+    for decode in (True, False):
+        for batch, capacity, tokens in ((1, 32768, 4), (32, 8192, 128), (128, 4096, 700), (3, 1 << 17, 9)):
+            case = type(base)(**{**base.__dict__, "device_type": "cuda", "arch": (9, 0), "decode": decode,
+                                 "batch": batch, "max_kv_len": capacity,
+                                 "shape_class": "decode" if decode else "verify"})
+            calls.append((decode, case, batch if decode else tokens))
+    try:
+        for decode in (True, False):
+            default = {str({k: v for k, v in heuristics.heuristic_config(case, tokens, cuda).items()
+                            if k != "MAX_SPLITS"}) for d, case, tokens in calls if d == decode}
+            assert len(default) > 1, "the default plan follows the batch (else this test shows nothing)"
+            with attnops.batch_invariant():
+                chosen = [heuristics.heuristic_config(case, tokens, cuda) for d, case, tokens in calls if d == decode]
+            knobs = {str({k: v for k, v in c.items() if k != "MAX_SPLITS"}) for c in chosen}
+            assert len(knobs) == 1, knobs
+            assert all(c["MAX_SPLITS"] * c["CHUNK"] >= case.max_kv_len and c["MAX_SPLITS"] >= 2
+                       for c, (_, case, _) in zip(chosen, [x for x in calls if x[0] == decode]))
+    finally:
+        heuristics.heuristic_config.cache_clear()

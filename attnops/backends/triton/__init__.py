@@ -65,9 +65,7 @@ class TritonBackend(Backend):
         return reasons
 
     def invariance_reasons(self, case) -> list[str]:
-        if isinstance(case, MLACase):  # (mla_plan: a fixed split length in the mode)
-            return []
-        return ["paged attention's split plan follows the batch (splits to fill the GPU); not yet batch-invariant"]
+        return []  # (in the mode, heuristic_config and mla_plan take a fixed split length and batch-free tiles)
 
     def paged_attention(self, call) -> None:
         from .launch import launch_call

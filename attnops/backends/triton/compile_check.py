@@ -285,7 +285,10 @@ def compile_merge_states(out_dtype: str, target):
     from .merge_states import merge_states_kernel
     op = "*" + out_dtype
     types = dict(out_a_ptr=op, lse_a_ptr="*fp32", out_b_ptr=op, lse_b_ptr="*fp32", out_ptr=op, lse_ptr="*fp32")
-    return compile_one(merge_states_kernel, types, dict(NUM_HEADS=8, HEADS_P2=8, HEAD_DIM=128), target, 4, 1)
+    compile_one(merge_states_kernel, types, dict(NUM_HEADS=128, BLOCK_H=8, HEAD_DIM=512, HEAD_DIM_P2=512), target, 4,
+                1)  # (latent attention's 128 heads of 512, in head blocks)
+    return compile_one(merge_states_kernel, types, dict(NUM_HEADS=8, BLOCK_H=8, HEAD_DIM=96, HEAD_DIM_P2=128), target,
+                       4, 1)
 
 
 def compile_mla(q_dtype: str, fp8: bool, num_heads: int, latent: int, rope: int, target, *, tokens: int = 32,
@@ -308,7 +311,9 @@ def compile_mla(q_dtype: str, fp8: bool, num_heads: int, latent: int, rope: int,
         compile_one(mla_merge_kernel, dict(out_ptr=q, lse_ptr="*fp32", part_out_ptr="*fp32", part_lse_ptr="*fp32",
                                            sinks_ptr="*fp32"),
                     dict(NUM_HEADS=num_heads, R=latent, R_P2=r_p2,
-                         SPLITS_P2=triton.next_power_of_2(plan["MAX_SPLITS"]), HAS_SINKS=sinks, WRITE_LSE=sinks),
+                         SPLITS_P2=triton.next_power_of_2(plan["MAX_SPLITS"]),
+                         SPLIT_BLOCK=min(8, triton.next_power_of_2(plan["MAX_SPLITS"])), HAS_SINKS=sinks,
+                         WRITE_LSE=sinks),
                     target, 4, 1)
     compile_one(mla_cache_write_kernel, dict(kv_c_ptr=q, k_pe_ptr=q, kv_ptr="*u8" if fp8 else q, slot_ptr="*i64",
                                              kv_scale_ptr="*fp32", err_ptr="*i32"),

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ... import formats
+from ... import formats, invariance
 from ...cases import AttentionCase
 from .common import FMT_CODE
 from .kernel import TL_DTYPE
@@ -77,11 +77,24 @@ def dot_dtype(q_dtype: torch.dtype, kv_format: str) -> torch.dtype:
     return q_dtype
 
 
-@functools.lru_cache(maxsize=4096)
+# batch-invariant mode (attnops.invariance): keys a split, fixed, so that kv_plan cuts a sequence by its own length
+INVARIANT_CHUNK = 4096
+
+
 def heuristic_config(case: AttentionCase, num_tokens: int, device: torch.device) -> dict:
     """Tunables for a case of `num_tokens` query tokens on `device`, from shapes and dtypes only (cached per
     case). The number of splits a sequence actually gets is decided on the device (common.kv_plan); here: CHUNK
-    (keys per program), MAX_SPLITS (grid size, workspace) and tile sizes."""
+    (keys per program), MAX_SPLITS (grid size, workspace) and tile sizes.
+
+    In batch-invariant mode every choice that shapes a row's sums is made from the head shape, formats and the
+    call's form (decode or not) only, never from the batch, its tokens or the table's width: the query tile is
+    fixed, CHUNK is INVARIANT_CHUNK (kv_plan then splits a sequence by its own length), and MAX_SPLITS covers the
+    table whatever the workspace (at least 2, so that one compiled variant serves every call)."""
+    return _heuristic_config(case, num_tokens, device, invariance.enabled())
+
+
+@functools.lru_cache(maxsize=4096)
+def _heuristic_config(case: AttentionCase, num_tokens: int, device: torch.device, invariant: bool) -> dict:
     decode, batch, group, capacity = case.decode, case.batch, case.group, case.max_kv_len
     num_q_heads, num_kv_heads, head_dim = case.num_q_heads, case.num_kv_heads, case.head_dim
     kv_format, q_dtype = case.kv_format, case.q_dtype
@@ -89,7 +102,7 @@ def heuristic_config(case: AttentionCase, num_tokens: int, device: torch.device)
     if decode:
         block_q = 1
     else:
-        avg_q = -(-num_tokens // max(batch, 1))
+        avg_q = 16 if invariant else -(-num_tokens // max(batch, 1))
         max_rows = 64 if head_dim >= 256 else 128
         block_q = max(1, min(triton.next_power_of_2(avg_q), max(1, max_rows // group)))
     block_m = max(16, triton.next_power_of_2(block_q * group))
@@ -122,7 +135,10 @@ def heuristic_config(case: AttentionCase, num_tokens: int, device: torch.device)
     # query blocks that do work (the grid's T // BLOCK_Q + B is an upper bound that counts partial blocks)
     num_q_blocks = batch if decode else max(batch, -(-num_tokens // block_q))
     base = num_q_blocks * num_kv_heads
-    if device.type != "cuda":
+    if invariant:
+        chunk = 2 * block_n if device.type != "cuda" else INVARIANT_CHUNK
+        max_splits = max(2, -(-capacity // chunk))
+    elif device.type != "cuda":
         chunk, max_splits = 2 * block_n, 8  # CPU (interpreter): exercise the split + merge path
     elif base >= target and not decode:
         chunk, max_splits = capacity, 1  # prefill-like: enough programs without splitting, no workspace
@@ -172,6 +188,9 @@ def heuristic_config(case: AttentionCase, num_tokens: int, device: torch.device)
                 V_DEQUANT_FIRST=kv_format == "mxfp4" and decode_like and device.type == "cuda",
                 PDL=_capability(device) >= 9, FP8_V_PAIRS=fp8_pairs, FP8_K_PAIRS=fp8_pairs, BOUNDS=True,
                 PAGE_CLAMP=decode, FULL_TILES=verify_64, OFFSETS_32=verify_64)
+
+
+heuristic_config.cache_clear = _heuristic_config.cache_clear  # (tests and compile_check clear the choices)
 
 
 def smaller_tile(cfg: dict) -> dict | None:
