@@ -34,7 +34,50 @@ class _Step:
     q_len: int
 
 
-class PagedCache(Cache):
+class StepCache(Cache):
+    """What transformers asks of attnops' caches (PagedCache, and LatentCache in attnops.hf.mla): every row advances
+    by the same `_columns` positions a forward (padding included), up to `_max_cache_len`; no compile (a step's
+    metadata is built from the padding mask on the host: attnops' own serving loop is the compiled path), no crop,
+    beam search or batch reshaping (each a ValueError naming the cache)."""
+
+    _columns = 0
+    _max_cache_len = 0
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._columns
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self._columns + query_length, 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self._columns
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return self._max_cache_len
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    def reorder_cache(self, beam_idx: torch.LongTensor):
+        raise ValueError(f"{type(self).__name__}: beam search (reorder_cache) is not supported")
+
+    def crop(self, max_length: int) -> None:
+        raise ValueError(f"{type(self).__name__}: crop (assisted decoding) is not supported")
+
+    def batch_repeat_interleave(self, repeats: int):
+        raise ValueError(f"{type(self).__name__}: batch_repeat_interleave is not supported: expand the inputs "
+                         "before the first forward (generate's num_return_sequences does)")
+
+    def batch_select_indices(self, indices: torch.Tensor):
+        raise ValueError(f"{type(self).__name__}: batch_select_indices is not supported")
+
+
+class PagedCache(StepCache):
     """The KV cache of `config`'s model in attnops pages.
 
     max_cache_len: the most tokens a row holds (prompt and generated, padding excluded); the pages, batch x
@@ -77,28 +120,6 @@ class PagedCache(Cache):
         hand_over(self, layer_idx, key_states)
         return key_states, value_states
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self._columns
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self._columns + query_length, 0
-
-    def get_query_offset(self, layer_idx: int = 0) -> int:
-        return self._columns
-
-    def get_max_length(self, layer_idx: int | None = None) -> int:
-        return self._max_cache_len
-
-    @property
-    def is_compileable(self) -> bool:
-        # building a step's metadata reads the padding mask on the host; attnops' own serving loop is the
-        # compiled path (attnops.hf.serving_model)
-        return False
-
-    @property
-    def is_croppable(self) -> bool:
-        return False
-
     @property
     def is_initialized(self) -> bool:
         return self.kv is not None
@@ -116,19 +137,6 @@ class PagedCache(Cache):
             for b in range(self._batch):
                 self.kv.free(b)
         self._batch, self._columns, self._last_layer, self._step = 0, 0, None, None
-
-    def reorder_cache(self, beam_idx: torch.LongTensor):
-        raise ValueError("PagedCache: beam search (reorder_cache) is not supported")
-
-    def crop(self, max_length: int) -> None:
-        raise ValueError("PagedCache: crop (assisted decoding) is not supported")
-
-    def batch_repeat_interleave(self, repeats: int):
-        raise ValueError("PagedCache: batch_repeat_interleave is not supported: expand the inputs before the first "
-                         "forward (generate's num_return_sequences does)")
-
-    def batch_select_indices(self, indices: torch.Tensor):
-        raise ValueError("PagedCache: batch_select_indices is not supported")
 
     # --- attnops ---------------------------------------------------------------------------------------------
     def _pages_for(self, batch: int, key: torch.Tensor) -> None:

@@ -37,6 +37,7 @@ from transformers import Cache, DynamicCache
 from .. import ops  # noqa: F401  (the op schemas and implementations)
 from ..checks_mla import MAX_HEADS, MAX_LATENT_DIM, MAX_ROPE_DIM
 from .attention import ATTN_IMPLEMENTATION, PLAIN_FORMATS, SCRATCH_PAGE_SIZE, _index, _unpack
+from .cache import StepCache
 
 KV_FORMATS = ("fp8_e4m3",)  # beside the default, the model's own dtype (fp32, bf16, fp16)
 
@@ -223,7 +224,7 @@ def _padding(attention_mask, batch: int, columns: int) -> torch.Tensor:
     return attention_mask.bool().cpu()  # the slots are laid out on the host
 
 
-class LatentCache(Cache):
+class LatentCache(StepCache):
     """The latent KV cache of a DeepSeek-V2/V3 model (`config`) in attnops pages: one row of kv_lora_rank +
     qk_rope_head_dim values a token and layer, shared by every head (DeepSeek-V3: 576 values, against 128 heads x
     (192 + 128) of decompressed keys and values), for `model.generate(..., past_key_values=LatentCache(...))` on a
@@ -272,30 +273,10 @@ class LatentCache(Cache):
         self._last_layer = None  # the layer of the latest call: a layer at or below it starts a new forward
         self._step: _Step | None = None
 
-    # --- what transformers asks of a Cache (as PagedCache) ------------------------------------------------------
+    # --- what transformers asks of a Cache beyond StepCache ------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         raise ValueError("LatentCache: a layer called update, so its attention is transformers' own: pass the model "
                          "through attnops.hf.enable_mla(model) first")
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self._columns
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self._columns + query_length, 0
-
-    def get_query_offset(self, layer_idx: int = 0) -> int:
-        return self._columns
-
-    def get_max_length(self, layer_idx: int | None = None) -> int:
-        return self._max_cache_len
-
-    @property
-    def is_compileable(self) -> bool:
-        return False  # a step's slots are laid out from the padding mask on the host
-
-    @property
-    def is_croppable(self) -> bool:
-        return False
 
     @property
     def is_initialized(self) -> bool:
@@ -311,19 +292,6 @@ class LatentCache(Cache):
     def reset(self) -> None:
         """Empties the cache (its pages stay allocated) for a new batch."""
         self._lengths, self._columns, self._last_layer, self._step = [], 0, None, None
-
-    def reorder_cache(self, beam_idx: torch.LongTensor):
-        raise ValueError("LatentCache: beam search (reorder_cache) is not supported")
-
-    def crop(self, max_length: int) -> None:
-        raise ValueError("LatentCache: crop (assisted decoding) is not supported")
-
-    def batch_repeat_interleave(self, repeats: int):
-        raise ValueError("LatentCache: batch_repeat_interleave is not supported: expand the inputs before the first "
-                         "forward (generate's num_return_sequences does)")
-
-    def batch_select_indices(self, indices: torch.Tensor):
-        raise ValueError("LatentCache: batch_select_indices is not supported")
 
     # --- attnops ---------------------------------------------------------------------------------------------
     def _format_args(self) -> dict:
