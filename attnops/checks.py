@@ -16,7 +16,12 @@ from . import formats
 from .cases import AttentionCall, AttentionCase, CacheWriteCall, CacheWriteCase
 from .env import device_arch
 
-HEAD_DIMS = (32, 64, 128, 256)
+# The head dims the ops take: every multiple of 16 from 16 to 512. That covers the models in use (Phi-2's 80,
+# Phi-3's 96, 192, 512 ...) and keeps a row a whole number of 16-value blocks (nvfp4's scale block, an AVX-512
+# vector of floats). Each backend declares which of them its kernels serve (`supports`); the reference serves all.
+HEAD_DIM_MULTIPLE, MAX_HEAD_DIM = 16, 512
+HEAD_DIMS = tuple(range(HEAD_DIM_MULTIPLE, MAX_HEAD_DIM + 1, HEAD_DIM_MULTIPLE))
+HEAD_DIMS_RULE = f"a multiple of {HEAD_DIM_MULTIPLE} from {HEAD_DIM_MULTIPLE} to {MAX_HEAD_DIM}"
 MAX_PAGE_SIZE = 256
 Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -32,6 +37,18 @@ def _describe(t: torch.Tensor) -> str:
 def is_page_size(page_size: int) -> bool:
     """A page size the ops take: a power of two from 1 to MAX_PAGE_SIZE."""
     return 1 <= page_size <= MAX_PAGE_SIZE and page_size & (page_size - 1) == 0
+
+
+def head_dim_error(head_dim: int, kv_format: str | None = None, what: str = "head_dim") -> str | None:
+    """Why the ops cannot take `head_dim` (`what` names it in the message), or None. With `kv_format`, that
+    format's scale block must divide it too (mxfp4's 32 values: not 80)."""
+    if head_dim not in HEAD_DIMS:
+        return f"{what} must be {HEAD_DIMS_RULE} (got {head_dim})"
+    block = formats.FORMATS[kv_format].block if kv_format is not None else 0
+    if block and head_dim % block:
+        return (f"kv_format {kv_format} scales blocks of {block} values, so head_dim must be a multiple of {block} "
+                f"(got {head_dim})")
+    return None
 
 
 def _check_tensor(op, name, t):
@@ -77,8 +94,9 @@ def _check_caches(op, k_cache, v_cache, kv_format):
 
 
 def _check_head_dim(op, head_dim, stored_dim, fmt, what):
-    if head_dim not in HEAD_DIMS:
-        _fail(op, ValueError, f"head_dim of {what} must be one of {HEAD_DIMS} (got {head_dim})")
+    error = head_dim_error(head_dim, fmt, f"head_dim of {what}")
+    if error:
+        _fail(op, ValueError, error)
     if stored_dim != formats.stored_head_dim(fmt, head_dim):
         if formats.is_fp4(fmt):
             _fail(op, ValueError, f"a {fmt} k_cache's last dim must be head_dim/2 = {head_dim // 2} (got "
@@ -428,8 +446,9 @@ def check_merge_attention_states(out_a, lse_a, out_b, lse_b, out=None, lse=None)
             _fail(op, ValueError, f"{name} must be [T, H, D] like out_a ({_describe(out_a)}; got {_describe(t)})")
         if t.stride(-1) != 1:
             _fail(op, ValueError, f"{name} must be contiguous in its last dimension (strides {t.stride()})")
-    if out_a.shape[-1] not in HEAD_DIMS:
-        _fail(op, ValueError, f"head_dim (out_a.shape[2]) must be one of {HEAD_DIMS} (got {out_a.shape[-1]})")
+    error = head_dim_error(out_a.shape[-1], what="head_dim (out_a.shape[2])")
+    if error:
+        _fail(op, ValueError, error)
     for name, t in (("lse_a", lse_a), ("lse_b", lse_b)) + ((("lse", lse),) if lse is not None else ()):
         if t.dtype not in (torch.float32, torch.float64) or t.dtype != lse_a.dtype:
             _fail(op, TypeError, f"{name} must be float32 (or float64, like lse_a) (got {t.dtype})")

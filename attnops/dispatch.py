@@ -310,6 +310,9 @@ def describe_attention(device: str | None = None, **fields_) -> AttentionCase:
     if unknown:
         raise TypeError(f"attnops.explain: unknown case fields {sorted(unknown)}; known: {sorted(values)}")
     values.update(fields_)
+    error = checks.head_dim_error(values["head_dim"], kv_format)  # a case no call could make
+    if error:
+        raise ValueError(f"attnops.explain: {error}")
     if values["shape_class"] is None:
         values["shape_class"] = "decode" if values["decode"] else "prefill"
     if values["q_per_seq"] is None:  # a verify of 4 tokens unless told

@@ -43,9 +43,9 @@ def fp8_comparable(monkeypatch):
     monkeypatch.setattr(torch, "allclose", allclose_with_fp8)
 
 
-# Tiny random transformers decoders, one config per family. head_dim 32 (attnops serves 32/64/128/256). A wide init
-# (0.2, not transformers' 0.02) gives clear gaps between the top logits, so greedy choices are the model's, not
-# rounding's, and vary.
+# Tiny random transformers decoders, one config per family. head_dim 32 (Triton serves it too: 32/64/128/256). A
+# wide init (0.2, not transformers' 0.02) gives clear gaps between the top logits, so greedy choices are the
+# model's, not rounding's, and vary.
 TINY_HF = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, head_dim=32, max_position_embeddings=512, initializer_range=0.2,
                bos_token_id=None, eos_token_id=None, pad_token_id=0)  # no eos: every run makes all its tokens

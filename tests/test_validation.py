@@ -48,7 +48,9 @@ BAD_ATTENTION = {
     "no KV heads": (ValueError, "num_kv_heads", lambda: good_attention_args(**caches((8, 16, 0, 64)))),
     "no query heads": (ValueError, "num_q_heads", lambda: good_attention_args(q=torch.randn(5, 0, 64))),
     "unsupported head_dim": (ValueError, "head_dim", lambda: good_attention_args(
-        q=torch.randn(5, 4, 48), **caches((8, 16, 2, 48)))),
+        q=torch.randn(5, 4, 72), **caches((8, 16, 2, 72)))),
+    "head_dim past 512": (ValueError, "head_dim", lambda: good_attention_args(
+        q=torch.randn(5, 4, 528), **caches((8, 16, 2, 528)))),
     "page_size not power of two": (ValueError, "page_size", lambda: good_attention_args(**caches((8, 12, 2, 64)))),
     "page_size too large": (ValueError, "page_size", lambda: good_attention_args(**caches((2, 512, 2, 64)))),
     "caches differ in shape": (ValueError, "v_cache", lambda: good_attention_args(

@@ -70,6 +70,15 @@ class Backend:
         raise NotImplementedError
 
 
+def _head_dims_text(head_dims) -> str:
+    """A backend's head dims for a reason: a run of every multiple of a step as its rule, else the list."""
+    dims = sorted(head_dims)
+    step = dims[0]
+    if len(dims) > 2 and dims == list(range(step, dims[-1] + 1, step)):
+        return f"every multiple of {step} from {step} to {dims[-1]}"
+    return ", ".join(map(str, dims))
+
+
 def common_reasons(case, *, devices=None, q_dtypes=None, kv_formats=None, head_dims=None,
                    soft_cap: bool = True, sliding_window: bool = True, sinks: bool = True, tree_mask: bool = True,
                    archs=None) -> list[str]:
@@ -86,7 +95,7 @@ def common_reasons(case, *, devices=None, q_dtypes=None, kv_formats=None, head_d
     if kv_formats is not None and case.kv_format not in kv_formats:
         reasons.append(f"kv_format {case.kv_format} not supported")
     if head_dims is not None and case.head_dim not in head_dims:
-        reasons.append(f"head_dim {case.head_dim} not supported")
+        reasons.append(f"head_dim {case.head_dim} not supported (its kernels take {_head_dims_text(head_dims)})")
     if isinstance(case, AttentionCase):
         if case.soft_cap and not soft_cap:
             reasons.append("soft_cap not supported")

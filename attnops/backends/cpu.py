@@ -13,14 +13,15 @@ from __future__ import annotations
 import torch
 
 from .. import _C  # noqa: F401  (registers the C++ ops)
-from .. import errors, formats
+from .. import checks, errors, formats
 from .base import Backend, MLACase, MLAWriteCase, common_reasons
 
 # What the kernels serve, as data (dispatch and `attnops.explain` read the reasons built from it).
 DEVICES = ("cpu",)
 Q_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # also key/value of reshape_and_cache
 KV_FORMATS = ("fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2")
-HEAD_DIMS = (32, 64, 128, 256)  # the inner loops take head_dim in whole 32-float blocks, up to 256
+# every head dim the ops take (16, 32, ..., 512): the inner loops take a row in whole vectors of 8 or 16 floats
+HEAD_DIMS = checks.HEAD_DIMS
 FP4_REASON = ("4-bit KV (nvfp4, mxfp4) is not implemented in the C++ CPU kernels; the reference backend "
               "serves it")
 

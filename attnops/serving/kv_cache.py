@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import formats
-from ..checks import HEAD_DIMS, MAX_PAGE_SIZE, is_page_size
+from ..checks import MAX_PAGE_SIZE, head_dim_error, is_page_size
 
 
 @dataclass
@@ -102,8 +102,9 @@ class PagedKVCache:
         if not is_page_size(page_size):
             raise ValueError(f"PagedKVCache: page_size must be a power of two from 1 to {MAX_PAGE_SIZE}, as the ops "
                              f"take (got {page_size})")
-        if head_dim not in HEAD_DIMS:
-            raise ValueError(f"PagedKVCache: head_dim must be one the ops serve, {HEAD_DIMS} (got {head_dim})")
+        error = head_dim_error(head_dim, kv_format)
+        if error:
+            raise ValueError(f"PagedKVCache: {error}")
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.num_kv_heads, self.head_dim, self.kv_format = num_kv_heads, head_dim, kv_format
         self.device = torch.device(device)

@@ -37,6 +37,8 @@ namespace attnops::cpu::ATTNOPS_ISA {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kVec = Vec::size();
+// Every loop over a row steps by whole vectors: the host takes head dims (and MLA's R + P, R) in multiples of 16.
+static_assert(16 % kVec == 0, "a row of a multiple of 16 floats must be a whole number of vectors");
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Prefetches go to L2 (locality 2: prefetcht1): a chunk of K and V rows is up to 32 KB each, too much for L1
 // next to the chunk being computed.
@@ -310,16 +312,21 @@ inline void pv_block(const Loader& ld, const float* P, int64_t n, const typename
   });
 }
 
+// The accumulator columns from d0 on in blocks of DB vectors, then what is left in blocks of DB/2, ..., 1: a row
+// of a number of vectors that DB does not divide (head_dim 80: 5 vectors of 16 floats, or 10 of 8) ends in a few
+// narrower blocks.
+template <int RB, int DB, typename Loader>
+inline void pv_columns(const Loader& ld, const float* P, int64_t n, const typename Loader::T* const* v, int64_t d0,
+                       float* acc, int64_t D) {
+  for (; d0 + DB * kVec <= D; d0 += DB * kVec) pv_block<RB, DB>(ld, P, n, v, d0, acc, D);
+  if constexpr (DB > 1) pv_columns<RB, DB / 2>(ld, P, n, v, d0, acc, D);
+}
+
 template <int RB, typename Loader>
 inline void pv_rows(const Loader& ld, const float* P, int64_t n, const typename Loader::T* const* v, float* acc,
                     int64_t D) {
   constexpr int DB = RB == 1 ? 8 : RB == 2 ? 4 : 2;  // about 8 accumulators, as in qk_rows
-  const int64_t vecs = D / kVec;
-  if (vecs % DB == 0) {
-    for (int64_t d0 = 0; d0 < D; d0 += DB * kVec) pv_block<RB, DB>(ld, P, n, v, d0, acc, D);
-  } else {  // head_dim 32 with 16-float vectors: 2 vectors a row
-    for (int64_t d0 = 0; d0 < D; d0 += 2 * kVec) pv_block<RB, 2>(ld, P, n, v, d0, acc, D);
-  }
+  pv_columns<RB, DB>(ld, P, n, v, 0, acc, D);
 }
 
 template <typename Loader>

@@ -99,8 +99,8 @@ struct Partials {
 // size from 1 to 256 takes the same path.
 constexpr int64_t kKeyChunk = 32;
 
-// The widest rows the inner loops take: a K row of head_dim values (paged attention's 256; MLA's R + P = 512 + 64)
-// and a value of value_dim (MLA's R = 512).
+// The widest rows the inner loops take: a K row of head_dim values (paged attention's 512; MLA's R + P = 512 + 64)
+// and a value of value_dim (paged attention's head_dim; MLA's R = 512).
 constexpr int64_t kMaxHeadDim = 576, kMaxValueDim = 512;
 
 // Floats of scratch memory one worker needs: the tile's q rows in fp32 ([rows][head_dim]) and its accumulators

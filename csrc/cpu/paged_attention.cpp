@@ -80,8 +80,9 @@ void paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const a
   const int64_t num_pages = k_cache.size(0), num_kv_heads = k_cache.size(2);
   ATTNOPS_ARG_CHECK(op, k_cache.size(3) == head_dim, "q's head_dim (", head_dim, ") != the cache's (", k_cache.size(3),
                     ")");
-  ATTNOPS_ARG_CHECK(op, head_dim % 32 == 0 && head_dim <= 256, "the CPU kernels take head_dim 32, 64, ..., 256 (got ",
-                    head_dim, ")");
+  ATTNOPS_ARG_CHECK(op, head_dim % 16 == 0 && head_dim >= 16 && head_dim <= kMaxValueDim,
+                    "the CPU kernels take head_dim a multiple of 16 from 16 to ", kMaxValueDim, " (got ", head_dim,
+                    ")");
   ATTNOPS_ARG_CHECK(op, num_kv_heads > 0 && num_q_heads % num_kv_heads == 0, "num_q_heads (", num_q_heads,
                     ") must be a multiple of num_kv_heads (", num_kv_heads, ")");
   check_rows(op, num_tokens, num_q_heads, block_table, seq_lens, cu_seqlens_q, sinks, tree_mask, lse);

@@ -13,6 +13,8 @@ import torch
 from ... import invariance
 from ..base import AttentionCase, Backend, MLACase, MLAWriteCase, common_reasons
 
+# the kernels' tiles span the head dim with tl.arange, whose lengths are powers of two; other head dims (80, 96,
+# 192 ...) need padded, masked tiles, which they do not have yet: the reference serves those on a GPU
 HEAD_DIMS = (32, 64, 128, 256)
 # the formats the kernels read in place and write (kernel.py and common.py decode each by its FMT code,
 # cache_write.py encodes each): a new format is served here once its kernels are
