@@ -173,10 +173,127 @@ class _Plans:
             return flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True)
         return flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=kind.split("-")[1])
 
+    def wrapper_for(self, call, kind: str, graph) -> tuple:
+        """(key, wrapper): the wrapper of the call's kind and signature, made on first use. Inside a graph capture,
+        a decode wrapper of that graph, with fixed buffers sized for the captured batch, as CUDA graphs need."""
+        case, q = call.case, call.q
+        signature = (q.dtype, call.k_cache.dtype, case.num_q_heads, case.num_kv_heads, case.head_dim,
+                     case.page_size, call.scale, call.soft_cap, call.window_left)
+        if graph is None:
+            key = (kind, signature)
+            if key not in self.wrappers:
+                self.wrappers[key] = self.make_wrapper(kind)
+            return key, self.wrappers[key]
+        if kind != "decode":
+            raise RuntimeError("attnops.serving.graphs captures decode steps only (FlashInfer backend)")
+        key = ("graph", id(graph), kind, signature)
+        if key not in self.wrappers:
+            import flashinfer
+            batch = case.batch
+            self.wrappers[key] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
+                paged_kv_indptr_buffer=torch.empty(batch + 1, dtype=torch.int32, device=q.device),
+                paged_kv_indices_buffer=torch.empty(call.block_table.numel(), dtype=torch.int32, device=q.device),
+                paged_kv_last_page_len_buffer=torch.empty(batch, dtype=torch.int32, device=q.device))
+        return key, self.wrappers[key]
+
+    def note_build(self, kind: str, call) -> None:
+        """Warns on the first use of a FlashInfer configuration in this process (it may JIT-build it now)."""
+        build_key = (kind, call.q.dtype, call.k_cache.dtype, call.case.head_dim, call.soft_cap > 0,
+                     call.window_left >= 0)
+        if build_key not in self.built:
+            log.warning("attnops: first use of FlashInfer %s for %s; FlashInfer may JIT-build it now (15-100 s, "
+                        "once per machine; `python -m attnops warmup` does it ahead)", kind, build_key[1:])
+            self.built.add(build_key)
+
+    def decode_layout_for(self, key, batch: int, block_table: torch.Tensor, device: torch.device) -> tuple:
+        """The device buffers (indptr, indices, last_page_len) of a decode wrapper's layout, made anew when the
+        step's batch or table outgrows them (a graph's keep their size: the captured batch)."""
+        layout = self.decode_layout.get(key)
+        if layout is None or layout[1].shape[0] < block_table.numel() or layout[0].shape[0] != batch + 1:
+            layout = self.decode_layout[key] = (
+                torch.empty(batch + 1, dtype=torch.int32, device=device),
+                torch.empty(max(block_table.numel(), 1), dtype=torch.int32, device=device),
+                torch.empty(batch, dtype=torch.int32, device=device))
+        return layout
+
+    def row_fix_for(self, key, rows: int, dtype: torch.dtype, device: torch.device) -> tuple:
+        """The (mask, values) buffers [rows, 1, 1] of the rows run()'s output is set in, made when the row count
+        changes and otherwise reused in place (a captured graph holds them)."""
+        fix = self.row_fix.get(key)
+        if fix is None or fix[0].shape[0] != rows:
+            fix = self.row_fix[key] = (torch.empty(rows, 1, 1, dtype=torch.bool, device=device),
+                                       torch.empty(rows, 1, 1, dtype=dtype, device=device))
+        return fix
+
+    def plan_step(self, key, wrapper, kind: str, call, graph) -> None:
+        """Plans `wrapper` for the call's step: checks cu_seqlens_q on the host (bad: bad_cu, no plan), lays out the
+        pages on the device, plans, and sets which rows run()'s output must be set in (fix_now). A graph runs it
+        again before every replay, from its static metadata."""
+        flashinfer_replay.disarm(wrapper)  # a replay of the old plan must not run on the new one's buffers
+        self.bad_cu[key] = False
+        if call.cu_seqlens_q is not None:  # eager only (graphs capture decode): FlashInfer's plan syncs anyway
+            bad_entry = errors.cu_seqlens_violation(call.cu_seqlens_q.tolist(), call.num_tokens)
+            if bad_entry is not None:  # which rows are whose is undefined: every row NaN, FlashInfer not run
+                errors.record(call.q.device, errors.CU_SEQLENS_Q, bad_entry)
+                self.bad_cu[key] = True
+                self.planned_for[key] = _step_key(call.block_table, call.seq_lens, call.cu_seqlens_q)
+                return
+        rows = call.case.batch if kind == "decode" else call.num_tokens
+        fix = self.row_fix_for(key, rows, call.q.dtype, call.q.device)
+        mask, values = fix[0].view(-1), fix[1].view(-1)
+        if kind == "decode":
+            needs_fix = _plan_decode(wrapper, call, graph, self.decode_layout[key], mask, values)
+        else:
+            needs_fix = _plan_prefill(wrapper, call, mask, values)
+        # eager steps with no row to set skip the launch after run()
+        self.fix_now[key] = fix if needs_fix else None
+        self.planned_for[key] = _step_key(call.block_table, call.seq_lens, call.cu_seqlens_q)
+
 
 @functools.lru_cache(maxsize=None)
 def _plans(device: torch.device) -> _Plans:
     return _Plans(device)
+
+
+def _plan_options(call) -> dict:
+    """plan()'s keyword arguments common to decode and prefill"""
+    return dict(q_data_type=call.q.dtype, kv_data_type=call.k_cache.dtype, sm_scale=call.scale,
+                logits_soft_cap=call.soft_cap if call.soft_cap > 0 else None, window_left=call.window_left)
+
+
+def _plan_decode(wrapper, call, graph, layout: tuple, mask, values) -> bool:
+    """A decode plan: one launch (a Triton kernel) for the layout (into `layout`'s buffers), the rows to set and the
+    records: the replan of a captured graph runs before every replay, so its host time is the serving loop's.
+    Returns whether any row is to be set (a graph: always, its padding rows come and go)."""
+    from .pages import decode_page_layout  # (imports triton: here, not when attnops is imported)
+    case, page_size, num_pages = call.case, call.case.page_size, call.num_pages
+    indptr, indices, last_page_len = layout
+    decode_page_layout(call.block_table, call.seq_lens.contiguous(), page_size, num_pages, call.window_left, indptr,
+                       indices, last_page_len, mask, values)
+    if graph is not None:  # from the host's lengths: no sync
+        indptr, last_page_len = host_page_metadata(graph.host_seq_lens, page_size, call.capacity if num_pages else 0)
+        needs_fix = True
+    else:  # (planning syncs anyway: one read for the pages in use and whether any row is set)
+        nnz, needs_fix = torch.stack((indptr[-1], mask.any().to(torch.int32))).tolist()
+        indices = indices[:nnz]
+    wrapper.plan(indptr, indices, last_page_len, case.num_q_heads, case.num_kv_heads, case.head_dim, page_size,
+                 **_plan_options(call))
+    return needs_fix
+
+
+def _plan_prefill(wrapper, call, mask, values) -> bool:
+    """A prefill (fa2, fa3) plan of a safe layout (checked_pages' torch ops), and the rows to set NaN. Returns
+    whether any is."""
+    case = call.case
+    lens, table, nan_rows = checked_pages(call.block_table, call.seq_lens, case.page_size, call.num_pages,
+                                          call.window_left, call.cu_seqlens_q, call.num_tokens)
+    indptr, indices, last_page_len = page_metadata(table, lens, case.page_size)
+    wrapper.plan(call.cu_seqlens_q, indptr, indices, last_page_len, case.num_q_heads, case.num_kv_heads,
+                 case.head_dim, case.page_size, causal=True, **_plan_options(call))
+    mask.copy_(nan_rows)
+    values.zero_().masked_fill_(nan_rows, float("nan"))
+    return bool(mask.any())
 
 
 def _step_key(block_table, seq_lens, cu_seqlens_q):
@@ -241,99 +358,19 @@ class FlashInferBackend(Backend):
         """The wrapper planned for this step's metadata (planned now if this step has not been seen yet), the rows
         run()'s output must be set in (mask, values; or None), whether the step's cu_seqlens_q is bad (no run: all
         rows NaN), and whether it was planned now."""
-        case, q, k_cache = call.case, call.q, call.k_cache
-        block_table, seq_lens, cu_seqlens_q = call.block_table, call.seq_lens, call.cu_seqlens_q
-        scale, soft_cap, window_left = call.scale, call.soft_cap, call.window_left
-        plans = _plans(q.device)
-        num_pages, page_size, num_kv_heads, head_dim = call.num_pages, case.page_size, case.num_kv_heads, case.head_dim
-        kind = wrapper_kind(case)
-        signature = (q.dtype, k_cache.dtype, case.num_q_heads, num_kv_heads, head_dim, page_size, scale, soft_cap,
-                     window_left)
+        plans = _plans(call.q.device)
+        kind = wrapper_kind(call.case)
         graph = capture.current_capture()
-        if graph is not None:
-            if kind != "decode":
-                raise RuntimeError("attnops.serving.graphs captures decode steps only (FlashInfer backend)")
-            key = ("graph", id(graph), kind, signature)
-            if key not in plans.wrappers:  # fixed buffers sized for the captured batch, as CUDA graphs need
-                import flashinfer
-                batch = case.batch
-                plans.wrappers[key] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                    plans.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
-                    paged_kv_indptr_buffer=torch.empty(batch + 1, dtype=torch.int32, device=q.device),
-                    paged_kv_indices_buffer=torch.empty(block_table.numel(), dtype=torch.int32, device=q.device),
-                    paged_kv_last_page_len_buffer=torch.empty(batch, dtype=torch.int32, device=q.device))
-        else:
-            key = (kind, signature)
-            if key not in plans.wrappers:
-                plans.wrappers[key] = plans.make_wrapper(kind)
-        wrapper = plans.wrappers[key]
-        if _same_step(plans.planned_for.get(key), block_table, seq_lens, cu_seqlens_q):
+        key, wrapper = plans.wrapper_for(call, kind, graph)
+        if _same_step(plans.planned_for.get(key), call.block_table, call.seq_lens, call.cu_seqlens_q):
             return wrapper, plans.fix_now.get(key), plans.bad_cu.get(key), False
         if torch.cuda.is_current_stream_capturing():  # dispatch keeps foreign captures away; this is the backstop
             raise RuntimeError("attnops.paged_attention (flashinfer): no plan for this step inside a CUDA graph "
                                "capture; capture through attnops.serving.graphs, which plans before capture and replay")
-        build_key = (kind, q.dtype, k_cache.dtype, head_dim, soft_cap > 0, window_left >= 0)
-        if build_key not in plans.built:
-            log.warning("attnops: first use of FlashInfer %s for %s; FlashInfer may JIT-build it now (15-100 s, "
-                        "once per machine; `python -m attnops warmup` does it ahead)", kind, build_key[1:])
-            plans.built.add(build_key)
-
+        plans.note_build(kind, call)
         if kind == "decode":  # device buffers of the layout (graphs: fixed, sized for the captured batch)
-            batch = case.batch
-            layout = plans.decode_layout.get(key)
-            if layout is None or layout[1].shape[0] < block_table.numel() or layout[0].shape[0] != batch + 1:
-                plans.decode_layout[key] = (torch.empty(batch + 1, dtype=torch.int32, device=q.device),
-                                            torch.empty(max(block_table.numel(), 1), dtype=torch.int32,
-                                                        device=q.device),
-                                            torch.empty(batch, dtype=torch.int32, device=q.device))
-
-        def plan():
-            flashinfer_replay.disarm(wrapper)  # a replay of the old plan must not run on the new one's buffers
-            plans.bad_cu[key] = False
-            if cu_seqlens_q is not None:  # eager only (graphs capture decode): FlashInfer's plan syncs anyway
-                bad_entry = errors.cu_seqlens_violation(cu_seqlens_q.tolist(), call.num_tokens)
-                if bad_entry is not None:  # which rows are whose is undefined: every row NaN, FlashInfer not run
-                    errors.record(q.device, errors.CU_SEQLENS_Q, bad_entry)
-                    plans.bad_cu[key] = True
-                    plans.planned_for[key] = _step_key(block_table, seq_lens, cu_seqlens_q)
-                    return
-            rows = case.batch if kind == "decode" else call.num_tokens
-            fix = plans.row_fix.get(key)
-            if fix is None or fix[0].shape[0] != rows:  # in place otherwise: graphs hold them
-                fix = plans.row_fix[key] = (torch.empty(rows, 1, 1, dtype=torch.bool, device=q.device),
-                                            torch.empty(rows, 1, 1, dtype=q.dtype, device=q.device))
-            mask, values = fix[0].view(-1), fix[1].view(-1)
-            common = dict(q_data_type=q.dtype, kv_data_type=k_cache.dtype, sm_scale=scale,
-                          logits_soft_cap=soft_cap if soft_cap > 0 else None, window_left=window_left)
-            if kind == "decode":
-                # one launch (a Triton kernel) for the layout, the rows to set and the records: the replan of a
-                # captured graph runs before every replay, so its host time is the serving loop's
-                from .pages import decode_page_layout  # (imports triton: here, not when attnops is imported)
-                indptr, indices, last_page_len = plans.decode_layout[key]
-                decode_page_layout(block_table, seq_lens.contiguous(), page_size, num_pages, window_left, indptr,
-                                   indices, last_page_len, mask, values)
-                if graph is not None:  # from the host's lengths: no sync
-                    indptr, last_page_len = host_page_metadata(graph.host_seq_lens, page_size,
-                                                               call.capacity if num_pages else 0)
-                    needs_fix = True  # a captured graph sets them always (its padding rows come and go)
-                else:  # (planning syncs anyway: one read for the pages in use and whether any row is set)
-                    nnz, needs_fix = torch.stack((indptr[-1], mask.any().to(torch.int32))).tolist()
-                    indices = indices[:nnz]
-                wrapper.plan(indptr, indices, last_page_len, case.num_q_heads, num_kv_heads, head_dim, page_size,
-                             **common)
-            else:
-                lens, table, nan_rows = checked_pages(block_table, seq_lens, page_size, num_pages, window_left,
-                                                      cu_seqlens_q, call.num_tokens)
-                indptr, indices, last_page_len = page_metadata(table, lens, page_size)
-                wrapper.plan(cu_seqlens_q, indptr, indices, last_page_len, case.num_q_heads, num_kv_heads, head_dim,
-                             page_size, causal=True, **common)
-                mask.copy_(nan_rows)
-                values.zero_().masked_fill_(nan_rows, float("nan"))
-                needs_fix = bool(mask.any())
-            # eager steps with no row to set skip the launch after run()
-            plans.fix_now[key] = fix if needs_fix else None
-            plans.planned_for[key] = _step_key(block_table, seq_lens, cu_seqlens_q)
-
+            plans.decode_layout_for(key, call.case.batch, call.block_table, call.q.device)
+        plan = functools.partial(plans.plan_step, key, wrapper, kind, call, graph)
         plan()
         if graph is not None:  # the runner re-plans from its static metadata before every replay
             graph.replanners.append(plan)

@@ -207,16 +207,29 @@ struct alignas(16) WarpStage {
 // Where lane (r, c)'s V copy of key 8 nb + r goes in row block nb: key pairs (2i, 2i + 1) share 128 bytes (D = 128),
 // their 8 chunks XOR 2i; the 16 lanes of a V read (4 even or odd keys 2c + b, chunks r / 2) then meet 8 banks each.
 __device__ __forceinline__ int v_slot(int key, int c) { return 8 * (key / 2) + ((4 * (key % 2) + c) ^ (2 * (key / 2))); }
+// The merge of a pass's 4 warp states (in the stages' memory): each warp's running max, sum, P V max (mxfp4) and
+// O^T per query row, the first bad page each warp found, which rows are NaN.
+template <int D>
+struct MergeState {
+  float m[kWarps][16], l[kWarps][16], mv[kWarps][16];
+  float acc[kWarps][16][D + 4];
+  int bad_first[kWarps];
+  int row_bad[16];
+};
 template <int D, bool kMx>
 union SharedMemory {
   WarpStage<D, kMx> stages[2][kWarps];
-  struct {
-    float m[kWarps][16], l[kWarps][16], mv[kWarps][16];
-    float acc[kWarps][16][D + 4];
-    int bad_first[kWarps];
-    int row_bad[16];
-  } merge;
+  MergeState<D> merge;
 };
+
+// The block's shared memory, as the kernel declares it (dynamic: D = 256 takes more than the 48 KB a static array
+// may). The epilogue's steps take it from here rather than as a parameter: their offsets into it then fold into the
+// addresses (through a pointer parameter, separate adds remain in the SASS).
+template <int D, bool kMx>
+__device__ __forceinline__ SharedMemory<D, kMx>& shared_memory() {
+  extern __shared__ __align__(16) unsigned char smem_bytes[];
+  return *reinterpret_cast<SharedMemory<D, kMx>*>(smem_bytes);
+}
 
 template <typename T>
 __device__ __forceinline__ void cp_async(T* dst, const void* src, int src_bytes) {
@@ -280,6 +293,559 @@ __device__ __forceinline__ bool cu_seqlens_ok(const Args& a, bool record) {
   return !__syncthreads_or(bad);
 }
 
+// ---- the kernel's steps ----
+// The compiler simplifies each step on its own before inlining it into the kernel, so how a step's inputs arrive
+// shows in the SASS. These forms give the SASS of the kernel written in one piece (cuobjdump, sm_90): scalars in
+// small structs by reference (Lane, StepParams, BlockRows, KvCopies' members), shared memory from shared_memory(),
+// the PV product inside attend_tile and the key loop in the kernel. Scalars by value, or those two as functions of
+// their own, gave other instruction counts and registers.
+
+// This thread's place: its warp, its lane, and the lane's quad row r = lane / 4 and column c = lane % 4 in the mma
+// fragments.
+struct Lane {
+  int warp, lane, r, c;
+};
+
+// Every row of the block NaN, where cu_seqlens_q is bad (which rows are whose is undefined): the block writes the
+// tokens b, b + B, ... of its heads (for this split) and reads nothing.
+template <int D>
+__device__ __forceinline__ void write_nan_rows(const Args& a, int kvh, int b, int split, int group) {
+  for (int t = b; t < a.num_tokens; t += a.batch)
+    for (int idx = threadIdx.x; idx < group * D; idx += blockDim.x) {
+      const long long head = (long long)t * a.num_q_heads + kvh * group + idx / D;
+      if (a.splits == 1) {
+        store_out(a, t * a.out_token + (kvh * group + idx / D) * a.out_head + idx % D, NAN);
+        if (a.lse != nullptr && idx % D == 0) a.lse[head] = NAN;
+      } else {
+        a.part_out[(head * a.splits + split) * D + idx % D] = NAN;
+        if (idx % D == 0) a.part_lse[head * a.splits + split] = NAN;
+      }
+    }
+}
+
+// A sequence length outside [0, capacity]: no keys are defined for it
+__device__ __forceinline__ bool length_bad(const Args& a, int n) { return kBounds && (n < 0 || n > a.capacity); }
+
+// A byte's address: the page's offset as a 64-bit product (one IMAD.WIDE.U32 with the base), the rest 32-bit
+__device__ __forceinline__ const uint8_t* byte_at(const uint8_t* head, int page, int page_stride, int rest) {
+  return head + (uint64_t)(uint32_t)page * (uint32_t)page_stride + (uint32_t)rest;
+}
+
+// The copies of a pass's tiles from the block's KV head in the paged cache into the warps' stages. The pages of a
+// warp's 32 keys at `base` are one a lane (fewer for pages of more than one key), for issue_tile's shuffles:
+// load_pages reads the table entries a step ahead; check_pages, when the copies are issued (the load has landed by
+// then), clamps them into the cache and flags a bad one (met_bad).
+template <int D, int kPageShift, bool kMx>
+struct KvCopies {
+  using Stage = WarpStage<D, kMx>;
+  const int* table;  // the sequence's block table row
+  const uint8_t *k_head, *v_head, *ks_head, *vs_head;
+  int cache_page, cache_token, scale_page, scale_token;  // byte strides
+  int page_shift, page_mask, last_page;
+  int kv_hi, lo_seen;  // keys copied: [lo_seen, kv_hi) (others are zero-filled)
+  // (kScaleInRegister: the scale rows of the tile issued last, K and V, for the stage the next step reads)
+  uint32_t scale_rows_next[2];
+
+  // (the table index of this lane's page; -1: no page for this lane)
+  __device__ __forceinline__ int page_entry(const Lane& ln, int base) const {
+    return ln.lane <= ((kKeysPerWarp - 1) >> page_shift) && base < kv_hi
+               ? min((base >> page_shift) + ln.lane, (kv_hi - 1) >> page_shift)
+               : -1;
+  }
+  __device__ __forceinline__ int load_pages(const Lane& ln, int base) const {
+    const int index = page_entry(ln, base);
+    return index >= 0 ? table[index] : 0;
+  }
+  __device__ __forceinline__ int check_pages(int page, bool& met_bad) const {
+    if constexpr (!kBounds) return page;
+    // one unsigned min clamps a negative index too; a lane with no page has page 0 (bad only in a cache of no
+    // pages, which reads no tile)
+    const int clamped = (int)min((unsigned)page, (unsigned)last_page);
+    met_bad |= clamped != page;
+    return clamped;
+  }
+
+  // Issues the copies of this lane's bytes of the warp's 32 keys at `base` into stage `st` (cp.async, zero-filled
+  // past the split: every address is inside the cache, no branch). A tile whose keys are all in range (kFull)
+  // needs no clamp: key base + off sits in page off >> page_shift of the tile's at slot
+  // ((base & page_mask) + off) & page_mask. kScaleInRegister: the scale rows go to scale_rows_next (K, V), for the
+  // step that reads the stage to store.
+  template <bool kFull>
+  __device__ __forceinline__ void issue_tile(SharedMemory<D, kMx>& smem, int st, int base, int lane_page,
+                                             const Lane& ln) {
+    Stage& stage = smem.stages[st][ln.warp];
+    const int first_page = base >> page_shift, base_slot = base & page_mask;
+    // (a lambda, not a member function: as one, the D = 64 mxfp4 instantiations' SASS assigns the scale rows'
+    // registers differently)
+    auto locate = [&](int key, int& page, int& slot) {
+      if (kFull) {
+        const int off = key - base;
+        page = __shfl_sync(0xffffffffu, lane_page, off >> page_shift);
+        // base is a multiple of 32 (splits are whole tiles): with pages of at most 32 keys known at compile
+        // time, a key's slot is a constant of the lane and the copy (its offsets hoist out of the loop)
+        slot = kPageShift >= 0 && kPageShift <= 5 ? off & page_mask : (base_slot + off) & page_mask;
+      } else {
+        const int k = min(key, kv_hi - 1);
+        page = __shfl_sync(0xffffffffu, lane_page, ((k >> page_shift) - first_page) & 31);
+        slot = k & page_mask;
+      }
+    };
+#pragma unroll
+    for (int nb = 0; nb < 4; ++nb) {
+      const int key = base + 8 * nb + ln.r;
+      int page, slot;
+      locate(key, page, slot);
+      const int bytes = kFull || (key < kv_hi && key >= lo_seen) ? (int)sizeof(typename Stage::Chunk) : 0;
+#pragma unroll
+      for (int part = 0; part < Stage::kParts; ++part) {
+        const int offset = slot * cache_token + D / 8 * ln.c + 16 * part;
+        cp_async(&stage.k[nb][part][ln.lane], byte_at(k_head, page, cache_page, offset), bytes);
+        cp_async(&stage.v[nb][part][v_slot(ln.r, ln.c) ^ part], byte_at(v_head, page, cache_page, offset), bytes);
+      }
+    }
+    {  // the scale rows: this lane's key base + lane
+      const int key = base + ln.lane;
+      int page, slot;
+      locate(key, page, slot);
+      const bool copied = kFull || (key < kv_hi && key >= lo_seen);
+      const uint8_t* ks_at = byte_at(ks_head, page, scale_page, slot * scale_token);
+      const uint8_t* vs_at = byte_at(vs_head, page, scale_page, slot * scale_token);
+      if constexpr (Stage::kScaleInRegister) {  // (zero where cp.async would zero-fill; nothing waits on the
+        uint32_t k_row = 0u, v_row = 0u;       // loads before the next step stores them)
+        if (copied) {
+          k_row = __ldg(reinterpret_cast<const unsigned short*>(ks_at));
+          v_row = __ldg(reinterpret_cast<const unsigned short*>(vs_at));
+        }
+        scale_rows_next[0] = k_row;
+        scale_rows_next[1] = v_row;
+      } else {
+        const int bytes = copied ? 4 * Stage::kScaleWords : 0;
+        cp_async(&stage.ks[ln.lane], ks_at, bytes);
+        cp_async(&stage.vs[ln.lane], vs_at, bytes);
+      }
+    }
+  }
+
+  // issue_tile for the keys at `base` from their table entries as loaded (the branch is uniform across the warp)
+  __device__ __forceinline__ void issue(SharedMemory<D, kMx>& smem, int st, int base, int raw_page, const Lane& ln,
+                                        bool& met_bad) {
+    const int lane_page = check_pages(raw_page, met_bad);
+    if (base + kKeysPerWarp <= kv_hi)
+      issue_tile<true>(smem, st, base, lane_page, ln);
+    else
+      issue_tile<false>(smem, st, base, lane_page, ln);
+  }
+};
+
+// What each 32-key step reads besides its tile and the rows' state: the split's end kv_hi and the window's width
+// w_eff (its masks), the score scale (log2 units, kFold in it) and the soft cap as 2 / soft_cap and
+// soft_cap log2(e) (cap2 0: none).
+struct StepParams {
+  int kv_hi, w_eff;
+  float qk_scale, cap2, cap_l2;
+};
+
+// The scores of the warp's 32 keys at `base`, S^T = K Q^T in 2 m-blocks of 16 keys (rows r: key 16 mb + r, r + 8:
+// key 16 mb + 8 + r): K's nibbles decoded and scaled per block into the mma's A fragments, the scores in log2
+// units, soft-capped, and -inf where the row does not see the key (kFull: every row sees every key).
+template <int D, int kHB, bool kMx, bool kFull>
+__device__ __forceinline__ void tile_scores(const WarpStage<D, kMx>& stage, int base,
+                                            const uint32_t (&qb)[kHB][D / 16][2], const int (&last_key)[kHB][2],
+                                            const Lane& ln, const StepParams& p, float (&st)[kHB][2][4]) {
+  using Stage = WarpStage<D, kMx>;
+  const int &r = ln.r, &c = ln.c;
+#pragma unroll
+  for (int mb = 0; mb < 2; ++mb) {
+    // nvfp4: the lane's blocks (D / 64 c, and + 1 for D = 128) as a half2 of scales. mxfp4: the lane's block
+    // D c / 128 (D = 256: and + 1; D = 64: lanes c hold half a block each) relative to the key's largest, and
+    // that largest's power of two on the key's scores (kf)
+    uint32_t sc_g, sc_h, sc_g2 = 0, sc_h2 = 0;  // (sc_*2: D = 256, the lane's blocks 2 and 3)
+    float kf[2] = {p.qk_scale, p.qk_scale};
+    if constexpr (kMx) {
+      const auto& w_g = stage.ks[16 * mb + r];
+      const auto& w_h = stage.ks[16 * mb + 8 + r];
+      const int ref_g = row_max(w_g), ref_h = row_max(w_h), blk = D * c / 128;
+      sc_g = pack_half2(pow2_down(row_byte(w_g, blk) - ref_g), 0.f);
+      sc_h = pack_half2(pow2_down(row_byte(w_h, blk) - ref_h), 0.f);
+      if constexpr (D == 256) {  // (words 4..7 of the lane's 8: its second block)
+        sc_g2 = pack_half2(pow2_down(row_byte(w_g, blk + 1) - ref_g), 0.f);
+        sc_h2 = pack_half2(pow2_down(row_byte(w_h, blk + 1) - ref_h), 0.f);
+      }
+      kf[0] = p.qk_scale * e8m0_value(ref_g), kf[1] = p.qk_scale * e8m0_value(ref_h);
+    } else {
+      // (the word of the key's row holding the lane's blocks D / 64 c ..)
+      const int kshift = 8 * (D / 64 * c % 4), word = D / 64 * c / 4;
+      const uint32_t w_g = stage.ks[16 * mb + r][word], w_h = stage.ks[16 * mb + 8 + r][word];
+      sc_g = e4m3x2_to_half2((uint16_t)(w_g >> kshift));
+      sc_h = e4m3x2_to_half2((uint16_t)(w_h >> kshift));
+      if constexpr (D == 256) {
+        sc_g2 = e4m3x2_to_half2((uint16_t)(w_g >> 16));
+        sc_h2 = e4m3x2_to_half2((uint16_t)(w_h >> 16));
+      }
+    }
+    uint32_t words_g[D / 32], words_h[D / 32];  // the lane's D / 4 dims, 8 a word
+    constexpr int kPartWords = (int)sizeof(typename Stage::Chunk) / 4;
+#pragma unroll
+    for (int part = 0; part < Stage::kParts; ++part) {
+      memcpy(words_g + kPartWords * part, &stage.k[2 * mb][part][ln.lane], sizeof(typename Stage::Chunk));
+      memcpy(words_h + kPartWords * part, &stage.k[2 * mb + 1][part][ln.lane], sizeof(typename Stage::Chunk));
+    }
+    float cf[kHB][4];
+#pragma unroll
+    for (int hb = 0; hb < kHB; ++hb) cf[hb][0] = cf[hb][1] = cf[hb][2] = cf[hb][3] = 0.f;
+#pragma unroll
+    for (int t = 0; t < D / 32; ++t) {
+      uint32_t pg[4], ph[4];  // qk_dim's pairs of word t of keys r and r + 8 (word t: the lane's block t / 2)
+      e2m1x8_to_half2x4(words_g[t], pg);
+      e2m1x8_to_half2x4(words_h[t], ph);
+      // block t / 2: the low or high half of its pair (mxfp4: the low half, the lane's one block)
+      const uint32_t sel = t / 2 % 2 == 0 || kMx ? 0x1010 : 0x3232;
+      const uint32_t scl_g = __byte_perm(t / 2 < 2 ? sc_g : sc_g2, 0, sel);
+      const uint32_t scl_h = __byte_perm(t / 2 < 2 ? sc_h : sc_h2, 0, sel);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) pg[i] = hmul2_u32(pg[i], scl_g), ph[i] = hmul2_u32(ph[i], scl_h);
+      const uint32_t a_even[4] = {pg[0], ph[0], pg[2], ph[2]};  // k-step 2t
+      const uint32_t a_odd[4] = {pg[1], ph[1], pg[3], ph[3]};   // k-step 2t + 1
+#pragma unroll
+      for (int hb = 0; hb < kHB; ++hb) {
+        mma_16816(cf[hb], a_even, qb[hb][2 * t][0], qb[hb][2 * t][1]);
+        mma_16816(cf[hb], a_odd, qb[hb][2 * t + 1][0], qb[hb][2 * t + 1][1]);
+      }
+    }
+#pragma unroll
+    for (int hb = 0; hb < kHB; ++hb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) cf[hb][e] *= kf[e >> 1];
+#ifndef ATTNOPS_SASS_NO_SOFT_CAP
+    if (p.cap2 > 0.f) {  // (uniform) soft_cap x tanh(s / soft_cap) in log2 units, tanh through exp2 (as in Triton)
+#pragma unroll
+      for (int hb = 0; hb < kHB; ++hb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          cf[hb][e] = p.cap_l2 * (1.f - __fdividef(2.f, exp2_ftz(cf[hb][e] * p.cap2) + 1.f));
+    }
+#endif
+#pragma unroll
+    for (int hb = 0; hb < kHB; ++hb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key_e = base + 16 * mb + r + 8 * (e >> 1), last = last_key[hb][e & 1];
+        st[hb][mb][e] =
+            kFull || (key_e < p.kv_hi && key_e <= last && key_e >= last - p.w_eff) ? cf[hb][e] : -INFINITY;
+      }
+  }
+}
+
+// The largest x of the 8 lanes with the same c
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 4));
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 8));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 16));
+}
+
+// Online softmax per query row 8 hb + 2c + j, over the keys of the lanes with the same c: the scores st (log2
+// units) become the P V weights, the running max and sums move, acc_t is rescaled where a max moved. mxfp4: each
+// key's V power of two joins its weight, and the weights keep a running max of their own (mv_t).
+template <int D, int kHB, bool kMx>
+__device__ __forceinline__ void online_softmax(const WarpStage<D, kMx>& stage, const Lane& ln,
+                                               float (&st)[kHB][2][4], float (&acc_t)[kHB][D / 16][4],
+                                               float (&m_t)[kHB][2], float (&l_t)[kHB][2], float (&mv_t)[kHB][2]) {
+  // mxfp4: the log2 of each S^T row key's V power of two (rows r, r + 8 of m-block mb)
+  float ev[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
+  (void)ev;
+  if constexpr (kMx) {
+#pragma unroll
+    for (int mb = 0; mb < 2; ++mb)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) ev[mb][h] = (float)(row_max(stage.vs[16 * mb + 8 * h + ln.r]) - 127);
+  }
+  float alpha[kHB][2];  // acc's rescale: the P V weights' running max moved (nvfp4: the softmax's)
+  bool moved = false;
+#pragma unroll
+  for (int hb = 0; hb < kHB; ++hb)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const float mx =
+          quad_max(fmaxf(fmaxf(st[hb][0][j], st[hb][0][j + 2]), fmaxf(st[hb][1][j], st[hb][1][j + 2])));
+      const float m_new = fmaxf(m_t[hb][j], mx);
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;
+      const float alpha_l = exp2_ftz(m_t[hb][j] - m_use);
+      float sum = 0.f;
+      if constexpr (kMx) {
+        const float mvx = quad_max(fmaxf(fmaxf(st[hb][0][j] + ev[0][0], st[hb][0][j + 2] + ev[0][1]),
+                                         fmaxf(st[hb][1][j] + ev[1][0], st[hb][1][j + 2] + ev[1][1])));
+        const float mv_new = fmaxf(mv_t[hb][j], mvx);
+        const float mv_use = mv_new == -INFINITY ? 0.f : mv_new;
+        alpha[hb][j] = exp2_ftz(mv_t[hb][j] - mv_use);
+#pragma unroll
+        for (int mb = 0; mb < 2; ++mb)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            float& x = st[hb][mb][j + 2 * h];
+            sum += exp2_ftz(x - m_use);
+            x = exp2_ftz(x + ev[mb][h] - mv_use);
+          }
+        mv_t[hb][j] = mv_new;
+      } else {
+        alpha[hb][j] = alpha_l;
+#pragma unroll
+        for (int mb = 0; mb < 2; ++mb) {
+          st[hb][mb][j] = exp2_ftz(st[hb][mb][j] - m_use);
+          st[hb][mb][j + 2] = exp2_ftz(st[hb][mb][j + 2] - m_use);
+          sum += st[hb][mb][j] + st[hb][mb][j + 2];
+        }
+      }
+      moved |= alpha[hb][j] != 1.f;
+      l_t[hb][j] = l_t[hb][j] * alpha_l + sum;
+      m_t[hb][j] = m_new;
+    }
+  // (the running max rarely moves after the first tiles: rescale only when it did somewhere in the warp)
+  if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+    for (int hb = 0; hb < kHB; ++hb)
+#pragma unroll
+      for (int mb = 0; mb < D / 16; ++mb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_t[hb][mb][e] *= alpha[hb][e & 1];
+  }
+}
+
+// PV k-step ks (16 keys): this lane's V keys 2c, 2c + 1, 2c + 8, 2c + 9 of the 16 (kk = 0..3), as key - base, and
+// where its D / 16 bytes of one are (dims D / 8 r ..): half r % 2 of the copy of chunk r / 2 (D = 256: part r % 2)
+__device__ __forceinline__ int v_key(int ks, const Lane& ln, int kk) {
+  return 16 * ks + 2 * ln.c + (kk & 1) + 8 * (kk >> 1);
+}
+template <int D, bool kMx>
+__device__ __forceinline__ const uint8_t* v_bytes(const WarpStage<D, kMx>& stage, int ks, const Lane& ln, int kk) {
+  const int nb = 2 * ks + (kk >> 1), slot = v_slot(2 * ln.c + (kk & 1), ln.r / 2);
+  if constexpr (D == 256) return reinterpret_cast<const uint8_t*>(&stage.v[nb][ln.r % 2][slot ^ (ln.r % 2)]);
+  return reinterpret_cast<const uint8_t*>(&stage.v[nb][0][slot]) + D / 16 * (ln.r % 2);
+}
+
+// One 32-key step of a warp (kFull: every row sees every key): the scores, the online softmax, then O^T += V^T P^T
+// in 2 k-steps of 16 keys and D / 16 m-blocks of 16 dims. P^T reaches PV's B operand by movmatrix.trans from S^T's
+// accumulators; V's nibbles are decoded two keys at a time. (PV stays in this function: as a function of its own,
+// called after the other two, it changes the SASS of several instantiations.)
+template <int D, int kHB, bool kMx, bool kFull>
+__device__ __forceinline__ void attend_tile(const WarpStage<D, kMx>& stage, int base,
+                                            const uint32_t (&qb)[kHB][D / 16][2], const int (&last_key)[kHB][2],
+                                            const Lane& ln, const StepParams& p, float (&acc_t)[kHB][D / 16][4],
+                                            float (&m_t)[kHB][2], float (&l_t)[kHB][2], float (&mv_t)[kHB][2]) {
+  float st[kHB][2][4];
+  tile_scores<D, kHB, kMx, kFull>(stage, base, qb, last_key, ln, p, st);
+  online_softmax<D, kHB, kMx>(stage, ln, st, acc_t, m_t, l_t, mv_t);
+  const int &r = ln.r, &c = ln.c;
+#pragma unroll
+  for (int ks = 0; ks < 2; ++ks) {
+    // P^T's B fragments: the transposes of S^T's 8 x 8 quarters (keys r / r + 8 x rows 2c, 2c + 1)
+    uint32_t pb[kHB][2];
+#pragma unroll
+    for (int hb = 0; hb < kHB; ++hb) {
+      pb[hb][0] = movmatrix_trans(pack_half2(st[hb][ks][0], st[hb][ks][1]));  // keys 2c, 2c + 1 of row r
+      pb[hb][1] = movmatrix_trans(pack_half2(st[hb][ks][2], st[hb][ks][3]));  // keys 2c + 8, 2c + 9
+    }
+    // this lane's keys 2c, 2c + 1, 2c + 8, 2c + 9 of the 16, dims D / 8 r .. (block D / 128 r: byte sh of the
+    // copied word)
+    uint32_t sc01, sc89, sc01_2 = 0, sc89_2 = 0;  // (sc*_2: D = 256, the lane's second block)
+    if constexpr (kMx) {  // the lane's block D r / 256 relative to each key's largest (that power is in P)
+      float rel[4];
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        const auto& w = stage.vs[v_key(ks, ln, kk)];
+        rel[kk] = pow2_down(row_byte(w, D * r / 256) - row_max(w));
+      }
+      sc01 = pack_half2(rel[0], rel[1]), sc89 = pack_half2(rel[2], rel[3]);
+      sc01_2 = sc01, sc89_2 = sc89;  // (D = 256: the lane's 32 dims are one block)
+    } else {
+      const int sh = 8 * (D * r / 128 % 4), word = D * r / 128 / 4;
+      const uint32_t s0 = stage.vs[v_key(ks, ln, 0)][word] >> sh, s1 = stage.vs[v_key(ks, ln, 1)][word] >> sh;
+      const uint32_t s8 = stage.vs[v_key(ks, ln, 2)][word] >> sh, s9 = stage.vs[v_key(ks, ln, 3)][word] >> sh;
+      sc01 = e4m3x2_to_half2((uint16_t)((s0 & 0xFF) | ((s1 & 0xFF) << 8)));
+      sc89 = e4m3x2_to_half2((uint16_t)((s8 & 0xFF) | ((s9 & 0xFF) << 8)));
+      if constexpr (D == 256) {  // the next byte: block 2r + 1
+        sc01_2 = e4m3x2_to_half2((uint16_t)(((s0 >> 8) & 0xFF) | (s1 & 0xFF00)));
+        sc89_2 = e4m3x2_to_half2((uint16_t)(((s8 >> 8) & 0xFF) | (s9 & 0xFF00)));
+      }
+    }
+    uint32_t va[D / 64], vb[D / 64], vc[D / 64], vd[D / 64];  // the lane's D / 8 dims of each key, 8 a word
+    memcpy(va, v_bytes(stage, ks, ln, 0), sizeof va);
+    memcpy(vb, v_bytes(stage, ks, ln, 1), sizeof vb);
+    memcpy(vc, v_bytes(stage, ks, ln, 2), sizeof vc);
+    memcpy(vd, v_bytes(stage, ks, ln, 3), sizeof vd);
+#pragma unroll
+    for (int hw = 0; hw < D / 64; ++hw) {
+      uint32_t b0[8], b1[8];  // [i]: dim D / 8 r + 8 hw + i of keys (2c, 2c + 1) / (2c + 8, 2c + 9)
+      e2m1x8_pair_keys(va[hw], vb[hw], b0);
+      e2m1x8_pair_keys(vc[hw], vd[hw], b1);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {  // m-block 4 hw + q: rows r / r + 8 are dims D / 8 r + 8 hw + 2q (+1)
+        // (words hw of the lane's D / 8 dims: block hw / 2 of its blocks, a second one only at D = 256)
+        const uint32_t s01 = hw / 2 == 0 ? sc01 : sc01_2, s89 = hw / 2 == 0 ? sc89 : sc89_2;
+        const uint32_t av[4] = {hmul2_u32(b0[2 * q], s01), hmul2_u32(b0[2 * q + 1], s01),
+                                hmul2_u32(b1[2 * q], s89), hmul2_u32(b1[2 * q + 1], s89)};
+#pragma unroll
+        for (int hb = 0; hb < kHB; ++hb) mma_16816(acc_t[hb][4 * hw + q], av, pb[hb][0], pb[hb][1]);
+      }
+    }
+  }
+}
+
+// The block's query rows: the tokens t0 .. t0 + q_len of sequence b (seq_len keys), each with the `group` query
+// heads of KV head kvh: rows = q_len x group, row n is (token n / group, head n % group of the group).
+struct BlockRows {
+  int b, kvh, split, t0, q_len, group, rows, seq_len;
+};
+
+// Q^T as B fragments of a pass's rows (column n = query row row0 + 8 hb + r: b0 = slots 2c, 2c + 1, b1 = 2c + 8,
+// 2c + 9), and the last key each of this lane's C columns (rows row0 + 8 hb + 2c + j) sees.
+template <int D, int kHB>
+__device__ __forceinline__ void load_q_fragments(const Args& a, const BlockRows& br, int row0, const Lane& ln,
+                                                 uint32_t (&qb)[kHB][D / 16][2], int (&last_key)[kHB][2]) {
+#pragma unroll
+  for (int hb = 0; hb < kHB; ++hb) {
+    const int row = row0 + 8 * hb + ln.r;
+    const long long q_row = (br.t0 + row / br.group) * a.q_token + (br.kvh * br.group + row % br.group) * a.q_head;
+#pragma unroll
+    for (int s = 0; s < D / 16; ++s)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float lo = 0.f, hi = 0.f;
+        if (row < br.rows) {
+          lo = load_q(a, q_row + qk_dim<D>(s, ln.c, 2 * half));
+          hi = load_q(a, q_row + qk_dim<D>(s, ln.c, 2 * half + 1));
+        }
+        qb[hb][s][half] = pack_half2(lo, hi);
+      }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int col = row0 + 8 * hb + 2 * ln.c + j;
+      // (rows past the last see the keys the last sees: no row of -inf scores; they are not written)
+      last_key[hb][j] = br.seq_len - br.q_len + min(col, br.rows - 1) / br.group;
+    }
+  }
+}
+
+// A pass's softmax state before its first key: O^T 0, running max -inf, sums 0
+template <int D, int kHB>
+__device__ __forceinline__ void reset_state(float (&acc_t)[kHB][D / 16][4], float (&m_t)[kHB][2],
+                                            float (&l_t)[kHB][2], float (&mv_t)[kHB][2]) {
+#pragma unroll
+  for (int hb = 0; hb < kHB; ++hb) {
+#pragma unroll
+    for (int mb = 0; mb < D / 16; ++mb) acc_t[hb][mb][0] = acc_t[hb][mb][1] = acc_t[hb][mb][2] = acc_t[hb][mb][3] = 0.f;
+    m_t[hb][0] = m_t[hb][1] = mv_t[hb][0] = mv_t[hb][1] = -INFINITY;
+    l_t[hb][0] = l_t[hb][1] = 0.f;
+  }
+}
+
+// Each warp's state of the pass into shared memory by query row: running max, sum (over its lanes), P V max and O^T
+template <int D, int kHB, bool kMx>
+__device__ __forceinline__ void share_warp_state(const Lane& ln, const float (&acc_t)[kHB][D / 16][4],
+                                                 const float (&m_t)[kHB][2], const float (&l_t)[kHB][2],
+                                                 const float (&mv_t)[kHB][2]) {
+  MergeState<D>& sm = shared_memory<D, kMx>().merge;
+#pragma unroll
+  for (int hb = 0; hb < kHB; ++hb)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      float l = l_t[hb][j];
+      l += __shfl_xor_sync(0xffffffffu, l, 4);
+      l += __shfl_xor_sync(0xffffffffu, l, 8);
+      l += __shfl_xor_sync(0xffffffffu, l, 16);
+      if (ln.r == 0) {
+        sm.m[ln.warp][8 * hb + 2 * ln.c + j] = m_t[hb][j];
+        sm.mv[ln.warp][8 * hb + 2 * ln.c + j] = kMx ? mv_t[hb][j] : m_t[hb][j];
+        sm.l[ln.warp][8 * hb + 2 * ln.c + j] = l;
+      }
+    }
+#pragma unroll
+  for (int hb = 0; hb < kHB; ++hb)
+#pragma unroll
+    for (int mb = 0; mb < D / 16; ++mb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        sm.acc[ln.warp][8 * hb + 2 * ln.c + (e & 1)][D / 8 * ln.r + 2 * mb + (e >> 1)] = acc_t[hb][mb][e];
+}
+
+// The first key of a bad page among the pages the pass's copies read that some row sees (a page wholly before
+// every row's window is not looked at), INT_MAX if none: a cache of no pages has nothing but; otherwise only a block
+// that clamped one (block_met_bad) looks for it (rare), its threads over the table entries in parallel. Synchronizes
+// the block.
+template <int D, int kPageShift, bool kMx>
+__device__ __forceinline__ int first_bad_key(const Args& a, const KvCopies<D, kPageShift, kMx>& kv, int split_hi,
+                                             bool block_met_bad, const Lane& ln) {
+  MergeState<D>& sm = shared_memory<D, kMx>().merge;
+  int block_bad = kBounds && a.num_pages == 0 && kv.lo_seen < split_hi ? kv.lo_seen : INT_MAX;
+  if (block_met_bad) {  // (uniform across the block)
+    int first = INT_MAX;
+    for (int p = (kv.lo_seen >> kv.page_shift) + threadIdx.x; p <= (kv.kv_hi - 1) >> kv.page_shift; p += blockDim.x)
+      if ((unsigned)kv.table[p] > (unsigned)kv.last_page) {
+        first = p;
+        break;
+      }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) first = min(first, __shfl_xor_sync(0xffffffffu, first, o));
+    if (ln.lane == 0) sm.bad_first[ln.warp] = first;
+  }
+  __syncthreads();
+  if (block_met_bad) {
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w)
+      if (sm.bad_first[w] != INT_MAX) block_bad = min(block_bad, max(sm.bad_first[w] << kv.page_shift, kv.lo_seen));
+  }
+  return block_bad;
+}
+
+// Whether this thread's query row of the pass (row0 + threadIdx.x) sees a key of a bad page, recorded: past
+// block_bad (the first such key of the split), within its view (rare: only a block that met a bad page scans its
+// table entries, and only with a window)
+template <int D, int kPageShift, bool kMx>
+__device__ __forceinline__ bool row_sees_bad_page(const Args& a, const KvCopies<D, kPageShift, kMx>& kv,
+                                                  const BlockRows& br, int row0, int w_eff, int block_bad) {
+  const int last = br.seq_len - br.q_len + (row0 + threadIdx.x) / br.group;
+  const int lo = max(block_bad, last - w_eff), hi = min(last, kv.kv_hi - 1);
+  bool bad = kBounds && block_bad != INT_MAX && lo <= hi;
+  if (bad && a.window_left >= 0 && a.num_pages > 0) {
+    bad = false;
+    for (int p = lo >> kv.page_shift; p <= hi >> kv.page_shift && !bad; ++p)
+      bad = kv.table[p] < 0 || kv.table[p] > kv.last_page;
+  }
+  if (bad) atomicMin(a.errors + kErrBlockTable, br.b);
+  return bad;
+}
+
+// The pass's rows, the warps' states merged: normalized, NaN where marked, written to out (and lse) with one split,
+// else as this split's partial (normalized output, base-2 LSE) for merge_kernel.
+template <int D, bool kMx>
+__device__ __forceinline__ void write_pass_rows(const Args& a, const BlockRows& br, int row0, int pass_rows) {
+  const MergeState<D>& sm = shared_memory<D, kMx>().merge;
+  for (int idx = threadIdx.x; idx < pass_rows * D; idx += blockDim.x) {
+    const int n = idx / D, d = idx % D, row = row0 + n;
+    float m = -INFINITY;
+    for (int w = 0; w < kWarps; ++w) m = fmaxf(m, sm.m[w][n]);
+    const float m_use = m == -INFINITY ? 0.f : m;
+    float l = 0.f, o = 0.f;
+    for (int w = 0; w < kWarps; ++w) {  // (acc is in units of 2^mv: mxfp4's V powers of two are in it)
+      l += sm.l[w][n] * exp2f(sm.m[w][n] - m_use);
+      o += sm.acc[w][n][d] * exp2f(sm.mv[w][n] - m_use);
+    }
+    const int token = br.t0 + row / br.group, head = br.kvh * br.group + row % br.group;
+    const bool nan_row = sm.row_bad[n];
+    // (l is NaN where a score was: NaN in q or a key the row sees reaches the row)
+    float value = l == 0.f ? 0.f : o * kFold / l;
+    float lse2 = l == 0.f ? -INFINITY : m_use + log2f(l);
+    if (nan_row) value = lse2 = NAN;
+    const long long row_index = (long long)token * a.num_q_heads + head;
+    if (a.splits == 1) {
+      store_out(a, token * a.out_token + head * a.out_head + d, value);
+      if (a.lse != nullptr && d == 0) a.lse[row_index] = lse2 * kLn2;
+    } else {
+      a.part_out[(row_index * a.splits + br.split) * D + d] = value;
+      if (d == 0) a.part_lse[row_index * a.splits + br.split] = lse2;
+    }
+  }
+}
+
 // Grid (Hkv, B, splits), 4 warps. Block (kvh, b, split) serves every query row of sequence b and KV head kvh: the
 // rows (token i, head h of the group) in passes of 8 kHB, over the split's keys.
 // kPageShift: log2 of the page size when known at compile time (address arithmetic folds), -1 to read it from a.
@@ -290,8 +856,10 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : kHB == 1 ? 4 : 3) 
   const int kvh = blockIdx.x, b = blockIdx.y, split = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int r = lane / 4, c = lane % 4;
+  const Lane ln{warp, lane, r, c};
   const int group = a.num_q_heads / a.num_kv_heads;
-  // (dynamic: D = 256 takes more than the 48 KB a static array may)
+  // (dynamic: D = 256 takes more than the 48 KB a static array may; declared here rather than taken from
+  // shared_memory(), which changes the SASS of the mxfp4 kernels' key loop)
   extern __shared__ __align__(16) unsigned char smem_bytes[];
   SharedMemory<D, kMx>& smem = *reinterpret_cast<SharedMemory<D, kMx>*>(smem_bytes);
   using Stage = WarpStage<D, kMx>;
@@ -300,18 +868,7 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : kHB == 1 ? 4 : 3) 
   int t0 = b, q_len = 1;
   if (a.cu_seqlens_q != nullptr) {
     if (kBounds && !cu_seqlens_ok(a, b == 0 && kvh == 0 && split == 0)) {
-      // every row NaN: this block writes the tokens b, b + B, ... of its heads (for this split), reads nothing
-      for (int t = b; t < a.num_tokens; t += a.batch)
-        for (int idx = threadIdx.x; idx < group * D; idx += blockDim.x) {
-          const long long head = (long long)t * a.num_q_heads + kvh * group + idx / D;
-          if (a.splits == 1) {
-            store_out(a, t * a.out_token + (kvh * group + idx / D) * a.out_head + idx % D, NAN);
-            if (a.lse != nullptr && idx % D == 0) a.lse[head] = NAN;
-          } else {
-            a.part_out[(head * a.splits + split) * D + idx % D] = NAN;
-            if (idx % D == 0) a.part_lse[head * a.splits + split] = NAN;
-          }
-        }
+      write_nan_rows<D>(a, kvh, b, split, group);
       return;
     }
     t0 = a.cu_seqlens_q[b];
@@ -320,11 +877,10 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : kHB == 1 ? 4 : 3) 
   const int rows = q_len * group;
   if (rows == 0) return;  // a sequence with no query rows reads nothing
   const int seq_len_raw = a.seq_lens[b];
-  // (read again for the epilogue, not kept live through the loop: a register there costs the loop instructions)
-  auto length_bad = [&](int n) { return kBounds && (n < 0 || n > a.capacity); };
-  const bool len_bad = length_bad(seq_len_raw);
+  const bool len_bad = length_bad(a, seq_len_raw);
   if (len_bad && kvh == 0 && split == 0 && threadIdx.x == 0) atomicMin(a.errors + kErrSeqLens, b);
   const int seq_len = len_bad ? 0 : seq_len_raw;
+  const BlockRows br{b, kvh, split, t0, q_len, group, rows, seq_len};
   // this block's keys: split `split` of `chunk` (each pass narrows it to its rows' windows)
   const int split_lo = min(split * a.chunk, seq_len), split_hi = min(split_lo + a.chunk, seq_len);
   // a cache of no pages is read not at all (every page index is bad)
@@ -333,6 +889,7 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : kHB == 1 ? 4 : 3) 
   const float cap2 = a.soft_cap > 0.f ? 2.f / a.soft_cap : 0.f, cap_l2 = a.soft_cap * kLog2e;
 
   const float qk_scale = a.sm_scale * kLog2e * kFold;
+  const StepParams step_params{kv_hi, w_eff, qk_scale, cap2, cap_l2};
   const int* table = a.block_table + (long long)b * a.table_stride;
   const uint8_t* k_head = a.k_cache + (long long)kvh * a.cache_head_stride;
   const uint8_t* v_head = a.v_cache + (long long)kvh * a.cache_head_stride;
@@ -353,375 +910,48 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : kHB == 1 ? 4 : 3) 
     // tiles start at a multiple of the tile (a key's slot is then a constant of the lane and the copy)
     const int kv_lo = lo_seen > split_lo ? min(lo_seen & ~(kTile - 1), kv_hi) : split_lo;
     bool met_bad = false;  // this lane clamped a bad page index (a flag in the loop; where, found after it)
-    // Q^T as B fragments, column n = query row row0 + 8 hb + r: b0 = slots 2c, 2c + 1, b1 = 2c + 8, 2c + 9; and the
-    // last key each of this lane's C columns (rows row0 + 8 hb + 2c + j) sees
     uint32_t qb[kHB][kKSteps][2];
     int last_key[kHB][2];
-#pragma unroll
-    for (int hb = 0; hb < kHB; ++hb) {
-      const int row = row0 + 8 * hb + r;
-      const long long q_row = (t0 + row / group) * a.q_token + (kvh * group + row % group) * a.q_head;
-#pragma unroll
-      for (int s = 0; s < kKSteps; ++s)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          float lo = 0.f, hi = 0.f;
-          if (row < rows) {
-            lo = load_q(a, q_row + qk_dim<D>(s, c, 2 * half));
-            hi = load_q(a, q_row + qk_dim<D>(s, c, 2 * half + 1));
-          }
-          qb[hb][s][half] = pack_half2(lo, hi);
-        }
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int col = row0 + 8 * hb + 2 * c + j;
-        // (rows past the last see the keys the last sees: no row of -inf scores; they are not written)
-        last_key[hb][j] = seq_len - q_len + min(col, rows - 1) / group;
-      }
-    }
-
+    load_q_fragments<D, kHB>(a, br, row0, ln, qb, last_key);
     // O^T fragments [row block][m-block]: row r of m-block mb is dim D / 8 r + 2 mb, row r + 8 that + 1; columns
     // 2c, 2c + 1 query rows 8 hb + 2c (+1). Running max and sums per query row 8 hb + 2c + j.
     float acc_t[kHB][kKSteps][4];
     float m_t[kHB][2], l_t[kHB][2];
     float mv_t[kHB][2];  // mxfp4: the running max of the P V product's log2 weights (nvfp4: m_t)
-#pragma unroll
-    for (int hb = 0; hb < kHB; ++hb) {
-#pragma unroll
-      for (int mb = 0; mb < kKSteps; ++mb) acc_t[hb][mb][0] = acc_t[hb][mb][1] = acc_t[hb][mb][2] = acc_t[hb][mb][3] = 0.f;
-      m_t[hb][0] = m_t[hb][1] = mv_t[hb][0] = mv_t[hb][1] = -INFINITY;
-      l_t[hb][0] = l_t[hb][1] = 0.f;
-    }
+    reset_state<D, kHB>(acc_t, m_t, l_t, mv_t);
 
-    // Pages of a warp's 32 keys at `base`, one a lane (fewer for pages of more than one key), for issue_tile's
-    // shuffles. load_pages reads the table entries a step ahead; check_pages, when the copies are issued (the load
-    // has landed by then), clamps them into the cache and flags a bad one (met_bad)
-    auto page_entry = [&](int base) {  // (the table index of this lane's page; -1: no page for this lane)
-      return lane <= ((kKeysPerWarp - 1) >> page_shift) && base < kv_hi
-                 ? min((base >> page_shift) + lane, (kv_hi - 1) >> page_shift)
-                 : -1;
-    };
-    auto load_pages = [&](int base) {
-      const int index = page_entry(base);
-      return index >= 0 ? table[index] : 0;
-    };
-    auto check_pages = [&](int base, int page) {
-      if constexpr (!kBounds) return page;
-      // one unsigned min clamps a negative index too; a lane with no page has page 0 (bad only in a cache of no
-      // pages, which reads no tile)
-      const int clamped = (int)min((unsigned)page, (unsigned)last_page);
-      met_bad |= clamped != page;
-      return clamped;
-    };
-    // a byte's address: the page's offset as a 64-bit product (one IMAD.WIDE.U32 with the base), the rest 32-bit
-    auto at = [](const uint8_t* head, int page, int page_stride, int rest) {
-      return head + (uint64_t)(uint32_t)page * (uint32_t)page_stride + (uint32_t)rest;
-    };
-    // (kScaleInRegister: the scale rows of the tile issued last, K and V, for the stage the next step reads)
-    uint32_t scale_rows_next[2] = {0u, 0u};
-    // Issues the copies of this lane's bytes of the warp's 32 keys at `base` into stage `st` (cp.async, zero-filled
-    // past the split: every address is inside the cache, no branch). A tile whose keys are all in range (kFull)
-    // needs no clamp: key base + off sits in page off >> page_shift of the tile's at slot
-    // ((base & page_mask) + off) & page_mask.
-    auto issue_tile = [&](int st, int base, int lane_page, auto full_tag) {
-      constexpr bool kFull = decltype(full_tag)::value;
-      Stage& stage = smem.stages[st][warp];
-      const int first_page = base >> page_shift, base_slot = base & page_mask;
-      auto locate = [&](int key, int& page, int& slot) {
-        if (kFull) {
-          const int off = key - base;
-          page = __shfl_sync(0xffffffffu, lane_page, off >> page_shift);
-          // base is a multiple of 32 (splits are whole tiles): with pages of at most 32 keys known at compile
-          // time, a key's slot is a constant of the lane and the copy (its offsets hoist out of the loop)
-          slot = kPageShift >= 0 && kPageShift <= 5 ? off & page_mask : (base_slot + off) & page_mask;
-        } else {
-          const int k = min(key, kv_hi - 1);
-          page = __shfl_sync(0xffffffffu, lane_page, ((k >> page_shift) - first_page) & 31);
-          slot = k & page_mask;
-        }
-      };
-#pragma unroll
-      for (int nb = 0; nb < 4; ++nb) {
-        const int key = base + 8 * nb + r;
-        int page, slot;
-        locate(key, page, slot);
-        const int bytes = kFull || (key < kv_hi && key >= lo_seen) ? (int)sizeof(typename Stage::Chunk) : 0;
-#pragma unroll
-        for (int part = 0; part < Stage::kParts; ++part) {
-          const int offset = slot * cache_token + D / 8 * c + 16 * part;
-          cp_async(&stage.k[nb][part][lane], at(k_head, page, cache_page, offset), bytes);
-          cp_async(&stage.v[nb][part][v_slot(r, c) ^ part], at(v_head, page, cache_page, offset), bytes);
-        }
-      }
-      {  // the scale rows: this lane's key base + lane
-        const int key = base + lane;
-        int page, slot;
-        locate(key, page, slot);
-        const bool copied = kFull || (key < kv_hi && key >= lo_seen);
-        const uint8_t* ks_at = at(ks_head, page, scale_page, slot * scale_token);
-        const uint8_t* vs_at = at(vs_head, page, scale_page, slot * scale_token);
-        if constexpr (Stage::kScaleInRegister) {  // (zero where cp.async would zero-fill; nothing waits on the
-          uint32_t k_row = 0u, v_row = 0u;       // loads before the next step stores them)
-          if (copied) {
-            k_row = __ldg(reinterpret_cast<const unsigned short*>(ks_at));
-            v_row = __ldg(reinterpret_cast<const unsigned short*>(vs_at));
-          }
-          scale_rows_next[0] = k_row;
-          scale_rows_next[1] = v_row;
-        } else {
-          const int bytes = copied ? 4 * Stage::kScaleWords : 0;
-          cp_async(&stage.ks[lane], ks_at, bytes);
-          cp_async(&stage.vs[lane], vs_at, bytes);
-        }
-      }
-    };
-
+    KvCopies<D, kPageShift, kMx> copies{table,      k_head,     v_head,      ks_head,     vs_head,
+                                        cache_page, cache_token, scale_page, scale_token, page_shift,
+                                        page_mask,  last_page,  kv_hi,       lo_seen,     {0u, 0u}};
     // Two stages: the copies of the next tile fly while this one computes; the pages of the tile after that are
     // loaded one iteration ahead, so that no copy waits on a block-table load. A warp's lanes read bytes other
     // lanes of the warp copied (V, the scale rows): a warp barrier after the wait makes them visible, and one
     // before the copies into a stage keeps them behind every lane's reads of it in the step before.
     const int warp_off = warp * kKeysPerWarp;
-    int pages_next = load_pages(kv_lo + warp_off);
-    auto issue = [&](int st, int base, int raw_page) {  // (the branch is uniform across the warp)
-      const int lane_page = check_pages(base, raw_page);
-      if (base + kKeysPerWarp <= kv_hi)
-        issue_tile(st, base, lane_page, std::true_type{});
-      else
-        issue_tile(st, base, lane_page, std::false_type{});
-    };
-    if (kv_lo < kv_hi) issue(0, kv_lo + warp_off, pages_next);
+    int pages_next = copies.load_pages(ln, kv_lo + warp_off);
+    if (kv_lo < kv_hi) copies.issue(smem, 0, kv_lo + warp_off, pages_next, ln, met_bad);
     cp_async_commit();
-    pages_next = load_pages(kv_lo + warp_off + kTile);
+    pages_next = copies.load_pages(ln, kv_lo + warp_off + kTile);
 
-    // One 32-key step.
-    auto step = [&](const Stage& stage, int base, auto full_tag) {
-      constexpr bool kFull = decltype(full_tag)::value;
-      // ---- S^T = K Q^T: 2 m-blocks of 16 keys (rows r: key 16 mb + r, r + 8: key 16 mb + 8 + r) ----
-      float st[kHB][2][4];
-#pragma unroll
-      for (int mb = 0; mb < 2; ++mb) {
-        // nvfp4: the lane's blocks (D / 64 c, and + 1 for D = 128) as a half2 of scales. mxfp4: the lane's block
-        // D c / 128 (D = 256: and + 1; D = 64: lanes c hold half a block each) relative to the key's largest, and
-        // that largest's power of two on the key's scores (kf)
-        uint32_t sc_g, sc_h, sc_g2 = 0, sc_h2 = 0;  // (sc_*2: D = 256, the lane's blocks 2 and 3)
-        float kf[2] = {qk_scale, qk_scale};
-        if constexpr (kMx) {
-          const auto& w_g = stage.ks[16 * mb + r];
-          const auto& w_h = stage.ks[16 * mb + 8 + r];
-          const int ref_g = row_max(w_g), ref_h = row_max(w_h), blk = D * c / 128;
-          sc_g = pack_half2(pow2_down(row_byte(w_g, blk) - ref_g), 0.f);
-          sc_h = pack_half2(pow2_down(row_byte(w_h, blk) - ref_h), 0.f);
-          if constexpr (D == 256) {  // (words 4..7 of the lane's 8: its second block)
-            sc_g2 = pack_half2(pow2_down(row_byte(w_g, blk + 1) - ref_g), 0.f);
-            sc_h2 = pack_half2(pow2_down(row_byte(w_h, blk + 1) - ref_h), 0.f);
-          }
-          kf[0] = qk_scale * e8m0_value(ref_g), kf[1] = qk_scale * e8m0_value(ref_h);
-        } else {
-          // (the word of the key's row holding the lane's blocks D / 64 c ..)
-          const int kshift = 8 * (D / 64 * c % 4), word = D / 64 * c / 4;
-          const uint32_t w_g = stage.ks[16 * mb + r][word], w_h = stage.ks[16 * mb + 8 + r][word];
-          sc_g = e4m3x2_to_half2((uint16_t)(w_g >> kshift));
-          sc_h = e4m3x2_to_half2((uint16_t)(w_h >> kshift));
-          if constexpr (D == 256) {
-            sc_g2 = e4m3x2_to_half2((uint16_t)(w_g >> 16));
-            sc_h2 = e4m3x2_to_half2((uint16_t)(w_h >> 16));
-          }
-        }
-        uint32_t words_g[D / 32], words_h[D / 32];  // the lane's D / 4 dims, 8 a word
-        constexpr int kPartWords = (int)sizeof(typename Stage::Chunk) / 4;
-#pragma unroll
-        for (int part = 0; part < Stage::kParts; ++part) {
-          memcpy(words_g + kPartWords * part, &stage.k[2 * mb][part][lane], sizeof(typename Stage::Chunk));
-          memcpy(words_h + kPartWords * part, &stage.k[2 * mb + 1][part][lane], sizeof(typename Stage::Chunk));
-        }
-        float cf[kHB][4];
-#pragma unroll
-        for (int hb = 0; hb < kHB; ++hb) cf[hb][0] = cf[hb][1] = cf[hb][2] = cf[hb][3] = 0.f;
-#pragma unroll
-        for (int t = 0; t < D / 32; ++t) {
-          uint32_t pg[4], ph[4];  // qk_dim's pairs of word t of keys r and r + 8 (word t: the lane's block t / 2)
-          e2m1x8_to_half2x4(words_g[t], pg);
-          e2m1x8_to_half2x4(words_h[t], ph);
-          // block t / 2: the low or high half of its pair (mxfp4: the low half, the lane's one block)
-          const uint32_t sel = t / 2 % 2 == 0 || kMx ? 0x1010 : 0x3232;
-          const uint32_t scl_g = __byte_perm(t / 2 < 2 ? sc_g : sc_g2, 0, sel);
-          const uint32_t scl_h = __byte_perm(t / 2 < 2 ? sc_h : sc_h2, 0, sel);
-#pragma unroll
-          for (int i = 0; i < 4; ++i) pg[i] = hmul2_u32(pg[i], scl_g), ph[i] = hmul2_u32(ph[i], scl_h);
-          const uint32_t a_even[4] = {pg[0], ph[0], pg[2], ph[2]};  // k-step 2t
-          const uint32_t a_odd[4] = {pg[1], ph[1], pg[3], ph[3]};   // k-step 2t + 1
-#pragma unroll
-          for (int hb = 0; hb < kHB; ++hb) {
-            mma_16816(cf[hb], a_even, qb[hb][2 * t][0], qb[hb][2 * t][1]);
-            mma_16816(cf[hb], a_odd, qb[hb][2 * t + 1][0], qb[hb][2 * t + 1][1]);
-          }
-        }
-#pragma unroll
-        for (int hb = 0; hb < kHB; ++hb)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) cf[hb][e] *= kf[e >> 1];
-#ifndef ATTNOPS_SASS_NO_SOFT_CAP
-        if (cap2 > 0.f) {  // (uniform) soft_cap x tanh(s / soft_cap) in log2 units, tanh through exp2 (as in Triton)
-#pragma unroll
-          for (int hb = 0; hb < kHB; ++hb)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) cf[hb][e] = cap_l2 * (1.f - __fdividef(2.f, exp2_ftz(cf[hb][e] * cap2) + 1.f));
-        }
-#endif
-#pragma unroll
-        for (int hb = 0; hb < kHB; ++hb)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int key_e = base + 16 * mb + r + 8 * (e >> 1), last = last_key[hb][e & 1];
-            st[hb][mb][e] = kFull || (key_e < kv_hi && key_e <= last && key_e >= last - w_eff) ? cf[hb][e] : -INFINITY;
-          }
-      }
-      // ---- online softmax per query row 8 hb + 2c + j, over the keys of the lanes with the same c ----
-      // mxfp4: the log2 of each S^T row key's V power of two (rows r, r + 8 of m-block mb)
-      float ev[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
-      (void)ev;
-      if constexpr (kMx) {
-#pragma unroll
-        for (int mb = 0; mb < 2; ++mb)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) ev[mb][h] = (float)(row_max(stage.vs[16 * mb + 8 * h + r]) - 127);
-      }
-      float alpha[kHB][2];  // acc's rescale: the P V weights' running max moved (nvfp4: the softmax's)
-      bool moved = false;
-      auto quad_max = [](float x) {  // over the 8 lanes with the same c
-        x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 4));
-        x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 8));
-        return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 16));
-      };
-#pragma unroll
-      for (int hb = 0; hb < kHB; ++hb)
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const float mx =
-              quad_max(fmaxf(fmaxf(st[hb][0][j], st[hb][0][j + 2]), fmaxf(st[hb][1][j], st[hb][1][j + 2])));
-          const float m_new = fmaxf(m_t[hb][j], mx);
-          const float m_use = m_new == -INFINITY ? 0.f : m_new;
-          const float alpha_l = exp2_ftz(m_t[hb][j] - m_use);
-          float sum = 0.f;
-          if constexpr (kMx) {
-            const float mvx = quad_max(fmaxf(fmaxf(st[hb][0][j] + ev[0][0], st[hb][0][j + 2] + ev[0][1]),
-                                             fmaxf(st[hb][1][j] + ev[1][0], st[hb][1][j + 2] + ev[1][1])));
-            const float mv_new = fmaxf(mv_t[hb][j], mvx);
-            const float mv_use = mv_new == -INFINITY ? 0.f : mv_new;
-            alpha[hb][j] = exp2_ftz(mv_t[hb][j] - mv_use);
-#pragma unroll
-            for (int mb = 0; mb < 2; ++mb)
-#pragma unroll
-              for (int h = 0; h < 2; ++h) {
-                float& x = st[hb][mb][j + 2 * h];
-                sum += exp2_ftz(x - m_use);
-                x = exp2_ftz(x + ev[mb][h] - mv_use);
-              }
-            mv_t[hb][j] = mv_new;
-          } else {
-            alpha[hb][j] = alpha_l;
-#pragma unroll
-            for (int mb = 0; mb < 2; ++mb) {
-              st[hb][mb][j] = exp2_ftz(st[hb][mb][j] - m_use);
-              st[hb][mb][j + 2] = exp2_ftz(st[hb][mb][j + 2] - m_use);
-              sum += st[hb][mb][j] + st[hb][mb][j + 2];
-            }
-          }
-          moved |= alpha[hb][j] != 1.f;
-          l_t[hb][j] = l_t[hb][j] * alpha_l + sum;
-          m_t[hb][j] = m_new;
-        }
-      // (the running max rarely moves after the first tiles: rescale only when it did somewhere in the warp)
-      if (__any_sync(0xffffffffu, moved)) {
-#pragma unroll
-        for (int hb = 0; hb < kHB; ++hb)
-#pragma unroll
-          for (int mb = 0; mb < kKSteps; ++mb)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc_t[hb][mb][e] *= alpha[hb][e & 1];
-      }
-      // ---- O^T += V^T P^T: 2 k-steps of 16 keys, D / 16 m-blocks of 16 dims ----
-#pragma unroll
-      for (int ks = 0; ks < 2; ++ks) {
-        // this lane's V keys 2c, 2c + 1, 2c + 8, 2c + 9 of the 16 (kk = 0..3), key - base; its D / 16 bytes of
-        // one (dims D / 8 r ..): half r % 2 of the copy of chunk r / 2 (D = 256: part r % 2)
-        auto v_key = [&](int kk) { return 16 * ks + 2 * c + (kk & 1) + 8 * (kk >> 1); };
-        auto v_bytes = [&](int kk) {
-          const int nb = 2 * ks + (kk >> 1), slot = v_slot(2 * c + (kk & 1), r / 2);
-          if constexpr (D == 256) return reinterpret_cast<const uint8_t*>(&stage.v[nb][r % 2][slot ^ (r % 2)]);
-          return reinterpret_cast<const uint8_t*>(&stage.v[nb][0][slot]) + D / 16 * (r % 2);
-        };
-        // P^T's B fragments: the transposes of S^T's 8 x 8 quarters (keys r / r + 8 x rows 2c, 2c + 1)
-        uint32_t pb[kHB][2];
-#pragma unroll
-        for (int hb = 0; hb < kHB; ++hb) {
-          pb[hb][0] = movmatrix_trans(pack_half2(st[hb][ks][0], st[hb][ks][1]));  // keys 2c, 2c + 1 of row r
-          pb[hb][1] = movmatrix_trans(pack_half2(st[hb][ks][2], st[hb][ks][3]));  // keys 2c + 8, 2c + 9
-        }
-        // this lane's keys 2c, 2c + 1, 2c + 8, 2c + 9 of the 16, dims D / 8 r .. (block D / 128 r: byte sh of the
-        // copied word)
-        uint32_t sc01, sc89, sc01_2 = 0, sc89_2 = 0;  // (sc*_2: D = 256, the lane's second block)
-        if constexpr (kMx) {  // the lane's block D r / 256 relative to each key's largest (that power is in P)
-          float rel[4];
-#pragma unroll
-          for (int kk = 0; kk < 4; ++kk) {
-            const auto& w = stage.vs[v_key(kk)];
-            rel[kk] = pow2_down(row_byte(w, D * r / 256) - row_max(w));
-          }
-          sc01 = pack_half2(rel[0], rel[1]), sc89 = pack_half2(rel[2], rel[3]);
-          sc01_2 = sc01, sc89_2 = sc89;  // (D = 256: the lane's 32 dims are one block)
-        } else {
-          const int sh = 8 * (D * r / 128 % 4), word = D * r / 128 / 4;
-          const uint32_t s0 = stage.vs[v_key(0)][word] >> sh, s1 = stage.vs[v_key(1)][word] >> sh;
-          const uint32_t s8 = stage.vs[v_key(2)][word] >> sh, s9 = stage.vs[v_key(3)][word] >> sh;
-          sc01 = e4m3x2_to_half2((uint16_t)((s0 & 0xFF) | ((s1 & 0xFF) << 8)));
-          sc89 = e4m3x2_to_half2((uint16_t)((s8 & 0xFF) | ((s9 & 0xFF) << 8)));
-          if constexpr (D == 256) {  // the next byte: block 2r + 1
-            sc01_2 = e4m3x2_to_half2((uint16_t)(((s0 >> 8) & 0xFF) | (s1 & 0xFF00)));
-            sc89_2 = e4m3x2_to_half2((uint16_t)(((s8 >> 8) & 0xFF) | (s9 & 0xFF00)));
-          }
-        }
-        uint32_t va[D / 64], vb[D / 64], vc[D / 64], vd[D / 64];  // the lane's D / 8 dims of each key, 8 a word
-        memcpy(va, v_bytes(0), sizeof va);
-        memcpy(vb, v_bytes(1), sizeof vb);
-        memcpy(vc, v_bytes(2), sizeof vc);
-        memcpy(vd, v_bytes(3), sizeof vd);
-#pragma unroll
-        for (int hw = 0; hw < D / 64; ++hw) {
-          uint32_t b0[8], b1[8];  // [i]: dim D / 8 r + 8 hw + i of keys (2c, 2c + 1) / (2c + 8, 2c + 9)
-          e2m1x8_pair_keys(va[hw], vb[hw], b0);
-          e2m1x8_pair_keys(vc[hw], vd[hw], b1);
-#pragma unroll
-          for (int q = 0; q < 4; ++q) {  // m-block 4 hw + q: rows r / r + 8 are dims D / 8 r + 8 hw + 2q (+1)
-            // (words hw of the lane's D / 8 dims: block hw / 2 of its blocks, a second one only at D = 256)
-            const uint32_t s01 = hw / 2 == 0 ? sc01 : sc01_2, s89 = hw / 2 == 0 ? sc89 : sc89_2;
-            const uint32_t av[4] = {hmul2_u32(b0[2 * q], s01), hmul2_u32(b0[2 * q + 1], s01),
-                                    hmul2_u32(b1[2 * q], s89), hmul2_u32(b1[2 * q + 1], s89)};
-#pragma unroll
-            for (int hb = 0; hb < kHB; ++hb) mma_16816(acc_t[hb][4 * hw + q], av, pb[hb][0], pb[hb][1]);
-          }
-        }
-      }
-    };
     for (int tile = kv_lo, it = 0; tile < kv_hi; tile += kTile, ++it) {
       const int base = tile + warp_off;
       __syncwarp();
       if constexpr (Stage::kScaleInRegister) {  // this step's scale rows, loaded while the step before ran
         Stage& stage = smem.stages[it & 1][warp];
-        stage.ks[lane][0] = scale_rows_next[0];
-        stage.vs[lane][0] = scale_rows_next[1];
+        stage.ks[lane][0] = copies.scale_rows_next[0];
+        stage.vs[lane][0] = copies.scale_rows_next[1];
       }
-      if (tile + kTile < kv_hi) issue((it + 1) & 1, base + kTile, pages_next);
+      if (tile + kTile < kv_hi) copies.issue(smem, (it + 1) & 1, base + kTile, pages_next, ln, met_bad);
       cp_async_commit();
-      pages_next = load_pages(base + 2 * kTile);
+      pages_next = copies.load_pages(ln, base + 2 * kTile);
       cp_async_wait<1>();
       __syncwarp();
       const Stage& stage = smem.stages[it & 1][warp];
-      // a warp whose 32 keys every row sees masks no score; the branch is uniform across the warp
+      // one 32-key step; a warp whose keys every row sees masks no score (the branch is uniform across the warp)
       if (base + kKeysPerWarp <= full_hi && base >= full_lo)
-        step(stage, base, std::true_type{});
+        attend_tile<D, kHB, kMx, true>(stage, base, qb, last_key, ln, step_params, acc_t, m_t, l_t, mv_t);
       else
-        step(stage, base, std::false_type{});
+        attend_tile<D, kHB, kMx, false>(stage, base, qb, last_key, ln, step_params, acc_t, m_t, l_t, mv_t);
     }
     cp_async_wait<0>();
     // (the stages' memory is reused below)
@@ -729,87 +959,15 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : kHB == 1 ? 4 : 3) 
     if constexpr (!kBounds) __syncthreads();
 
     // ---- merge the 4 warps' states, normalize, write the pass's rows ----
-    auto& sm = smem.merge;
-#pragma unroll
-    for (int hb = 0; hb < kHB; ++hb)
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        float l = l_t[hb][j];
-        l += __shfl_xor_sync(0xffffffffu, l, 4);
-        l += __shfl_xor_sync(0xffffffffu, l, 8);
-        l += __shfl_xor_sync(0xffffffffu, l, 16);
-        if (r == 0) {
-          sm.m[warp][8 * hb + 2 * c + j] = m_t[hb][j];
-          sm.mv[warp][8 * hb + 2 * c + j] = kMx ? mv_t[hb][j] : m_t[hb][j];
-          sm.l[warp][8 * hb + 2 * c + j] = l;
-        }
-      }
-#pragma unroll
-    for (int hb = 0; hb < kHB; ++hb)
-#pragma unroll
-      for (int mb = 0; mb < kKSteps; ++mb)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) sm.acc[warp][8 * hb + 2 * c + (e & 1)][D / 8 * r + 2 * mb + (e >> 1)] = acc_t[hb][mb][e];
-    // the first key of a bad page among the pages the loop read that some row sees (a page wholly before every
-    // row's window is not looked at): a cache of no pages has nothing but; otherwise only a block that clamped one
-    // looks for it (rare), its threads over the table entries in parallel
-    int block_bad = kBounds && a.num_pages == 0 && lo_seen < split_hi ? lo_seen : INT_MAX;
-    if (block_met_bad) {  // (uniform across the block)
-      int first = INT_MAX;
-      for (int p = (lo_seen >> page_shift) + threadIdx.x; p <= (kv_hi - 1) >> page_shift; p += blockDim.x)
-        if ((unsigned)table[p] > (unsigned)last_page) {
-          first = p;
-          break;
-        }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) first = min(first, __shfl_xor_sync(0xffffffffu, first, o));
-      if (lane == 0) sm.bad_first[warp] = first;
-    }
+    share_warp_state<D, kHB, kMx>(ln, acc_t, m_t, l_t, mv_t);
+    const int block_bad = first_bad_key(a, copies, split_hi, block_met_bad, ln);
+    // which rows are NaN: a bad page's key in view, a bad length (read again, not kept live through the key loop: a
+    // register there costs the loop instructions)
+    if (threadIdx.x < pass_rows)
+      smem.merge.row_bad[threadIdx.x] =
+          row_sees_bad_page(a, copies, br, row0, w_eff, block_bad) || length_bad(a, a.seq_lens[b]);
     __syncthreads();
-    if (block_met_bad) {
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w)
-        if (sm.bad_first[w] != INT_MAX) block_bad = min(block_bad, max(sm.bad_first[w] << page_shift, lo_seen));
-    }
-    if (threadIdx.x < pass_rows) {
-      // whether row n sees a key of a bad page: past block_bad (the first such key of the split), within its view
-      // (rare: only a block that met a bad page scans its table entries, and only with a window)
-      const int last = seq_len - q_len + (row0 + threadIdx.x) / group;
-      const int lo = max(block_bad, last - w_eff), hi = min(last, kv_hi - 1);
-      bool bad = kBounds && block_bad != INT_MAX && lo <= hi;
-      if (bad && a.window_left >= 0 && a.num_pages > 0) {
-        bad = false;
-        for (int p = lo >> page_shift; p <= hi >> page_shift && !bad; ++p) bad = table[p] < 0 || table[p] > last_page;
-      }
-      if (bad) atomicMin(a.errors + kErrBlockTable, b);
-      sm.row_bad[threadIdx.x] = bad || length_bad(a.seq_lens[b]);
-    }
-    __syncthreads();
-    for (int idx = threadIdx.x; idx < pass_rows * D; idx += blockDim.x) {
-      const int n = idx / D, d = idx % D, row = row0 + n;
-      float m = -INFINITY;
-      for (int w = 0; w < kWarps; ++w) m = fmaxf(m, sm.m[w][n]);
-      const float m_use = m == -INFINITY ? 0.f : m;
-      float l = 0.f, o = 0.f;
-      for (int w = 0; w < kWarps; ++w) {  // (acc is in units of 2^mv: mxfp4's V powers of two are in it)
-        l += sm.l[w][n] * exp2f(sm.m[w][n] - m_use);
-        o += sm.acc[w][n][d] * exp2f(sm.mv[w][n] - m_use);
-      }
-      const int token = t0 + row / group, head = kvh * group + row % group;
-      const bool nan_row = sm.row_bad[n];
-      // (l is NaN where a score was: NaN in q or a key the row sees reaches the row)
-      float value = l == 0.f ? 0.f : o * kFold / l;
-      float lse2 = l == 0.f ? -INFINITY : m_use + log2f(l);
-      if (nan_row) value = lse2 = NAN;
-      const long long row_index = (long long)token * a.num_q_heads + head;
-      if (a.splits == 1) {
-        store_out(a, token * a.out_token + head * a.out_head + d, value);
-        if (a.lse != nullptr && d == 0) a.lse[row_index] = lse2 * kLn2;
-      } else {
-        a.part_out[(row_index * a.splits + split) * D + d] = value;
-        if (d == 0) a.part_lse[row_index * a.splits + split] = lse2;
-      }
-    }
+    write_pass_rows<D, kMx>(a, br, row0, pass_rows);
     __syncthreads();  // (the next pass's copies reuse the merge's memory)
   }
 }

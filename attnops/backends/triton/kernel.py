@@ -237,6 +237,87 @@ def _mask_scores(s, kpos, kvalid, block_start, tm_ptr, tok, stride_tm, tm_cols, 
 
 
 @triton.jit
+def _tile_qk(qa, qb, k_ptr, ks_ptr, tok_off, page_v, in_page, kvh, stride_ksp, stride_kst, stride_ksh, offs_d, kvalid,
+             FMT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_DTYPE: tl.constexpr,
+             SCALE_BCAST: tl.constexpr, FP4_ASM: tl.constexpr, SOFT_FP8: tl.constexpr, PAIRED_K: tl.constexpr):
+    """q K^T of one tile, unscaled: K loaded at tok_off and decoded to the dot dtype, one dot, or (PAIRED_K) two
+    over q's and K's even and odd elements (qa, qb)."""
+    IS_FP4: tl.constexpr = FMT == FMT_NVFP4 or FMT == FMT_MXFP4
+    if PAIRED_K:
+        if IS_FP4:
+            ks_off = page_v * stride_ksp + in_page * stride_kst + kvh * stride_ksh
+            k_e, k_o = _load_fp4_tile(k_ptr, ks_ptr, tok_off, ks_off, offs_d, kvalid, True, FMT, DOT_DTYPE,
+                                      SCALE_BCAST, FP4_ASM)
+        else:
+            k_e, k_o = _load_fp8_pairs(k_ptr, tok_off, offs_d, kvalid, True, FP8_DTYPE, not SOFT_FP8)
+        qk = tl.dot(qa, k_e, input_precision=DOT_PRECISION)
+        qk = tl.dot(qb, k_o, acc=qk, input_precision=DOT_PRECISION)
+    else:
+        k = tl.load(k_ptr + tok_off[None, :] + offs_d[:, None], mask=kvalid[None, :], other=0.0)
+        if FMT == FMT_FP8:
+            k = _fp8_to_dot(k, FP8_DTYPE, DOT_DTYPE)
+        else:
+            k = k.to(DOT_DTYPE)
+        qk = tl.dot(qa, k, input_precision=DOT_PRECISION)
+    return qk
+
+
+@triton.jit
+def _masked_scores(s, start, kpos, kvalid, block_start, tm_ptr, tok, stride_tm, tm_cols, row_valid, q_pos,
+                   window_left, full_lo, full_hi, BLOCK_N: tl.constexpr, EDGE: tl.constexpr,
+                   HAS_TREE: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """The tile's scores masked (_mask_scores) where some row may not see some key: every tile with EDGE, else only
+    the tiles at the causal/window/length edges, outside [full_lo, full_hi) (a runtime branch: most tiles skip
+    the mask's instructions)."""
+    if EDGE:
+        s = _mask_scores(s, kpos, kvalid, block_start, tm_ptr, tok, stride_tm, tm_cols, row_valid, q_pos,
+                         window_left, HAS_TREE, HAS_WINDOW)
+    else:
+        needs_mask = start + BLOCK_N > full_hi
+        if HAS_WINDOW:
+            needs_mask = needs_mask | (start < full_lo)
+        if needs_mask:
+            s = _mask_scores(s, kpos, kvalid, block_start, tm_ptr, tok, stride_tm, tm_cols, row_valid, q_pos,
+                             window_left, HAS_TREE, HAS_WINDOW)
+    return s
+
+
+@triton.jit
+def _tile_pv(p, alpha, acc, acc_o, v_ptr, vs_ptr, tok_off, page_v, in_page, kvh, stride_vsp, stride_vst, stride_vsh,
+             offs_d, kvalid, sm_scale, HEAD_DIM: tl.constexpr, FMT: tl.constexpr, DOT_DTYPE: tl.constexpr,
+             DOT_PRECISION: tl.constexpr, FP8_DTYPE: tl.constexpr, SCALE_BCAST: tl.constexpr,
+             FP4_ASM: tl.constexpr, SOFT_FP8: tl.constexpr, V_DEQUANT_FIRST: tl.constexpr, PAIRED_V: tl.constexpr):
+    """(acc, acc_o) rescaled by alpha plus the tile's weights p times V (loaded at tok_off, decoded to the dot
+    dtype): one dot, or (PAIRED_V) two into V's even and odd halves (acc, acc_o)."""
+    IS_FP4: tl.constexpr = FMT == FMT_NVFP4 or FMT == FMT_MXFP4
+    if PAIRED_V:
+        if IS_FP4:
+            vs_off = page_v * stride_vsp + in_page * stride_vst + kvh * stride_vsh
+            v_e, v_o = _load_fp4_tile(v_ptr, vs_ptr, tok_off, vs_off, offs_d, kvalid, False, FMT, DOT_DTYPE,
+                                      SCALE_BCAST, FP4_ASM)
+            if V_DEQUANT_FIRST:
+                one = opaque_one(sm_scale).to(DOT_DTYPE)
+                v_e = v_e * one
+                v_o = v_o * one
+        else:
+            v_e, v_o = _load_fp8_pairs(v_ptr, tok_off, tl.arange(0, HEAD_DIM // 2), kvalid, False, FP8_DTYPE,
+                                       not SOFT_FP8)
+        p = p.to(DOT_DTYPE)
+        acc = tl.dot(p, v_e, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
+        acc_o = tl.dot(p, v_o, acc=acc_o * alpha[:, None], input_precision=DOT_PRECISION)
+    else:
+        v = tl.load(v_ptr + tok_off[:, None] + tl.arange(0, HEAD_DIM)[None, :], mask=kvalid[:, None], other=0.0)
+        if FMT == FMT_FP8:
+            v = _fp8_to_dot(v, FP8_DTYPE, DOT_DTYPE)
+            if V_DEQUANT_FIRST:
+                v = v * opaque_one(sm_scale).to(DOT_DTYPE)
+        else:
+            v = v.to(DOT_DTYPE)
+        acc = tl.dot(p.to(DOT_DTYPE), v, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return acc, acc_o
+
+
+@triton.jit
 def _kv_tiles(lo, hi, split_hi, acc, acc_o, m_i, l_i, qa, qb, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, tm_ptr, num_pages,
               fallback, head_off, kvh, stride_kp, stride_kt, stride_ksp, stride_kst, stride_ksh, stride_vsp,
               stride_vst, stride_vsh, qk_scale, sm_scale, soft_cap, full_lo, full_hi, block_start, window_left, tok,
@@ -257,16 +338,8 @@ def _kv_tiles(lo, hi, split_hi, acc, acc_o, m_i, l_i, qa, qb, k_ptr, v_ptr, ks_p
     so that no load carries a mask. OFFSETS_32: element offsets in int32 (the caller's check: every offset into
     the caches fits)."""
     OFF_T: tl.constexpr = tl.int32 if OFFSETS_32 else tl.int64
-    IS_FP4: tl.constexpr = FMT == FMT_NVFP4 or FMT == FMT_MXFP4
-    HALF: tl.constexpr = HEAD_DIM // 2
     offs_n = tl.arange(0, BLOCK_N)
-    if PAIRED_K:
-        offs_d = tl.arange(0, HALF)
-        q_e = qa
-        q_o = qb
-    else:
-        offs_d = tl.arange(0, HEAD_DIM)
-        q = qa
+    offs_d = tl.arange(0, HEAD_DIM // 2) if PAIRED_K else tl.arange(0, HEAD_DIM)
     for start in range(lo, hi, BLOCK_N):
         kpos = start + offs_n
         if MASK_LOADS:
@@ -294,23 +367,8 @@ def _kv_tiles(lo, hi, split_hi, acc, acc_o, m_i, l_i, qa, qb, k_ptr, v_ptr, ks_p
         # int64 unless the caches are small: page index x page stride passes 2^31 elements on large caches
         tok_off = page_v * stride_kp + in_page * stride_kt + head_off
 
-        if PAIRED_K:
-            if IS_FP4:
-                ks_off = page_v * stride_ksp + in_page * stride_kst + kvh * stride_ksh
-                k_e, k_o = _load_fp4_tile(k_ptr, ks_ptr, tok_off, ks_off, offs_d, kvalid, True, FMT, DOT_DTYPE,
-                                          SCALE_BCAST, FP4_ASM)
-            else:
-                k_e, k_o = _load_fp8_pairs(k_ptr, tok_off, offs_d, kvalid, True, FP8_DTYPE, not SOFT_FP8)
-            qk = tl.dot(q_e, k_e, input_precision=DOT_PRECISION)
-            qk = tl.dot(q_o, k_o, acc=qk, input_precision=DOT_PRECISION)
-        else:
-            k = tl.load(k_ptr + tok_off[None, :] + offs_d[:, None], mask=kvalid[None, :], other=0.0)
-            if FMT == FMT_FP8:
-                k = _fp8_to_dot(k, FP8_DTYPE, DOT_DTYPE)
-            else:
-                k = k.to(DOT_DTYPE)
-            qk = tl.dot(q, k, input_precision=DOT_PRECISION)
-
+        qk = _tile_qk(qa, qb, k_ptr, ks_ptr, tok_off, page_v, in_page, kvh, stride_ksp, stride_kst, stride_ksh, offs_d,
+                      kvalid, FMT, DOT_DTYPE, DOT_PRECISION, FP8_DTYPE, SCALE_BCAST, FP4_ASM, SOFT_FP8, PAIRED_K)
         qk = qk * qk_scale
         if HAS_SOFTCAP:
             # soft_cap * tanh(s / soft_cap), tanh through exp2 (stable: exp2 -> inf gives 1, -> 0 gives -1)
@@ -318,18 +376,10 @@ def _kv_tiles(lo, hi, split_hi, acc, acc_o, m_i, l_i, qa, qb, k_ptr, v_ptr, ks_p
             s = (soft_cap * LOG2E) * (1.0 - 2.0 / (t + 1.0))
         else:
             s = qk
-        # mask only the tiles at the causal/window/length edges (EDGE: every tile of the call)
-        if EDGE:
-            s = _mask_scores(s, kpos, kvalid, block_start, tm_ptr, tok, stride_tm, tm_cols, row_valid, q_pos,
-                             window_left, HAS_TREE, HAS_WINDOW)
-        else:
-            needs_mask = start + BLOCK_N > full_hi
-            if HAS_WINDOW:
-                needs_mask = needs_mask | (start < full_lo)
-            if needs_mask:
-                s = _mask_scores(s, kpos, kvalid, block_start, tm_ptr, tok, stride_tm, tm_cols, row_valid, q_pos,
-                                 window_left, HAS_TREE, HAS_WINDOW)
+        s = _masked_scores(s, start, kpos, kvalid, block_start, tm_ptr, tok, stride_tm, tm_cols, row_valid, q_pos,
+                           window_left, full_lo, full_hi, BLOCK_N, EDGE, HAS_TREE, HAS_WINDOW)
 
+        # online softmax (base 2)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet: no NaN
         alpha = tl.exp2(m_i - m_use)
@@ -337,31 +387,9 @@ def _kv_tiles(lo, hi, split_hi, acc, acc_o, m_i, l_i, qa, qb, k_ptr, v_ptr, ks_p
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
 
-        if PAIRED_V:
-            if IS_FP4:
-                vs_off = page_v * stride_vsp + in_page * stride_vst + kvh * stride_vsh
-                v_e, v_o = _load_fp4_tile(v_ptr, vs_ptr, tok_off, vs_off, offs_d, kvalid, False, FMT, DOT_DTYPE,
-                                          SCALE_BCAST, FP4_ASM)
-                if V_DEQUANT_FIRST:
-                    one = opaque_one(sm_scale).to(DOT_DTYPE)
-                    v_e = v_e * one
-                    v_o = v_o * one
-            else:
-                v_e, v_o = _load_fp8_pairs(v_ptr, tok_off, tl.arange(0, HALF), kvalid, False, FP8_DTYPE,
-                                           not SOFT_FP8)
-            p = p.to(DOT_DTYPE)
-            acc = tl.dot(p, v_e, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
-            acc_o = tl.dot(p, v_o, acc=acc_o * alpha[:, None], input_precision=DOT_PRECISION)
-        else:
-            v = tl.load(v_ptr + tok_off[:, None] + tl.arange(0, HEAD_DIM)[None, :], mask=kvalid[:, None], other=0.0)
-            if FMT == FMT_FP8:
-                v = _fp8_to_dot(v, FP8_DTYPE, DOT_DTYPE)
-                if V_DEQUANT_FIRST:
-                    v = v * opaque_one(sm_scale).to(DOT_DTYPE)
-            else:
-                v = v.to(DOT_DTYPE)
-            acc = tl.dot(p.to(DOT_DTYPE), v, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
-
+        acc, acc_o = _tile_pv(p, alpha, acc, acc_o, v_ptr, vs_ptr, tok_off, page_v, in_page, kvh, stride_vsp,
+                              stride_vst, stride_vsh, offs_d, kvalid, sm_scale, HEAD_DIM, FMT, DOT_DTYPE,
+                              DOT_PRECISION, FP8_DTYPE, SCALE_BCAST, FP4_ASM, SOFT_FP8, V_DEQUANT_FIRST, PAIRED_V)
     return acc, acc_o, m_i, l_i
 
 

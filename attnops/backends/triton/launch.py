@@ -63,12 +63,7 @@ def launch_call(call: AttentionCall, config: dict | None = None) -> None:
         rows_without_a_sequence(call.out, call.lse)
         return
     q = call.q
-    chosen = heuristic_config(case, num_tokens, q.device)
-    cfg = dict(chosen, **forced_tunables())
-    if config:
-        cfg.update({k: v for k, v in config.items() if v is not None})
-    if cfg["PDL"] and _capability(q.device) < 9:
-        cfg["PDL"] = False  # a forced PDL: griddepcontrol (programmatic dependent launch) is sm_90+
+    chosen, cfg = _tunables(case, num_tokens, q.device, config)
     if call.out.stride(-1) != 1 or (call.lse is not None and not call.lse.is_contiguous()):
         with kernel_outputs(call.out, call.lse) as (out_w, lse_w):
             launch_call(call._replace(out=out_w, lse=lse_w), config)
@@ -83,15 +78,7 @@ def launch_call(call: AttentionCall, config: dict | None = None) -> None:
     block_q = cfg["BLOCK_Q"]
     max_splits, chunk = cfg["MAX_SPLITS"], cfg["CHUNK"]
     assert cfg["BLOCK_N"] >= 16 and chunk >= 1  # split lengths are rounded up to BLOCK_N multiples on the device
-    k_scale, v_scale, ks_strides, vs_strides = _scale_arguments(call)
-    k_cache, v_cache = call.k_cache, call.v_cache
-    if formats.is_fp8(call.kv_format):  # read fp8 as bytes (masked lanes load 0) and reinterpret in registers
-        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-        if (cfg["FP8_V_PAIRS"] or cfg["FP8_K_PAIRS"]) and not all(
-                c.data_ptr() % 2 == 0 and all(st % 2 == 0 for st in c.stride()[:3]) for c in (k_cache, v_cache)):
-            # FP8_V_PAIRS/FP8_K_PAIRS read 16-bit words: an odd address (a view at an odd offset) reads bytes
-            cfg = dict(cfg, FP8_V_PAIRS=False, FP8_K_PAIRS=False)
-
+    k_cache, v_cache, k_scale, v_scale, ks_strides, vs_strides, cfg = _cache_arguments(call, cfg)
     if sinks is not None and sinks.stride(0) != 1:
         sinks = sinks.contiguous()
     # placeholders where absent (the kernel never reads or writes them); the mask as bytes
@@ -105,17 +92,8 @@ def launch_call(call: AttentionCall, config: dict | None = None) -> None:
     on_gpu = q.is_cuda and not interpreting()
     offsets_fit_32 = bool(cfg["OFFSETS_32"]) and all(
         _largest_offset(t) < 2 ** 31 for t in (k_cache, v_cache, k_scale, v_scale))
-    constexprs, options = kernel_constexprs(cfg, case, on_gpu=on_gpu, lse=lse is not None,
-                                            offsets_fit_32=offsets_fit_32)
     num_q_heads, head_dim = case.num_q_heads, case.head_dim
-    if max_splits > 1:
-        # one allocation for both (host time per call matters for short decode steps): partial outputs
-        # [T, Hq, MAX_SPLITS, D] and their LSEs [T, Hq, MAX_SPLITS]
-        rows = num_tokens * num_q_heads * max_splits
-        workspace = torch.empty(rows * (head_dim + 1), dtype=torch.float32, device=q.device)
-        part_out, part_lse = workspace[: rows * head_dim], workspace[rows * head_dim:]
-    else:
-        part_out = part_lse = out  # unused: every program writes `out` directly
+    part_out, part_lse = _split_workspace(out, num_tokens, num_q_heads, head_dim, max_splits, q.device)
     window_left, capacity = int(call.window_left), call.capacity
     # the runtime arguments, by the kernel's names (the constexprs come from kernel_constexprs)
     arguments = dict(
@@ -130,8 +108,69 @@ def launch_call(call: AttentionCall, config: dict | None = None) -> None:
         stride_vsp=vs_strides[0], stride_vst=vs_strides[1], stride_vsh=vs_strides[2],
         stride_table=block_table.stride(0), stride_ot=out.stride(0), stride_oh=out.stride(1), stride_tm=tm_stride,
         tm_cols=tm_cols)
+    kernel_options = dict(on_gpu=on_gpu, lse=lse is not None, offsets_fit_32=offsets_fit_32)
+    cfg, constexprs = _run_attention(arguments, num_q_blocks, case, cfg, chosen, config, kernel_options)
+    if max_splits > 1:
+        merge_splits_kernel[(num_tokens, num_q_heads)](
+            out_ptr=out, lse_ptr=lse_arg, part_out_ptr=part_out, part_lse_ptr=part_lse, seq_lens_ptr=seq_lens,
+            cu_ptr=cu, sinks_ptr=sinks_arg, num_seqs=batch, window_left=window_left, MAX_SPLITS=max_splits,
+            CHUNK=chunk, capacity=capacity, stride_ot=out.stride(0), stride_oh=out.stride(1),
+            NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_Q=block_q, BLOCK_N=cfg["BLOCK_N"],
+            SPLITS_P2=max(2, triton.next_power_of_2(max_splits)), IS_DECODE=decode,
+            HAS_WINDOW=case.sliding_window, HAS_TREE=case.tree_mask, HAS_SINKS=case.sinks,
+            PDL=constexprs["PDL"], BOUNDS=constexprs["BOUNDS"], WRITE_LSE=constexprs["WRITE_LSE"],
+            # the attention kernel's alignment of a window's first tile (kernel.py), whose split plan this repeats
+            ALIGN=min(case.page_size, cfg["BLOCK_N"]) if constexprs["BOUNDS"] and case.sliding_window
+            else cfg["BLOCK_N"],
+            launch_pdl=constexprs["PDL"],
+            num_warps=4 if head_dim >= 128 else 2)
+
+
+def _tunables(case, num_tokens: int, device: torch.device, config: dict | None) -> tuple[dict, dict]:
+    """(the heuristic's choice for the case, as cached: a step down to a smaller tile is recorded in it; the tunables
+    to launch: that choice with forced_tunables() and `config` over it, and PDL off below sm_90)."""
+    chosen = heuristic_config(case, num_tokens, device)
+    cfg = dict(chosen, **forced_tunables())
+    if config:
+        cfg.update({k: v for k, v in config.items() if v is not None})
+    if cfg["PDL"] and _capability(device) < 9:
+        cfg["PDL"] = False  # a forced PDL: griddepcontrol (programmatic dependent launch) is sm_90+
+    return chosen, cfg
+
+
+def _cache_arguments(call: AttentionCall, cfg: dict) -> tuple:
+    """(k cache, v cache, k scales, v scales, their strides, cfg) as the kernel reads them: fp8 caches as bytes, and
+    cfg without FP8_V_PAIRS/FP8_K_PAIRS where a cache's address or strides are odd."""
+    k_scale, v_scale, ks_strides, vs_strides = _scale_arguments(call)
+    k_cache, v_cache = call.k_cache, call.v_cache
+    if formats.is_fp8(call.kv_format):  # read fp8 as bytes (masked lanes load 0) and reinterpret in registers
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+        if (cfg["FP8_V_PAIRS"] or cfg["FP8_K_PAIRS"]) and not all(
+                c.data_ptr() % 2 == 0 and all(st % 2 == 0 for st in c.stride()[:3]) for c in (k_cache, v_cache)):
+            # FP8_V_PAIRS/FP8_K_PAIRS read 16-bit words: an odd address (a view at an odd offset) reads bytes
+            cfg = dict(cfg, FP8_V_PAIRS=False, FP8_K_PAIRS=False)
+    return k_cache, v_cache, k_scale, v_scale, ks_strides, vs_strides, cfg
+
+
+def _split_workspace(out: torch.Tensor, num_tokens: int, num_q_heads: int, head_dim: int, max_splits: int,
+                     device: torch.device) -> tuple:
+    """(partial outputs [T, Hq, MAX_SPLITS, D], their LSEs [T, Hq, MAX_SPLITS]) for a sequence's splits, in one
+    allocation (host time per call matters for short decode steps); with one split, `out` as placeholders (unused:
+    every program writes `out` directly)."""
+    if max_splits > 1:
+        rows = num_tokens * num_q_heads * max_splits
+        workspace = torch.empty(rows * (head_dim + 1), dtype=torch.float32, device=device)
+        return workspace[: rows * head_dim], workspace[rows * head_dim:]
+    return out, out
+
+
+def _run_attention(arguments: dict, num_q_blocks: int, case, cfg: dict, chosen: dict, config: dict | None,
+                   kernel_options: dict) -> tuple[dict, dict]:
+    """Launches the attention kernel, stepping down to a smaller tile (warning once) where the GPU cannot load the
+    chosen one. Returns the tunables and constexprs it ran with."""
+    constexprs, options = kernel_constexprs(cfg, case, **kernel_options)
     heads_inner = constexprs["HEADS_INNER"]
-    num_kv_heads = case.num_kv_heads
+    num_kv_heads, max_splits = case.num_kv_heads, cfg["MAX_SPLITS"]
     grid = (num_q_blocks * num_kv_heads, 1, max_splits) if heads_inner else (num_q_blocks, num_kv_heads, max_splits)
     first_tile, error = (cfg["BLOCK_N"], cfg["num_stages"]), None
     while True:
@@ -147,23 +186,9 @@ def launch_call(call: AttentionCall, config: dict | None = None) -> None:
                 raise
             if not config:
                 chosen.update(BLOCK_N=cfg["BLOCK_N"], num_stages=cfg["num_stages"])
-            constexprs, options = kernel_constexprs(cfg, case, on_gpu=on_gpu, lse=lse is not None,
-                                                    offsets_fit_32=offsets_fit_32)
+            constexprs, options = kernel_constexprs(cfg, case, **kernel_options)
     if error is not None:
         warnings.warn(f"attnops Triton attention: a tile of {first_tile[0]} keys in {first_tile[1]} stages does "
                       f"not fit this GPU ({error}); this shape now runs {cfg['BLOCK_N']} keys in "
                       f"{cfg['num_stages']} stages", RuntimeWarning)
-    if max_splits > 1:
-        merge_splits_kernel[(num_tokens, num_q_heads)](
-            out_ptr=out, lse_ptr=lse_arg, part_out_ptr=part_out, part_lse_ptr=part_lse, seq_lens_ptr=seq_lens,
-            cu_ptr=cu, sinks_ptr=sinks_arg, num_seqs=batch, window_left=window_left, MAX_SPLITS=max_splits,
-            CHUNK=chunk, capacity=capacity, stride_ot=out.stride(0), stride_oh=out.stride(1),
-            NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_Q=block_q, BLOCK_N=cfg["BLOCK_N"],
-            SPLITS_P2=max(2, triton.next_power_of_2(max_splits)), IS_DECODE=decode,
-            HAS_WINDOW=case.sliding_window, HAS_TREE=case.tree_mask, HAS_SINKS=case.sinks,
-            PDL=constexprs["PDL"], BOUNDS=constexprs["BOUNDS"], WRITE_LSE=constexprs["WRITE_LSE"],
-            # the attention kernel's alignment of a window's first tile (kernel.py), whose split plan this repeats
-            ALIGN=min(case.page_size, cfg["BLOCK_N"]) if constexprs["BOUNDS"] and case.sliding_window
-            else cfg["BLOCK_N"],
-            launch_pdl=constexprs["PDL"],
-            num_warps=4 if head_dim >= 128 else 2)
+    return cfg, constexprs
