@@ -129,6 +129,22 @@ def host_page_metadata(host_seq_lens: list, page_size: int, capacity: int):
     return indptr, last_page_len
 
 
+def fill_nan(out: torch.Tensor, lse: torch.Tensor | None) -> None:
+    """Every row NaN (a bad cu_seqlens_q: which rows are whose is undefined, so FlashInfer is not run)."""
+    out.fill_(float("nan"))
+    if lse is not None:
+        lse.fill_(float("nan"))
+
+
+def set_rows(row_fix, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+    """The rows run() leaves undefined or the contract makes NaN, set after it: row_fix = (mask [rows, 1, 1],
+    values [rows, 1, 1]: 0 for a row with no key, NaN for a bad one); their LSE -inf or NaN."""
+    mask, values = row_fix
+    torch.where(mask, values, out, out=out)
+    if lse is not None:
+        torch.where(mask.view(-1, 1), values.view(-1, 1).float() - float("inf"), lse, out=lse)
+
+
 def fa3_serves(arch, q_dtype, kv_dtype) -> bool:
     """FlashInfer's fa3 prefill: sm_90 only, and no fp8 KV under a bf16/fp16 q (it has no mixed-type wgmma for
     that; FlashInfer 0.7's JIT build of the configuration fails with "No eligible GMMA operator"). fa2 converts
@@ -380,9 +396,7 @@ class FlashInferBackend(Backend):
         wrapper, row_fix, bad_cu, planned_now = self._plan(call)
         out, lse = call.out, call.lse
         if bad_cu:
-            out.fill_(float("nan"))
-            if lse is not None:
-                lse.fill_(float("nan"))
+            fill_nan(out, lse)
             return
         q, k_cache, v_cache = call.q, call.k_cache, call.v_cache
         # a tensor scale (fp8; per tensor: supports declines per head) is applied around run(), on the device; the
@@ -407,9 +421,7 @@ class FlashInferBackend(Backend):
         if tensor_scaled:
             out.mul_(call.v_scale.to(out.dtype))
         if row_fix is not None:
-            torch.where(row_fix[0], row_fix[1], out, out=out)
-            if lse is not None:  # values are 0 (an empty row) or NaN (a bad one): -inf or NaN
-                torch.where(row_fix[0].view(-1, 1), row_fix[1].view(-1, 1).float() - float("inf"), lse, out=lse)
+            set_rows(row_fix, out, lse)
 
     @staticmethod
     def _run_with_lse(wrapper, q, k_cache, v_cache, out, lse) -> None:

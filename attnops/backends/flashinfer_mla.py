@@ -19,7 +19,8 @@ import torch
 
 from .. import capture, errors
 from .base import common_reasons
-from .flashinfer import LN2, Q_DTYPES, _plans, _same_step, _step_key, checked_pages, page_metadata
+from .flashinfer import (LN2, Q_DTYPES, _plans, _same_step, _step_key, checked_pages, fill_nan, page_metadata,
+                         set_rows)
 
 # (R, P) of the latent rows FlashInfer's MLA kernels are built for
 SHAPES = ((512, 64),)
@@ -59,7 +60,8 @@ def _rows_without_keys(seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor | None
 
 def _plan(call):
     """The wrapper planned for this call's step (planned now unless the step was seen), the rows to set after run()
-    ((mask [T], values [T] in q's dtype) or None) and whether the step's cu_seqlens_q is bad."""
+    ((mask [T, 1, 1], values [T, 1, 1] in q's dtype: flashinfer.set_rows) or None) and whether the step's
+    cu_seqlens_q is bad."""
     case, q_nope = call.case, call.q_nope
     block_table, seq_lens, cu_seqlens_q = call.block_table, call.seq_lens, call.cu_seqlens_q
     plans = _plans(q_nope.device)
@@ -97,7 +99,7 @@ def _plan(call):
     if bool(mask.any()):  # (planning synced already: one more read, once a step)
         values = torch.zeros(num_tokens, dtype=q_nope.dtype, device=q_nope.device).masked_fill_(nan_rows,
                                                                                                float("nan"))
-        plans.fix_now[key] = (mask, values)
+        plans.fix_now[key] = (mask.view(-1, 1, 1), values.view(-1, 1, 1))
     return wrapper, plans.fix_now[key], False
 
 
@@ -106,9 +108,7 @@ def mla_attention(call) -> None:
     wrapper, row_fix, bad_cu = _plan(call)
     out, lse = call.out, call.lse
     if bad_cu:
-        out.fill_(float("nan"))
-        if lse is not None:
-            lse.fill_(float("nan"))
+        fill_nan(out, lse)
         return
     num_tokens, num_heads, _ = call.q_nope.shape
     out_buffer = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype, device=out.device)
@@ -116,14 +116,11 @@ def mla_attention(call) -> None:
         torch.empty(num_tokens, num_heads, dtype=torch.float32, device=out.device)
     wrapper.run(query=(call.q_nope.contiguous(), call.q_pe.contiguous()), kv_cache=call.kv_cache, out=out_buffer,
                 lse=lse_buffer, return_lse=True)
-    if row_fix is not None:
-        mask, values = row_fix
-        torch.where(mask[:, None, None], values[:, None, None], out_buffer, out=out_buffer)
-    if out_buffer is not out:
-        out.copy_(out_buffer)
     if lse is not None:
         lse_buffer.mul_(LN2)  # run()'s LSE is a base-2 log: to the contract's natural log
-        if row_fix is not None:  # values are 0 (a row with no key) or NaN (a bad one): -inf or NaN
-            torch.where(row_fix[0][:, None], row_fix[1][:, None].float() - float("inf"), lse_buffer, out=lse_buffer)
-        if lse_buffer is not lse:
-            lse.copy_(lse_buffer)
+    if row_fix is not None:
+        set_rows(row_fix, out_buffer, lse_buffer if lse is not None else None)
+    if out_buffer is not out:
+        out.copy_(out_buffer)
+    if lse is not None and lse_buffer is not lse:
+        lse.copy_(lse_buffer)
