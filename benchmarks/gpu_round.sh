@@ -36,7 +36,8 @@
 #   tests     the GPU tests, suites in parallel processes (TEST_SUITES, default "capture triton flashinfer e2e":
 #             captures of the op; Triton under pytest-xdist; FlashInfer + graphs + devices; end to end; also "spec"
 #             (sinks, trees, merge, page sharing, cascade, LSE), "hf" (transformers models), "cuda" (the 4-bit
-#             CUDA kernels) and "mla" (latent attention: the ops and DeepSeek through attnops.hf)), one log;
+#             CUDA kernels), "mla" (latent attention: the ops and DeepSeek through attnops.hf) and "modes"
+#             (batch-invariant mode, merge, every head dim)), one log;
 #             TESTS_TIMEOUT seconds.
 #             Run at most four at once: more overload a 16-core machine with compiles
 #   models    python -m attnops tune on the models grid (MODELS_ARGS narrows it), writing the table to
@@ -226,6 +227,7 @@ PY
           hf) files="-m gpu tests/test_hf.py" ;;
           cuda) files="-m gpu tests/test_cuda_backend.py" ;;
           mla) files="-m gpu tests/test_mla.py tests/test_hf_mla.py" ;;
+          modes) files="-m gpu tests/test_batch_invariance.py tests/test_merge.py tests/test_head_dims.py" ;;
           *) echo "unknown suite $suite"; exit 2 ;;
         esac
         timeout $limit python3 -m pytest -q -rA -p no:cacheprovider $files > "/tmp/tests-$suite.log" 2>&1 &
