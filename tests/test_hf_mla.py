@@ -230,18 +230,22 @@ def test_bad_inputs():
 
 @pytest.mark.gpu
 def test_bf16_on_cuda_close_to_eager():
-    """bf16 on a GPU (mla_attention's Triton kernels): prefill logits and greedy decoding near eager's."""
+    """bf16 on a GPU (mla_attention's Triton kernels): prefill logits as near float32 eager's as bf16 eager's are, and
+    greedy decoding near eager's. Dense layers only: a routed expert picked differently by a rounding flips a
+    token's logits in either bf16 model."""
     torch.manual_seed(0)
-    eager = build(config(initializer_range=0.02)).to("cuda", torch.bfloat16)
-    ours = attnops.hf.enable_mla(build(config(initializer_range=0.02), state=eager.state_dict())).to("cuda",
-                                                                                                  torch.bfloat16)
+    cfg = config(initializer_range=0.02, first_k_dense_replace=TINY["num_hidden_layers"])
+    exact = build(cfg).to("cuda")
+    eager = build(cfg, state=exact.state_dict()).to("cuda", torch.bfloat16)
+    ours = attnops.hf.enable_mla(build(cfg, state=exact.state_dict())).to("cuda", torch.bfloat16)
     ids, mask = (t.cuda() for t in left_padded())
     valid = mask.bool()
     with torch.no_grad():
-        reference = eager(ids, attention_mask=mask).logits.float()
+        reference = exact(ids, attention_mask=mask).logits[valid]
+        eager_error = max_error(eager(ids, attention_mask=mask).logits.float()[valid], reference)
         logits = ours(ids, attention_mask=mask, **{cache_arg(ours): latent_cache(ours)}).logits.float()
         expected = eager.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
         out = ours.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
                             **{cache_arg(ours): latent_cache(ours)})
-    assert max_error(logits[valid], reference[valid]) < 3e-2
+    assert max_error(logits[valid], reference) < max(2 * eager_error, 1e-2), eager_error
     assert (out == expected).float().mean() >= 0.9
