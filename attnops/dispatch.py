@@ -32,12 +32,13 @@ STATIC_ORDER = {
     "cuda": ("flashinfer", "cuda", "triton", "reference"),
 }
 
-# Latent attention (MLA) where no rule was measured: on the CPU the C++ kernels, as for paged attention; on a GPU
-# Triton's kernels (tests/test_mla.py's GPU tests pass on sm_90: eager, a user's CUDA graph, reduce-overhead), the
-# reference only behind them (a host loop: slow, and not CUDA-graph safe).
+# Latent attention (MLA): on the CPU the C++ kernels, as for paged attention; on a GPU FlashInfer's MLA wrapper
+# where it serves (R 512, P 64, bf16/fp16, outside captures nobody re-plans: 1.3-6x Triton's time, docs/bench.md),
+# then Triton's kernels (fp8, sinks, trees, other R/P, captures), the reference only behind them (a host loop: slow,
+# and not CUDA-graph safe).
 MLA_ORDER = {
     "cpu": ("cpu", "reference"),
-    "cuda": ("triton", "reference"),
+    "cuda": ("flashinfer", "triton", "reference"),
 }
 
 _pinned_backend: contextvars.ContextVar[str | None] = contextvars.ContextVar("attnops_backend", default=None)

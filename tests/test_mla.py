@@ -525,15 +525,17 @@ def test_flashinfer_declines_what_its_mla_kernels_are_not_built_for():
         assert any(words in r for r in found), (change, found)
 
 
-def test_only_latent_backends_serve_it_and_triton_comes_first_on_a_gpu():
+def test_only_latent_backends_serve_it_and_flashinfer_comes_first_on_a_gpu():
     from attnops.cases import MLACase
     from attnops.dispatch import policy, reasons_against
     from attnops.backends import BACKENDS
     case = MLACase(device_type="cuda", arch=(9, 0), q_dtype=torch.bfloat16, kv_format="bf16", latent_dim=512,
                    rope_dim=64, num_heads=16, page_size=64, decode=True)
-    assert policy(case) == ("triton", "reference")
+    assert policy(case) == ("flashinfer", "triton", "reference")
     assert reasons_against(BACKENDS["cuda"], case) == ["has no latent-attention (MLA) kernels"]
-    assert BACKENDS["flashinfer"].serves_mla
+    assert BACKENDS["flashinfer"].serves_mla  # (Triton serves what it declines: fp8 here)
+    assert any("fp8_e4m3" in r for r in reasons_against(BACKENDS["flashinfer"], MLACase(**{**case.__dict__,
+                                                                                        "kv_format": "fp8_e4m3"})))
     assert reasons_against(BACKENDS["cpu"], case) == ["runs on cpu, not cuda"]
     # on the CPU the C++ kernels come first, as for paged attention
     cpu_case = MLACase(**{**case.__dict__, "device_type": "cpu", "arch": None})

@@ -20,23 +20,29 @@ INTERPRETER_INVARIANT_CHUNK = 32
 def mla_plan(num_tokens: int, num_heads: int, capacity: int, latent_dim: int, on_gpu: bool,
              config: dict | None = None, invariant: bool = False) -> dict:
     """Tiles and splits of a call, from shapes only (a captured graph replays any lengths within the table).
-    Heads are the tile's rows: at most 64 a program (the fp32 accumulator of 64 x 512 is what a program holds),
-    at least 16 (tl.dot's smallest M). Splits fill about two waves of 132 SMs when tokens x head blocks are few.
+    Heads are the tile's rows: at most 64 a program (the fp32 accumulator of 64 x 512 is what a program holds, with
+    8 warps), at least 16 (tl.dot's smallest M). Splits bring the programs to about 256 (two waves of the H100's and
+    H200's 132 SMs), in chunks of at least 256 keys; fitted to benchmarks/mla_decode.py --sweep (docs/bench.md).
     `config` overrides tiles and CHUNK; the split count always follows from CHUNK, so that the splits cover the
     table. `invariant` (batch-invariant mode): CHUNK fixed; the tiles depend on heads and R only, so a row is
     computed by the same program code over the same splits whatever the batch and the table's width."""
-    block_h = max(16, min(64 if latent_dim <= 256 else 32, triton.next_power_of_2(num_heads)))
-    block_n = 32 if latent_dim > 256 else 64
-    if not on_gpu:
-        block_h, block_n = max(16, min(block_h, 32)), 16
-    programs = max(num_tokens, 1) * triton.cdiv(num_heads, block_h)
-    splits = max(1, min(32, (2 * 132) // programs, triton.cdiv(capacity, 4 * block_n))) if on_gpu else \
-        max(1, min(4, triton.cdiv(capacity, 64)))
-    chunk = triton.cdiv(triton.cdiv(max(capacity, 1), splits), block_n) * block_n
+    if on_gpu:
+        block_h = max(16, min(64, triton.next_power_of_2(num_heads)))
+        if latent_dim <= 256:
+            block_n, num_warps = 64, 4
+        else:  # a 64-head tile's accumulator needs 8 warps' registers; it reads each latent row half as often
+            block_n, num_warps = (64, 8) if block_h == 64 else (32, 4)
+        programs = max(num_tokens, 1) * triton.cdiv(num_heads, block_h)
+        splits = triton.cdiv(256, programs)
+        chunk = max(256, triton.cdiv(triton.cdiv(max(capacity, 1), splits), block_n) * block_n)
+    else:
+        block_h = max(16, min(32, triton.next_power_of_2(num_heads)))
+        block_n, num_warps = 16, 4
+        splits = max(1, min(4, triton.cdiv(capacity, 64)))
+        chunk = triton.cdiv(triton.cdiv(max(capacity, 1), splits), block_n) * block_n
     if invariant:
         chunk = INVARIANT_CHUNK if on_gpu else INTERPRETER_INVARIANT_CHUNK
-    plan = dict(BLOCK_H=block_h, BLOCK_N=block_n, CHUNK=chunk, num_warps=8 if latent_dim > 256 and on_gpu else 4,
-                num_stages=2 if on_gpu else 1)
+    plan = dict(BLOCK_H=block_h, BLOCK_N=block_n, CHUNK=chunk, num_warps=num_warps, num_stages=2 if on_gpu else 1)
     plan.update(config or {})
     plan["MAX_SPLITS"] = triton.cdiv(max(capacity, 1), plan["CHUNK"])
     return plan
