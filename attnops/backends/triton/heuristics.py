@@ -78,7 +78,7 @@ def dot_dtype(q_dtype: torch.dtype, kv_format: str) -> torch.dtype:
 
 
 # batch-invariant mode (attnops.invariance): keys a split, fixed, so that kv_plan cuts a sequence by its own length
-INVARIANT_CHUNK = 4096
+INVARIANT_CHUNK = 2048
 
 
 def heuristic_config(case: AttentionCase, num_tokens: int, device: torch.device) -> dict:
