@@ -16,6 +16,7 @@ from attnops import dispatch, invariance
 from attnops.testing import random_paged_inputs
 
 GPU = torch.cuda.is_available()
+DEFAULT_THREADS = torch.get_num_threads()
 
 
 def sequence(rng: random.Random, gen: torch.Generator, *, decode: bool, page_size: int, latent: bool,
@@ -68,8 +69,11 @@ def target_rows(args, seqs, position):
     return slice(start, start + seqs[position]["q_len"])
 
 
-def check_invariant(backend: str, *, latent: bool, device: str, dtype, trials: int, seed: int) -> None:
+def check_invariant(backend: str, *, latent: bool, device: str, dtype, trials: int, seed: int,
+                    threads: tuple[int, ...] = ()) -> None:
+    """`threads`: torch's thread counts to draw from for each call (the C++ CPU kernels' work follows them)."""
     rng = random.Random(seed)
+    default_threads = torch.get_num_threads()
     gen = torch.Generator().manual_seed(seed)
     op = torch.ops.attnops.mla_attention_with_lse if latent else torch.ops.attnops.paged_attention_with_lse
     for trial in range(trials):
@@ -87,7 +91,12 @@ def check_invariant(backend: str, *, latent: bool, device: str, dtype, trials: i
                 seqs = others[:position] + [target] + others[position:]
                 args = assemble(seqs, decode=decode, extra_width=rng.randint(0, 12), spare_pages=rng.randint(0, 4),
                                 gen=gen, device=device)
-                out, lse = op(**args, **extra)
+                if threads:
+                    torch.set_num_threads(rng.choice(threads))
+                try:
+                    out, lse = op(**args, **extra)
+                finally:
+                    torch.set_num_threads(default_threads)
                 rows = target_rows(args, seqs, position)
                 assert torch.equal(out[rows], want_out), (backend, trial, position)
                 assert torch.equal(lse[rows], want_lse), (backend, trial, position)
@@ -96,6 +105,29 @@ def check_invariant(backend: str, *, latent: bool, device: str, dtype, trials: i
 @pytest.mark.parametrize("latent", [False, True], ids=["paged", "latent"])
 def test_reference_is_invariant(latent):
     check_invariant("reference", latent=latent, device="cpu", dtype=torch.float32, trials=6, seed=1)
+
+
+@pytest.mark.parametrize("latent", [False, True], ids=["paged", "latent"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernels_are_invariant_whatever_the_thread_count(dtype, latent):
+    """The C++ kernels: the batches are also run on 1 to 6 threads (the target alone on torch's default)."""
+    check_invariant("cpu", latent=latent, device="cpu", dtype=dtype, trials=8, seed=4, threads=(1, 2, 3, 6))
+
+
+def test_cpu_kernels_outside_the_mode_split_by_the_threads():
+    """Without the mode the split of a long sequence follows the thread count, so its last bits move: what the
+    mode is for (else the test above shows nothing)."""
+    args = random_paged_inputs([30000], num_q_heads=4, num_kv_heads=1, head_dim=64, seed=5)
+    outs = []
+    for threads in (1, 6):
+        torch.set_num_threads(threads)
+        try:
+            with attnops.use_backend("cpu"):
+                outs.append(torch.ops.attnops.paged_attention(**args))
+        finally:
+            torch.set_num_threads(DEFAULT_THREADS)
+    assert not torch.equal(*outs)
+    torch.testing.assert_close(*outs)
 
 
 @pytest.mark.skipif(GPU, reason="the interpreter's run; the GPU run is below")
@@ -111,33 +143,50 @@ def test_triton_is_invariant_on_the_gpu(dtype, latent):
     check_invariant("triton", latent=latent, device="cuda", dtype=dtype, trials=20, seed=3)
 
 
-def test_dispatch_takes_only_invariant_backends_and_says_why():
+@pytest.fixture
+def cpu_not_invariant(monkeypatch):
+    """The cpu backend as one that is not invariant (every CPU backend is): what dispatch does with such a one."""
+    from attnops.backends import BACKENDS
+    monkeypatch.setattr(BACKENDS["cpu"], "invariance_reasons", lambda case: ["splits by the batch (a stand-in)"])
+    dispatch._select_cached.cache_clear()
+    yield
+    dispatch._select_cached.cache_clear()
+
+
+def test_dispatch_takes_only_invariant_backends_and_says_why(cpu_not_invariant):
     case = dispatch.describe_attention(device="cpu", kv_format="fp32", q_dtype=torch.float32)
     assert dispatch.explain_case(case).chosen == "cpu"
     with attnops.batch_invariant():
         explanation = dispatch.explain_case(case)
         assert explanation.chosen == "reference"
-        assert any("not yet batch-invariant" in r for r in explanation.rejected["cpu"])
+        assert any("splits by the batch" in r for r in explanation.rejected["cpu"])
         assert "mode: batch-invariant" in str(explanation)
         with attnops.batch_invariant(False):  # an inner block turns it off
             assert dispatch.explain_case(case).chosen == "cpu"
+
+
+def test_which_backends_are_invariant():
+    from attnops.backends import BACKENDS
+    from attnops.cases import MLACase
+    case = dispatch.describe_attention(device="cpu", kv_format="fp32", q_dtype=torch.float32)
+    with attnops.batch_invariant():
+        assert dispatch.explain_case(case).chosen == "cpu"
     gpu = dispatch.describe_attention(device="cpu", kv_format="bf16")
     gpu = type(gpu)(**{**gpu.__dict__, "device_type": "cuda", "arch": (9, 0)})
-    from attnops.backends import BACKENDS
     assert BACKENDS["triton"].invariance_reasons(gpu) == []
     for name in ("flashinfer", "cuda"):
         assert BACKENDS[name].invariance_reasons(gpu), name
-    from attnops.cases import MLACase
     mla = MLACase(device_type="cuda", arch=(9, 0), q_dtype=torch.bfloat16, kv_format="bf16", latent_dim=512,
                   rope_dim=64, num_heads=16, page_size=64, decode=True)
     assert BACKENDS["triton"].invariance_reasons(mla) == []
     assert BACKENDS["flashinfer"].invariance_reasons(mla)
+    assert BACKENDS["cpu"].invariance_reasons(mla) == []
 
 
-def test_a_pinned_backend_that_is_not_invariant_is_refused(monkeypatch):
+def test_a_pinned_backend_that_is_not_invariant_is_refused(monkeypatch, cpu_not_invariant):
     args = random_paged_inputs([9, 20], num_q_heads=4, num_kv_heads=2, head_dim=32)
     with attnops.batch_invariant(), attnops.use_backend("cpu"):
-        with pytest.raises(ValueError, match="not yet batch-invariant"):
+        with pytest.raises(ValueError, match="splits by the batch"):
             torch.ops.attnops.paged_attention(**args)
     monkeypatch.setenv("ATTNOPS_BATCH_INVARIANT", "1")
     assert invariance.enabled()

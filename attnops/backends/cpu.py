@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .. import _C  # noqa: F401  (registers the C++ ops)
-from .. import checks, errors, formats
+from .. import checks, errors, formats, invariance
 from .base import Backend, MLACase, MLAWriteCase, common_reasons
 
 # What the kernels serve, as data (dispatch and `attnops.explain` read the reasons built from it).
@@ -53,7 +53,7 @@ class CPUBackend(Backend):
         return []
 
     def invariance_reasons(self, case) -> list[str]:
-        return ["the C++ kernels split a sequence's keys by the batch and the thread count; not yet batch-invariant"]
+        return []  # in the mode the kernels split a sequence's keys by its own length only (batch_invariant=True)
 
     def supports(self, case) -> list[str]:
         if isinstance(case, (MLACase, MLAWriteCase)):  # (checks_mla bounds the latent formats and shapes)
@@ -79,10 +79,8 @@ class CPUBackend(Backend):
         args = (call.q, call.k_cache, call.v_cache, call.block_table, call.seq_lens, call.cu_seqlens_q,
                 float(call.scale), float(call.soft_cap), int(call.window_left), call.k_scale, call.v_scale,
                 call.sinks, call.tree_mask, call.out, errors.buffer(call.q.device))
-        if call.lse is None:
-            attention(*args)
-        else:  # the kernel writes each row's LSE from its online softmax's running max and sum
-            attention(*args, call.lse)
+        # (lse: the kernel writes each row's LSE from its online softmax's running max and sum)
+        attention(*args, call.lse, invariance.enabled())
 
     def reshape_and_cache(self, call) -> None:
         cache_write = self._ops()[1]
@@ -93,7 +91,7 @@ class CPUBackend(Backend):
         attention = self._ops()[2]
         attention(call.q_nope, call.q_pe, call.kv_cache, call.block_table, call.seq_lens, call.cu_seqlens_q,
                   call.scale, call.kv_scale, call.sinks, call.tree_mask, call.out, errors.buffer(call.q_nope.device),
-                  call.lse)
+                  call.lse, invariance.enabled())
 
     def mla_cache_write(self, call) -> None:
         cache_write = self._ops()[3]

@@ -64,6 +64,11 @@ struct AttentionParams {
   int64_t tree_mask_stride, tree_mask_cols;
 
   int64_t max_tile_rows;  // rows (query tokens x heads of a group) of the largest tile: sizes the scratch
+
+  // batch-invariant mode (attnops.batch_invariant): a sequence's keys are split every kInvariantSplitKeys from its
+  // own first key and its tiles' heads follow from the head shape only, so that the order of a row's sums does not
+  // depend on the other sequences of the call or on the thread count
+  bool batch_invariant;
 };
 
 // A tile: the query rows of one sequence that are processed together: tokens [q_begin, q_end) x the query heads

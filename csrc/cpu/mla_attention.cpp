@@ -30,7 +30,8 @@ void mla_attention_cpu(const at::Tensor& q_nope, const at::Tensor& q_pe, const a
                        const std::optional<at::Tensor>& cu_seqlens_q, double scale,
                        const std::optional<at::Tensor>& kv_scale, const std::optional<at::Tensor>& sinks,
                        const std::optional<at::Tensor>& tree_mask, const at::Tensor& out,
-                       const std::optional<at::Tensor>& errors, const std::optional<at::Tensor>& lse) {
+                       const std::optional<at::Tensor>& errors, const std::optional<at::Tensor>& lse,
+                       bool batch_invariant = false) {
   const char* op = "mla_attention";
   ATTNOPS_ARG_CHECK(op, q_nope.device().is_cpu() && q_nope.dim() == 3 && q_nope.stride(2) == 1,
                     "q_nope must be a CPU tensor [num_tokens, num_heads, R], contiguous in its last dimension");
@@ -109,6 +110,7 @@ void mla_attention_cpu(const at::Tensor& q_nope, const at::Tensor& q_pe, const a
   p.tree_mask = tree_mask.has_value() ? tree_mask->const_data_ptr<bool>() : nullptr;
   p.tree_mask_stride = tree_mask.has_value() ? tree_mask->stride(0) : 0;
   p.tree_mask_cols = tree_mask.has_value() ? tree_mask->size(1) : 0;
+  p.batch_invariant = batch_invariant;
   run_attention(p, num_tokens, block_table, seq_lens, cu_seqlens_q, out, errors, lse);
 }
 
@@ -121,10 +123,11 @@ void cpu_mla_attention(const at::Tensor& q_nope, const at::Tensor& q_pe, const a
                        const std::optional<at::Tensor>& cu_seqlens_q, double scale,
                        const std::optional<at::Tensor>& kv_scale, const std::optional<at::Tensor>& sinks,
                        const std::optional<at::Tensor>& tree_mask, at::Tensor& out,
-                       const std::optional<at::Tensor>& errors, const std::optional<at::Tensor>& lse) {
+                       const std::optional<at::Tensor>& errors, const std::optional<at::Tensor>& lse,
+                       bool batch_invariant) {
   check_errors("mla_attention", errors);
   mla_attention_cpu(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, scale, kv_scale, sinks, tree_mask,
-                    out, errors, lse);
+                    out, errors, lse, batch_invariant);
 }
 
 #ifdef ATTNOPS_STANDALONE
@@ -194,7 +197,7 @@ TORCH_LIBRARY_FRAGMENT(attnops, m) {
   m.def(
       "cpu_mla_attention(Tensor q_nope, Tensor q_pe, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
       "Tensor? cu_seqlens_q, float scale, Tensor? kv_scale, Tensor? sinks, Tensor? tree_mask, Tensor(a!) out, "
-      "Tensor(b!)? errors=None, Tensor(c!)? lse=None) -> ()");
+      "Tensor(b!)? errors=None, Tensor(c!)? lse=None, bool batch_invariant=False) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(attnops, CPU, m) {

@@ -43,6 +43,8 @@ constexpr int64_t kTileRows = 16;       // query rows (tokens x group heads) per
 constexpr int64_t kMaxTileRows = 64;    // rows of a tile over all its KV heads (bounds the per-thread scratch)
 constexpr int64_t kMinSplitKeys = 256;  // never split a tile into pieces shorter than this
 constexpr int64_t kItemsPerThread = 4;  // split tiles until there are about this many items per thread
+// batch-invariant mode: keys a split (a whole number of kKeyChunk), whatever the batch and the threads
+constexpr int64_t kInvariantSplitKeys = 1024;
 
 }  // namespace
 
@@ -67,7 +69,8 @@ void paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const a
                          int64_t window_left, const std::optional<at::Tensor>& k_scale,
                          const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& sinks,
                          const std::optional<at::Tensor>& tree_mask, const at::Tensor& out,
-                         const std::optional<at::Tensor>& errors, const std::optional<at::Tensor>& lse) {
+                         const std::optional<at::Tensor>& errors, const std::optional<at::Tensor>& lse,
+                         bool batch_invariant = false) {
   const char* op = "paged_attention";
   const int page_shift = check_caches(op, k_cache, v_cache);
   ATTNOPS_ARG_CHECK(op, q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1,
@@ -132,6 +135,7 @@ void paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const a
   p.value_dim = head_dim;
   p.q_pe = nullptr;
   p.q_nope_dim = head_dim;
+  p.batch_invariant = batch_invariant;
   run_attention(p, num_tokens, block_table, seq_lens, cu_seqlens_q, out, errors, lse);
 }
 
@@ -211,7 +215,7 @@ void run_attention(AttentionParams& p, int64_t num_tokens, const at::Tensor& blo
 
   // KV heads per tile: as many as fit kMaxTileRows rows (a divisor of Hkv: every tile has the same heads), so a
   // chunk's K/V slots are read once for all heads; fewer where that would leave too few work items for the threads
-  // (counting the key splits the tiles' lengths allow).
+  // (counting the key splits the tiles' lengths allow), except in batch-invariant mode.
   const int64_t num_threads = at::get_num_threads();
   const int64_t rows_per_head = tokens_per_tile * group;
   int64_t pieces = 0;  // work items per KV head that the blocks allow, splits included
@@ -220,7 +224,8 @@ void run_attention(AttentionParams& p, int64_t num_tokens, const at::Tensor& blo
   for (int64_t hb = num_kv_heads; hb >= 1; --hb) {
     if (num_kv_heads % hb != 0) continue;
     const bool fits = hb == 1 || hb * rows_per_head <= kMaxTileRows;
-    const bool enough_work = hb == 1 || (num_kv_heads / hb) * pieces >= kItemsPerThread * num_threads;
+    const bool enough_work =
+        hb == 1 || p.batch_invariant || (num_kv_heads / hb) * pieces >= kItemsPerThread * num_threads;
     if (fits && enough_work) {
       heads_per_tile = hb;
       break;
@@ -256,7 +261,9 @@ void run_attention(AttentionParams& p, int64_t num_tokens, const at::Tensor& blo
     const Tile& t = tiles[i];
     const int64_t keys = t.kv_end - t.kv_begin;
     int64_t splits = 1;
-    if (num_threads > 1) {
+    if (p.batch_invariant) {
+      splits = (keys + kInvariantSplitKeys - 1) / kInvariantSplitKeys;
+    } else if (num_threads > 1) {
       splits = std::min((tile_cost(t, keys) + target_cost - 1) / target_cost, keys / kMinSplitKeys);
       splits = std::max<int64_t>(splits, 1);
     }
@@ -265,9 +272,10 @@ void run_attention(AttentionParams& p, int64_t num_tokens, const at::Tensor& blo
       item_cost.push_back(tile_cost(t, keys));
       continue;
     }
-    // pieces of equal length, in whole chunks of keys
+    // pieces of equal length, in whole chunks of keys (in batch-invariant mode kInvariantSplitKeys, the last shorter)
     const int64_t piece = (keys + splits - 1) / splits;
-    const int64_t step = (piece + kKeyChunk - 1) / kKeyChunk * kKeyChunk;
+    const int64_t step =
+        p.batch_invariant ? kInvariantSplitKeys : (piece + kKeyChunk - 1) / kKeyChunk * kKeyChunk;
     const int64_t first_slot = num_slots;
     for (int64_t k0 = t.kv_begin; k0 < t.kv_end; k0 += step) {
       const int64_t k1 = std::min(k0 + step, t.kv_end);
@@ -320,10 +328,11 @@ void cpu_paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const a
                          int64_t window_left, const std::optional<at::Tensor>& k_scale,
                          const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& sinks,
                          const std::optional<at::Tensor>& tree_mask, at::Tensor& out,
-                         const std::optional<at::Tensor>& errors, const std::optional<at::Tensor>& lse) {
+                         const std::optional<at::Tensor>& errors, const std::optional<at::Tensor>& lse,
+                         bool batch_invariant) {
   check_errors("paged_attention", errors);
   paged_attention_cpu(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left, k_scale,
-                      v_scale, sinks, tree_mask, out, errors, lse);
+                      v_scale, sinks, tree_mask, out, errors, lse, batch_invariant);
 }
 
 #ifdef ATTNOPS_STANDALONE
@@ -391,7 +400,8 @@ TORCH_LIBRARY_FRAGMENT(attnops, m) {
   m.def(
       "cpu_paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, "
       "Tensor? cu_seqlens_q, float scale, float soft_cap, int window_left, Tensor? k_scale, Tensor? v_scale, "
-      "Tensor? sinks, Tensor? tree_mask, Tensor(a!) out, Tensor(b!)? errors=None, Tensor(c!)? lse=None) -> ()");
+      "Tensor? sinks, Tensor? tree_mask, Tensor(a!) out, Tensor(b!)? errors=None, Tensor(c!)? lse=None, "
+      "bool batch_invariant=False) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(attnops, CPU, m) {
