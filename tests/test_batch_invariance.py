@@ -240,3 +240,59 @@ def test_triton_gpu_plan_in_the_mode_depends_on_no_batch(monkeypatch):
                        for c, (_, case, _) in zip(chosen, [x for x in calls if x[0] == decode]))
     finally:
         heuristics.heuristic_config.cache_clear()
+
+
+def serve_target(model, schedule, threads: int) -> tuple[list[int], list[float]]:
+    """Serves `schedule` [(step it arrives, req_id, prompt, max_new_tokens)] with Generator(batch_invariant=True)
+    on `threads` threads; returns the request "target"'s tokens and their log-probabilities."""
+    from attnops.serving.generate import Generator
+    kv = attnops.hf.paged_kv_cache(model.config, num_pages=160, page_size=16, kv_format="fp32", device="cpu")
+    gen = Generator(attnops.hf.serving_model(model), kv, max_batch=3, max_seq_len=720, batch_invariant=True)
+    torch.set_num_threads(threads)
+    try:
+        step = 0
+        while step <= max(at for at, *_ in schedule) or gen.has_work():
+            for at, req_id, prompt, n in schedule:
+                if at == step:
+                    gen.add_request(req_id, prompt, n)
+            gen.step()
+            step += 1
+    finally:
+        torch.set_num_threads(DEFAULT_THREADS)
+    assert not gen.failed
+    return gen.finished["target"].output, gen.finished["target"].logprobs
+
+
+def test_generator_serves_a_request_the_same_whatever_is_beside_it():
+    """Greedy tokens and their log-probabilities (so the logits' bits) of a request served alone, then among
+    random others that arrive before, with and after it (some waiting for a row: max_batch 3), on 1-6 threads.
+    Its prompt is long enough (700 tokens) that the CPU kernels outside the mode would split it by the threads."""
+    pytest.importorskip("transformers")
+    import attnops.hf
+    from conftest import build, make_config
+    torch.manual_seed(0)
+    model = build(make_config("llama"), attnops.hf.ATTN_IMPLEMENTATION)
+    rng = random.Random(6)
+    target = [rng.randrange(1, 256) for _ in range(700)]
+    want = serve_target(model, [(0, "target", target, 12)], threads=DEFAULT_THREADS)
+    assert len(want[0]) == 12 and len(set(want[0])) > 1
+    for trial in range(4):
+        others = [(rng.randint(0, 6), i, [rng.randrange(1, 256) for _ in range(rng.randint(3, 20))],
+                   rng.randint(2, 14)) for i in range(rng.randint(1, 5))]
+        schedule = others + [(rng.randint(0, 4), "target", target, 12)]
+        assert serve_target(model, schedule, threads=rng.choice([1, 2, 3, 6])) == want, (trial, schedule)
+
+
+def test_generator_batch_invariant_checks_its_arguments():
+    from attnops.serving.generate import Generator
+    kv = attnops.PagedKVCache(num_layers=1, num_kv_heads=1, head_dim=32, num_pages=4, page_size=4, device="cpu")
+    model = lambda *args: None  # noqa: E731  (never called)
+    with pytest.raises(TypeError, match="batch_invariant must be a bool"):
+        Generator(model, kv, batch_invariant=1)
+    for bad in (dict(cascade=True), dict(prefix_sharing=True)):
+        with pytest.raises(ValueError, match=f"{next(iter(bad))}=True"):
+            Generator(model, kv, batch_invariant=True, **bad)
+    with pytest.raises(ValueError, match="max_batch rows only"):
+        Generator(model, kv, max_batch=4, buckets=(1, 2, 4), batch_invariant=True)
+    gen = Generator(model, kv, max_batch=4, batch_invariant=True, cascade=False)
+    assert gen.decode.buckets == (4,) and not gen.prefix_sharing and gen.decode.cascade is None

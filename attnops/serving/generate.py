@@ -20,6 +20,7 @@ replace for a graph helper of another shape.)
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import numbers
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from typing import Callable
 import torch
 
 from ..cascade import PrefixPass, cascade_min_prefix_tokens
+from ..invariance import batch_invariant as invariant_mode
 from .batching import StaticCascadeInputs, StaticDecodeInputs, default_buckets
 from .kv_cache import BatchMetadata, CascadeSplit, PagedKVCache
 
@@ -154,6 +156,7 @@ class Request:
     temperature: float = 0.0  # 0: greedy
     eos_token_id: int | None = None
     output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # each output token's log-probability under its logits
     finished: bool = False
 
 
@@ -210,6 +213,12 @@ class Generator:
     every layer; its own compiled function and CUDA graphs per bucket) when attnops.cascade.cascade_pays says it
     is worth it; `stats["cascade_steps"]` counts those steps;
     seed: the sampling generator's seed (temperature > 0 only);
+    batch_invariant: a request's logits, so its greedy tokens, are bitwise the same whatever other requests are
+    served beside it (and whenever it arrives): every step runs in attnops.batch_invariant() mode, the decode
+    step always at one batch size (max_batch rows; the model's matrix products see the same shapes each step),
+    each prompt is prefilled alone, and prefix sharing and cascade are off (both compute a row from other
+    requests' work). Costs: padding rows up to max_batch, a prefill call per request. A request recomputed after
+    a failed step is the exception (its prompt and tokens prefilled together);
     vocab_size: the token ids a prompt may hold are [0, vocab_size) (default: the model's config.vocab_size, else
     its input embedding's num_embeddings, where it has either).
 
@@ -234,7 +243,22 @@ class Generator:
 
     def __init__(self, model, cache: PagedKVCache, *, max_batch: int = 8, max_seq_len: int = 2048,
                  buckets: tuple[int, ...] | None = None, compile: bool | dict = False, cuda_graphs: bool = False,
-                 prefix_sharing: bool = True, cascade: bool = True, seed: int = 0, vocab_size: int | None = None):
+                 prefix_sharing: bool | None = None, cascade: bool | None = None, seed: int = 0,
+                 vocab_size: int | None = None, batch_invariant: bool = False):
+        if not isinstance(batch_invariant, bool):
+            raise TypeError(f"Generator: batch_invariant must be a bool (got {type(batch_invariant).__name__})")
+        if batch_invariant:
+            for name, value in (("prefix_sharing", prefix_sharing), ("cascade", cascade)):
+                if value:
+                    raise ValueError(f"Generator: {name}=True computes a request's rows from other requests' work; "
+                                     "it cannot be on with batch_invariant=True")
+            if buckets is not None and tuple(buckets) != (max_batch,):
+                raise ValueError(f"Generator: with batch_invariant=True the decode step runs at max_batch rows only "
+                                 f"(buckets=({max_batch},) or None; got {tuple(buckets)})")
+            buckets, prefix_sharing, cascade = (max_batch,), False, False
+        self.batch_invariant = batch_invariant
+        prefix_sharing = True if prefix_sharing is None else prefix_sharing
+        cascade = True if cascade is None else cascade
         self.model, self.cache = model, cache
         if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int)
                                        or vocab_size < 1):
@@ -307,9 +331,11 @@ class Generator:
         return admitted
 
     def _emit(self, reqs: list[Request], logits: torch.Tensor, new: dict) -> None:
-        tokens = sample(logits, [r.temperature for r in reqs], self.generator).tolist()
-        for req, token in zip(reqs, tokens):
+        chosen = sample(logits, [r.temperature for r in reqs], self.generator)
+        logprobs = torch.log_softmax(logits.float(), -1).gather(-1, chosen[:, None]).squeeze(1).tolist()
+        for req, token, logprob in zip(reqs, chosen.tolist(), logprobs):
             req.output.append(token)
+            req.logprobs.append(logprob)
             new.setdefault(req.req_id, []).append(token)
             if len(req.output) >= req.max_new_tokens or token == req.eos_token_id:
                 req.finished = True
@@ -394,16 +420,19 @@ class Generator:
         pages of those that finished. Returns {req_id: [tokens generated this step]}."""
         new: dict = {}
         self._requeued = 0  # requests of this step sent back to wait, in their order, ahead of the queue
-        admitted = self._admit()
-        if admitted:
-            self._prefill_alone_if_failing(admitted, new)
-            self._retire()
-        batch = list(self.running.values())
-        if batch:
-            self._decode_or_recompute(batch, new)
-            self.stats["peak_pages_in_use"] = max(self.stats["peak_pages_in_use"], self.cache.pages_in_use)
-            self.stats["cascade_steps"] = self.decode.cascade_steps
-            self._retire()
+        with invariant_mode() if self.batch_invariant else contextlib.nullcontext():
+            admitted = self._admit()
+            if admitted:
+                # (batch-invariant: each prompt alone, so its prefill's shapes are its own)
+                for group in ([r] for r in admitted) if self.batch_invariant else [admitted]:
+                    self._prefill_alone_if_failing(group, new)
+                self._retire()
+            batch = list(self.running.values())
+            if batch:
+                self._decode_or_recompute(batch, new)
+                self.stats["peak_pages_in_use"] = max(self.stats["peak_pages_in_use"], self.cache.pages_in_use)
+                self.stats["cascade_steps"] = self.decode.cascade_steps
+                self._retire()
         return new
 
     def run(self) -> dict:
