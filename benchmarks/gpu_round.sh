@@ -55,6 +55,10 @@
 #   demo      python -m attnops demo $DEMO_ARGS, as a newcomer runs it: $results/demo.txt
 #   fuzz-warm each fuzz backend's first chunk in one process, so that the fuzz step's workers find every kernel
 #             compiled (after `jit`)
+#   head-dims head dims between powers of two (80, 96, 160, 192) and 512 in Triton's padded tiles, switched on with
+#             ATTNOPS_TRITON_PADDED_HEADS=1: tests/test_head_dims.py's GPU tests ($results/head-dims-tests.log), then
+#             `bench --grid head-dims` (decode 32 x 8192 and 128 x 4096, 32/8 heads, bf16 and fp8, beside 128 and 256):
+#             $results/head-dims.{json,txt}
 #   mla       benchmarks/mla_decode.py $MLA_ARGS (latent-attention decode against FlashInfer's MLA wrapper where
 #             FlashInfer is installed, and the ceiling): $results/$MLA_NAME.json, .txt (MLA_NAME default mla).
 #             MLA_ARGS="--sweep" times Triton's tiles and splits per case (what mla_plan is fitted to);
@@ -209,6 +213,14 @@ for t in trees[1:]:  # the first tree's time over this one's, geometric mean ove
               f"x{math.exp(sum(map(math.log, ratios)) / len(ratios)):.4f}")
 PY
       stamp ab-cuda ;;
+    head-dims)
+      # head dims between powers of two and 512 through Triton's padded tiles (switched on for the round): the GPU
+      # tests, then decode on the head-dims grid against FlashInfer where it serves the size
+      ATTNOPS_TRITON_PADDED_HEADS=1 timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu \
+        tests/test_head_dims.py > "$results/head-dims-tests.log" 2>&1; tail -3 "$results/head-dims-tests.log"
+      ATTNOPS_TRITON_PADDED_HEADS=1 timeout ${BENCH_TIMEOUT:-300} python3 -m attnops bench --grid head-dims \
+        --backends triton --peers --graph-only --json "$results/head-dims.json" > "$results/head-dims.txt" 2>&1
+      tail -30 "$results/head-dims.txt"; stamp head-dims ;;
     mla)
       timeout ${MLA_TIMEOUT:-300} python3 benchmarks/mla_decode.py ${MLA_ARGS:-} --json "$results/${MLA_NAME:-mla}.json" \
         2>&1 | tee "$results/${MLA_NAME:-mla}.txt" | tail -40

@@ -581,8 +581,9 @@ def test_backend_declines_with_reasons():
     from attnops.dispatch import describe_attention
     backend = BACKENDS["triton"]
     assert backend.unavailable() == []
-    reasons = backend.supports(describe_attention(device="cpu", head_dim=96, q_dtype=torch.bfloat16))
-    assert any("head_dim 96" in r for r in reasons)
+    reasons = backend.supports(describe_attention(device="cpu", head_dim=96, q_dtype=torch.bfloat16,
+                                                  kv_format="nvfp4", scale_kind="block"))
+    assert any("head_dim 96 runs in a padded tile" in r for r in reasons)
     if not CUDA:
         assert any("bf16" in r for r in reasons)
     assert backend.supports(describe_attention(device=DEVICE, q_dtype=torch.float16, kv_format="nvfp4",
@@ -612,7 +613,10 @@ picked += [v for v in variants if v["fmt"] == "mxfp4" and not v["scale_bcast"]][
 picked += [v for v in variants if v.get("fp8_v_pairs")][:1] + [v for v in variants if v.get("heads_inner")][:1]
 picked += [v for v in variants if v.get("tree")][:1]  # sinks and a tree mask
 picked += [v for v in variants if v.get("lse") and v["sinks"]][:1]  # each row's LSE, from the merge kernel too
-assert len(picked) == 8
+# a padded tile (head dim 96 in 128's) and the widest (512), prefill-sized
+picked += [v for v in variants if v.get("valid_dim") == 96][:1]
+picked += [v for v in variants if v.get("valid_dim") == 512 and not v["decode"]][:1]
+assert len(picked) == 10
 for v in picked:
     compiled, _ = cc.compile_attention(v, target)
     if v is picked[0]:  # --sass's reading of the SASS: the decode loop, with its mma, inside the kernel
@@ -623,6 +627,7 @@ for v in picked:
 cc.print_sass(["fp8_e4m3"], "bf16", target, 132, 232448, {}, "decode 128 x 4096", (32, 8, 64))
 cc.compile_cache_write("nvfp4", "bf16", 64, target)
 cc.compile_cache_write("fp8_e4m3", "fp32", 128, target)
+cc.compile_cache_write("fp8_e4m3", "bf16", 128, target, valid_dim=96)
 cc.compile_page_layout(True, target)
 cc.compile_merge_states("bf16", target)
 # latent attention at DeepSeek's shape, bf16 and fp8, split (with sinks and the LSE) and a verify with a tree mask

@@ -204,5 +204,22 @@ def fp4_grid() -> list:
     return cases
 
 
+# Head dims between the powers of two (Phi-2's 80, Phi-3's 96, 160, 192) and the widest (512) against 128 and 256,
+# 32/8 heads: their decode's bytes/s against 128's (docs/bench.md, "Every head dim")
+HEAD_DIM_SIZES = (80, 96, 128, 160, 192, 256, 512)
+HEAD_DIM_DECODE = [(32, 8192), (128, 4096)]
+
+
+def head_dims_grid() -> list:
+    """Decode at HEAD_DIM_DECODE for each of HEAD_DIM_SIZES (32/8 heads), bf16 and fp8 e4m3 per tensor."""
+    cases = []
+    for d in HEAD_DIM_SIZES:
+        for fmt in ("bf16", "fp8_e4m3"):
+            for b, n in HEAD_DIM_DECODE:
+                cases.append(Case(f"head-dim/32-8-{d}/{fmt}/{b}x{n}", "head-dims", [n] * b, head_dim=d,
+                                  kv_format=fmt))
+    return cases
+
+
 GRIDS = {"gpu": gpu_grid, "models": models_grid, "models-unseen": models_unseen_grid, "spec": spec_grid,
-         "fp4": fp4_grid, "cpu": cpu_grid, "cpu-bar": cpu_bar_grid}
+         "fp4": fp4_grid, "head-dims": head_dims_grid, "cpu": cpu_grid, "cpu-bar": cpu_bar_grid}

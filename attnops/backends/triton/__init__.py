@@ -10,16 +10,43 @@ import os
 
 import torch
 
-from ... import invariance
+from ... import checks, formats, invariance
+from ...env import environ_get
 from ..base import AttentionCase, Backend, MLACase, MLAWriteCase, common_reasons
 
-# the kernels' tiles span the head dim with tl.arange, whose lengths are powers of two; other head dims (80, 96,
-# 192 ...) need padded, masked tiles, which they do not have yet: the reference serves those on a GPU
-HEAD_DIMS = (32, 64, 128, 256)
+# the kernels' tiles span the head dim with tl.arange, whose lengths are powers of two: a head dim between (80, 96,
+# 192 ...) runs in the next power of two's tile with the columns past it masked (common.head_tile), every format but
+# the 4-bit ones (their block scales are not padded). On a GPU those padded tiles and 512 are served only with
+# ATTNOPS_TRITON_PADDED_HEADS=1 until measured there (benchmarks/gpu_round.sh's head-dims step); the interpreter
+# serves them always (tests). MEASURED_HEAD_DIMS: the sizes auto takes on a GPU.
+HEAD_DIMS = checks.HEAD_DIMS
+MEASURED_HEAD_DIMS = (32, 64, 128, 256)
 # the formats the kernels read in place and write (kernel.py and common.py decode each by its FMT code,
 # cache_write.py encodes each): a new format is served here once its kernels are
 KV_FORMATS = ("bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2", "nvfp4", "mxfp4")
 Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def head_tile(head_dim: int) -> int:
+    """The kernels' tile width for a head dim (tl.arange takes powers of two): the next power of two; the columns
+    past the head dim are masked (loaded as 0, never stored)."""
+    return 1 << (head_dim - 1).bit_length()
+
+
+def _head_dim_reasons(case) -> list[str]:
+    """Why a head dim outside the measured ones is not served (empty: it is)."""
+    head_dim = case.head_dim
+    if head_dim in MEASURED_HEAD_DIMS or head_dim not in HEAD_DIMS:
+        return []
+    padded = head_dim & (head_dim - 1) != 0
+    if padded and formats.is_fp4(case.kv_format):
+        return [f"head_dim {head_dim} runs in a padded tile, which the 4-bit formats' block scales do not have yet "
+                f"(4-bit: head dims {', '.join(map(str, MEASURED_HEAD_DIMS))})"]
+    if case.device_type == "cuda" and environ_get("ATTNOPS_TRITON_PADDED_HEADS") in (None, "", "0"):
+        tile = f"in {head_tile(head_dim)}'s padded tile" if padded else "its tile"
+        return [f"head_dim {head_dim} ({tile}) is not yet measured on a GPU; ATTNOPS_TRITON_PADDED_HEADS=1 serves "
+                f"it (measured: {', '.join(map(str, MEASURED_HEAD_DIMS))})"]
+    return []
 
 
 def interpreting() -> bool:
@@ -57,6 +84,7 @@ class TritonBackend(Backend):
         else:
             reasons = common_reasons(case, devices=devices, q_dtypes=Q_DTYPES, kv_formats=KV_FORMATS,
                                      head_dims=HEAD_DIMS, archs=lambda arch: arch >= (8, 0))
+            reasons += _head_dim_reasons(case)
         src_dtype = case.q_dtype if isinstance(case, (AttentionCase, MLACase)) else case.src_dtype
         if case.device_type == "cpu" and (src_dtype == torch.bfloat16 or case.kv_format == "bf16"):
             reasons.append("bf16 is not supported by the Triton interpreter (CPU)")

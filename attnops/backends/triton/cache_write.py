@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from ... import errors, formats
+from . import head_tile
 from .common import ERR_SLOT_MAPPING, FMT_CODE, FMT_FP8, FMT_MXFP4, FMT_NVFP4, e8m0_to_f32, to_fp8_bits
 
 
@@ -41,8 +42,9 @@ def _e2m1_encode(y):
 @triton.jit
 def _write_row(src_ptr, cache_ptr, scale_ptr, bscale_ptr, cache_off, bscale_off, FMT: tl.constexpr,
                HEAD_DIM: tl.constexpr, SCALE_BLOCK: tl.constexpr, FP8_DTYPE: tl.constexpr, FP8_MAX: tl.constexpr,
-               SOFT_FP8: tl.constexpr):
-    """Quantizes one head's row (src_ptr -> HEAD_DIM values) into the cache row at cache_ptr + cache_off."""
+               SOFT_FP8: tl.constexpr, VALID_DIM: tl.constexpr):
+    """Quantizes one head's row (src_ptr -> VALID_DIM values) into the cache row at cache_ptr + cache_off.
+    HEAD_DIM: the row's tile, VALID_DIM rounded up to a power of two (4-bit rows: VALID_DIM itself)."""
     if FMT == FMT_NVFP4 or FMT == FMT_MXFP4:
         NB: tl.constexpr = HEAD_DIM // SCALE_BLOCK
         HB: tl.constexpr = SCALE_BLOCK // 2
@@ -79,14 +81,19 @@ def _write_row(src_ptr, cache_ptr, scale_ptr, bscale_ptr, cache_off, bscale_off,
         tl.store(cache_ptr + cache_off + offs_b * HB + offs_j, packed)
     else:
         offs_d = tl.arange(0, HEAD_DIM)
-        x = tl.load(src_ptr + offs_d)
+        if VALID_DIM < HEAD_DIM:  # (a padded tile)
+            cols = offs_d < VALID_DIM
+            x = tl.load(src_ptr + offs_d, mask=cols, other=0.0)
+        else:
+            cols = None
+            x = tl.load(src_ptr + offs_d)
         if FMT == FMT_FP8:
             y = tl.math.div_rn(x.to(tl.float32), tl.load(scale_ptr) + tl.zeros([HEAD_DIM], tl.float32))
             y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX))  # saturate; NaN stays NaN
             # stored through a uint8 view of the cache
-            tl.store(cache_ptr + cache_off + offs_d, to_fp8_bits(y, FP8_DTYPE, SOFT_FP8))
+            tl.store(cache_ptr + cache_off + offs_d, to_fp8_bits(y, FP8_DTYPE, SOFT_FP8), mask=cols)
         else:
-            tl.store(cache_ptr + cache_off + offs_d, x.to(cache_ptr.dtype.element_ty))
+            tl.store(cache_ptr + cache_off + offs_d, x.to(cache_ptr.dtype.element_ty), mask=cols)
 
 
 @triton.jit(do_not_specialize=["num_slots"])
@@ -95,7 +102,7 @@ def reshape_and_cache_kernel(
     num_slots, stride_kt, stride_kh, stride_vt, stride_vh, stride_cp, stride_ct, stride_ch,
     stride_kbp, stride_kbt, stride_kbh, stride_vbp, stride_vbt, stride_vbh, stride_ksh, stride_vsh,
     PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, FMT: tl.constexpr, SCALE_BLOCK: tl.constexpr,
-    FP8_DTYPE: tl.constexpr, FP8_MAX: tl.constexpr, SOFT_FP8: tl.constexpr,
+    FP8_DTYPE: tl.constexpr, FP8_MAX: tl.constexpr, SOFT_FP8: tl.constexpr, VALID_DIM: tl.constexpr,
 ):
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -112,9 +119,9 @@ def reshape_and_cache_kernel(
     v_bs_off = page * stride_vbp + off * stride_vbt + h * stride_vbh
     t64 = t.to(tl.int64)
     _write_row(key_ptr + t64 * stride_kt + h * stride_kh, k_cache_ptr, k_scale_ptr + h * stride_ksh, kb_ptr,
-               cache_off, k_bs_off, FMT, HEAD_DIM, SCALE_BLOCK, FP8_DTYPE, FP8_MAX, SOFT_FP8)
+               cache_off, k_bs_off, FMT, HEAD_DIM, SCALE_BLOCK, FP8_DTYPE, FP8_MAX, SOFT_FP8, VALID_DIM)
     _write_row(value_ptr + t64 * stride_vt + h * stride_vh, v_cache_ptr, v_scale_ptr + h * stride_vsh, vb_ptr,
-               cache_off, v_bs_off, FMT, HEAD_DIM, SCALE_BLOCK, FP8_DTYPE, FP8_MAX, SOFT_FP8)
+               cache_off, v_bs_off, FMT, HEAD_DIM, SCALE_BLOCK, FP8_DTYPE, FP8_MAX, SOFT_FP8, VALID_DIM)
 
 
 def reshape_and_cache(call) -> None:
@@ -162,5 +169,6 @@ def reshape_and_cache(call) -> None:
         stride_kbp=kb_strides[0], stride_kbt=kb_strides[1], stride_kbh=kb_strides[2],
         stride_vbp=vb_strides[0], stride_vbt=vb_strides[1], stride_vbh=vb_strides[2],
         stride_ksh=ks_h, stride_vsh=vs_h,
-        PAGE=page_size, HEAD_DIM=head_dim, FMT=FMT_CODE[kv_format], SCALE_BLOCK=scale_block, FP8_DTYPE=fp8_dtype,
-        FP8_MAX=fp8_max, SOFT_FP8=not key.is_cuda, num_warps=1 if head_dim <= 64 else 2)
+        PAGE=page_size, HEAD_DIM=head_tile(head_dim), FMT=FMT_CODE[kv_format], SCALE_BLOCK=scale_block,
+        FP8_DTYPE=fp8_dtype, FP8_MAX=fp8_max, SOFT_FP8=not key.is_cuda, VALID_DIM=head_dim,
+        num_warps=1 if head_dim <= 64 else 2)

@@ -33,6 +33,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from .cache_write import reshape_and_cache_kernel  # noqa: E402
+from . import head_tile  # noqa: E402
 from .common import FMT_CODE  # noqa: E402
 from ...cases import AttentionCase  # noqa: E402
 from ...formats import FORMATS  # noqa: E402
@@ -156,6 +157,17 @@ def attention_variants(quick: bool, arch: int = 90):
     # fp32 q (ieee dots), MQA with 16 heads a group
     yield dict(fmt="fp32", q_dtype="fp32", decode=True, head_dim=64, group=16, page=1, block_q=1, block_n=64,
                warps=4, window=True, soft_cap=False, scale_bcast=False)
+    # padded tiles (head dim 80 and 96 in 128's, 160 and 192 in 256's: columns past it masked) and 512, decode and
+    # prefill tiles as the heuristic sizes them, 16-bit and fp8
+    for (valid, tile), fmt, decode in itertools.product(((80, 128), (96, 128), (160, 256), (192, 256), (512, 512)),
+                                                        ("bf16", "fp8_e4m3"), (True, False)):
+        if quick and valid not in (96, 512):
+            continue
+        yield dict(fmt=fmt, q_dtype="bf16", decode=decode, head_dim=tile, valid_dim=valid, group=4, page=16,
+                   block_q=1 if decode else (16 if tile >= 256 else 32),
+                   block_n=(128 if tile <= 128 else max(16, 8192 // tile)) if decode else max(16, 8192 // tile),
+                   warps=4 if decode else 8, window=not decode, soft_cap=decode, scale_bcast=False, sinks=decode,
+                   lse=not decode)
 
 
 def attention_types(fmt: str, q_dtype: str, lse: bool = False) -> dict:
@@ -244,7 +256,8 @@ def compile_attention(v, target):
                       SOFT_FP8=False, HEADS_INNER=v.get("heads_inner", False),
                       FP8_V_PAIRS=v.get("fp8_v_pairs", False), FP8_K_PAIRS=v.get("fp8_k_pairs", False),
                       BOUNDS=v.get("bounds", True), PAGE_CLAMP=v.get("page_clamp", False),
-                      FULL_TILES=v.get("full_tiles", False), OFFSETS_32=v.get("offsets_32", False))
+                      FULL_TILES=v.get("full_tiles", False), OFFSETS_32=v.get("offsets_32", False),
+                      VALID_DIM=v.get("valid_dim", v["head_dim"]))
     stages = 2 if v["head_dim"] >= 256 else 3
     compiled = compile_one(paged_attention_kernel, types, constexprs, target, v["warps"], stages)
     merge = compile_one(merge_splits_kernel, dict(out_ptr=qp, lse_ptr=types["lse_ptr"], part_out_ptr="*fp32",
@@ -254,12 +267,12 @@ def compile_attention(v, target):
                              SPLITS_P2=64, IS_DECODE=v["decode"], HAS_WINDOW=v["window"],
                              HAS_TREE=v.get("tree", False), HAS_SINKS=v.get("sinks", False),
                              PDL=v.get("pdl", False), BOUNDS=v.get("bounds", True), ALIGN=v["block_n"],
-                             WRITE_LSE=v.get("lse", False)),
+                             WRITE_LSE=v.get("lse", False), VALID_DIM=v.get("valid_dim", v["head_dim"])),
                         target, 4, 2)
     return compiled, merge
 
 
-def compile_cache_write(fmt, src, head_dim, target):
+def compile_cache_write(fmt, src, head_dim, target, valid_dim=None):
     scale_ptr = "*fp32" if fmt.startswith("fp8") else "*u8"
     cache_ptr = PTR[fmt]
     sp = "*" + src
@@ -267,7 +280,8 @@ def compile_cache_write(fmt, src, head_dim, target):
                  k_scale_ptr=scale_ptr, v_scale_ptr=scale_ptr, kb_ptr="*u8", vb_ptr="*u8", err_ptr="*i32")
     constexprs = dict(PAGE=16, HEAD_DIM=head_dim, FMT=FMT_CODE[fmt], SCALE_BLOCK=FORMATS[fmt].block or 16,
                       FP8_DTYPE=tl.float8e5 if fmt == "fp8_e5m2" else tl.float8e4nv,
-                      FP8_MAX=57344.0 if fmt == "fp8_e5m2" else 448.0, SOFT_FP8=False)
+                      FP8_MAX=57344.0 if fmt == "fp8_e5m2" else 448.0, SOFT_FP8=False,
+                      VALID_DIM=valid_dim or head_dim)
     return compile_one(reshape_and_cache_kernel, types, constexprs, target, 2, 1)
 
 
@@ -475,6 +489,9 @@ def main():
     others = [(f"reshape_and_cache {fmt} from {src}, head_dim {head_dim}",
                functools.partial(compile_cache_write, fmt, src, head_dim, target))
               for fmt, src, head_dim in itertools.product(list(KV_FORMATS), ["bf16", "fp32"], [32, 128])]
+    others += [(f"reshape_and_cache {fmt} from bf16, head_dim {valid} (a padded tile)",
+                functools.partial(compile_cache_write, fmt, "bf16", head_tile(valid), target, valid))
+               for fmt, valid in itertools.product(("bf16", "fp8_e4m3"), (80, 192))]
     others += [(f"decode page layout, window {window}", functools.partial(compile_page_layout, window, target))
                for window in (False, True)]
     others += [(f"merge_attention_states, {out_dtype}", functools.partial(compile_merge_states, out_dtype, target))

@@ -13,6 +13,7 @@ import triton.language as tl
 
 from ... import formats, invariance
 from ...cases import AttentionCase
+from . import head_tile
 from .common import FMT_CODE
 from .kernel import TL_DTYPE
 
@@ -96,7 +97,8 @@ def heuristic_config(case: AttentionCase, num_tokens: int, device: torch.device)
 @functools.lru_cache(maxsize=4096)
 def _heuristic_config(case: AttentionCase, num_tokens: int, device: torch.device, invariant: bool) -> dict:
     decode, batch, group, capacity = case.decode, case.batch, case.group, case.max_kv_len
-    num_q_heads, num_kv_heads, head_dim = case.num_q_heads, case.num_kv_heads, case.head_dim
+    # (tiles are chosen for the padded width the kernel computes on)
+    num_q_heads, num_kv_heads, head_dim = case.num_q_heads, case.num_kv_heads, head_tile(case.head_dim)
     kv_format, q_dtype = case.kv_format, case.q_dtype
     sms = _num_sms(device)
     if decode:
@@ -216,10 +218,11 @@ def kernel_constexprs(cfg: dict, case: AttentionCase, *, on_gpu: bool, lse: bool
     offsets_fit_32: every element offset into the caches (and 4-bit scales) fits int32, which OFFSETS_32 needs."""
     kv_format, group = case.kv_format, case.group
     ddt = dot_dtype(case.q_dtype, kv_format)
-    # fp8 pairs need fp16 dots; a forced V_DEQUANT_FIRST is another way to read V
-    fp8_pairs = formats.is_fp8(kv_format) and ddt == torch.float16
+    # fp8 pairs need fp16 dots and an unpadded tile; a forced V_DEQUANT_FIRST is another way to read V
+    fp8_pairs = formats.is_fp8(kv_format) and ddt == torch.float16 and head_tile(case.head_dim) == case.head_dim
     constexprs = dict(
-        NUM_Q_HEADS=case.num_q_heads, HEAD_DIM=case.head_dim, PAGE=case.page_size, GROUP=group,
+        NUM_Q_HEADS=case.num_q_heads, HEAD_DIM=head_tile(case.head_dim), VALID_DIM=case.head_dim,
+        PAGE=case.page_size, GROUP=group,
         BLOCK_Q=cfg["BLOCK_Q"], BLOCK_M=max(16, triton.next_power_of_2(cfg["BLOCK_Q"] * group)),
         BLOCK_N=cfg["BLOCK_N"], FMT=FMT_CODE[kv_format], IS_DECODE=case.decode, HAS_WINDOW=case.sliding_window,
         HAS_SOFTCAP=case.soft_cap, HAS_SINKS=case.sinks, HAS_TREE=case.tree_mask, WRITE_LSE=lse,

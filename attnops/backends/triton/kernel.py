@@ -13,6 +13,8 @@ One program handles (query block, KV head, split):
 - KV formats are decoded in registers right after the load (fp8 with the per-tensor/per-head scale folded
   into the score scale and the output, 4-bit with per-block scales applied per element): there is no
   dequantized copy of the cache anywhere.
+A head dim between powers of two (80, 96, 160 ...) runs in the next power of two's tile (HEAD_DIM) with the columns
+from VALID_DIM on masked: loaded as 0 (so they add nothing to q.k or to the output) and never stored.
 A program whose sequence needs only one split writes the normalized output directly; otherwise it writes its
 partial output and LSE to a workspace of [T, Hq, MAX_SPLITS] rows and the merge kernel combines them. With
 WRITE_LSE (paged_attention_with_lse) whichever writes a row's output also writes its LSE, as a natural log.
@@ -199,14 +201,18 @@ def _log2_or_neg_inf(x):
 
 @triton.jit
 def _nan_rows(out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, tok, row_head, row_valid, split, MAX_SPLITS, stride_ot,
-              stride_oh, NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, WRITE_LSE: tl.constexpr):
+              stride_oh, NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, WRITE_LSE: tl.constexpr,
+              VALID_DIM: tl.constexpr):
     """NaN into the rows (tok, row_head) of `out` and `lse` (split 0) and into this split's partial rows, which
     the merge kernel may read for them."""
     cols = tl.arange(0, HEAD_DIM)
     nan = tl.full([tok.shape[0], HEAD_DIM], float("nan"), tl.float32)
     if split == 0:
         o_ptr = out_ptr + tok[:, None] * stride_ot + row_head.to(tl.int64)[:, None] * stride_oh + cols[None, :]
-        tl.store(o_ptr, nan.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+        o_mask = row_valid[:, None]
+        if VALID_DIM < HEAD_DIM:
+            o_mask = o_mask & (cols < VALID_DIM)[None, :]
+        tl.store(o_ptr, nan.to(out_ptr.dtype.element_ty), mask=o_mask)
         if WRITE_LSE:
             tl.store(lse_ptr + tok * NUM_Q_HEADS + row_head, tl.full([tok.shape[0]], float("nan"), tl.float32),
                      mask=row_valid)
@@ -239,7 +245,8 @@ def _mask_scores(s, kpos, kvalid, block_start, tm_ptr, tok, stride_tm, tm_cols, 
 @triton.jit
 def _tile_qk(qa, qb, k_ptr, ks_ptr, tok_off, page_v, in_page, kvh, stride_ksp, stride_kst, stride_ksh, offs_d, kvalid,
              FMT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_DTYPE: tl.constexpr,
-             SCALE_BCAST: tl.constexpr, FP4_ASM: tl.constexpr, SOFT_FP8: tl.constexpr, PAIRED_K: tl.constexpr):
+             SCALE_BCAST: tl.constexpr, FP4_ASM: tl.constexpr, SOFT_FP8: tl.constexpr, PAIRED_K: tl.constexpr,
+             VALID_DIM: tl.constexpr):
     """q K^T of one tile, unscaled: K loaded at tok_off and decoded to the dot dtype, one dot, or (PAIRED_K) two
     over q's and K's even and odd elements (qa, qb)."""
     IS_FP4: tl.constexpr = FMT == FMT_NVFP4 or FMT == FMT_MXFP4
@@ -253,7 +260,10 @@ def _tile_qk(qa, qb, k_ptr, ks_ptr, tok_off, page_v, in_page, kvh, stride_ksp, s
         qk = tl.dot(qa, k_e, input_precision=DOT_PRECISION)
         qk = tl.dot(qb, k_o, acc=qk, input_precision=DOT_PRECISION)
     else:
-        k = tl.load(k_ptr + tok_off[None, :] + offs_d[:, None], mask=kvalid[None, :], other=0.0)
+        mask = kvalid[None, :]
+        if VALID_DIM < offs_d.shape[0]:  # (a padded tile: K's columns past the head dim are 0, as q's)
+            mask = mask & (offs_d < VALID_DIM)[:, None]
+        k = tl.load(k_ptr + tok_off[None, :] + offs_d[:, None], mask=mask, other=0.0)
         if FMT == FMT_FP8:
             k = _fp8_to_dot(k, FP8_DTYPE, DOT_DTYPE)
         else:
@@ -286,9 +296,18 @@ def _masked_scores(s, start, kpos, kvalid, block_start, tm_ptr, tok, stride_tm, 
 def _tile_pv(p, alpha, acc, acc_o, v_ptr, vs_ptr, tok_off, page_v, in_page, kvh, stride_vsp, stride_vst, stride_vsh,
              offs_d, kvalid, sm_scale, HEAD_DIM: tl.constexpr, FMT: tl.constexpr, DOT_DTYPE: tl.constexpr,
              DOT_PRECISION: tl.constexpr, FP8_DTYPE: tl.constexpr, SCALE_BCAST: tl.constexpr,
-             FP4_ASM: tl.constexpr, SOFT_FP8: tl.constexpr, V_DEQUANT_FIRST: tl.constexpr, PAIRED_V: tl.constexpr):
+             FP4_ASM: tl.constexpr, SOFT_FP8: tl.constexpr, V_DEQUANT_FIRST: tl.constexpr, PAIRED_V: tl.constexpr,
+             VALID_DIM: tl.constexpr):
     """(acc, acc_o) rescaled by alpha plus the tile's weights p times V (loaded at tok_off, decoded to the dot
-    dtype): one dot, or (PAIRED_V) two into V's even and odd halves (acc, acc_o)."""
+    dtype): one dot, or (PAIRED_V) two into V's even and odd halves (acc, acc_o).
+
+    V_DEQUANT_FIRST (fp8, 4-bit): Triton moves V's conversion (a cast, or the 4-bit decode) behind the change to
+    the mma operand layout, where V's operand pairs run along tokens, not memory: fp8 V then takes one
+    shared-memory load a byte and 4-bit V one load per scale per value pair. A multiply by a 1.0 it cannot see
+    through (inline PTX; ptxas drops the multiply) keeps the conversion in the load's layout, so the converted
+    16-bit tile goes through shared memory and ldmatrix.trans like a bf16 V tile. sm_90 SASS of the default
+    decode tiles (Triton 3.6), instructions a thread per 128-key step: fp8 1419 -> 989, nvfp4 1866 -> 1545,
+    mxfp4 2074 -> 1665 (doing the same to K adds instructions). On by default for mxfp4 only (heuristic_config)."""
     IS_FP4: tl.constexpr = FMT == FMT_NVFP4 or FMT == FMT_MXFP4
     if PAIRED_V:
         if IS_FP4:
@@ -306,7 +325,10 @@ def _tile_pv(p, alpha, acc, acc_o, v_ptr, vs_ptr, tok_off, page_v, in_page, kvh,
         acc = tl.dot(p, v_e, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
         acc_o = tl.dot(p, v_o, acc=acc_o * alpha[:, None], input_precision=DOT_PRECISION)
     else:
-        v = tl.load(v_ptr + tok_off[:, None] + tl.arange(0, HEAD_DIM)[None, :], mask=kvalid[:, None], other=0.0)
+        mask = kvalid[:, None]
+        if VALID_DIM < HEAD_DIM:
+            mask = mask & (tl.arange(0, HEAD_DIM) < VALID_DIM)[None, :]
+        v = tl.load(v_ptr + tok_off[:, None] + tl.arange(0, HEAD_DIM)[None, :], mask=mask, other=0.0)
         if FMT == FMT_FP8:
             v = _fp8_to_dot(v, FP8_DTYPE, DOT_DTYPE)
             if V_DEQUANT_FIRST:
@@ -328,7 +350,7 @@ def _kv_tiles(lo, hi, split_hi, acc, acc_o, m_i, l_i, qa, qb, k_ptr, v_ptr, ks_p
               FP4_ASM: tl.constexpr, SOFT_FP8: tl.constexpr, V_DEQUANT_FIRST: tl.constexpr,
               HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, BOUNDS: tl.constexpr, PAIRED_K: tl.constexpr,
               PAIRED_V: tl.constexpr, PAGE_CLAMP: tl.constexpr, MASK_LOADS: tl.constexpr,
-              OFFSETS_32: tl.constexpr):
+              OFFSETS_32: tl.constexpr, VALID_DIM: tl.constexpr):
     """The key loop over the tiles [lo, hi) of a split (split_hi: where the split's keys end): the online softmax
     of the rows' scores into (acc, acc_o, m_i, l_i), returned updated. q is (qa, qb): q's even and odd elements
     with PAIRED_K, else q twice; acc_o is V's odd half with PAIRED_V, else unused. EDGE: every tile gets the masks
@@ -368,7 +390,8 @@ def _kv_tiles(lo, hi, split_hi, acc, acc_o, m_i, l_i, qa, qb, k_ptr, v_ptr, ks_p
         tok_off = page_v * stride_kp + in_page * stride_kt + head_off
 
         qk = _tile_qk(qa, qb, k_ptr, ks_ptr, tok_off, page_v, in_page, kvh, stride_ksp, stride_kst, stride_ksh, offs_d,
-                      kvalid, FMT, DOT_DTYPE, DOT_PRECISION, FP8_DTYPE, SCALE_BCAST, FP4_ASM, SOFT_FP8, PAIRED_K)
+                      kvalid, FMT, DOT_DTYPE, DOT_PRECISION, FP8_DTYPE, SCALE_BCAST, FP4_ASM, SOFT_FP8, PAIRED_K,
+                      VALID_DIM)
         qk = qk * qk_scale
         if HAS_SOFTCAP:
             # soft_cap * tanh(s / soft_cap), tanh through exp2 (stable: exp2 -> inf gives 1, -> 0 gives -1)
@@ -389,7 +412,8 @@ def _kv_tiles(lo, hi, split_hi, acc, acc_o, m_i, l_i, qa, qb, k_ptr, v_ptr, ks_p
 
         acc, acc_o = _tile_pv(p, alpha, acc, acc_o, v_ptr, vs_ptr, tok_off, page_v, in_page, kvh, stride_vsp,
                               stride_vst, stride_vsh, offs_d, kvalid, sm_scale, HEAD_DIM, FMT, DOT_DTYPE,
-                              DOT_PRECISION, FP8_DTYPE, SCALE_BCAST, FP4_ASM, SOFT_FP8, V_DEQUANT_FIRST, PAIRED_V)
+                              DOT_PRECISION, FP8_DTYPE, SCALE_BCAST, FP4_ASM, SOFT_FP8, V_DEQUANT_FIRST, PAIRED_V,
+                              VALID_DIM)
     return acc, acc_o, m_i, l_i
 
 
@@ -437,8 +461,10 @@ def _folded_scales(ks_ptr, vs_ptr, kvh, stride_ksh, stride_vsh, sm_scale, FMT: t
 
 
 @triton.jit
-def _load_q(q_ptr, q_row_off, row_valid, HEAD_DIM: tl.constexpr, PAIRED_K: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """The rows' queries as dot operands: whole, or (PAIRED_K) their even and odd elements as two tiles."""
+def _load_q(q_ptr, q_row_off, row_valid, HEAD_DIM: tl.constexpr, VALID_DIM: tl.constexpr, PAIRED_K: tl.constexpr,
+            DOT_DTYPE: tl.constexpr):
+    """The rows' queries as dot operands: whole (columns from VALID_DIM on 0), or (PAIRED_K) their even and odd
+    elements as two tiles."""
     if PAIRED_K:
         offs_d = tl.arange(0, HEAD_DIM // 2)
         q_e = tl.load(q_ptr + q_row_off[:, None] + 2 * offs_d[None, :], mask=row_valid[:, None], other=0.0)
@@ -447,7 +473,10 @@ def _load_q(q_ptr, q_row_off, row_valid, HEAD_DIM: tl.constexpr, PAIRED_K: tl.co
         qb = q_o.to(DOT_DTYPE)
     else:
         offs_d = tl.arange(0, HEAD_DIM)
-        q = tl.load(q_ptr + q_row_off[:, None] + offs_d[None, :], mask=row_valid[:, None], other=0.0)
+        mask = row_valid[:, None]
+        if VALID_DIM < HEAD_DIM:
+            mask = mask & (offs_d < VALID_DIM)[None, :]
+        q = tl.load(q_ptr + q_row_off[:, None] + offs_d[None, :], mask=mask, other=0.0)
         qa = q.to(DOT_DTYPE)
         qb = qa
     return qa, qb
@@ -457,7 +486,7 @@ def _load_q(q_ptr, q_row_off, row_valid, HEAD_DIM: tl.constexpr, PAIRED_K: tl.co
 def _write_rows(acc, acc_o, m_i, l_i, v_mul, seq_bad, row_bad, n_splits, split, MAX_SPLITS, tok, row_head, row_valid,
                 sinks_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, stride_ot, stride_oh,
                 NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAIRED_V: tl.constexpr, HAS_SINKS: tl.constexpr,
-                WRITE_LSE: tl.constexpr, BOUNDS: tl.constexpr):
+                WRITE_LSE: tl.constexpr, BOUNDS: tl.constexpr, VALID_DIM: tl.constexpr):
     """A program's rows after its key loop: normalized (v_mul: the V scale folded out of the dots), NaN (with
     BOUNDS) where the sequence's length is bad, the row saw a bad page's key or its sum is NaN, written to out (and lse) when its sequence has one split, else as this split's partial
     (normalized output, base-2 LSE) for merge_splits_kernel."""
@@ -482,7 +511,10 @@ def _write_rows(acc, acc_o, m_i, l_i, v_mul, seq_bad, row_bad, n_splits, split, 
             keep = tl.exp2(m_i - big) * l_i
             inv_l = inv_l * tl.where(has_keys, keep / tl.where(has_keys, keep + tl.exp2(sink - big), 1.0), 1.0)
         o_ptr = out_ptr + tok[:, None] * stride_ot + row_head.to(tl.int64)[:, None] * stride_oh + col[None, :]
-        tl.store(o_ptr, (acc * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+        o_mask = row_valid[:, None]
+        if VALID_DIM < HEAD_DIM:  # (a padded tile: its columns from VALID_DIM on are not the output's)
+            o_mask = o_mask & (col < VALID_DIM)[None, :]
+        tl.store(o_ptr, (acc * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=o_mask)
         if PAIRED_V:
             tl.store(o_ptr + 1, (acc_o * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
         if WRITE_LSE:
@@ -505,6 +537,109 @@ def _write_rows(acc, acc_o, m_i, l_i, v_mul, seq_bad, row_bad, n_splits, split, 
         tl.store(part_lse_ptr + part_row, lse, mask=row_valid)
 
 
+@triton.jit
+def _bad_cu_seqlens(cu_ptr, err_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, pid_q, kvh, split, num_seqs,
+                    num_tokens, MAX_SPLITS, stride_ot, stride_oh, NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, WRITE_LSE: tl.constexpr,
+                    VALID_DIM: tl.constexpr):
+    """cu_seqlens_q must run non-decreasing from 0 to num_tokens, or which rows are whose is undefined (and the
+    sequence search could give two programs the same rows): then every row is NaN, this program's BLOCK_Q rows by
+    position, and the first bad entry is recorded. Returns whether it was bad (the program then reads nothing)."""
+    bad_entry = cu_seqlens_violation(cu_ptr, num_seqs, num_tokens, 128)
+    if bad_entry <= num_seqs:
+        offs_m = tl.arange(0, BLOCK_M)
+        tok = (pid_q * BLOCK_Q + offs_m // GROUP).to(tl.int64)
+        _nan_rows(out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, tok, kvh * GROUP + offs_m % GROUP,
+                  (offs_m < BLOCK_Q * GROUP) & (tok < num_tokens), split, MAX_SPLITS, stride_ot, stride_oh,
+                  NUM_Q_HEADS, HEAD_DIM, WRITE_LSE, VALID_DIM)
+        if (pid_q == 0) & (kvh == 0) & (split == 0):
+            tl.atomic_min(err_ptr + ERR_CU_SEQLENS_Q, bad_entry)
+    return bad_entry <= num_seqs
+
+
+@triton.jit
+def _bad_rows(bt_row, split_lo, split_hi, split_bad, num_pages, q_pos, seq_len, window_left, offs_m,
+              PAGE: tl.constexpr, BLOCK_Q: tl.constexpr, CLAMP: tl.constexpr, HAS_TREE: tl.constexpr,
+              HAS_WINDOW: tl.constexpr):
+    """(row_bad, fallback, split_hi): the rows a bad page of the split makes NaN, the page read in place of a bad
+    one, and the end of the keys the loop reads (split_lo: none). With one query token a block (decode) every row
+    sees every page read: a bad one makes them all NaN, and nothing is read (the loop is empty). With more, a row
+    is NaN if it sees a key of a bad page; the loop reads a good page of the split in place of the bad ones
+    (`fallback`; with none, nothing is read). CLAMP: the loop reads every page clamped into the cache, and what a
+    bad one gave is made NaN after it; a cache of no pages has none to read in place of a bad one."""
+    fallback = tl.full([], 0, tl.int32)
+    if CLAMP:
+        row_bad = offs_m < 0  # (all false until the check after the loop)
+        no_read = num_pages <= 0
+    elif BLOCK_Q == 1:
+        row_bad = split_bad > 0
+        no_read = row_bad
+    else:
+        row_bad = offs_m < 0  # (all false)
+        if split_bad > 0:
+            # the last key each row may see: its own position, or with a tree mask the sequence's end
+            q_hi = q_pos if not HAS_TREE else q_pos * 0 + seq_len - 1
+            row_bad, fallback = bad_page_rows(bt_row, split_lo, split_hi, num_pages, q_pos, q_hi, window_left,
+                                              PAGE, HAS_WINDOW)
+        no_read = fallback < 0
+    return row_bad, fallback, tl.where(no_read, split_lo, split_hi)
+
+
+@triton.jit
+def _init_acc(BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, PAIRED_V: tl.constexpr):
+    """The output accumulator (PAIRED_V: V's even and odd halves, acc and acc_o), each row's running max and sum."""
+    if PAIRED_V:
+        acc = tl.zeros([BLOCK_M, HEAD_DIM // 2], dtype=tl.float32)
+        acc_o = tl.zeros([BLOCK_M, HEAD_DIM // 2], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        acc_o = acc  # (unused)
+    return acc, acc_o, tl.full([BLOCK_M], float("-inf"), dtype=tl.float32), tl.zeros([BLOCK_M], dtype=tl.float32)
+
+
+@triton.jit
+def _tile_rows(q_start, q_block, q_len, first_pos, kvh, stride_qt, stride_qh, GROUP: tl.constexpr,
+               BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr):
+    """A tile's rows, (query token, head of the group): their index, head, validity, token, position and q offset."""
+    offs_m = tl.arange(0, BLOCK_M)
+    row_tok = offs_m // GROUP
+    row_head = kvh * GROUP + offs_m % GROUP
+    row_valid = (offs_m < BLOCK_Q * GROUP) & (q_block * BLOCK_Q + row_tok < q_len)
+    tok = (q_start + q_block * BLOCK_Q + row_tok).to(tl.int64)
+    q_pos = first_pos + row_tok
+    q_row_off = tok * stride_qt + row_head.to(tl.int64) * stride_qh
+    return offs_m, row_head, row_valid, tok, q_pos, q_row_off
+
+
+@triton.jit
+def _loop_bounds(seq_len, q_len, first_pos, last_pos, window_left, split_lo, split_hi, BLOCK_N: tl.constexpr,
+                 HAS_TREE: tl.constexpr, FULL_TILES: tl.constexpr):
+    """Where the key loop's parts start and end, and the keys every valid row sees without masking (full_lo,
+    full_hi): the causal bound of the first query (with a tree mask, the start of the sequence's query block: the
+    mask decides each block key) and the window bound of the last.
+
+    With a tree mask the loop is in two parts: the tiles before the one holding the query block's first key
+    (tree_lo), which every row sees whole (windows aside), without the tree mask, then the block's tiles, each
+    masked. One loop with the tree mask behind its runtime edge check made Triton 3.6 keep each score tile in two
+    layouts and reduce it twice in every tile (sm_90, 128 rows, bf16: 1494 instructions a 128-key step and spills,
+    against about 1080 in the first part now; docs/bench.md, "Cascade decode"). FULL_TILES: the tiles before
+    tree_lo that end by it (all but the last of a split, usually) run in a loop whose loads carry no mask (their
+    keys are all before split_hi), the rest in a masked one (full_end)."""
+    block_start = seq_len - q_len
+    if HAS_TREE:
+        full_hi = block_start
+    else:
+        full_hi = first_pos + 1
+    full_lo = last_pos - window_left
+    tree_lo = split_hi
+    if HAS_TREE:
+        tree_lo = tl.minimum(split_lo + tl.maximum(block_start - split_lo, 0) // BLOCK_N * BLOCK_N, split_hi)
+    full_end = tree_lo
+    if FULL_TILES:
+        full_end = split_lo + tl.maximum(tree_lo - split_lo, 0) // BLOCK_N * BLOCK_N
+    return block_start, full_lo, full_hi, tree_lo, full_end
+
+
 @triton.jit(do_not_specialize=["num_seqs", "window_left", "MAX_SPLITS", "CHUNK", "num_tokens", "num_pages",
                                "capacity", "stride_table", "stride_tm", "tm_cols"])
 def paged_attention_kernel(
@@ -523,7 +658,7 @@ def paged_attention_kernel(
     FP4_ASM: tl.constexpr, SOFT_FP8: tl.constexpr,
     V_DEQUANT_FIRST: tl.constexpr, HEADS_INNER: tl.constexpr, PDL: tl.constexpr, FP8_V_PAIRS: tl.constexpr,
     FP8_K_PAIRS: tl.constexpr, BOUNDS: tl.constexpr, PAGE_CLAMP: tl.constexpr, FULL_TILES: tl.constexpr,
-    OFFSETS_32: tl.constexpr,
+    OFFSETS_32: tl.constexpr, VALID_DIM: tl.constexpr,
 ):
     if PDL:  # the merge kernel may start now: its programs wait (griddepcontrol.wait) before reading partials
         gdc_launch_dependents()
@@ -537,18 +672,9 @@ def paged_attention_kernel(
         q_block = 0
     else:
         if BOUNDS:
-            # cu_seqlens_q must run non-decreasing from 0 to num_tokens, or which rows are whose is undefined (and
-            # the search below could give two programs the same rows): then every row is NaN, this program's
-            # BLOCK_Q rows by position, and nothing else is read
-            bad_entry = cu_seqlens_violation(cu_ptr, num_seqs, num_tokens, 128)
-            if bad_entry <= num_seqs:
-                offs_m = tl.arange(0, BLOCK_M)
-                tok = (pid_q * BLOCK_Q + offs_m // GROUP).to(tl.int64)
-                _nan_rows(out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, tok, kvh * GROUP + offs_m % GROUP,
-                          (offs_m < BLOCK_Q * GROUP) & (tok < num_tokens), split, MAX_SPLITS, stride_ot, stride_oh,
-                          NUM_Q_HEADS, HEAD_DIM, WRITE_LSE)
-                if (pid_q == 0) & (kvh == 0) & (split == 0):
-                    tl.atomic_min(err_ptr + ERR_CU_SEQLENS_Q, bad_entry)
+            if _bad_cu_seqlens(cu_ptr, err_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, pid_q, kvh, split,
+                               num_seqs, num_tokens, MAX_SPLITS, stride_ot, stride_oh, NUM_Q_HEADS, HEAD_DIM, GROUP,
+                               BLOCK_Q, BLOCK_M, WRITE_LSE, VALID_DIM):
                 return
         # the grid has T // BLOCK_Q + B programs along axis 0 (an upper bound of the blocks needed): find ours
         b = find_sequence(cu_ptr, pid_q, num_seqs, BLOCK_Q, True)
@@ -584,93 +710,37 @@ def paged_attention_kernel(
         # The pages this program reads, checked once before its loop (SOFT_FP8: the interpreter, which cannot run
         # the PTX vote), or with CLAMP after it. Every one holds a key some row sees (kv_plan's ALIGN), so a bad one
         # is recorded.
+        split_bad = 0
         if not CLAMP:
             split_bad = check_pages(bt_row, split_lo, split_hi, num_pages, PAGE, not SOFT_FP8)
             if split_bad > 0:
                 tl.atomic_min(err_ptr + ERR_BLOCK_TABLE, b)
 
     # --- rows: (query token, head of the group) --------------------------------------------------------------
-    offs_m = tl.arange(0, BLOCK_M)
-    row_tok = offs_m // GROUP
-    row_head = kvh * GROUP + offs_m % GROUP
-    row_valid = (offs_m < BLOCK_Q * GROUP) & (q_block * BLOCK_Q + row_tok < q_len)
-    tok = (q_start + q_block * BLOCK_Q + row_tok).to(tl.int64)
-    q_pos = first_pos + row_tok
-    q_row_off = tok * stride_qt + row_head.to(tl.int64) * stride_qh
-    fallback = tl.full([], 0, tl.int32)  # the page read in place of a bad one (below)
+    offs_m, row_head, row_valid, tok, q_pos, q_row_off = _tile_rows(q_start, q_block, q_len, first_pos, kvh, stride_qt,
+                                                                    stride_qh, GROUP, BLOCK_Q, BLOCK_M)
     if BOUNDS:
-        # With one query token a block (decode) every row sees every page read: a bad one makes them all NaN, and
-        # nothing is read (the loop is empty). With more, a row is NaN if it sees a key of a bad page (row_bad); the
-        # loop reads a good page of the split in place of the bad ones (`fallback`; with none, nothing is read).
-        if CLAMP:
-            # the loop reads every page clamped into the cache, and what a bad one gave is made NaN after it; a
-            # cache of no pages has none to read in place of a bad one
-            row_bad = offs_m < 0  # (all false until the check after the loop)
-            no_read = num_pages <= 0
-        elif BLOCK_Q == 1:
-            row_bad = split_bad > 0
-            no_read = row_bad
-        else:
-            row_bad = offs_m < 0  # (all false)
-            if split_bad > 0:
-                # the last key each row may see: its own position, or with a tree mask the sequence's end
-                q_hi = q_pos if not HAS_TREE else q_pos * 0 + seq_len - 1
-                row_bad, fallback = bad_page_rows(bt_row, split_lo, split_hi, num_pages, q_pos, q_hi, window_left,
-                                                  PAGE, HAS_WINDOW)
-            no_read = fallback < 0
         split_end = split_hi  # (the keys checked after the loop, with CLAMP)
-        split_hi = tl.where(no_read, split_lo, split_hi)
+        row_bad, fallback, split_hi = _bad_rows(bt_row, split_lo, split_hi, split_bad, num_pages, q_pos, seq_len,
+                                                window_left, offs_m, PAGE, BLOCK_Q, CLAMP, HAS_TREE, HAS_WINDOW)
+    else:
+        fallback = tl.full([], 0, tl.int32)
 
     qk_scale, v_mul = _folded_scales(ks_ptr, vs_ptr, kvh, stride_ksh, stride_vsh, sm_scale, FMT, DOT_DTYPE,
                                      HAS_SOFTCAP)
 
     IS_FP4: tl.constexpr = FMT == FMT_NVFP4 or FMT == FMT_MXFP4
-    # V_DEQUANT_FIRST (fp8, 4-bit): Triton moves V's conversion (a cast, or the 4-bit decode) behind the change to
-    # the mma operand layout, where V's operand pairs run along tokens, not memory: fp8 V then takes one
-    # shared-memory load a byte and 4-bit V one load per scale per value pair. A multiply by a 1.0 it cannot see
-    # through (inline PTX; ptxas drops the multiply) keeps the conversion in the load's layout, so the converted
-    # 16-bit tile goes through shared memory and ldmatrix.trans like a bf16 V tile. sm_90 SASS of the default
-    # decode tiles (Triton 3.6), instructions a thread per 128-key step: fp8 1419 -> 989, nvfp4 1866 -> 1545,
-    # mxfp4 2074 -> 1665 (doing the same to K adds instructions). On by default for mxfp4 only (heuristic_config).
-    HALF: tl.constexpr = HEAD_DIM // 2
     # q's and K's even and odd elements in two tiles each, two score dots: 4-bit, and fp8 with FP8_K_PAIRS
     PAIRED_K: tl.constexpr = IS_FP4 or (FMT == FMT_FP8 and FP8_K_PAIRS)
     # V's even and odd elements in two tiles and two accumulators (output columns interleaved at the end): 4-bit
     # (_load_fp4_tile) and, with FP8_V_PAIRS, fp8 (_load_fp8_pairs)
     PAIRED_V: tl.constexpr = IS_FP4 or (FMT == FMT_FP8 and FP8_V_PAIRS)
-    qa, qb = _load_q(q_ptr, q_row_off, row_valid, HEAD_DIM, PAIRED_K, DOT_DTYPE)
-    if PAIRED_V:
-        acc = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
-        acc_o = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        acc_o = acc  # (unused)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    qa, qb = _load_q(q_ptr, q_row_off, row_valid, HEAD_DIM, VALID_DIM, PAIRED_K, DOT_DTYPE)
+    acc, acc_o, m_i, l_i = _init_acc(BLOCK_M, HEAD_DIM, PAIRED_V)
 
     head_off = kvh.to(tl.int32 if OFFSETS_32 else tl.int64) * stride_kh
-    # keys every valid row sees without masking: causal bound of the first query (with a tree mask, the start of
-    # the sequence's query block: the mask decides each block key), window bound of the last
-    block_start = seq_len - q_len
-    if HAS_TREE:
-        full_hi = block_start
-    else:
-        full_hi = first_pos + 1
-    full_lo = last_pos - window_left
-
-    # The key loop over the split's tiles. With a tree mask, in two parts: the tiles before the one holding the
-    # query block's first key (tree_lo), which every row sees whole (windows aside), without the tree mask, then the
-    # block's tiles, each masked. One loop with the tree mask behind its runtime edge check made Triton 3.6 keep
-    # each score tile in two layouts and reduce it twice in every tile (sm_90, 128 rows, bf16: 1494 instructions a
-    # 128-key step and spills, against about 1080 in the first part now; docs/bench.md, "Cascade decode").
-    tree_lo = split_hi
-    if HAS_TREE:
-        tree_lo = tl.minimum(split_lo + tl.maximum(block_start - split_lo, 0) // BLOCK_N * BLOCK_N, split_hi)
-    # FULL_TILES: the tiles before tree_lo that end by it (all but the last of a split, usually) run in a loop whose
-    # loads carry no mask (their keys are all before split_hi), the rest in a masked one
-    full_end = tree_lo
-    if FULL_TILES:
-        full_end = split_lo + tl.maximum(tree_lo - split_lo, 0) // BLOCK_N * BLOCK_N
+    block_start, full_lo, full_hi, tree_lo, full_end = _loop_bounds(seq_len, q_len, first_pos, last_pos, window_left,
+                                                                    split_lo, split_hi, BLOCK_N, HAS_TREE, FULL_TILES)
     NUM_PARTS: tl.constexpr = 1 + FULL_TILES + HAS_TREE
     for part in tl.static_range(NUM_PARTS):
         # part: the full tiles (with FULL_TILES), the rest before tree_lo, the query block's tiles (with a tree)
@@ -686,7 +756,7 @@ def paged_attention_kernel(
             FMT=FMT, DOT_DTYPE=DOT_DTYPE, DOT_PRECISION=DOT_PRECISION, FP8_DTYPE=FP8_DTYPE, SCALE_BCAST=SCALE_BCAST,
             FP4_ASM=FP4_ASM, SOFT_FP8=SOFT_FP8, V_DEQUANT_FIRST=V_DEQUANT_FIRST, HAS_SOFTCAP=HAS_SOFTCAP,
             HAS_WINDOW=HAS_WINDOW, BOUNDS=BOUNDS, PAIRED_K=PAIRED_K, PAIRED_V=PAIRED_V, PAGE_CLAMP=CLAMP,
-            MASK_LOADS=not (FULL_TILES and part == 0), OFFSETS_32=OFFSETS_32)
+            MASK_LOADS=not (FULL_TILES and part == 0), OFFSETS_32=OFFSETS_32, VALID_DIM=VALID_DIM)
 
     if CLAMP:
         split_bad = check_pages(bt_row, split_lo, split_end, num_pages, PAGE, not SOFT_FP8)
@@ -701,7 +771,7 @@ def paged_attention_kernel(
     _write_rows(acc, acc_o, m_i, l_i, v_mul, seq_bad, row_bad, n_splits, split, MAX_SPLITS, tok, row_head, row_valid,
                 sinks_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, stride_ot, stride_oh,
                 NUM_Q_HEADS=NUM_Q_HEADS, HEAD_DIM=HEAD_DIM, PAIRED_V=PAIRED_V, HAS_SINKS=HAS_SINKS,
-                WRITE_LSE=WRITE_LSE, BOUNDS=BOUNDS)
+                WRITE_LSE=WRITE_LSE, BOUNDS=BOUNDS, VALID_DIM=VALID_DIM)
 
 
 @triton.jit(do_not_specialize=["num_seqs", "window_left", "MAX_SPLITS", "CHUNK", "capacity"])
@@ -711,7 +781,7 @@ def merge_splits_kernel(
     NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLITS_P2: tl.constexpr, IS_DECODE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TREE: tl.constexpr,
     HAS_SINKS: tl.constexpr, PDL: tl.constexpr, BOUNDS: tl.constexpr, ALIGN: tl.constexpr,
-    WRITE_LSE: tl.constexpr,
+    WRITE_LSE: tl.constexpr, VALID_DIM: tl.constexpr,
 ):
     """One program per (query token, query head): combines the token's split partials by their LSE (and, with
     WRITE_LSE, writes the merged LSE as a natural log). It
@@ -767,7 +837,11 @@ def merge_splits_kernel(
                        mask=valid[:, None], other=0.0)
         acc += tl.sum(w[:, None] * part, 0)
     o = acc / tl.where(denom > 0.0, denom, 1.0)
-    tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
+    if VALID_DIM < HEAD_DIM:  # (a padded tile)
+        tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
+                 mask=offs_d < VALID_DIM)
+    else:
+        tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
     if WRITE_LSE:
         total = denom
         if HAS_SINKS:  # a row with no key: the sink's term alone (its output stays 0)
