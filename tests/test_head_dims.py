@@ -1,5 +1,5 @@
 """Every head dim the ops take, a multiple of 16 from 16 to 512 (Phi-2's 80, Phi-3's 96, 192, 512 ...), on the
-reference and the C++ CPU kernels:
+reference, the C++ CPU kernels and Triton's padded tiles (its interpreter here; the GPU run is marked gpu):
 - random ragged batches (decode and extend, GQA groups, windows, soft caps, sinks) through the cpu and reference
   backends against the float64 reference, every KV format each serves whose scale block divides the head dim, output
   and LSE; long sequences whose keys the CPU kernels split over threads;
@@ -7,7 +7,8 @@ reference and the C++ CPU kernels:
 - reshape_and_cache: bit-exact against attnops.formats' quantization, and the stored values read back;
 - merge_attention_states (the CPU path, and the GPU's Triton kernel under the interpreter) and cascade_attention;
 - head dims that are not served (72, 528; mxfp4 at 80) are ValueErrors naming head_dim (and kv_format);
-- on a GPU, auto dispatch of head dim 96 passes over triton, flashinfer and cuda, saying why, to the reference;
+- on a GPU, auto dispatch of head dim 96 passes over triton (until switched on), flashinfer and cuda, saying why,
+  to the reference;
 - a tiny random Phi-3 (head dim 96) through attn_implementation="attnops": logits as transformers' eager, and
   greedy generate with a PagedCache token for token.
 """
