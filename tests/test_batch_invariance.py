@@ -133,7 +133,8 @@ def test_cpu_kernels_outside_the_mode_split_by_the_threads():
 @pytest.mark.skipif(GPU, reason="the interpreter's run; the GPU run is below")
 @pytest.mark.parametrize("latent", [False, True], ids=["paged", "latent"])
 def test_triton_is_invariant_in_the_interpreter(latent):
-    check_invariant("triton", latent=latent, device="cpu", dtype=torch.float16, trials=5, seed=2)
+    # (latent attention's rows are wide and its splits in the interpreter short: fewer trials keep it under 40 s)
+    check_invariant("triton", latent=latent, device="cpu", dtype=torch.float16, trials=3 if latent else 5, seed=2)
 
 
 @pytest.mark.gpu
