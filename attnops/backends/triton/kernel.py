@@ -488,8 +488,9 @@ def _write_rows(acc, acc_o, m_i, l_i, v_mul, seq_bad, row_bad, n_splits, split, 
                 NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAIRED_V: tl.constexpr, HAS_SINKS: tl.constexpr,
                 WRITE_LSE: tl.constexpr, BOUNDS: tl.constexpr, VALID_DIM: tl.constexpr):
     """A program's rows after its key loop: normalized (v_mul: the V scale folded out of the dots), NaN (with
-    BOUNDS) where the sequence's length is bad, the row saw a bad page's key or its sum is NaN, written to out (and lse) when its sequence has one split, else as this split's partial
-    (normalized output, base-2 LSE) for merge_splits_kernel."""
+    BOUNDS) where the sequence's length is bad, the row saw a bad page's key or its sum is NaN, written to out (and
+    lse) when its sequence has one split, else as this split's partial (normalized output, base-2 LSE) for
+    merge_splits_kernel."""
     has_keys = l_i > 0.0
     inv_l = tl.where(has_keys, v_mul / tl.where(has_keys, l_i, 1.0), 0.0)  # no key seen: the row is 0
     if BOUNDS:
