@@ -144,6 +144,40 @@ def test_triton_is_invariant_on_the_gpu(dtype, latent):
     check_invariant("triton", latent=latent, device="cuda", dtype=dtype, trials=20, seed=3)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("latent", [False, True], ids=["paged", "latent"])
+def test_triton_is_invariant_in_captures_and_compiled(latent):
+    """A target's rows alone, eager, against the same rows in random batches replayed from a CUDA graph the user
+    captured and from torch.compile(mode="reduce-overhead")'s graphs: bit for bit."""
+    rng = random.Random(9)
+    gen = torch.Generator().manual_seed(9)
+    op = torch.ops.attnops.mla_attention_with_lse if latent else torch.ops.attnops.paged_attention_with_lse
+    for trial in range(4):
+        decode = trial % 2 == 0
+        shape = dict(decode=decode, page_size=16, latent=latent, heads=8, dim=128 if latent else 64, rope=16,
+                     dtype=torch.bfloat16)
+        target = sequence(rng, gen, **shape)
+        others = [sequence(rng, gen, **shape) for _ in range(rng.randint(1, 5))]
+        position = rng.randint(0, len(others))
+        seqs = others[:position] + [target] + others[position:]
+        with attnops.batch_invariant(), attnops.use_backend("triton"):
+            want_out, want_lse = op(**assemble([target], decode=decode, extra_width=0, spare_pages=0, gen=gen,
+                                               device="cuda"), scale=0.11)
+            args = assemble(seqs, decode=decode, extra_width=rng.randint(0, 12), spare_pages=2, gen=gen,
+                            device="cuda")
+            rows = target_rows(args, seqs, position)
+            op(**args, scale=0.11)  # (compiled before the capture)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out, lse = op(**args, scale=0.11)
+            graph.replay()
+            assert torch.equal(out[rows], want_out) and torch.equal(lse[rows], want_lse), (trial, "graph")
+            compiled = torch.compile(lambda a: op(**a, scale=0.11), mode="reduce-overhead", fullgraph=True)
+            for _ in range(3):  # (recorded, then replayed)
+                out, lse = (t.clone() for t in compiled(args))
+            assert torch.equal(out[rows], want_out) and torch.equal(lse[rows], want_lse), (trial, "compiled")
+
+
 @pytest.fixture
 def cpu_not_invariant(monkeypatch):
     """The cpu backend as one that is not invariant (every CPU backend is): what dispatch does with such a one."""
