@@ -324,7 +324,7 @@ def test_bf16_logits_match_transformers_on_gpu(gpu_checkpoint):
 # logits tie exactly often enough, and two correct kernels that round P differently may break such a tie either
 # way. Teacher-forced on the H200, every argmax disagreement between the float64 reference, FlashInfer and
 # Triton was at a top-2 gap of 0 to 0.125 with the top logit at 4-16, i.e. 0-3 ulps
-# (benchmarks/results/h200-e2e-backend-agreement.log).
+# (benchmarks/results/h200-gpu-checks.log).
 NEAR_TIE = 2.0 ** -5
 
 
