@@ -332,8 +332,10 @@ class Generator:
 
     def _emit(self, reqs: list[Request], logits: torch.Tensor, new: dict) -> None:
         chosen = sample(logits, [r.temperature for r in reqs], self.generator)
-        logprobs = torch.log_softmax(logits.float(), -1).gather(-1, chosen[:, None]).squeeze(1).tolist()
-        for req, token, logprob in zip(reqs, chosen.tolist(), logprobs):
+        logprobs = torch.log_softmax(logits.float(), -1).gather(-1, chosen[:, None]).squeeze(1)
+        # one copy to the host for both (token ids are exact in float64)
+        for req, (token, logprob) in zip(reqs, torch.stack([chosen.double(), logprobs.double()], 1).tolist()):
+            token = int(token)
             req.output.append(token)
             req.logprobs.append(logprob)
             new.setdefault(req.req_id, []).append(token)
