@@ -33,9 +33,9 @@ STATIC_ORDER = {
 }
 
 # Latent attention (MLA): on the CPU the C++ kernels, as for paged attention; on a GPU FlashInfer's MLA wrapper
-# where it serves (R 512, P 64, bf16/fp16, outside captures nobody re-plans: 1.3-6x Triton's time, docs/bench.md),
-# then Triton's kernels (fp8, sinks, trees, other R/P, captures), the reference only behind them (a host loop: slow,
-# and not CUDA-graph safe).
+# where it serves (R 512, P 64, bf16/fp16, outside captures nobody re-plans; Triton took 0.86-2.6x its time on the
+# H100, docs/bench.md), then Triton's kernels (fp8, sinks, trees, other R/P, captures), the reference only behind
+# them (a host loop: slow, and not CUDA-graph safe).
 MLA_ORDER = {
     "cpu": ("cpu", "reference"),
     "cuda": ("flashinfer", "triton", "reference"),

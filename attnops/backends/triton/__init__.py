@@ -15,7 +15,7 @@ from ...env import environ_get
 from ..base import AttentionCase, Backend, MLACase, MLAWriteCase, common_reasons
 
 # the kernels' tiles span the head dim with tl.arange, whose lengths are powers of two: a head dim between (80, 96,
-# 192 ...) runs in the next power of two's tile with the columns past it masked (common.head_tile), every format but
+# 192 ...) runs in the next power of two's tile with the columns past it masked (head_tile, below), every format but
 # the 4-bit ones (their block scales are not padded). On a GPU those padded tiles and 512 are served only with
 # ATTNOPS_TRITON_PADDED_HEADS=1 until measured there (benchmarks/gpu_round.sh's head-dims step); the interpreter
 # serves them always (tests). MEASURED_HEAD_DIMS: the sizes auto takes on a GPU.
@@ -38,7 +38,7 @@ def _head_dim_reasons(case) -> list[str]:
     head_dim = case.head_dim
     if head_dim in MEASURED_HEAD_DIMS or head_dim not in HEAD_DIMS:
         return []
-    padded = head_dim & (head_dim - 1) != 0
+    padded = head_tile(head_dim) != head_dim
     if padded and formats.is_fp4(case.kv_format):
         return [f"head_dim {head_dim} runs in a padded tile, which the 4-bit formats' block scales do not have yet "
                 f"(4-bit: head dims {', '.join(map(str, MEASURED_HEAD_DIMS))})"]

@@ -93,8 +93,8 @@ def launch_call(call: AttentionCall, config: dict | None = None) -> None:
     offsets_fit_32 = bool(cfg["OFFSETS_32"]) and all(
         _largest_offset(t) < 2 ** 31 for t in (k_cache, v_cache, k_scale, v_scale))
     num_q_heads, head_dim = case.num_q_heads, case.head_dim
-    # (the workspace's rows are the kernel's padded tiles)
-    part_out, part_lse = _split_workspace(out, num_tokens, num_q_heads, head_tile(head_dim), max_splits, q.device)
+    tile = head_tile(head_dim)  # (the kernels' padded width: the workspace's rows and the merge's)
+    part_out, part_lse = _split_workspace(out, num_tokens, num_q_heads, tile, max_splits, q.device)
     window_left, capacity = int(call.window_left), call.capacity
     # the runtime arguments, by the kernel's names (the constexprs come from kernel_constexprs)
     arguments = dict(
@@ -116,7 +116,7 @@ def launch_call(call: AttentionCall, config: dict | None = None) -> None:
             out_ptr=out, lse_ptr=lse_arg, part_out_ptr=part_out, part_lse_ptr=part_lse, seq_lens_ptr=seq_lens,
             cu_ptr=cu, sinks_ptr=sinks_arg, num_seqs=batch, window_left=window_left, MAX_SPLITS=max_splits,
             CHUNK=chunk, capacity=capacity, stride_ot=out.stride(0), stride_oh=out.stride(1),
-            NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_tile(head_dim), VALID_DIM=head_dim, BLOCK_Q=block_q,
+            NUM_Q_HEADS=num_q_heads, HEAD_DIM=tile, VALID_DIM=head_dim, BLOCK_Q=block_q,
             BLOCK_N=cfg["BLOCK_N"],
             SPLITS_P2=max(2, triton.next_power_of_2(max_splits)), IS_DECODE=decode,
             HAS_WINDOW=case.sliding_window, HAS_TREE=case.tree_mask, HAS_SINKS=case.sinks,
@@ -125,7 +125,7 @@ def launch_call(call: AttentionCall, config: dict | None = None) -> None:
             ALIGN=min(case.page_size, cfg["BLOCK_N"]) if constexprs["BOUNDS"] and case.sliding_window
             else cfg["BLOCK_N"],
             launch_pdl=constexprs["PDL"],
-            num_warps=4 if head_tile(head_dim) >= 128 else 2)
+            num_warps=4 if tile >= 128 else 2)
 
 
 def _tunables(case, num_tokens: int, device: torch.device, config: dict | None) -> tuple[dict, dict]:
