@@ -5,6 +5,7 @@ block table) and compares its rows bit for bit; and checks that dispatch takes o
 invariant, says why it passed the others over, and refuses a pinned one that is not."""
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 
@@ -20,8 +21,9 @@ DEFAULT_THREADS = torch.get_num_threads()
 
 
 def sequence(rng: random.Random, gen: torch.Generator, *, decode: bool, page_size: int, latent: bool,
-             heads: int, dim: int, rope: int, dtype) -> dict:
-    """One sequence's own data: its pages (random values), its query rows and its length."""
+             heads: int, dim: int, rope: int, dtype, kv_format: str | None = None) -> dict:
+    """One sequence's own data: its pages (random values; kv_format nvfp4 or mxfp4: random packed values and block
+    scales), its query rows and its length."""
     # (over 1024 keys: more splits than the default plan's cap in the interpreter, where it lengthens them)
     kv_len = rng.choice([1, rng.randint(2, 40), rng.randint(40, 200), rng.randint(1025, 1500)])
     q_len = 1 if decode else rng.randint(1, min(kv_len, 5))
@@ -32,8 +34,15 @@ def sequence(rng: random.Random, gen: torch.Generator, *, decode: bool, page_siz
              "q_pe": torch.randn(q_len, heads, rope, generator=gen).to(dtype)}
     else:
         kv_heads = max(1, heads // 2)
-        cache = {name: torch.randn(pages, page_size, kv_heads, dim, generator=gen).to(dtype)
-                 for name in ("k_cache", "v_cache")}
+        if kv_format is None:
+            cache = {name: torch.randn(pages, page_size, kv_heads, dim, generator=gen).to(dtype)
+                     for name in ("k_cache", "v_cache")}
+        else:
+            args = random_paged_inputs([kv_len], num_q_heads=heads, num_kv_heads=kv_heads, head_dim=dim,
+                                       page_size=page_size, kv_format=kv_format, seed=rng.randrange(1 << 30),
+                                       spare_pages=0, table_padding=0)
+            order = args["block_table"][0, :pages].long()  # (its pages in table order)
+            cache = {name: args[name][order] for name in ("k_cache", "v_cache", "k_scale", "v_scale")}
         q = {"q": torch.randn(q_len, heads, dim, generator=gen).to(dtype)}
     return dict(cache=cache, q=q, kv_len=kv_len, q_len=q_len, pages=pages)
 
@@ -45,7 +54,8 @@ def assemble(seqs, *, decode: bool, extra_width: int, spare_pages: int, gen: tor
     order = torch.randperm(total, generator=gen)
     width = max(s["pages"] for s in seqs) + extra_width
     table = torch.randint(-1, total, (len(seqs), width), generator=gen, dtype=torch.int32)
-    caches = {name: torch.randn((total,) + t.shape[1:], generator=gen).to(t.dtype)
+    caches = {name: torch.randn((total,) + t.shape[1:], generator=gen).to(t.dtype) if t.is_floating_point()
+              else torch.randint(0, 256, (total,) + t.shape[1:], generator=gen).to(t.dtype)
               for name, t in seqs[0]["cache"].items()}
     start = 0
     for b, s in enumerate(seqs):
@@ -70,8 +80,9 @@ def target_rows(args, seqs, position):
 
 
 def check_invariant(backend: str, *, latent: bool, device: str, dtype, trials: int, seed: int,
-                    threads: tuple[int, ...] = ()) -> None:
-    """`threads`: torch's thread counts to draw from for each call (the C++ CPU kernels' work follows them)."""
+                    threads: tuple[int, ...] = (), kv_format: str | None = None) -> None:
+    """`threads`: torch's thread counts to draw from for each call (the C++ CPU kernels' work follows them).
+    kv_format: a 4-bit cache ("nvfp4", "mxfp4"; the cache's dtype otherwise)."""
     rng = random.Random(seed)
     default_threads = torch.get_num_threads()
     gen = torch.Generator().manual_seed(seed)
@@ -79,9 +90,10 @@ def check_invariant(backend: str, *, latent: bool, device: str, dtype, trials: i
     for trial in range(trials):
         decode = rng.random() < 0.5
         shape = dict(decode=decode, page_size=rng.choice([1, 4, 16]), latent=latent, heads=rng.choice([1, 4, 8]),
-                     dim=rng.choice([64, 128]) if latent else rng.choice([32, 64]), rope=16, dtype=dtype)
+                     dim=rng.choice([64, 128]) if latent or kv_format else rng.choice([32, 64]), rope=16,
+                     dtype=dtype, kv_format=kv_format)
         target = sequence(rng, gen, **shape)
-        extra = dict(scale=0.11) if latent else dict(scale=0.11)
+        extra = dict(scale=0.11) if kv_format is None else dict(scale=0.11, kv_format=kv_format)
         with attnops.batch_invariant(), attnops.use_backend(backend):
             alone = assemble([target], decode=decode, extra_width=0, spare_pages=0, gen=gen, device=device)
             want_out, want_lse = op(**alone, **extra)
@@ -137,6 +149,13 @@ def test_triton_is_invariant_in_the_interpreter(latent):
     check_invariant("triton", latent=latent, device="cpu", dtype=torch.float16, trials=3 if latent else 5, seed=2)
 
 
+@pytest.mark.skipif(GPU, reason="the interpreter's run; the GPU run is below")
+@pytest.mark.parametrize("kv_format", ["nvfp4", "mxfp4"])
+def test_triton_4bit_is_invariant_in_the_interpreter(kv_format):
+    check_invariant("triton", latent=False, device="cpu", dtype=torch.float16, trials=2, seed=5,
+                    kv_format=kv_format)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("latent", [False, True], ids=["paged", "latent"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -145,34 +164,55 @@ def test_triton_is_invariant_on_the_gpu(dtype, latent):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("latent", [False, True], ids=["paged", "latent"])
-def test_triton_is_invariant_in_captures_and_compiled(latent):
+@pytest.mark.parametrize("kv_format", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_4bit_caches_are_invariant_on_the_gpu(backend, kv_format):
+    check_invariant(backend, latent=False, device="cuda", dtype=torch.bfloat16, trials=20, seed=5,
+                    kv_format=kv_format)
+
+
+def test_cuda_plan_in_the_mode_depends_on_no_batch():
+    """The CUDA kernels' split plan: outside the mode it follows the batch (and the SMs); inside it, a fixed key
+    count a split, the splits covering the table (at least two: one path, the merge's, for every width)."""
+    from attnops.backends import cuda as cuda_backend
+    from attnops.backends.cuda import invariant_splits
+    for capacity in (16, 2048, 2049, 8192, 1 << 17):
+        splits, chunk = invariant_splits(capacity)
+        assert chunk == cuda_backend.INVARIANT_CHUNK and chunk % cuda_backend.TILE == 0
+        assert splits >= 2 and splits * chunk >= capacity and (splits - 1) * chunk < max(capacity, chunk + 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend, latent, kv_format", [("triton", False, None), ("triton", True, None),
+                                                        ("cuda", False, "nvfp4")], ids=["paged", "latent", "cuda"])
+def test_gpu_backends_are_invariant_in_captures_and_compiled(backend, latent, kv_format):
     """A target's rows alone, eager, against the same rows in random batches replayed from a CUDA graph the user
     captured and from torch.compile(mode="reduce-overhead")'s graphs: bit for bit."""
     rng = random.Random(9)
     gen = torch.Generator().manual_seed(9)
     op = torch.ops.attnops.mla_attention_with_lse if latent else torch.ops.attnops.paged_attention_with_lse
+    extra = dict(scale=0.11) if kv_format is None else dict(scale=0.11, kv_format=kv_format)
     for trial in range(4):
         decode = trial % 2 == 0
-        shape = dict(decode=decode, page_size=16, latent=latent, heads=8, dim=128 if latent else 64, rope=16,
-                     dtype=torch.bfloat16)
+        shape = dict(decode=decode, page_size=16, latent=latent, heads=8, dim=128 if latent or kv_format else 64,
+                     rope=16, dtype=torch.bfloat16, kv_format=kv_format)
         target = sequence(rng, gen, **shape)
         others = [sequence(rng, gen, **shape) for _ in range(rng.randint(1, 5))]
         position = rng.randint(0, len(others))
         seqs = others[:position] + [target] + others[position:]
-        with attnops.batch_invariant(), attnops.use_backend("triton"):
+        with attnops.batch_invariant(), attnops.use_backend(backend):
             want_out, want_lse = op(**assemble([target], decode=decode, extra_width=0, spare_pages=0, gen=gen,
-                                               device="cuda"), scale=0.11)
+                                               device="cuda"), **extra)
             args = assemble(seqs, decode=decode, extra_width=rng.randint(0, 12), spare_pages=2, gen=gen,
                             device="cuda")
             rows = target_rows(args, seqs, position)
-            op(**args, scale=0.11)  # (compiled before the capture)
+            op(**args, **extra)  # (compiled before the capture)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                out, lse = op(**args, scale=0.11)
+                out, lse = op(**args, **extra)
             graph.replay()
             assert torch.equal(out[rows], want_out) and torch.equal(lse[rows], want_lse), (trial, "graph")
-            compiled = torch.compile(lambda a: op(**a, scale=0.11), mode="reduce-overhead", fullgraph=True)
+            compiled = torch.compile(lambda a: op(**a, **extra), mode="reduce-overhead", fullgraph=True)
             for _ in range(3):  # (recorded, then replayed)
                 out, lse = (t.clone() for t in compiled(args))
             assert torch.equal(out[rows], want_out) and torch.equal(lse[rows], want_lse), (trial, "compiled")
@@ -209,8 +249,8 @@ def test_which_backends_are_invariant():
     gpu = dispatch.describe_attention(device="cpu", kv_format="bf16")
     gpu = type(gpu)(**{**gpu.__dict__, "device_type": "cuda", "arch": (9, 0)})
     assert BACKENDS["triton"].invariance_reasons(gpu) == []
-    for name in ("flashinfer", "cuda"):
-        assert BACKENDS[name].invariance_reasons(gpu), name
+    assert BACKENDS["flashinfer"].invariance_reasons(gpu)
+    assert BACKENDS["cuda"].invariance_reasons(dataclasses.replace(gpu, kv_format="nvfp4")) == []
     mla = MLACase(device_type="cuda", arch=(9, 0), q_dtype=torch.bfloat16, kv_format="bf16", latent_dim=512,
                   rope_dim=64, num_heads=16, page_size=64, decode=True)
     assert BACKENDS["triton"].invariance_reasons(mla) == []

@@ -18,7 +18,7 @@ import math
 import torch
 
 from .. import _C  # noqa: F401  (registers the C++ and CUDA ops)
-from .. import errors
+from .. import errors, invariance
 from .base import AttentionCase, Backend, common_reasons, kernel_outputs, rows_without_a_sequence
 
 HEAD_DIMS = (64, 128, 256)
@@ -29,6 +29,7 @@ TILE = 128  # keys a block's step takes; splits are whole tiles
 MAX_SPLITS = 64
 MAX_BATCH = 65535
 SPLIT_KEYS = 8192  # a split takes at most this many keys (a long sequence next to short ones is not one block's tail)
+INVARIANT_CHUNK = 2048  # batch-invariant mode: keys a split, whatever the call (a multiple of TILE)
 
 
 def built() -> bool:
@@ -58,6 +59,14 @@ def plan_splits(device_index: int, batch: int, num_kv_heads: int, capacity: int)
     return math.ceil(tiles * TILE / chunk), chunk
 
 
+def invariant_splits(capacity: int) -> tuple[int, int]:
+    """(splits, keys a split) in batch-invariant mode (attnops.invariance): every sequence is cut every
+    INVARIANT_CHUNK keys from its start, whatever the batch and the SMs, so a row's partial sums and their merge
+    are fixed by its own length; the splits past it are empty (LSE -inf, weight 0). At least two, so that every
+    call takes the merge path, whatever the table's width."""
+    return max(2, math.ceil(capacity / INVARIANT_CHUNK)), INVARIANT_CHUNK
+
+
 class CudaBackend(Backend):
     name = "cuda"
     description = ("attnops' CUDA C++ kernels: 4-bit KV (nvfp4, mxfp4) at head dims 64/128/256, decode and verify, "
@@ -77,7 +86,7 @@ class CudaBackend(Backend):
         return []
 
     def invariance_reasons(self, case) -> list[str]:
-        return ["its split plan follows the batch; not yet batch-invariant"]
+        return []  # (invariant_splits in the mode; a block's warps split its keys by position only)
 
     def supports(self, case) -> list[str]:
         if not isinstance(case, AttentionCase):
@@ -108,8 +117,11 @@ class CudaBackend(Backend):
         if case.batch == 0 and call.num_tokens > 0:
             rows_without_a_sequence(out, lse)
             return
-        splits, chunk = plan_splits(q.device.index if q.device.index is not None else torch.cuda.current_device(),
-                                    case.batch, case.num_kv_heads, call.capacity)
+        if invariance.enabled():
+            splits, chunk = invariant_splits(call.capacity)
+        else:
+            splits, chunk = plan_splits(q.device.index if q.device.index is not None else torch.cuda.current_device(),
+                                        case.batch, case.num_kv_heads, call.capacity)
         workspace = torch.empty(call.num_tokens * case.num_q_heads * splits * (case.head_dim + 1) if splits > 1 else 0,
                                 dtype=torch.float32, device=q.device)
         torch.ops.attnops.fp4_paged_attention_cuda(
