@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from attnops import formats
+from attnops.backends.flashinfer import HEAD_DIMS as FLASHINFER_HEAD_DIMS
 from attnops.backends.flashinfer import fa3_serves, page_metadata
 
 
@@ -33,6 +34,10 @@ def _no_spec_features(case):
 
 def _flashinfer_kv(case, args):
     _no_spec_features(case)
+    if case.head_dim not in FLASHINFER_HEAD_DIMS:
+        # (its JIT takes other sizes, but attnops has checked FlashInfer at these only: a peer that faults takes
+        # the whole run down with it)
+        raise Unsupported(f"timed at the head dims attnops' FlashInfer backend serves, {FLASHINFER_HEAD_DIMS}")
     if formats.is_fp4(case.kv_format):
         raise Unsupported("FlashInfer has no paged nvfp4/mxfp4 decode on sm_90")
     if case.scale_kind == "per_head" and formats.is_fp8(case.kv_format):
