@@ -218,8 +218,8 @@ def kernel_constexprs(cfg: dict, case: AttentionCase, *, on_gpu: bool, lse: bool
     offsets_fit_32: every element offset into the caches (and 4-bit scales) fits int32, which OFFSETS_32 needs."""
     kv_format, group = case.kv_format, case.group
     ddt = dot_dtype(case.q_dtype, kv_format)
-    # fp8 pairs need fp16 dots and an unpadded tile; a forced V_DEQUANT_FIRST is another way to read V
-    fp8_pairs = formats.is_fp8(kv_format) and ddt == torch.float16 and head_tile(case.head_dim) == case.head_dim
+    # fp8 pairs need fp16 dots; a forced V_DEQUANT_FIRST is another way to read V
+    fp8_pairs = formats.is_fp8(kv_format) and ddt == torch.float16
     constexprs = dict(
         NUM_Q_HEADS=case.num_q_heads, HEAD_DIM=head_tile(case.head_dim), VALID_DIM=case.head_dim,
         PAGE=case.page_size, GROUP=group,

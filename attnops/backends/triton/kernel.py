@@ -147,7 +147,7 @@ def fp4_fold(FMT: tl.constexpr, DOT_DTYPE: tl.constexpr):
 
 @triton.jit
 def _load_fp8_pairs(c_ptr, tok_off, offs_h, kvalid, TRANSPOSED: tl.constexpr, FP8_DTYPE: tl.constexpr,
-                    ASM: tl.constexpr):
+                    ASM: tl.constexpr, VALID_DIM: tl.constexpr):
     """A tile of fp8 K or V read as 16-bit words (two neighbouring elements each), returned as its even and odd
     elements in fp16: [D/2, BLOCK_N] tiles (K^T) if TRANSPOSED, else [BLOCK_N, D/2] (V).
 
@@ -158,11 +158,17 @@ def _load_fp8_pairs(c_ptr, tok_off, offs_h, kvalid, TRANSPOSED: tl.constexpr, FP
     K (FP8_K_PAIRS) the gain is q's operand: next to a 16-bit K it is loaded by ldmatrix rather than rebuilt from
     64-bit loads and register moves every step."""
     if TRANSPOSED:
+        mask = kvalid[None, :]
+        if VALID_DIM < 2 * offs_h.shape[0]:  # (a padded tile: the words past the head dim are 0; it is even)
+            mask = mask & (offs_h < VALID_DIM // 2)[:, None]
         words = tl.load(c_ptr.to(tl.pointer_type(tl.uint16)) + (tok_off // 2)[None, :] + offs_h[:, None],
-                        mask=kvalid[None, :], other=0)
+                        mask=mask, other=0)
     else:
+        mask = kvalid[:, None]
+        if VALID_DIM < 2 * offs_h.shape[0]:
+            mask = mask & (offs_h < VALID_DIM // 2)[None, :]
         words = tl.load(c_ptr.to(tl.pointer_type(tl.uint16)) + (tok_off // 2)[:, None] + offs_h[None, :],
-                        mask=kvalid[:, None], other=0)
+                        mask=mask, other=0)
     if ASM:  # (pack=2: one register holds two keys' words; the PTX is a module constexpr, as in e2m1_nibbles)
         if FP8_DTYPE == tl.float8e4nv:
             even = tl.inline_asm_elementwise(FP8_PAIR_E4M3_EVEN, "=r,r", [words], tl.float16, True, 2)
@@ -256,7 +262,7 @@ def _tile_qk(qa, qb, k_ptr, ks_ptr, tok_off, page_v, in_page, kvh, stride_ksp, s
             k_e, k_o = _load_fp4_tile(k_ptr, ks_ptr, tok_off, ks_off, offs_d, kvalid, True, FMT, DOT_DTYPE,
                                       SCALE_BCAST, FP4_ASM)
         else:
-            k_e, k_o = _load_fp8_pairs(k_ptr, tok_off, offs_d, kvalid, True, FP8_DTYPE, not SOFT_FP8)
+            k_e, k_o = _load_fp8_pairs(k_ptr, tok_off, offs_d, kvalid, True, FP8_DTYPE, not SOFT_FP8, VALID_DIM)
         qk = tl.dot(qa, k_e, input_precision=DOT_PRECISION)
         qk = tl.dot(qb, k_o, acc=qk, input_precision=DOT_PRECISION)
     else:
@@ -320,7 +326,7 @@ def _tile_pv(p, alpha, acc, acc_o, v_ptr, vs_ptr, tok_off, page_v, in_page, kvh,
                 v_o = v_o * one
         else:
             v_e, v_o = _load_fp8_pairs(v_ptr, tok_off, tl.arange(0, HEAD_DIM // 2), kvalid, False, FP8_DTYPE,
-                                       not SOFT_FP8)
+                                       not SOFT_FP8, VALID_DIM)
         p = p.to(DOT_DTYPE)
         acc = tl.dot(p, v_e, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
         acc_o = tl.dot(p, v_o, acc=acc_o * alpha[:, None], input_precision=DOT_PRECISION)
@@ -467,8 +473,11 @@ def _load_q(q_ptr, q_row_off, row_valid, HEAD_DIM: tl.constexpr, VALID_DIM: tl.c
     elements as two tiles."""
     if PAIRED_K:
         offs_d = tl.arange(0, HEAD_DIM // 2)
-        q_e = tl.load(q_ptr + q_row_off[:, None] + 2 * offs_d[None, :], mask=row_valid[:, None], other=0.0)
-        q_o = tl.load(q_ptr + q_row_off[:, None] + 2 * offs_d[None, :] + 1, mask=row_valid[:, None], other=0.0)
+        mask = row_valid[:, None]
+        if VALID_DIM < HEAD_DIM:  # (fp8 pairs of a padded tile; the head dim is even)
+            mask = mask & (2 * offs_d < VALID_DIM)[None, :]
+        q_e = tl.load(q_ptr + q_row_off[:, None] + 2 * offs_d[None, :], mask=mask, other=0.0)
+        q_o = tl.load(q_ptr + q_row_off[:, None] + 2 * offs_d[None, :] + 1, mask=mask, other=0.0)
         qa = q_e.to(DOT_DTYPE)
         qb = q_o.to(DOT_DTYPE)
     else:
@@ -516,8 +525,8 @@ def _write_rows(acc, acc_o, m_i, l_i, v_mul, seq_bad, row_bad, n_splits, split, 
         if VALID_DIM < HEAD_DIM:  # (a padded tile: its columns from VALID_DIM on are not the output's)
             o_mask = o_mask & (col < VALID_DIM)[None, :]
         tl.store(o_ptr, (acc * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=o_mask)
-        if PAIRED_V:
-            tl.store(o_ptr + 1, (acc_o * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+        if PAIRED_V:  # (col + 1 < VALID_DIM where col is: the head dim is even)
+            tl.store(o_ptr + 1, (acc_o * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=o_mask)
         if WRITE_LSE:
             # base 2 like the scores; no key: -inf, or with a sink its term alone (a merge stays exact)
             row_lse = m_i + _log2_or_neg_inf(l_i)
