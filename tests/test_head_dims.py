@@ -41,8 +41,8 @@ BACKEND_NAMES = [name for name in ("cpu", "reference") if not BACKENDS[name].una
 # tile, columns past it masked) and 512; formats the interpreter runs (not bf16) and that the tiles serve (the
 # 4-bit ones at powers of two only)
 TRITON_INTERPRETED = not torch.cuda.is_available() and not BACKENDS["triton"].unavailable()
-TRITON_HEAD_DIMS = {48: ["fp16", "fp8_e4m3"], 80: ["fp32", "fp8_e5m2"], 96: ["fp16", "fp32"],
-                    160: ["fp8_e4m3", "fp16"], 512: ["fp16", "nvfp4"]}
+TRITON_HEAD_DIMS = {48: ["fp16", "fp8_e4m3", "nvfp4"], 80: ["fp32", "fp8_e5m2", "nvfp4"], 96: ["fp16", "fp32", "mxfp4"],
+                    160: ["fp8_e4m3", "fp16", "mxfp4"], 512: ["fp16", "nvfp4"]}
 
 
 def served_formats(backend: str, head_dim: int) -> list[str]:
@@ -52,16 +52,16 @@ def served_formats(backend: str, head_dim: int) -> list[str]:
     return [f for f in declared if head_dim % (formats.FORMATS[f].block or 1) == 0]
 
 
-def random_case(rng: random.Random, head_dim: int, kv_format: str, mode: str) -> tuple[dict, dict]:
+def random_case(rng: random.Random, head_dim: int, kv_format: str, mode: str, q_dtype=None) -> tuple[dict, dict]:
     """(paged_attention's tensors, its options) of a random ragged batch: 1-4 sequences with an empty or one-token
-    one among them at times, 1-2 KV heads of groups 1-8."""
+    one among them at times, 1-2 KV heads of groups 1-8. q_dtype: the format's usual one (Q_DTYPE) if None."""
     batch = rng.randint(1, 4)
     kv_lens = [rng.choice([0, 1, rng.randint(2, 80), rng.randint(2, 80)]) for _ in range(batch)]
     q_lens = None if mode == "decode" else [rng.randint(1, n) if n else 0 for n in kv_lens]
     num_kv_heads, group = rng.choice([1, 2]), rng.choice([1, 2, 4, 8])
     args = random_paged_inputs(kv_lens, q_lens, num_q_heads=num_kv_heads * group, num_kv_heads=num_kv_heads,
                                head_dim=head_dim, page_size=rng.choice([1, 4, 16, 64]), kv_format=kv_format,
-                               q_dtype=Q_DTYPE[kv_format], scale_kind=rng.choice(["per_tensor", "per_head"]),
+                               q_dtype=q_dtype or Q_DTYPE[kv_format], scale_kind=rng.choice(["per_tensor", "per_head"]),
                                seed=rng.randrange(1 << 30))
     options = dict(window_left=rng.choice([-1, -1, rng.randint(0, 20)]), soft_cap=rng.choice([0.0, 0.0, 15.0]))
     if rng.random() < 0.3:
@@ -110,7 +110,9 @@ def test_triton_padded_tiles_match_the_reference(head_dim):
     rng = random.Random(f"triton:{head_dim}")
     for kv_format in TRITON_HEAD_DIMS[head_dim]:
         for mode in ("decode", "extend"):
-            args, options = random_case(rng, head_dim, kv_format, mode)
+            # (the interpreter has no bf16: mxfp4's usual queries)
+            args, options = random_case(rng, head_dim, kv_format, mode,
+                                        q_dtype=torch.float16 if Q_DTYPE[kv_format] == torch.bfloat16 else None)
             try:
                 check_against_reference("triton", args, options)
             except AssertionError as e:
@@ -123,12 +125,40 @@ def test_triton_padded_tiles_match_the_reference(head_dim):
 
 
 @pytest.mark.skipif(not TRITON_INTERPRETED, reason="the interpreter's run (no GPU)")
+@pytest.mark.parametrize("kv_format, pairs", [("nvfp4", False), ("mxfp4", False), ("fp8_e4m3", False),
+                                              ("fp8_e4m3", True)])
+def test_triton_padded_tiles_read_nothing_past_the_head_dim(kv_format, pairs, monkeypatch):
+    """Caches (and 4-bit block scales) as views into rows wider than the head dim, the columns past it NaN bytes:
+    a padded tile that read them (its tile's width, 128 for 96) would put NaN into every score (0 x NaN); the
+    result must be the reference's. `pairs`: fp8 read as 16-bit words (FP8_V_PAIRS/FP8_K_PAIRS, forced)."""
+    from attnops.backends.triton import heuristics
+    if pairs:
+        monkeypatch.setenv("ATTNOPS_TRITON_TUNABLES", "FP8_V_PAIRS=1,FP8_K_PAIRS=1")
+    heuristics.forced_tunables.cache_clear()
+    try:
+        args = random_paged_inputs([70, 9, 130], [3, 1, 2], num_q_heads=8, num_kv_heads=2, head_dim=96,
+                                   page_size=16, kv_format=kv_format, q_dtype=torch.float16, seed=11)
+        for name in ("k_cache", "v_cache") + (("k_scale", "v_scale") if kv_format in ("nvfp4", "mxfp4") else ()):
+            t = args[name]
+            raw = t.view(torch.uint8) if t.dtype != torch.uint8 else t
+            wide = torch.full(raw.shape[:-1] + (2 * raw.shape[-1],), 0x7F if name.endswith("cache") else 0xFF,
+                              dtype=torch.uint8)
+            if kv_format == "nvfp4" and name.endswith("scale"):
+                wide.fill_(0x7F)  # (e4m3's NaN; mxfp4's e8m0 NaN is 0xFF)
+            wide[..., :raw.shape[-1]] = raw
+            args[name] = wide[..., :raw.shape[-1]].view(t.dtype)
+        check_against_reference("triton", args, dict(window_left=-1, soft_cap=0.0))
+    finally:
+        heuristics.forced_tunables.cache_clear()
+
+
+@pytest.mark.skipif(not TRITON_INTERPRETED, reason="the interpreter's run (no GPU)")
 @pytest.mark.parametrize("head_dim", [48, 96])
 def test_triton_cache_write_in_padded_tiles(head_dim):
     """reshape_and_cache's Triton kernel at a padded width writes exactly what the reference does, and nothing past
     a row's head dim (the next head's values stay)."""
     gen = torch.Generator().manual_seed(head_dim)
-    for kv_format in ("fp16", "fp8_e4m3"):
+    for kv_format in ("fp16", "fp8_e4m3", "nvfp4") + (("mxfp4",) if head_dim % 32 == 0 else ()):
         caches = {}
         key = torch.randn(10, 2, head_dim, generator=gen).half()
         value = torch.randn(10, 2, head_dim, generator=gen).half()
@@ -138,22 +168,27 @@ def test_triton_cache_write_in_padded_tiles(head_dim):
             cache = attnops.PagedKVCache(1, 4, 8, 2, head_dim, kv_format=kv_format, k_scale=torch.tensor(0.05),
                                          v_scale=torch.tensor(0.04))
             cache.kv[0].view(torch.uint8).fill_(0x3C)
+            if cache.block_scales is not None:
+                cache.block_scales[0].view(torch.uint8).fill_(0x3C)
             write = cache.write_args(0)
             with attnops.use_backend(backend):
                 attnops.reshape_and_cache(key, value, slot_mapping=slots, **write)
-            caches[backend] = cache.kv[0].view(torch.uint8).clone()
-        assert torch.equal(caches["triton"], caches["reference"]), kv_format
+            caches[backend] = [t[0].view(torch.uint8).clone() for t in (cache.kv, cache.block_scales) if t]
+        assert all(torch.equal(t, r) for t, r in zip(caches["triton"], caches["reference"])), kv_format
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [48, 80, 96, 160, 192, 512])
 def test_triton_padded_tiles_on_the_gpu(head_dim, monkeypatch):
-    """bf16, fp16 and fp8 through Triton's padded tiles on the GPU (switched on), decode and verify with splits,
-    windows and sinks, against the float64 reference; and under a CUDA graph the user captured."""
+    """bf16, fp16, fp8 and the 4-bit formats whose block divides the head dim through Triton's padded tiles on
+    the GPU (switched on), decode and verify with splits, windows and sinks, against the float64 reference; and
+    under a CUDA graph the user captured."""
     monkeypatch.setenv("ATTNOPS_TRITON_PADDED_HEADS", "1")
     dispatch._select_cached.cache_clear()
     rng = random.Random(head_dim)
-    for kv_format, q_dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp8_e4m3", torch.bfloat16)):
+    four_bit = [(f, torch.bfloat16) for f in ("nvfp4", "mxfp4") if head_dim % formats.FORMATS[f].block == 0]
+    plain = [("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp8_e4m3", torch.bfloat16)]
+    for kv_format, q_dtype in plain + four_bit:
         for q_lens in (None, [4, 1, 7]):
             kv_lens = [rng.randint(1, 5000), rng.randint(1, 300), rng.randint(7, 9000)]
             args = random_paged_inputs(kv_lens, q_lens, num_q_heads=8, num_kv_heads=2, head_dim=head_dim,
@@ -180,7 +215,7 @@ def test_triton_padded_tiles_on_the_gpu(head_dim, monkeypatch):
 
 def test_triton_serves_padded_head_dims_on_a_gpu_only_when_switched_on(monkeypatch):
     """Until measured on a GPU, auto passes over Triton's padded tiles (and 512) there, saying how to turn them on;
-    with ATTNOPS_TRITON_PADDED_HEADS=1 Triton serves them; 4-bit formats need a power of two."""
+    with ATTNOPS_TRITON_PADDED_HEADS=1 Triton serves them, 4-bit formats too."""
     triton_backend = BACKENDS["triton"]
     if triton_backend.unavailable() and not torch.cuda.is_available():
         monkeypatch.setattr(type(triton_backend), "unavailable", lambda self: [])
@@ -194,9 +229,9 @@ def test_triton_serves_padded_head_dims_on_a_gpu_only_when_switched_on(monkeypat
     assert triton_backend.supports(type(case)(**{**case.__dict__, "head_dim": 128})) == []
     monkeypatch.setenv("ATTNOPS_TRITON_PADDED_HEADS", "1")
     assert triton_backend.supports(case) == []
-    fp4 = type(case)(**{**case.__dict__, "kv_format": "nvfp4"})
-    assert any("padded tile" in r for r in triton_backend.supports(fp4))
-    assert triton_backend.supports(type(fp4)(**{**fp4.__dict__, "head_dim": 512})) == []
+    for head_dim in (96, 512):
+        fp4 = type(case)(**{**case.__dict__, "kv_format": "nvfp4", "head_dim": head_dim})
+        assert triton_backend.supports(fp4) == []
 
 
 @pytest.mark.skipif("cpu" not in BACKEND_NAMES, reason="C++ CPU kernels not built")

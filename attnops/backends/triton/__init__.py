@@ -10,13 +10,13 @@ import os
 
 import torch
 
-from ... import checks, formats, invariance
+from ... import checks, invariance
 from ...env import environ_get
 from ..base import AttentionCase, Backend, MLACase, MLAWriteCase, common_reasons
 
 # the kernels' tiles span the head dim with tl.arange, whose lengths are powers of two: a head dim between (80, 96,
-# 192 ...) runs in the next power of two's tile with the columns past it masked (head_tile, below), every format but
-# the 4-bit ones (their block scales are not padded). On a GPU those padded tiles and 512 are served only with
+# 192 ...) runs in the next power of two's tile with the columns past it masked (head_tile, below), every format
+# (4-bit: the bytes and block scales past it too). On a GPU those padded tiles and 512 are served only with
 # ATTNOPS_TRITON_PADDED_HEADS=1 until measured there (benchmarks/gpu_round.sh's head-dims step); the interpreter
 # serves them always (tests). MEASURED_HEAD_DIMS: the sizes auto takes on a GPU.
 HEAD_DIMS = checks.HEAD_DIMS
@@ -39,9 +39,6 @@ def _head_dim_reasons(case) -> list[str]:
     if head_dim in MEASURED_HEAD_DIMS or head_dim not in HEAD_DIMS:
         return []
     padded = head_tile(head_dim) != head_dim
-    if padded and formats.is_fp4(case.kv_format):
-        return [f"head_dim {head_dim} runs in a padded tile, which the 4-bit formats' block scales do not have yet "
-                f"(4-bit: head dims {', '.join(map(str, MEASURED_HEAD_DIMS))})"]
     if case.device_type == "cuda" and environ_get("ATTNOPS_TRITON_PADDED_HEADS") in (None, "", "0"):
         tile = f"in {head_tile(head_dim)}'s padded tile" if padded else "its tile"
         return [f"head_dim {head_dim} ({tile}) is not yet measured on a GPU; ATTNOPS_TRITON_PADDED_HEADS=1 serves "

@@ -44,15 +44,22 @@ def _write_row(src_ptr, cache_ptr, scale_ptr, bscale_ptr, cache_off, bscale_off,
                HEAD_DIM: tl.constexpr, SCALE_BLOCK: tl.constexpr, FP8_DTYPE: tl.constexpr, FP8_MAX: tl.constexpr,
                SOFT_FP8: tl.constexpr, VALID_DIM: tl.constexpr):
     """Quantizes one head's row (src_ptr -> VALID_DIM values) into the cache row at cache_ptr + cache_off.
-    HEAD_DIM: the row's tile, VALID_DIM rounded up to a power of two (4-bit rows: VALID_DIM itself)."""
+    HEAD_DIM: the row's tile, VALID_DIM rounded up to a power of two (4-bit: VALID_DIM a multiple of the scale
+    block; the blocks past it are neither read nor written)."""
     if FMT == FMT_NVFP4 or FMT == FMT_MXFP4:
         NB: tl.constexpr = HEAD_DIM // SCALE_BLOCK
         HB: tl.constexpr = SCALE_BLOCK // 2
         offs_b = tl.arange(0, NB)[:, None]
         offs_j = tl.arange(0, HB)[None, :]
         elem = offs_b * SCALE_BLOCK + 2 * offs_j  # even elements; the odd one follows each
-        x_e = tl.load(src_ptr + elem).to(tl.float32)
-        x_o = tl.load(src_ptr + elem + 1).to(tl.float32)
+        if VALID_DIM < HEAD_DIM:  # (a padded tile: whole blocks past the head dim)
+            blocks = offs_b < VALID_DIM // SCALE_BLOCK  # [NB, 1]
+            x_e = tl.load(src_ptr + elem, mask=blocks, other=0.0).to(tl.float32)
+            x_o = tl.load(src_ptr + elem + 1, mask=blocks, other=0.0).to(tl.float32)
+        else:
+            blocks = None
+            x_e = tl.load(src_ptr + elem).to(tl.float32)
+            x_o = tl.load(src_ptr + elem + 1).to(tl.float32)
         amax = tl.maximum(tl.max(tl.abs(x_e), 1), tl.max(tl.abs(x_o), 1))  # [NB]
         has_nan = tl.max(((x_e != x_e) | (x_o != x_o)).to(tl.int32), 1) > 0
         if FMT == FMT_NVFP4:
@@ -66,7 +73,11 @@ def _write_row(src_ptr, cache_ptr, scale_ptr, bscale_ptr, cache_off, bscale_off,
             s = tl.where(has_nan, 0, s)
             scale = e8m0_to_f32(s)
             stored_scale = s.to(tl.uint8)
-        tl.store(bscale_ptr + bscale_off + tl.arange(0, NB), stored_scale)
+        if VALID_DIM < HEAD_DIM:
+            tl.store(bscale_ptr + bscale_off + tl.arange(0, NB), stored_scale,
+                     mask=tl.arange(0, NB) < VALID_DIM // SCALE_BLOCK)
+        else:
+            tl.store(bscale_ptr + bscale_off + tl.arange(0, NB), stored_scale)
         # encoded where the scale is > 0, as formats.py does: not under nvfp4's NaN scale (tested on has_nan, since
         # the interpreter does not decode e4m3's NaN byte as NaN); mxfp4's scale is never NaN
         pos = scale[:, None] > 0.0
@@ -78,7 +89,7 @@ def _write_row(src_ptr, cache_ptr, scale_ptr, bscale_ptr, cache_off, bscale_off,
         c_e = c_e | tl.where((x_e < 0) & (c_e > 0), 8, 0)  # no negative zero
         c_o = c_o | tl.where((x_o < 0) & (c_o > 0), 8, 0)
         packed = (c_e | (c_o << 4)).to(tl.uint8)
-        tl.store(cache_ptr + cache_off + offs_b * HB + offs_j, packed)
+        tl.store(cache_ptr + cache_off + offs_b * HB + offs_j, packed, mask=blocks)
     else:
         offs_d = tl.arange(0, HEAD_DIM)
         if VALID_DIM < HEAD_DIM:  # (a padded tile)

@@ -40,39 +40,54 @@ TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float3
 
 @triton.jit
 def _load_fp4_tile(c_ptr, s_ptr, tok_off, s_off, offs_h, kvalid, TRANSPOSED: tl.constexpr, FMT: tl.constexpr,
-                   DOT_DTYPE: tl.constexpr, SCALE_BCAST: tl.constexpr, FP4_ASM: tl.constexpr):
+                   DOT_DTYPE: tl.constexpr, SCALE_BCAST: tl.constexpr, FP4_ASM: tl.constexpr,
+                   VALID_DIM: tl.constexpr):
     """A tile of 4-bit K or V as its even and odd elements (D/2 columns each), dequantized to DOT_DTYPE, times
     fp4_fold(FMT, DOT_DTYPE) (the kernel divides that back out of its score and output scales).
 
     Keeping even and odd elements apart avoids interleaving them in registers: the kernel multiplies the even
     half of q with the even half of K (and the odd with the odd) and accumulates V's halves separately.
-    TRANSPOSED gives [D/2, BLOCK_N] tiles (K^T), else [BLOCK_N, D/2] (V)."""
+    TRANSPOSED gives [D/2, BLOCK_N] tiles (K^T), else [BLOCK_N, D/2] (V). A padded tile (VALID_DIM < D, a multiple
+    of the scale block): the bytes and scales past the head dim load as 0, so their values are 0."""
     # element 2i (even) and 2i+1 (odd) are both in block (2i) // BLOCK = i // (BLOCK / 2)
     half_block: tl.constexpr = 8 if FMT == FMT_NVFP4 else 16
     HALF: tl.constexpr = offs_h.shape[0]
     NB: tl.constexpr = HALF // half_block  # block scales per row
     BN: tl.constexpr = tok_off.shape[0]
+    PADDED: tl.constexpr = VALID_DIM < 2 * HALF
     if TRANSPOSED:
-        packed = tl.load(c_ptr + tok_off[None, :] + offs_h[:, None], mask=kvalid[None, :], other=0)
+        mask = kvalid[None, :]
+        if PADDED:
+            mask = mask & (offs_h < VALID_DIM // 2)[:, None]
+        packed = tl.load(c_ptr + tok_off[None, :] + offs_h[:, None], mask=mask, other=0)
     else:
-        packed = tl.load(c_ptr + tok_off[:, None] + offs_h[None, :], mask=kvalid[:, None], other=0)
+        mask = kvalid[:, None]
+        if PADDED:
+            mask = mask & (offs_h < VALID_DIM // 2)[None, :]
+        packed = tl.load(c_ptr + tok_off[:, None] + offs_h[None, :], mask=mask, other=0)
     if SCALE_BCAST:
         # one load and one decode per block scale ([NB, BLOCK_N]), repeated across its values in registers
         offs_b = tl.arange(0, NB)
         if TRANSPOSED:
-            sc = tl.load(s_ptr + s_off[None, :] + offs_b[:, None], mask=kvalid[None, :], other=0)
+            s_mask = kvalid[None, :]
+            if PADDED:
+                s_mask = s_mask & (offs_b < VALID_DIM // (2 * half_block))[:, None]
+            sc = tl.load(s_ptr + s_off[None, :] + offs_b[:, None], mask=s_mask, other=0)
             scale = _fp4_scale(sc, FMT, DOT_DTYPE)
             scale = tl.reshape(tl.broadcast_to(scale[:, None, :], (NB, half_block, BN)), (HALF, BN))
         else:
-            sc = tl.load(s_ptr + s_off[:, None] + offs_b[None, :], mask=kvalid[:, None], other=0)
+            s_mask = kvalid[:, None]
+            if PADDED:
+                s_mask = s_mask & (offs_b < VALID_DIM // (2 * half_block))[None, :]
+            sc = tl.load(s_ptr + s_off[:, None] + offs_b[None, :], mask=s_mask, other=0)
             scale = _fp4_scale(sc, FMT, DOT_DTYPE)
             scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BN, NB, half_block)), (BN, HALF))
     else:
-        # one (cached) load per value: simple layouts, more load instructions
+        # one (cached) load per value: simple layouts, more load instructions (the bytes' mask is the scales')
         if TRANSPOSED:
-            sc = tl.load(s_ptr + s_off[None, :] + (offs_h // half_block)[:, None], mask=kvalid[None, :], other=0)
+            sc = tl.load(s_ptr + s_off[None, :] + (offs_h // half_block)[:, None], mask=mask, other=0)
         else:
-            sc = tl.load(s_ptr + s_off[:, None] + (offs_h // half_block)[None, :], mask=kvalid[:, None], other=0)
+            sc = tl.load(s_ptr + s_off[:, None] + (offs_h // half_block)[None, :], mask=mask, other=0)
         scale = _fp4_scale(sc, FMT, DOT_DTYPE)
     return _dequant_fp4(packed, scale, FMT, DOT_DTYPE, FP4_ASM)
 
@@ -260,7 +275,7 @@ def _tile_qk(qa, qb, k_ptr, ks_ptr, tok_off, page_v, in_page, kvh, stride_ksp, s
         if IS_FP4:
             ks_off = page_v * stride_ksp + in_page * stride_kst + kvh * stride_ksh
             k_e, k_o = _load_fp4_tile(k_ptr, ks_ptr, tok_off, ks_off, offs_d, kvalid, True, FMT, DOT_DTYPE,
-                                      SCALE_BCAST, FP4_ASM)
+                                      SCALE_BCAST, FP4_ASM, VALID_DIM)
         else:
             k_e, k_o = _load_fp8_pairs(k_ptr, tok_off, offs_d, kvalid, True, FP8_DTYPE, not SOFT_FP8, VALID_DIM)
         qk = tl.dot(qa, k_e, input_precision=DOT_PRECISION)
@@ -319,7 +334,7 @@ def _tile_pv(p, alpha, acc, acc_o, v_ptr, vs_ptr, tok_off, page_v, in_page, kvh,
         if IS_FP4:
             vs_off = page_v * stride_vsp + in_page * stride_vst + kvh * stride_vsh
             v_e, v_o = _load_fp4_tile(v_ptr, vs_ptr, tok_off, vs_off, offs_d, kvalid, False, FMT, DOT_DTYPE,
-                                      SCALE_BCAST, FP4_ASM)
+                                      SCALE_BCAST, FP4_ASM, VALID_DIM)
             if V_DEQUANT_FIRST:
                 one = opaque_one(sm_scale).to(DOT_DTYPE)
                 v_e = v_e * one

@@ -103,7 +103,8 @@ def mla_launch(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, *, s
             out_ptr=out, lse_ptr=lse if lse is not None else part_lse, part_out_ptr=part_out, part_lse_ptr=part_lse,
             sinks_ptr=sinks if sinks is not None else part_lse, stride_ot=out.stride(0), stride_oh=out.stride(1),
             MAX_SPLITS=splits, NUM_HEADS=num_heads, R=latent, R_P2=r_p2, SPLITS_P2=triton.next_power_of_2(splits),
-            SPLIT_BLOCK=min(8, triton.next_power_of_2(splits)), HAS_SINKS=sinks is not None, WRITE_LSE=lse is not None, num_warps=4)
+            SPLIT_BLOCK=min(8, triton.next_power_of_2(splits)), HAS_SINKS=sinks is not None,
+            WRITE_LSE=lse is not None, num_warps=4)
 
 
 def mla_cache_write(kv_c, k_pe, kv_cache, slot_mapping, *, kv_format: str, kv_scale) -> None:
