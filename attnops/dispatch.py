@@ -98,24 +98,29 @@ def rule_arch(arch: tuple[int, int] | None) -> tuple[int, int] | None:
     return min(measured, key=lambda a: (a != arch, a[0] != arch[0], a > arch, abs(a[0] - arch[0]), abs(a[1] - arch[1])))
 
 
-def rule_leaf(case: AttentionCase) -> tuple[dict, list[str], tuple[int, int]] | None:
+def table_keys(case: AttentionCase | MLACase) -> tuple[str, str]:
+    """The table's rule and its timed formats for the case's op: latent attention has its own (other backends)."""
+    return ("mla_rule", "mla_timed_formats") if isinstance(case, MLACase) else ("rule", "timed_formats")
+
+
+def rule_leaf(case: AttentionCase | MLACase) -> tuple[dict, list[str], tuple[int, int]] | None:
     """(the leaf of the measured rule that orders `case`, the questions that led there, the arch it was measured
-    on), or None where no rule applies (the CPU; no table)."""
+    on), or None where no rule applies (the CPU; no table; latent attention: a table without "mla_rule")."""
     if case.device_type != "cuda":
         return None
     arch = rule_arch(case.arch)
-    rule = arch_table(arch).get("rule") if arch else None
+    rule = arch_table(arch).get(table_keys(case)[0]) if arch else None
     if not rule:
         return None
     leaf, path = rules.decide(rule, rules.features(case))
     return leaf, path, arch
 
 
-def untimed(order, kv_format: str, table: dict) -> list[str]:
-    """The backends of `order` that the table timed on no format of `kv_format`'s family while another backend
-    of `order` was (its leaf, fitted on other formats, says nothing of them there); none for a table without the
-    record."""
-    timed = table.get("timed_formats")
+def untimed(order, kv_format: str, table: dict, key: str = "timed_formats") -> list[str]:
+    """The backends of `order` that the table timed (its record `key`) on no format of `kv_format`'s family while
+    another backend of `order` was (its leaf, fitted on other formats, says nothing of them there); none for a
+    table without the record."""
+    timed = table.get(key)
     family = formats.FORMATS[kv_format].family
     if not timed or not any(family in timed.get(n, ()) for n in order):
         return []
@@ -126,13 +131,14 @@ def policy(case: AttentionCase | CacheWriteCase) -> tuple[str, ...]:
     """The backends to try for `case`, in order: the measured rule's order for attention on a GPU, the backends
     never timed on the case's format moved behind the timed ones (a backend that learns a format is not chosen
     before the table is refitted with its times), then the static order for the rest."""
-    if isinstance(case, (MLACase, MLAWriteCase)):
+    if isinstance(case, MLAWriteCase):
         return MLA_ORDER.get(case.device_type, ("reference",))
-    static = STATIC_ORDER.get(case.device_type, ("reference",))
-    decided = rule_leaf(case) if isinstance(case, AttentionCase) else None
+    orders = MLA_ORDER if isinstance(case, MLACase) else STATIC_ORDER
+    static = orders.get(case.device_type, ("reference",))
+    decided = rule_leaf(case) if isinstance(case, (AttentionCase, MLACase)) else None
     measured = decided[0]["order"] if decided else []
     if decided:
-        late = untimed(measured, case.kv_format, arch_table(decided[2]))
+        late = untimed(measured, case.kv_format, arch_table(decided[2]), table_keys(case)[1])
         measured = [n for n in measured if n not in late] + late
     return tuple(measured) + tuple(name for name in static if name not in measured)
 
@@ -183,14 +189,14 @@ class Explanation:
         return "\n".join(lines)
 
     def rule_text(self) -> str | None:
-        decided = rule_leaf(self.case) if isinstance(self.case, AttentionCase) else None
+        decided = rule_leaf(self.case) if isinstance(self.case, (AttentionCase, MLACase)) else None
         if decided is None:
             return None
         leaf, path, arch = decided
         where = f"sm_{arch[0]}{arch[1]}"
         if arch != self.case.arch:
             where += f", the nearest measured arch (none for sm_{self.case.arch[0]}{self.case.arch[1]})"
-        late = untimed(leaf["order"], self.case.kv_format, arch_table(arch))
+        late = untimed(leaf["order"], self.case.kv_format, arch_table(arch), table_keys(self.case)[1])
         text = (f"auto: rule measured on {where}, attnops/tables: {' and '.join(path) or 'every case'} -> "
                 f"{rules.describe_leaf(leaf)}")
         if late:

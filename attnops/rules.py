@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-from .cases import AttentionCase
+from .cases import AttentionCase, MLACase
 
 # (name, kind): "cat" splits by equality, "num" by a threshold. The order breaks ties between equal splits.
 FEATURES = (("kv_format", "cat"), ("shape_class", "cat"), ("scale_kind", "cat"), ("group", "num"),
@@ -24,10 +24,16 @@ FEATURES = (("kv_format", "cat"), ("shape_class", "cat"), ("scale_kind", "cat"),
 TOLERANCE = 1.03  # a backend within 3% of the fastest counts as a right choice in the leaf statistics
 
 
-def features(case: AttentionCase) -> dict:
+def features(case: AttentionCase | MLACase) -> dict:
     """What the rule may ask about a case. `work` is the (sequence, KV head) pairs: the parallelism a kernel has
     before it splits the keys; `rows` the query rows each pair brings (the GQA group times the query tokens a
-    sequence): a verify kernel's tile height."""
+    sequence): a verify kernel's tile height. A latent-attention case is read as the MQA it is (one latent row a
+    token, shared by every query head: group = heads, head_dim = R); it has a rule of its own (other backends)."""
+    if isinstance(case, MLACase):
+        return dict(kv_format=case.kv_format, shape_class=case.shape_class,
+                    scale_kind="per_tensor" if case.kv_format == "fp8_e4m3" else "none", group=case.num_heads,
+                    head_dim=case.latent_dim, num_kv_heads=1, batch=case.batch, work=case.batch,
+                    max_kv_len=case.max_kv_len, rows=case.num_heads)
     return dict(kv_format=case.kv_format, shape_class=case.shape_class, scale_kind=case.scale_kind,
                 group=case.num_q_heads // case.num_kv_heads, head_dim=case.head_dim, num_kv_heads=case.num_kv_heads,
                 batch=case.batch, work=case.batch * case.num_kv_heads, max_kv_len=case.max_kv_len,

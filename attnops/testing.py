@@ -70,6 +70,43 @@ def random_paged_inputs(kv_lens, q_lens=None, *, num_q_heads=4, num_kv_heads=2, 
     return args
 
 
+def random_mla_inputs(kv_lens, q_lens=None, *, num_heads=4, latent_dim=64, rope_dim=16, page_size=4,
+                      q_dtype=torch.float16, kv_format="auto", device="cpu", seed=0, spare_pages=2,
+                      table_padding=1, scale=0.13) -> dict:
+    """Keyword arguments of mla_attention: a paged latent cache of random rows in random page order (kv_format
+    "auto": q's dtype; "fp8_e4m3": stored / kv_scale), garbage (-1 or a random page) past each sequence's pages,
+    one query row a sequence (decode) or q_lens rows each."""
+    device = torch.device(device)
+    gen = torch.Generator(device).manual_seed(seed)  # (made where it is used, as random_paged_inputs)
+    batch = len(kv_lens)
+    pages = [-(-n // page_size) for n in kv_lens]
+    num_pages = sum(pages) + spare_pages
+    order = torch.randperm(num_pages, generator=gen, device=device)
+    width = max(pages + [1]) + table_padding
+    table = torch.where(torch.rand(batch, width, generator=gen, device=device) < 0.5, -1,
+                        torch.randint(0, num_pages, (batch, width), generator=gen, device=device)).to(torch.int32)
+    start = 0
+    for b, n in enumerate(pages):
+        table[b, :n] = order[start:start + n]
+        start += n
+    rows = torch.randn(num_pages, page_size, latent_dim + rope_dim, generator=gen, device=device)
+    args = {}
+    if kv_format == "fp8_e4m3":
+        args["kv_scale"] = torch.tensor([0.5], device=device)
+        kv = (rows / args["kv_scale"]).to(torch.float8_e4m3fn)
+    else:
+        kv = rows.to(q_dtype)
+    del rows
+    tokens = batch if q_lens is None else sum(q_lens)
+    args.update(q_nope=torch.randn(tokens, num_heads, latent_dim, generator=gen, device=device).to(q_dtype),
+                q_pe=torch.randn(tokens, num_heads, rope_dim, generator=gen, device=device).to(q_dtype),
+                kv_cache=kv, block_table=table, seq_lens=torch.tensor(kv_lens, dtype=torch.int32, device=device),
+                kv_format=kv_format, scale=scale,
+                cu_seqlens_q=None if q_lens is None else
+                torch.tensor([0] + list(q_lens)).cumsum(0).to(torch.int32).to(device))
+    return args
+
+
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| in float64 (NaN if out has any NaN)."""
     out, ref = out.double(), ref.double()

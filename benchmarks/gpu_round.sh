@@ -42,6 +42,9 @@
 #             Run at most four at once: more overload a 16-core machine with compiles
 #   models    python -m attnops tune on the models grid (MODELS_ARGS narrows it), writing the table to
 #             $results/sm_XY.json and the records to $results/models.json
+#   mla-models latent attention's cases of the models grid (DeepSeek-V3's shards of 8-128 heads, bf16 and fp8) for
+#             flashinfer and triton, the fi-mla peer and auto: $results/mla-models.json; then the table refitted from
+#             the shipped table's own sources and those records: $results/sm_XY.json (both rules), and its checks
 #   serve     python -m attnops serve-bench $SERVE_ARGS (JSON + PNG)
 #   serve-hf  serve-bench's transformers grid, in five parts under their own time limits, appended to
 #             $results/serve-hf.json (+ .png): Llama-3.2-1B-shaped through transformers' modeling code in bf16,
@@ -154,6 +157,15 @@ for step in "$@"; do
       timeout ${MODELS_TIMEOUT:-540} python3 -m attnops tune --out "$results/$arch.json" --rep-ms ${REP_MS:-50} \
         --json "$results/models.json" ${MODELS_ARGS:-} > "$results/models.log" 2> /tmp/models.err
       tail -3 /tmp/models.err; sed -n '/^the rule on/,$p' "$results/models.log" | head -60; stamp models ;;
+    mla-models)
+      arch=$(python3 -c "import torch; print('sm_%d%d' % torch.cuda.get_device_capability())")
+      timeout ${MODELS_TIMEOUT:-540} python3 -m attnops bench --grid models --cases deepseek-v3 --backends flashinfer \
+        triton --peers fi-mla --auto --graph-only --rep-ms ${REP_MS:-50} --json "$results/mla-models.json" \
+        > "$results/mla-models.txt" 2> /tmp/mla-models.err; tail -3 /tmp/mla-models.err
+      sources=$(python3 -c "import json; print(' '.join(json.load(open('attnops/tables/$arch.json'))['sources']))")
+      python3 -m attnops tune --from-json $sources "$results/mla-models.json" --arch $arch --out "$results/$arch.json" \
+        --checks-out "$results/$arch-rule-checks.json" > "$results/mla-tune.log" 2>&1
+      sed -n "/latent attention's rule/,\$p" "$results/mla-tune.log" | head -40; stamp mla-models ;;
     autocheck)
       for g in "models --cases /bf16/ /fp8_e4m3/per_tensor/:autocheck" "models-unseen:unseen"; do
         timeout ${AUTOCHECK_TIMEOUT:-240} python3 -m attnops bench --grid ${g%%:*} --backends flashinfer triton \

@@ -139,20 +139,10 @@ def sweep_case(case, scale, out, budget_s, grid=SWEEP):
 
 def flashinfer_fn(case, scale, out):
     """FlashInfer's BatchMLAPagedAttentionWrapper over the same cache (bf16 only), planned once (the plan is host
-    work a serving loop does before its graph replays)."""
-    import flashinfer
-    q_nope, q_pe, kv = case["q_nope"], case["q_pe"], case["kv_cache"]
-    batch, heads, latent = q_nope.shape
-    page_size = kv.shape[1]
-    table, seq_lens = case["block_table"], case["seq_lens"]
-    workspace = torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device="cuda")
-    wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(workspace, backend="auto")
-    qo_indptr = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
-    kv_indptr = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * table.shape[1]
-    wrapper.plan(qo_indptr, kv_indptr, table.flatten(), seq_lens, heads, latent, q_pe.shape[2], page_size, False,
-                 scale, torch.bfloat16, torch.bfloat16)
-    ckv, kpe = kv[..., :latent].contiguous(), kv[..., latent:].contiguous()  # (its two caches, same values)
-    return lambda: wrapper.run(q_nope, q_pe, ckv, kpe, out=out)
+    work a serving loop does before its graph replays): the bench's `fi-mla` peer."""
+    from attnops.bench.peers import flashinfer_mla_runner
+    return flashinfer_mla_runner(case["q_nope"], case["q_pe"], case["kv_cache"], case["block_table"],
+                                 case["seq_lens"], None, scale, out=out)
 
 
 def main(argv=None) -> int:

@@ -318,3 +318,43 @@ def test_tune_ships_the_rule_and_writes_its_checks_beside_it(tmp_path):
     assert set(shipped) == {"arch", "sources", "backends", "timed_formats", "rule"}
     assert {"per_case", "held_out_head_shapes", "auto_measured"} <= set(json.loads(checks.read_text()))
     assert set(dispatch.arch_table((9, 0))) == set(shipped)  # the shipped sm_90 table: the same keys
+
+
+def test_tune_fits_latent_attention_its_own_rule_and_dispatch_follows_it(tmp_path, monkeypatch):
+    """Records of latent-attention cases (the models grid's DeepSeek shards) get a rule of their own over the
+    backends that serve them, in the same table; dispatch orders an MLA case by it (and explain says so), and by
+    MLA_ORDER where the table has none."""
+    from attnops.cases import MLACase
+    tune = _tune()
+    records = []
+    for heads in (16, 32, 128):
+        for batch in (1, 32, 128):
+            case = f"mla/{heads}/{batch}"
+            mla = dict(latent_dim=512, rope_dim=64, page_size=64)
+            # triton faster with few heads (16), FlashInfer from 32 heads up
+            records += [{**_record(case, "triton", 50 if heads <= 16 else 300, heads=(heads, 1, 512), batch=batch),
+                         **mla},
+                        {**_record(case, "flashinfer", 60, heads=(heads, 1, 512), batch=batch), **mla},
+                        {**_record(case, "cuda", 10, heads=(heads, 1, 512), batch=batch), **mla}]
+    records += [_record("bf16/32", "triton", 100), _record("bf16/32", "flashinfer", 80)]
+    source = tmp_path / "records.json"
+    source.write_text(json.dumps({"records": records}))
+    table_path = tmp_path / "sm_90.json"
+    tune.main(["--from-json", str(source), "--arch", "sm_90", "--backends", "flashinfer", "cuda", "triton",
+               "--out", str(table_path), "--checks-out", str(tmp_path / "checks.json")])
+    table = json.loads(table_path.read_text())
+    assert table["mla_backends"] == ["flashinfer", "triton"]  # (cuda's time is ignored: it serves no MLA)
+    assert "mla_per_case" in json.loads((tmp_path / "checks.json").read_text())
+    monkeypatch.setattr(dispatch, "arch_table", lambda arch: table if arch == (9, 0) else {})
+    monkeypatch.setattr(dispatch, "rule_arch", lambda arch: (9, 0))
+
+    def order(heads):
+        case = MLACase(device_type="cuda", arch=(9, 0), q_dtype=torch.bfloat16, kv_format="bf16", latent_dim=512,
+                       rope_dim=64, num_heads=heads, page_size=64, decode=True, batch=8, max_kv_len=8192)
+        return dispatch.policy(case), dispatch.Explanation(case, None).rule_text()
+    few, text = order(8)
+    assert few[:2] == ("triton", "flashinfer") and few[-1] == "reference"
+    assert "rule measured on sm_90" in text and "group" in text
+    assert order(64)[0][:2] == ("flashinfer", "triton")
+    monkeypatch.setattr(dispatch, "arch_table", lambda arch: {k: v for k, v in table.items() if "mla" not in k})
+    assert order(8)[0] == dispatch.MLA_ORDER["cuda"] and order(8)[1] is None

@@ -18,7 +18,7 @@ import attnops
 from attnops.backends import BACKENDS
 from attnops.backends.mla_reference import mla_attention_reference, mla_cache_write_reference
 from attnops.backends.triton.mla_launch import mla_cache_write, mla_launch
-from attnops.testing import relative_error
+from attnops.testing import random_mla_inputs, relative_error
 from conftest import ISA_PARAMS, run_with_cpu_isa
 
 GPU = torch.cuda.is_available()
@@ -26,33 +26,10 @@ GPU = torch.cuda.is_available()
 
 def mla_inputs(kv_lens, q_lens=None, *, heads=4, latent=64, rope=16, page_size=4, dtype=torch.float16,
                kv_format="auto", device="cpu", seed=0, spare_pages=2):
-    """Keyword arguments of mla_attention: a paged latent cache of random rows in random page order, garbage (-1 or
-    a random page) past each sequence's pages, one query row a sequence (decode) or q_lens rows each."""
-    gen = torch.Generator().manual_seed(seed)
-    batch = len(kv_lens)
-    pages = [-(-n // page_size) for n in kv_lens]
-    num_pages = sum(pages) + spare_pages
-    order = torch.randperm(num_pages, generator=gen)
-    width = max(pages + [1]) + 1
-    table = torch.where(torch.rand(batch, width, generator=gen) < 0.5, -1,
-                        torch.randint(0, num_pages, (batch, width), generator=gen)).to(torch.int32)
-    start = 0
-    for b, n in enumerate(pages):
-        table[b, :n] = order[start:start + n]
-        start += n
-    rows = torch.randn(num_pages, page_size, latent + rope, generator=gen)
-    args = {}
-    if kv_format == "fp8_e4m3":
-        args["kv_scale"] = torch.tensor([0.5])
-        kv = (rows / args["kv_scale"]).to(torch.float8_e4m3fn)
-    else:
-        kv = rows.to(dtype)
-    tokens = batch if q_lens is None else sum(q_lens)
-    args.update(q_nope=torch.randn(tokens, heads, latent, generator=gen).to(dtype),
-                q_pe=torch.randn(tokens, heads, rope, generator=gen).to(dtype), kv_cache=kv, block_table=table,
-                seq_lens=torch.tensor(kv_lens, dtype=torch.int32), kv_format=kv_format, scale=0.13,
-                cu_seqlens_q=None if q_lens is None else
-                torch.tensor([0] + list(q_lens)).cumsum(0).to(torch.int32))
+    """Keyword arguments of mla_attention (attnops.testing.random_mla_inputs, generated on the CPU: the same data
+    on every device)."""
+    args = random_mla_inputs(kv_lens, q_lens, num_heads=heads, latent_dim=latent, rope_dim=rope, page_size=page_size,
+                             q_dtype=dtype, kv_format=kv_format, seed=seed, spare_pages=spare_pages)
     return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
 
 

@@ -22,6 +22,14 @@ class Case:
     sinks: bool = False  # a random per-head sink logit
     tree: int = 0  # > 0: each query block is a complete draft tree of this branching (tree_mask), else causal
     tags: list = field(default_factory=list)
+    # latent attention (mla_attention) where latent_dim > 0: one row of latent_dim + rope_dim values a token, shared
+    # by num_q_heads query heads (num_kv_heads 1, head_dim latent_dim: the MQA it is)
+    latent_dim: int = 0
+    rope_dim: int = 0
+
+    @property
+    def latent(self) -> bool:
+        return self.latent_dim > 0
 
     @property
     def kind(self) -> str:
@@ -91,10 +99,34 @@ TWO_BACKEND_FORMATS = ("bf16", "fp8_e4m3/per_tensor")  # where both FlashInfer a
 VERIFY_FORMATS = TWO_BACKEND_FORMATS + ("nvfp4", "mxfp4")  # verify: also 4-bit (the cuda backend and Triton)
 
 
+# Latent attention: DeepSeek-V3's 128 query heads (R 512, P 64) as tensor-parallel shards of 8-128 heads, pages of
+# 64 tokens (FlashMLA's and the DeepSeek serving stacks')
+MLA_MODELS = {"deepseek-v3": (128, 512, 64)}
+MLA_SHARDS = (1, 2, 4, 8, 16)
+MLA_FORMATS = ("bf16", "fp8_e4m3")
+
+
+def mla_cases(group: str) -> list:
+    """MLA_MODELS' shards x MLA_FORMATS: decode at MODEL_DECODE, a ragged batch of 64, and verify of 2 tokens (a
+    multi-token-prediction step) on 32 x 4096."""
+    cases = []
+    for model, (heads, latent, rope) in MLA_MODELS.items():
+        for tp in MLA_SHARDS:
+            shape = dict(num_q_heads=heads // tp, num_kv_heads=1, head_dim=latent, latent_dim=latent,
+                         rope_dim=rope, page_size=64)
+            for fmt in MLA_FORMATS:
+                shapes = [(f"{b}x{n}", [n] * b, None) for b, n in MODEL_DECODE]
+                shapes += [("ragged64", ragged_lengths(64, seed=64), None), ("verify32x4096q2", [4096] * 32, [2] * 32)]
+                for name, kv_lens, q_lens in shapes:
+                    cases.append(Case(f"{model}-tp{tp}-{heads // tp}-{latent}-{rope}/{fmt}/{name}", group, kv_lens,
+                                      q_lens, kv_format=fmt, **shape))
+    return cases
+
+
 def models_grid() -> list:
     """Every head shape of MODEL_HEADS x every KV format and scale kind: decode at MODEL_DECODE and a ragged
     batch of 64; also verify (4 and 8 tokens) for the formats two backends serve it in, and prefill and a chunked
-    extend for bf16 and fp8."""
+    extend for bf16 and fp8. Then latent attention (mla_cases)."""
     cases = []
     for model, (hq, hkv, d) in MODEL_HEADS.items():
         heads = dict(num_q_heads=hq, num_kv_heads=hkv, head_dim=d)
@@ -111,7 +143,7 @@ def models_grid() -> list:
             for shape, kv_lens, q_lens in shapes:
                 cases.append(Case(f"{model}-{hq}-{hkv}-{d}/{label}/{shape}", "models", kv_lens, q_lens, **heads,
                                   **fmt_args))
-    return cases
+    return cases + mla_cases("models")
 
 
 # Head shapes and batches the models grid does not have: how the fitted rule does on what it never saw
@@ -173,8 +205,11 @@ def cpu_grid() -> list:
         cases += [Case(f"cpu-decode/4x512/{fmt}", "cpu-decode", [512] * 4, kv_format=fmt),
                   Case(f"cpu-decode/1x2048/{fmt}", "cpu-decode", [2048], kv_format=fmt),
                   Case(f"cpu-verify/2x512/q4/{fmt}", "cpu-verify", [512] * 2, [4] * 2, kv_format=fmt)]
-    return [Case(c.name, c.group, c.kv_lens, c.q_lens, num_q_heads=8, num_kv_heads=2, head_dim=64,
-                 kv_format=c.kv_format) for c in cases]
+    cases = [Case(c.name, c.group, c.kv_lens, c.q_lens, num_q_heads=8, num_kv_heads=2, head_dim=64,
+                  kv_format=c.kv_format) for c in cases]
+    latent = dict(num_q_heads=16, num_kv_heads=1, head_dim=128, latent_dim=128, rope_dim=32, page_size=64)
+    return cases + [Case("cpu-mla-decode/4x512/fp32", "cpu-mla", [512] * 4, kv_format="fp32", **latent),
+                    Case("cpu-mla-verify/2x512/q2/fp32", "cpu-mla", [512] * 2, [2] * 2, kv_format="fp32", **latent)]
 
 
 def cpu_bar_grid() -> list:

@@ -1,6 +1,6 @@
 """Peers called directly, not through attnops: FlashInfer's paged decode (CUDA-core and tensor-core, planned; and
-its plan-free block-table decode, which runs TensorRT-LLM's XQA kernel on sm_90), paged prefill (fa2, fa3), and
-PyTorch's scaled_dot_product_attention on pre-gathered contiguous KV.
+its plan-free block-table decode, which runs TensorRT-LLM's XQA kernel on sm_90), paged prefill (fa2, fa3), its
+latent-attention (MLA) wrapper, and PyTorch's scaled_dot_product_attention on pre-gathered contiguous KV.
 
 Each peer is a function (case, args) -> run, where `run()` computes the output with all host planning already
 done; it raises Unsupported with the reason for a case it cannot serve."""
@@ -148,13 +148,51 @@ def sdpa_on_gathered(case, args, include_gather=False):
     return run
 
 
+def flashinfer_mla_runner(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, scale, out=None):
+    """FlashInfer's BatchMLAPagedAttentionWrapper over a latent cache [pages, page_size, R + P] (its two caches, the
+    latent and rotary parts, copied: the same values), planned here, once (host work a serving loop does before
+    its graph replays): run() computes the output (into `out` if given). Causal where a sequence has several query
+    rows (verify)."""
+    import flashinfer
+    batch, width = block_table.shape
+    heads, latent = q_nope.shape[1:]
+    device = q_nope.device
+    workspace = torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device=device)
+    wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(workspace, backend="auto")
+    qo_indptr = torch.arange(batch + 1, dtype=torch.int32, device=device) if cu_seqlens_q is None else cu_seqlens_q
+    kv_indptr = torch.arange(batch + 1, dtype=torch.int32, device=device) * width
+    wrapper.plan(qo_indptr, kv_indptr, block_table.flatten(), seq_lens, heads, latent, q_pe.shape[2],
+                 kv_cache.shape[1], cu_seqlens_q is not None, scale, q_nope.dtype, kv_cache.dtype)
+    ckv, kpe = kv_cache[..., :latent].contiguous(), kv_cache[..., latent:].contiguous()
+    return lambda: wrapper.run(q_nope, q_pe, ckv, kpe, out=out)
+
+
+def flashinfer_mla(case, args):
+    if not case.latent:
+        raise Unsupported("latent attention (MLA) only")
+    if case.kv_format not in ("bf16", "fp16") or (case.latent_dim, case.rope_dim) != (512, 64):
+        raise Unsupported("FlashInfer's MLA wrapper: bf16/fp16 latent caches of R 512, P 64")
+    return flashinfer_mla_runner(args["q_nope"], args["q_pe"], args["kv_cache"], args["block_table"],
+                                 args["seq_lens"], args["cu_seqlens_q"], args["scale"])
+
+
+def paged(peer):
+    """A peer of paged attention, which has nothing to run for a latent-attention case."""
+    def run(case, args):
+        if case.latent:
+            raise Unsupported("a paged-attention peer (latent attention: fi-mla)")
+        return peer(case, args)
+    return run
+
+
 GPU_PEERS = {
-    "fi-decode-cuda-core": flashinfer_decode(False),
-    "fi-decode-tensor-core": flashinfer_decode(True),
-    "fi-xqa": flashinfer_xqa,
-    "fi-prefill-fa2": flashinfer_prefill("fa2"),
-    "fi-prefill-fa3": flashinfer_prefill("fa3"),
-    "sdpa-gathered": sdpa_on_gathered,
+    "fi-decode-cuda-core": paged(flashinfer_decode(False)),
+    "fi-decode-tensor-core": paged(flashinfer_decode(True)),
+    "fi-xqa": paged(flashinfer_xqa),
+    "fi-prefill-fa2": paged(flashinfer_prefill("fa2")),
+    "fi-prefill-fa3": paged(flashinfer_prefill("fa3")),
+    "fi-mla": flashinfer_mla,
+    "sdpa-gathered": paged(sdpa_on_gathered),
 }
 # On the CPU the gather is part of what a user pays (nothing else is paged there): time them together.
-CPU_PEERS = {"gather+sdpa": lambda case, args: sdpa_on_gathered(case, args, include_gather=True)}
+CPU_PEERS = {"gather+sdpa": paged(lambda case, args: sdpa_on_gathered(case, args, include_gather=True))}

@@ -29,10 +29,12 @@ import attnops
 
 from .. import formats
 from ..backends import BACKENDS
+from ..backends.mla_reference import mla_attention_reference
 from ..backends.reference import paged_attention_reference
 from ..checks import attention_call
+from ..checks_mla import mla_call
 from ..serving.spec import tree_mask_from_parents
-from ..testing import random_paged_inputs, relative_error
+from ..testing import random_mla_inputs, random_paged_inputs, relative_error
 from . import grid as grid_module
 from . import peers as peers_module
 from . import require_matplotlib
@@ -42,18 +44,26 @@ TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2, "fp16": 2e-2}  # vs the reference on th
 
 
 def case_bytes(case, q_dtype) -> int:
-    """KV bytes read in the stored format (scales included), plus q read and out written."""
+    """KV bytes read in the stored format (scales included), plus q read and out written. Latent attention: each
+    token's latent row once (R + P values), q of R + P and out of R values a head."""
     tokens = sum(case.kv_lens)
-    kv = 2 * tokens * case.num_kv_heads * case.head_dim * formats.FORMATS[case.kv_format].bytes_per_value()
     q_tokens = len(case.kv_lens) if case.q_lens is None else sum(case.q_lens)
-    qo = 2 * q_tokens * case.num_q_heads * case.head_dim * torch.finfo(q_dtype).bits // 8
+    q_bytes = torch.finfo(q_dtype).bits // 8
+    if case.latent:
+        width = case.latent_dim + case.rope_dim
+        kv = tokens * width * formats.FORMATS[case.kv_format].bytes_per_value()
+        return int(kv + q_tokens * case.num_q_heads * (width + case.latent_dim) * q_bytes)
+    kv = 2 * tokens * case.num_kv_heads * case.head_dim * formats.FORMATS[case.kv_format].bytes_per_value()
+    qo = 2 * q_tokens * case.num_q_heads * case.head_dim * q_bytes
     return int(kv + qo)
 
 
 def case_flops(case) -> float:
-    """Causal attention FLOPs: 4 * Hq * D * sum(q_len * kv_len - q_len^2 / 2)."""
+    """Causal attention FLOPs: 2 * Hq * (D_qk + D_v) * sum(q_len * kv_len - q_len^2 / 2) (D_qk = D_v = D; latent
+    attention: R + P and R)."""
     q_lens = [1] * len(case.kv_lens) if case.q_lens is None else case.q_lens
-    return 4.0 * case.num_q_heads * case.head_dim * sum(q * n - q * q / 2 for q, n in zip(q_lens, case.kv_lens))
+    dims = 2 * case.latent_dim + case.rope_dim if case.latent else 2 * case.head_dim
+    return 2.0 * case.num_q_heads * dims * sum(q * n - q * q / 2 for q, n in zip(q_lens, case.kv_lens))
 
 
 def time_us(fn, device_type: str, rep_ms: int = 100) -> float:
@@ -108,6 +118,12 @@ def matmul_tflops(device) -> float:
 
 
 def make_args(case, device, q_dtype):
+    if case.latent:  # (a model's true scale is not (R + P)^-0.5; any fixed one times the same work)
+        return random_mla_inputs(case.kv_lens, case.q_lens, num_heads=case.num_q_heads, latent_dim=case.latent_dim,
+                                 rope_dim=case.rope_dim, page_size=case.page_size, q_dtype=q_dtype,
+                                 kv_format="fp8_e4m3" if case.kv_format == "fp8_e4m3" else "auto", device=device,
+                                 seed=sum(case.kv_lens) % 9973, spare_pages=0, table_padding=0,
+                                 scale=(case.latent_dim + case.rope_dim) ** -0.5)
     args = random_paged_inputs(case.kv_lens, case.q_lens, num_q_heads=case.num_q_heads,
                                num_kv_heads=case.num_kv_heads, head_dim=case.head_dim, page_size=case.page_size,
                                kv_format=case.kv_format, q_dtype=q_dtype, scale_kind=case.scale_kind, device=device,
@@ -120,9 +136,37 @@ def make_args(case, device, q_dtype):
     return args
 
 
+def reference_output(case, args):
+    if case.latent:
+        return mla_attention_reference(**args, compute_dtype=torch.float32)
+    return paged_attention_reference(**args, compute_dtype=torch.float32)
+
+
+def mla_backend_runner(backend, args):
+    """backend_runner for a latent-attention case: mla_attention, and the backend's own call."""
+    op_args = dict(args)
+    out = torch.empty_like(args["q_nope"])
+    call = mla_call(args["q_nope"], args["q_pe"], args["kv_cache"], args["block_table"], args["seq_lens"],
+                    args["cu_seqlens_q"], args["scale"], args["kv_format"], args.get("kv_scale"), None, None, out)
+    reasons = backend.unavailable() + backend.supports(call.case)
+    if reasons:
+        raise peers_module.Unsupported("; ".join(reasons))
+
+    def op():
+        with attnops.use_backend(backend.name):
+            return torch.ops.attnops.mla_attention(**op_args)
+
+    def bare():
+        backend.mla_attention(call)
+        return out
+    return op, bare
+
+
 def backend_runner(name, case, args):
     """(op call, bare backend call) for attnops backend `name`, or raise Unsupported with its reasons."""
     backend = BACKENDS[name]
+    if case.latent:
+        return mla_backend_runner(backend, args)
     op_args = dict(args)
     out = torch.empty_like(args["q"])
     call = attention_call(
@@ -146,7 +190,8 @@ def backend_runner(name, case, args):
 def auto_runner(args):
     """The op under automatic dispatch, and the backend it chooses in eager calls and in a re-planned capture."""
     op_args = dict(args)
-    return (lambda: torch.ops.attnops.paged_attention(**op_args)), attnops.explain(**op_args).chosen
+    op = torch.ops.attnops.mla_attention if "q_nope" in args else torch.ops.attnops.paged_attention
+    return (lambda: op(**op_args)), attnops.explain(**op_args).chosen
 
 
 def git_commit() -> str:
@@ -187,7 +232,7 @@ def run_case(case, impls, device, q_dtype, timing_rep_ms, progress, graph_only=F
     a decode case's graph in a re-planned capture (as attnops.serving.graphs runs it), other cases' graphs through the
     backend's own call (`bare`: the kernels the op launches), auto's not at all (its choice is recorded)."""
     args = make_args(case, device, q_dtype)
-    reference = paged_attention_reference(**args, compute_dtype=torch.float32)
+    reference = reference_output(case, args)
     tolerance = TOLERANCE["fp32" if q_dtype == torch.float32 and case.kv_format == "fp32" else "bf16"]
     nbytes, flops = case_bytes(case, q_dtype), case_flops(case)
     records = []

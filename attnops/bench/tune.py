@@ -1,6 +1,7 @@
 """Writes the dispatch table for this GPU's arch: runs the models grid (attnops/bench/grid.py: the head shapes people
-serve x every KV format x decode, verify, prefill and extend shapes) for every attnops backend and auto dispatch,
-or reads benchmark JSON already made, and fits the dispatch rule (attnops/rules.py) to the times.
+serve x every KV format x decode, verify, prefill and extend shapes, and latent attention's DeepSeek shards) for
+every attnops backend and auto dispatch, or reads benchmark JSON already made, and fits the dispatch rules
+(attnops/rules.py) to the times: one for paged attention, one for latent attention (its own backends).
 
 Time is the CUDA-graph replay of the op (`graph_us`: kernel time, as a serving loop runs it) where every backend
 of a case has one, else the eager op call (`median_us`). Later files override earlier ones case by case. The
@@ -19,11 +20,18 @@ from collections import defaultdict
 from pathlib import Path
 
 from .. import formats, rules
-from ..cases import q_per_seq, shape_class
-from ..dispatch import STATIC_ORDER, TABLES, describe_attention
+import torch
+
+from ..cases import MLACase, q_per_seq, shape_class
+from ..dispatch import MLA_ORDER, STATIC_ORDER, TABLES, describe_attention
 from . import require_matplotlib
 
 FLASHINFER_PEER_FOR = {"decode": "fi-decode-tensor-core", "verify": "fi-prefill-fa2", "prefill": "fi-prefill-fa3"}
+
+
+def flashinfer_peer(record) -> str | None:
+    """The peer that stands for the flashinfer backend in a record's case (where the backend itself has no time)."""
+    return "fi-mla" if record.get("latent_dim") else FLASHINFER_PEER_FOR.get(record["kind"])
 
 
 def record_features(r) -> dict:
@@ -32,6 +40,11 @@ def record_features(r) -> dict:
     decode = r["kind"] == "decode"
     batch = r.get("batch") or 1
     q_tokens = r.get("q_tokens", batch)
+    if r.get("latent_dim"):
+        return rules.features(MLACase(
+            device_type="cpu", arch=None, q_dtype=torch.bfloat16, kv_format=fmt, latent_dim=r["latent_dim"],
+            rope_dim=r["rope_dim"], num_heads=r["num_q_heads"], page_size=r.get("page_size", 64), decode=decode,
+            shape_class=shape_class(decode, q_tokens, batch), batch=batch, max_kv_len=r.get("max_kv_len", 0)))
     case = describe_attention(
         device="cpu", arch=None, kv_format=fmt, head_dim=r["head_dim"], page_size=r.get("page_size", 16),
         num_q_heads=r["num_q_heads"], num_kv_heads=r["num_kv_heads"], decode=decode,
@@ -42,6 +55,8 @@ def record_features(r) -> dict:
 
 
 def head_shape(record) -> str:
+    if record.get("latent_dim"):
+        return f"{record['num_q_heads']}/{record['latent_dim']}+{record['rope_dim']}"
     return f"{record['num_q_heads']}/{record['num_kv_heads']}/{record['head_dim']}"
 
 
@@ -55,7 +70,7 @@ def collect(records, backends):
             autos[r["case"]] = r
             continue
         name = r["impl"] if r["impl_type"] == "backend" else None
-        if name is None and "flashinfer" in backends and r["impl"] == FLASHINFER_PEER_FOR.get(r["kind"]):
+        if name is None and "flashinfer" in backends and r["impl"] == flashinfer_peer(r):
             if not any(x["impl"] == "flashinfer" and x["case"] == r["case"] for x in records):
                 name = "flashinfer"
         if name in backends:
@@ -183,29 +198,44 @@ def main(argv=None):
     if not args.arch:
         parser.error("--arch is needed with --from-json")
     names = list(args.backends)
-    cases = collect(records, set(names))
-    rule = rules.fit([(f, t) for f, t, _, _ in cases.values()], names)
-    per_case, held_out, autos = check(rule, cases, names), cross_validate(cases, names), auto_rows(cases)
+    # paged attention's rule over `names`; latent attention's (when the records have its cases) over the backends
+    # of `names` that serve it (dispatch.MLA_ORDER)
+    table = dict(arch=args.arch, sources=sources, backends=names)
+    evidence = dict(arch=args.arch, sources=sources, backends=names)
+    fitted = []
+    mla_names = [n for n in MLA_ORDER["cuda"] if n in names]
+    for prefix, family, family_names in (("", False, names), ("mla_", True, mla_names)):
+        cases = collect([r for r in records if bool(r.get("latent_dim")) == family], set(family_names))
+        if family and not cases:
+            continue
+        rule = rules.fit([(f, t) for f, t, _, _ in cases.values()], family_names)
+        checks = (check(rule, cases, family_names), cross_validate(cases, family_names), auto_rows(cases))
+        # the package ships only what dispatch reads; the per-case evidence goes beside the benchmark results
+        table.update({f"{prefix}timed_formats": timed_formats(cases, family_names), f"{prefix}rule": rule})
+        if family:
+            table["mla_backends"] = family_names
+        evidence.update({f"{prefix}per_case": checks[0], f"{prefix}held_out_head_shapes": checks[1],
+                         f"{prefix}auto_measured": checks[2]})
+        fitted.append(("latent attention's rule" if family else "the rule", rule, checks))
     out = Path(args.out or TABLES / f"{args.arch}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    # the package ships only what dispatch reads; the per-case evidence goes beside the benchmark results
-    out.write_text(json.dumps(dict(arch=args.arch, sources=sources, backends=names,
-                                   timed_formats=timed_formats(cases, names), rule=rule), indent=1))
+    out.write_text(json.dumps(table, indent=1))
     checks_out = Path(args.checks_out or f"{args.arch}-rule-checks.json")
-    checks_out.write_text(json.dumps(dict(arch=args.arch, sources=sources, backends=names, per_case=per_case,
-                                          held_out_head_shapes=held_out, auto_measured=autos), indent=1))
-    print(f"wrote {out} and {checks_out}\n\nthe rule:\n{rules.render(rule)}")
-    print(summary(per_case, "the rule on the cases it was fitted to"))
-    print(summary(held_out, "fitted without each head shape, on that head shape's cases"))
-    print(summary(autos, "auto dispatch as timed in the runs read (with the rule installed when they ran)"))
+    checks_out.write_text(json.dumps(evidence, indent=1))
+    print(f"wrote {out} and {checks_out}")
+    for label, rule, (per_case, held_out, autos) in fitted:
+        print(f"\n{label}:\n{rules.render(rule)}")
+        print(summary(per_case, "the rule on the cases it was fitted to"))
+        print(summary(held_out, "fitted without each head shape, on that head shape's cases"))
+        print(summary(autos, "auto dispatch as timed in the runs read (with the rule installed when they ran)"))
+        for kind, rows in (("rule", per_case), ("held out", held_out), ("auto", autos)):
+            for r in rows:
+                if r["slowdown"] > rules.TOLERANCE:
+                    print(f"  {kind}: {r['case']:<48} chose {r['chosen']} ({r['slowdown']:.3f}x the fastest, "
+                          f"{r['fastest']})")
     if args.plot:
-        plot(per_case, held_out, autos, args.plot, args.arch)
+        plot(*fitted[0][2], args.plot, args.arch)
         print(f"wrote {args.plot}")
-    for label, rows in (("rule", per_case), ("held out", held_out), ("auto", autos)):
-        for r in rows:
-            if r["slowdown"] > rules.TOLERANCE:
-                print(f"  {label}: {r['case']:<48} chose {r['chosen']} ({r['slowdown']:.3f}x the fastest, "
-                      f"{r['fastest']})")
 
 
 if __name__ == "__main__":
