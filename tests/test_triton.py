@@ -616,7 +616,8 @@ picked += [v for v in variants if v.get("lse") and v["sinks"]][:1]  # each row's
 # a padded tile (head dim 96 in 128's) and the widest (512), prefill-sized
 picked += [v for v in variants if v.get("valid_dim") == 96][:1]
 picked += [v for v in variants if v.get("valid_dim") == 512 and not v["decode"]][:1]
-assert len(picked) == 10
+picked += [v for v in variants if v.get("valid_dim") == 96 and v["fmt"] in ("nvfp4", "mxfp4")][:2]  # 4-bit padded
+assert len(picked) == 12
 for v in picked:
     compiled, _ = cc.compile_attention(v, target)
     if v is picked[0]:  # --sass's reading of the SASS: the decode loop, with its mma, inside the kernel
@@ -628,6 +629,7 @@ cc.print_sass(["fp8_e4m3"], "bf16", target, 132, 232448, {}, "decode 128 x 4096"
 cc.compile_cache_write("nvfp4", "bf16", 64, target)
 cc.compile_cache_write("fp8_e4m3", "fp32", 128, target)
 cc.compile_cache_write("fp8_e4m3", "bf16", 128, target, valid_dim=96)
+cc.compile_cache_write("mxfp4", "bf16", 128, target, valid_dim=96)
 cc.compile_page_layout(True, target)
 cc.compile_merge_states("bf16", target)
 # latent attention at DeepSeek's shape, bf16 and fp8, split (with sinks and the LSE) and a verify with a tree mask

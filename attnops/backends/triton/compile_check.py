@@ -168,6 +168,16 @@ def attention_variants(quick: bool, arch: int = 90):
                    block_n=(128 if tile <= 128 else max(16, 8192 // tile)) if decode else max(16, 8192 // tile),
                    warps=4 if decode else 8, window=not decode, soft_cap=decode, scale_bcast=False, sinks=decode,
                    lse=not decode)
+    # padded tiles of the paired reads: 4-bit (bytes and block scales past the head dim masked; scales broadcast and
+    # per value) and fp8 pairs (fp16 dots)
+    for (valid, fmt, extra), decode in itertools.product(
+            ((96, "nvfp4", {}), (80, "nvfp4", dict(scale_bcast=False)), (96, "mxfp4", {}),
+             (80, "fp8_e4m3", dict(q_dtype="fp16", fp8_v_pairs=True, fp8_k_pairs=True))), (True, False)):
+        if quick and valid != 96:
+            continue
+        yield {**dict(fmt=fmt, q_dtype="bf16", decode=decode, head_dim=128, valid_dim=valid, group=4, page=16,
+                      block_q=1 if decode else 32, block_n=64, warps=4 if decode else 8, window=not decode,
+                      soft_cap=decode, scale_bcast=True), **extra}
 
 
 def attention_types(fmt: str, q_dtype: str, lse: bool = False) -> dict:
