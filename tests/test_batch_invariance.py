@@ -318,12 +318,15 @@ def test_triton_gpu_plan_in_the_mode_depends_on_no_batch(monkeypatch):
         heuristics.heuristic_config.cache_clear()
 
 
-def serve_target(model, schedule, threads: int) -> tuple[list[int], list[float]]:
+def serve_target(model, schedule, threads: int, device: str = "cpu", **options) -> tuple[list[int], list[float]]:
     """Serves `schedule` [(step it arrives, req_id, prompt, max_new_tokens)] with Generator(batch_invariant=True)
-    on `threads` threads; returns the request "target"'s tokens and their log-probabilities."""
+    on `threads` threads (the model's device: fp32 KV on the CPU, bf16 on a GPU; `options` for the Generator);
+    returns the request "target"'s tokens and their log-probabilities."""
     from attnops.serving.generate import Generator
-    kv = attnops.hf.paged_kv_cache(model.config, num_pages=160, page_size=16, kv_format="fp32", device="cpu")
-    gen = Generator(attnops.hf.serving_model(model), kv, max_batch=3, max_seq_len=720, batch_invariant=True)
+    kv = attnops.hf.paged_kv_cache(model.config, num_pages=160, page_size=16,
+                                   kv_format="fp32" if device == "cpu" else "bf16", device=device)
+    gen = Generator(attnops.hf.serving_model(model), kv, max_batch=3, max_seq_len=720, batch_invariant=True,
+                    **options)
     torch.set_num_threads(threads)
     try:
         step = 0
@@ -357,6 +360,27 @@ def test_generator_serves_a_request_the_same_whatever_is_beside_it():
                    rng.randint(2, 14)) for i in range(rng.randint(1, 5))]
         schedule = others + [(rng.randint(0, 4), "target", target, 12)]
         assert serve_target(model, schedule, threads=rng.choice([1, 2, 3, 6])) == want, (trial, schedule)
+
+
+@pytest.mark.gpu
+def test_generator_serves_a_request_the_same_on_the_gpu_in_our_graphs():
+    """The same on a GPU in bf16, each decode step replayed from the Generator's own CUDA graphs (re-planned before
+    each replay; only invariant backends chosen)."""
+    pytest.importorskip("transformers")
+    import attnops.hf
+    from conftest import build, make_config
+    torch.manual_seed(0)
+    model = build(make_config("llama"), attnops.hf.ATTN_IMPLEMENTATION).to("cuda", torch.bfloat16)
+    rng = random.Random(7)
+    target = [rng.randrange(1, 256) for _ in range(700)]
+    serve = lambda schedule: serve_target(model, schedule, DEFAULT_THREADS, "cuda", cuda_graphs=True)  # noqa: E731
+    want = serve([(0, "target", target, 12)])
+    assert len(want[0]) == 12
+    for trial in range(3):
+        others = [(rng.randint(0, 6), i, [rng.randrange(1, 256) for _ in range(rng.randint(3, 600))],
+                   rng.randint(2, 14)) for i in range(rng.randint(1, 5))]
+        schedule = others + [(rng.randint(0, 4), "target", target, 12)]
+        assert serve(schedule) == want, (trial, schedule)
 
 
 def test_generator_batch_invariant_checks_its_arguments():
