@@ -7,6 +7,24 @@ import torch
 from . import formats
 
 
+def random_block_table(kv_lens, page_size: int, spare_pages: int, table_padding: int, gen: torch.Generator,
+                       device) -> tuple[torch.Tensor, int]:
+    """(a block table [B, pages of the longest + table_padding] (int64), the cache's page count): each sequence's
+    pages at random places of a cache with `spare_pages` more, and garbage past each sequence's last page (-1 or a
+    random page index, which kernels must never read)."""
+    pages_needed = [-(-n // page_size) for n in kv_lens]
+    num_pages = sum(pages_needed) + spare_pages
+    order = torch.randperm(num_pages, generator=gen, device=device)
+    width = max(pages_needed + [1]) + table_padding
+    table = torch.where(torch.rand(len(kv_lens), width, generator=gen, device=device) < 0.5, -1,
+                        torch.randint(0, num_pages, (len(kv_lens), width), generator=gen, device=device))
+    start = 0
+    for b, n in enumerate(pages_needed):
+        table[b, :n] = order[start:start + n]
+        start += n
+    return table, num_pages
+
+
 def random_paged_inputs(kv_lens, q_lens=None, *, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
                         kv_format="fp32", q_dtype=torch.float32, scale_kind="per_tensor", device="cpu", seed=0,
                         spare_pages=3, table_padding=2) -> dict:
@@ -17,17 +35,7 @@ def random_paged_inputs(kv_lens, q_lens=None, *, num_q_heads=4, num_kv_heads=2, 
     device = torch.device(device)
     gen = torch.Generator(device).manual_seed(seed)  # made where it is used: benchmark caches are many GB
     batch = len(kv_lens)
-    pages_needed = [-(-n // page_size) for n in kv_lens]
-    num_pages = sum(pages_needed) + spare_pages
-    order = torch.randperm(num_pages, generator=gen, device=device)
-    width = max(pages_needed + [1]) + table_padding
-    # garbage past each sequence's last page: -1 or a random page index, which kernels must never read
-    table = torch.where(torch.rand(batch, width, generator=gen, device=device) < 0.5, -1,
-                        torch.randint(0, num_pages, (batch, width), generator=gen, device=device))
-    start = 0
-    for b, n in enumerate(pages_needed):
-        table[b, :n] = order[start:start + n]
-        start += n
+    table, num_pages = random_block_table(kv_lens, page_size, spare_pages, table_padding, gen, device)
 
     fmt = formats.FORMATS[kv_format]
     shape = (num_pages, 2, page_size, num_kv_heads, fmt.stored_head_dim(head_dim))
@@ -79,16 +87,8 @@ def random_mla_inputs(kv_lens, q_lens=None, *, num_heads=4, latent_dim=64, rope_
     device = torch.device(device)
     gen = torch.Generator(device).manual_seed(seed)  # (made where it is used, as random_paged_inputs)
     batch = len(kv_lens)
-    pages = [-(-n // page_size) for n in kv_lens]
-    num_pages = sum(pages) + spare_pages
-    order = torch.randperm(num_pages, generator=gen, device=device)
-    width = max(pages + [1]) + table_padding
-    table = torch.where(torch.rand(batch, width, generator=gen, device=device) < 0.5, -1,
-                        torch.randint(0, num_pages, (batch, width), generator=gen, device=device)).to(torch.int32)
-    start = 0
-    for b, n in enumerate(pages):
-        table[b, :n] = order[start:start + n]
-        start += n
+    table, num_pages = random_block_table(kv_lens, page_size, spare_pages, table_padding, gen, device)
+    table = table.to(torch.int32)
     rows = torch.randn(num_pages, page_size, latent_dim + rope_dim, generator=gen, device=device)
     args = {}
     if kv_format == "fp8_e4m3":
