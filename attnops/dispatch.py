@@ -127,10 +127,11 @@ def untimed(order, kv_format: str, table: dict, key: str = "timed_formats") -> l
     return [n for n in order if family not in timed.get(n, ())]
 
 
-def policy(case: AttentionCase | CacheWriteCase) -> tuple[str, ...]:
-    """The backends to try for `case`, in order: the measured rule's order for attention on a GPU, the backends
-    never timed on the case's format moved behind the timed ones (a backend that learns a format is not chosen
-    before the table is refitted with its times), then the static order for the rest."""
+def policy(case: AttentionCase | CacheWriteCase | MLACase | MLAWriteCase) -> tuple[str, ...]:
+    """The backends to try for `case`, in order: the measured rule's order for attention on a GPU (latent
+    attention: its own rule), the backends never timed on the case's format moved behind the timed ones (a backend
+    that learns a format is not chosen before the table is refitted with its times), then the static order for the
+    rest (latent attention: MLA_ORDER)."""
     if isinstance(case, MLAWriteCase):
         return MLA_ORDER.get(case.device_type, ("reference",))
     orders = MLA_ORDER if isinstance(case, MLACase) else STATIC_ORDER
