@@ -489,7 +489,7 @@ def _load_q(q_ptr, q_row_off, row_valid, HEAD_DIM: tl.constexpr, VALID_DIM: tl.c
     if PAIRED_K:
         offs_d = tl.arange(0, HEAD_DIM // 2)
         mask = row_valid[:, None]
-        if VALID_DIM < HEAD_DIM:  # (fp8 pairs of a padded tile; the head dim is even)
+        if VALID_DIM < HEAD_DIM:  # (pairs of a padded tile, fp8 or 4-bit; the head dim is even)
             mask = mask & (2 * offs_d < VALID_DIM)[None, :]
         q_e = tl.load(q_ptr + q_row_off[:, None] + 2 * offs_d[None, :], mask=mask, other=0.0)
         q_o = tl.load(q_ptr + q_row_off[:, None] + 2 * offs_d[None, :] + 1, mask=mask, other=0.0)
