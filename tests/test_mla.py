@@ -16,7 +16,7 @@ import torch
 
 import attnops
 from attnops.backends import BACKENDS
-from attnops.backends.mla_reference import mla_attention_reference, mla_cache_write_reference
+from attnops.backends.reference import mla_attention_reference, mla_cache_write_reference
 from attnops.backends.triton.mla_launch import mla_cache_write, mla_launch
 from attnops.testing import random_mla_inputs, relative_error
 from conftest import ISA_PARAMS, run_with_cpu_isa

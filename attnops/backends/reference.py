@@ -1,8 +1,8 @@
 """The reference backend: plain PyTorch on any device, every feature of the contract, written for clarity.
 
-It is the oracle every kernel is tested against (call `paged_attention_reference(..., compute_dtype=torch.float64)`)
-and serves any case no faster backend covers. It loops over sequences on the host (reading seq_lens), so it is
-slow and not CUDA-graph safe: dispatch puts it last.
+It is the oracle every kernel is tested against (call `paged_attention_reference(..., compute_dtype=torch.float64)`;
+latent attention's: `mla_attention_reference`) and serves any case no faster backend covers. It loops over
+sequences on the host (reading seq_lens), so it is slow and not CUDA-graph safe: dispatch puts it last.
 """
 from __future__ import annotations
 
@@ -165,6 +165,39 @@ def merge_attention_states_reference(out_a, lse_a, out_b, lse_b, out, lse) -> No
         la.isnan() | lb.isnan(), float("nan")))
 
 
+# Latent attention (MLA): absorbed MLA is multi-query attention with one KV head whose key is the whole latent row
+# [c, r] (R + P values) and whose value is its first R values, so its reference is paged_attention's on that view
+# (q = [q_nope, q_pe], one KV head, the row as K and as V), the output cut to the first R values: every rule of
+# paged_attention's (bad indices and their record, sinks, tree masks, the LSE, NaN) carries over unchanged.
+
+def mla_attention_reference(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q=None, *, scale,
+                            kv_format="auto", kv_scale=None, sinks=None, tree_mask=None,
+                            compute_dtype=torch.float64, return_lse=False):
+    """[T, H, R] in q_nope's dtype (with `return_lse`, and each row's natural-log LSE [T, H] in compute_dtype)."""
+    latent_dim = q_nope.shape[2]
+    q = torch.cat([q_nope, q_pe], dim=-1)
+    rows = kv_cache[:, :, None, :]  # [num_pages, page_size, 1 KV head, R + P]
+    out, lse = paged_attention_reference(q, rows, rows, block_table, seq_lens, cu_seqlens_q, scale=scale,
+                                         kv_format="auto", k_scale=kv_scale, v_scale=kv_scale, sinks=sinks,
+                                         tree_mask=tree_mask, compute_dtype=compute_dtype, return_lse=True)
+    out = out[..., :latent_dim].contiguous()
+    return (out, lse) if return_lse else out
+
+
+def mla_cache_write_reference(kv_c, k_pe, kv_cache, slot_mapping, *, kv_format="auto", kv_scale=None) -> None:
+    """Row slot_mapping[i] = [kv_c[i], k_pe[i]], quantized as attnops.formats does; slot -1 is skipped, any other
+    slot outside the cache writes nothing and is recorded."""
+    num_slots = kv_cache.shape[0] * kv_cache.shape[1]
+    bad = (slot_mapping < -1) | (slot_mapping >= num_slots)
+    if bool(bad.any()):
+        errors.record(kv_c.device, errors.SLOT_MAPPING, int(bad.nonzero()[0, 0]))
+    keep = (slot_mapping >= 0) & ~bad
+    rows = torch.cat([kv_c, k_pe], dim=-1)[keep]
+    fmt = formats.resolve_kv_format(kv_format, kv_cache.dtype)
+    stored, _ = formats.quantize(rows, fmt, kv_scale, kv_cache.dtype)
+    kv_cache.view(-1, kv_cache.shape[2])[slot_mapping[keep]] = stored
+
+
 class ReferenceBackend(Backend):
     name = "reference"
     description = "plain PyTorch, any device, every format and feature; host loop per sequence (slow, not graph-safe)"
@@ -179,7 +212,6 @@ class ReferenceBackend(Backend):
         return []  # one sequence at a time: a row's sums are its own sequence's, in one order
 
     def mla_attention(self, call) -> None:
-        from .mla_reference import mla_attention_reference
         out, lse = mla_attention_reference(
             call.q_nope, call.q_pe, call.kv_cache, call.block_table, call.seq_lens, call.cu_seqlens_q,
             scale=call.scale, kv_scale=call.kv_scale, sinks=call.sinks, tree_mask=call.tree_mask,
@@ -189,7 +221,6 @@ class ReferenceBackend(Backend):
             call.lse.copy_(lse)
 
     def mla_cache_write(self, call) -> None:
-        from .mla_reference import mla_cache_write_reference
         mla_cache_write_reference(call.kv_c, call.k_pe, call.kv_cache, call.slot_mapping,
                                   kv_format=call.case.kv_format, kv_scale=call.kv_scale)
 

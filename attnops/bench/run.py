@@ -29,8 +29,7 @@ import attnops
 
 from .. import formats
 from ..backends import BACKENDS
-from ..backends.mla_reference import mla_attention_reference
-from ..backends.reference import paged_attention_reference
+from ..backends.reference import mla_attention_reference, paged_attention_reference
 from ..checks import attention_call
 from ..checks_mla import mla_call
 from ..serving.spec import tree_mask_from_parents
