@@ -171,15 +171,18 @@ def test_4bit_caches_are_invariant_on_the_gpu(backend, kv_format):
                     kv_format=kv_format)
 
 
-def test_cuda_plan_in_the_mode_depends_on_no_batch():
-    """The CUDA kernels' split plan: outside the mode it follows the batch (and the SMs); inside it, a fixed key
-    count a split, the splits covering the table (at least two: one path, the merge's, for every width)."""
+def test_cuda_plan_in_the_mode_depends_on_no_batch(monkeypatch):
+    """The CUDA kernels' split plan (an H200's 132 SMs, asked without a GPU): outside the mode a sequence's split
+    follows the batch; inside it, a fixed key count a split from the sequence's start, the splits covering the
+    table (at least two: one path, the merge's, for every width)."""
     from attnops.backends import cuda as cuda_backend
-    from attnops.backends.cuda import invariant_splits
+    monkeypatch.setattr(cuda_backend, "_sm_count", lambda device: 132)
+    chunks = {cuda_backend.plan_splits(0, batch, 8, 32768)[1] for batch in (1, 4, 32, 128)}
+    assert len(chunks) > 1, "the default plan follows the batch (else this test shows nothing)"
     for capacity in (16, 2048, 2049, 8192, 1 << 17):
-        splits, chunk = invariant_splits(capacity)
+        splits, chunk = cuda_backend.invariant_splits(capacity)
         assert chunk == cuda_backend.INVARIANT_CHUNK and chunk % cuda_backend.TILE == 0
-        assert splits >= 2 and splits * chunk >= capacity and (splits - 1) * chunk < max(capacity, chunk + 1)
+        assert splits == max(2, -(-capacity // chunk)), (capacity, splits)
 
 
 @pytest.mark.gpu
