@@ -39,6 +39,18 @@ TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float3
 
 
 @triton.jit
+def _head_part(mask, offs, LIMIT: tl.constexpr, ALONG_ROWS: tl.constexpr):
+    """`mask` narrowed to a padded tile's own part (offs < LIMIT along the tile's rows, or its columns): the head
+    dim's values, words, bytes or block scales. Unchanged (no instruction) where the tile is the head dim's own."""
+    if LIMIT < offs.shape[0]:
+        if ALONG_ROWS:
+            mask = mask & (offs < LIMIT)[:, None]
+        else:
+            mask = mask & (offs < LIMIT)[None, :]
+    return mask
+
+
+@triton.jit
 def _load_fp4_tile(c_ptr, s_ptr, tok_off, s_off, offs_h, kvalid, TRANSPOSED: tl.constexpr, FMT: tl.constexpr,
                    DOT_DTYPE: tl.constexpr, SCALE_BCAST: tl.constexpr, FP4_ASM: tl.constexpr,
                    VALID_DIM: tl.constexpr):
@@ -54,31 +66,22 @@ def _load_fp4_tile(c_ptr, s_ptr, tok_off, s_off, offs_h, kvalid, TRANSPOSED: tl.
     HALF: tl.constexpr = offs_h.shape[0]
     NB: tl.constexpr = HALF // half_block  # block scales per row
     BN: tl.constexpr = tok_off.shape[0]
-    PADDED: tl.constexpr = VALID_DIM < 2 * HALF
     if TRANSPOSED:
-        mask = kvalid[None, :]
-        if PADDED:
-            mask = mask & (offs_h < VALID_DIM // 2)[:, None]
+        mask = _head_part(kvalid[None, :], offs_h, VALID_DIM // 2, True)
         packed = tl.load(c_ptr + tok_off[None, :] + offs_h[:, None], mask=mask, other=0)
     else:
-        mask = kvalid[:, None]
-        if PADDED:
-            mask = mask & (offs_h < VALID_DIM // 2)[None, :]
+        mask = _head_part(kvalid[:, None], offs_h, VALID_DIM // 2, False)
         packed = tl.load(c_ptr + tok_off[:, None] + offs_h[None, :], mask=mask, other=0)
     if SCALE_BCAST:
         # one load and one decode per block scale ([NB, BLOCK_N]), repeated across its values in registers
         offs_b = tl.arange(0, NB)
         if TRANSPOSED:
-            s_mask = kvalid[None, :]
-            if PADDED:
-                s_mask = s_mask & (offs_b < VALID_DIM // (2 * half_block))[:, None]
+            s_mask = _head_part(kvalid[None, :], offs_b, VALID_DIM // (2 * half_block), True)
             sc = tl.load(s_ptr + s_off[None, :] + offs_b[:, None], mask=s_mask, other=0)
             scale = _fp4_scale(sc, FMT, DOT_DTYPE)
             scale = tl.reshape(tl.broadcast_to(scale[:, None, :], (NB, half_block, BN)), (HALF, BN))
         else:
-            s_mask = kvalid[:, None]
-            if PADDED:
-                s_mask = s_mask & (offs_b < VALID_DIM // (2 * half_block))[None, :]
+            s_mask = _head_part(kvalid[:, None], offs_b, VALID_DIM // (2 * half_block), False)
             sc = tl.load(s_ptr + s_off[:, None] + offs_b[None, :], mask=s_mask, other=0)
             scale = _fp4_scale(sc, FMT, DOT_DTYPE)
             scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BN, NB, half_block)), (BN, HALF))
@@ -173,15 +176,12 @@ def _load_fp8_pairs(c_ptr, tok_off, offs_h, kvalid, TRANSPOSED: tl.constexpr, FP
     K (FP8_K_PAIRS) the gain is q's operand: next to a 16-bit K it is loaded by ldmatrix rather than rebuilt from
     64-bit loads and register moves every step."""
     if TRANSPOSED:
-        mask = kvalid[None, :]
-        if VALID_DIM < 2 * offs_h.shape[0]:  # (a padded tile: the words past the head dim are 0; it is even)
-            mask = mask & (offs_h < VALID_DIM // 2)[:, None]
+        # (a padded tile: the words past the head dim are 0; it is even)
+        mask = _head_part(kvalid[None, :], offs_h, VALID_DIM // 2, True)
         words = tl.load(c_ptr.to(tl.pointer_type(tl.uint16)) + (tok_off // 2)[None, :] + offs_h[:, None],
                         mask=mask, other=0)
     else:
-        mask = kvalid[:, None]
-        if VALID_DIM < 2 * offs_h.shape[0]:
-            mask = mask & (offs_h < VALID_DIM // 2)[None, :]
+        mask = _head_part(kvalid[:, None], offs_h, VALID_DIM // 2, False)
         words = tl.load(c_ptr.to(tl.pointer_type(tl.uint16)) + (tok_off // 2)[:, None] + offs_h[None, :],
                         mask=mask, other=0)
     if ASM:  # (pack=2: one register holds two keys' words; the PTX is a module constexpr, as in e2m1_nibbles)
@@ -230,10 +230,7 @@ def _nan_rows(out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, tok, row_head, row_v
     nan = tl.full([tok.shape[0], HEAD_DIM], float("nan"), tl.float32)
     if split == 0:
         o_ptr = out_ptr + tok[:, None] * stride_ot + row_head.to(tl.int64)[:, None] * stride_oh + cols[None, :]
-        o_mask = row_valid[:, None]
-        if VALID_DIM < HEAD_DIM:
-            o_mask = o_mask & (cols < VALID_DIM)[None, :]
-        tl.store(o_ptr, nan.to(out_ptr.dtype.element_ty), mask=o_mask)
+        tl.store(o_ptr, nan.to(out_ptr.dtype.element_ty), mask=_head_part(row_valid[:, None], cols, VALID_DIM, False))
         if WRITE_LSE:
             tl.store(lse_ptr + tok * NUM_Q_HEADS + row_head, tl.full([tok.shape[0]], float("nan"), tl.float32),
                      mask=row_valid)
@@ -281,9 +278,8 @@ def _tile_qk(qa, qb, k_ptr, ks_ptr, tok_off, page_v, in_page, kvh, stride_ksp, s
         qk = tl.dot(qa, k_e, input_precision=DOT_PRECISION)
         qk = tl.dot(qb, k_o, acc=qk, input_precision=DOT_PRECISION)
     else:
-        mask = kvalid[None, :]
-        if VALID_DIM < offs_d.shape[0]:  # (a padded tile: K's columns past the head dim are 0, as q's)
-            mask = mask & (offs_d < VALID_DIM)[:, None]
+        # (a padded tile: K's columns past the head dim are 0, as q's)
+        mask = _head_part(kvalid[None, :], offs_d, VALID_DIM, True)
         k = tl.load(k_ptr + tok_off[None, :] + offs_d[:, None], mask=mask, other=0.0)
         if FMT == FMT_FP8:
             k = _fp8_to_dot(k, FP8_DTYPE, DOT_DTYPE)
@@ -346,9 +342,7 @@ def _tile_pv(p, alpha, acc, acc_o, v_ptr, vs_ptr, tok_off, page_v, in_page, kvh,
         acc = tl.dot(p, v_e, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
         acc_o = tl.dot(p, v_o, acc=acc_o * alpha[:, None], input_precision=DOT_PRECISION)
     else:
-        mask = kvalid[:, None]
-        if VALID_DIM < HEAD_DIM:
-            mask = mask & (tl.arange(0, HEAD_DIM) < VALID_DIM)[None, :]
+        mask = _head_part(kvalid[:, None], tl.arange(0, HEAD_DIM), VALID_DIM, False)
         v = tl.load(v_ptr + tok_off[:, None] + tl.arange(0, HEAD_DIM)[None, :], mask=mask, other=0.0)
         if FMT == FMT_FP8:
             v = _fp8_to_dot(v, FP8_DTYPE, DOT_DTYPE)
@@ -488,18 +482,15 @@ def _load_q(q_ptr, q_row_off, row_valid, HEAD_DIM: tl.constexpr, VALID_DIM: tl.c
     elements as two tiles."""
     if PAIRED_K:
         offs_d = tl.arange(0, HEAD_DIM // 2)
-        mask = row_valid[:, None]
-        if VALID_DIM < HEAD_DIM:  # (pairs of a padded tile, fp8 or 4-bit; the head dim is even)
-            mask = mask & (2 * offs_d < VALID_DIM)[None, :]
+        # (pairs of a padded tile, fp8 or 4-bit: the head dim is even)
+        mask = _head_part(row_valid[:, None], offs_d, VALID_DIM // 2, False)
         q_e = tl.load(q_ptr + q_row_off[:, None] + 2 * offs_d[None, :], mask=mask, other=0.0)
         q_o = tl.load(q_ptr + q_row_off[:, None] + 2 * offs_d[None, :] + 1, mask=mask, other=0.0)
         qa = q_e.to(DOT_DTYPE)
         qb = q_o.to(DOT_DTYPE)
     else:
         offs_d = tl.arange(0, HEAD_DIM)
-        mask = row_valid[:, None]
-        if VALID_DIM < HEAD_DIM:
-            mask = mask & (offs_d < VALID_DIM)[None, :]
+        mask = _head_part(row_valid[:, None], offs_d, VALID_DIM, False)
         q = tl.load(q_ptr + q_row_off[:, None] + offs_d[None, :], mask=mask, other=0.0)
         qa = q.to(DOT_DTYPE)
         qb = qa
