@@ -58,7 +58,7 @@ def test_decode_page_layout_kernel_equals_the_torch_layout(window_left):
     sets the same rows, records the same errors; the host's indptr and last_page_len of a graph's replan equal the
     device's. Page sizes 1, 16, 64; lengths 0, bad pages, bad lengths."""
     import os
-    from attnops.backends.flashinfer import checked_pages, host_page_metadata, page_metadata
+    from attnops.backends.flashinfer_steps import checked_pages, host_page_metadata, page_metadata
     from attnops.backends.pages import decode_page_layout
 
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
@@ -97,7 +97,7 @@ def test_decode_page_layout_kernel_equals_the_torch_layout(window_left):
 def test_checked_pages_follow_the_rules(q_lens, window_left):
     """FlashInfer's page layout made safe on the device (no GPU needed: torch ops only): bad lengths become 0, bad
     pages page 0, and the rows it marks NaN and the errors it records are the reference's."""
-    from attnops.backends.flashinfer import checked_pages, page_metadata
+    from attnops.backends.flashinfer_steps import checked_pages, page_metadata
 
     args = random_paged_inputs([130, 0, 300, 37], q_lens, num_q_heads=4, num_kv_heads=2, head_dim=64,
                                page_size=16, seed=3)
@@ -211,16 +211,16 @@ def test_replay_serves_the_later_calls_of_a_step_and_matches_reference(mode, mon
 def test_step_key_matches_only_the_same_unmodified_tensors():
     """A plan is reused only for the very tensors it was made from, unwritten since: not for a new tensor that
     happens to reuse a freed one's address, nor after an in-place update."""
-    from attnops.backends.flashinfer import _same_step, _step_key
+    from attnops.backends.flashinfer_steps import same_step, step_key
 
     table, lens = torch.zeros(2, 3, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
-    key = _step_key(table, lens, None)
-    assert _same_step(key, table, lens, None)
-    assert not _same_step(key, table, lens, torch.zeros(3, dtype=torch.int32))
+    key = step_key(table, lens, None)
+    assert same_step(key, table, lens, None)
+    assert not same_step(key, table, lens, torch.zeros(3, dtype=torch.int32))
     lens.add_(1)  # written in place: a new step
-    assert not _same_step(key, table, lens, None)
-    key = _step_key(table, lens, None)
+    assert not same_step(key, table, lens, None)
+    key = step_key(table, lens, None)
     address = lens.data_ptr()
     del lens
     new_lens = torch.ones(2, dtype=torch.int32)  # may well land at the freed address, with version 0
-    assert not _same_step(key, table, new_lens, None), (address == new_lens.data_ptr())
+    assert not same_step(key, table, new_lens, None), (address == new_lens.data_ptr())

@@ -2,9 +2,9 @@
 `BatchMLAPagedAttentionWrapper` (FA3 on sm_90, FA2 elsewhere: its own choice), for the shape its kernels are built
 for (DeepSeek's R 512, P 64) with a bf16/fp16 cache of q's dtype.
 
-Why a room of its own beside flashinfer.py: the wrapper, its metadata and its declines are MLA's; what it shares
-with the paged path is imported from there, unchanged: the per-device workspace and plan records, the step key
-(one plan a step, whatever the number of layers), and the page-layout safety (checked_pages, page_metadata).
+Why a room of its own beside flashinfer.py: the wrapper, its metadata, its plan records and its declines are MLA's;
+what it shares with the paged path lives in flashinfer_steps.py: the per-device workspace, the step key (one plan a
+step, whatever the number of layers), and the page-layout safety (checked_pages, page_metadata).
 
 As the paged path: plan() reads the page layout on the host (one sync a step); the layout is made safe on the device
 first (bad lengths as 0, pages outside the cache as a good page of the same sequence); rows the contract makes NaN,
@@ -15,12 +15,31 @@ need no plan, serve captures).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .. import capture, errors
 from .base import common_reasons
-from .flashinfer import (LN2, Q_DTYPES, _plans, _same_step, _step_key, checked_pages, fill_nan, page_metadata,
-                         set_rows)
+from .flashinfer_steps import (LN2, Q_DTYPES, checked_pages, fill_nan, page_metadata, same_step, set_rows,
+                               step_key, workspace)
+
+class _Plans:
+    """The MLA wrappers of one device (on the device's shared workspace), and per wrapper: the step it was last
+    planned for, the rows to set after run() on that step, whether that step's cu_seqlens_q is bad."""
+
+    def __init__(self, device: torch.device):
+        self.workspace = workspace(device)
+        self.wrappers: dict = {}
+        self.planned_for: dict = {}
+        self.fix_now: dict = {}
+        self.bad_cu: dict = {}
+
+
+@functools.lru_cache(maxsize=None)
+def _plans(device: torch.device) -> _Plans:
+    return _Plans(device)
+
 
 # (R, P) of the latent rows FlashInfer's MLA kernels are built for
 SHAPES = ((512, 64),)
@@ -62,7 +81,7 @@ def _rows_without_keys(seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor | None
 
 def _plan(call):
     """The wrapper planned for this call's step (planned now unless the step was seen), the rows to set after run()
-    ((mask [T, 1, 1], values [T, 1, 1] in q's dtype: flashinfer.set_rows) or None) and whether the step's
+    ((mask [T, 1, 1], values [T, 1, 1] in q's dtype: flashinfer_steps.set_rows) or None) and whether the step's
     cu_seqlens_q is bad."""
     case, q_nope = call.case, call.q_nope
     block_table, seq_lens, cu_seqlens_q = call.block_table, call.seq_lens, call.cu_seqlens_q
@@ -72,14 +91,14 @@ def _plan(call):
         import flashinfer
         plans.wrappers[key] = flashinfer.mla.BatchMLAPagedAttentionWrapper(plans.workspace, backend="auto")
     wrapper = plans.wrappers[key]
-    if _same_step(plans.planned_for.get(key), block_table, seq_lens, cu_seqlens_q):
+    if same_step(plans.planned_for.get(key), block_table, seq_lens, cu_seqlens_q):
         return wrapper, plans.fix_now.get(key), plans.bad_cu.get(key)
     if q_nope.is_cuda and torch.cuda.is_current_stream_capturing():  # (reasons() keeps captures away: a backstop)
         raise RuntimeError("attnops.mla_attention (flashinfer): no plan inside a CUDA graph capture")
     import flashinfer
 
     num_tokens = q_nope.shape[0]
-    plans.planned_for[key] = _step_key(block_table, seq_lens, cu_seqlens_q)
+    plans.planned_for[key] = step_key(block_table, seq_lens, cu_seqlens_q)
     plans.bad_cu[key], plans.fix_now[key] = False, None
     if cu_seqlens_q is not None:
         bad_entry = errors.cu_seqlens_violation(cu_seqlens_q.tolist(), num_tokens)

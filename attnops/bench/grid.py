@@ -123,6 +123,29 @@ def mla_cases(group: str) -> list:
     return cases
 
 
+# The latent-attention grid: R 512 / P 64 at 16 heads (a shard of 128: the latent bytes bound it) and 128 (the whole
+# model: the tensor cores bound it), bf16 and fp8, decode and multi-token verify
+MLA_GRID_HEADS = (16, 128)
+MLA_GRID_DECODE = [(1, 32768), (64, 8192), (128, 4096)]
+MLA_GRID_VERIFY = (2, 4)  # query tokens a sequence, on 32 x 4096
+
+
+def mla_grid() -> list:
+    """MLA_GRID_HEADS x MLA_FORMATS: decode at MLA_GRID_DECODE and a ragged batch of 64, verify of MLA_GRID_VERIFY
+    tokens on 32 x 4096."""
+    cases = []
+    for heads in MLA_GRID_HEADS:
+        shape = dict(num_q_heads=heads, num_kv_heads=1, head_dim=512, latent_dim=512, rope_dim=64, page_size=64)
+        for fmt in MLA_FORMATS:
+            shapes = [(f"{b}x{n}", [n] * b, None) for b, n in MLA_GRID_DECODE]
+            shapes += [("ragged64", ragged_lengths(64, seed=64), None)]
+            shapes += [(f"verify32x4096q{q}", [4096] * 32, [q] * 32) for q in MLA_GRID_VERIFY]
+            for name, kv_lens, q_lens in shapes:
+                cases.append(Case(f"mla-{heads}-512-64/{fmt}/{name}", "mla", kv_lens, q_lens, kv_format=fmt,
+                                  **shape))
+    return cases
+
+
 def models_grid() -> list:
     """Every head shape of MODEL_HEADS x every KV format and scale kind: decode at MODEL_DECODE and a ragged
     batch of 64; also verify (4 and 8 tokens) for the formats two backends serve it in, and prefill and a chunked
@@ -257,4 +280,4 @@ def head_dims_grid() -> list:
 
 
 GRIDS = {"gpu": gpu_grid, "models": models_grid, "models-unseen": models_unseen_grid, "spec": spec_grid,
-         "fp4": fp4_grid, "head-dims": head_dims_grid, "cpu": cpu_grid, "cpu-bar": cpu_bar_grid}
+         "fp4": fp4_grid, "head-dims": head_dims_grid, "mla": mla_grid, "cpu": cpu_grid, "cpu-bar": cpu_bar_grid}

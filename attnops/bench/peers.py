@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from attnops import formats
 from attnops.backends.flashinfer import HEAD_DIMS as FLASHINFER_HEAD_DIMS
-from attnops.backends.flashinfer import fa3_serves, page_metadata
+from attnops.backends.flashinfer import fa3_serves
+from attnops.backends.flashinfer_steps import page_metadata
 
 
 class Unsupported(Exception):

@@ -295,19 +295,21 @@ def print_table(records, file=sys.stdout) -> None:
     """One row per case and impl. `x peer`: the best peer's time over this impl's (above 1: faster than every
     peer), eager and graph; `op-bare`: the op's eager time minus the bare backend call's (dispatch and validation
     cost; on a loaded host it is noise and may come out negative)."""
-    header = (f"{'case':<44} {'impl':<22} {'status':<11} {'us':>9} {'GB/s':>7} {'TFLOP/s':>8} {'x peer':>7} "
-              f"{'op-bare':>8} {'graph us':>9} {'graph x peer':>12}")
+    header = (f"{'case':<44} {'impl':<22} {'status':<11} {'us':>9} {'GB/s':>7} {'HBM%':>5} {'TFLOP/s':>8} "
+              f"{'MMA%':>5} {'x peer':>7} {'op-bare':>8} {'graph us':>9} {'graph x peer':>12}")
     print(header, file=file)
     print("-" * len(header), file=file)
     for r in records:
-        def fmt(key, spec):
-            return format(r[key], spec) if key in r else ""
+        def fmt(key, spec, times=1):
+            return format(r[key] * times, spec) if key in r else ""
         print(f"{r['case']:<44} {r['impl']:<22} {r['status']:<11} {fmt('median_us', '9.1f')} {fmt('gbps', '7.0f')} "
-              f"{fmt('tflops', '8.1f')} {fmt('speedup_vs_best_peer', '7.2f')} {fmt('dispatch_overhead_us', '8.1f')} "
+              f"{fmt('frac_of_hbm', '5.0f', 100)} {fmt('tflops', '8.1f')} {fmt('frac_of_matmul', '5.0f', 100):>5} "
+              f"{fmt('speedup_vs_best_peer', '7.2f')} {fmt('dispatch_overhead_us', '8.1f')} "
               f"{fmt('graph_us', '9.1f')} {fmt('graph_speedup_vs_best_peer', '12.2f')}",
               file=file)
-    print("x peer: the best peer's time / this impl's (eager; graph: CUDA-graph replay). op-bare: eager op time "
-          "minus the bare backend call (us).", file=file)
+    print(f"HBM%: GB/s over the {HBM_TBPS} TB/s datasheet bandwidth; MMA%: TFLOP/s over a bf16 matmul of the same run "
+          "(GPU). x peer: the best peer's time / this impl's (eager; graph: CUDA-graph replay). op-bare: eager op "
+          "time minus the bare backend call (us).", file=file)
     if any(r.get("dispatch_overhead_us", 0) < 0 for r in records):
         print("note: some op-bare values are negative: the host was busy or the two timings are within noise; "
               "rerun on a quiet machine for overheads.", file=file)
@@ -418,7 +420,11 @@ def main(argv=None) -> dict:
     with tqdm(total=len(cases) * len(impls), desc="attnops bench", unit="run", file=sys.stderr) as progress:
         for case in cases:
             progress.set_postfix_str(case.name)
-            records += run_case(case, impls, device, q_dtype, args.rep_ms, progress, args.graph_only)
+            case_records = run_case(case, impls, device, q_dtype, args.rep_ms, progress, args.graph_only)
+            for r in case_records:  # the tensor cores' ceiling beside the bytes' (frac_of_hbm)
+                if "tflops" in r and env.get("matmul_tflops"):
+                    r["frac_of_matmul"] = r["tflops"] / env["matmul_tflops"]
+            records += case_records
             if args.json:  # after every case: a run stopped part-way keeps what it measured
                 Path(args.json).parent.mkdir(parents=True, exist_ok=True)
                 Path(args.json).write_text(json.dumps(dict(environment=env, records=records), indent=1, default=str))
