@@ -124,7 +124,8 @@ def demo(args) -> None:
         sys.exit(f"demo: {e}")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # what run_demo runs in
-    tiny = device.type == "cpu" and name in families.FAMILIES  # a real-shaped model is slow on a CPU
+    # a real-shaped model is slow on a CPU
+    tiny = device.type == "cpu" and (name in families.FAMILIES or name in families.MLA_FAMILIES)
     flag = "--checkpoint" if args.checkpoint else "--model"
     try:
         model = hf.serving_model(families.load(name, device=device, dtype=dtype, tiny=tiny))
@@ -166,7 +167,8 @@ def main(argv=None) -> None:
                    help="the transformers decoder served through attnops: a family, random weights of a real "
                         "model's shape on a GPU, tiny on a CPU (llama: Llama-3.2-1B, the default; qwen2: "
                         "Qwen2.5-7B, qwen3: Qwen3-8B, mistral: Mistral-7B, gemma2: gemma-2-2b, gpt-oss: "
-                        "gpt-oss-20b), or a checkpoint directory or hub name")
+                        "gpt-oss-20b; deepseek_v3: DeepSeek-V3's latent attention, 4 of its layers), or a "
+                        "checkpoint directory or hub name")
     p.add_argument("--checkpoint", default=None, help="a Hugging Face checkpoint directory: the same as --model DIR")
     p.set_defaults(func=demo)
     p = sub.add_parser("warmup", help="build every kernel configuration a model needs now (FlashInfer JIT, "

@@ -228,6 +228,104 @@ def test_bad_inputs():
         dropout(torch.tensor([[1, 2, 3]]))
 
 
+# (step at which a request is queued, prompt, max_new_tokens): the decode batch runs at 1 and 2 rows, requests wait,
+# finish and free pages later ones reuse; requests 2 and 3 start with the two full pages (of 8) of request 0's prompt,
+# which they share (the Generator's prefix sharing) and do not prefill
+LONG = list(range(40, 60))
+SCHEDULE = [(0, LONG, 12), (0, PROMPTS[1], 6), (2, LONG[:16] + [1, 2], 8), (5, LONG[:16] + [7, 7, 7], 6),
+            (9, [9, 8, 7, 6, 5, 4, 3], 8)]
+
+
+@torch.no_grad()
+def serve(model, compile=False, kv_format="fp32", cuda_graphs=False, stats=None, **cache_options):
+    """SCHEDULE through attnops' serving loop (serving_model, a LatentKVCache, the Generator): each request's
+    tokens."""
+    from attnops.serving.generate import Generator
+    kv = attnops.hf.paged_kv_cache(model.config, num_pages=16, page_size=8, kv_format=kv_format,
+                                   device=model.device, **cache_options)
+    gen = Generator(attnops.hf.serving_model(model), kv, max_batch=2, max_seq_len=40, compile=compile,
+                    cuda_graphs=cuda_graphs)
+    step = 0
+    while step == 0 or gen.has_work():
+        for i, (at, prompt, n) in enumerate(SCHEDULE):
+            if at == step:
+                gen.add_request(i, prompt, n)
+        gen.step()
+        step += 1
+    if stats is not None:
+        stats.update(gen.stats)
+    return {i: gen.finished[i].output for i in range(len(SCHEDULE))}
+
+
+def alone(model, prompt, n, cache=None):
+    """transformers' greedy generate of one prompt (its own attention; its default cache, or `cache`)."""
+    extra = {} if cache is None else {cache_arg(model): cache}
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, **extra)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("variant", ["v3", "v2"])
+def test_generator_serves_deepseek_like_generate_and_compiles_without_graph_break(variant):
+    """DeepSeek through attnops.hf.serving_model and the Generator (continuous batching, prefix sharing, its latent
+    pages a LatentKVCache): each request's greedy tokens are transformers' eager generate's of it alone; the same
+    under torch.compile(fullgraph=True), one graph per bucket."""
+    import torch._dynamo.testing
+    eager, ours = models(variant)
+    expected = {i: alone(eager, prompt, n) for i, (_, prompt, n) in enumerate(SCHEDULE)}
+    stats = {}
+    assert serve(ours, stats=stats) == expected
+    assert stats["prefix_tokens_reused"] == 32, stats  # two requests, two pages each
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounter()
+    assert serve(ours, compile={"backend": counter}) == expected
+    assert counter.frame_count == 2, f"one graph per bucket used (1 and 2), got {counter.frame_count}"
+
+
+def test_latent_kv_cache_holds_one_latent_row_a_token_and_names_bad_arguments():
+    """paged_kv_cache of a DeepSeek config is a LatentKVCache: R + P values a token and layer, fp8 at one byte with
+    its kv_scale; the serving loop's tokens with an fp8 cache are those of transformers' eager model over the same
+    fp8-rounded latents (and not fp32's); bad arguments are errors naming them."""
+    from attnops.serving.kv_cache import LatentKVCache
+    _, ours = models()
+    kv = attnops.hf.paged_kv_cache(ours.config, num_pages=4, page_size=8, kv_format="fp8_e4m3", kv_scale=0.5)
+    assert isinstance(kv, LatentKVCache)
+    assert kv.kv[0].shape == (4, 8, R + P) and kv.kv[0].dtype == torch.float8_e4m3fn
+    assert kv.attention_args(1)["kv_cache"] is kv.kv[1] and kv.attention_args(0)["kv_scale"].item() == 0.5
+    assert attnops.hf.model_shape(ours.config).latent_dim == R
+    fp8 = serve(ours, kv_format="fp8_e4m3", kv_scale=Fp8RoundedCache.scale)
+    assert fp8 == {i: alone(ours, prompt, n, Fp8RoundedCache()) for i, (_, prompt, n) in enumerate(SCHEDULE)}
+    assert fp8 != serve(ours)  # the rounding shows
+    for kwargs, error, match in ((dict(kv_format="nvfp4"), ValueError, "kv_format"),
+                                 (dict(latent_dim=48), ValueError, "latent_dim must be a multiple of 64"),
+                                 (dict(rope_dim=8), ValueError, "rope_dim"),
+                                 (dict(page_size=3), ValueError, "page_size"),
+                                 (dict(num_layers=1.0), TypeError, "num_layers")):
+        args = {**dict(num_layers=1, num_pages=2, page_size=8, latent_dim=64, rope_dim=16), **kwargs}
+        with pytest.raises(error, match=match):
+            LatentKVCache(args.pop("num_layers"), args.pop("num_pages"), args.pop("page_size"),
+                          args.pop("latent_dim"), args.pop("rope_dim"), **args)
+    llama = transformers.AutoConfig.for_model("llama", vocab_size=64, hidden_size=64, intermediate_size=64,
+                                              num_hidden_layers=1, num_attention_heads=2)
+    per_head = attnops.hf.paged_kv_cache(llama, num_pages=2, kv_format="fp32")  # keys and values a head
+    per_head.allocate(0)
+    with pytest.raises(TypeError, match="attnops_meta needs attnops_cache, the LatentKVCache"):
+        attnops.hf.serving_model(ours)(torch.tensor([1, 2]), torch.tensor([0, 1]), per_head,
+                                       per_head.prepare([0], [2]))
+
+
+def test_demo_serves_deepseek_compiled_and_eager_with_the_same_tokens(capsys):
+    """python -m attnops demo --model deepseek_v3: the serving kit on a latent cache, compiled and eager (fp32 on the
+    CPU: identical tokens), naming the latent ops' backends."""
+    from attnops import cli
+    cli.main(["demo", "--model", "deepseek_v3", "--modes", "compiled", "eager", "--batch", "2", "--prompt-len", "8",
+              "--steps", "4", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert "random tiny deepseek_v3" in out and "latent rows of 64 + 16 (MLA)" in out, out
+    assert "backend: prefill -> cpu, decode -> cpu, cache write -> cpu" in out, out
+    assert "compiled and eager generated identical tokens" in out, out
+
+
 @pytest.mark.gpu
 def test_bf16_on_cuda_close_to_eager():
     """bf16 on a GPU (mla_attention's Triton kernels): prefill logits as near float32 eager's as bf16 eager's are, and
@@ -249,3 +347,21 @@ def test_bf16_on_cuda_close_to_eager():
                             **{cache_arg(ours): latent_cache(ours)})
     assert max_error(logits[valid], reference) < max(2 * eager_error, 1e-2), eager_error
     assert (out == expected).float().mean() >= 0.9
+
+
+@pytest.mark.gpu
+def test_graph_replayed_generator_gives_the_compiled_tokens_on_gpu():
+    """bf16 on a GPU, requests joining and leaving: the CUDA-graph-replayed compiled step of the serving loop (latent
+    attention in captures nobody re-plans: Triton's kernels) gives the tokens of the compiled step it captured, and
+    those are eager's at 90% of the positions or more."""
+    torch.manual_seed(0)
+    cfg = config(initializer_range=0.02, first_k_dense_replace=TINY["num_hidden_layers"])
+    model = attnops.hf.enable_mla(build(cfg)).to("cuda", torch.bfloat16)
+    runs = {}
+    for name, compile, graphs in (("eager", False, False), ("compiled", True, False), ("graphs", True, True)):
+        torch._dynamo.reset()
+        runs[name] = serve(model, compile=compile, kv_format="bf16", cuda_graphs=graphs)
+    assert runs["graphs"] == runs["compiled"]
+    same = sum(a == b for i in runs["eager"] for a, b in zip(runs["eager"][i], runs["compiled"][i]))
+    assert same >= 0.9 * sum(map(len, runs["eager"].values()))
+

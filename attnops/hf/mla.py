@@ -36,6 +36,7 @@ from transformers import Cache, DynamicCache
 
 from .. import ops  # noqa: F401  (the op schemas and implementations)
 from ..checks_mla import MAX_HEADS, MAX_LATENT_DIM, MAX_ROPE_DIM
+from ..serving.kv_cache import LatentKVCache
 from .attention import ATTN_IMPLEMENTATION, PLAIN_FORMATS, SCRATCH_PAGE_SIZE, _index, _unpack
 from .cache import StepCache
 
@@ -84,6 +85,7 @@ def enable_mla(model: torch.nn.Module) -> torch.nn.Module:
         _check_layer(m)
     for m in layers:
         m.forward = types.MethodType(latent_attention_forward, m)
+        m.attnops_rotary = classes[type(m)]  # (looked up once: the forward compiles without a cached call)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     return model
 
@@ -112,14 +114,21 @@ def latent_attention_forward(self, hidden_states: torch.Tensor, position_embeddi
                              past_key_values: Cache | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """DeepseekV3Attention.forward (and V2's) in the absorbed form over attnops' latent ops (bound to the module
     by enable_mla). transformers 5.2x passes the cache as `cache`, earlier versions as `past_key_values`."""
-    if kwargs.get("attnops_meta") is not None:
-        raise ValueError("attnops latent attention: attnops_meta (attnops.hf.serving_model's step) is not served: "
-                         "its PagedKVCache holds per-head keys and values; use LatentCache with generate")
+    meta = kwargs.get("attnops_meta")
     if self.training and self.attention_dropout:
         raise ValueError(f"attnops latent attention: dropout must be 0 (inference only; got "
                          f"{self.attention_dropout}): call model.eval()")
     cache = cache if cache is not None else past_key_values
-    if cache is not None and not isinstance(cache, (LatentCache, DynamicCache)):
+    if meta is not None:  # a step of attnops' serving loop (attnops.hf.serving_model): its cache is attnops'
+        cache = kwargs.get("attnops_cache")
+        if not isinstance(cache, LatentKVCache):
+            raise TypeError(f"attnops latent attention: attnops_meta needs attnops_cache, the LatentKVCache it "
+                            f"indexes (attnops.hf.paged_kv_cache makes one for this model; got "
+                            f"{type(cache).__name__})")
+        if hidden_states.shape[0] != 1:
+            raise ValueError(f"attnops latent attention: a serving step passes its tokens as one row [1, T] (got "
+                             f"a batch of {hidden_states.shape[0]})")
+    elif cache is not None and not isinstance(cache, (LatentCache, DynamicCache)):
         raise TypeError(f"attnops latent attention: cache must be an attnops.hf.LatentCache or a transformers "
                         f"DynamicCache (got {type(cache).__name__})")
     batch, q_len = hidden_states.shape[:2]
@@ -133,13 +142,14 @@ def latent_attention_forward(self, hidden_states: torch.Tensor, position_embeddi
     kv_c, k_pe = self.kv_a_proj_with_mqa(hidden_states).split([rank, rope], -1)
     kv_c = self.kv_a_layernorm(kv_c)  # [B, S, R]
     # RoPE in transformers' layout ([B, H, S, P], the key one shared head), by transformers' function
-    q_pe, k_pe = latent_attention_classes()[type(self)](self, q_pe, k_pe.view(batch, 1, q_len, rope),
-                                                        position_embeddings)
+    q_pe, k_pe = self.attnops_rotary(self, q_pe, k_pe.view(batch, 1, q_len, rope), position_embeddings)
     q_pe, k_pe = q_pe.transpose(1, 2), k_pe[:, 0]  # [B, S, H, P], [B, S, P]
 
     weight = self.kv_b_proj.weight.view(-1, nope + v_dim, rank)  # [H, qk_nope + v_head, R]: W_UK over W_UV
     q_latent = torch.einsum("bhsd,hdr->bshr", q_nope, weight[:, :nope])  # [B, S, H, R]
-    if isinstance(cache, LatentCache):
+    if meta is not None:
+        out = _serving_step(cache.attention_args(self.layer_idx), meta, q_latent, q_pe, kv_c, k_pe, self.scaling)
+    elif isinstance(cache, LatentCache):
         out = cache.attend(self.layer_idx, q_latent, q_pe, kv_c, k_pe, attention_mask, self.scaling)
     else:
         if cache is not None:  # transformers' cache keeps the latents and hands back the whole history
@@ -192,6 +202,17 @@ def _attend(pages: torch.Tensor, step: _Step, q_latent, q_pe, kv_c, k_pe, scale,
     out = torch.ops.attnops.mla_attention(q_latent, q_pe, pages, step.block_table, step.seq_lens, step.cu_seqlens_q,
                                           scale=float(scale), **format_args)
     return _unpack(out, step.q_index, step.batch, step.q_len)
+
+
+def _serving_step(cache_args: dict, meta, q_latent, q_pe, kv_c, k_pe, scale) -> torch.Tensor:
+    """One layer of a step of attnops' serving loop: every sequence's tokens in one row (q_latent [1, T, H, R],
+    q_pe [1, T, H, P], kv_c [1, T, R], k_pe [1, T, P]), written at the step's slots of the LatentKVCache and attended
+    through its block table (the whole table: latent attention has no cascade). Returns [1, T, H, R]."""
+    torch.ops.attnops.mla_cache_write(kv_c[0], k_pe[0], slot_mapping=meta.slot_mapping, **cache_args)
+    out = torch.ops.attnops.mla_attention(q_latent[0].contiguous(), q_pe[0].contiguous(), block_table=meta.block_table,
+                                          seq_lens=meta.seq_lens, cu_seqlens_q=meta.cu_seqlens_q, scale=float(scale),
+                                          **cache_args)
+    return out[None]
 
 
 def _scratch_attention(q_latent, q_pe, kv_c, k_pe, attention_mask, scale) -> torch.Tensor:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..serving.kv_cache import BatchMetadata, PagedKVCache
+from ..serving.kv_cache import BatchMetadata, LatentKVCache, PagedKVCache
 from . import tp
 from .attention import ATTN_IMPLEMENTATION
 
@@ -36,6 +36,10 @@ class ModelShape:
     hidden_size: int
     vocab_size: int
     model_type: str = ""
+    # latent attention (DeepSeek-V2/V3's MLA, attnops.hf.mla): its cache holds one row of latent_dim + rope_dim
+    # values a token (kv_lora_rank, qk_rope_head_dim), not per-head keys and values; 0: a model of per-head K/V
+    latent_dim: int = 0
+    rope_dim: int = 0
 
 
 def model_shape(config) -> ModelShape:
@@ -56,14 +60,26 @@ def model_shape(config) -> ModelShape:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     heads, kv_heads = tp.heads_per_rank(whole, heads, kv_heads)
+    latent = dict(latent_dim=config.kv_lora_rank, rope_dim=config.qk_rope_head_dim) if is_latent(config) else {}
     return ModelShape(config.num_hidden_layers, heads, kv_heads, head_dim, config.hidden_size, config.vocab_size,
-                      getattr(config, "model_type", ""))
+                      getattr(config, "model_type", ""), **latent)
+
+
+def is_latent(config) -> bool:
+    """Whether `config` is a latent-attention model's (DeepSeek-V2/V3: a kv_lora_rank and a rotary part)."""
+    return isinstance(getattr(config, "kv_lora_rank", None), int) and \
+        isinstance(getattr(config, "qk_rope_head_dim", None), int)
 
 
 def paged_kv_cache(config, num_pages: int, *, page_size: int = 16, kv_format: str = "bf16", device="cpu",
                    **kwargs) -> PagedKVCache:
-    """A PagedKVCache shaped for `config`'s model (layers, KV heads, head_dim); kwargs go to PagedKVCache."""
+    """A PagedKVCache shaped for `config`'s model (layers, KV heads, head_dim), or for a latent-attention model
+    (DeepSeek-V2/V3) a LatentKVCache (layers, R, P; kv_format bf16, fp16, fp32 or fp8_e4m3 with kv_scale); kwargs go
+    to the cache."""
     shape = model_shape(config)
+    if shape.latent_dim:
+        return LatentKVCache(shape.num_hidden_layers, num_pages, page_size, shape.latent_dim, shape.rope_dim,
+                             kv_format=kv_format, device=device, **kwargs)
     return PagedKVCache(shape.num_hidden_layers, num_pages, page_size, shape.num_key_value_heads, shape.head_dim,
                         kv_format=kv_format, device=device, **kwargs)
 

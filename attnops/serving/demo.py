@@ -25,12 +25,14 @@ import torch
 
 from ..dispatch import explain
 from .generate import Generator
-from .kv_cache import PagedKVCache
+from .kv_cache import LatentKVCache, PagedKVCache
 
-ATTENTION_OPS = ("attnops::paged_attention", "attnops::reshape_and_cache")
+ATTENTION_OPS = ("attnops::paged_attention", "attnops::reshape_and_cache", "attnops::mla_attention",
+                 "attnops::mla_cache_write")
 # A kernel replayed from a CUDA graph reaches the profiler with no op above it, so in that mode attention is the
 # kernels of these names (substrings): attnops' Triton kernels and FlashInfer's (its C++ namespace).
-ATTENTION_KERNELS = ("paged_attention_kernel", "merge_splits_kernel", "reshape_and_cache_kernel", "flashinfer::")
+ATTENTION_KERNELS = ("paged_attention_kernel", "merge_splits_kernel", "reshape_and_cache_kernel", "mla_attention_kernel",
+                     "mla_merge_kernel", "mla_cache_write_kernel", "flashinfer::")
 MODES = ("compiled+graphs", "compiled", "eager")
 
 
@@ -44,14 +46,26 @@ def op_backends(cache: PagedKVCache, config, dtype, batch: int, prompt_len: int,
                 pages_per_seq: int) -> dict:
     """Which backend serves each op of the run, asked of dispatch with the run's own shapes: the prefill of
     `batch` prompts, and a decode step of the batch at the prompt's length. `config`: the model's shape (its
-    num_attention_heads, num_key_value_heads, head_dim)."""
+    num_attention_heads, num_key_value_heads, head_dim; a latent cache's: num_attention_heads)."""
     d, dev = config.head_dim, cache.device
     rows = batch * prompt_len
-    q = torch.empty(rows, config.num_attention_heads, d, dtype=dtype, device=dev)
-    kv = torch.empty(rows, config.num_key_value_heads, d, dtype=dtype, device=dev)
     table = torch.zeros(batch, pages_per_seq, dtype=torch.int32, device=dev)
     lens = torch.full((batch,), prompt_len, dtype=torch.int32, device=dev)
     cu = torch.arange(0, rows + 1, prompt_len, dtype=torch.int32, device=dev)
+    if isinstance(cache, LatentKVCache):
+        q_nope = torch.empty(rows, config.num_attention_heads, cache.latent_dim, dtype=dtype, device=dev)
+        q_pe = torch.empty(rows, config.num_attention_heads, cache.rope_dim, dtype=dtype, device=dev)
+        args = dict(scale=1.0, **cache.attention_args(0))
+        return {
+            "mla_cache_write": explain(kv_c=q_nope[:, 0], k_pe=q_pe[:, 0], slot_mapping=torch.zeros(
+                rows, dtype=torch.int64, device=dev), **cache.write_args(0)).chosen,
+            "mla_attention (prefill)": explain(q_nope=q_nope, q_pe=q_pe, block_table=table, seq_lens=lens,
+                                               cu_seqlens_q=cu, **args).chosen,
+            "mla_attention (decode)": explain(q_nope=q_nope[:batch], q_pe=q_pe[:batch], block_table=table,
+                                              seq_lens=lens + 1, **args).chosen,
+        }
+    q = torch.empty(rows, config.num_attention_heads, d, dtype=dtype, device=dev)
+    kv = torch.empty(rows, config.num_key_value_heads, d, dtype=dtype, device=dev)
     return {
         "reshape_and_cache": explain(key=kv, value=kv, slot_mapping=torch.zeros(rows, dtype=torch.int64, device=dev),
                                      **cache.write_args(0)).chosen,
@@ -88,8 +102,12 @@ def run_demo(model: torch.nn.Module, batch: int = 4, prompt_len: int = 32, steps
     new_tokens = 1 + warmup + steps + profile_steps  # the prefill's token, then the decode steps
     max_seq_len = prompt_len + new_tokens
     pages_per_seq = -(-max_seq_len // page_size)
-    cache = PagedKVCache(config.num_hidden_layers, batch * pages_per_seq, page_size, config.num_key_value_heads,
-                         config.head_dim, kv_format=kv_format, device=device, shuffle_pages=True, seed=seed)
+    if getattr(config, "latent_dim", 0):  # latent attention (DeepSeek): one latent row a token
+        cache = LatentKVCache(config.num_hidden_layers, batch * pages_per_seq, page_size, config.latent_dim,
+                              config.rope_dim, kv_format=kv_format, device=device, shuffle_pages=True, seed=seed)
+    else:
+        cache = PagedKVCache(config.num_hidden_layers, batch * pages_per_seq, page_size, config.num_key_value_heads,
+                             config.head_dim, kv_format=kv_format, device=device, shuffle_pages=True, seed=seed)
     gen = Generator(model, cache, max_batch=batch, max_seq_len=max_seq_len, buckets=(batch,), compile=compile,
                     cuda_graphs=graphs, seed=seed)
     prompts = torch.randint(0, config.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(seed))
@@ -175,12 +193,15 @@ def main(args, model: torch.nn.Module, description: str) -> None:
                           kv_format=args.kv_format, mode=mode)
         if i == 0:
             c = result["model"]
+            latent = getattr(c, "latent_dim", 0)
+            heads = (f"heads {c.num_attention_heads}, latent rows of {latent} + {c.rope_dim} (MLA)" if latent else
+                     f"heads {c.num_attention_heads}/{c.num_key_value_heads}, head_dim {c.head_dim}")
             print(f"attnops demo on {result['device']}: {description}, {c.num_hidden_layers} layers, hidden "
-                  f"{c.hidden_size}, heads {c.num_attention_heads}/{c.num_key_value_heads}, head_dim {c.head_dim}, "
-                  f"{str(result['dtype']).replace('torch.', '')}, KV {result['kv_format']}")
+                  f"{c.hidden_size}, {heads}, {str(result['dtype']).replace('torch.', '')}, KV {result['kv_format']}")
             b = result["backends"]
-            print(f"backend: prefill -> {b['paged_attention (prefill)']}, decode -> {b['paged_attention (decode)']}, "
-                  f"cache write -> {b['reshape_and_cache']}")
+            op, write = ("mla_attention", "mla_cache_write") if latent else ("paged_attention", "reshape_and_cache")
+            print(f"backend: prefill -> {b[f'{op} (prefill)']}, decode -> {b[f'{op} (decode)']}, "
+                  f"cache write -> {b[write]}")
         label = {"compiled+graphs": "torch.compile'd + CUDA graphs (recommended)", "compiled": "torch.compile'd",
                  "eager": "eager"}[mode]
         print(f"batch {result['batch']}, prompt {result['prompt_len']}, {result['steps']} decode steps, {label}: "

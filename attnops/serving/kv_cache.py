@@ -1,7 +1,8 @@
 """PagedKVCache: the cache tensors, a page allocator, and the per-step metadata the ops take.
 
 For users with no serving engine of their own, and for the demo, tests and benchmarks. Each layer's K and V are
-views of one [num_pages, 2, page_size, Hkv, D] tensor (FlashInfer's layout).
+views of one [num_pages, 2, page_size, Hkv, D] tensor (FlashInfer's layout). LatentKVCache: the same allocator over
+latent attention's rows, one [num_pages, page_size, R + P] tensor a layer.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from .. import formats
 from ..checks import MAX_PAGE_SIZE, head_dim_error, is_page_size
+from ..checks_mla import MAX_LATENT_DIM, MAX_ROPE_DIM
 
 
 @dataclass
@@ -121,6 +123,11 @@ class PagedKVCache:
                                            device=self.device)
             self.v_scale = torch.as_tensor(1.0 if v_scale is None else v_scale, dtype=torch.float32,
                                            device=self.device)
+        self._init_pages(shuffle_pages, seed)
+
+    def _init_pages(self, shuffle_pages: bool, seed: int) -> None:
+        """The allocator's state: every page free, no sequence."""
+        num_pages = self.num_pages
         self._free_pages = list(range(num_pages - 1, -1, -1))  # pop() hands out page 0 first
         if shuffle_pages:
             random.Random(seed).shuffle(self._free_pages)
@@ -451,3 +458,61 @@ class PagedKVCache:
         if self.device.type != "cuda":
             return host.to(self.device)
         return host.pin_memory().to(self.device, non_blocking=True)
+
+
+class LatentKVCache(PagedKVCache):
+    """The cache of latent attention (mla_attention, DeepSeek-V2/V3's MLA): one row a token and layer, the
+    compressed latent and the rotary key, [c (latent_dim values), k_pe (rope_dim values)], shared by every query
+    head; each layer's rows are one [num_pages, page_size, latent_dim + rope_dim] tensor. The allocator, prefix
+    sharing and step metadata are PagedKVCache's.
+
+    kv_format: the cache's dtype, "bf16", "fp16" or "fp32" (the ops' "auto"), or "fp8_e4m3" (kv_scale: a float32
+    tensor of one element or a float, default 1.0; stored = value / kv_scale)."""
+
+    KV_FORMATS = ("bf16", "fp16", "fp32", "fp8_e4m3")
+
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, latent_dim: int, rope_dim: int, *,
+                 kv_format: str = "bf16", device="cpu", kv_scale: torch.Tensor | float | None = None,
+                 shuffle_pages: bool = False, seed: int = 0):
+        if kv_format not in self.KV_FORMATS:
+            raise ValueError(f"LatentKVCache: kv_format must be one of {self.KV_FORMATS} (got {kv_format!r})")
+        for name, value, least in (("num_layers", num_layers, 1), ("num_pages", num_pages, 1),
+                                   ("page_size", page_size, 1), ("latent_dim", latent_dim, 1),
+                                   ("rope_dim", rope_dim, 1)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"LatentKVCache: {name} must be an int (got {type(value).__name__})")
+            if value < least:
+                raise ValueError(f"LatentKVCache: {name} must be at least {least} (got {value})")
+        if not is_page_size(page_size):
+            raise ValueError(f"LatentKVCache: page_size must be a power of two from 1 to {MAX_PAGE_SIZE}, as the ops "
+                             f"take (got {page_size})")
+        if latent_dim % 64 or latent_dim > MAX_LATENT_DIM or rope_dim % 16 or rope_dim > MAX_ROPE_DIM:
+            raise ValueError(f"LatentKVCache: latent_dim must be a multiple of 64 up to {MAX_LATENT_DIM} and rope_dim "
+                             f"a multiple of 16 up to {MAX_ROPE_DIM}, as mla_attention takes (got {latent_dim}, "
+                             f"{rope_dim})")
+        self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
+        self.latent_dim, self.rope_dim, self.kv_format = latent_dim, rope_dim, kv_format
+        self.device = torch.device(device)
+        fmt = formats.FORMATS[kv_format]
+        self.kv = [torch.zeros(num_pages, page_size, latent_dim + rope_dim, dtype=fmt.storage_dtype,
+                               device=self.device) for _ in range(num_layers)]
+        self.block_scales = None
+        self.kv_scale = None
+        if kv_format == "fp8_e4m3":
+            self.kv_scale = torch.as_tensor(1.0 if kv_scale is None else kv_scale, dtype=torch.float32,
+                                            device=self.device).reshape(1)
+        self._init_pages(shuffle_pages, seed)
+
+    def attention_args(self, layer: int) -> dict:
+        """Keyword arguments of mla_attention (and mla_cache_write) for `layer`: kv_cache, kv_format, kv_scale."""
+        args = dict(kv_cache=self.kv[layer], kv_format="fp8_e4m3" if self.kv_scale is not None else "auto")
+        if self.kv_scale is not None:
+            args["kv_scale"] = self.kv_scale
+        return args
+
+    write_args = attention_args
+
+    def cascade_split(self, meta: BatchMetadata, min_pages: int = 1) -> None:
+        """None: latent attention has no cascade (its decode reads each row once for every head already)."""
+        return None
+
