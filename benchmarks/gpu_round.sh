@@ -46,6 +46,9 @@
 #             flashinfer and triton, the fi-mla peer and auto: $results/mla-models.json; then the table refitted from
 #             the shipped table's own sources and those records: $results/sm_XY.json (both rules), and its checks
 #   serve     python -m attnops serve-bench $SERVE_ARGS (JSON + PNG)
+#   serve-mla serve-bench's latent-attention point: DeepSeek-V2-Lite-shaped (random) at 8K x 32, attnops compiled + CUDA
+#             graphs on a bf16 and an fp8 latent cache against transformers' static cache compiled:
+#             $results/serve-mla.{json,png,txt}
 #   serve-hf  serve-bench's transformers grid, in five parts under their own time limits, appended to
 #             $results/serve-hf.json (+ .png): Llama-3.2-1B-shaped through transformers' modeling code in bf16,
 #             and transformers' static-cache path; the same with fp8 KV; Qwen2.5-7B-shaped
@@ -267,6 +270,11 @@ PY
       timeout ${SERVE_TIMEOUT:-400} python3 -m attnops serve-bench ${SERVE_ARGS:-} --json "$results/serve.json" \
         --append --plot "$results/serve.png" >> "$results/serve.txt" 2> /tmp/serve.err; tail -30 "$results/serve.txt"
       tail -3 /tmp/serve.err; stamp serve ;;
+    serve-mla)
+      timeout ${SERVE_TIMEOUT:-540} python3 -m attnops serve-bench --family deepseek_v2 --contexts 8192 --batches 32 \
+        --modes compiled+graphs transformers --kv-formats bf16 fp8_e4m3 ${SERVE_MLA_ARGS:-} --json "$results/serve-mla.json" \
+        --plot "$results/serve-mla.png" > "$results/serve-mla.txt" 2> /tmp/serve-mla.err; tail -3 /tmp/serve-mla.err
+      tail -8 "$results/serve-mla.txt"; stamp serve-mla ;;
     serve-hf)
       parts=("--family llama --kv-formats bf16 --modes compiled+graphs transformers"
              "--family llama --kv-formats fp8_e4m3 --modes compiled+graphs"

@@ -393,12 +393,14 @@ def test_eager_compiled_and_graph_replayed_tokens_identical_on_gpu(gpu_checkpoin
         assert runs["compiled"] == runs["eager"], "compiled differs from eager (fp32)"
 
 
-def test_serve_bench_small_runs_and_writes_json_and_png(tmp_path):
+@pytest.mark.parametrize("family", ["llama", "deepseek_v2"])
+def test_serve_bench_small_runs_and_writes_json_and_png(tmp_path, family):
     """`python -m attnops serve-bench --small` on the CPU: every mode asked for gives a positive tokens/s (a mode
-    that fails is recorded, so check for errors), and the JSON and PNG are written."""
+    that fails is recorded, so check for errors), and the JSON and PNG are written; a latent-attention family
+    (DeepSeek) runs attnops' modes on a latent cache and transformers' own attention beside them."""
     from attnops.bench import serve as serve_bench
-    result = serve_bench.main(["--small", "--modes", "eager", "transformers", "--batches", "2", "--contexts", "40",
-                               "--steps", "2", "--warmup", "1", "--json", str(tmp_path / "s.json"),
+    result = serve_bench.main(["--small", "--family", family, "--modes", "eager", "transformers", "--batches", "2",
+                               "--contexts", "40", "--steps", "2", "--warmup", "1", "--json", str(tmp_path / "s.json"),
                                "--plot", str(tmp_path / "s.png")])
     assert [(r["mode"], r["error"]) for r in result["records"]] == [("eager", None), ("transformers", None)]
     assert all(r["tokens_per_s"] > 0 for r in result["records"])

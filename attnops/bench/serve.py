@@ -51,7 +51,7 @@ from .run import environment
 
 from ..serving.generate import DecodeStep
 from ..serving.graphs import DecodeGraphRunner
-from ..serving.kv_cache import PagedKVCache
+from ..serving.kv_cache import LatentKVCache, PagedKVCache
 from . import require_matplotlib
 
 MODES = ("eager", "compiled", "compiled+graphs", "transformers", "transformers-cb")
@@ -164,9 +164,14 @@ class AttnopsRunner:
         self.model, self.modes, self.args, self.device, self.config = model, modes, args, device, c
         per_point = len(modes) * (steps_a_point(args) + 1) + 1  # (+1: attention_seconds_per_step's token)
         self.max_pages = -(-(max(contexts) + per_point) // args.page_size)
-        self.cache = PagedKVCache(c.num_hidden_layers, max(batches) * self.max_pages, args.page_size,
-                                  c.num_key_value_heads, c.head_dim, kv_format=kv_format, device=device,
-                                  shuffle_pages=True)
+        if c.latent_dim:  # latent attention (DeepSeek): one latent row a token
+            self.cache = LatentKVCache(c.num_hidden_layers, max(batches) * self.max_pages, args.page_size,
+                                       c.latent_dim, c.rope_dim, kv_format=kv_format, device=device,
+                                       shuffle_pages=True)
+        else:
+            self.cache = PagedKVCache(c.num_hidden_layers, max(batches) * self.max_pages, args.page_size,
+                                      c.num_key_value_heads, c.head_dim, kv_format=kv_format, device=device,
+                                      shuffle_pages=True)
         for kv in self.cache.kv:
             kv.normal_() if kv.dtype.is_floating_point and kv.element_size() > 1 else None
         self.buckets = tuple(sorted(set(batches)))
@@ -217,13 +222,21 @@ class AttnopsRunner:
 
 
 def attention_seconds_per_step(cache, seq_ids, c) -> float:
-    """GPU time of one decode step's attention: one layer's paged_attention on this cache and batch (one more
-    token each, as the next step; no window, cap or sinks), replayed from a CUDA graph, times the number of
-    layers."""
+    """GPU time of one decode step's attention: one layer's paged_attention (mla_attention for a latent cache) on
+    this cache and batch (one more token each, as the next step; no window, cap or sinks), replayed from a CUDA
+    graph, times the number of layers."""
     from .run import graph_time_us
     meta = cache.prepare(seq_ids, 1)
-    q = torch.randn(len(seq_ids), c.num_attention_heads, c.head_dim, device=cache.device, dtype=torch.bfloat16)
     args = cache.attention_args(0)
+    if isinstance(cache, LatentKVCache):
+        q_nope, q_pe = (torch.randn(len(seq_ids), c.num_attention_heads, d, device=cache.device, dtype=torch.bfloat16)
+                        for d in (cache.latent_dim, cache.rope_dim))
+
+        def attention():
+            torch.ops.attnops.mla_attention(q_nope, q_pe, block_table=meta.block_table, seq_lens=meta.seq_lens,
+                                            scale=0.1, **args)
+        return graph_time_us(attention) * 1e-6 * c.num_hidden_layers
+    q = torch.randn(len(seq_ids), c.num_attention_heads, c.head_dim, device=cache.device, dtype=torch.bfloat16)
 
     def attention():
         torch.ops.attnops.paged_attention(q, block_table=meta.block_table, seq_lens=meta.seq_lens, **args)
@@ -395,9 +408,10 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m attnops serve-bench", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     if has_transformers:
-        from ..hf.families import FAMILIES
-        families = list(FAMILIES)
-        shapes = ", ".join(f"{name}: {spec.real_name}" for name, spec in FAMILIES.items())
+        from ..hf.families import FAMILIES, MLA_FAMILIES
+        every = {**FAMILIES, **MLA_FAMILIES}
+        families = list(every)
+        shapes = ", ".join(f"{name}: {spec.real_name}" for name, spec in every.items())
     else:  # only --help gets here: it still answers
         families, shapes = None, "see attnops.hf.families"
     parser.add_argument("--small", action="store_true", help="tiny models and sizes (runs on the CPU in seconds)")
@@ -427,7 +441,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     require_matplotlib(args.plot)
 
-    from ..hf import model_shape, serving_model
+    from ..hf import disable_mla, model_shape, serving_model
 
     device = torch.device(args.device or ("cpu" if args.small or not torch.cuda.is_available() else "cuda"))
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
@@ -498,7 +512,8 @@ def main(argv=None) -> dict:
         hf = load_model(family, args, device, dtype)
         shape = model_shape(hf.config)
         models[family] = (f"{shape.num_hidden_layers}L h{shape.hidden_size} {shape.num_attention_heads}/"
-                          f"{shape.num_key_value_heads} d{shape.head_dim}")
+                          + (f"latent {shape.latent_dim}+{shape.rope_dim}" if shape.latent_dim else
+                             f"{shape.num_key_value_heads} d{shape.head_dim}"))
         if ours:
             model = serving_model(hf)
             for kv_format in kv_formats:
@@ -526,6 +541,7 @@ def main(argv=None) -> dict:
             if mode not in modes:
                 continue
             attention = transformers_attention(hf)
+            disable_mla(hf)  # (a latent-attention model: transformers' own forward again)
             hf.set_attn_implementation(attention)
             for context in contexts:
                 for batch in batches:

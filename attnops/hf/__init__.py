@@ -50,10 +50,10 @@ if _version(transformers.__version__) < MIN_TRANSFORMERS:
 
 from .attention import ATTN_IMPLEMENTATION, attention_forward, padding_mask, register  # noqa: E402
 from .cache import PagedCache  # noqa: E402
-from .mla import LatentCache, enable_mla  # noqa: E402
+from .mla import LatentCache, disable_mla, enable_mla  # noqa: E402
 from .serving import ModelShape, ServingModel, model_shape, paged_kv_cache, serving_model  # noqa: E402
 
 register()
 
 __all__ = ["ATTN_IMPLEMENTATION", "LatentCache", "ModelShape", "PagedCache", "ServingModel", "attention_forward",
-           "enable_mla", "model_shape", "padding_mask", "paged_kv_cache", "serving_model"]
+           "disable_mla", "enable_mla", "model_shape", "padding_mask", "paged_kv_cache", "serving_model"]

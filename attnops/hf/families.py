@@ -68,6 +68,19 @@ FAMILIES = {
 # random weights, and every layer's attention is the same. About 4.2B parameters (8.4 GB in bf16), most of them the
 # vocabulary's and the experts'.
 MLA_FAMILIES = {
+    # DeepSeek-V2-Lite whole (27 layers, 64 routed experts: 15.7B parameters, 31 GB in bf16); q_proj, no q LoRA
+    "deepseek_v2": Family("deepseek_v2", "DeepSeek-V2-Lite", dict(
+        vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+        num_hidden_layers=27, first_k_dense_replace=1, num_attention_heads=16, num_key_value_heads=16,
+        q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2, n_group=1, topk_group=1,
+        topk_method="greedy", norm_topk_prob=False, routed_scaling_factor=1.0, rms_norm_eps=1e-6,
+        max_position_embeddings=163840, tie_word_embeddings=False,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=4096,
+                             beta_fast=32.0, beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707)),
+        tiny=dict(num_key_value_heads=4, head_dim=16, q_lora_rank=None, kv_lora_rank=64, qk_nope_head_dim=32,
+                  qk_rope_head_dim=16, v_head_dim=32, moe_intermediate_size=64, n_routed_experts=4,
+                  num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1, first_k_dense_replace=1)),
     "deepseek_v3": Family("deepseek_v3", "DeepSeek-V3 (4 of 61 layers, 8 of 256 routed experts)", dict(
         vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=4,
         first_k_dense_replace=1, num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536,

@@ -90,6 +90,15 @@ def enable_mla(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def disable_mla(model: torch.nn.Module) -> torch.nn.Module:
+    """Undoes enable_mla: every latent-attention layer runs transformers' own forward again (then
+    model.set_attn_implementation picks its attention, e.g. "sdpa"). Returns the model."""
+    for m in model.modules():
+        if type(m) in latent_attention_classes() and "forward" in vars(m):
+            del m.forward, m.attnops_rotary
+    return model
+
+
 def _check_layer(m) -> None:
     """What the absorbed form and the ops need of a layer, said before any forward."""
     where = f"enable_mla: layer {m.layer_idx}"
