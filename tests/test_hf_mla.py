@@ -219,7 +219,7 @@ def test_bad_inputs():
     prefill(ours, cache)
     with pytest.raises(ValueError, match="reset"):  # one batch a cache
         ours(torch.tensor([[1, 2, 3]]), **{cache_arg(ours): cache})
-    with pytest.raises(ValueError, match="attention_mask must be a 2D padding mask"):
+    with pytest.raises(ValueError, match="attention_mask must be a padding mask"):
         ours(torch.tensor([[1, 2, 3]]), attention_mask=torch.ones(1, 1, 3, 3, dtype=torch.bool))
     with pytest.raises(ValueError, match="beam search|not supported"):
         generate(ours, latent_cache(ours), num_beams=2)

@@ -15,7 +15,7 @@ reach it in one of three ways:
 - from any other cache, or none (a plain forward): the keys and values are the whole history, paged into a
   scratch cache for this call. Right, but it copies the history in every layer of every step.
 
-Padding reaches the function as a 2D mask [B, kv_length] (True: a token), what the mask function below returns
+Padding reaches the function as a mask [B, 1, 1, kv_length] (True: a token), what the mask function below returns
 for attn_implementation "attnops": causality, sliding windows and soft caps are the op's. Padded tokens are never
 written (their keys are left out) nor attended (their query rows are left out, and their output rows are 0).
 """
@@ -36,32 +36,44 @@ _FROM_MODULE = object()  # sliding_window not passed: read module.sliding_window
 
 class _Handoff(threading.local):
     """A PagedCache's `update` hands the cache to the attention call that follows it in the same layer (the
-    attention function is not given the cache object itself). Keyed by layer and by the key tensor `update`
-    returned, so that a hand-over left behind (a forward that raised in between) is never taken by another call."""
+    attention function is not given the cache object itself), and to the calls of the later layers that read that
+    layer's keys (KV-shared layers: they get the same key tensor and call no update). Keyed by layer and by the key
+    tensor `update` returned, so that a hand-over left behind (a forward that raised in between) is never taken by
+    another call."""
 
-    cache = None
-    layer = None
-    key = None
+    def __init__(self):
+        self.pending: dict = {}  # layer -> (cache, the key tensor update returned)
 
 
 _HANDOFF = _Handoff()
 
 
 def hand_over(cache, layer: int, key: torch.Tensor) -> None:
-    _HANDOFF.cache, _HANDOFF.layer, _HANDOFF.key = cache, layer, key
+    _HANDOFF.pending[layer] = (cache, key)
 
 
-def pending_hand_over():
-    """The cache of a hand-over no attention call has taken yet, or None."""
-    return _HANDOFF.cache
+def unread_hand_over(cache, layer: int, new_forward: bool) -> bool:
+    """Whether an attention call left a hand-over of `cache` unread before this update of `layer`: one for an
+    earlier layer, or at a new forward any but a KV-shared layer's (those of a forward that stopped early are
+    dropped)."""
+    shared = cache.kv.shared_layers if cache.kv is not None else {}
+    unread = False
+    for pending_layer, (owner, _) in list(_HANDOFF.pending.items()):
+        if owner is not cache:
+            continue
+        if new_forward and pending_layer in shared:
+            del _HANDOFF.pending[pending_layer]
+        elif new_forward or pending_layer < layer:
+            unread = True
+    return unread
 
 
 def _take(layer: int, key: torch.Tensor):
-    cache = _HANDOFF.cache
-    if cache is None or _HANDOFF.layer != layer or _HANDOFF.key is not key:
+    entry = _HANDOFF.pending.get(layer)
+    if entry is None or entry[1] is not key:
         return None
-    _HANDOFF.cache = _HANDOFF.layer = _HANDOFF.key = None
-    return cache
+    del _HANDOFF.pending[layer]
+    return entry[0]
 
 
 def attention_options(module, scaling, sliding_window, softcap, s_aux) -> dict:
@@ -98,21 +110,29 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                          f"model.eval()")
     options = attention_options(module, scaling, sliding_window, softcap, s_aux)
     if attnops_meta is not None:
-        return _serving_step(layer, query, key, value, attnops_cache, attnops_meta, options)
+        return _serving_step(module, query, key, value, attnops_cache, attnops_meta, options)
     if cache is not None:
         return cache.attend(layer, query, key, value, attention_mask, options), None
     return _scratch_attention(query, key, value, attention_mask, options), None
 
 
-def _serving_step(layer, query, key, value, cache, meta, options):
-    """One step of attnops' serving loop: the tokens of every sequence in one row, the cache and metadata given."""
+def _serving_step(module, query, key, value, cache, meta, options):
+    """One step of attnops' serving loop: the tokens of every sequence in one row, the cache and metadata given. A
+    KV-shared layer writes nothing: its cache layer is the one whose keys it reads (PagedKVCache's shared_layers)."""
+    layer = module.layer_idx
     if cache is None:
         raise ValueError("attnops attention: attnops_meta needs attnops_cache (the PagedKVCache it indexes)")
     if query.shape[0] != 1:
         raise ValueError(f"attnops attention: a serving step passes its tokens as one row [1, T] (got a batch of "
                          f"{query.shape[0]})")
-    torch.ops.attnops.reshape_and_cache(key[0].transpose(0, 1), value[0].transpose(0, 1),
-                                        slot_mapping=meta.slot_mapping, **cache.write_args(layer))
+    shared = layer in cache.shared_layers
+    if getattr(module, "is_kv_shared_layer", False) != shared:
+        raise ValueError(f"attnops attention: layer {layer} {'reads' if not shared else 'does not read'} an earlier "
+                         f"layer's keys, but attnops_cache's shared_layers say otherwise: make the cache with "
+                         f"attnops.hf.paged_kv_cache(model.config, ...)")
+    if not shared:
+        torch.ops.attnops.reshape_and_cache(key[0].transpose(0, 1), value[0].transpose(0, 1),
+                                            slot_mapping=meta.slot_mapping, **cache.write_args(layer))
     # [T, Hq, D] rows contiguous, as every backend's kernels are fed (transformers' RoPE output may be laid out
     # heads-major; under torch.compile the copy folds into the kernel that makes q)
     out = meta.attend(query[0].transpose(0, 1).contiguous(), **cache.attention_args(layer), **options)
@@ -129,10 +149,7 @@ def _scratch_attention(query, key, value, attention_mask, options) -> torch.Tens
     if attention_mask is None:
         kv_counts, q_counts, kv_index, q_index = [kv_len] * batch, [q_len] * batch, None, None
     else:
-        if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, kv_len):
-            raise ValueError(f"attnops attention: attention_mask must be a 2D padding mask [batch, kv_length] = "
-                             f"[{batch}, {kv_len}] (got {list(attention_mask.shape)})")
-        valid = attention_mask.bool().cpu()  # the page allocator works on the host
+        valid = padding_rows(attention_mask, batch, kv_len, "attnops attention")
         kv_counts, q_counts = valid.sum(-1).tolist(), valid[:, kv_len - q_len:].sum(-1).tolist()
         kv_index = None if all(n == kv_len for n in kv_counts) else _index(valid, query.device)
         q_index = None if all(n == q_len for n in q_counts) else _index(valid[:, kv_len - q_len:], query.device)
@@ -171,11 +188,25 @@ def _unpack(out: torch.Tensor, index: torch.Tensor | None, batch: int, q_len: in
 
 def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
                  mask_function=None, attention_mask: torch.Tensor | None = None, **kwargs):
-    """The mask transformers builds for attn_implementation "attnops" (once per forward and mask kind): the 2D
-    padding mask over the keys the layers see, or None. Causality, windows and caps are the op's own."""
+    """The mask transformers builds for attn_implementation "attnops" (once per forward and mask kind): the padding
+    mask over the keys the layers see, [batch, 1, 1, kv_length] (4D as transformers' own masks are, so that model
+    code that slices a mask's query axis, as Gemma-4's before its KV-shared layers, can), or None. Causality,
+    windows and caps are the op's own."""
     if attention_mask is None:
         return None
-    return attention_mask[:, kv_offset: kv_offset + kv_length].bool()
+    return attention_mask[:, None, None, kv_offset: kv_offset + kv_length].bool()
+
+
+def padding_rows(attention_mask: torch.Tensor, batch: int, kv_len: int, where: str) -> torch.Tensor:
+    """The padding mask (padding_mask's [batch, 1, 1, kv_length], or [batch, kv_length]) as bool [batch, kv_len] on
+    the host (the page allocator works there), checked against that shape."""
+    mask = attention_mask
+    if mask.dim() == 4 and mask.shape[1:3] == (1, 1):
+        mask = mask[:, 0, 0]
+    if mask.dim() != 2 or tuple(mask.shape) != (batch, kv_len):
+        raise ValueError(f"{where}: attention_mask must be a padding mask [batch, kv_length] = [{batch}, {kv_len}] "
+                         f"(or [batch, 1, 1, kv_length]; got {list(attention_mask.shape)})")
+    return mask.bool().cpu()
 
 
 def register() -> None:

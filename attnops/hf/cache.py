@@ -13,6 +13,7 @@ Lengths follow transformers' convention: `get_seq_length()` counts the columns p
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +21,7 @@ from transformers import Cache
 
 from .. import formats
 from ..serving.kv_cache import BatchMetadata, PagedKVCache
-from .attention import PLAIN_FORMATS, _index, _rows, _unpack, hand_over, pending_hand_over
+from .attention import PLAIN_FORMATS, _index, _rows, _unpack, hand_over, padding_rows, unread_hand_over
 from .serving import model_shape
 
 
@@ -110,14 +111,18 @@ class PagedCache(StepCache):
 
     # --- what transformers asks of a Cache ---------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        if pending_hand_over() is self:
+        new_forward = self._last_layer is None or layer_idx <= self._last_layer
+        if unread_hand_over(self, layer_idx, new_forward):
             raise ValueError("PagedCache: an attention layer did not read the cache it was handed; PagedCache "
                              "needs the model loaded with attn_implementation='attnops' (import attnops.hf first)")
-        if self._last_layer is None or layer_idx <= self._last_layer:  # a new forward
+        if new_forward:
             self._columns += key_states.shape[2]
             self._step = None
         self._last_layer = layer_idx
         hand_over(self, layer_idx, key_states)
+        for shared, source in self.shape.shared_layers:  # (they read this layer's keys: no update of their own)
+            if source == layer_idx:
+                hand_over(self, shared, key_states)
         return key_states, value_states
 
     @property
@@ -152,7 +157,7 @@ class PagedCache(StepCache):
         if self.kv is None:
             num_pages = self.num_pages or batch * pages_per_row
             self.kv = PagedKVCache(self.shape.num_hidden_layers, num_pages, self.page_size,
-                                   self.shape.num_key_value_heads, self.shape.head_dim, kv_format=kv_format,
+                                   **self.shape.cache_layout(), kv_format=kv_format,
                                    device=key.device, k_scale=self.k_scale, v_scale=self.v_scale)
         for b in range(batch):
             self.kv.allocate(b)
@@ -166,10 +171,7 @@ class PagedCache(StepCache):
         if attention_mask is None:
             counts, index = [q_len] * batch, None
         else:
-            if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, self._columns):
-                raise ValueError(f"attnops attention: attention_mask must be a 2D padding mask [batch, past + new "
-                                 f"tokens] = [{batch}, {self._columns}] (got {list(attention_mask.shape)})")
-            valid = attention_mask[:, -q_len:].bool().cpu()  # the page allocator works on the host
+            valid = padding_rows(attention_mask, batch, self._columns, "attnops attention")[:, -q_len:]
             counts = valid.sum(-1).tolist()
             index = None if all(n == q_len for n in counts) else _index(valid, query.device)
         for b, n in enumerate(counts):
@@ -182,17 +184,43 @@ class PagedCache(StepCache):
         meta = self.kv.prepare(list(range(batch)), counts, decode=q_len == 1 and index is None)
         return _Step(meta, index, batch, q_len)
 
+    def _last_positions(self, n: int, attention_mask: torch.Tensor | None, device) -> _Step:
+        """The step with only each row's last n query positions: its pages and lengths, their own query rows (a
+        KV-shared layer of Gemma-4 attends only those when a prefill keeps the last logits only)."""
+        if n > self._step.q_len:
+            raise ValueError(f"PagedCache: a layer's {n} queries are more than the forward's {self._step.q_len}")
+        batch = self._step.batch
+        if attention_mask is None:
+            counts, index = [n] * batch, None
+        else:
+            valid = padding_rows(attention_mask, batch, self._columns, "attnops attention")[:, -n:]
+            counts = valid.sum(-1).tolist()
+            index = None if all(c == n for c in counts) else _index(valid, device)
+        cu = None
+        if not (n == 1 and index is None):
+            cu = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0).to(device, torch.int32)
+        meta = dataclasses.replace(self._step.meta, cu_seqlens_q=cu, cascade=None)
+        return _Step(meta, index, batch, n)
+
     def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: torch.Tensor | None, options: dict) -> torch.Tensor:
         """Writes the layer's valid new keys and values into the pages and attends; returns [B, S, Hq, D]."""
         if self._step is None:
             self._step = self._prepare(query, key, attention_mask)
         step = self._step
-        keys, values, queries = _rows(key), _rows(value), _rows(query)
-        if step.index is not None:
-            keys, values, queries = (t.index_select(0, step.index) for t in (keys, values, queries))
+        if layer in self.kv.shared_layers:  # a KV-shared layer reads an earlier layer's pages and writes none
+            if query.shape[2] != step.q_len:  # (Gemma-4's, in a prefill that keeps the last logits only)
+                step = self._last_positions(query.shape[2], attention_mask, query.device)
+            queries = _rows(query)
+            if step.index is not None:
+                queries = queries.index_select(0, step.index)
+        else:
+            keys, values, queries = _rows(key), _rows(value), _rows(query)
+            if step.index is not None:
+                keys, values, queries = (t.index_select(0, step.index) for t in (keys, values, queries))
+            torch.ops.attnops.reshape_and_cache(keys, values, slot_mapping=step.meta.slot_mapping,
+                                                **self.kv.write_args(layer))
         meta = step.meta
-        torch.ops.attnops.reshape_and_cache(keys, values, slot_mapping=meta.slot_mapping, **self.kv.write_args(layer))
         out = torch.ops.attnops.paged_attention(queries, block_table=meta.block_table, seq_lens=meta.seq_lens,
                                                 cu_seqlens_q=meta.cu_seqlens_q, **self.kv.attention_args(layer),
                                                 **options)

@@ -23,7 +23,7 @@ The latents reach it as the generic attention function's keys do (attnops/hf/att
 (generate's incremental decoding: the new tokens are written to its pages), from a cache of transformers' (a
 DynamicCache keeps the latents and hands back the whole history: paged into a scratch cache for the call), or from
 none (a plain forward). `enable_mla` also sets attn_implementation "attnops", whose mask function hands each layer
-the 2D padding mask: padded tokens (left padding) are neither written nor attended, their output rows are 0.
+the padding mask: padded tokens (left padding) are neither written nor attended, their output rows are 0.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from transformers import Cache, DynamicCache
 from .. import ops  # noqa: F401  (the op schemas and implementations)
 from ..checks_mla import MAX_HEADS, MAX_LATENT_DIM, MAX_ROPE_DIM
 from ..serving.kv_cache import LatentKVCache
-from .attention import ATTN_IMPLEMENTATION, PLAIN_FORMATS, SCRATCH_PAGE_SIZE, _index, _unpack
+from .attention import ATTN_IMPLEMENTATION, PLAIN_FORMATS, SCRATCH_PAGE_SIZE, _index, _unpack, padding_rows
 from .cache import StepCache
 
 KV_FORMATS = ("fp8_e4m3",)  # beside the default, the model's own dtype (fp32, bf16, fp16)
@@ -246,12 +246,9 @@ def _scratch_attention(q_latent, q_pe, kv_c, k_pe, attention_mask, scale) -> tor
 
 
 def _padding(attention_mask, batch: int, columns: int) -> torch.Tensor:
-    """The 2D padding mask (True: a token) on the host, checked against [batch, columns]."""
-    if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, columns):
-        raise ValueError(f"attnops latent attention: attention_mask must be a 2D padding mask [batch, kv_length] = "
-                         f"[{batch}, {columns}] (got {list(attention_mask.shape)}); enable_mla(model) sets the "
-                         f"attn_implementation whose masks these are")
-    return attention_mask.bool().cpu()  # the slots are laid out on the host
+    """The padding mask (True: a token) on the host, [batch, columns] (enable_mla sets the attn_implementation whose
+    masks these are)."""
+    return padding_rows(attention_mask, batch, columns, "attnops latent attention")
 
 
 class LatentCache(StepCache):

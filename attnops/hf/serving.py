@@ -40,11 +40,24 @@ class ModelShape:
     # values a token (kv_lora_rank, qk_rope_head_dim), not per-head keys and values; 0: a model of per-head K/V
     latent_dim: int = 0
     rope_dim: int = 0
+    # where the layers differ (Gemma-4: sliding layers of head dim 256, full ones of 512 and fewer KV heads): each
+    # layer's KV heads and head dim (empty: every layer's are the fields above, which are then layer 0's); and
+    # the KV-shared layers (transformers' num_kv_shared_layers: Gemma-3n's, Gemma-4's last layers), as (layer, the
+    # earlier layer whose keys and values it reads) pairs
+    layer_kv_heads: tuple = ()
+    layer_head_dims: tuple = ()
+    shared_layers: tuple = ()
+
+    def cache_layout(self) -> dict:
+        """PagedKVCache's num_kv_heads, head_dim and shared_layers for this model."""
+        return dict(num_kv_heads=list(self.layer_kv_heads) or self.num_key_value_heads,
+                    head_dim=list(self.layer_head_dims) or self.head_dim, shared_layers=dict(self.shared_layers))
 
 
 def model_shape(config) -> ModelShape:
     """The attention shape of a transformers decoder config (its text config, for a multimodal one); every layer
-    must be an attention layer with the same heads and head_dim."""
+    must be an attention layer; layers may differ in KV heads and head dim (config.per_layer_config) and read an
+    earlier layer's keys (config.num_kv_shared_layers)."""
     whole = config  # transformers' distributed config is on the whole model's config
     if hasattr(config, "get_text_config"):
         config = config.get_text_config(decoder=True)
@@ -57,12 +70,47 @@ def model_shape(config) -> ModelShape:
         raise ValueError(f"attnops.hf: config.layer_types has {other}; attnops serves attention layers only "
                          f"{ATTENTION_LAYER_TYPES}")
     heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    layers = {}
+    # transformers' heterogeneous configs (Gemma-4) hold per-layer fields in a view of each layer's, and refuse to
+    # read them from the whole config
+    per_layer = getattr(config, "per_layer_config", None)
+    layer_config = per_layer[0] if per_layer is not None else config
+    head_dim = getattr(layer_config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(layer_config, "num_key_value_heads", None) or heads
+    if per_layer is not None:
+        shapes = [(getattr(per_layer[i], "num_key_value_heads", None) or kv_heads,
+                   getattr(per_layer[i], "head_dim", None) or head_dim) for i in range(config.num_hidden_layers)]
+        if len(set(shapes)) > 1:
+            layers.update(layer_kv_heads=tuple(tp.heads_per_rank(whole, heads, h)[1] for h, _ in shapes),
+                          layer_head_dims=tuple(d for _, d in shapes))
+    layers["shared_layers"] = _shared_layers(config)
     heads, kv_heads = tp.heads_per_rank(whole, heads, kv_heads)
+    if layers.get("layer_kv_heads"):  # (the scalar fields: layer 0's)
+        kv_heads, head_dim = layers["layer_kv_heads"][0], layers["layer_head_dims"][0]
     latent = dict(latent_dim=config.kv_lora_rank, rope_dim=config.qk_rope_head_dim) if is_latent(config) else {}
     return ModelShape(config.num_hidden_layers, heads, kv_heads, head_dim, config.hidden_size, config.vocab_size,
-                      getattr(config, "model_type", ""), **latent)
+                      getattr(config, "model_type", ""), **latent, **layers)
+
+
+def _shared_layers(config) -> tuple:
+    """transformers' KV sharing (Gemma-3n, Gemma-4): the last num_kv_shared_layers layers compute no keys; each reads
+    those of the last earlier layer of its own type (sliding or full). Returns (layer, that layer) pairs."""
+    shared = getattr(config, "num_kv_shared_layers", 0) or 0
+    if not shared:
+        return ()
+    total, types = config.num_hidden_layers, list(getattr(config, "layer_types", None) or ())
+    first = total - shared
+    if len(types) != total or first < 1:
+        raise ValueError(f"attnops.hf: config.num_kv_shared_layers={shared} needs layer_types for all "
+                         f"{total} layers and at least one layer that computes keys")
+    pairs = []
+    for layer in range(first, total):
+        sources = [i for i in range(first) if types[i] == types[layer]]
+        if not sources:
+            raise ValueError(f"attnops.hf: layer {layer} ({types[layer]}) shares keys, but no earlier layer of its "
+                             f"type computes them")
+        pairs.append((layer, sources[-1]))
+    return tuple(pairs)
 
 
 def is_latent(config) -> bool:
@@ -80,8 +128,8 @@ def paged_kv_cache(config, num_pages: int, *, page_size: int = 16, kv_format: st
     if shape.latent_dim:
         return LatentKVCache(shape.num_hidden_layers, num_pages, page_size, shape.latent_dim, shape.rope_dim,
                              kv_format=kv_format, device=device, **kwargs)
-    return PagedKVCache(shape.num_hidden_layers, num_pages, page_size, shape.num_key_value_heads, shape.head_dim,
-                        kv_format=kv_format, device=device, **kwargs)
+    return PagedKVCache(shape.num_hidden_layers, num_pages, page_size, **shape.cache_layout(), kv_format=kv_format,
+                        device=device, **kwargs)
 
 
 class ServingModel(torch.nn.Module):

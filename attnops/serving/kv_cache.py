@@ -71,6 +71,13 @@ class CascadeSplit:
         return self.prefix_pass
 
 
+def _positive_int(name: str, value, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"PagedKVCache: {name} must be an int (got {type(value).__name__})")
+    if value < least:
+        raise ValueError(f"PagedKVCache: {name} must be at least {least} (got {value})")
+
+
 class PagedKVCache:
     """KV cache of `num_layers` layers in pages of `page_size` tokens.
 
@@ -89,34 +96,69 @@ class PagedKVCache:
     pages, an unknown sequence) changes nothing.
     """
 
-    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, *,
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads, head_dim, *,
                  kv_format: str = "bf16", device="cpu", k_scale: torch.Tensor | float | None = None,
-                 v_scale: torch.Tensor | float | None = None, shuffle_pages: bool = False, seed: int = 0):
+                 v_scale: torch.Tensor | float | None = None, shuffle_pages: bool = False, seed: int = 0,
+                 shared_layers: dict | None = None):
         if kv_format not in formats.KV_FORMATS:
             raise ValueError(f"PagedKVCache: kv_format must be one of {formats.KV_FORMATS} (got {kv_format!r})")
         for name, value, least in (("num_layers", num_layers, 1), ("num_pages", num_pages, 1),
-                                   ("page_size", page_size, 1), ("num_kv_heads", num_kv_heads, 1),
-                                   ("head_dim", head_dim, 1)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"PagedKVCache: {name} must be an int (got {type(value).__name__})")
-            if value < least:
-                raise ValueError(f"PagedKVCache: {name} must be at least {least} (got {value})")
+                                   ("page_size", page_size, 1)):
+            _positive_int(name, value, least)
+        # num_kv_heads, head_dim: one for every layer, or one a layer (a model whose layers differ, as Gemma-4's
+        # sliding and full layers)
+        layer_shapes = []
+        for name, value in (("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            values = [value] * num_layers if isinstance(value, int) and not isinstance(value, bool) else value
+            if not isinstance(values, (list, tuple)):
+                raise TypeError(f"PagedKVCache: {name} must be an int or one int a layer (got "
+                                f"{type(value).__name__})")
+            if len(values) != num_layers:
+                raise ValueError(f"PagedKVCache: {name} must be an int or one a layer ({num_layers}; got "
+                                 f"{len(values)})")
+            for v in values:
+                _positive_int(name, v, 1)
+            layer_shapes.append(list(values))
+        heads_of, dims_of = layer_shapes
         if not is_page_size(page_size):
             raise ValueError(f"PagedKVCache: page_size must be a power of two from 1 to {MAX_PAGE_SIZE}, as the ops "
                              f"take (got {page_size})")
-        error = head_dim_error(head_dim, kv_format)
-        if error:
-            raise ValueError(f"PagedKVCache: {error}")
+        for d in sorted(set(dims_of)):
+            error = head_dim_error(d, kv_format)
+            if error:
+                raise ValueError(f"PagedKVCache: {error}")
+        # shared_layers {layer: an earlier layer}: the layer reads that layer's keys and values and writes none
+        # (transformers' KV-shared layers, Gemma-3n's and Gemma-4's last ones): its pages are that layer's
+        shared_layers = dict(shared_layers or {})
+        for layer, source in shared_layers.items():
+            if not (isinstance(layer, int) and isinstance(source, int) and 0 <= source < layer < num_layers):
+                raise ValueError(f"PagedKVCache: shared_layers must map a layer to an earlier layer, both below "
+                                 f"num_layers={num_layers} (got {layer!r}: {source!r})")
+            if source in shared_layers:
+                raise ValueError(f"PagedKVCache: shared_layers: layer {layer} reads layer {source}, which reads "
+                                 f"another: name the layer that holds the keys")
+            if (heads_of[layer], dims_of[layer]) != (heads_of[source], dims_of[source]):
+                raise ValueError(f"PagedKVCache: shared_layers: layer {layer} ({heads_of[layer]} KV heads of "
+                                 f"{dims_of[layer]}) cannot read layer {source} ({heads_of[source]} of "
+                                 f"{dims_of[source]})")
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.num_kv_heads, self.head_dim, self.kv_format = num_kv_heads, head_dim, kv_format
+        self.shared_layers = shared_layers
         self.device = torch.device(device)
         fmt = formats.FORMATS[kv_format]
-        shape = (num_pages, 2, page_size, num_kv_heads, fmt.stored_head_dim(head_dim))
-        self.kv = [torch.zeros(shape, dtype=fmt.storage_dtype, device=self.device) for _ in range(num_layers)]
-        self.block_scales = None
-        if fmt.scale == "block":
-            self.block_scales = [torch.zeros(fmt.block_scale_shape(shape, head_dim), dtype=fmt.scale_dtype,
-                                             device=self.device) for _ in range(num_layers)]
+        self.kv, self.block_scales = [], [] if fmt.scale == "block" else None
+        for layer in range(num_layers):
+            source = shared_layers.get(layer)
+            if source is not None:  # (the same tensors: written once, by the layer that holds them)
+                self.kv.append(self.kv[source])
+                if self.block_scales is not None:
+                    self.block_scales.append(self.block_scales[source])
+                continue
+            shape = (num_pages, 2, page_size, heads_of[layer], fmt.stored_head_dim(dims_of[layer]))
+            self.kv.append(torch.zeros(shape, dtype=fmt.storage_dtype, device=self.device))
+            if self.block_scales is not None:
+                self.block_scales.append(torch.zeros(fmt.block_scale_shape(shape, dims_of[layer]),
+                                                     dtype=fmt.scale_dtype, device=self.device))
         self.k_scale = self.v_scale = None
         if formats.is_fp8(kv_format):
             self.k_scale = torch.as_tensor(1.0 if k_scale is None else k_scale, dtype=torch.float32,
@@ -224,8 +266,10 @@ class PagedKVCache:
                 self._free_pages.append(page)
 
     def _copy_page(self, src: int, dst: int) -> None:
-        for storage in self.kv + (self.block_scales or []):
-            storage[dst] = storage[src]
+        for layer in range(self.num_layers):
+            if layer not in self.shared_layers:  # (a shared layer's tensors are its source's)
+                for storage in [self.kv] + ([self.block_scales] if self.block_scales is not None else []):
+                    storage[layer][dst] = storage[layer][src]
 
     def _own_page(self, seq_id, i: int) -> None:
         """Copy on write: the sequence's i-th page becomes its own before it writes into it."""
@@ -492,6 +536,7 @@ class LatentKVCache(PagedKVCache):
                              f"{rope_dim})")
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.latent_dim, self.rope_dim, self.kv_format = latent_dim, rope_dim, kv_format
+        self.shared_layers = {}
         self.device = torch.device(device)
         fmt = formats.FORMATS[kv_format]
         self.kv = [torch.zeros(num_pages, page_size, latent_dim + rope_dim, dtype=fmt.storage_dtype,
