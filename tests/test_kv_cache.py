@@ -67,3 +67,30 @@ def test_block_table_matches_the_allocator_as_the_host_table_grows():
     lengths = meta.seq_lens.tolist()
     expected_slots = [cache._pages[s][(n - 1) // 2] * 2 + (n - 1) % 2 for s, n in zip(seqs, lengths)]
     assert meta.slot_mapping.tolist() == expected_slots
+
+
+def test_layers_of_their_own_shape_and_shared_layers():
+    """One KV head count and head dim a layer (Gemma-4's sliding and full layers), and KV-shared layers whose
+    tensors are an earlier layer's: copy on write copies each held tensor once, and bad layouts are errors."""
+    cache = attnops.PagedKVCache(4, 4, 4, [2, 1, 2, 1], [32, 64, 32, 64], kv_format="nvfp4",
+                                 shared_layers={2: 0, 3: 1})
+    assert [tuple(t.shape[-2:]) for t in cache.kv] == [(2, 16), (1, 32)] * 2
+    assert cache.kv[2] is cache.kv[0] and cache.block_scales[3] is cache.block_scales[1]
+    cache.allocate("a")
+    cache.prepare(["a"], 2, decode=False)
+    for t in cache.kv + cache.block_scales:
+        t.view(torch.uint8).fill_(7)
+    cache.fork("a", "b")  # the partial last page is shared, then written by "b": copied
+    meta = cache.prepare(["b"], 1)
+    page = meta.block_table[0, 0].item()
+    assert all(bool((t[page].view(torch.uint8) == 7).all()) for t in cache.kv + cache.block_scales)
+    with pytest.raises(ValueError, match="num_kv_heads must be an int or one a layer"):
+        attnops.PagedKVCache(4, 4, 4, [2, 1], 32)
+    with pytest.raises(ValueError, match="head_dim"):
+        attnops.PagedKVCache(2, 4, 4, 2, [32, 40])
+    with pytest.raises(ValueError, match="cannot read layer 0"):
+        attnops.PagedKVCache(2, 4, 4, [2, 1], 32, shared_layers={1: 0})
+    with pytest.raises(ValueError, match="an earlier layer"):
+        attnops.PagedKVCache(2, 4, 4, 2, 32, shared_layers={0: 1})
+    with pytest.raises(ValueError, match="which reads another"):
+        attnops.PagedKVCache(3, 4, 4, 2, 32, shared_layers={1: 0, 2: 1})
