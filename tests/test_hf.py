@@ -220,9 +220,12 @@ SCHEDULE = [(0, PROMPTS[0], 24), (0, PROMPTS[2], 6), (2, PROMPTS[0][:16] + [1, 2
 
 
 @torch.no_grad()
-def serve(model, compile=False, schedule=SCHEDULE, buckets=None, kv_format="fp32", cuda_graphs=False, stats=None):
+def serve(model, compile=False, schedule=SCHEDULE, buckets=None, kv_format="fp32", cuda_graphs=False, stats=None,
+          **cache_options):
+    """`schedule` through attnops' serving loop (serving_model, the cache paged_kv_cache makes for the model, the
+    Generator): each request's tokens."""
     kv = attnops.hf.paged_kv_cache(model.config, num_pages=16, page_size=8, kv_format=kv_format,
-                                   device=model.device)
+                                   device=model.device, **cache_options)
     gen = Generator(attnops.hf.serving_model(model), kv, max_batch=2, max_seq_len=48, compile=compile,
                     buckets=buckets, cuda_graphs=cuda_graphs)
     step = 0

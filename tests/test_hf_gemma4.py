@@ -16,9 +16,8 @@ if "gemma4_text" not in transformers.CONFIG_MAPPING:
     pytest.skip("this transformers has no Gemma-4", allow_module_level=True)
 
 import attnops.hf  # noqa: E402
-from attnops.serving.generate import Generator  # noqa: E402
 from attnops.testing import relative_error  # noqa: E402
-from test_hf import cache_arg, left_padded, steps  # noqa: E402
+from test_hf import cache_arg, left_padded, serve, steps  # noqa: E402
 
 SLIDING, FULL = 256, 512  # head dims: the sizes Gemma-4's layers have
 # six layers: sliding, full, sliding, full (these two store the keys the last two read), sliding, full (KV-shared)
@@ -85,20 +84,6 @@ SCHEDULE = [(0, PROMPTS[0], 16), (0, PROMPTS[2], 6), (2, PROMPTS[0][:16] + [1, 2
             (5, PROMPTS[0][:16] + [7, 7, 7], 6), (9, [9, 8, 7, 6, 5, 4, 3], 8)]
 
 
-@torch.no_grad()
-def serve(model, compile=False):
-    kv = attnops.hf.paged_kv_cache(model.config, num_pages=16, page_size=8, kv_format="fp32")
-    gen = Generator(attnops.hf.serving_model(model), kv, max_batch=2, max_seq_len=40, compile=compile)
-    step = 0
-    while step == 0 or gen.has_work():
-        for i, (at, prompt, n) in enumerate(SCHEDULE):
-            if at == step:
-                gen.add_request(i, prompt, n)
-        gen.step()
-        step += 1
-    return {i: gen.finished[i].output for i in range(len(SCHEDULE))}, gen.stats
-
-
 def test_generator_serves_it_like_generate_and_compiles_without_graph_break():
     import torch._dynamo.testing
     eager, ours = models()
@@ -107,12 +92,12 @@ def test_generator_serves_it_like_generate_and_compiles_without_graph_break():
         with torch.no_grad():
             out = eager.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
         expected[i] = out[0, len(prompt):].tolist()
-    tokens, stats = serve(ours)
-    assert tokens == expected
+    stats = {}
+    assert serve(ours, schedule=SCHEDULE, stats=stats) == expected
     assert stats["prefix_tokens_reused"] == 32, stats
     torch._dynamo.reset()
     counter = torch._dynamo.testing.CompileCounter()
-    assert serve(ours, compile={"backend": counter})[0] == expected
+    assert serve(ours, schedule=SCHEDULE, compile={"backend": counter}) == expected
     assert counter.frame_count == 2, f"one graph per bucket used (1 and 2), got {counter.frame_count}"
 
 

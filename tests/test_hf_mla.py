@@ -15,6 +15,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import attnops.hf  # noqa: E402
+import test_hf  # noqa: E402
 from attnops.hf import families  # noqa: E402
 
 R, P, NOPE, V_HEAD, HEADS = 64, 16, 32, 32, 4  # kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim
@@ -236,25 +237,10 @@ SCHEDULE = [(0, LONG, 12), (0, PROMPTS[1], 6), (2, LONG[:16] + [1, 2], 8), (5, L
             (9, [9, 8, 7, 6, 5, 4, 3], 8)]
 
 
-@torch.no_grad()
-def serve(model, compile=False, kv_format="fp32", cuda_graphs=False, stats=None, **cache_options):
+def serve(model, **options):
     """SCHEDULE through attnops' serving loop (serving_model, a LatentKVCache, the Generator): each request's
     tokens."""
-    from attnops.serving.generate import Generator
-    kv = attnops.hf.paged_kv_cache(model.config, num_pages=16, page_size=8, kv_format=kv_format,
-                                   device=model.device, **cache_options)
-    gen = Generator(attnops.hf.serving_model(model), kv, max_batch=2, max_seq_len=40, compile=compile,
-                    cuda_graphs=cuda_graphs)
-    step = 0
-    while step == 0 or gen.has_work():
-        for i, (at, prompt, n) in enumerate(SCHEDULE):
-            if at == step:
-                gen.add_request(i, prompt, n)
-        gen.step()
-        step += 1
-    if stats is not None:
-        stats.update(gen.stats)
-    return {i: gen.finished[i].output for i in range(len(SCHEDULE))}
+    return test_hf.serve(model, schedule=SCHEDULE, **options)
 
 
 def alone(model, prompt, n, cache=None):
