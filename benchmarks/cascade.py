@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import attnops  # noqa: E402
-from attnops.bench.run import HBM_TBPS, environment, graph_time_us  # noqa: E402
+from attnops.bench.run import environment, graph_time_us, hbm_tbps  # noqa: E402
 from attnops.cascade import cascade_attention, cascade_pays  # noqa: E402
 from attnops.testing import relative_error  # noqa: E402
 
@@ -102,7 +102,7 @@ def measure(batch, prefix, own, kv_format, heads, rep_ms):
                 pages_in_use=cache.pages_in_use, pages_unshared=batch * (-(-(prefix + own) // cache.page_size)),
                 tokens_held=cache.pages_in_use * cache.page_size,
                 plain_tbps=batch * (prefix + own) * token_bytes / plain_us / 1e6,
-                cascade_pays=cascade_pays(batch, split.prefix_tokens), hbm_tbps=HBM_TBPS)
+                cascade_pays=cascade_pays(batch, split.prefix_tokens), hbm_tbps=hbm_tbps("cuda"))
 
 
 def main(argv=None):

@@ -11,7 +11,7 @@ small grid beside the plan's own choice, and prints each case's best: what mla_p
 Each case: a paged bf16 (or --kv-format fp8_e4m3) latent cache of random rows in random page order, one query token a
 sequence; the output is checked against the float64 reference before it is timed (CUDA-graph replay, median of
 triton.testing.do_bench). Achieved TB/s counts the latent rows read once (R + P values a token, in the stored
-format) plus q and out; the ceiling is the H200's 4.8 TB/s datasheet bandwidth.
+format) plus q and out; the ceiling is the GPU's datasheet HBM bandwidth (H200: 4.8 TB/s).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-CEILING_TBS = 4.8
+from attnops.bench.run import hbm_tbps
 
 
 def make_case(batch, kv_len, heads, latent, rope, page_size, kv_format, seed=0):
@@ -222,7 +222,7 @@ def main(argv=None) -> int:
                     fi_text = f"{theirs:>15.1f}{theirs / ours:>8.2f}"
                 except Exception as e:  # not installed, or no kernel for this shape
                     record["flashinfer"] = f"{type(e).__name__}: {e}"[:200]
-            print(f"{record['case']:<28}{ours:>12.1f}{tbs:>8.2f}{tbs / CEILING_TBS:>9.2f}{fi_text}")
+            print(f"{record['case']:<28}{ours:>12.1f}{tbs:>8.2f}{tbs / hbm_tbps('cuda'):>9.2f}{fi_text}")
             records.append(record)
             del case, out
             torch.cuda.empty_cache()

@@ -5,7 +5,7 @@ against the reference before it is timed (a fast wrong kernel must not score).
     python -m attnops bench --cpu                        # the small CPU grid (CI, CPU users)
 
 Decode is reported as achieved TB/s (KV bytes read in the stored format with scales, plus q and out, over the
-median time) and as a fraction of the 4.8 TB/s datasheet ceiling; prefill as TFLOP/s (causal FLOPs) and as a
+median time) and as a fraction of the GPU's datasheet HBM bandwidth (H200: 4.8 TB/s); prefill as TFLOP/s (causal FLOPs) and as a
 fraction of a bf16 matmul measured in the same run. ../shared/BENCH.md (docs/bench.md) is the protocol.
 """
 from __future__ import annotations
@@ -38,7 +38,18 @@ from . import grid as grid_module
 from . import peers as peers_module
 from . import require_matplotlib
 
-HBM_TBPS = 4.8  # H200 datasheet
+HBM_TBPS = 4.8  # H200 datasheet: the ceiling where the GPU is not in HBM_TBPS_BY_GPU
+# datasheet HBM bandwidth (TB/s) by a substring of torch.cuda.get_device_name, most specific first
+HBM_TBPS_BY_GPU = (("H200", 4.8), ("H100 NVL", 3.9), ("H100 PCIe", 2.0), ("H100", 3.35), ("A100-SXM4-80GB", 2.04),
+                   ("A100", 1.555))
+
+
+def hbm_tbps(device) -> float:
+    """The datasheet HBM bandwidth of `device`'s GPU (TB/s): the ceiling decode's bytes are measured against."""
+    if torch.device(device).type != "cuda":
+        return HBM_TBPS
+    name = torch.cuda.get_device_name(device)
+    return next((tbps for key, tbps in HBM_TBPS_BY_GPU if key in name), HBM_TBPS)
 TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2, "fp16": 2e-2}  # vs the reference on the same stored cache
 
 
@@ -210,7 +221,7 @@ def git_commit() -> str:
 def environment(device) -> dict:
     env = dict(commit=git_commit(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                python=platform.python_version(), torch=torch.__version__, device=str(device),
-               hbm_ceiling_tbps=HBM_TBPS, attnops=attnops.__version__)
+               hbm_ceiling_tbps=hbm_tbps(device), attnops=attnops.__version__)
     for module in ("triton", "flashinfer"):
         try:
             env[module] = __import__(module).__version__
@@ -272,7 +283,7 @@ def run_case(case, impls, device, q_dtype, timing_rep_ms, progress, graph_only=F
                 seconds = record["median_us"] * 1e-6
                 record["tbps"] = nbytes / seconds / 1e12
                 record["gbps"] = record["tbps"] * 1e3
-                record["frac_of_hbm"] = record["tbps"] / HBM_TBPS
+                record["frac_of_hbm"] = record["tbps"] / hbm_tbps(device)
                 record["tflops"] = flops / seconds / 1e12
         except peers_module.Unsupported as e:
             record.update(status="unsupported", reason=str(e))
@@ -291,7 +302,7 @@ def run_case(case, impls, device, q_dtype, timing_rep_ms, progress, graph_only=F
     return records
 
 
-def print_table(records, file=sys.stdout) -> None:
+def print_table(records, file=sys.stdout, hbm_ceiling: float = HBM_TBPS) -> None:
     """One row per case and impl. `x peer`: the best peer's time over this impl's (above 1: faster than every
     peer), eager and graph; `op-bare`: the op's eager time minus the bare backend call's (dispatch and validation
     cost; on a loaded host it is noise and may come out negative)."""
@@ -307,7 +318,7 @@ def print_table(records, file=sys.stdout) -> None:
               f"{fmt('speedup_vs_best_peer', '7.2f')} {fmt('dispatch_overhead_us', '8.1f')} "
               f"{fmt('graph_us', '9.1f')} {fmt('graph_speedup_vs_best_peer', '12.2f')}",
               file=file)
-    print(f"HBM%: GB/s over the {HBM_TBPS} TB/s datasheet bandwidth; MMA%: TFLOP/s over a bf16 matmul of the same run "
+    print(f"HBM%: GB/s over the {hbm_ceiling} TB/s datasheet bandwidth; MMA%: TFLOP/s over a bf16 matmul of the same run "
           "(GPU). x peer: the best peer's time / this impl's (eager; graph: CUDA-graph replay). op-bare: eager op "
           "time minus the bare backend call (us).", file=file)
     if any(r.get("dispatch_overhead_us", 0) < 0 for r in records):
@@ -343,7 +354,8 @@ def plot(result, path) -> None:
         if eager:
             axes[0].scatter(*zip(*eager), marker="_", color="black", s=40, zorder=3,
                             label="eager op call" if i == 0 else None)
-    axes[0].axhline(HBM_TBPS, color="red", linestyle="--", label=f"HBM ceiling {HBM_TBPS} TB/s")
+    ceiling = result["environment"].get("hbm_ceiling_tbps", HBM_TBPS)
+    axes[0].axhline(ceiling, color="red", linestyle="--", label=f"HBM ceiling {ceiling} TB/s")
     axes[0].set_xticks([x + 0.4 for x in range(len(cases))], cases, rotation=75, ha="right", fontsize=7)
     axes[0].set_ylabel("achieved TB/s (stored bytes; CUDA-graph replay)")
     axes[0].set_title(f"decode / verify: {result['environment'].get('gpu') or result['environment'].get('cpu')}, "
@@ -431,7 +443,7 @@ def main(argv=None) -> dict:
     result = dict(environment=env, records=records)
     if args.plot:
         plot(result, args.plot)
-    print_table(records)
+    print_table(records, hbm_ceiling=env["hbm_ceiling_tbps"])
     return result
 
 
