@@ -73,38 +73,62 @@ def info(args) -> None:
         print("\n" + str(explain(**describe_attention().__dict__)))
 
 
-def warmup(args) -> None:
-    """Runs one tiny call of every configuration a model needs (decode, verify, prefill; its dtypes and KV format)
-    so that FlashInfer JIT-builds and Triton compiles now, not on a server's first request."""
+def warmup_shapes(args) -> list[dict]:
+    """The attention shapes to warm: the flags' one, or every distinct one of the layers of --config's model
+    (read by transformers where it is installed, so that per-layer head dims count; else the JSON's own fields)."""
     import json
     from pathlib import Path
+    if not args.config:
+        return [dict(num_q_heads=args.num_q_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim)]
+    path = Path(args.config)
+    try:
+        import transformers
 
+        from .hf import model_shape
+        config = transformers.AutoConfig.from_pretrained(path.parent if path.is_file() else path)
+        shape = model_shape(config)
+        layers = zip(shape.layer_kv_heads or [shape.num_key_value_heads],
+                     shape.layer_head_dims or [shape.head_dim])
+        return [dict(num_q_heads=shape.num_attention_heads, num_kv_heads=h, head_dim=d)
+                for h, d in dict.fromkeys(layers)]
+    except ImportError:  # no transformers: the config's own fields (a multimodal one's text_config)
+        config = json.loads((path if path.is_file() else path / "config.json").read_text())
+        config = config.get("text_config", config)
+        heads = config["num_attention_heads"]
+        return [dict(num_q_heads=heads, num_kv_heads=config.get("num_key_value_heads", heads),
+                     head_dim=config.get("head_dim") or config["hidden_size"] // heads)]
+
+
+def warmup(args) -> None:
+    """Runs one tiny call of every configuration a model needs (decode, verify, prefill; its dtypes and KV format;
+    each distinct head shape of its layers) so that FlashInfer JIT-builds and Triton compiles now, not on a
+    server's first request."""
     from tqdm import tqdm
 
     from .dispatch import explain
     from .serving.kv_cache import PagedKVCache
 
-    shape = dict(num_q_heads=args.num_q_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim)
-    if args.config:  # a Hugging Face config.json
-        config = json.loads(Path(args.config).read_text())
-        shape = dict(num_q_heads=config["num_attention_heads"],
-                     num_kv_heads=config.get("num_key_value_heads", config["num_attention_heads"]),
-                     head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    cache = PagedKVCache(1, 64, args.page_size, shape["num_kv_heads"], shape["head_dim"], kv_format=args.kv_format,
-                         device=device)
+    shapes = warmup_shapes(args)
     steps = [("prefill", 300), ("verify", 4), ("decode", 1)]
-    for mode, q_len in tqdm(steps, desc="attnops warmup", unit="config"):
-        cache.allocate(mode)
-        meta = cache.prepare([mode], q_len, decode=mode == "decode")
-        k = torch.randn(meta.num_tokens, shape["num_kv_heads"], shape["head_dim"], device=device, dtype=dtype)
-        torch.ops.attnops.reshape_and_cache(k, k, slot_mapping=meta.slot_mapping, **cache.write_args(0))
-        q = torch.randn(meta.num_tokens, shape["num_q_heads"], shape["head_dim"], device=device, dtype=dtype)
-        op_args = dict(q=q, block_table=meta.block_table, seq_lens=meta.seq_lens, cu_seqlens_q=meta.cu_seqlens_q,
-                       **cache.attention_args(0))
-        torch.ops.attnops.paged_attention(**op_args)
-        tqdm.write(f"  {mode:<8} -> {explain(**op_args).chosen}")
+    with tqdm(total=len(shapes) * len(steps), desc="attnops warmup", unit="config") as progress:
+        for shape in shapes:
+            cache = PagedKVCache(1, 64, args.page_size, shape["num_kv_heads"], shape["head_dim"],
+                                 kv_format=args.kv_format, device=device)
+            for mode, q_len in steps:
+                cache.allocate(mode)
+                meta = cache.prepare([mode], q_len, decode=mode == "decode")
+                k = torch.randn(meta.num_tokens, shape["num_kv_heads"], shape["head_dim"], device=device,
+                                dtype=dtype)
+                torch.ops.attnops.reshape_and_cache(k, k, slot_mapping=meta.slot_mapping, **cache.write_args(0))
+                q = torch.randn(meta.num_tokens, shape["num_q_heads"], shape["head_dim"], device=device, dtype=dtype)
+                op_args = dict(q=q, block_table=meta.block_table, seq_lens=meta.seq_lens,
+                               cu_seqlens_q=meta.cu_seqlens_q, **cache.attention_args(0))
+                torch.ops.attnops.paged_attention(**op_args)
+                progress.write(f"  {shape['num_q_heads']}/{shape['num_kv_heads']}/{shape['head_dim']} {mode:<8} -> "
+                               f"{explain(**op_args).chosen}")
+                progress.update(1)
     if device == "cuda":
         torch.cuda.synchronize()
 
@@ -173,7 +197,8 @@ def main(argv=None) -> None:
     p.set_defaults(func=demo)
     p = sub.add_parser("warmup", help="build every kernel configuration a model needs now (FlashInfer JIT, "
                                       "Triton compile), so a server does not stall on its first request")
-    p.add_argument("--config", help="a Hugging Face config.json (heads and head_dim read from it)")
+    p.add_argument("--config", help="a Hugging Face config.json or its directory (heads and head_dim read from it; "
+                                    "every distinct shape of its layers, as Gemma-4's head dims 256 and 512)")
     p.add_argument("--num-q-heads", type=int, default=32, help="query heads (default 32; or from --config)")
     p.add_argument("--num-kv-heads", type=int, default=8, help="KV heads (default 8; or from --config)")
     p.add_argument("--head-dim", type=int, default=128, help="head dim (default 128; or from --config)")

@@ -99,4 +99,18 @@ def test_warmup_builds_each_mode():
     out = run("warmup", "--dtype", "fp32", "--kv-format", "fp32", "--head-dim", "64", "--num-q-heads", "8",
               "--num-kv-heads", "2")
     for mode in ("prefill", "verify", "decode"):
-        assert f"{mode}" in out
+        assert f"8/2/64 {mode}" in out
+
+
+def test_warmup_takes_every_layer_shape_of_a_config(tmp_path):
+    """--config: each distinct (KV heads, head dim) of the model's layers (Gemma-4's sliding and full layers)."""
+    transformers = pytest.importorskip("transformers")
+    if "gemma4_text" not in transformers.CONFIG_MAPPING:
+        pytest.skip("this transformers has no Gemma-4")
+    transformers.AutoConfig.for_model(
+        "gemma4_text", num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        global_head_dim=64, num_global_key_value_heads=1, attention_k_eq_v=True,
+        layer_types=["sliding_attention", "full_attention"],
+        hidden_size=64).save_pretrained(tmp_path)
+    out = run("warmup", "--dtype", "fp32", "--kv-format", "fp32", "--config", str(tmp_path / "config.json"))
+    assert "4/2/32 decode" in out and "4/1/64 decode" in out, out
