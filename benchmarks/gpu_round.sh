@@ -72,7 +72,7 @@
 #   invariance the cost of batch-invariant mode (ATTNOPS_BATCH_INVARIANT=1) on the bench grid's Triton cases, same
 #             run, two rounds alternating: $results/invariance-{0,1}-{1,2}.json, invariance.txt (per case and the
 #             geometric mean; INVARIANCE_ARGS narrows the grid, e.g. "--groups decode-large verify";
-#             INVARIANCE_BACKEND=cuda INVARIANCE_ARGS="--grid fp4" for the CUDA kernels)
+#             INVARIANCE_BACKEND=cuda INVARIANCE_ARGS="--grid fp4" for the CUDA kernels; INVARIANCE_ROUNDS: 2)
 #   fp4       python -m attnops bench --grid fp4 (4-bit decode and verify against FlashInfer's bf16, same run):
 #             $results/fp4.{json,png,txt}
 #   fp8       the fp8 bar (docs/bench.md): the models grid's fp8 e4m3 decode at 32 x 8192 and 128 x 4096 on every head shape
@@ -132,7 +132,7 @@ for step in "$@"; do
     invariance)
       # the cost of batch-invariant mode: a backend's cases of the bench grid (INVARIANCE_ARGS narrows them) in the default
       # mode and inside the mode, alternating, same run; then each case's ratio and their geometric mean
-      for round in 1 2; do for mode in 0 1; do
+      for round in $(seq 1 ${INVARIANCE_ROUNDS:-2}); do for mode in 0 1; do
         ATTNOPS_BATCH_INVARIANT=$mode timeout ${BENCH_TIMEOUT:-300} python3 -m attnops bench \
           --backends ${INVARIANCE_BACKEND:-triton} \
           --peers --graph-only ${INVARIANCE_ARGS:-} --json "$results/invariance-$mode-$round.json" \
