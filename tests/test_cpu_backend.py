@@ -2,10 +2,11 @@
 
 - 200 seeded random ragged cases through the public op with the CPU backend serving: decode, verify, prefill and
   extend; sliding windows, soft cap, GQA/MQA ratios 1 to 16, every page size 1..256, lengths 0 and 1; q in
-  fp32/bf16/fp16; caches fp32/bf16/fp16 and fp8 e4m3/e5m2 with per-tensor or per-head scales (k and v of different
-  kinds too); caches as views of one [pages, 2, ...] tensor or as separate tensors; strided q. Each case's
-  parameters and error are printed (pytest -s shows them; a failure shows its own). FP8 caches are compared with
-  the reference fed the same stored cache, so the test checks the kernel, not the format.
+  fp32/bf16/fp16; caches fp32/bf16/fp16, fp8 e4m3/e5m2 with per-tensor or per-head scales (k and v of different
+  kinds too) and 4-bit (nvfp4, mxfp4: block scales); caches as views of one [pages, 2, ...] tensor or as separate
+  tensors; strided q. Each case's parameters and error are printed (pytest -s shows them; a failure shows its own).
+  Quantized caches are compared with the reference fed the same stored cache, so the test checks the kernel, not the
+  format.
 - Long sequences split over threads (KV splits merged by log-sum-exp), at several thread counts.
 - Every instruction-set copy of the inner loops (avx512, avx2, portable), each in a subprocess with
   ATEN_CPU_CAPABILITY capping the choice.
@@ -63,7 +64,7 @@ def random_case(rng: random.Random) -> dict:
     else:  # extend: new tokens on a cached prefix
         q_lens = [rng.randint(1, n) if n else 0 for n in kv_lens]
     q_dtype = rng.choice([torch.float32, torch.bfloat16, torch.float16])
-    kv_format = rng.choice(["fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2",
+    kv_format = rng.choice(["fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "nvfp4", "mxfp4",
                             {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[q_dtype]])
     return dict(mode=mode, kv_lens=kv_lens, q_lens=q_lens, num_kv_heads=num_kv_heads,
                 num_q_heads=num_kv_heads * group, head_dim=head_dim, page_size=page_size, q_dtype=q_dtype,
@@ -147,7 +148,7 @@ def test_random_cases_match_reference():
 
 
 @pytest.mark.parametrize("threads", [1, 2, 8])
-@pytest.mark.parametrize("kv_format,num_kv_heads", [("fp32", 1), ("bf16", 4), ("fp8_e4m3", 2)])
+@pytest.mark.parametrize("kv_format,num_kv_heads", [("fp32", 1), ("bf16", 4), ("fp8_e4m3", 2), ("mxfp4", 2)])
 def test_long_sequence_kv_splits(threads, kv_format, num_kv_heads):
     """One long sequence: with several threads its keys are split into pieces (one KV head at 8 threads: 16 pieces
     of 256 keys, since paged_attention.cpp splits tiles until there are ~4 items per thread) whose partial results
@@ -297,10 +298,14 @@ def test_dispatch_picks_cpu_for_cpu_tensors():
     write_case = check_reshape_and_cache(torch.randn(2, 2, 64), torch.randn(2, 2, 64), args["k_cache"],
                                          args["v_cache"], torch.tensor([0, 1]), "auto", None, None, None, None)
     assert select_backend(write_case).name == "cpu"
-    # 4-bit caches stay on the reference backend, and explain says why the CPU backend passed
-    explanation = attnops.explain(device="cpu", q_dtype=torch.float32, kv_format="nvfp4")
-    assert explanation.chosen == "reference"
-    assert any("4-bit" in reason for reason in explanation.rejected["cpu"])
+    # 4-bit caches: read by the CPU kernels, written by the reference backend (explain says why the CPU one passed)
+    fp4 = random_paged_inputs([10, 0, 3], kv_format="nvfp4")
+    assert attnops.explain(**fp4).chosen == "cpu"
+    key = torch.randn(2, fp4["k_cache"].shape[2], 2 * fp4["k_cache"].shape[3])  # [tokens, Hkv, head_dim]
+    write = attnops.explain(key=key, value=key, k_cache=fp4["k_cache"], v_cache=fp4["v_cache"],
+                            slot_mapping=torch.tensor([0, 1]), kv_format="nvfp4", k_block_scale=fp4["k_scale"],
+                            v_block_scale=fp4["v_scale"])
+    assert write.chosen == "reference" and any("4-bit" in reason for reason in write.rejected["cpu"])
 
 
 def test_cpp_kernel_keeps_reads_in_bounds():

@@ -14,16 +14,17 @@ import torch
 
 from .. import _C  # noqa: F401  (registers the C++ ops)
 from .. import checks, errors, formats, invariance
-from .base import Backend, MLACase, MLAWriteCase, common_reasons
+from .base import Backend, CacheWriteCase, MLACase, MLAWriteCase, common_reasons
 
 # What the kernels serve, as data (dispatch and `attnops.explain` read the reasons built from it).
 DEVICES = ("cpu",)
 Q_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # also key/value of reshape_and_cache
-KV_FORMATS = ("fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2")
+KV_FORMATS = ("fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "nvfp4", "mxfp4")
 # every head dim the ops take (16, 32, ..., 512): the inner loops take a row in whole vectors of 8 or 16 floats
 HEAD_DIMS = checks.HEAD_DIMS
-FP4_REASON = ("4-bit KV (nvfp4, mxfp4) is not implemented in the C++ CPU kernels; the reference backend "
-              "serves it")
+# 4-bit caches are read (a chunk of rows dequantized at a time), not written
+FP4_WRITE_REASON = ("4-bit cache writes (nvfp4, mxfp4) are not implemented in the C++ CPU kernels; the reference "
+                    "backend writes them")
 
 
 OPS = ("cpu_paged_attention", "cpu_reshape_and_cache", "cpu_mla_attention", "cpu_mla_cache_write")
@@ -60,8 +61,8 @@ class CPUBackend(Backend):
             return common_reasons(case, devices=DEVICES, q_dtypes=Q_DTYPES, kv_formats=KV_FORMATS)
         reasons = common_reasons(case, devices=DEVICES, q_dtypes=Q_DTYPES, kv_formats=KV_FORMATS,
                                  head_dims=HEAD_DIMS)
-        if formats.is_fp4(case.kv_format):
-            reasons.append(FP4_REASON)
+        if isinstance(case, CacheWriteCase) and formats.is_fp4(case.kv_format):
+            reasons.append(FP4_WRITE_REASON)
         return reasons
 
     def isa(self) -> str:

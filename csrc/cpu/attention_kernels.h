@@ -110,6 +110,34 @@ struct Fp8Loader {
   }
 };
 
+// 4-bit caches (nvfp4, mxfp4) are not loaded vector by vector: attend_impl dequantizes each chunk's K and V rows
+// into scratch memory (dequantize_fp4_row) and runs the fp32 loops on them. This marks that path.
+struct Fp4Loader : FloatLoader {};
+
+// e2m1 codes (bit 3: the sign) as values
+alignas(64) inline constexpr float kE2m1[16] = {0.f,  0.5f,  1.f,  1.5f,  2.f,  3.f,  4.f,  6.f,
+                                                -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+
+// A 4-bit cache row of D values (D/2 bytes, D/block scales) as fp32: code * its block's scale (nvfp4: an e4m3 scale
+// through the fp8 table; mxfp4: e8m0, 2^(s - 127)). A null row (a page outside the cache) reads zeros.
+inline void dequantize_fp4_row(const AttentionParams& p, const uint8_t* packed, const uint8_t* scales, int64_t D,
+                               float* dst) {
+  if (packed == nullptr) {
+    std::fill(dst, dst + D, 0.f);
+    return;
+  }
+  const int64_t block = p.fp4_block;
+  for (int64_t b0 = 0; b0 < D; b0 += block) {
+    const uint8_t s = scales[b0 / block];
+    const float scale = block == 16 ? p.fp8_lut[s] : std::ldexp(1.f, static_cast<int>(s) - 127);
+    for (int64_t i = b0; i < b0 + block; i += 2) {
+      const uint8_t byte = packed[i / 2];
+      dst[i] = kE2m1[byte & 15] * scale;
+      dst[i + 1] = kE2m1[byte >> 4] * scale;
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Register blocks. The micro-kernels below keep up to 8 accumulators in registers across a loop. Held in an array
 // (Vec acc[4][2]), GCC 12 spills them to the stack at every iteration whenever the loop also loads through a
@@ -427,6 +455,7 @@ template <typename QT, typename Loader>
 void attend_impl(const AttentionParams& p, const Loader& ld, const Tile& tile, const WorkItem& item,
                  const Partials& partials, float* scratch) {
   using KT = typename Loader::T;
+  constexpr bool kFp4 = std::is_same_v<Loader, Fp4Loader>;  // (KT float: the rows are dequantized into k_fp4/v_fp4)
   const int64_t D = p.head_dim, Dv = p.value_dim;
   const TileRows rows(p, tile);
   float* qf = scratch;                               // [rows][D]
@@ -434,6 +463,8 @@ void attend_impl(const AttentionParams& p, const Loader& ld, const Tile& tile, c
   float* S = acc + p.max_tile_rows * Dv;             // [rows][kKeyChunk]
   float* row_max = S + p.max_tile_rows * kKeyChunk;  // [rows]
   float* row_sum = row_max + p.max_tile_rows;        // [rows]
+  float* k_fp4 = row_sum + p.max_tile_rows;          // 4-bit caches: [kKeyChunk][D], then V's
+  float* v_fp4 = k_fp4 + kKeyChunk * D;
 
   // q rows in fp32, times the softmax scale and the head's key scale (so that stored fp8 keys are used as stored)
   // (MLA: the values from q_nope_dim on come from q_pe)
@@ -473,13 +504,16 @@ void attend_impl(const AttentionParams& p, const Loader& ld, const Tile& tile, c
   int64_t offsets_a[kKeyChunk], offsets_b[kKeyChunk];
   int64_t* offsets = offsets_a;
   int64_t* offsets_next = offsets_b;
+  int64_t scale_offsets_a[kKeyChunk], scale_offsets_b[kKeyChunk];  // 4-bit caches: of the rows' block scales
+  int64_t* scale_offsets = scale_offsets_a;
+  int64_t* scale_offsets_next = scale_offsets_b;
   // A page index outside the cache is never dereferenced: its keys read a row of zeros (offset -1 below) and are
   // NaN scores to the rows that see them, so those rows (only) are NaN.
   bool bad_a[kKeyChunk], bad_b[kKeyChunk];
   bool* bad = bad_a;
   bool* bad_next = bad_b;
   bool chunk_bad = false, chunk_bad_next = false;
-  auto locate = [&](int64_t c0, int64_t* off, bool* bad_keys, bool& any_bad) {
+  auto locate = [&](int64_t c0, int64_t* off, int64_t* scale_off, bool* bad_keys, bool& any_bad) {
     const int64_t n = std::min(kKeyChunk, item.kv_end - c0);
     any_bad = false;
     for (int64_t j = 0; j < n; ++j) {
@@ -488,19 +522,31 @@ void attend_impl(const AttentionParams& p, const Loader& ld, const Tile& tile, c
       bad_keys[j] = page < 0 || page >= p.num_pages;
       any_bad |= bad_keys[j];
       off[j] = bad_keys[j] ? -1 : page * p.cache_stride_page + (pos & slot_mask) * p.cache_stride_slot;
+      if constexpr (kFp4) scale_off[j] = page * p.scale_stride_page + (pos & slot_mask) * p.scale_stride_slot;
     }
     return n;
   };
   const KT* zeros = reinterpret_cast<const KT*>(kZeroRow);
   auto row = [&](const KT* cache, int64_t head, int64_t offset) { return offset < 0 ? zeros : cache + head + offset; };
+  // 4-bit: the chunk's rows of KV head `kv_head`, dequantized into `dst` ([kKeyChunk][D]), pointed to by `ptrs`
+  auto fp4_rows = [&](const void* cache, const uint8_t* block_scales, int64_t kv_head, int64_t n, float* dst,
+                      const KT** ptrs) {
+    const uint8_t* bytes = static_cast<const uint8_t*>(cache) + kv_head * p.cache_stride_head;
+    const uint8_t* head_scales = block_scales + kv_head * p.scale_stride_head;
+    for (int64_t j = 0; j < n; ++j) {
+      dequantize_fp4_row(p, offsets[j] < 0 ? nullptr : bytes + offsets[j], head_scales + scale_offsets[j], D,
+                         dst + j * D);
+      ptrs[j] = reinterpret_cast<const KT*>(dst + j * D);
+    }
+  };
   const KT* k_rows[kKeyChunk];
   const KT* v_rows[kKeyChunk];
   const KT* k_next[kKeyChunk];
   const KT* v_next[kKeyChunk];
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(KT));
   if (item.kv_begin < item.kv_end) {  // the first chunk has nothing before it to hide its loads behind
-    const int64_t n = locate(item.kv_begin, offsets, bad, chunk_bad);
-    for (int64_t hi = 0; hi < tile.num_heads; ++hi) {
+    const int64_t n = locate(item.kv_begin, offsets, scale_offsets, bad, chunk_bad);
+    for (int64_t hi = 0; hi < tile.num_heads && !kFp4; ++hi) {
       const int64_t head = (tile.kv_head + hi) * p.cache_stride_head;
       for (int64_t j = 0; j < n; ++j) {
         k_next[j] = row(k_cache, head, offsets[j]);
@@ -512,11 +558,18 @@ void attend_impl(const AttentionParams& p, const Loader& ld, const Tile& tile, c
 
   for (int64_t c0 = item.kv_begin; c0 < item.kv_end; c0 += kKeyChunk) {
     const int64_t n = std::min(kKeyChunk, item.kv_end - c0);
-    const int64_t n_next =
-        c0 + kKeyChunk < item.kv_end ? locate(c0 + kKeyChunk, offsets_next, bad_next, chunk_bad_next) : 0;
+    const int64_t n_next = c0 + kKeyChunk < item.kv_end
+                               ? locate(c0 + kKeyChunk, offsets_next, scale_offsets_next, bad_next, chunk_bad_next)
+                               : 0;
 
     for (int64_t hi = 0; hi < tile.num_heads; ++hi) {
       const int64_t head = (tile.kv_head + hi) * p.cache_stride_head;
+      if constexpr (kFp4) {  // (no prefetch: a packed row is a few cache lines, read once into the scratch rows)
+        fp4_rows(p.k_cache, p.k_block_scale, tile.kv_head + hi, n, k_fp4, k_rows);
+        qk(ld, qf + hi * rows.per_head * D, rows.per_head, D, k_rows, n, S + hi * rows.per_head * kKeyChunk,
+           Ahead<KT>{k_next, v_next, 0, row_bytes});
+        continue;
+      }
       for (int64_t j = 0; j < n; ++j) k_rows[j] = row(k_cache, head, offsets[j]);
       for (int64_t j = 0; j < n_next; ++j) {
         k_next[j] = row(k_cache, head, offsets_next[j]);
@@ -580,10 +633,15 @@ void attend_impl(const AttentionParams& p, const Loader& ld, const Tile& tile, c
 
     for (int64_t hi = 0; hi < tile.num_heads; ++hi) {
       const int64_t head = (tile.kv_head + hi) * p.cache_stride_head;
-      for (int64_t j = 0; j < n; ++j) v_rows[j] = row(v_cache, head, offsets[j]);
+      if constexpr (kFp4) {
+        fp4_rows(p.v_cache, p.v_block_scale, tile.kv_head + hi, n, v_fp4, v_rows);
+      } else {
+        for (int64_t j = 0; j < n; ++j) v_rows[j] = row(v_cache, head, offsets[j]);
+      }
       pv(ld, S + hi * rows.per_head * kKeyChunk, rows.per_head, n, v_rows, acc + hi * rows.per_head * Dv, Dv);
     }
     std::swap(offsets, offsets_next);
+    std::swap(scale_offsets, scale_offsets_next);
     std::swap(bad, bad_next);
     std::swap(chunk_bad, chunk_bad_next);
   }
@@ -647,6 +705,7 @@ void attend_q(const AttentionParams& p, const Tile& tile, const WorkItem& item, 
     case DType::BFloat16: return attend_impl<QT>(p, ReducedLoader<c10::BFloat16>{}, tile, item, partials, scratch);
     case DType::Half: return attend_impl<QT>(p, ReducedLoader<c10::Half>{}, tile, item, partials, scratch);
     case DType::Fp8: return attend_impl<QT>(p, Fp8Loader{p.fp8_lut}, tile, item, partials, scratch);
+    case DType::Fp4: return attend_impl<QT>(p, Fp4Loader{}, tile, item, partials, scratch);
   }
 }
 
@@ -656,7 +715,8 @@ inline void attend(const AttentionParams& p, const Tile& tile, const WorkItem& i
     case DType::Float: return attend_q<float>(p, tile, item, partials, scratch);
     case DType::BFloat16: return attend_q<c10::BFloat16>(p, tile, item, partials, scratch);
     case DType::Half: return attend_q<c10::Half>(p, tile, item, partials, scratch);
-    case DType::Fp8: return;  // q is never fp8 (the host checks)
+    case DType::Fp8:
+    case DType::Fp4: return;  // q is never fp8 or 4-bit (the host checks)
   }
 }
 
@@ -666,7 +726,8 @@ inline void merge(const AttentionParams& p, const Tile& tile, int64_t first_slot
     case DType::Float: return merge_impl<float>(p, tile, first_slot, num_slots, partials);
     case DType::BFloat16: return merge_impl<c10::BFloat16>(p, tile, first_slot, num_slots, partials);
     case DType::Half: return merge_impl<c10::Half>(p, tile, first_slot, num_slots, partials);
-    case DType::Fp8: return;
+    case DType::Fp8:
+    case DType::Fp4: return;
   }
 }
 

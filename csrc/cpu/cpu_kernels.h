@@ -11,8 +11,9 @@
 
 namespace attnops::cpu {
 
-// Element types of q, out and the caches. fp8 caches are read through a 256-entry table (Fp8 below).
-enum class DType : int8_t { Float, BFloat16, Half, Fp8 };
+// Element types of q, out and the caches. fp8 caches are read through a 256-entry table (Fp8 below); 4-bit caches
+// (nvfp4, mxfp4: Fp4) are dequantized a chunk of rows at a time into scratch memory.
+enum class DType : int8_t { Float, BFloat16, Half, Fp8, Fp4 };
 
 struct AttentionParams {
   // q [T, Hq, D] and out [T, Hq, D]: any strides (q's last dim is contiguous; out's need not be).
@@ -32,7 +33,15 @@ struct AttentionParams {
   const void* v_cache;
   int64_t cache_stride_page, cache_stride_slot, cache_stride_head;
   DType kv_dtype;
-  const float* fp8_lut;  // kv_dtype == Fp8: stored byte -> float value (before the scale)
+  const float* fp8_lut;  // kv_dtype == Fp8: stored byte -> float value (before the scale); Fp4: e4m3's (nvfp4 scales)
+  // kv_dtype == Fp4 (nvfp4, mxfp4): the caches hold uint8 [.., D/2], two e2m1 values a byte (element 2i in the low
+  // nibble), and the strides above count bytes; each block of fp4_block values has a scale in k_block_scale /
+  // v_block_scale [num_pages, page_size, Hkv, D / fp4_block] (fp4_block 16: float8_e4m3fn, read through fp8_lut;
+  // 32: e8m0, 2^(s - 127)), equal strides
+  const uint8_t* k_block_scale;
+  const uint8_t* v_block_scale;
+  int64_t scale_stride_page, scale_stride_slot, scale_stride_head;
+  int64_t fp4_block;
 
   // block_table int32 [B, max_pages] (any strides)
   const int32_t* block_table;
@@ -109,9 +118,11 @@ constexpr int64_t kKeyChunk = 32;
 constexpr int64_t kMaxHeadDim = 576, kMaxValueDim = 512;
 
 // Floats of scratch memory one worker needs: the tile's q rows in fp32 ([rows][head_dim]) and its accumulators
-// ([rows][value_dim]), the chunk's scores ([rows][kKeyChunk]), and the running max and sum ([rows] each).
+// ([rows][value_dim]), the chunk's scores ([rows][kKeyChunk]), and the running max and sum ([rows] each); for a
+// 4-bit cache also a chunk's K and V rows dequantized ([kKeyChunk][head_dim] each).
 inline int64_t scratch_floats(const AttentionParams& p) {
-  return p.max_tile_rows * (p.head_dim + p.value_dim + kKeyChunk + 2);
+  return p.max_tile_rows * (p.head_dim + p.value_dim + kKeyChunk + 2) +
+         (p.kv_dtype == DType::Fp4 ? 2 * kKeyChunk * p.head_dim : 0);
 }
 
 // The inner loops for one instruction set.

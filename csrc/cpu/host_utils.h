@@ -65,8 +65,8 @@ inline const float* fp8_table_for(at::ScalarType t) {
 }
 
 // k_cache / v_cache: [num_pages, page_size, Hkv, D], same shape, strides and dtype, last dim contiguous,
-// page_size a power of two up to 256. Returns log2(page_size).
-inline int check_caches(const char* op, const at::Tensor& k_cache, const at::Tensor& v_cache) {
+// page_size a power of two up to 256 (fp4_ok: also 4-bit caches, uint8 [.., D/2]). Returns log2(page_size).
+inline int check_caches(const char* op, const at::Tensor& k_cache, const at::Tensor& v_cache, bool fp4_ok = false) {
   ATTNOPS_ARG_CHECK(op, k_cache.device().is_cpu() && v_cache.device().is_cpu(), "the CPU kernels need CPU caches");
   ATTNOPS_ARG_CHECK(op, k_cache.dim() == 4, "k_cache must be [num_pages, page_size, num_kv_heads, head_dim] (got ",
                     k_cache.sizes(), ")");
@@ -74,9 +74,11 @@ inline int check_caches(const char* op, const at::Tensor& k_cache, const at::Ten
                     k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides() &&
                         k_cache.scalar_type() == v_cache.scalar_type(),
                     "k_cache and v_cache must have the same shape, strides and dtype");
-  ATTNOPS_ARG_CHECK(op, is_plain(k_cache.scalar_type()) || is_fp8(k_cache.scalar_type()),
-                    "the CPU kernels read float32, bfloat16, float16, float8_e4m3fn and float8_e5m2 caches (got ",
-                    k_cache.scalar_type(), ")");
+  ATTNOPS_ARG_CHECK(op,
+                    is_plain(k_cache.scalar_type()) || is_fp8(k_cache.scalar_type()) ||
+                        (fp4_ok && k_cache.scalar_type() == at::kByte),
+                    "the CPU kernels read float32, bfloat16, float16, float8_e4m3fn and float8_e5m2 caches",
+                    fp4_ok ? " and 4-bit ones (uint8)" : "", " (got ", k_cache.scalar_type(), ")");
   ATTNOPS_ARG_CHECK(op, k_cache.stride(3) == 1, "k_cache must be contiguous in its last dimension");
   const int64_t page_size = k_cache.size(1);
   ATTNOPS_ARG_CHECK(op, page_size >= 1 && page_size <= 256 && (page_size & (page_size - 1)) == 0,
@@ -106,12 +108,43 @@ inline std::vector<float> unpack_scale(const char* op, const char* name, const s
   return values;
 }
 
-// kv_format of the public ops (C++-only build): "auto" or the name of the cache's dtype. 4-bit formats are not
-// served by the CPU kernels.
+// 4-bit caches' block scales (k_scale / v_scale of nvfp4 and mxfp4): [num_pages, page_size, Hkv, D / block], equal
+// shapes, strides and dtype, last dim contiguous; float8_e4m3fn scales are nvfp4's (a block of 16 values), uint8
+// (e8m0) mxfp4's (32). Returns the block.
+inline int64_t check_block_scales(const char* op, const std::optional<at::Tensor>& k_scale,
+                                  const std::optional<at::Tensor>& v_scale, const at::Tensor& k_cache,
+                                  int64_t head_dim) {
+  ATTNOPS_ARG_CHECK(op, k_scale.has_value() && v_scale.has_value(),
+                    "a 4-bit cache needs k_scale and v_scale: its block scales");
+  const at::Tensor& k = *k_scale;
+  const at::Tensor& v = *v_scale;
+  const bool nvfp4 = k.scalar_type() == at::kFloat8_e4m3fn;
+  ATTNOPS_ARG_CHECK(op, nvfp4 || k.scalar_type() == at::kByte,
+                    "a 4-bit cache's block scales must be float8_e4m3fn (nvfp4) or uint8 (mxfp4, e8m0)");
+  const int64_t block = nvfp4 ? 16 : 32;
+  ATTNOPS_ARG_CHECK(op,
+                    k.device().is_cpu() && k.dim() == 4 && k.size(0) == k_cache.size(0) &&
+                        k.size(1) == k_cache.size(1) && k.size(2) == k_cache.size(2) && head_dim % block == 0 &&
+                        k.size(3) == head_dim / block && k.stride(3) == 1,
+                    "k_scale must be the cache's block scales, [num_pages, page_size, num_kv_heads, head_dim / ",
+                    block, "] on the CPU, contiguous in its last dimension (got ", k.sizes(), ")");
+  ATTNOPS_ARG_CHECK(op,
+                    v.sizes() == k.sizes() && v.strides() == k.strides() && v.scalar_type() == k.scalar_type() &&
+                        v.device().is_cpu(),
+                    "k_scale and v_scale must have the same shape, strides and dtype");
+  return block;
+}
+
+// kv_format of the public ops (C++-only build): "auto" or the name of the cache's dtype; "nvfp4" / "mxfp4" for a
+// uint8 cache of 4-bit values (its block scales say which: check_block_scales).
 inline void check_kv_format(const char* op, c10::string_view kv_format, at::ScalarType cache_dtype) {
   const std::string fmt(kv_format);
-  ATTNOPS_ARG_CHECK(op, fmt != "nvfp4" && fmt != "mxfp4", "kv_format '", fmt,
-                    "' (4-bit) is not served by the C++ CPU kernels; the Python package's reference backend serves it");
+  if (fmt == "nvfp4" || fmt == "mxfp4") {
+    ATTNOPS_ARG_CHECK(op, cache_dtype == at::kByte, "kv_format '", fmt, "' needs uint8 caches (got ", cache_dtype,
+                      ")");
+    return;
+  }
+  ATTNOPS_ARG_CHECK(op, cache_dtype != at::kByte, "a uint8 cache is kv_format 'nvfp4' or 'mxfp4'");
   if (fmt == "auto") return;
   const char* expected = cache_dtype == at::kFloat           ? "fp32"
                          : cache_dtype == at::kBFloat16      ? "bf16"

@@ -72,7 +72,8 @@ void paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const a
                          const std::optional<at::Tensor>& errors, const std::optional<at::Tensor>& lse,
                          bool batch_invariant = false) {
   const char* op = "paged_attention";
-  const int page_shift = check_caches(op, k_cache, v_cache);
+  const int page_shift = check_caches(op, k_cache, v_cache, /*fp4_ok=*/true);
+  const bool fp4 = k_cache.scalar_type() == at::kByte;  // nvfp4, mxfp4: two values a byte
   ATTNOPS_ARG_CHECK(op, q.device().is_cpu() && q.dim() == 3 && q.stride(2) == 1,
                     "q must be a CPU tensor [num_tokens, num_q_heads, head_dim], contiguous in its last dimension");
   ATTNOPS_ARG_CHECK(op, is_plain(q.scalar_type()), "q must be float32, bfloat16 or float16 (got ", q.scalar_type(),
@@ -81,7 +82,8 @@ void paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const a
                     "out must be a CPU tensor of q's shape and dtype");
   const int64_t num_tokens = q.size(0), num_q_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_pages = k_cache.size(0), num_kv_heads = k_cache.size(2);
-  ATTNOPS_ARG_CHECK(op, k_cache.size(3) == head_dim, "q's head_dim (", head_dim, ") != the cache's (", k_cache.size(3),
+  const int64_t cache_head_dim = k_cache.size(3) * (fp4 ? 2 : 1);
+  ATTNOPS_ARG_CHECK(op, cache_head_dim == head_dim, "q's head_dim (", head_dim, ") != the cache's (", cache_head_dim,
                     ")");
   ATTNOPS_ARG_CHECK(op, head_dim % 16 == 0 && head_dim >= 16 && head_dim <= kMaxValueDim,
                     "the CPU kernels take head_dim a multiple of 16 from 16 to ", kMaxValueDim, " (got ", head_dim,
@@ -92,8 +94,10 @@ void paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const a
   ATTNOPS_ARG_CHECK(op, scale > 0 && soft_cap >= 0 && window_left >= -1,
                     "need scale > 0, soft_cap >= 0, window_left >= -1");
   const bool fp8 = is_fp8(k_cache.scalar_type());
-  const std::vector<float> k_scales = unpack_scale(op, "k_scale", k_scale, fp8, num_kv_heads);
-  const std::vector<float> v_scales = unpack_scale(op, "v_scale", v_scale, fp8, num_kv_heads);
+  const int64_t fp4_block = fp4 ? check_block_scales(op, k_scale, v_scale, k_cache, head_dim) : 0;
+  // (a 4-bit cache's k_scale / v_scale are its block scales: no per-tensor or per-head scale)
+  const std::vector<float> k_scales = unpack_scale(op, "k_scale", fp4 ? std::nullopt : k_scale, fp8, num_kv_heads);
+  const std::vector<float> v_scales = unpack_scale(op, "v_scale", fp4 ? std::nullopt : v_scale, fp8, num_kv_heads);
 
   AttentionParams p{};
   p.q = q.const_data_ptr();
@@ -112,8 +116,16 @@ void paged_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const a
   p.cache_stride_page = k_cache.stride(0);
   p.cache_stride_slot = k_cache.stride(1);
   p.cache_stride_head = k_cache.stride(2);
-  p.kv_dtype = dtype_of(k_cache.scalar_type());
-  p.fp8_lut = fp8 ? fp8_table_for(k_cache.scalar_type()) : nullptr;
+  p.kv_dtype = fp4 ? DType::Fp4 : dtype_of(k_cache.scalar_type());
+  p.fp8_lut = fp8 ? fp8_table_for(k_cache.scalar_type()) : fp4 ? fp8_table_for(at::kFloat8_e4m3fn) : nullptr;
+  if (fp4) {
+    p.k_block_scale = static_cast<const uint8_t*>(k_scale->const_data_ptr());
+    p.v_block_scale = static_cast<const uint8_t*>(v_scale->const_data_ptr());
+    p.scale_stride_page = k_scale->stride(0);
+    p.scale_stride_slot = k_scale->stride(1);
+    p.scale_stride_head = k_scale->stride(2);
+    p.fp4_block = fp4_block;
+  }
   p.block_table = block_table.const_data_ptr<int32_t>();
   p.bt_stride_seq = block_table.stride(0);
   p.bt_stride_page = block_table.stride(1);
