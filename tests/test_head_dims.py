@@ -45,10 +45,10 @@ TRITON_HEAD_DIMS = {48: ["fp16", "fp8_e4m3", "nvfp4"], 80: ["fp32", "fp8_e5m2", 
                     160: ["fp8_e4m3", "fp16", "mxfp4"], 512: ["fp16", "nvfp4"]}
 
 
-def served_formats(backend: str, head_dim: int) -> list[str]:
-    """The KV formats `backend` declares, those whose scale block divides `head_dim` (mxfp4's 32 values do not
-    divide 80)."""
-    declared = {"cpu": cpu.KV_FORMATS, "reference": reference.KV_FORMATS}[backend]
+def served_formats(backend: str, head_dim: int, writes: bool = False) -> list[str]:
+    """The KV formats `backend` declares (for cache writes: those it writes), those whose scale block divides
+    `head_dim` (mxfp4's 32 values do not divide 80)."""
+    declared = {"cpu": cpu.WRITE_KV_FORMATS if writes else cpu.KV_FORMATS, "reference": reference.KV_FORMATS}[backend]
     return [f for f in declared if head_dim % (formats.FORMATS[f].block or 1) == 0]
 
 
@@ -297,7 +297,7 @@ def test_reshape_and_cache_round_trips(backend, head_dim):
     gen = torch.Generator().manual_seed(head_dim)
     heads, tokens, page_size = 2, 24, 8
     num_pages = tokens // page_size + 2
-    for kv_format in served_formats(backend, head_dim):
+    for kv_format in served_formats(backend, head_dim, writes=True):
         fmt = formats.FORMATS[kv_format]
         cache = attnops.PagedKVCache(1, num_pages, page_size, heads, head_dim, kv_format=kv_format,
                                      k_scale=torch.tensor([0.02, 0.03]), v_scale=torch.tensor(0.025))

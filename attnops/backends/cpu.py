@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .. import _C  # noqa: F401  (registers the C++ ops)
-from .. import checks, errors, formats, invariance
+from .. import checks, errors, invariance
 from .base import Backend, CacheWriteCase, MLACase, MLAWriteCase, common_reasons
 
 # What the kernels serve, as data (dispatch and `attnops.explain` read the reasons built from it).
@@ -23,6 +23,7 @@ KV_FORMATS = ("fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "nvfp4", "mxfp4")
 # every head dim the ops take (16, 32, ..., 512): the inner loops take a row in whole vectors of 8 or 16 floats
 HEAD_DIMS = checks.HEAD_DIMS
 # 4-bit caches are read (a chunk of rows dequantized at a time), not written
+WRITE_KV_FORMATS = ("fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2")
 FP4_WRITE_REASON = ("4-bit cache writes (nvfp4, mxfp4) are not implemented in the C++ CPU kernels; the reference "
                     "backend writes them")
 
@@ -61,7 +62,8 @@ class CPUBackend(Backend):
             return common_reasons(case, devices=DEVICES, q_dtypes=Q_DTYPES, kv_formats=KV_FORMATS)
         reasons = common_reasons(case, devices=DEVICES, q_dtypes=Q_DTYPES, kv_formats=KV_FORMATS,
                                  head_dims=HEAD_DIMS)
-        if isinstance(case, CacheWriteCase) and formats.is_fp4(case.kv_format):
+        if isinstance(case, CacheWriteCase) and case.kv_format in KV_FORMATS and \
+                case.kv_format not in WRITE_KV_FORMATS:
             reasons.append(FP4_WRITE_REASON)
         return reasons
 
