@@ -345,15 +345,19 @@ def serve_target(model, schedule, threads: int, device: str = "cpu", **options) 
     return gen.finished["target"].output, gen.finished["target"].logprobs
 
 
-def test_generator_serves_a_request_the_same_whatever_is_beside_it():
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
+def test_generator_serves_a_request_the_same_whatever_is_beside_it(family):
     """Greedy tokens and their log-probabilities (so the logits' bits) of a request served alone, then among
     random others that arrive before, with and after it (some waiting for a row: max_batch 3), on 1-6 threads.
-    Its prompt is long enough (700 tokens) that the CPU kernels outside the mode would split it by the threads."""
+    Its prompt is long enough (700 tokens) that the CPU kernels outside the mode would split it by the threads.
+    DeepSeek: latent attention on a LatentKVCache."""
     pytest.importorskip("transformers")
     import attnops.hf
+    from attnops.hf import families
     from conftest import build, make_config
     torch.manual_seed(0)
-    model = build(make_config("llama"), attnops.hf.ATTN_IMPLEMENTATION)
+    model = (families.load(family, tiny=True, dtype=torch.float32) if family in families.MLA_FAMILIES else
+             build(make_config(family), attnops.hf.ATTN_IMPLEMENTATION))
     rng = random.Random(6)
     target = [rng.randrange(1, 256) for _ in range(700)]
     want = serve_target(model, [(0, "target", target, 12)], threads=DEFAULT_THREADS)
