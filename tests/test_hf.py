@@ -240,18 +240,23 @@ def serve(model, compile=False, schedule=SCHEDULE, buckets=None, kv_format="fp32
     return {i: gen.finished[i].output for i in range(len(schedule))}
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_generator_serves_the_model_like_generate_and_compiles_without_graph_break(family):
-    eager, ours = models(family)
-    expected = {i: generate(eager, [prompt], n=n)[0] for i, (_, prompt, n) in enumerate(SCHEDULE)}
+def check_serves_like(model, expected: dict, schedule=SCHEDULE) -> None:
+    """The serving loop gives `expected` (each request's tokens) for `schedule`, whose requests reuse two pages of
+    another's prompt twice, eager and compiled (DecodeStep compiles with fullgraph=True: a graph break is an error),
+    one graph per bucket used (1 and 2)."""
     stats = {}
-    assert serve(ours, stats=stats) == expected
+    assert serve(model, schedule=schedule, stats=stats) == expected
     assert stats["prefix_tokens_reused"] == 32, stats  # two requests, two pages each
     torch._dynamo.reset()
     counter = torch._dynamo.testing.CompileCounter()
-    # DecodeStep compiles with fullgraph=True: a graph break is an error
-    assert serve(ours, compile={"backend": counter}) == expected
+    assert serve(model, schedule=schedule, compile={"backend": counter}) == expected
     assert counter.frame_count == 2, f"one graph per bucket used (1 and 2), got {counter.frame_count}"
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_generator_serves_the_model_like_generate_and_compiles_without_graph_break(family):
+    eager, ours = models(family)
+    check_serves_like(ours, {i: generate(eager, [prompt], n=n)[0] for i, (_, prompt, n) in enumerate(SCHEDULE)})
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2", "gpt-oss"])

@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 import attnops.hf  # noqa: E402
 from attnops.serving.kv_cache import PagedKVCache  # noqa: E402
 from attnops.testing import relative_error  # noqa: E402
-from test_hf import cache_arg, left_padded, serve, steps  # noqa: E402
+from test_hf import cache_arg, check_serves_like, generate, left_padded, steps  # noqa: E402
 
 SLIDING, FULL = 256, 512  # Gemma-4's head dims
 # six layers: sliding, full, sliding, full (these two hold the keys the last two read), sliding, full (KV-shared)
@@ -95,20 +95,9 @@ SCHEDULE = [(0, PROMPTS[0], 16), (0, PROMPTS[2], 6), (2, PROMPTS[0][:16] + [1, 2
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_generator_serves_it_like_generate_and_compiles_without_graph_break(name):
-    import torch._dynamo.testing
     eager, ours = models(name)
-    expected = {}
-    for i, (_, prompt, n) in enumerate(SCHEDULE):
-        with torch.no_grad():
-            out = eager.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
-        expected[i] = out[0, len(prompt):].tolist()
-    stats = {}
-    assert serve(ours, schedule=SCHEDULE, stats=stats) == expected
-    assert stats["prefix_tokens_reused"] == 32, stats
-    torch._dynamo.reset()
-    counter = torch._dynamo.testing.CompileCounter()
-    assert serve(ours, schedule=SCHEDULE, compile={"backend": counter}) == expected
-    assert counter.frame_count == 2, f"one graph per bucket used (1 and 2), got {counter.frame_count}"
+    check_serves_like(ours, {i: generate(eager, [prompt], n=n)[0] for i, (_, prompt, n) in enumerate(SCHEDULE)},
+                      SCHEDULE)
 
 
 def test_a_cache_without_the_shared_layers_is_an_error():

@@ -256,16 +256,9 @@ def test_generator_serves_deepseek_like_generate_and_compiles_without_graph_brea
     """DeepSeek through attnops.hf.serving_model and the Generator (continuous batching, prefix sharing, its latent
     pages a LatentKVCache): each request's greedy tokens are transformers' eager generate's of it alone; the same
     under torch.compile(fullgraph=True), one graph per bucket."""
-    import torch._dynamo.testing
     eager, ours = models(variant)
-    expected = {i: alone(eager, prompt, n) for i, (_, prompt, n) in enumerate(SCHEDULE)}
-    stats = {}
-    assert serve(ours, stats=stats) == expected
-    assert stats["prefix_tokens_reused"] == 32, stats  # two requests, two pages each
-    torch._dynamo.reset()
-    counter = torch._dynamo.testing.CompileCounter()
-    assert serve(ours, compile={"backend": counter}) == expected
-    assert counter.frame_count == 2, f"one graph per bucket used (1 and 2), got {counter.frame_count}"
+    test_hf.check_serves_like(ours, {i: alone(eager, prompt, n) for i, (_, prompt, n) in enumerate(SCHEDULE)},
+                              SCHEDULE)
 
 
 def test_latent_kv_cache_holds_one_latent_row_a_token_and_names_bad_arguments():
