@@ -222,12 +222,13 @@ def spec_grid() -> list:
 
 
 def cpu_grid() -> list:
-    """For CI and CPU users: small, fp32 and bf16, the CPU backend against gather + SDPA."""
+    """For CI and CPU users: small, fp32 and bf16 (and a 4-bit decode), the CPU backend against gather + SDPA."""
     cases = []
     for fmt in ("fp32", "bf16"):
         cases += [Case(f"cpu-decode/4x512/{fmt}", "cpu-decode", [512] * 4, kv_format=fmt),
                   Case(f"cpu-decode/1x2048/{fmt}", "cpu-decode", [2048], kv_format=fmt),
                   Case(f"cpu-verify/2x512/q4/{fmt}", "cpu-verify", [512] * 2, [4] * 2, kv_format=fmt)]
+    cases += [Case(f"cpu-decode/4x512/{fmt}", "cpu-decode", [512] * 4, kv_format=fmt) for fmt in ("nvfp4", "mxfp4")]
     cases = [Case(c.name, c.group, c.kv_lens, c.q_lens, num_q_heads=8, num_kv_heads=2, head_dim=64,
                   kv_format=c.kv_format) for c in cases]
     latent = dict(num_q_heads=16, num_kv_heads=1, head_dim=128, latent_dim=128, rope_dim=32, page_size=64)

@@ -318,7 +318,7 @@ def print_table(records, file=sys.stdout, hbm_ceiling: float = HBM_TBPS) -> None
               f"{fmt('speedup_vs_best_peer', '7.2f')} {fmt('dispatch_overhead_us', '8.1f')} "
               f"{fmt('graph_us', '9.1f')} {fmt('graph_speedup_vs_best_peer', '12.2f')}",
               file=file)
-    print(f"HBM%: GB/s over the {hbm_ceiling} TB/s datasheet bandwidth; MMA%: TFLOP/s over a bf16 matmul of the same run "
+    print(f"HBM% (GPU): GB/s over its {hbm_ceiling} TB/s datasheet bandwidth; MMA% (GPU): TFLOP/s over a bf16 matmul of the same run "
           "(GPU). x peer: the best peer's time / this impl's (eager; graph: CUDA-graph replay). op-bare: eager op "
           "time minus the bare backend call (us).", file=file)
     if any(r.get("dispatch_overhead_us", 0) < 0 for r in records):
