@@ -5,8 +5,8 @@ against the reference before it is timed (a fast wrong kernel must not score).
     python -m attnops bench --cpu                        # the small CPU grid (CI, CPU users)
 
 Decode is reported as achieved TB/s (KV bytes read in the stored format with scales, plus q and out, over the
-median time) and as a fraction of the GPU's datasheet HBM bandwidth (H200: 4.8 TB/s); prefill as TFLOP/s (causal FLOPs) and as a
-fraction of a bf16 matmul measured in the same run. ../shared/BENCH.md (docs/bench.md) is the protocol.
+median time) and as a fraction of the GPU's datasheet HBM bandwidth (H200: 4.8 TB/s); every case also as TFLOP/s
+(causal FLOPs) and as a fraction of a bf16 matmul measured in the same run. docs/bench.md is the protocol.
 """
 from __future__ import annotations
 
@@ -318,9 +318,9 @@ def print_table(records, file=sys.stdout, hbm_ceiling: float = HBM_TBPS) -> None
               f"{fmt('speedup_vs_best_peer', '7.2f')} {fmt('dispatch_overhead_us', '8.1f')} "
               f"{fmt('graph_us', '9.1f')} {fmt('graph_speedup_vs_best_peer', '12.2f')}",
               file=file)
-    print(f"HBM% (GPU): GB/s over its {hbm_ceiling} TB/s datasheet bandwidth; MMA% (GPU): TFLOP/s over a bf16 matmul of the same run "
-          "(GPU). x peer: the best peer's time / this impl's (eager; graph: CUDA-graph replay). op-bare: eager op "
-          "time minus the bare backend call (us).", file=file)
+    print(f"HBM% (GPU): GB/s over its {hbm_ceiling} TB/s datasheet bandwidth; MMA% (GPU): TFLOP/s over a bf16 "
+          "matmul of the same run. x peer: the best peer's time / this impl's (eager; graph: CUDA-graph replay). "
+          "op-bare: eager op time minus the bare backend call (us).", file=file)
     if any(r.get("dispatch_overhead_us", 0) < 0 for r in records):
         print("note: some op-bare values are negative: the host was busy or the two timings are within noise; "
               "rerun on a quiet machine for overheads.", file=file)

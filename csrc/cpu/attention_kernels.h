@@ -522,7 +522,8 @@ void attend_impl(const AttentionParams& p, const Loader& ld, const Tile& tile, c
       bad_keys[j] = page < 0 || page >= p.num_pages;
       any_bad |= bad_keys[j];
       off[j] = bad_keys[j] ? -1 : page * p.cache_stride_page + (pos & slot_mask) * p.cache_stride_slot;
-      if constexpr (kFp4) scale_off[j] = page * p.scale_stride_page + (pos & slot_mask) * p.scale_stride_slot;
+      if constexpr (kFp4)
+        scale_off[j] = bad_keys[j] ? -1 : page * p.scale_stride_page + (pos & slot_mask) * p.scale_stride_slot;
     }
     return n;
   };
@@ -534,8 +535,9 @@ void attend_impl(const AttentionParams& p, const Loader& ld, const Tile& tile, c
     const uint8_t* bytes = static_cast<const uint8_t*>(cache) + kv_head * p.cache_stride_head;
     const uint8_t* head_scales = block_scales + kv_head * p.scale_stride_head;
     for (int64_t j = 0; j < n; ++j) {
-      dequantize_fp4_row(p, offsets[j] < 0 ? nullptr : bytes + offsets[j], head_scales + scale_offsets[j], D,
-                         dst + j * D);
+      const bool bad_page = offsets[j] < 0;  // (read as zeros, as the other formats read kZeroRow)
+      dequantize_fp4_row(p, bad_page ? nullptr : bytes + offsets[j],
+                         bad_page ? nullptr : head_scales + scale_offsets[j], D, dst + j * D);
       ptrs[j] = reinterpret_cast<const KT*>(dst + j * D);
     }
   };
