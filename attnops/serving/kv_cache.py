@@ -71,11 +71,11 @@ class CascadeSplit:
         return self.prefix_pass
 
 
-def _positive_int(name: str, value, least: int) -> None:
+def _positive_int(owner: str, name: str, value, least: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"PagedKVCache: {name} must be an int (got {type(value).__name__})")
+        raise TypeError(f"{owner}: {name} must be an int (got {type(value).__name__})")
     if value < least:
-        raise ValueError(f"PagedKVCache: {name} must be at least {least} (got {value})")
+        raise ValueError(f"{owner}: {name} must be at least {least} (got {value})")
 
 
 class PagedKVCache:
@@ -104,7 +104,7 @@ class PagedKVCache:
             raise ValueError(f"PagedKVCache: kv_format must be one of {formats.KV_FORMATS} (got {kv_format!r})")
         for name, value, least in (("num_layers", num_layers, 1), ("num_pages", num_pages, 1),
                                    ("page_size", page_size, 1)):
-            _positive_int(name, value, least)
+            _positive_int("PagedKVCache", name, value, least)
         # num_kv_heads, head_dim: one for every layer, or one a layer (a model whose layers differ, as Gemma-4's
         # sliding and full layers)
         layer_shapes = []
@@ -117,7 +117,7 @@ class PagedKVCache:
                 raise ValueError(f"PagedKVCache: {name} must be an int or one a layer ({num_layers}; got "
                                  f"{len(values)})")
             for v in values:
-                _positive_int(name, v, 1)
+                _positive_int("PagedKVCache", name, v, 1)
             layer_shapes.append(list(values))
         heads_of, dims_of = layer_shapes
         if not is_page_size(page_size):
@@ -520,13 +520,9 @@ class LatentKVCache(PagedKVCache):
                  shuffle_pages: bool = False, seed: int = 0):
         if kv_format not in self.KV_FORMATS:
             raise ValueError(f"LatentKVCache: kv_format must be one of {self.KV_FORMATS} (got {kv_format!r})")
-        for name, value, least in (("num_layers", num_layers, 1), ("num_pages", num_pages, 1),
-                                   ("page_size", page_size, 1), ("latent_dim", latent_dim, 1),
-                                   ("rope_dim", rope_dim, 1)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"LatentKVCache: {name} must be an int (got {type(value).__name__})")
-            if value < least:
-                raise ValueError(f"LatentKVCache: {name} must be at least {least} (got {value})")
+        for name, value in (("num_layers", num_layers), ("num_pages", num_pages), ("page_size", page_size),
+                            ("latent_dim", latent_dim), ("rope_dim", rope_dim)):
+            _positive_int("LatentKVCache", name, value, 1)
         if not is_page_size(page_size):
             raise ValueError(f"LatentKVCache: page_size must be a power of two from 1 to {MAX_PAGE_SIZE}, as the ops "
                              f"take (got {page_size})")
