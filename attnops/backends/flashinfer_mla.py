@@ -24,6 +24,7 @@ from .base import common_reasons
 from .flashinfer_steps import (LN2, Q_DTYPES, checked_pages, fill_nan, page_metadata, same_step, set_rows,
                                step_key, workspace)
 
+
 class _Plans:
     """The MLA wrappers of one device (on the device's shared workspace), and per wrapper: the step it was last
     planned for, the rows to set after run() on that step, whether that step's cu_seqlens_q is bad."""

@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import datetime
 import fnmatch
+import functools
 import json
 import os
 import platform
@@ -44,6 +45,7 @@ HBM_TBPS_BY_GPU = (("H200", 4.8), ("H100 NVL", 3.9), ("H100 PCIe", 2.0), ("H100"
                    ("A100", 1.555))
 
 
+@functools.lru_cache(maxsize=None)
 def hbm_tbps(device) -> float:
     """The datasheet HBM bandwidth of `device`'s GPU (TB/s): the ceiling decode's bytes are measured against."""
     if torch.device(device).type != "cuda":

@@ -51,7 +51,7 @@ from .run import environment
 
 from ..serving.generate import DecodeStep
 from ..serving.graphs import DecodeGraphRunner
-from ..serving.kv_cache import LatentKVCache, PagedKVCache
+from ..serving.kv_cache import LatentKVCache
 from . import require_matplotlib
 
 MODES = ("eager", "compiled", "compiled+graphs", "transformers", "transformers-cb")
@@ -164,14 +164,9 @@ class AttnopsRunner:
         self.model, self.modes, self.args, self.device, self.config = model, modes, args, device, c
         per_point = len(modes) * (steps_a_point(args) + 1) + 1  # (+1: attention_seconds_per_step's token)
         self.max_pages = -(-(max(contexts) + per_point) // args.page_size)
-        if c.latent_dim:  # latent attention (DeepSeek): one latent row a token
-            self.cache = LatentKVCache(c.num_hidden_layers, max(batches) * self.max_pages, args.page_size,
-                                       c.latent_dim, c.rope_dim, kv_format=kv_format, device=device,
-                                       shuffle_pages=True)
-        else:
-            self.cache = PagedKVCache(c.num_hidden_layers, max(batches) * self.max_pages, args.page_size,
-                                      c.num_key_value_heads, c.head_dim, kv_format=kv_format, device=device,
-                                      shuffle_pages=True)
+        # (the model's own cache: latent rows for latent attention, each layer at its own shape)
+        self.cache = model.make_kv_cache(max(batches) * self.max_pages, page_size=args.page_size,
+                                         kv_format=kv_format, device=device, shuffle_pages=True)
         for kv in self.cache.kv:
             kv.normal_() if kv.dtype.is_floating_point and kv.element_size() > 1 else None
         self.buckets = tuple(sorted(set(batches)))

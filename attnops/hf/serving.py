@@ -147,6 +147,11 @@ class ServingModel(torch.nn.Module):
         self.hf = hf_model
         self.config = model_shape(hf_model.config)
 
+    def make_kv_cache(self, num_pages: int, **kwargs) -> PagedKVCache:
+        """The cache this model's steps take: paged_kv_cache of its config (per-head pages, or latent rows for a
+        latent-attention model; each layer at its own shape). kwargs go to paged_kv_cache."""
+        return paged_kv_cache(self.hf.config, num_pages, **kwargs)
+
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
                 meta: BatchMetadata) -> torch.Tensor:
         # An empty 4-D mask is taken by transformers as a mask already built and passed through untouched: no

@@ -83,7 +83,8 @@ def run_demo(model: torch.nn.Module, batch: int = 4, prompt_len: int = 32, steps
     """One mode's run (see MODES) of `model`: a model of the serving interface, forward(token_ids, positions,
     cache, meta), with a `config` giving its shape (num_hidden_layers, num_attention_heads, num_key_value_heads,
     head_dim, hidden_size, vocab_size; attnops.hf.serving_model's has them), on `device`, in the run's dtype:
-    bf16 on a GPU, fp32 on the CPU. A fresh cache each run."""
+    bf16 on a GPU, fp32 on the CPU. A fresh cache each run: the model's `make_kv_cache(num_pages, ...)` where it
+    has one (attnops.hf.serving_model's), else a PagedKVCache of the config's shape."""
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
         raise TypeError(f"run_demo: model must be a torch.nn.Module of the serving interface with a config (e.g. "
                         f"attnops.hf.serving_model(...)), got {type(model).__name__}")
@@ -102,12 +103,12 @@ def run_demo(model: torch.nn.Module, batch: int = 4, prompt_len: int = 32, steps
     new_tokens = 1 + warmup + steps + profile_steps  # the prefill's token, then the decode steps
     max_seq_len = prompt_len + new_tokens
     pages_per_seq = -(-max_seq_len // page_size)
-    if getattr(config, "latent_dim", 0):  # latent attention (DeepSeek): one latent row a token
-        cache = LatentKVCache(config.num_hidden_layers, batch * pages_per_seq, page_size, config.latent_dim,
-                              config.rope_dim, kv_format=kv_format, device=device, shuffle_pages=True, seed=seed)
+    layout = dict(page_size=page_size, kv_format=kv_format, device=device, shuffle_pages=True, seed=seed)
+    if hasattr(model, "make_kv_cache"):  # the model makes its own (attnops.hf's: latent rows, per-layer shapes)
+        cache = model.make_kv_cache(batch * pages_per_seq, **layout)
     else:
-        cache = PagedKVCache(config.num_hidden_layers, batch * pages_per_seq, page_size, config.num_key_value_heads,
-                             config.head_dim, kv_format=kv_format, device=device, shuffle_pages=True, seed=seed)
+        cache = PagedKVCache(config.num_hidden_layers, batch * pages_per_seq, num_kv_heads=config.num_key_value_heads,
+                             head_dim=config.head_dim, **layout)
     gen = Generator(model, cache, max_batch=batch, max_seq_len=max_seq_len, buckets=(batch,), compile=compile,
                     cuda_graphs=graphs, seed=seed)
     prompts = torch.randint(0, config.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(seed))
