@@ -14,7 +14,7 @@ Lengths follow transformers' convention: `get_seq_length()` counts the columns p
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import Cache
@@ -33,6 +33,8 @@ class _Step:
     index: torch.Tensor | None  # flat rows of the valid new tokens, or None when every one is valid
     batch: int
     q_len: int
+    # n -> the step with only each row's last n queries (PagedCache._last_positions), made once for its layers
+    last_positions: dict = field(default_factory=dict)
 
 
 class StepCache(Cache):
@@ -186,9 +188,12 @@ class PagedCache(StepCache):
 
     def _last_positions(self, n: int, attention_mask: torch.Tensor | None, device) -> _Step:
         """The step with only each row's last n query positions: its pages and lengths, their own query rows (a
-        KV-shared layer of Gemma-4 attends only those when a prefill keeps the last logits only)."""
+        KV-shared layer of Gemma-4 attends only those when a prefill keeps the last logits only); made once a
+        forward, for all its shared layers."""
         if n > self._step.q_len:
             raise ValueError(f"PagedCache: a layer's {n} queries are more than the forward's {self._step.q_len}")
+        if n in self._step.last_positions:
+            return self._step.last_positions[n]
         batch = self._step.batch
         if attention_mask is None:
             counts, index = [n] * batch, None
@@ -200,7 +205,8 @@ class PagedCache(StepCache):
         if not (n == 1 and index is None):
             cu = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0).to(device, torch.int32)
         meta = dataclasses.replace(self._step.meta, cu_seqlens_q=cu, cascade=None)
-        return _Step(meta, index, batch, n)
+        self._step.last_positions[n] = _Step(meta, index, batch, n)
+        return self._step.last_positions[n]
 
     def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: torch.Tensor | None, options: dict) -> torch.Tensor:
