@@ -243,22 +243,14 @@ def serve(model, **options):
     return test_hf.serve(model, schedule=SCHEDULE, **options)
 
 
-def alone(model, prompt, n, cache=None):
-    """transformers' greedy generate of one prompt (its own attention; its default cache, or `cache`)."""
-    extra = {} if cache is None else {cache_arg(model): cache}
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, **extra)
-    return out[0, len(prompt):].tolist()
-
-
 @pytest.mark.parametrize("variant", ["v3", "v2"])
 def test_generator_serves_deepseek_like_generate_and_compiles_without_graph_break(variant):
     """DeepSeek through attnops.hf.serving_model and the Generator (continuous batching, prefix sharing, its latent
     pages a LatentKVCache): each request's greedy tokens are transformers' eager generate's of it alone; the same
     under torch.compile(fullgraph=True), one graph per bucket."""
     eager, ours = models(variant)
-    test_hf.check_serves_like(ours, {i: alone(eager, prompt, n) for i, (_, prompt, n) in enumerate(SCHEDULE)},
-                              SCHEDULE)
+    expected = {i: test_hf.generate(eager, [prompt], n=n)[0] for i, (_, prompt, n) in enumerate(SCHEDULE)}
+    test_hf.check_serves_like(ours, expected, SCHEDULE)
 
 
 def test_latent_kv_cache_holds_one_latent_row_a_token_and_names_bad_arguments():
@@ -273,7 +265,8 @@ def test_latent_kv_cache_holds_one_latent_row_a_token_and_names_bad_arguments():
     assert kv.attention_args(1)["kv_cache"] is kv.kv[1] and kv.attention_args(0)["kv_scale"].item() == 0.5
     assert attnops.hf.model_shape(ours.config).latent_dim == R
     fp8 = serve(ours, kv_format="fp8_e4m3", kv_scale=Fp8RoundedCache.scale)
-    assert fp8 == {i: alone(ours, prompt, n, Fp8RoundedCache()) for i, (_, prompt, n) in enumerate(SCHEDULE)}
+    assert fp8 == {i: test_hf.generate(ours, [prompt], cache=Fp8RoundedCache(), n=n)[0]
+                   for i, (_, prompt, n) in enumerate(SCHEDULE)}
     assert fp8 != serve(ours)  # the rounding shows
     for kwargs, error, match in ((dict(kv_format="nvfp4"), ValueError, "kv_format"),
                                  (dict(latent_dim=48), ValueError, "latent_dim must be a multiple of 64"),
