@@ -1,8 +1,9 @@
 """Builds attnops._C: the operator schemas (csrc/ops.cpp) and the CPU kernels (csrc/cpu), plus, where this torch has
-CUDA and nvcc is found, the CUDA kernels (csrc/cuda/*.cu: 4-bit KV decode and verify) and, where FlashInfer's tvm-ffi
-headers are installed too, the C++ replay of FlashInfer calls (csrc/cuda/*.cpp; build after FlashInfer to get it).
-torch must be installed first; build with `pip install --no-build-isolation -e .` (an isolated build would fetch
-another torch). ATTNOPS_NO_CUDA=1 builds the CPU part only.
+CUDA and nvcc is found, the CUDA kernels (csrc/cuda/*.cu: 4-bit KV decode and verify, latent-attention decode on
+sm_90a) and, where FlashInfer's tvm-ffi headers are installed too, the C++ replay of FlashInfer calls
+(csrc/cuda/*.cpp; build after FlashInfer to get it). torch must be installed first; build with
+`pip install --no-build-isolation -e .` (an isolated build would fetch another torch). ATTNOPS_NO_CUDA=1 builds the
+CPU part only.
 """
 import glob
 import os
@@ -32,6 +33,18 @@ def tvm_ffi_include_dirs() -> list[str]:
         return []
 
 
+def hopper_arch_list() -> None:
+    """Builds for the visible GPUs' archs (torch's default), sm_90 as sm_90a: the latent-attention kernel
+    (csrc/cuda/mla_decode_sm90.cuh) uses Hopper's wgmma, which only sm_90a code has. A TORCH_CUDA_ARCH_LIST set by
+    the user is kept as it is."""
+    if os.environ.get("TORCH_CUDA_ARCH_LIST") or not torch.cuda.is_available():
+        return
+    archs = sorted({"%d.%d" % torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
+    os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join("9.0a" if arch == "9.0" else arch for arch in archs)
+
+
+if use_cuda:
+    hopper_arch_list()
 replay_includes = tvm_ffi_include_dirs() if use_cuda else []
 cxx_flags = ["-O3", "-std=c++17", "-fopenmp"]
 if use_cuda:

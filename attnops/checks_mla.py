@@ -10,8 +10,9 @@ import torch
 
 from . import formats
 from .cases import MLACall, MLACase, MLAWriteCall, MLAWriteCase, shape_class
-from .checks import (MAX_PAGE_SIZE, Q_DTYPES, _check_tensor, _describe, _fail, check_batch, check_fp8_scale_values,
-                     check_paged_attention_values, check_sinks_and_tree, check_slot_mapping_values, is_page_size)
+from .checks import (MAX_PAGE_SIZE, Q_DTYPES, _address, _check_tensor, _describe, _fail, check_batch,
+                     check_fp8_scale_values, check_paged_attention_values, check_sinks_and_tree,
+                     check_slot_mapping_values, is_page_size)
 from .env import device_arch
 
 MAX_LATENT_DIM, MAX_ROPE_DIM, MAX_HEADS = 512, 64, 128
@@ -108,7 +109,15 @@ def check_mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlen
                    page_size=kv_cache.shape[1], decode=cu_seqlens_q is None,
                    shape_class=shape_class(cu_seqlens_q is None, num_tokens, batch), batch=batch,
                    max_kv_len=block_table.shape[1] * kv_cache.shape[1], sinks=sinks is not None,
-                   tree_mask=tree_mask is not None)
+                   tree_mask=tree_mask is not None, aligned_kv=latent_rows_aligned(kv_cache))
+
+
+def latent_rows_aligned(kv_cache: torch.Tensor) -> bool:
+    """Whether every latent row of the cache (validated) starts on a 16-byte boundary, so that a kernel copies rows
+    by 16-byte words (MLACase.aligned_kv): the base address and both strides."""
+    size = kv_cache.element_size()
+    return (_address(kv_cache) % 16 == 0 and kv_cache.stride(0) * size % 16 == 0
+            and kv_cache.stride(1) * size % 16 == 0 and kv_cache.stride(2) == 1)
 
 
 def check_mla_attention_values(q_nope, kv_cache, block_table, seq_lens, cu_seqlens_q, kv_scale, tree_mask) -> None:

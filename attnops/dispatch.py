@@ -35,10 +35,11 @@ STATIC_ORDER = {
 # Latent attention (MLA): on the CPU the C++ kernels, as for paged attention; on a GPU FlashInfer's MLA wrapper
 # where it serves (R 512, P 64, bf16/fp16, outside captures nobody re-plans; Triton took 0.86-2.6x its time on the
 # H100, docs/bench.md), then Triton's kernels (fp8, sinks, trees, other R/P, captures), the reference only behind
-# them (a host loop: slow, and not CUDA-graph safe).
+# them (a host loop: slow, and not CUDA-graph safe). The CUDA backend's sm_90a decode comes after Triton until it
+# is measured (and is off unless ATTNOPS_CUDA_MLA=1).
 MLA_ORDER = {
     "cpu": ("cpu", "reference"),
-    "cuda": ("flashinfer", "triton", "reference"),
+    "cuda": ("flashinfer", "triton", "cuda", "reference"),
 }
 
 _pinned_backend: contextvars.ContextVar[str | None] = contextvars.ContextVar("attnops_backend", default=None)

@@ -173,7 +173,7 @@ def main(argv=None) -> int:
     import attnops  # noqa: F401  (registers the ops)
     from attnops.backends.reference import paged_attention_reference
     records = []
-    print(f"{'case':<28}{'attnops us':>12}{'TB/s':>8}{'of ceil':>9}{'flashinfer us':>15}{'ratio':>8}")
+    print(f"{'case':<28}{'attnops us':>12}{'TB/s':>8}{'of ceil':>9}{'TFLOP/s':>9}{'flashinfer us':>15}{'ratio':>8}")
     for heads in args.heads:
         for spec in args.cases:
             batch, kv_len = (int(x) for x in spec.split("x"))
@@ -197,9 +197,11 @@ def main(argv=None) -> int:
             nbytes = batch * kv_len * (args.latent + args.rope) * element + 2 * out.numel() * 2 + \
                 case["q_pe"].numel() * 2
             tbs = nbytes / ours / 1e6
+            tflops = 2 * batch * kv_len * heads * (2 * args.latent + args.rope) / ours / 1e6  # Q K^T and P V
             record = dict(case=f"mla/{heads}/{spec}/{args.kv_format}", backend=args.backend,
                           timing=timing, heads=heads, batch=batch,
-                          kv_len=kv_len, latent=args.latent, rope=args.rope, attnops_us=ours, tbs=tbs, rel_error=err,
+                          kv_len=kv_len, latent=args.latent, rope=args.rope, attnops_us=ours, tbs=tbs, tflops=tflops,
+                          rel_error=err,
                           gpu=torch.cuda.get_device_name())
             if args.sweep:
                 rows = sweep_case(case, scale, out, args.sweep_budget, sweep_grid(args.sweep_grid))
@@ -222,7 +224,7 @@ def main(argv=None) -> int:
                     fi_text = f"{theirs:>15.1f}{theirs / ours:>8.2f}"
                 except Exception as e:  # not installed, or no kernel for this shape
                     record["flashinfer"] = f"{type(e).__name__}: {e}"[:200]
-            print(f"{record['case']:<28}{ours:>12.1f}{tbs:>8.2f}{tbs / hbm_tbps('cuda'):>9.2f}{fi_text}")
+            print(f"{record['case']:<28}{ours:>12.1f}{tbs:>8.2f}{tbs / hbm_tbps('cuda'):>9.2f}{tflops:>9.0f}{fi_text}")
             records.append(record)
             del case, out
             torch.cuda.empty_cache()

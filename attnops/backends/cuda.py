@@ -19,7 +19,8 @@ import torch
 
 from .. import _C  # noqa: F401  (registers the C++ and CUDA ops)
 from .. import errors, invariance
-from .base import AttentionCase, Backend, common_reasons, kernel_outputs, rows_without_a_sequence
+from . import cuda_mla
+from .base import AttentionCase, Backend, MLACase, common_reasons, kernel_outputs, rows_without_a_sequence
 
 HEAD_DIMS = (64, 128, 256)
 KV_FORMATS = ("nvfp4", "mxfp4")
@@ -70,8 +71,10 @@ def invariant_splits(capacity: int) -> tuple[int, int]:
 class CudaBackend(Backend):
     name = "cuda"
     description = ("attnops' CUDA C++ kernels: 4-bit KV (nvfp4, mxfp4) at head dims 64/128/256, decode and verify, "
-                   "windows and soft cap, read in place")
+                   "windows and soft cap, read in place; latent-attention (MLA) decode on sm_90a (off unless "
+                   "ATTNOPS_CUDA_MLA=1)")
     writes_cache = False  # reshape_and_cache goes to the Triton kernels
+    serves_mla = True  # latent-attention decode on sm_90a (cuda_mla.py; off unless ATTNOPS_CUDA_MLA=1)
 
     def unavailable(self) -> list[str]:
         if not torch.cuda.is_available():
@@ -86,9 +89,13 @@ class CudaBackend(Backend):
         return []
 
     def invariance_reasons(self, case) -> list[str]:
+        if isinstance(case, MLACase):
+            return ["latent attention: not yet shown batch-invariant"]
         return []  # (invariant_splits in the mode; a block's warps split its keys by position only)
 
     def supports(self, case) -> list[str]:
+        if isinstance(case, MLACase):
+            return cuda_mla.reasons(case)
         if not isinstance(case, AttentionCase):
             return ["attention only (cache writes are the Triton kernels')"]
         reasons = common_reasons(case, devices=("cuda",), q_dtypes=Q_DTYPES, kv_formats=KV_FORMATS,
@@ -102,6 +109,9 @@ class CudaBackend(Backend):
                            "own size's alignment, K's and V's scales with different strides, pages 4 GiB or more "
                            "apart): checks.kv_layout_reasons names which")
         return reasons
+
+    def mla_attention(self, call) -> None:
+        cuda_mla.mla_attention(call)
 
     def paged_attention(self, call) -> None:
         out, lse = call.out, call.lse

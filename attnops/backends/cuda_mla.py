@@ -1,0 +1,127 @@
+"""The CUDA backend's latent attention (MLA): decode through attnops' own sm_90a kernel
+(csrc/cuda/mla_decode_sm90.cuh: 64 heads a block as the M of Hopper's warpgroup MMAs, each latent row read once
+for all of them, the 64 x 512 accumulator over two warpgroups), for DeepSeek's shape (R 512, P 64) with a bf16
+cache under bf16 q.
+
+Off unless ATTNOPS_CUDA_MLA=1: it has not yet run on a GPU against the reference, so dispatch never picks it (and
+a pinned `cuda` declines latent attention) until then; `bash benchmarks/gpu_round.sh cuda-mla` runs its GPU tests
+and times it beside Triton and FlashInfer.
+
+The split of each sequence's keys comes from shapes only (the table's capacity, the tokens, the heads, the SM
+count), so a CUDA graph replays any lengths; with more than one split, the partials are merged by the Triton
+backend's merge kernel (which also adds the sinks).
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+
+from .. import errors
+from .base import common_reasons, kernel_outputs, rows_without_a_sequence
+from .triton.mla_launch import mla_merge
+
+ENV = "ATTNOPS_CUDA_MLA"
+SHAPE = (512, 64)  # (R, P) the kernel is built for
+ROWS = 64  # heads a block
+TILE = 64  # keys a step; splits are whole tiles
+MIN_CHUNK = 256  # keys a split at least (a block loads its 64 heads' queries first: 72 KB)
+MAX_SPLITS = 65535  # a grid dimension
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV) == "1"
+
+
+_sm90a: dict[int, bool] = {}
+
+
+def sm90a_built(device_index: int) -> bool | None:
+    """Whether this device runs the kernel's sm_90a code (an sm_90 build has only an empty kernel); None while
+    unknown: asked only outside a capture (the answer is a synchronous copy), then remembered."""
+    if not hasattr(torch.ops.attnops, "mla_sm90a_built"):  # (a build without CUDA kernels)
+        return False
+    if device_index not in _sm90a:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        _sm90a[device_index] = bool(torch.ops.attnops.mla_sm90a_built(device_index))
+    return _sm90a[device_index]
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def reasons(case) -> list[str]:
+    """Why the kernel cannot serve an MLACase (empty: it can). The backend's own `unavailable` (a CUDA build, a GPU)
+    is asked beside."""
+    if not enabled():
+        return [f"latent attention: not yet checked on a GPU, so off unless {ENV}=1"]
+    found = common_reasons(case, devices=("cuda",), q_dtypes=(torch.bfloat16,), kv_formats=("bf16",),
+                           archs=lambda arch: arch == (9, 0))
+    if (case.latent_dim, case.rope_dim) != SHAPE:
+        found.append(f"latent rows of R {case.latent_dim}, P {case.rope_dim}: its kernel is built for R {SHAPE[0]}, "
+                     f"P {SHAPE[1]}")
+    if not case.decode:
+        found.append("decode only (one query token a sequence)")
+    if case.tree_mask:
+        found.append("tree_mask not supported")
+    if not case.aligned_kv:
+        found.append("a cache whose latent rows do not all start on a 16-byte boundary (its kernel copies them by "
+                     "16-byte words)")
+    if not found:
+        built = sm90a_built(torch.cuda.current_device())
+        if built is None:
+            found.append("not yet asked outside a capture whether its sm_90a code was built (call it once eagerly)")
+        elif not built:
+            found.append("attnops was built without sm_90a code (TORCH_CUDA_ARCH_LIST=9.0a; setup.py asks for it "
+                         "on an sm_90 GPU)")
+    return found
+
+
+def plan(num_tokens: int, num_heads: int, capacity: int, sm_count: int, sinks: bool) -> tuple[int, int]:
+    """(splits, keys a split) of a call: about one block an SM (a block holds most of an SM's shared memory), at
+    least MIN_CHUNK keys a split; with sinks at least two splits (the merge adds them). Shapes only: graph-safe."""
+    blocks = max(1, num_tokens) * math.ceil(num_heads / ROWS)
+    tiles = max(1, math.ceil(capacity / TILE))
+    splits = max(1, math.ceil(sm_count / blocks))
+    chunk = max(MIN_CHUNK, math.ceil(tiles / splits) * TILE, math.ceil(tiles / MAX_SPLITS) * TILE)
+    splits = math.ceil(tiles * TILE / chunk)
+    return max(splits, 2 if sinks else 1), chunk
+
+
+def mla_attention(call) -> None:
+    out, lse = call.out, call.lse
+    if out.stride(-1) != 1 or (lse is not None and not lse.is_contiguous()):
+        with kernel_outputs(out, lse) as (out_w, lse_w):
+            mla_attention(call._replace(out=out_w, lse=lse_w))
+        return
+    num_tokens, num_heads, latent = call.q_nope.shape
+    if num_tokens == 0:
+        return
+    if call.case.batch == 0:
+        rows_without_a_sequence(out, lse)
+        return
+    device = call.q_nope.device
+    q_nope = call.q_nope if _rows_aligned(call.q_nope) else call.q_nope.contiguous()
+    q_pe = call.q_pe if _rows_aligned(call.q_pe) else call.q_pe.contiguous()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    splits, chunk = plan(num_tokens, num_heads, call.case.max_kv_len, _sm_count(index), call.sinks is not None)
+    part_out = part_lse = out  # (unused with one split: the kernel writes out and lse)
+    if splits > 1:
+        part_out = torch.empty(num_tokens * num_heads * splits * latent, dtype=torch.float32, device=device)
+        part_lse = torch.empty(num_tokens * num_heads * splits, dtype=torch.float32, device=device)
+    torch.ops.attnops.mla_decode_sm90(q_nope, q_pe, call.kv_cache, call.block_table.contiguous(),
+                                      call.seq_lens.contiguous(), out, lse if splits == 1 else None, part_out,
+                                      part_lse, errors.buffer(device), float(call.scale), splits, chunk)
+    if splits > 1:  # (the Triton backend's merge kernel, on the same partials)
+        mla_merge(out, lse, part_out, part_lse, call.sinks, splits)
+
+
+def _rows_aligned(q: torch.Tensor) -> bool:
+    """Whether each head's row of q starts on a 16-byte boundary (the kernel copies it by 16-byte words)."""
+    size = q.element_size()
+    return q.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in q.stride()[:2])

@@ -1,0 +1,82 @@
+// Host side of the sm_90a latent-attention decode (mla_decode_sm90.cuh has the kernel and says how it works):
+// torch.ops.attnops.mla_decode_sm90, called by the `cuda` backend (attnops/backends/cuda_mla.py), which validates
+// the call, plans the splits and merges them.
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "mla_decode_sm90.cuh"
+
+namespace attnops::mla_sm90 {
+
+// 1 where the kernel this device runs is the sm_90a code (built with TORCH_CUDA_ARCH_LIST holding 9.0a; setup.py
+// asks for it on an sm_90 GPU), else 0: the backend declines then. A synchronous copy: call it outside captures.
+int64_t mla_sm90a_built(int64_t device) {
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  int built = 0;
+  if (cudaMemcpyFromSymbol(&built, kBuiltSm90a, sizeof(int)) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return built;
+}
+
+// q_nope [T, H, 512] and q_pe [T, H, 64] bf16 with unit inner stride and 16-byte aligned rows; kv_cache
+// [num_pages, page_size, >= 576] bf16, the same; out [T, H, 512] bf16 (unit inner stride), lse float32 [T, H]
+// contiguous or none; with splits > 1, part_out float32 [T, H, splits, 512] and part_lse [T, H, splits] instead
+// (the caller merges). Validated by the backend.
+void mla_decode_sm90(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& kv_cache,
+                     const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& out,
+                     const std::optional<at::Tensor>& lse, const at::Tensor& part_out, const at::Tensor& part_lse,
+                     const at::Tensor& errors, double scale, int64_t splits, int64_t chunk) {
+  const int64_t T = q_nope.size(0), H = q_nope.size(1);
+  TORCH_CHECK(q_nope.size(2) == kR && q_pe.size(2) == kP, "mla_decode_sm90: latent 512 and rotary 64 only");
+  TORCH_CHECK(splits >= 1 && chunk % kKeys == 0 && chunk > 0, "mla_decode_sm90: chunk a multiple of 64");
+  TORCH_CHECK(seq_lens.size(0) == T, "mla_decode_sm90: decode only (one query token a sequence)");
+  if (T == 0) return;
+  c10::cuda::CUDAGuard guard(q_nope.device());
+  Args a{};
+  a.q_nope = reinterpret_cast<const __nv_bfloat16*>(q_nope.data_ptr());
+  a.q_pe = reinterpret_cast<const __nv_bfloat16*>(q_pe.data_ptr());
+  a.kv = reinterpret_cast<const __nv_bfloat16*>(kv_cache.data_ptr());
+  a.block_table = block_table.data_ptr<int>();
+  a.seq_lens = seq_lens.data_ptr<int>();
+  a.out = reinterpret_cast<__nv_bfloat16*>(out.data_ptr());
+  a.lse = lse ? lse->data_ptr<float>() : nullptr;
+  a.part_out = splits > 1 ? part_out.data_ptr<float>() : nullptr;
+  a.part_lse = splits > 1 ? part_lse.data_ptr<float>() : nullptr;
+  a.errors = errors.data_ptr<int>();
+  a.q_nope_token = q_nope.stride(0), a.q_nope_head = q_nope.stride(1);
+  a.q_pe_token = q_pe.stride(0), a.q_pe_head = q_pe.stride(1);
+  a.kv_page = kv_cache.stride(0), a.kv_token = kv_cache.stride(1);
+  a.out_token = out.stride(0), a.out_head = out.stride(1);
+  a.table_stride = static_cast<int>(block_table.stride(0));
+  a.num_pages = static_cast<int>(kv_cache.size(0));
+  a.page_size = static_cast<int>(kv_cache.size(1));
+  a.capacity = static_cast<int>(block_table.size(1) * kv_cache.size(1));
+  a.num_heads = static_cast<int>(H);
+  a.head_blocks = static_cast<int>((H + kRows - 1) / kRows);
+  a.chunk = static_cast<int>(chunk);
+  a.splits = static_cast<int>(splits);
+  a.qk_scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+  // (a function attribute, not a stream operation: allowed inside a capture)
+  C10_CUDA_CHECK(cudaFuncSetAttribute(mla_decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  const dim3 grid(static_cast<unsigned>(T * a.head_blocks), static_cast<unsigned>(splits));
+  mla_decode_kernel<<<grid, kThreads, kSmemBytes, c10::cuda::getCurrentCUDAStream()>>>(a);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace attnops::mla_sm90
+
+TORCH_LIBRARY_FRAGMENT(attnops, m) {
+  // internal: the `cuda` backend's latent-attention decode (attnops/backends/cuda_mla.py)
+  m.def(
+      "mla_decode_sm90(Tensor q_nope, Tensor q_pe, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
+      "Tensor(a!) out, Tensor(b!)? lse, Tensor(c!) part_out, Tensor(d!) part_lse, Tensor(e!) errors, float scale, "
+      "int splits, int chunk) -> ()");
+  m.def("mla_sm90a_built(int device) -> int", &attnops::mla_sm90::mla_sm90a_built);
+}
+
+TORCH_LIBRARY_IMPL(attnops, CUDA, m) { m.impl("mla_decode_sm90", &attnops::mla_sm90::mla_decode_sm90); }

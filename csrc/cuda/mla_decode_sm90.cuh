@@ -1,0 +1,416 @@
+// Latent attention (MLA) decode for sm_90a, in CUDA C++ with Hopper's warpgroup MMA (wgmma): the `cuda` backend's
+// latent-attention kernel (attnops/backends/cuda_mla.py), called through torch.ops.attnops.mla_decode_sm90.
+//
+// Why not a Triton tile: every query head of a token attends to the same latent rows, so a block takes 64 heads
+// as the M dimension of its MMAs and reads each row once for all of them; the 64 x 512 fp32 accumulator then
+// needs two warpgroups' registers (128 a thread each), split by output column, with the scores computed once
+// (docs/bench.md has the Triton tile's register and spill counts).
+//
+// A block: one token, 64 of its heads (rows past num_heads are zero queries, never written), one split of its
+// keys, 256 threads = two warpgroups.
+// - Shared memory: Q [64 x 576] and two stages of 64 latent rows [64 x 576] (cp.async, the next tile loading while
+//   this one is used), P [64 x 64] bf16; every operand in wgmma's 128-byte-swizzle layout: 64-value column chunks
+//   of [rows x 128 bytes], the 16-byte pieces of row r XORed with r % 8.
+// - Warpgroup 0: S = Q K^T (m64n64k16 over 576 values), the online softmax (base 2), P to shared memory and
+//   to registers; O[:, 0:256] += P V (P from registers).
+// - Warpgroup 1: O[:, 256:512] += P V (P from shared memory), rescaled by warpgroup 0's factors.
+// - V is the tile's first 512 values read N-major: the same shared memory as K, no copy.
+// With one split the block writes out (bf16) and the LSE; with more, its normalised partial (fp32) and base-2 LSE
+// for the merge kernel (the Triton backend's mla_merge_kernel, which also adds sinks).
+//
+// Bad indices (docs/design.md): a sequence length outside [0, capacity] makes the token's rows NaN and reads
+// nothing; a page index outside the cache is never read and makes NaN the rows whose split sees one of its keys.
+// Each is recorded in the error buffer (attnops/errors.py) with atomic min.
+#pragma once
+#include <cuda_bf16.h>
+#include <cstdint>
+
+namespace attnops::mla_sm90 {
+
+constexpr int kR = 512, kP = 64, kD = kR + kP;  // latent, rotary, row width
+constexpr int kRows = 64;                        // heads a block
+constexpr int kKeys = 64;                        // keys a tile
+constexpr int kThreads = 256;
+constexpr int kChunks = kD / 64;                 // 64-value column chunks of a row
+constexpr int kPieces = kD / 8;                  // 16-byte pieces of a row
+constexpr int kChunkBytes = kKeys * 128;         // one column chunk of a tile (kRows == kKeys)
+constexpr int kTileBytes = kChunks * kChunkBytes;
+constexpr int kPBytes = kRows * kKeys * 2;
+constexpr int kSmemBytes = 3 * kTileBytes + kPBytes + 3 * kRows * 4 + 1024;  // + alignment slack
+static_assert(kSmemBytes <= 227 * 1024, "one block must fit an sm_90 SM's 227 KB of shared memory");
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr int kErrBlockTable = 0, kErrSeqLens = 1;  // attnops/errors.py ARGUMENTS
+
+struct Args {
+  const __nv_bfloat16* q_nope;  // [T, H, 512], rows 16-byte aligned
+  const __nv_bfloat16* q_pe;    // [T, H, 64]
+  const __nv_bfloat16* kv;      // [num_pages, page_size, >= 576]
+  const int* block_table;
+  const int* seq_lens;
+  __nv_bfloat16* out;  // [T, H, 512] (one split)
+  float* lse;          // [T, H] natural log, or null (one split)
+  float* part_out;     // [T, H, splits, 512] (splits > 1)
+  float* part_lse;     // [T, H, splits], base 2
+  int* errors;
+  int64_t q_nope_token, q_nope_head, q_pe_token, q_pe_head, kv_page, kv_token, out_token, out_head;
+  int table_stride, num_pages, page_size, capacity, num_heads, head_blocks, chunk, splits;
+  float qk_scale_log2;  // softmax scale x log2(e)
+};
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// Byte offset of 16-byte piece `piece` (0 .. 71) of row `row` in a [rows x 576] operand: column chunk piece / 8,
+// the piece XORed with row % 8 inside its 128-byte line (the 128-byte swizzle)
+__device__ __forceinline__ uint32_t swizzled(int row, int piece) {
+  return (piece >> 3) * kChunkBytes + row * 128 + (((piece & 7) ^ (row & 7)) << 4);
+}
+
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool fill) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(fill ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+// generic-proxy writes (cp.async, st.shared) made visible to wgmma's reads (the async proxy)
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// A wgmma shared-memory descriptor: start address, leading and stride byte offsets (16-byte units), 128-byte
+// swizzle. K-major operands: stride = 1024 (8 rows of 128 bytes), leading unused (1). N-major V: leading = the
+// next 64-column chunk, stride = the next 8 keys.
+__device__ __forceinline__ uint64_t descriptor(uint32_t addr, uint32_t leading, uint32_t stride) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(leading >> 4) << 16) |
+         (static_cast<uint64_t>(stride >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// keeps the compiler from moving accumulator reads or writes across a wgmma fence or wait
+template <int N>
+__device__ __forceinline__ void pin(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// S (+)= A B^T: A [64 x 16] and B [64 x 16], both K-major in shared memory (descriptors); S fp32 [64 x 64]
+__device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, "
+      "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+      "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      :
+      "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+      "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+      "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+      "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+// O += P V: P [64 x 16] bf16 in registers (each warp's 16 rows as mma.m16n8k16's A fragments), V [16 x 256] N-major
+// in shared memory (descriptor); O fp32 [64 x 256]
+__device__ __forceinline__ void wgmma_m64n256k16_rs(float (&d)[128], const uint32_t (&a)[4], uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, "
+      "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, "
+      "%40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, "
+      "%59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, "
+      "%78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, "
+      "%97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, "
+      "%113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+      "}, {%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"
+      :
+      "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+      "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+      "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+      "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
+      "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
+      "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+      "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
+      "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]),
+      "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]),
+      "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]),
+      "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]),
+      "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]),
+      "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]),
+      "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+      "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]),
+      "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]),
+      "+f"(d[126]), "+f"(d[127])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(1));
+}
+
+// O += P V: P [64 x 16] K-major and V [16 x 256] N-major, both in shared memory; O fp32 [64 x 256]
+__device__ __forceinline__ void wgmma_m64n256k16_ss(float (&d)[128], uint64_t desc_a, uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, "
+      "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, "
+      "%40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, "
+      "%59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, "
+      "%78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, "
+      "%97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, "
+      "%113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+      "}, %128, %129, p, 1, 1, 0, 1;\n}\n"
+      :
+      "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+      "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+      "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+      "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
+      "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
+      "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+      "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
+      "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]),
+      "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]),
+      "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]),
+      "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]),
+      "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]),
+      "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]),
+      "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+      "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]),
+      "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]),
+      "+f"(d[126]), "+f"(d[127])
+      : "l"(desc_a), "l"(desc_b), "n"(1));
+}
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define ATTNOPS_MLA_SM90A 1  // wgmma: sm_90a code only (an sm_90 build leaves the kernel empty; the probe says so)
+#endif
+
+// Loads the latent rows of keys [start, start + 64) into `tile` (keys at or past `end` zero-filled, read from
+// nowhere): thread tid takes row tid / 4, pieces tid % 4 + 4 j. Returns whether its key is visible and sits in a
+// page outside the cache (never read).
+__device__ __forceinline__ bool load_tile(const Args& a, const int* table_row, int start, int end, uint32_t tile,
+                                          int tid) {
+  const int row = tid >> 2;
+  const int key = start + row;
+  const bool visible = key < end;
+  const int page = visible ? table_row[key / a.page_size] : 0;
+  const bool bad = visible && (page < 0 || page >= a.num_pages);
+  const bool ok = visible && !bad;
+  const __nv_bfloat16* src =
+      ok ? a.kv + static_cast<int64_t>(page) * a.kv_page + static_cast<int64_t>(key % a.page_size) * a.kv_token : a.kv;
+#pragma unroll
+  for (int j = 0; j < kPieces / 4; ++j) {
+    const int piece = (tid & 3) + 4 * j;
+    cp_async_16(tile + swizzled(row, piece), src + (ok ? piece * 8 : 0), ok);
+  }
+  return bad;
+}
+
+__global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_constant__ Args a) {
+#if defined(ATTNOPS_MLA_SM90A)
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const uint32_t s_q = smem_u32(smem);
+  const uint32_t s_k = s_q + kTileBytes;  // two stages of kTileBytes
+  const uint32_t s_p = s_q + 3 * kTileBytes;
+  uint8_t* p_bytes = smem + 3 * kTileBytes;
+  float* s_alpha = reinterpret_cast<float*>(p_bytes + kPBytes);
+  float* s_m = s_alpha + kRows;
+  float* s_l = s_m + kRows;
+
+  const int tid = threadIdx.x, warp = (tid >> 5) & 3, lane = tid & 31;
+  // the warpgroup through a shuffle: the compiler then knows it is warp-uniform, and keeps the wgmmas of a
+  // branch on it pipelined (it serialises them in what it takes for a divergent path)
+  const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
+  const int g = lane >> 2, t4 = lane & 3;
+  const int row0 = warp * 16 + g, row1 = row0 + 8;  // this thread's two rows of the block's 64 (both warpgroups)
+  const int token = blockIdx.x / a.head_blocks, head_block = blockIdx.x % a.head_blocks, split = blockIdx.y;
+
+  int seq_len = a.seq_lens[token];
+  const bool len_bad = seq_len < 0 || seq_len > a.capacity;
+  if (len_bad) {
+    if (head_block == 0 && split == 0 && tid == 0) atomicMin(a.errors + kErrSeqLens, token);
+    seq_len = 0;
+  }
+  const int lo = split * a.chunk;
+  const int hi = min(lo + a.chunk, seq_len);
+  const int tiles = hi > lo ? (hi - lo + kKeys - 1) / kKeys : 0;
+  const int* table_row = a.block_table + static_cast<int64_t>(token) * a.table_stride;
+
+  {  // Q: q_nope's 512 values then q_pe's 64, a row a head (zeros past num_heads)
+    const int row = tid >> 2, head = head_block * kRows + row;
+    const bool valid = head < a.num_heads;
+    const __nv_bfloat16* nope = a.q_nope + token * a.q_nope_token + (valid ? head : 0) * a.q_nope_head;
+    const __nv_bfloat16* pe = a.q_pe + token * a.q_pe_token + (valid ? head : 0) * a.q_pe_head;
+#pragma unroll
+    for (int j = 0; j < kPieces / 4; ++j) {
+      const int piece = (tid & 3) + 4 * j;
+      cp_async_16(s_q + swizzled(row, piece), piece < kR / 8 ? nope + piece * 8 : pe + (piece - kR / 8) * 8, valid);
+    }
+  }
+  bool saw_bad = tiles > 0 && load_tile(a, table_row, lo, hi, s_k, tid);
+  cp_async_commit();
+
+  float o[128];  // warpgroup wg's columns [256 wg, 256 wg + 256) of rows row0, row1
+#pragma unroll
+  for (int i = 0; i < 128; ++i) o[i] = 0.0f;
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;  // warpgroup 0: running max, this thread's sums
+
+  for (int i = 0; i < tiles; ++i) {
+    const int start = lo + i * kKeys;
+    const uint32_t tile = s_k + (i & 1) * kTileBytes;
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();  // tile i in place; every use of the other stage (tile i - 1) done
+    if (i + 1 < tiles) saw_bad |= load_tile(a, table_row, start + kKeys, hi, s_k + ((i + 1) & 1) * kTileBytes, tid);
+    cp_async_commit();
+
+    uint32_t p_frag[4][4];
+    float alpha0, alpha1;
+    if (wg == 0) {
+      float s[32];
+#pragma unroll
+      for (int z = 0; z < 32; ++z) s[z] = 0.0f;
+      pin(s);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk) {
+        const uint32_t offset = (kk >> 2) * kChunkBytes + (kk & 3) * 32;
+        wgmma_m64n64k16_ss(s, descriptor(s_q + offset, 16, 1024), descriptor(tile + offset, 16, 1024), kk > 0);
+      }
+      wgmma_commit();
+      wgmma_wait_all();
+      pin(s);
+      // online softmax in base 2; s[4 j + c]: row row0 (c < 2) or row1, key start + 8 j + 2 t4 + c % 2
+      float max0 = -INFINITY, max1 = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int key = start + 8 * j + 2 * t4 + (c & 1);
+          const float v = key < hi ? s[4 * j + c] * a.qk_scale_log2 : -INFINITY;
+          s[4 * j + c] = v;
+          if (c < 2) max0 = fmaxf(max0, v);
+          else max1 = fmaxf(max1, v);
+        }
+      }
+#pragma unroll
+      for (int mask = 1; mask <= 2; mask <<= 1) {
+        max0 = fmaxf(max0, __shfl_xor_sync(0xffffffffu, max0, mask));
+        max1 = fmaxf(max1, __shfl_xor_sync(0xffffffffu, max1, mask));
+      }
+      const float new0 = fmaxf(m0, max0), new1 = fmaxf(m1, max1);
+      const float base0 = new0 == -INFINITY ? 0.0f : new0, base1 = new1 == -INFINITY ? 0.0f : new1;
+      alpha0 = exp2f(m0 - base0);
+      alpha1 = exp2f(m1 - base1);
+      m0 = new0;
+      m1 = new1;
+      float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float p0 = exp2f(s[4 * j] - base0), p1 = exp2f(s[4 * j + 1] - base0);
+        const float p2 = exp2f(s[4 * j + 2] - base1), p3 = exp2f(s[4 * j + 3] - base1);
+        sum0 += p0 + p1;
+        sum1 += p2 + p3;
+        const uint32_t pair0 = pack_bf16(p0, p1), pair1 = pack_bf16(p2, p3);
+        // shared memory: P [64 x 64] K-major, keys 8 j .. 8 j + 7 are piece j of the row
+        *reinterpret_cast<uint32_t*>(p_bytes + row0 * 128 + ((j ^ (row0 & 7)) << 4) + t4 * 4) = pair0;
+        *reinterpret_cast<uint32_t*>(p_bytes + row1 * 128 + ((j ^ (row1 & 7)) << 4) + t4 * 4) = pair1;
+        // registers: the A fragments of 16-key step j / 2 (keys + 0..7: a0 a1; + 8..15: a2 a3)
+        p_frag[j >> 1][(j & 1) * 2] = pair0;
+        p_frag[j >> 1][(j & 1) * 2 + 1] = pair1;
+      }
+      l0 = l0 * alpha0 + sum0;
+      l1 = l1 * alpha1 + sum1;
+      if (t4 == 0) {
+        s_alpha[row0] = alpha0;
+        s_alpha[row1] = alpha1;
+      }
+      fence_proxy_async();
+    }
+    __syncthreads();  // P and the factors in shared memory
+    if (wg == 1) {
+      alpha0 = s_alpha[row0];
+      alpha1 = s_alpha[row1];
+    }
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      o[4 * j] *= alpha0;
+      o[4 * j + 1] *= alpha0;
+      o[4 * j + 2] *= alpha1;
+      o[4 * j + 3] *= alpha1;
+    }
+    pin(o);
+    wgmma_fence();
+    const uint32_t v_cols = tile + wg * 4 * kChunkBytes;  // this warpgroup's 256 columns of V
+    if (wg == 0) {
+#pragma unroll
+      for (int kk = 0; kk < kKeys / 16; ++kk)
+        wgmma_m64n256k16_rs(o, p_frag[kk], descriptor(v_cols + kk * 2048, kChunkBytes, 1024));
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < kKeys / 16; ++kk)
+        wgmma_m64n256k16_ss(o, descriptor(s_p + kk * 32, 16, 1024), descriptor(v_cols + kk * 2048, kChunkBytes, 1024));
+    }
+    wgmma_commit();
+    wgmma_wait_all();
+    pin(o);
+  }
+  cp_async_wait<0>();
+
+  const bool poisoned = __syncthreads_or(saw_bad) != 0;  // a visible key of this split in a bad page
+  if (poisoned && tid == 0) atomicMin(a.errors + kErrBlockTable, token);
+  if (wg == 0) {
+#pragma unroll
+    for (int mask = 1; mask <= 2; mask <<= 1) {
+      l0 += __shfl_xor_sync(0xffffffffu, l0, mask);
+      l1 += __shfl_xor_sync(0xffffffffu, l1, mask);
+    }
+    if (t4 == 0) {
+      s_m[row0] = m0;
+      s_m[row1] = m1;
+      s_l[row0] = l0;
+      s_l[row1] = l1;
+    }
+  }
+  __syncthreads();
+  const bool nan_rows = len_bad || poisoned;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = r ? row1 : row0, head = head_block * kRows + row;
+    if (head >= a.num_heads) continue;
+    const float l = s_l[row], m = s_m[row];
+    const bool has_keys = l > 0.0f;
+    const float inv = nan_rows ? NAN : (has_keys ? 1.0f / l : 0.0f);
+    const float lse2 = nan_rows ? NAN : (has_keys ? m + log2f(l) : -INFINITY);
+    const int col = wg * 256 + 2 * t4;
+    if (a.splits == 1) {
+      __nv_bfloat16* dst = a.out + token * a.out_token + head * a.out_head + col;
+#pragma unroll
+      for (int j = 0; j < 32; ++j)
+        *reinterpret_cast<__nv_bfloat162*>(dst + 8 * j) =
+            __floats2bfloat162_rn(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+      if (a.lse != nullptr && wg == 0 && t4 == 0) a.lse[static_cast<int64_t>(token) * a.num_heads + head] = lse2 * kLn2;
+    } else {
+      const int64_t part = (static_cast<int64_t>(token) * a.num_heads + head) * a.splits + split;
+      float* dst = a.part_out + part * kR + col;
+#pragma unroll
+      for (int j = 0; j < 32; ++j)
+        *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+      if (wg == 0 && t4 == 0) a.part_lse[part] = lse2;
+    }
+  }
+#endif
+}
+
+// 1 where this device runs the sm_90a code above, 0 where it got another arch's (an empty kernel)
+#if defined(ATTNOPS_MLA_SM90A)
+__device__ const int kBuiltSm90a = 1;
+#else
+__device__ const int kBuiltSm90a = 0;
+#endif
+
+}  // namespace attnops::mla_sm90

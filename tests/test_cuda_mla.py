@@ -1,0 +1,211 @@
+"""The CUDA backend's latent-attention decode (attnops/backends/cuda_mla.py, csrc/cuda/mla_decode_sm90.cuh).
+
+Here: what it declines and why, its split plan, and its kernel through nvcc for sm_90a (resources, no spills, the
+wgmmas kept pipelined). On an H100/H200 (`-m gpu`, ATTNOPS_CUDA_MLA=1 set by the tests): the op pinned to it
+against the float64 reference on random ragged decode batches (1 to 128 heads, pages of 16 and 64, one and many
+splits, LSE, sinks), bad indices, a user's CUDA graph replaying new lengths and tables, and reduce-overhead.
+"""
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+import attnops
+from attnops.backends import cuda_mla
+from attnops.backends.reference import mla_attention_reference
+from attnops.cases import MLACase
+from attnops.checks_mla import check_mla_attention, latent_rows_aligned
+from attnops.testing import random_mla_inputs, relative_error
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CASE = MLACase(device_type="cuda", arch=(9, 0), q_dtype=torch.bfloat16, kv_format="bf16", latent_dim=512,
+               rope_dim=64, num_heads=128, page_size=64, decode=True, batch=8, max_kv_len=8192)
+
+
+def test_off_unless_switched_on(monkeypatch):
+    monkeypatch.delenv(cuda_mla.ENV, raising=False)
+    assert any(cuda_mla.ENV in r for r in cuda_mla.reasons(CASE))
+
+
+def test_declines_what_its_kernel_is_not_built_for(monkeypatch):
+    monkeypatch.setenv(cuda_mla.ENV, "1")
+    monkeypatch.setattr(cuda_mla, "sm90a_built", lambda device: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert cuda_mla.reasons(CASE) == []
+    for change, words in [(dict(latent_dim=256), "R 256, P 64"), (dict(rope_dim=32), "R 512, P 32"),
+                          (dict(q_dtype=torch.float16, kv_format="fp16"), "dtype"),
+                          (dict(kv_format="fp8_e4m3"), "fp8_e4m3"), (dict(decode=False), "decode only"),
+                          (dict(decode=False, tree_mask=True), "tree_mask"), (dict(aligned_kv=False), "16-byte"),
+                          (dict(arch=(8, 0)), "sm_80"), (dict(arch=(10, 0)), "sm_100"),
+                          (dict(device_type="cpu", arch=None), "cuda")]:
+        found = cuda_mla.reasons(MLACase(**{**CASE.__dict__, **change}))
+        assert any(words in r for r in found), (change, found)
+    assert cuda_mla.reasons(MLACase(**{**CASE.__dict__, "sinks": True, "num_heads": 7})) == []
+    monkeypatch.setattr(cuda_mla, "sm90a_built", lambda device: False)
+    assert any("9.0a" in r for r in cuda_mla.reasons(CASE))
+    monkeypatch.setattr(cuda_mla, "sm90a_built", lambda device: None)
+    assert any("outside a capture" in r for r in cuda_mla.reasons(CASE))
+
+
+@pytest.mark.parametrize("tokens,heads,capacity,sinks", [(1, 128, 32768, False), (32, 16, 8192, False),
+                                                         (128, 128, 4096, False), (64, 16, 8192, True),
+                                                         (3, 1, 64, True), (1, 8, 1, False), (5, 64, 2 ** 26, False)])
+def test_split_plan_covers_the_capacity_in_whole_tiles(tokens, heads, capacity, sinks):
+    splits, chunk = cuda_mla.plan(tokens, heads, capacity, 132, sinks)
+    assert chunk % cuda_mla.TILE == 0 and chunk >= cuda_mla.MIN_CHUNK
+    assert splits * chunk >= capacity and 1 <= splits <= cuda_mla.MAX_SPLITS
+    assert (splits - 1) * chunk < capacity or (sinks and splits == 2)  # no empty split but the sinks' second
+    assert splits >= (2 if sinks else 1)
+    blocks = tokens * -(-heads // cuda_mla.ROWS)
+    if capacity >= 132 * cuda_mla.MIN_CHUNK and blocks < 132:  # a small batch fills the GPU by its splits
+        assert blocks * splits >= 100
+
+
+def test_an_unaligned_cache_view_is_named_in_the_case():
+    args = random_mla_inputs([10, 3], num_heads=4, latent_dim=64, rope_dim=16, page_size=4)
+    assert latent_rows_aligned(args["kv_cache"])
+    shifted = torch.empty(args["kv_cache"].numel() + 1, dtype=args["kv_cache"].dtype)[1:]
+    view = shifted.view(args["kv_cache"].shape)
+    assert not latent_rows_aligned(view)
+    case = check_mla_attention(**{**args, "kv_cache": view, "kv_format": "auto"}, kv_scale=None)
+    assert not case.aligned_kv
+
+
+def _tool(name: str) -> str | None:
+    """Triton's bundled CUDA tools (its wheel ships cuobjdump), else one on PATH."""
+    import triton
+    bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+    return bundled if os.path.exists(bundled) else shutil.which(name)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_kernel_compiles_for_sm90a_without_spills_and_keeps_its_wgmmas_pipelined(tmp_path):
+    """nvcc + ptxas for sm_90a (no GPU needed): the kernel fits its registers with no spill and no stack, ptxas
+    does not serialise its wgmmas (it does when it cannot tell a branch is warp-uniform), and the SASS holds the
+    MMAs the design says: 36 of m64n64k16 for Q K^T over 576 values and 4 of m64n256k16 a warpgroup for P V."""
+    source = tmp_path / "kernel.cu"
+    source.write_text('#include "mla_decode_sm90.cuh"\n')
+    cubin = tmp_path / "kernel.cubin"
+    done = subprocess.run(["nvcc", "-std=c++17", "-O3", "-arch=sm_90a", "-cubin", "-Xptxas", "-v", "-I",
+                           os.path.join(ROOT, "csrc", "cuda"), "-o", str(cubin), str(source)],
+                          capture_output=True, text=True, timeout=300)
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log
+    assert "0 bytes spill stores, 0 bytes spill loads" in log and "0 bytes stack frame" in log, log
+    registers = int(re.search(r"Used (\d+) registers", log).group(1))
+    assert registers <= 255, log
+    assert "serialized" not in log, log
+    cuobjdump = _tool("cuobjdump")
+    if cuobjdump is None:
+        pytest.skip("no cuobjdump to read the SASS")
+    sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, timeout=120).stdout
+    assert len(re.findall(r"HGMMA\.64x64x16\.F32\.BF16", sass)) == 36
+    assert len(re.findall(r"HGMMA\.64x256x16\.F32\.BF16", sass)) == 8
+    assert "LDL" not in sass and "STL" not in sass
+
+
+# ---- on an H100/H200 ----
+
+def sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.fixture
+def cuda_on(monkeypatch):
+    if not sm90():
+        pytest.skip("needs an sm_90 GPU")
+    monkeypatch.setenv(cuda_mla.ENV, "1")
+    yield
+
+
+def deepseek_inputs(kv_lens, heads, page_size=64, seed=0):
+    return random_mla_inputs(kv_lens, num_heads=heads, latent_dim=512, rope_dim=64, page_size=page_size,
+                             q_dtype=torch.bfloat16, device="cuda", seed=seed, scale=0.0625)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(3))
+def test_matches_the_reference_on_random_decode_batches(cuda_on, seed):
+    rng = random.Random(seed)
+    for _ in range(12):
+        heads = rng.choice([1, 16, 64, 100, 128])
+        batch = rng.choice([1, 3, 17, 150])
+        kv_lens = [rng.choice([0, 1, 63, 64, 65, rng.randint(2, 5000)]) for _ in range(batch)]
+        args = deepseek_inputs(kv_lens, heads, page_size=rng.choice([16, 64]), seed=rng.randrange(1 << 30))
+        if rng.random() < 0.3:
+            args["sinks"] = torch.randn(heads, device="cuda") * 2
+        with attnops.use_backend("cuda"):
+            assert attnops.explain(**args).chosen == "cuda"
+            out, lse = torch.ops.attnops.mla_attention_with_lse(**args)
+            plain = torch.ops.attnops.mla_attention(**args)
+        ref, ref_lse = mla_attention_reference(**args, return_lse=True)
+        what = (heads, batch, kv_lens[:4], "sinks" in args)
+        assert relative_error(out, ref) < 1e-2, what
+        assert torch.equal(out, plain), what
+        torch.testing.assert_close(lse, ref_lse.float(), atol=2e-3, rtol=1e-3, equal_nan=True)
+
+
+@pytest.mark.gpu
+def test_one_split_and_many_give_the_same_rows(cuda_on):
+    """A large batch takes one split (the kernel writes out and the LSE itself); a single sequence takes many
+    (partials merged): each against the reference, and one sequence's row equal in both within rounding."""
+    args = deepseek_inputs([1500] * 300, 128, seed=3)
+    assert cuda_mla.plan(300, 128, args["block_table"].shape[1] * 64, 132, False)[0] == 1
+    with attnops.use_backend("cuda"):
+        out, lse = torch.ops.attnops.mla_attention_with_lse(**args)
+        alone = {k: (v[:1] if k in ("q_nope", "q_pe", "block_table", "seq_lens") else v) for k, v in args.items()}
+        out1, lse1 = torch.ops.attnops.mla_attention_with_lse(**alone)
+    ref, ref_lse = mla_attention_reference(**args, return_lse=True)
+    assert relative_error(out, ref) < 1e-2
+    torch.testing.assert_close(lse, ref_lse.float(), atol=2e-3, rtol=1e-3)
+    assert relative_error(out1, out[:1]) < 1e-2
+
+
+@pytest.mark.gpu
+def test_bad_indices_follow_paged_attentions_rules(cuda_on):
+    args = deepseek_inputs([100, 70, 1200], 16, page_size=16)
+    args["seq_lens"][1] = 10_000  # sequence 1: NaN, nothing read
+    args["block_table"][2, 40] = 99_999  # sequence 2's 41st page: its row sees it
+    attnops.take_errors()
+    with attnops.use_backend("cuda"):
+        out = torch.ops.attnops.mla_attention(**args)
+    assert attnops.take_errors() == {"seq_lens": 1, "block_table": 2}
+    assert out[1:].isnan().all() and not out[0].isnan().any()
+
+
+@pytest.mark.gpu
+def test_a_user_cuda_graph_replays_new_lengths_and_tables(cuda_on):
+    args = deepseek_inputs([300, 40, 1000], 16, page_size=16)
+    out = torch.empty_like(args["q_nope"])
+    with attnops.use_backend("cuda"):
+        torch.ops.attnops.mla_attention.out(**args, out=out)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            torch.ops.attnops.mla_attention.out(**args, out=out)
+    for lengths in ([900, 30, 250], [0, 1, 1000]):
+        args["seq_lens"].copy_(torch.tensor(lengths))
+        args["block_table"].copy_(args["block_table"].flip(0))
+        graph.replay()
+        assert relative_error(out, mla_attention_reference(**args)) < 1e-2, lengths
+
+
+@pytest.mark.gpu
+def test_compiled_with_cuda_graphs(cuda_on):
+    args = deepseek_inputs([300, 40], 128, page_size=16)
+    torch._dynamo.reset()
+
+    def step(q_nope, q_pe, kv_cache, block_table, seq_lens):
+        return torch.ops.attnops.mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, scale=0.0625)
+
+    compiled = torch.compile(step, fullgraph=True, mode="reduce-overhead")
+    with attnops.use_backend("cuda"):
+        for lengths in ([300, 40], [12, 25], [299, 1]):
+            args["seq_lens"].copy_(torch.tensor(lengths))
+            got = compiled(args["q_nope"], args["q_pe"], args["kv_cache"], args["block_table"], args["seq_lens"])
+            assert relative_error(got, mla_attention_reference(**args)) < 1e-2, lengths
