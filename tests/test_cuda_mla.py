@@ -209,3 +209,16 @@ def test_compiled_with_cuda_graphs(cuda_on):
             args["seq_lens"].copy_(torch.tensor(lengths))
             got = compiled(args["q_nope"], args["q_pe"], args["kv_cache"], args["block_table"], args["seq_lens"])
             assert relative_error(got, mla_attention_reference(**args)) < 1e-2, lengths
+
+
+@pytest.mark.gpu
+def test_outputs_of_any_layout(cuda_on):
+    """An out whose rows are an odd number of values apart (the kernel stores value pairs) and a strided lse."""
+    args = deepseek_inputs([500, 70], 16)
+    out = torch.full((2, 16, 513), float("nan"), dtype=torch.bfloat16, device="cuda")[..., :512]
+    lse = torch.full((16, 2), float("nan"), device="cuda").t()
+    with attnops.use_backend("cuda"):
+        torch.ops.attnops.mla_attention_with_lse.out(**args, out=out, lse=lse)
+    ref, ref_lse = mla_attention_reference(**args, return_lse=True)
+    assert relative_error(out, ref) < 1e-2
+    torch.testing.assert_close(lse, ref_lse.float(), atol=2e-3, rtol=1e-3)

@@ -95,9 +95,12 @@ def plan(num_tokens: int, num_heads: int, capacity: int, sm_count: int, sinks: b
 
 def mla_attention(call) -> None:
     out, lse = call.out, call.lse
-    if out.stride(-1) != 1 or (lse is not None and not lse.is_contiguous()):
-        with kernel_outputs(out, lse) as (out_w, lse_w):
+    if not _pairs_aligned(out) or (lse is not None and not lse.is_contiguous()):
+        out_w = out if _pairs_aligned(out) else torch.empty_like(out, memory_format=torch.contiguous_format)
+        with kernel_outputs(out_w, lse) as (_, lse_w):
             mla_attention(call._replace(out=out_w, lse=lse_w))
+        if out_w is not out:
+            out.copy_(out_w)
         return
     num_tokens, num_heads, latent = call.q_nope.shape
     if num_tokens == 0:
@@ -119,6 +122,12 @@ def mla_attention(call) -> None:
                                       part_lse, errors.buffer(device), float(call.scale), splits, chunk)
     if splits > 1:  # (the Triton backend's merge kernel, on the same partials)
         mla_merge(out, lse, part_out, part_lse, call.sinks, splits)
+
+
+def _pairs_aligned(out: torch.Tensor) -> bool:
+    """Whether out takes the kernel's stores of two values at once: unit inner stride, even outer strides, a 4-byte
+    aligned start."""
+    return out.stride(-1) == 1 and out.data_ptr() % 4 == 0 and all(s % 2 == 0 for s in out.stride()[:2])
 
 
 def _rows_aligned(q: torch.Tensor) -> bool:
