@@ -75,7 +75,8 @@ def info(args) -> None:
 
 def warmup_shapes(args) -> list[dict]:
     """The attention shapes to warm: the flags' one, or every distinct one of the layers of --config's model
-    (read by transformers where it is installed, so that per-layer head dims count; else the JSON's own fields)."""
+    (read by transformers where it is installed, so that per-layer head dims count; else the JSON's own fields). A
+    latent-attention model (DeepSeek-V2/V3's MLA) has one: its heads and latent row (latent_dim, rope_dim)."""
     import json
     from pathlib import Path
     if not args.config:
@@ -87,6 +88,9 @@ def warmup_shapes(args) -> list[dict]:
         from .hf import model_shape
         config = transformers.AutoConfig.from_pretrained(path.parent if path.is_file() else path)
         shape = model_shape(config)
+        if shape.latent_dim:
+            return [dict(num_q_heads=shape.num_attention_heads, latent_dim=shape.latent_dim,
+                         rope_dim=shape.rope_dim)]
         layers = zip(shape.layer_kv_heads or [shape.num_key_value_heads],
                      shape.layer_head_dims or [shape.head_dim])
         return [dict(num_q_heads=shape.num_attention_heads, num_kv_heads=h, head_dim=d)
@@ -95,8 +99,37 @@ def warmup_shapes(args) -> list[dict]:
         config = json.loads((path if path.is_file() else path / "config.json").read_text())
         config = config.get("text_config", config)
         heads = config["num_attention_heads"]
+        if config.get("kv_lora_rank"):
+            return [dict(num_q_heads=heads, latent_dim=config["kv_lora_rank"],
+                         rope_dim=config["qk_rope_head_dim"])]
         return [dict(num_q_heads=heads, num_kv_heads=config.get("num_key_value_heads", heads),
                      head_dim=config.get("head_dim") or config["hidden_size"] // heads)]
+
+
+def _warm_step(shape: dict, cache, mode: str, q_len: int, dtype, device) -> dict:
+    """One tiny step of `mode` on `cache` (layer 0): the cache write and the attention call of the shape's op;
+    returns the attention op's arguments (for explain)."""
+    cache.allocate(mode)
+    meta = cache.prepare([mode], q_len, decode=mode == "decode")
+    heads, tokens = shape["num_q_heads"], meta.num_tokens
+    if "latent_dim" in shape:
+        latent, rope = shape["latent_dim"], shape["rope_dim"]
+        torch.ops.attnops.mla_cache_write(torch.randn(tokens, latent, device=device, dtype=dtype),
+                                          torch.randn(tokens, rope, device=device, dtype=dtype),
+                                          slot_mapping=meta.slot_mapping, **cache.write_args(0))
+        op_args = dict(q_nope=torch.randn(tokens, heads, latent, device=device, dtype=dtype),
+                       q_pe=torch.randn(tokens, heads, rope, device=device, dtype=dtype),
+                       block_table=meta.block_table, seq_lens=meta.seq_lens, cu_seqlens_q=meta.cu_seqlens_q,
+                       scale=(latent + rope) ** -0.5, **cache.attention_args(0))
+        torch.ops.attnops.mla_attention(**op_args)
+        return op_args
+    k = torch.randn(tokens, shape["num_kv_heads"], shape["head_dim"], device=device, dtype=dtype)
+    torch.ops.attnops.reshape_and_cache(k, k, slot_mapping=meta.slot_mapping, **cache.write_args(0))
+    q = torch.randn(tokens, heads, shape["head_dim"], device=device, dtype=dtype)
+    op_args = dict(q=q, block_table=meta.block_table, seq_lens=meta.seq_lens, cu_seqlens_q=meta.cu_seqlens_q,
+                   **cache.attention_args(0))
+    torch.ops.attnops.paged_attention(**op_args)
+    return op_args
 
 
 def warmup(args) -> None:
@@ -106,7 +139,7 @@ def warmup(args) -> None:
     from tqdm import tqdm
 
     from .dispatch import explain
-    from .serving.kv_cache import PagedKVCache
+    from .serving.kv_cache import LatentKVCache, PagedKVCache
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
@@ -114,20 +147,17 @@ def warmup(args) -> None:
     steps = [("prefill", 300), ("verify", 4), ("decode", 1)]
     with tqdm(total=len(shapes) * len(steps), desc="attnops warmup", unit="config") as progress:
         for shape in shapes:
-            cache = PagedKVCache(1, 64, args.page_size, shape["num_kv_heads"], shape["head_dim"],
-                                 kv_format=args.kv_format, device=device)
+            if "latent_dim" in shape:
+                cache = LatentKVCache(1, 64, args.page_size, shape["latent_dim"], shape["rope_dim"],
+                                      kv_format=args.kv_format, device=device)
+                label = f"MLA {shape['num_q_heads']}/{shape['latent_dim']}+{shape['rope_dim']}"
+            else:
+                cache = PagedKVCache(1, 64, args.page_size, shape["num_kv_heads"], shape["head_dim"],
+                                     kv_format=args.kv_format, device=device)
+                label = f"{shape['num_q_heads']}/{shape['num_kv_heads']}/{shape['head_dim']}"
             for mode, q_len in steps:
-                cache.allocate(mode)
-                meta = cache.prepare([mode], q_len, decode=mode == "decode")
-                k = torch.randn(meta.num_tokens, shape["num_kv_heads"], shape["head_dim"], device=device,
-                                dtype=dtype)
-                torch.ops.attnops.reshape_and_cache(k, k, slot_mapping=meta.slot_mapping, **cache.write_args(0))
-                q = torch.randn(meta.num_tokens, shape["num_q_heads"], shape["head_dim"], device=device, dtype=dtype)
-                op_args = dict(q=q, block_table=meta.block_table, seq_lens=meta.seq_lens,
-                               cu_seqlens_q=meta.cu_seqlens_q, **cache.attention_args(0))
-                torch.ops.attnops.paged_attention(**op_args)
-                progress.write(f"  {shape['num_q_heads']}/{shape['num_kv_heads']}/{shape['head_dim']} {mode:<8} -> "
-                               f"{explain(**op_args).chosen}")
+                op_args = _warm_step(shape, cache, mode, q_len, dtype, device)
+                progress.write(f"  {label} {mode:<8} -> {explain(**op_args).chosen}")
                 progress.update(1)
     if device == "cuda":
         torch.cuda.synchronize()
@@ -198,7 +228,8 @@ def main(argv=None) -> None:
     p = sub.add_parser("warmup", help="build every kernel configuration a model needs now (FlashInfer JIT, "
                                       "Triton compile), so a server does not stall on its first request")
     p.add_argument("--config", help="a Hugging Face config.json or its directory (heads and head_dim read from it; "
-                                    "every distinct shape of its layers, as Gemma-4's head dims 256 and 512)")
+                                    "every distinct shape of its layers, as Gemma-4's head dims 256 and 512; a "
+                                    "DeepSeek-V2/V3 config warms latent attention, mla_attention)")
     p.add_argument("--num-q-heads", type=int, default=32, help="query heads (default 32; or from --config)")
     p.add_argument("--num-kv-heads", type=int, default=8, help="KV heads (default 8; or from --config)")
     p.add_argument("--head-dim", type=int, default=128, help="head dim (default 128; or from --config)")

@@ -114,3 +114,15 @@ def test_warmup_takes_every_layer_shape_of_a_config(tmp_path):
         hidden_size=64).save_pretrained(tmp_path)
     out = run("warmup", "--dtype", "fp32", "--kv-format", "fp32", "--config", str(tmp_path / "config.json"))
     assert "4/2/32 decode" in out and "4/1/64 decode" in out, out
+
+
+def test_warmup_of_a_latent_attention_config_warms_mla_attention(tmp_path):
+    """A DeepSeek config: mla_attention and mla_cache_write at its heads and latent row, not paged attention."""
+    transformers = pytest.importorskip("transformers")
+    transformers.AutoConfig.for_model(
+        "deepseek_v3", num_hidden_layers=1, num_attention_heads=4, kv_lora_rank=64, qk_rope_head_dim=16,
+        qk_nope_head_dim=32, v_head_dim=32, q_lora_rank=None, hidden_size=64).save_pretrained(tmp_path)
+    out = run("warmup", "--dtype", "fp32", "--kv-format", "fp32", "--config", str(tmp_path))
+    for mode in ("prefill", "verify", "decode"):
+        assert f"MLA 4/64+16 {mode}" in out, out
+    assert "4/4/" not in out
