@@ -78,6 +78,15 @@ def _positive_int(owner: str, name: str, value, least: int) -> None:
         raise ValueError(f"{owner}: {name} must be at least {least} (got {value})")
 
 
+def _check_pages(owner: str, num_layers, num_pages, page_size) -> None:
+    """A cache's layer and page counts (positive ints) and page size (a power of two the ops take)."""
+    for name, value in (("num_layers", num_layers), ("num_pages", num_pages), ("page_size", page_size)):
+        _positive_int(owner, name, value, 1)
+    if not is_page_size(page_size):
+        raise ValueError(f"{owner}: page_size must be a power of two from 1 to {MAX_PAGE_SIZE}, as the ops take (got "
+                         f"{page_size})")
+
+
 class PagedKVCache:
     """KV cache of `num_layers` layers in pages of `page_size` tokens.
 
@@ -102,9 +111,7 @@ class PagedKVCache:
                  shared_layers: dict | None = None):
         if kv_format not in formats.KV_FORMATS:
             raise ValueError(f"PagedKVCache: kv_format must be one of {formats.KV_FORMATS} (got {kv_format!r})")
-        for name, value, least in (("num_layers", num_layers, 1), ("num_pages", num_pages, 1),
-                                   ("page_size", page_size, 1)):
-            _positive_int("PagedKVCache", name, value, least)
+        _check_pages("PagedKVCache", num_layers, num_pages, page_size)
         # num_kv_heads, head_dim: one for every layer, or one a layer (a model whose layers differ, as Gemma-4's
         # sliding and full layers)
         layer_shapes = []
@@ -120,9 +127,6 @@ class PagedKVCache:
                 _positive_int("PagedKVCache", name, v, 1)
             layer_shapes.append(list(values))
         heads_of, dims_of = layer_shapes
-        if not is_page_size(page_size):
-            raise ValueError(f"PagedKVCache: page_size must be a power of two from 1 to {MAX_PAGE_SIZE}, as the ops "
-                             f"take (got {page_size})")
         for d in sorted(set(dims_of)):
             error = head_dim_error(d, kv_format)
             if error:
@@ -520,12 +524,9 @@ class LatentKVCache(PagedKVCache):
                  shuffle_pages: bool = False, seed: int = 0):
         if kv_format not in self.KV_FORMATS:
             raise ValueError(f"LatentKVCache: kv_format must be one of {self.KV_FORMATS} (got {kv_format!r})")
-        for name, value in (("num_layers", num_layers), ("num_pages", num_pages), ("page_size", page_size),
-                            ("latent_dim", latent_dim), ("rope_dim", rope_dim)):
+        _check_pages("LatentKVCache", num_layers, num_pages, page_size)
+        for name, value in (("latent_dim", latent_dim), ("rope_dim", rope_dim)):
             _positive_int("LatentKVCache", name, value, 1)
-        if not is_page_size(page_size):
-            raise ValueError(f"LatentKVCache: page_size must be a power of two from 1 to {MAX_PAGE_SIZE}, as the ops "
-                             f"take (got {page_size})")
         if latent_dim % 64 or latent_dim > MAX_LATENT_DIM or rope_dim % 16 or rope_dim > MAX_ROPE_DIM:
             raise ValueError(f"LatentKVCache: latent_dim must be a multiple of 64 up to {MAX_LATENT_DIM} and rope_dim "
                              f"a multiple of 16 up to {MAX_ROPE_DIM}, as mla_attention takes (got {latent_dim}, "
