@@ -7,7 +7,6 @@ the argument. The tiny config uses YaRN RoPE with mscale_all_dim, so the softmax
 a path that ignored the module's own `scaling` could not pass.
 """
 import copy
-import inspect
 
 import pytest
 import torch
@@ -58,16 +57,11 @@ def models(variant="v3"):
     return _MODELS[variant]
 
 
-def cache_arg(model):
-    """transformers 5.2x renamed past_key_values to cache (the old name warns)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+cache_arg = test_hf.cache_arg
 
 
 def left_padded(prompts=PROMPTS):
-    width = max(map(len, prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    return ids, mask
+    return test_hf.left_padded(prompts)
 
 
 def latent_cache(model, **kwargs):
