@@ -8,8 +8,8 @@ a pinned `cuda` declines latent attention) until then; `bash benchmarks/gpu_roun
 and times it beside Triton and FlashInfer.
 
 The split of each sequence's keys comes from shapes only (the table's capacity, the tokens, the heads, the SM
-count), so a CUDA graph replays any lengths; with more than one split, the partials are merged by the Triton
-backend's merge kernel (which also adds the sinks).
+count), so a CUDA graph replays any lengths; with more than one split, the op's second kernel merges the partials
+(and adds the sinks).
 """
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ import torch
 
 from .. import errors
 from .base import common_reasons, kernel_outputs, rows_without_a_sequence
-from .triton.mla_launch import mla_merge
 
 ENV = "ATTNOPS_CUDA_MLA"
 SHAPE = (512, 64)  # (R, P) the kernel is built for
@@ -111,6 +110,7 @@ def mla_attention(call) -> None:
     device = call.q_nope.device
     q_nope = call.q_nope if _rows_aligned(call.q_nope) else call.q_nope.contiguous()
     q_pe = call.q_pe if _rows_aligned(call.q_pe) else call.q_pe.contiguous()
+    sinks = None if call.sinks is None else call.sinks.contiguous()
     index = device.index if device.index is not None else torch.cuda.current_device()
     splits, chunk = plan(num_tokens, num_heads, call.case.max_kv_len, _sm_count(index), call.sinks is not None)
     part_out = part_lse = out  # (unused with one split: the kernel writes out and lse)
@@ -118,10 +118,8 @@ def mla_attention(call) -> None:
         part_out = torch.empty(num_tokens * num_heads * splits * latent, dtype=torch.float32, device=device)
         part_lse = torch.empty(num_tokens * num_heads * splits, dtype=torch.float32, device=device)
     torch.ops.attnops.mla_decode_sm90(q_nope, q_pe, call.kv_cache, call.block_table.contiguous(),
-                                      call.seq_lens.contiguous(), out, lse if splits == 1 else None, part_out,
-                                      part_lse, errors.buffer(device), float(call.scale), splits, chunk)
-    if splits > 1:  # (the Triton backend's merge kernel, on the same partials)
-        mla_merge(out, lse, part_out, part_lse, call.sinks, splits)
+                                      call.seq_lens.contiguous(), sinks, out, lse, part_out, part_lse,
+                                      errors.buffer(device), float(call.scale), splits, chunk)
 
 
 def _pairs_aligned(out: torch.Tensor) -> bool:

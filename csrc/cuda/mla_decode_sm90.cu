@@ -1,6 +1,6 @@
 // Host side of the sm_90a latent-attention decode (mla_decode_sm90.cuh has the kernel and says how it works):
 // torch.ops.attnops.mla_decode_sm90, called by the `cuda` backend (attnops/backends/cuda_mla.py), which validates
-// the call, plans the splits and merges them.
+// the call and plans the splits.
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -24,17 +24,20 @@ int64_t mla_sm90a_built(int64_t device) {
 }
 
 // q_nope [T, H, 512] and q_pe [T, H, 64] bf16 with unit inner stride and 16-byte aligned rows; kv_cache
-// [num_pages, page_size, >= 576] bf16, the same; out [T, H, 512] bf16 (unit inner stride), lse float32 [T, H]
-// contiguous or none; with splits > 1, part_out float32 [T, H, splits, 512] and part_lse [T, H, splits] instead
-// (the caller merges). Validated by the backend.
+// [num_pages, page_size, 576] bf16, the same; out [T, H, 512] bf16 (unit inner stride, value pairs aligned), lse
+// float32 [T, H] contiguous or none; with splits > 1, part_out float32 [T, H, splits, 512] and part_lse
+// [T, H, splits] are the splits' partials, merged into out and lse (sinks, float32 [H], need splits > 1).
+// Validated by the backend.
 void mla_decode_sm90(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& kv_cache,
-                     const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& out,
-                     const std::optional<at::Tensor>& lse, const at::Tensor& part_out, const at::Tensor& part_lse,
-                     const at::Tensor& errors, double scale, int64_t splits, int64_t chunk) {
+                     const at::Tensor& block_table, const at::Tensor& seq_lens, const std::optional<at::Tensor>& sinks,
+                     const at::Tensor& out, const std::optional<at::Tensor>& lse, const at::Tensor& part_out,
+                     const at::Tensor& part_lse, const at::Tensor& errors, double scale, int64_t splits,
+                     int64_t chunk) {
   const int64_t T = q_nope.size(0), H = q_nope.size(1);
   TORCH_CHECK(q_nope.size(2) == kR && q_pe.size(2) == kP, "mla_decode_sm90: latent 512 and rotary 64 only");
   TORCH_CHECK(splits >= 1 && chunk % kKeys == 0 && chunk > 0, "mla_decode_sm90: chunk a multiple of 64");
   TORCH_CHECK(seq_lens.size(0) == T, "mla_decode_sm90: decode only (one query token a sequence)");
+  TORCH_CHECK(!sinks || splits > 1, "mla_decode_sm90: sinks are added by the merge (splits > 1)");
   if (T == 0) return;
   c10::cuda::CUDAGuard guard(q_nope.device());
   Args a{};
@@ -44,7 +47,7 @@ void mla_decode_sm90(const at::Tensor& q_nope, const at::Tensor& q_pe, const at:
   a.block_table = block_table.data_ptr<int>();
   a.seq_lens = seq_lens.data_ptr<int>();
   a.out = reinterpret_cast<__nv_bfloat16*>(out.data_ptr());
-  a.lse = lse ? lse->data_ptr<float>() : nullptr;
+  a.lse = lse ? lse->data_ptr<float>() : nullptr;  // (with splits, the merge writes it)
   a.part_out = splits > 1 ? part_out.data_ptr<float>() : nullptr;
   a.part_lse = splits > 1 ? part_lse.data_ptr<float>() : nullptr;
   a.errors = errors.data_ptr<int>();
@@ -64,8 +67,14 @@ void mla_decode_sm90(const at::Tensor& q_nope, const at::Tensor& q_pe, const at:
   // (a function attribute, not a stream operation: allowed inside a capture)
   C10_CUDA_CHECK(cudaFuncSetAttribute(mla_decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   const dim3 grid(static_cast<unsigned>(T * a.head_blocks), static_cast<unsigned>(splits));
-  mla_decode_kernel<<<grid, kThreads, kSmemBytes, c10::cuda::getCurrentCUDAStream()>>>(a);
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  mla_decode_kernel<<<grid, kThreads, kSmemBytes, stream>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (splits > 1) {
+    mla_merge_kernel<<<dim3(static_cast<unsigned>(T), static_cast<unsigned>(H)), kR / 4, 0, stream>>>(
+        a, sinks ? sinks->data_ptr<float>() : nullptr);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
 }
 
 }  // namespace attnops::mla_sm90
@@ -74,8 +83,8 @@ TORCH_LIBRARY_FRAGMENT(attnops, m) {
   // internal: the `cuda` backend's latent-attention decode (attnops/backends/cuda_mla.py)
   m.def(
       "mla_decode_sm90(Tensor q_nope, Tensor q_pe, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
-      "Tensor(a!) out, Tensor(b!)? lse, Tensor(c!) part_out, Tensor(d!) part_lse, Tensor(e!) errors, float scale, "
-      "int splits, int chunk) -> ()");
+      "Tensor? sinks, Tensor(a!) out, Tensor(b!)? lse, Tensor(c!) part_out, Tensor(d!) part_lse, Tensor(e!) errors, "
+      "float scale, int splits, int chunk) -> ()");
   m.def("mla_sm90a_built(int device) -> int", &attnops::mla_sm90::mla_sm90a_built);
 }
 

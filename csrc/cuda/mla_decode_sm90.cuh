@@ -16,7 +16,7 @@
 // - Warpgroup 1: O[:, 256:512] += P V (P from shared memory), rescaled by warpgroup 0's factors.
 // - V is the tile's first 512 values read N-major: the same shared memory as K, no copy.
 // With one split the block writes out (bf16) and the LSE; with more, its normalised partial (fp32) and base-2 LSE
-// for the merge kernel (the Triton backend's mla_merge_kernel, which also adds sinks).
+// for mla_merge_kernel (below), which also adds the sinks.
 //
 // Bad indices (docs/design.md): a sequence length outside [0, capacity] makes the token's rows NaN and reads
 // nothing; a page index outside the cache is never read and makes NaN the rows whose split sees one of its keys.
@@ -48,7 +48,7 @@ struct Args {
   const int* block_table;
   const int* seq_lens;
   __nv_bfloat16* out;  // [T, H, 512] (one split)
-  float* lse;          // [T, H] natural log, or null (one split)
+  float* lse;          // [T, H] natural log, or null
   float* part_out;     // [T, H, splits, 512] (splits > 1)
   float* part_lse;     // [T, H, splits], base 2
   int* errors;
@@ -404,6 +404,47 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
     }
   }
 #endif
+}
+
+// Block (token, head): the splits' partials of a row combined by their base-2 LSEs, the sink (if any) in the
+// denominator (a row with no key stays 0 whatever its sink); a NaN partial (a bad index its split met) makes the
+// row and its LSE NaN. 128 threads, four columns each. Plain CUDA: any arch runs it.
+__global__ void __launch_bounds__(128) mla_merge_kernel(const Args a, const float* sinks) {
+  const int token = blockIdx.x, head = blockIdx.y;
+  const int64_t row = static_cast<int64_t>(token) * a.num_heads + head;
+  const float* lse = a.part_lse + row * a.splits;
+  float mx = -INFINITY;
+  bool any_nan = false;
+  for (int s = 0; s < a.splits; ++s) {
+    const float v = lse[s];
+    any_nan |= v != v;
+    if (v == v) mx = fmaxf(mx, v);
+  }
+  const bool keys = mx != -INFINITY;
+  const float sink = sinks != nullptr ? sinks[head] * 1.4426950408889634f : -INFINITY;
+  mx = fmaxf(mx, sink);
+  if (mx == -INFINITY) mx = 0.0f;
+  float denom = 0.0f;
+  float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  const float* part = a.part_out + row * a.splits * kR + 4 * threadIdx.x;
+  for (int s = 0; s < a.splits; ++s) {
+    const float v = lse[s];
+    const float w = v == v ? exp2f(v - mx) : 0.0f;
+    denom += w;
+    if (w > 0.0f) {
+      const float4 p = *reinterpret_cast<const float4*>(part + static_cast<int64_t>(s) * kR);
+      o.x += w * p.x, o.y += w * p.y, o.z += w * p.z, o.w += w * p.w;
+    }
+  }
+  const float sink_w = sinks != nullptr ? exp2f(sink - mx) : 0.0f;
+  const float total = denom + sink_w;
+  if (keys) denom += sink_w;
+  const float inv = any_nan ? NAN : 1.0f / (denom > 0.0f ? denom : 1.0f);
+  __nv_bfloat16* dst = a.out + token * a.out_token + head * a.out_head + 4 * threadIdx.x;
+  *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(o.x * inv, o.y * inv);
+  *reinterpret_cast<__nv_bfloat162*>(dst + 2) = __floats2bfloat162_rn(o.z * inv, o.w * inv);
+  if (a.lse != nullptr && threadIdx.x == 0)
+    a.lse[row] = any_nan ? NAN : (total == 0.0f ? -INFINITY : (mx + log2f(total)) * kLn2);
 }
 
 // 1 where this device runs the sm_90a code above, 0 where it got another arch's (an empty kernel)

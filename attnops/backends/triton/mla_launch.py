@@ -105,8 +105,7 @@ def mla_launch(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, *, s
 def mla_merge(out, lse, part_out, part_lse, sinks, splits: int) -> None:
     """out [T, H, R] (unit inner stride) and lse [T, H] (contiguous, or None) from the splits' partials: part_out
     float32 [T, H, splits, next_power_of_2(R)] (each normalised), part_lse float32 [T, H, splits] (base 2; -inf: no
-    key, NaN: a bad index), the sinks (float32 [H]) in the denominator. The CUDA backend's latent attention writes
-    the same partials."""
+    key, NaN: a bad index), the sinks (float32 [H]) in the denominator."""
     num_tokens, num_heads, latent = out.shape
     mla_merge_kernel[(num_tokens, num_heads)](
         out_ptr=out, lse_ptr=lse if lse is not None else part_lse, part_out_ptr=part_out, part_lse_ptr=part_lse,
