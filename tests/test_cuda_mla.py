@@ -40,13 +40,14 @@ def test_declines_what_its_kernel_is_not_built_for(monkeypatch):
     assert cuda_mla.reasons(CASE) == []
     for change, words in [(dict(latent_dim=256), "R 256, P 64"), (dict(rope_dim=32), "R 512, P 32"),
                           (dict(q_dtype=torch.float16, kv_format="fp16"), "dtype"),
-                          (dict(kv_format="fp8_e4m3"), "fp8_e4m3"), (dict(decode=False), "decode only"),
+                          (dict(kv_format="fp8_e5m2"), "fp8_e5m2"), (dict(decode=False), "decode only"),
                           (dict(decode=False, tree_mask=True), "tree_mask"), (dict(aligned_kv=False), "16-byte"),
                           (dict(arch=(8, 0)), "sm_80"), (dict(arch=(10, 0)), "sm_100"),
                           (dict(device_type="cpu", arch=None), "cuda")]:
         found = cuda_mla.reasons(MLACase(**{**CASE.__dict__, **change}))
         assert any(words in r for r in found), (change, found)
     assert cuda_mla.reasons(MLACase(**{**CASE.__dict__, "sinks": True, "num_heads": 7})) == []
+    assert cuda_mla.reasons(MLACase(**{**CASE.__dict__, "kv_format": "fp8_e4m3"})) == []
     monkeypatch.setattr(cuda_mla, "sm90a_built", lambda device: False)
     assert any("9.0a" in r for r in cuda_mla.reasons(CASE))
     monkeypatch.setattr(cuda_mla, "sm90a_built", lambda device: None)
@@ -88,7 +89,8 @@ def _tool(name: str) -> str | None:
 def test_kernel_compiles_for_sm90a_without_spills_and_keeps_its_wgmmas_pipelined(tmp_path):
     """nvcc + ptxas for sm_90a (no GPU needed): the kernel fits its registers with no spill and no stack, ptxas
     does not serialise its wgmmas (it does when it cannot tell a branch is warp-uniform), and the SASS holds the
-    MMAs the design says: 36 of m64n64k16 for Q K^T over 576 values and 4 of m64n256k16 a warpgroup for P V."""
+    MMAs the design says: 36 of m64n64k16 for Q K^T over 576 values and 4 of m64n256k16 a warpgroup for P V, in
+    each cache format's kernel (bf16, fp8)."""
     source = tmp_path / "kernel.cu"
     source.write_text('#include "mla_decode_sm90.cuh"\n')
     cubin = tmp_path / "kernel.cubin"
@@ -98,15 +100,15 @@ def test_kernel_compiles_for_sm90a_without_spills_and_keeps_its_wgmmas_pipelined
     log = done.stdout + done.stderr
     assert done.returncode == 0, log
     frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    assert len(frames) == 2 and all(f == ("0", "0", "0") for f in frames), log  # (the kernel and the merge)
+    assert len(frames) == 3 and all(f == ("0", "0", "0") for f in frames), log  # (bf16's, fp8's, the merge)
     assert all(int(n) <= 255 for n in re.findall(r"Used (\d+) registers", log)), log
     assert "serialized" not in log, log
     cuobjdump = _tool("cuobjdump")
     if cuobjdump is None:
         pytest.skip("no cuobjdump to read the SASS")
     sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, timeout=120).stdout
-    assert len(re.findall(r"HGMMA\.64x64x16\.F32\.BF16", sass)) == 36
-    assert len(re.findall(r"HGMMA\.64x256x16\.F32\.BF16", sass)) == 8
+    assert len(re.findall(r"HGMMA\.64x64x16\.F32\.BF16", sass)) == 2 * 36  # (each cache format's kernel)
+    assert len(re.findall(r"HGMMA\.64x256x16\.F32\.BF16", sass)) == 2 * 8
     assert "LDL" not in sass and "STL" not in sass
 
 
@@ -124,9 +126,9 @@ def cuda_on(monkeypatch):
     yield
 
 
-def deepseek_inputs(kv_lens, heads, page_size=64, seed=0):
+def deepseek_inputs(kv_lens, heads, page_size=64, seed=0, kv_format="auto"):
     return random_mla_inputs(kv_lens, num_heads=heads, latent_dim=512, rope_dim=64, page_size=page_size,
-                             q_dtype=torch.bfloat16, device="cuda", seed=seed, scale=0.0625)
+                             q_dtype=torch.bfloat16, kv_format=kv_format, device="cuda", seed=seed, scale=0.0625)
 
 
 @pytest.mark.gpu
@@ -137,7 +139,8 @@ def test_matches_the_reference_on_random_decode_batches(cuda_on, seed):
         heads = rng.choice([1, 16, 64, 100, 128])
         batch = rng.choice([1, 3, 17, 150])
         kv_lens = [rng.choice([0, 1, 63, 64, 65, rng.randint(2, 5000)]) for _ in range(batch)]
-        args = deepseek_inputs(kv_lens, heads, page_size=rng.choice([16, 64]), seed=rng.randrange(1 << 30))
+        args = deepseek_inputs(kv_lens, heads, page_size=rng.choice([16, 64]), seed=rng.randrange(1 << 30),
+                               kv_format=rng.choice(["auto", "fp8_e4m3"]))
         if rng.random() < 0.3:
             args["sinks"] = torch.randn(heads, device="cuda") * 2
         with attnops.use_backend("cuda"):
@@ -145,7 +148,7 @@ def test_matches_the_reference_on_random_decode_batches(cuda_on, seed):
             out, lse = torch.ops.attnops.mla_attention_with_lse(**args)
             plain = torch.ops.attnops.mla_attention(**args)
         ref, ref_lse = mla_attention_reference(**args, return_lse=True)
-        what = (heads, batch, kv_lens[:4], "sinks" in args)
+        what = (heads, batch, kv_lens[:4], "sinks" in args, args["kv_format"])
         assert relative_error(out, ref) < 1e-2, what
         assert torch.equal(out, plain), what
         torch.testing.assert_close(lse, ref_lse.float(), atol=2e-3, rtol=1e-3, equal_nan=True)

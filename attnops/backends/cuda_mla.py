@@ -1,7 +1,7 @@
 """The CUDA backend's latent attention (MLA): decode through attnops' own sm_90a kernel
 (csrc/cuda/mla_decode_sm90.cuh: 64 heads a block as the M of Hopper's warpgroup MMAs, each latent row read once
-for all of them, the 64 x 512 accumulator over two warpgroups), for DeepSeek's shape (R 512, P 64) with a bf16
-cache under bf16 q.
+for all of them, the 64 x 512 accumulator over two warpgroups), for DeepSeek's shape (R 512, P 64) with a bf16 or
+fp8 e4m3 cache under bf16 q.
 
 Off unless ATTNOPS_CUDA_MLA=1: it has not yet run on a GPU against the reference, so dispatch never picks it (and
 a pinned `cuda` declines latent attention) until then; `bash benchmarks/gpu_round.sh cuda-mla` runs its GPU tests
@@ -24,6 +24,7 @@ from .base import common_reasons, kernel_outputs, rows_without_a_sequence
 
 ENV = "ATTNOPS_CUDA_MLA"
 SHAPE = (512, 64)  # (R, P) the kernel is built for
+KV_FORMATS = ("bf16", "fp8_e4m3")  # (fp8: widened to bf16 in shared memory; q is bf16)
 ROWS = 64  # heads a block
 TILE = 64  # keys a step; splits are whole tiles
 MIN_CHUNK = 256  # keys a split at least (a block loads its 64 heads' queries first: 72 KB)
@@ -59,7 +60,7 @@ def reasons(case) -> list[str]:
     is asked beside."""
     if not enabled():
         return [f"latent attention: not yet checked on a GPU, so off unless {ENV}=1"]
-    found = common_reasons(case, devices=("cuda",), q_dtypes=(torch.bfloat16,), kv_formats=("bf16",),
+    found = common_reasons(case, devices=("cuda",), q_dtypes=(torch.bfloat16,), kv_formats=KV_FORMATS,
                            archs=lambda arch: arch == (9, 0))
     if (case.latent_dim, case.rope_dim) != SHAPE:
         found.append(f"latent rows of R {case.latent_dim}, P {case.rope_dim}: its kernel is built for R {SHAPE[0]}, "
@@ -117,7 +118,7 @@ def mla_attention(call) -> None:
     if splits > 1:
         part_out = torch.empty(num_tokens * num_heads * splits * latent, dtype=torch.float32, device=device)
         part_lse = torch.empty(num_tokens * num_heads * splits, dtype=torch.float32, device=device)
-    torch.ops.attnops.mla_decode_sm90(q_nope, q_pe, call.kv_cache, call.block_table.contiguous(),
+    torch.ops.attnops.mla_decode_sm90(q_nope, q_pe, call.kv_cache, call.kv_scale, call.block_table.contiguous(),
                                       call.seq_lens.contiguous(), sinks, out, lse, part_out, part_lse,
                                       errors.buffer(device), float(call.scale), splits, chunk)
 

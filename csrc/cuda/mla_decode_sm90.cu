@@ -24,12 +24,13 @@ int64_t mla_sm90a_built(int64_t device) {
 }
 
 // q_nope [T, H, 512] and q_pe [T, H, 64] bf16 with unit inner stride and 16-byte aligned rows; kv_cache
-// [num_pages, page_size, 576] bf16, the same; out [T, H, 512] bf16 (unit inner stride, value pairs aligned), lse
-// float32 [T, H] contiguous or none; with splits > 1, part_out float32 [T, H, splits, 512] and part_lse
-// [T, H, splits] are the splits' partials, merged into out and lse (sinks, float32 [H], need splits > 1).
-// Validated by the backend.
+// [num_pages, page_size, 576] bf16 or float8_e4m3fn (with kv_scale, float32 of one element), the same; out
+// [T, H, 512] bf16 (unit inner stride, value pairs aligned), lse float32 [T, H] contiguous or none; with
+// splits > 1, part_out float32 [T, H, splits, 512] and part_lse [T, H, splits] are the splits' partials, merged
+// into out and lse (sinks, float32 [H], need splits > 1). Validated by the backend.
 void mla_decode_sm90(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& kv_cache,
-                     const at::Tensor& block_table, const at::Tensor& seq_lens, const std::optional<at::Tensor>& sinks,
+                     const std::optional<at::Tensor>& kv_scale, const at::Tensor& block_table,
+                     const at::Tensor& seq_lens, const std::optional<at::Tensor>& sinks,
                      const at::Tensor& out, const std::optional<at::Tensor>& lse, const at::Tensor& part_out,
                      const at::Tensor& part_lse, const at::Tensor& errors, double scale, int64_t splits,
                      int64_t chunk) {
@@ -43,7 +44,10 @@ void mla_decode_sm90(const at::Tensor& q_nope, const at::Tensor& q_pe, const at:
   Args a{};
   a.q_nope = reinterpret_cast<const __nv_bfloat16*>(q_nope.data_ptr());
   a.q_pe = reinterpret_cast<const __nv_bfloat16*>(q_pe.data_ptr());
-  a.kv = reinterpret_cast<const __nv_bfloat16*>(kv_cache.data_ptr());
+  const bool fp8 = kv_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(fp8 == kv_scale.has_value(), "mla_decode_sm90: kv_scale with an fp8 e4m3 cache, and only then");
+  a.kv = reinterpret_cast<const uint8_t*>(kv_cache.data_ptr());
+  a.kv_scale = fp8 ? kv_scale->data_ptr<float>() : nullptr;
   a.block_table = block_table.data_ptr<int>();
   a.seq_lens = seq_lens.data_ptr<int>();
   a.out = reinterpret_cast<__nv_bfloat16*>(out.data_ptr());
@@ -53,7 +57,8 @@ void mla_decode_sm90(const at::Tensor& q_nope, const at::Tensor& q_pe, const at:
   a.errors = errors.data_ptr<int>();
   a.q_nope_token = q_nope.stride(0), a.q_nope_head = q_nope.stride(1);
   a.q_pe_token = q_pe.stride(0), a.q_pe_head = q_pe.stride(1);
-  a.kv_page = kv_cache.stride(0), a.kv_token = kv_cache.stride(1);
+  a.kv_page = kv_cache.stride(0) * kv_cache.element_size();
+  a.kv_token = kv_cache.stride(1) * kv_cache.element_size();
   a.out_token = out.stride(0), a.out_head = out.stride(1);
   a.table_stride = static_cast<int>(block_table.stride(0));
   a.num_pages = static_cast<int>(kv_cache.size(0));
@@ -64,11 +69,12 @@ void mla_decode_sm90(const at::Tensor& q_nope, const at::Tensor& q_pe, const at:
   a.chunk = static_cast<int>(chunk);
   a.splits = static_cast<int>(splits);
   a.qk_scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+  auto kernel = decode_kernel(fp8);
   // (a function attribute, not a stream operation: allowed inside a capture)
-  C10_CUDA_CHECK(cudaFuncSetAttribute(mla_decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   const dim3 grid(static_cast<unsigned>(T * a.head_blocks), static_cast<unsigned>(splits));
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  mla_decode_kernel<<<grid, kThreads, kSmemBytes, stream>>>(a);
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (splits > 1) {
     mla_merge_kernel<<<dim3(static_cast<unsigned>(T), static_cast<unsigned>(H)), kR / 4, 0, stream>>>(
@@ -82,9 +88,9 @@ void mla_decode_sm90(const at::Tensor& q_nope, const at::Tensor& q_pe, const at:
 TORCH_LIBRARY_FRAGMENT(attnops, m) {
   // internal: the `cuda` backend's latent-attention decode (attnops/backends/cuda_mla.py)
   m.def(
-      "mla_decode_sm90(Tensor q_nope, Tensor q_pe, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
-      "Tensor? sinks, Tensor(a!) out, Tensor(b!)? lse, Tensor(c!) part_out, Tensor(d!) part_lse, Tensor(e!) errors, "
-      "float scale, int splits, int chunk) -> ()");
+      "mla_decode_sm90(Tensor q_nope, Tensor q_pe, Tensor kv_cache, Tensor? kv_scale, Tensor block_table, "
+      "Tensor seq_lens, Tensor? sinks, Tensor(a!) out, Tensor(b!)? lse, Tensor(c!) part_out, Tensor(d!) part_lse, "
+      "Tensor(e!) errors, float scale, int splits, int chunk) -> ()");
   m.def("mla_sm90a_built(int device) -> int", &attnops::mla_sm90::mla_sm90a_built);
 }
 

@@ -15,6 +15,9 @@
 //   to registers; O[:, 0:256] += P V (P from registers).
 // - Warpgroup 1: O[:, 256:512] += P V (P from shared memory), rescaled by warpgroup 0's factors.
 // - V is the tile's first 512 values read N-major: the same shared memory as K, no copy.
+// - An fp8 e4m3 cache (stored = value / kv_scale) is copied as bytes into two staging stages (where bf16's second
+//   tile stage is) and widened to the one bf16 tile before the MMAs, exactly; kv_scale joins the scores' scale and
+//   the output.
 // With one split the block writes out (bf16) and the LSE; with more, its normalised partial (fp32) and base-2 LSE
 // for mla_merge_kernel (below), which also adds the sinks.
 //
@@ -23,6 +26,8 @@
 // Each is recorded in the error buffer (attnops/errors.py) with atomic min.
 #pragma once
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cstdint>
 
 namespace attnops::mla_sm90 {
@@ -44,7 +49,8 @@ constexpr int kErrBlockTable = 0, kErrSeqLens = 1;  // attnops/errors.py ARGUMEN
 struct Args {
   const __nv_bfloat16* q_nope;  // [T, H, 512], rows 16-byte aligned
   const __nv_bfloat16* q_pe;    // [T, H, 64]
-  const __nv_bfloat16* kv;      // [num_pages, page_size, >= 576]
+  const uint8_t* kv;            // [num_pages, page_size, 576] bf16, or fp8 e4m3 (stored = value / kv_scale)
+  const float* kv_scale;        // fp8: one element
   const int* block_table;
   const int* seq_lens;
   __nv_bfloat16* out;  // [T, H, 512] (one split)
@@ -52,7 +58,8 @@ struct Args {
   float* part_out;     // [T, H, splits, 512] (splits > 1)
   float* part_lse;     // [T, H, splits], base 2
   int* errors;
-  int64_t q_nope_token, q_nope_head, q_pe_token, q_pe_head, kv_page, kv_token, out_token, out_head;
+  int64_t q_nope_token, q_nope_head, q_pe_token, q_pe_head, out_token, out_head;
+  int64_t kv_page, kv_token;  // bytes
   int table_stride, num_pages, page_size, capacity, num_heads, head_blocks, chunk, splits;
   float qk_scale_log2;  // softmax scale x log2(e)
 };
@@ -188,10 +195,12 @@ __device__ __forceinline__ void wgmma_m64n256k16_ss(float (&d)[128], uint64_t de
 #define ATTNOPS_MLA_SM90A 1  // wgmma: sm_90a code only (an sm_90 build leaves the kernel empty; the probe says so)
 #endif
 
-// Loads the latent rows of keys [start, start + 64) into `tile` (keys at or past `end` zero-filled, read from
-// nowhere): thread tid takes row tid / 4, pieces tid % 4 + 4 j. Returns whether its key is visible and sits in a
+// Loads the latent rows of keys [start, start + 64) into `dst` (keys at or past `end` zero-filled, read from
+// nowhere): thread tid takes row tid / 4, pieces tid % 4 + 4 j. bf16: straight into the swizzled tile; fp8: into
+// a staging area of plain [64 x 576]-byte rows, for to_bf16_tile. Returns whether its key is visible and sits in a
 // page outside the cache (never read).
-__device__ __forceinline__ bool load_tile(const Args& a, const int* table_row, int start, int end, uint32_t tile,
+template <bool kFp8>
+__device__ __forceinline__ bool load_tile(const Args& a, const int* table_row, int start, int end, uint32_t dst,
                                           int tid) {
   const int row = tid >> 2;
   const int key = start + row;
@@ -199,22 +208,55 @@ __device__ __forceinline__ bool load_tile(const Args& a, const int* table_row, i
   const int page = visible ? table_row[key / a.page_size] : 0;
   const bool bad = visible && (page < 0 || page >= a.num_pages);
   const bool ok = visible && !bad;
-  const __nv_bfloat16* src =
+  const uint8_t* src =
       ok ? a.kv + static_cast<int64_t>(page) * a.kv_page + static_cast<int64_t>(key % a.page_size) * a.kv_token : a.kv;
+  constexpr int kRowPieces = kFp8 ? kD / 16 : kPieces;
 #pragma unroll
-  for (int j = 0; j < kPieces / 4; ++j) {
+  for (int j = 0; j < kRowPieces / 4; ++j) {
     const int piece = (tid & 3) + 4 * j;
-    cp_async_16(tile + swizzled(row, piece), src + (ok ? piece * 8 : 0), ok);
+    cp_async_16(dst + (kFp8 ? row * kD + piece * 16 : swizzled(row, piece)), src + (ok ? piece * 16 : 0), ok);
   }
   return bad;
 }
 
+// Two e4m3 values as a bf16 pair, exactly (every e4m3 value is a bf16 value)
+__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint16_t pair) {
+  const __half2_raw raw = __nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3);
+  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&raw));
+  return pack_bf16(f.x, f.y);
+}
+
+// fp8: a staged tile's rows [64 x 576 bytes] as the bf16 tile QK and PV read (thread tid: row tid / 4, 16-byte
+// pieces tid % 4 + 4 j of it, each two bf16 pieces)
+__device__ __forceinline__ void to_bf16_tile(const uint8_t* stage, uint8_t* tile, int tid) {
+  const int row = tid >> 2;
+#pragma unroll
+  for (int j = 0; j < kD / 16 / 4; ++j) {
+    const int piece = (tid & 3) + 4 * j;
+    const uint4 v = *reinterpret_cast<const uint4*>(stage + row * kD + piece * 16);
+    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+    uint32_t out[8];
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      out[2 * w] = e4m3x2_to_bf16x2(static_cast<uint16_t>(words[w] & 0xffff));
+      out[2 * w + 1] = e4m3x2_to_bf16x2(static_cast<uint16_t>(words[w] >> 16));
+    }
+    *reinterpret_cast<uint4*>(tile + swizzled(row, 2 * piece)) = make_uint4(out[0], out[1], out[2], out[3]);
+    *reinterpret_cast<uint4*>(tile + swizzled(row, 2 * piece + 1)) = make_uint4(out[4], out[5], out[6], out[7]);
+  }
+}
+
+// kFp8: an fp8 e4m3 cache, staged as bytes (two stages in the second tile's place) and widened to one bf16 tile
+// before the MMAs; kv_scale joins the scores' scale and the output, never the MMAs.
+template <bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_constant__ Args a) {
 #if defined(ATTNOPS_MLA_SM90A)
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const uint32_t s_q = smem_u32(smem);
-  const uint32_t s_k = s_q + kTileBytes;  // two stages of kTileBytes
+  const uint32_t s_k = s_q + kTileBytes;  // bf16: two stages of kTileBytes; fp8: the tile, then two byte stages
+  constexpr int kStageBytes = kFp8 ? kKeys * kD : kTileBytes;
+  const uint32_t s_stage = kFp8 ? s_k + kTileBytes : s_k;
   const uint32_t s_p = s_q + 3 * kTileBytes;
   uint8_t* p_bytes = smem + 3 * kTileBytes;
   float* s_alpha = reinterpret_cast<float*>(p_bytes + kPBytes);
@@ -239,6 +281,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   const int hi = min(lo + a.chunk, seq_len);
   const int tiles = hi > lo ? (hi - lo + kKeys - 1) / kKeys : 0;
   const int* table_row = a.block_table + static_cast<int64_t>(token) * a.table_stride;
+  const float kv_scale = kFp8 ? *a.kv_scale : 1.0f;
+  const float qk_scale_log2 = a.qk_scale_log2 * kv_scale;
 
   {  // Q: q_nope's 512 values then q_pe's 64, a row a head (zeros past num_heads)
     const int row = tid >> 2, head = head_block * kRows + row;
@@ -251,7 +295,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
       cp_async_16(s_q + swizzled(row, piece), piece < kR / 8 ? nope + piece * 8 : pe + (piece - kR / 8) * 8, valid);
     }
   }
-  bool saw_bad = tiles > 0 && load_tile(a, table_row, lo, hi, s_k, tid);
+  bool saw_bad = tiles > 0 && load_tile<kFp8>(a, table_row, lo, hi, s_stage, tid);
   cp_async_commit();
 
   float o[128];  // warpgroup wg's columns [256 wg, 256 wg + 256) of rows row0, row1
@@ -261,12 +305,18 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
 
   for (int i = 0; i < tiles; ++i) {
     const int start = lo + i * kKeys;
-    const uint32_t tile = s_k + (i & 1) * kTileBytes;
+    const uint32_t tile = kFp8 ? s_k : s_k + (i & 1) * kTileBytes;
     cp_async_wait<0>();
     fence_proxy_async();
-    __syncthreads();  // tile i in place; every use of the other stage (tile i - 1) done
-    if (i + 1 < tiles) saw_bad |= load_tile(a, table_row, start + kKeys, hi, s_k + ((i + 1) & 1) * kTileBytes, tid);
+    __syncthreads();  // stage i in place; every use of the other stage (and fp8: of the tile) done
+    if (i + 1 < tiles)
+      saw_bad |= load_tile<kFp8>(a, table_row, start + kKeys, hi, s_stage + ((i + 1) & 1) * kStageBytes, tid);
     cp_async_commit();
+    if constexpr (kFp8) {
+      to_bf16_tile(smem + (s_stage - s_q) + (i & 1) * kStageBytes, smem + (s_k - s_q), tid);
+      fence_proxy_async();
+      __syncthreads();  // the widened tile in place
+    }
 
     uint32_t p_frag[4][4];
     float alpha0, alpha1;
@@ -291,7 +341,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
           const int key = start + 8 * j + 2 * t4 + (c & 1);
-          const float v = key < hi ? s[4 * j + c] * a.qk_scale_log2 : -INFINITY;
+          const float v = key < hi ? s[4 * j + c] * qk_scale_log2 : -INFINITY;
           s[4 * j + c] = v;
           if (c < 2) max0 = fmaxf(max0, v);
           else max1 = fmaxf(max1, v);
@@ -384,7 +434,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
     if (head >= a.num_heads) continue;
     const float l = s_l[row], m = s_m[row];
     const bool has_keys = l > 0.0f;
-    const float inv = nan_rows ? NAN : (has_keys ? 1.0f / l : 0.0f);
+    const float inv = nan_rows ? NAN : (has_keys ? kv_scale / l : 0.0f);
     const float lse2 = nan_rows ? NAN : (has_keys ? m + log2f(l) : -INFINITY);
     const int col = wg * 256 + 2 * t4;
     if (a.splits == 1) {
@@ -405,6 +455,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   }
 #endif
 }
+
+// The kernel of a cache format (a name for both instantiations: any file that includes this compiles them)
+inline void (*decode_kernel(bool fp8))(Args) { return fp8 ? mla_decode_kernel<true> : mla_decode_kernel<false>; }
 
 // Block (token, head): the splits' partials of a row combined by their base-2 LSEs, the sink (if any) in the
 // denominator (a row with no key stays 0 whatever its sink); a NaN partial (a bad index its split met) makes the
