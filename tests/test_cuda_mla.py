@@ -225,3 +225,32 @@ def test_outputs_of_any_layout(cuda_on):
     ref, ref_lse = mla_attention_reference(**args, return_lse=True)
     assert relative_error(out, ref) < 1e-2
     torch.testing.assert_close(lse, ref_lse.float(), atol=2e-3, rtol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_format", ["auto", "fp8_e4m3"])
+def test_the_value_path_alone(cuda_on, kv_format):
+    """P V without Q K^T: zero queries weigh every visible key alike (the mean of the latent rows' c parts), and a
+    sequence of one key returns its c part whatever the query (both exact up to bf16 rounding)."""
+    args = deepseek_inputs([1, 200, 64, 777], 128, kv_format=kv_format)
+    args["q_nope"].zero_()
+    args["q_pe"].zero_()
+    with attnops.use_backend("cuda"):
+        out = torch.ops.attnops.mla_attention(**args)
+    for b, n in enumerate(args["seq_lens"].tolist()):
+        mean = rows_of(args, b)[:, :512].mean(0)
+        assert relative_error(out[b], mean.expand(128, 512)) < 1e-2, (b, n)
+    args = deepseek_inputs([1, 1], 64, kv_format=kv_format)
+    with attnops.use_backend("cuda"):
+        out = torch.ops.attnops.mla_attention(**args)
+    for b in range(2):
+        first = rows_of(args, b)[0, :512]
+        assert relative_error(out[b], first.expand(64, 512)) < 1e-2
+
+
+def rows_of(args, b):
+    """Sequence b's latent rows, dequantized, float32 [n, 576]."""
+    n = int(args["seq_lens"][b])
+    pages = args["block_table"][b, :-(-n // args["kv_cache"].shape[1])].long()
+    rows = args["kv_cache"][pages].flatten(0, 1)[:n].float()
+    return rows * args["kv_scale"] if "kv_scale" in args else rows
