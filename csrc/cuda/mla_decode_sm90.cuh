@@ -195,17 +195,22 @@ __device__ __forceinline__ void wgmma_m64n256k16_ss(float (&d)[128], uint64_t de
 #define ATTNOPS_MLA_SM90A 1  // wgmma: sm_90a code only (an sm_90 build leaves the kernel empty; the probe says so)
 #endif
 
+// The page of thread tid's key in the tile of keys [start, start + 64) (0 past `end`): read a tile ahead of its
+// copy, so that the copy never waits on the block table
+__device__ __forceinline__ int page_of(const Args& a, const int* table_row, int start, int end, int tid) {
+  const int key = start + (tid >> 2);
+  return key < end ? table_row[key / a.page_size] : 0;
+}
+
 // Loads the latent rows of keys [start, start + 64) into `dst` (keys at or past `end` zero-filled, read from
-// nowhere): thread tid takes row tid / 4, pieces tid % 4 + 4 j. bf16: straight into the swizzled tile; fp8: into
-// a staging area of plain [64 x 576]-byte rows, for to_bf16_tile. Returns whether its key is visible and sits in a
-// page outside the cache (never read).
+// nowhere): thread tid takes row tid / 4 (its key's page: page_of), pieces tid % 4 + 4 j. bf16: straight into the
+// swizzled tile; fp8: into a staging area of plain [64 x 576]-byte rows, for to_bf16_tile. Returns whether its key
+// is visible and sits in a page outside the cache (never read).
 template <bool kFp8>
-__device__ __forceinline__ bool load_tile(const Args& a, const int* table_row, int start, int end, uint32_t dst,
-                                          int tid) {
+__device__ __forceinline__ bool load_tile(const Args& a, int page, int start, int end, uint32_t dst, int tid) {
   const int row = tid >> 2;
   const int key = start + row;
   const bool visible = key < end;
-  const int page = visible ? table_row[key / a.page_size] : 0;
   const bool bad = visible && (page < 0 || page >= a.num_pages);
   const bool ok = visible && !bad;
   const uint8_t* src =
@@ -295,7 +300,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
       cp_async_16(s_q + swizzled(row, piece), piece < kR / 8 ? nope + piece * 8 : pe + (piece - kR / 8) * 8, valid);
     }
   }
-  bool saw_bad = tiles > 0 && load_tile<kFp8>(a, table_row, lo, hi, s_stage, tid);
+  bool saw_bad = tiles > 0 && load_tile<kFp8>(a, page_of(a, table_row, lo, hi, tid), lo, hi, s_stage, tid);
+  int next_page = page_of(a, table_row, lo + kKeys, hi, tid);  // (tile 1's)
   cp_async_commit();
 
   float o[128];  // warpgroup wg's columns [256 wg, 256 wg + 256) of rows row0, row1
@@ -310,8 +316,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
     fence_proxy_async();
     __syncthreads();  // stage i in place; every use of the other stage (and fp8: of the tile) done
     if (i + 1 < tiles)
-      saw_bad |= load_tile<kFp8>(a, table_row, start + kKeys, hi, s_stage + ((i + 1) & 1) * kStageBytes, tid);
+      saw_bad |= load_tile<kFp8>(a, next_page, start + kKeys, hi, s_stage + ((i + 1) & 1) * kStageBytes, tid);
     cp_async_commit();
+    next_page = page_of(a, table_row, start + 2 * kKeys, hi, tid);
     if constexpr (kFp8) {
       to_bf16_tile(smem + (s_stage - s_q) + (i & 1) * kStageBytes, smem + (s_k - s_q), tid);
       fence_proxy_async();
