@@ -114,10 +114,10 @@ def check_mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlen
 
 def latent_rows_aligned(kv_cache: torch.Tensor) -> bool:
     """Whether every latent row of the cache (validated) starts on a 16-byte boundary, so that a kernel copies rows
-    by 16-byte words (MLACase.aligned_kv): the base address and both strides."""
+    by 16-byte words (MLACase.aligned_kv): the base address and both outer strides (the inner one is 1)."""
     size = kv_cache.element_size()
     return (_address(kv_cache) % 16 == 0 and kv_cache.stride(0) * size % 16 == 0
-            and kv_cache.stride(1) * size % 16 == 0 and kv_cache.stride(2) == 1)
+            and kv_cache.stride(1) * size % 16 == 0)
 
 
 def check_mla_attention_values(q_nope, kv_cache, block_table, seq_lens, cu_seqlens_q, kv_scale, tree_mask) -> None:
