@@ -64,8 +64,10 @@ def test_split_plan_covers_the_capacity_in_whole_tiles(tokens, heads, capacity, 
     assert (splits - 1) * chunk < capacity or (sinks and splits == 2)  # no empty split but the sinks' second
     assert splits >= (2 if sinks else 1)
     blocks = tokens * -(-heads // cuda_mla.ROWS)
+    if splits > 1 and not sinks:  # never a second wave of a few blocks (one block an SM)
+        assert blocks * splits <= 132
     if capacity >= 132 * cuda_mla.MIN_CHUNK and blocks < 132:  # a small batch fills the GPU by its splits
-        assert blocks * splits >= 100
+        assert blocks * splits > 66
 
 
 def test_an_unaligned_cache_view_is_named_in_the_case():

@@ -83,11 +83,12 @@ def reasons(case) -> list[str]:
 
 
 def plan(num_tokens: int, num_heads: int, capacity: int, sm_count: int, sinks: bool) -> tuple[int, int]:
-    """(splits, keys a split) of a call: about one block an SM (a block holds most of an SM's shared memory), at
-    least MIN_CHUNK keys a split; with sinks at least two splits (the merge adds them). Shapes only: graph-safe."""
+    """(splits, keys a split) of a call: at most one wave of blocks when it splits (a block holds most of an SM's
+    shared memory: one block an SM, and a second wave of a few blocks would double the time), at least MIN_CHUNK
+    keys a split; with sinks at least two splits (the merge adds them). Shapes only: graph-safe."""
     blocks = max(1, num_tokens) * math.ceil(num_heads / ROWS)
     tiles = max(1, math.ceil(capacity / TILE))
-    splits = max(1, math.ceil(sm_count / blocks))
+    splits = max(1, sm_count // blocks)
     chunk = max(MIN_CHUNK, math.ceil(tiles / splits) * TILE, math.ceil(tiles / MAX_SPLITS) * TILE)
     splits = math.ceil(tiles * TILE / chunk)
     return max(splits, 2 if sinks else 1), chunk
