@@ -107,6 +107,7 @@ for step in "$@"; do
       python3 -m pip install --no-build-isolation --no-deps -e . > /tmp/build.log 2>&1 \
         || { grep -E "error|Error" /tmp/build.log | head -30; tail -30 /tmp/build.log; exit 1; }
       python3 -c "from attnops.backends import flashinfer_replay as r; print('C++ FlashInfer replay built:', r.built(), 'usable:', r.enabled())"
+      python3 -c "from attnops.backends import cuda_mla; print('sm_90a latent-attention kernel runs here:', cuda_mla.sm90a_built(0))"
       stamp built ;;
     tune)
       timeout $(( ${TUNE_BUDGET:-240} + 60 )) python3 benchmarks/triton_tuning.py --budget ${TUNE_BUDGET:-240} \
