@@ -22,6 +22,7 @@ from attnops.backends.reference import mla_attention_reference
 from attnops.cases import MLACase
 from attnops.checks_mla import check_mla_attention, latent_rows_aligned
 from attnops.testing import random_mla_inputs, relative_error
+from test_mla import check_reduce_overhead, check_user_graph_replays
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASE = MLACase(device_type="cuda", arch=(9, 0), q_dtype=torch.bfloat16, kv_format="bf16", latent_dim=512,
@@ -186,34 +187,12 @@ def test_bad_indices_follow_paged_attentions_rules(cuda_on):
 
 @pytest.mark.gpu
 def test_a_user_cuda_graph_replays_new_lengths_and_tables(cuda_on):
-    args = deepseek_inputs([300, 40, 1000], 16, page_size=16)
-    out = torch.empty_like(args["q_nope"])
-    with attnops.use_backend("cuda"):
-        torch.ops.attnops.mla_attention.out(**args, out=out)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            torch.ops.attnops.mla_attention.out(**args, out=out)
-    for lengths in ([900, 30, 250], [0, 1, 1000]):
-        args["seq_lens"].copy_(torch.tensor(lengths))
-        args["block_table"].copy_(args["block_table"].flip(0))
-        graph.replay()
-        assert relative_error(out, mla_attention_reference(**args)) < 1e-2, lengths
+    check_user_graph_replays("cuda", deepseek_inputs([300, 40, 1000], 16, page_size=16))
 
 
 @pytest.mark.gpu
 def test_compiled_with_cuda_graphs(cuda_on):
-    args = deepseek_inputs([300, 40], 128, page_size=16)
-    torch._dynamo.reset()
-
-    def step(q_nope, q_pe, kv_cache, block_table, seq_lens):
-        return torch.ops.attnops.mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, scale=0.0625)
-
-    compiled = torch.compile(step, fullgraph=True, mode="reduce-overhead")
-    with attnops.use_backend("cuda"):
-        for lengths in ([300, 40], [12, 25], [299, 1]):
-            args["seq_lens"].copy_(torch.tensor(lengths))
-            got = compiled(args["q_nope"], args["q_pe"], args["kv_cache"], args["block_table"], args["seq_lens"])
-            assert relative_error(got, mla_attention_reference(**args)) < 1e-2, lengths
+    check_reduce_overhead("cuda", deepseek_inputs([300, 40], 128, page_size=16))
 
 
 @pytest.mark.gpu

@@ -641,12 +641,11 @@ def test_compiles_fullgraph():
     assert relative_error(got, 2 * mla_attention_reference(**args)) < 1e-2
 
 
-@pytest.mark.gpu
-def test_a_user_cuda_graph_replays_new_lengths_and_tables():
-    args = mla_inputs([300, 40, 1000], None, heads=16, latent=512, rope=64, page_size=16, dtype=torch.bfloat16,
-                      device="cuda")
+def check_user_graph_replays(backend: str, args: dict) -> None:
+    """`backend`'s mla_attention.out captured in a plain torch.cuda.graph on args of three sequences (300, 40 and
+    1000 keys), replayed with new lengths and the table's rows swapped, against the reference each time."""
     out = torch.empty_like(args["q_nope"])
-    with attnops.use_backend("triton"):
+    with attnops.use_backend(backend):
         torch.ops.attnops.mla_attention.out(**args, out=out)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -659,21 +658,33 @@ def test_a_user_cuda_graph_replays_new_lengths_and_tables():
         assert relative_error(out, mla_attention_reference(**args)) < 1e-2, lengths
 
 
-@pytest.mark.gpu
-def test_compiled_with_cuda_graphs():
-    args = mla_inputs([300, 40], None, heads=16, latent=512, rope=64, page_size=16, dtype=torch.bfloat16,
-                      device="cuda")
+def check_reduce_overhead(backend: str, args: dict) -> None:
+    """A step calling mla_attention under torch.compile(mode="reduce-overhead") with `backend` pinned, on args of
+    two sequences (300 and 40 keys), over new lengths, against the reference."""
     torch._dynamo.reset()
+    scale = args["scale"]
 
     def step(q_nope, q_pe, kv_cache, block_table, seq_lens):
-        return torch.ops.attnops.mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, scale=0.13)
+        return torch.ops.attnops.mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, scale=scale)
 
     compiled = torch.compile(step, fullgraph=True, mode="reduce-overhead")
-    with attnops.use_backend("triton"):
+    with attnops.use_backend(backend):
         for lengths in ([300, 40], [12, 25], [299, 1]):
             args["seq_lens"].copy_(torch.tensor(lengths))
             got = compiled(args["q_nope"], args["q_pe"], args["kv_cache"], args["block_table"], args["seq_lens"])
             assert relative_error(got, mla_attention_reference(**args)) < 1e-2, lengths
+
+
+@pytest.mark.gpu
+def test_a_user_cuda_graph_replays_new_lengths_and_tables():
+    check_user_graph_replays("triton", mla_inputs([300, 40, 1000], None, heads=16, latent=512, rope=64, page_size=16,
+                                                  dtype=torch.bfloat16, device="cuda"))
+
+
+@pytest.mark.gpu
+def test_compiled_with_cuda_graphs():
+    check_reduce_overhead("triton", mla_inputs([300, 40], None, heads=16, latent=512, rope=64, page_size=16,
+                                               dtype=torch.bfloat16, device="cuda"))
 
 
 def test_triton_cache_write_is_the_references_bit_for_bit_with_nan_and_inf():
