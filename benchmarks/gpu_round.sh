@@ -69,8 +69,8 @@
 #             FlashInfer is installed, and the ceiling): $results/$MLA_NAME.json, .txt (MLA_NAME default mla).
 #             MLA_ARGS="--sweep" times Triton's tiles and splits per case (what mla_plan is fitted to);
 #             MLA_ARGS="--backend flashinfer" the op through FlashInfer's MLA backend (eager: a step's plan reused)
-#   cuda-mla  the CUDA backend's sm_90a latent-attention decode (ATTNOPS_CUDA_MLA=1): tests/test_cuda_mla.py's GPU
-#             tests ($results/cuda-mla-tests.log), then benchmarks/mla_decode.py pinned to it at CUDA_MLA_HEADS heads
+#   cuda-mla  the CUDA backend's sm_90a latent-attention decode (ATTNOPS_CUDA_MLA=fp8: fp8 too): tests/test_cuda_mla.py's
+#             GPU tests ($results/cuda-mla-tests.log), then benchmarks/mla_decode.py pinned to it at CUDA_MLA_HEADS heads
 #             (default 16 64 128), bf16 against FlashInfer's MLA wrapper where installed, and fp8:
 #             $results/cuda-mla-{bf16,fp8_e4m3}.{json,txt}
 #   invariance the cost of batch-invariant mode (ATTNOPS_BATCH_INVARIANT=1) on the bench grid's Triton cases, same
@@ -248,11 +248,11 @@ PY
         2>&1 | tee "$results/${MLA_NAME:-mla}.txt" | tail -40
       stamp mla ;;
     cuda-mla)
-      ATTNOPS_CUDA_MLA=1 timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -rA -p no:cacheprovider -m gpu \
+      ATTNOPS_CUDA_MLA=fp8 timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -rA -p no:cacheprovider -m gpu \
         tests/test_cuda_mla.py > "$results/cuda-mla-tests.log" 2>&1; grep -E "passed|failed|FAILED|Error" \
         "$results/cuda-mla-tests.log" | grep -v "^PASSED" | tail -12
       for fmt in bf16 fp8_e4m3; do
-        ATTNOPS_CUDA_MLA=1 timeout ${MLA_TIMEOUT:-300} python3 benchmarks/mla_decode.py --backend cuda \
+        ATTNOPS_CUDA_MLA=fp8 timeout ${MLA_TIMEOUT:-300} python3 benchmarks/mla_decode.py --backend cuda \
           --heads ${CUDA_MLA_HEADS:-16 64 128} --cases 1x32768 32x8192 128x4096 --kv-format $fmt \
           --json "$results/cuda-mla-$fmt.json" 2>&1 | tee "$results/cuda-mla-$fmt.txt" | tail -12
       done

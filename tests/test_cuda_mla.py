@@ -1,9 +1,10 @@
 """The CUDA backend's latent-attention decode (attnops/backends/cuda_mla.py, csrc/cuda/mla_decode_sm90.cuh).
 
 Here: what it declines and why, its split plan, and its kernel through nvcc for sm_90a (resources, no spills, the
-wgmmas kept pipelined). On an H100/H200 (`-m gpu`, ATTNOPS_CUDA_MLA=1 set by the tests): the op pinned to it
-against the float64 reference on random ragged decode batches (1 to 128 heads, pages of 16 and 64, one and many
-splits, LSE, sinks), bad indices, a user's CUDA graph replaying new lengths and tables, and reduce-overhead.
+wgmmas kept pipelined). On an H100/H200 (`-m gpu`, ATTNOPS_CUDA_MLA=fp8 set by the tests: fp8 too): the op
+pinned to it against the float64 reference on random ragged decode batches (1 to 128 heads, pages of 16 and 64,
+one and many splits, LSE, sinks), bad indices, a user's CUDA graph replaying new lengths and tables, and
+reduce-overhead.
 """
 from __future__ import annotations
 
@@ -29,13 +30,20 @@ CASE = MLACase(device_type="cuda", arch=(9, 0), q_dtype=torch.bfloat16, kv_forma
                rope_dim=64, num_heads=128, page_size=64, decode=True, batch=8, max_kv_len=8192)
 
 
-def test_off_unless_switched_on(monkeypatch):
+def test_serves_bf16_by_default_fp8_when_asked_and_nothing_when_off(monkeypatch):
+    monkeypatch.setattr(cuda_mla, "sm90a_built", lambda device: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    fp8 = MLACase(**{**CASE.__dict__, "kv_format": "fp8_e4m3"})
     monkeypatch.delenv(cuda_mla.ENV, raising=False)
-    assert any(cuda_mla.ENV in r for r in cuda_mla.reasons(CASE))
+    assert cuda_mla.reasons(CASE) == [] and any(f"{cuda_mla.ENV}=fp8" in r for r in cuda_mla.reasons(fp8))
+    monkeypatch.setenv(cuda_mla.ENV, "fp8")
+    assert cuda_mla.reasons(CASE) == cuda_mla.reasons(fp8) == []
+    monkeypatch.setenv(cuda_mla.ENV, "0")
+    assert any("turned off" in r for r in cuda_mla.reasons(CASE))
 
 
 def test_declines_what_its_kernel_is_not_built_for(monkeypatch):
-    monkeypatch.setenv(cuda_mla.ENV, "1")
+    monkeypatch.setenv(cuda_mla.ENV, "fp8")
     monkeypatch.setattr(cuda_mla, "sm90a_built", lambda device: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     assert cuda_mla.reasons(CASE) == []
@@ -125,7 +133,7 @@ def sm90() -> bool:
 def cuda_on(monkeypatch):
     if not sm90():
         pytest.skip("needs an sm_90 GPU")
-    monkeypatch.setenv(cuda_mla.ENV, "1")
+    monkeypatch.setenv(cuda_mla.ENV, "fp8")  # (both formats)
     yield
 
 

@@ -71,10 +71,10 @@ def invariant_splits(capacity: int) -> tuple[int, int]:
 class CudaBackend(Backend):
     name = "cuda"
     description = ("attnops' CUDA C++ kernels: 4-bit KV (nvfp4, mxfp4) at head dims 64/128/256, decode and verify, "
-                   "windows and soft cap, read in place; latent-attention (MLA) decode on sm_90a (off unless "
-                   "ATTNOPS_CUDA_MLA=1)")
+                   "windows and soft cap, read in place; latent-attention (MLA) decode on sm_90a (bf16; fp8 with "
+                   "ATTNOPS_CUDA_MLA=fp8)")
     writes_cache = False  # reshape_and_cache goes to the Triton kernels
-    serves_mla = True  # latent-attention decode on sm_90a (cuda_mla.py; off unless ATTNOPS_CUDA_MLA=1)
+    serves_mla = True  # latent-attention decode on sm_90a (cuda_mla.py)
 
     def unavailable(self) -> list[str]:
         if not torch.cuda.is_available():

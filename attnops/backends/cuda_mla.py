@@ -3,9 +3,12 @@
 for all of them, the 64 x 512 accumulator over two warpgroups), for DeepSeek's shape (R 512, P 64) with a bf16 or
 fp8 e4m3 cache under bf16 q.
 
-Off unless ATTNOPS_CUDA_MLA=1: it has not yet run on a GPU against the reference, so dispatch never picks it (and
-a pinned `cuda` declines latent attention) until then; `bash benchmarks/gpu_round.sh cuda-mla` runs its GPU tests
-and times it beside Triton and FlashInfer.
+Its GPU tests pass on the H100 (bf16 and fp8). Served by default for bf16 caches: on the H100 it took 0.95-1.05x
+FlashInfer's MLA time at 16 heads and 1.20-1.44x at 128 heads, where Triton took 0.87-1.13x and 2.2-2.6x
+(docs/bench.md), so dispatch puts it after FlashInfer (outside captures) and before Triton (inside them, where
+FlashInfer is passed over). fp8 caches only with ATTNOPS_CUDA_MLA=fp8: correct, but no faster than bf16 at 16
+heads (the 64-row MMAs of 16 heads bind it, not the bytes) and not yet timed against Triton's fp8.
+ATTNOPS_CUDA_MLA=0 turns it off. `bash benchmarks/gpu_round.sh cuda-mla` runs its GPU tests and times it.
 
 The split of each sequence's keys comes from shapes only (the table's capacity, the tokens, the heads, the SM
 count), so a CUDA graph replays any lengths; with more than one split, the op's second kernel merges the partials
@@ -31,8 +34,10 @@ MIN_CHUNK = 256  # keys a split at least (a block loads its 64 heads' queries fi
 MAX_SPLITS = 65535  # a grid dimension
 
 
-def enabled() -> bool:
-    return os.environ.get(ENV) == "1"
+def served_formats() -> tuple[str, ...]:
+    """The cache formats it serves: ATTNOPS_CUDA_MLA unset or 1: bf16; fp8: bf16 and fp8 e4m3; 0: none."""
+    switch = os.environ.get(ENV, "1")
+    return {"0": (), "fp8": KV_FORMATS}.get(switch, ("bf16",))
 
 
 _sm90a: dict[int, bool] = {}
@@ -58,10 +63,13 @@ def _sm_count(device_index: int) -> int:
 def reasons(case) -> list[str]:
     """Why the kernel cannot serve an MLACase (empty: it can). The backend's own `unavailable` (a CUDA build, a GPU)
     is asked beside."""
-    if not enabled():
-        return [f"latent attention: not yet checked on a GPU, so off unless {ENV}=1"]
-    found = common_reasons(case, devices=("cuda",), q_dtypes=(torch.bfloat16,), kv_formats=KV_FORMATS,
-                           archs=lambda arch: arch == (9, 0))
+    served = served_formats()
+    if not served:
+        return [f"latent attention: turned off ({ENV}=0)"]
+    found = common_reasons(case, devices=("cuda",), q_dtypes=(torch.bfloat16,), archs=lambda arch: arch == (9, 0))
+    if case.kv_format not in served:
+        found.append(f"kv_format {case.kv_format} not supported" if case.kv_format not in KV_FORMATS else
+                     f"kv_format {case.kv_format}: correct but not yet timed against Triton's, so only with {ENV}=fp8")
     if (case.latent_dim, case.rope_dim) != SHAPE:
         found.append(f"latent rows of R {case.latent_dim}, P {case.rope_dim}: its kernel is built for R {SHAPE[0]}, "
                      f"P {SHAPE[1]}")
