@@ -43,8 +43,9 @@
 #   models    python -m attnops tune on the models grid (MODELS_ARGS narrows it), writing the table to
 #             $results/sm_XY.json and the records to $results/models.json
 #   mla-models latent attention's cases of the models grid (DeepSeek-V3's shards of 8-128 heads, bf16 and fp8) for
-#             flashinfer and triton, the fi-mla peer and auto: $results/mla-models.json; then the table refitted from
-#             the shipped table's own sources and those records: $results/sm_XY.json (both rules), and its checks
+#             flashinfer, cuda (fp8 too) and triton, the fi-mla peer and auto: $results/mla-models.json; then the
+#             table refitted from the shipped table's own sources and those records: $results/sm_XY.json (both
+#             rules), and its checks
 #   serve     python -m attnops serve-bench $SERVE_ARGS (JSON + PNG)
 #   serve-mla serve-bench's latent-attention point: DeepSeek-V2-Lite-shaped (random) at 8K x 32, attnops compiled + CUDA
 #             graphs on a bf16 and an fp8 latent cache against transformers' static cache compiled:
@@ -167,8 +168,9 @@ for step in "$@"; do
       tail -3 /tmp/models.err; sed -n '/^the rule on/,$p' "$results/models.log" | head -60; stamp models ;;
     mla-models)
       arch=$(python3 -c "import torch; print('sm_%d%d' % torch.cuda.get_device_capability())")
-      timeout ${MODELS_TIMEOUT:-540} python3 -m attnops bench --grid models --cases deepseek-v3 --backends flashinfer \
-        triton --peers fi-mla --auto --graph-only --rep-ms ${REP_MS:-50} --json "$results/mla-models.json" \
+      ATTNOPS_CUDA_MLA=fp8 timeout ${MODELS_TIMEOUT:-540} python3 -m attnops bench --grid models --cases deepseek-v3 \
+        --backends flashinfer cuda triton --peers fi-mla --auto --graph-only --rep-ms ${REP_MS:-50} \
+        --json "$results/mla-models.json" \
         > "$results/mla-models.txt" 2> /tmp/mla-models.err; tail -3 /tmp/mla-models.err
       sources=$(python3 -c "import json; print(' '.join(json.load(open('attnops/tables/$arch.json'))['sources']))")
       python3 -m attnops tune --from-json $sources "$results/mla-models.json" --arch $arch --out "$results/$arch.json" \
