@@ -70,10 +70,10 @@
 #             FlashInfer is installed, and the ceiling): $results/$MLA_NAME.json, .txt (MLA_NAME default mla).
 #             MLA_ARGS="--sweep" times Triton's tiles and splits per case (what mla_plan is fitted to);
 #             MLA_ARGS="--backend flashinfer" the op through FlashInfer's MLA backend (eager: a step's plan reused)
-#   cuda-mla  the CUDA backend's sm_90a latent-attention decode (ATTNOPS_CUDA_MLA=fp8: fp8 too): tests/test_cuda_mla.py's
-#             GPU tests ($results/cuda-mla-tests.log), then benchmarks/mla_decode.py pinned to it at CUDA_MLA_HEADS heads
-#             (default 16 64 128), bf16 against FlashInfer's MLA wrapper where installed, and fp8:
-#             $results/cuda-mla-{bf16,fp8_e4m3}.{json,txt}
+#   cuda-mla  the CUDA backend's sm_90a latent-attention decode (ATTNOPS_CUDA_MLA=fp8: fp8 too): the GPU tests
+#             of tests/test_cuda_mla.py ($results/cuda-mla-tests.log), then benchmarks/mla_decode.py pinned to it
+#             at CUDA_MLA_HEADS heads (default 16 64 128), bf16 against FlashInfer's MLA wrapper where installed,
+#             and fp8: $results/cuda-mla-{bf16,fp8_e4m3}.{json,txt}
 #   invariance the cost of batch-invariant mode (ATTNOPS_BATCH_INVARIANT=1) on the bench grid's Triton cases, same
 #             run, two rounds alternating: $results/invariance-{0,1}-{1,2}.json, invariance.txt (per case and the
 #             geometric mean; INVARIANCE_ARGS narrows the grid, e.g. "--groups decode-large verify";
@@ -108,7 +108,7 @@ for step in "$@"; do
       python3 -m pip install --no-build-isolation --no-deps -e . > /tmp/build.log 2>&1 \
         || { grep -E "error|Error" /tmp/build.log | head -30; tail -30 /tmp/build.log; exit 1; }
       python3 -c "from attnops.backends import flashinfer_replay as r; print('C++ FlashInfer replay built:', r.built(), 'usable:', r.enabled())"
-      python3 -c "from attnops.backends import cuda_mla; print('sm_90a latent-attention kernel runs here:', cuda_mla.sm90a_built(0))"
+      python3 -c "from attnops.backends import cuda_mla; print('sm_90a MLA kernel runs:', cuda_mla.sm90a_built(0))"
       stamp built ;;
     tune)
       timeout $(( ${TUNE_BUDGET:-240} + 60 )) python3 benchmarks/triton_tuning.py --budget ${TUNE_BUDGET:-240} \
