@@ -34,9 +34,9 @@ STATIC_ORDER = {
 
 # Latent attention (MLA): on the CPU the C++ kernels, as for paged attention; on a GPU FlashInfer's MLA wrapper
 # where it serves (R 512, P 64, bf16/fp16, outside captures nobody re-plans; Triton took 0.87-2.6x its time on the
-# H100, docs/bench.md), then the CUDA backend's sm_90a decode (R 512, P 64, bf16: inside captures, where FlashInfer
-# is passed over, 1.7-1.8x faster than Triton at 128 heads on the H100, about as fast at 16), then Triton's kernels
-# (fp8, sinks, trees, verify and extend, other R/P, other GPUs), the reference only behind them (a host loop: slow,
+# H100, docs/bench.md), then the CUDA backend's sm_90a decode (R 512, P 64, bf16: it serves inside captures, where
+# FlashInfer is passed over, much faster than Triton at many heads: docs/bench.md), then Triton's kernels (fp8,
+# sinks, trees, verify and extend, other R/P, other GPUs), the reference only behind them (a host loop: slow,
 # and not CUDA-graph safe).
 MLA_ORDER = {
     "cpu": ("cpu", "reference"),

@@ -3,11 +3,10 @@
 for all of them, the 64 x 512 accumulator over two warpgroups), for DeepSeek's shape (R 512, P 64) with a bf16 or
 fp8 e4m3 cache under bf16 q.
 
-Its GPU tests pass on the H100 (bf16 and fp8). Served by default for bf16 caches: on the H100 it took 0.95-1.05x
-FlashInfer's MLA time at 16 heads and 1.20-1.44x at 128 heads, where Triton took 0.87-1.13x and 2.2-2.6x
-(docs/bench.md), so dispatch puts it after FlashInfer (outside captures) and before Triton (inside them, where
-FlashInfer is passed over). fp8 caches only with ATTNOPS_CUDA_MLA=fp8: correct, but no faster than bf16 at 16
-heads (the 64-row MMAs of 16 heads bind it, not the bytes) and not yet timed against Triton's fp8.
+Served by default for bf16 caches: slower than FlashInfer's MLA kernels at many heads, much faster than Triton's
+(docs/bench.md, "Latent attention"), so dispatch puts it after FlashInfer (outside captures) and before Triton
+(inside them, where FlashInfer is passed over). fp8 caches only with ATTNOPS_CUDA_MLA=fp8: correct, but no faster
+than bf16 at 16 heads (the 64-row MMAs of 16 heads bind it, not the bytes) and not yet timed against Triton's fp8.
 ATTNOPS_CUDA_MLA=0 turns it off. `bash benchmarks/gpu_round.sh cuda-mla` runs its GPU tests and times it.
 
 The split of each sequence's keys comes from shapes only (the table's capacity, the tokens, the heads, the SM
