@@ -204,9 +204,13 @@ def test_compiled_with_cuda_graphs(cuda_on):
 
 
 @pytest.mark.gpu
-def test_outputs_of_any_layout(cuda_on):
-    """An out whose rows are an odd number of values apart (the kernel stores value pairs) and a strided lse."""
+def test_outputs_and_queries_of_any_layout(cuda_on):
+    """An out whose rows are an odd number of values apart (the kernel stores value pairs), a strided lse, and
+    queries one element off a 16-byte boundary (the kernel copies query rows by 16-byte words)."""
     args = deepseek_inputs([500, 70], 16)
+    for name in ("q_nope", "q_pe"):
+        shifted = torch.empty(args[name].numel() + 1, dtype=torch.bfloat16, device="cuda")[1:].view(args[name].shape)
+        args[name] = shifted.copy_(args[name])
     out = torch.full((2, 16, 513), float("nan"), dtype=torch.bfloat16, device="cuda")[..., :512]
     lse = torch.full((16, 2), float("nan"), device="cuda").t()
     with attnops.use_backend("cuda"):

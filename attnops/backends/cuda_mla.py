@@ -117,8 +117,9 @@ def mla_attention(call) -> None:
         rows_without_a_sequence(out, lse)
         return
     device = call.q_nope.device
-    q_nope = call.q_nope if _rows_aligned(call.q_nope) else call.q_nope.contiguous()
-    q_pe = call.q_pe if _rows_aligned(call.q_pe) else call.q_pe.contiguous()
+    # (a fresh copy where a row is off 16 bytes: contiguous() would keep a contiguous view at an odd address)
+    q_nope = call.q_nope if _rows_aligned(call.q_nope) else call.q_nope.clone(memory_format=torch.contiguous_format)
+    q_pe = call.q_pe if _rows_aligned(call.q_pe) else call.q_pe.clone(memory_format=torch.contiguous_format)
     sinks = None if call.sinks is None else call.sinks.contiguous()
     index = device.index if device.index is not None else torch.cuda.current_device()
     splits, chunk = plan(num_tokens, num_heads, call.case.max_kv_len, _sm_count(index), call.sinks is not None)
