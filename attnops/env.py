@@ -29,3 +29,9 @@ def device_arch(device: torch.device) -> tuple[int, int] | None:
     if device.type != "cuda":
         return None
     return torch.cuda.get_device_capability(device)
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device_index: int) -> int:
+    """The SM count of CUDA device `device_index` (cached: the split plans ask it every call)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count

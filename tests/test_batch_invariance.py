@@ -176,7 +176,7 @@ def test_cuda_plan_in_the_mode_depends_on_no_batch(monkeypatch):
     follows the batch; inside it, a fixed key count a split from the sequence's start, the splits covering the
     table (at least two: one path, the merge's, for every width)."""
     from attnops.backends import cuda as cuda_backend
-    monkeypatch.setattr(cuda_backend, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(cuda_backend, "sm_count", lambda device: 132)
     chunks = {cuda_backend.plan_splits(0, batch, 8, 32768)[1] for batch in (1, 4, 32, 128)}
     assert len(chunks) > 1, "the default plan follows the batch (else this test shows nothing)"
     for capacity in (16, 2048, 2049, 8192, 1 << 17):

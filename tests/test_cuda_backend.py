@@ -71,7 +71,7 @@ def test_says_why_it_is_unavailable():
 @pytest.mark.parametrize("batch,heads,capacity", [(128, 8, 4096), (1, 8, 32768), (64, 8, 65536), (3, 1, 100),
                                                   (32, 8, 4096), (256, 8, 8192), (1, 1, 1)])
 def test_split_plan_covers_the_capacity_in_whole_tiles(monkeypatch, batch, heads, capacity):
-    monkeypatch.setattr(cuda_backend, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(cuda_backend, "sm_count", lambda device: 132)
     splits, chunk = cuda_backend.plan_splits(0, batch, heads, capacity)
     assert chunk % cuda_backend.TILE == 0 and 1 <= splits <= cuda_backend.MAX_SPLITS
     assert (splits - 1) * chunk < capacity <= splits * chunk  # every key in a split, no split past the capacity

@@ -19,6 +19,7 @@ import torch
 
 from .. import _C  # noqa: F401  (registers the C++ and CUDA ops)
 from .. import errors, invariance
+from ..env import sm_count
 from . import cuda_mla
 from .base import AttentionCase, Backend, MLACase, common_reasons, kernel_outputs, rows_without_a_sequence
 
@@ -44,17 +45,12 @@ def built_arch(device_index: int) -> int:
     return int(torch.ops.attnops.fp4_cuda_built_arch(device_index))
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def plan_splits(device_index: int, batch: int, num_kv_heads: int, capacity: int) -> tuple[int, int]:
     """(splits, keys a split) for a call of these shapes: enough blocks for about one and a half waves of four
     blocks an SM, no split longer than SPLIT_KEYS, none shorter than two tiles. Shapes only: graph-safe."""
     tiles = max(1, math.ceil(capacity / TILE))
     work = max(1, batch * num_kv_heads)
-    splits = max(math.ceil(6 * _sm_count(device_index) / work), math.ceil(capacity / SPLIT_KEYS))
+    splits = max(math.ceil(6 * sm_count(device_index) / work), math.ceil(capacity / SPLIT_KEYS))
     splits = max(1, min(splits, MAX_SPLITS, math.ceil(tiles / 2)))
     chunk = math.ceil(tiles / splits) * TILE
     return math.ceil(tiles * TILE / chunk), chunk

@@ -15,13 +15,13 @@ count), so a CUDA graph replays any lengths; with more than one split, the op's 
 """
 from __future__ import annotations
 
-import functools
 import math
 import os
 
 import torch
 
 from .. import errors
+from ..env import sm_count
 from .base import common_reasons, kernel_outputs, rows_without_a_sequence
 
 ENV = "ATTNOPS_CUDA_MLA"
@@ -52,11 +52,6 @@ def sm90a_built(device_index: int) -> bool | None:
             return None
         _sm90a[device_index] = bool(torch.ops.attnops.mla_sm90a_built(device_index))
     return _sm90a[device_index]
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def reasons(case) -> list[str]:
@@ -122,7 +117,7 @@ def mla_attention(call) -> None:
     q_pe = call.q_pe if _rows_aligned(call.q_pe) else call.q_pe.clone(memory_format=torch.contiguous_format)
     sinks = None if call.sinks is None else call.sinks.contiguous()
     index = device.index if device.index is not None else torch.cuda.current_device()
-    splits, chunk = plan(num_tokens, num_heads, call.case.max_kv_len, _sm_count(index), call.sinks is not None)
+    splits, chunk = plan(num_tokens, num_heads, call.case.max_kv_len, sm_count(index), call.sinks is not None)
     part_out = part_lse = out  # (unused with one split: the kernel writes out and lse)
     if splits > 1:
         part_out = torch.empty(num_tokens * num_heads * splits * latent, dtype=torch.float32, device=device)
