@@ -243,7 +243,7 @@ class MLACase:
     max_kv_len: int = 0  # the block table's capacity in tokens
     sinks: bool = False
     tree_mask: bool = False
-    aligned_kv: bool = True  # every latent row starts on a 16-byte boundary (checks_mla.latent_rows_aligned)
+    aligned_kv: bool = True  # every latent row starts on a 16-byte boundary (checks_mla.rows_16_byte_aligned)
 
 
 @dataclass(frozen=True)

@@ -109,15 +109,15 @@ def check_mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlen
                    page_size=kv_cache.shape[1], decode=cu_seqlens_q is None,
                    shape_class=shape_class(cu_seqlens_q is None, num_tokens, batch), batch=batch,
                    max_kv_len=block_table.shape[1] * kv_cache.shape[1], sinks=sinks is not None,
-                   tree_mask=tree_mask is not None, aligned_kv=latent_rows_aligned(kv_cache))
+                   tree_mask=tree_mask is not None, aligned_kv=rows_16_byte_aligned(kv_cache))
 
 
-def latent_rows_aligned(kv_cache: torch.Tensor) -> bool:
-    """Whether every latent row of the cache (validated) starts on a 16-byte boundary, so that a kernel copies rows
-    by 16-byte words (MLACase.aligned_kv): the base address and both outer strides (the inner one is 1)."""
-    size = kv_cache.element_size()
-    return (_address(kv_cache) % 16 == 0 and kv_cache.stride(0) * size % 16 == 0
-            and kv_cache.stride(1) * size % 16 == 0)
+def rows_16_byte_aligned(t: torch.Tensor) -> bool:
+    """Whether every row (last dimension, unit stride) of a 3-D tensor starts on a 16-byte boundary, so that a
+    kernel copies rows by 16-byte words: the base address and both outer strides. A latent cache's answer is
+    MLACase.aligned_kv."""
+    size = t.element_size()
+    return _address(t) % 16 == 0 and t.stride(0) * size % 16 == 0 and t.stride(1) * size % 16 == 0
 
 
 def check_mla_attention_values(q_nope, kv_cache, block_table, seq_lens, cu_seqlens_q, kv_scale, tree_mask) -> None:

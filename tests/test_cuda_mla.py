@@ -21,7 +21,7 @@ import attnops
 from attnops.backends import cuda_mla
 from attnops.backends.reference import mla_attention_reference
 from attnops.cases import MLACase
-from attnops.checks_mla import check_mla_attention, latent_rows_aligned
+from attnops.checks_mla import check_mla_attention, rows_16_byte_aligned
 from attnops.testing import random_mla_inputs, relative_error
 from test_mla import check_reduce_overhead, check_user_graph_replays
 
@@ -81,10 +81,10 @@ def test_split_plan_covers_the_capacity_in_whole_tiles(tokens, heads, capacity, 
 
 def test_an_unaligned_cache_view_is_named_in_the_case():
     args = random_mla_inputs([10, 3], num_heads=4, latent_dim=64, rope_dim=16, page_size=4)
-    assert latent_rows_aligned(args["kv_cache"])
+    assert rows_16_byte_aligned(args["kv_cache"])
     shifted = torch.empty(args["kv_cache"].numel() + 1, dtype=args["kv_cache"].dtype)[1:]
     view = shifted.view(args["kv_cache"].shape)
-    assert not latent_rows_aligned(view)
+    assert not rows_16_byte_aligned(view)
     case = check_mla_attention(**{**args, "kv_cache": view, "kv_format": "auto"}, kv_scale=None)
     assert not case.aligned_kv
 

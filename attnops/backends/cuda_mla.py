@@ -21,6 +21,7 @@ import os
 import torch
 
 from .. import errors
+from ..checks_mla import rows_16_byte_aligned
 from ..env import sm_count
 from .base import common_reasons, kernel_outputs, rows_without_a_sequence
 
@@ -113,8 +114,8 @@ def mla_attention(call) -> None:
         return
     device = call.q_nope.device
     # (a fresh copy where a row is off 16 bytes: contiguous() would keep a contiguous view at an odd address)
-    q_nope = call.q_nope if _rows_aligned(call.q_nope) else call.q_nope.clone(memory_format=torch.contiguous_format)
-    q_pe = call.q_pe if _rows_aligned(call.q_pe) else call.q_pe.clone(memory_format=torch.contiguous_format)
+    q_nope, q_pe = (q if rows_16_byte_aligned(q) else q.clone(memory_format=torch.contiguous_format)
+                    for q in (call.q_nope, call.q_pe))
     sinks = None if call.sinks is None else call.sinks.contiguous()
     index = device.index if device.index is not None else torch.cuda.current_device()
     splits, chunk = plan(num_tokens, num_heads, call.case.max_kv_len, sm_count(index), call.sinks is not None)
@@ -131,9 +132,3 @@ def _pairs_aligned(out: torch.Tensor) -> bool:
     """Whether out takes the kernel's stores of two values at once: unit inner stride, even outer strides, a 4-byte
     aligned start."""
     return out.stride(-1) == 1 and out.data_ptr() % 4 == 0 and all(s % 2 == 0 for s in out.stride()[:2])
-
-
-def _rows_aligned(q: torch.Tensor) -> bool:
-    """Whether each head's row of q starts on a 16-byte boundary (the kernel copies it by 16-byte words)."""
-    size = q.element_size()
-    return q.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in q.stride()[:2])
