@@ -108,12 +108,16 @@ def common_reasons(case, *, devices=None, q_dtypes=None, kv_formats=None, head_d
     return reasons
 
 
+def unit_inner_stride(out) -> bool:
+    return out.stride(-1) == 1
+
+
 @contextlib.contextmanager
-def kernel_outputs(out, lse):
-    """`out` with unit inner stride and `lse` contiguous, as the kernels write them (rows at token x Hq + head):
-    the tensors themselves where they are so, else contiguous temporaries whose values are copied into the
-    caller's tensors when the block ends."""
-    out_w = out if out.stride(-1) == 1 else torch.empty_like(out, memory_format=torch.contiguous_format)
+def kernel_outputs(out, lse, writable=unit_inner_stride):
+    """`out` as the kernels can write it (`writable(out)`; by default unit inner stride) and `lse` contiguous
+    (rows at token x Hq + head): the tensors themselves where they are so, else contiguous temporaries whose values
+    are copied into the caller's tensors when the block ends."""
+    out_w = out if writable(out) else torch.empty_like(out, memory_format=torch.contiguous_format)
     lse_w = lse if lse is None or lse.is_contiguous() else torch.empty(lse.shape, dtype=lse.dtype, device=lse.device)
     yield out_w, lse_w
     if out_w is not out:

@@ -100,11 +100,8 @@ def plan(num_tokens: int, num_heads: int, capacity: int, sm_count: int, sinks: b
 def mla_attention(call) -> None:
     out, lse = call.out, call.lse
     if not _pairs_aligned(out) or (lse is not None and not lse.is_contiguous()):
-        out_w = out if _pairs_aligned(out) else torch.empty_like(out, memory_format=torch.contiguous_format)
-        with kernel_outputs(out_w, lse) as (_, lse_w):
+        with kernel_outputs(out, lse, writable=_pairs_aligned) as (out_w, lse_w):
             mla_attention(call._replace(out=out_w, lse=lse_w))
-        if out_w is not out:
-            out.copy_(out_w)
         return
     num_tokens, num_heads, latent = call.q_nope.shape
     if num_tokens == 0:
