@@ -99,20 +99,12 @@ def mla_launch(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, *, s
         HAS_SINKS=sinks is not None, HAS_TREE=tree_mask is not None, WRITE_LSE=lse is not None,
         num_warps=plan["num_warps"], num_stages=plan["num_stages"])
     if splits > 1:
-        mla_merge(out, lse, part_out, part_lse, sinks, splits)
-
-
-def mla_merge(out, lse, part_out, part_lse, sinks, splits: int) -> None:
-    """out [T, H, R] (unit inner stride) and lse [T, H] (contiguous, or None) from the splits' partials: part_out
-    float32 [T, H, splits, next_power_of_2(R)] (each normalised), part_lse float32 [T, H, splits] (base 2; -inf: no
-    key, NaN: a bad index), the sinks (float32 [H]) in the denominator."""
-    num_tokens, num_heads, latent = out.shape
-    mla_merge_kernel[(num_tokens, num_heads)](
-        out_ptr=out, lse_ptr=lse if lse is not None else part_lse, part_out_ptr=part_out, part_lse_ptr=part_lse,
-        sinks_ptr=sinks if sinks is not None else part_lse, stride_ot=out.stride(0), stride_oh=out.stride(1),
-        MAX_SPLITS=splits, NUM_HEADS=num_heads, R=latent, R_P2=triton.next_power_of_2(latent),
-        SPLITS_P2=triton.next_power_of_2(splits), SPLIT_BLOCK=min(8, triton.next_power_of_2(splits)),
-        HAS_SINKS=sinks is not None, WRITE_LSE=lse is not None, num_warps=4)
+        mla_merge_kernel[(num_tokens, num_heads)](
+            out_ptr=out, lse_ptr=lse if lse is not None else part_lse, part_out_ptr=part_out, part_lse_ptr=part_lse,
+            sinks_ptr=sinks if sinks is not None else part_lse, stride_ot=out.stride(0), stride_oh=out.stride(1),
+            MAX_SPLITS=splits, NUM_HEADS=num_heads, R=latent, R_P2=r_p2, SPLITS_P2=triton.next_power_of_2(splits),
+            SPLIT_BLOCK=min(8, triton.next_power_of_2(splits)), HAS_SINKS=sinks is not None,
+            WRITE_LSE=lse is not None, num_warps=4)
 
 
 def mla_cache_write(kv_c, k_pe, kv_cache, slot_mapping, *, kv_format: str, kv_scale) -> None:
