@@ -19,7 +19,6 @@ import torch
 
 import attnops
 from attnops.backends import cuda_mla
-from attnops.backends.triton.compile_check import find_cuobjdump
 from attnops.backends.reference import mla_attention_reference
 from attnops.cases import MLACase
 from attnops.checks_mla import check_mla_attention, rows_16_byte_aligned
@@ -90,6 +89,13 @@ def test_an_unaligned_cache_view_is_named_in_the_case():
     assert not case.aligned_kv
 
 
+def _tool(name: str) -> str | None:
+    """Triton's bundled CUDA tools (its wheel ships cuobjdump), else one on PATH."""
+    import triton
+    bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+    return bundled if os.path.exists(bundled) else shutil.which(name)
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 def test_kernel_compiles_for_sm90a_without_spills_and_keeps_its_wgmmas_pipelined(tmp_path):
     """nvcc + ptxas for sm_90a (no GPU needed): the kernel fits its registers with no spill and no stack, ptxas
@@ -108,7 +114,7 @@ def test_kernel_compiles_for_sm90a_without_spills_and_keeps_its_wgmmas_pipelined
     assert len(frames) == 3 and all(f == ("0", "0", "0") for f in frames), log  # (bf16's, fp8's, the merge)
     assert all(int(n) <= 255 for n in re.findall(r"Used (\d+) registers", log)), log
     assert "serialized" not in log, log
-    cuobjdump = find_cuobjdump()
+    cuobjdump = _tool("cuobjdump")
     if cuobjdump is None:
         pytest.skip("no cuobjdump to read the SASS")
     sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, timeout=120).stdout

@@ -345,14 +345,10 @@ def compile_mla(q_dtype: str, fp8: bool, num_heads: int, latent: int, rope: int,
     return kernel
 
 
-def find_cuobjdump() -> str | None:
-    """Triton's own cuobjdump (its wheel ships one with ptxas), else one on PATH; None if neither."""
-    bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    return bundled if os.path.exists(bundled) else shutil.which("cuobjdump")
-
-
 def _cuobjdump() -> str:
-    found = find_cuobjdump()
+    """Triton's own cuobjdump (its wheel ships one with ptxas), else one on PATH."""
+    bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    found = bundled if os.path.exists(bundled) else shutil.which("cuobjdump")
     if not found:
         raise SystemExit("--sass needs cuobjdump (Triton's nvidia backend ships one; or put CUDA's on PATH)")
     return found
