@@ -90,7 +90,8 @@ def test_an_unaligned_cache_view_is_named_in_the_case():
 
 
 def _tool(name: str) -> str | None:
-    """Triton's bundled CUDA tools (its wheel ships cuobjdump), else one on PATH."""
+    """Triton's bundled CUDA tools (its wheel ships cuobjdump), else one on PATH. (compile_check has the same
+    lookup, but importing it turns Triton's interpreter off for the whole test process.)"""
     import triton
     bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
     return bundled if os.path.exists(bundled) else shutil.which(name)
