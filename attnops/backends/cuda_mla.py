@@ -43,14 +43,12 @@ def served_formats() -> tuple[str, ...]:
 _sm90a: dict[int, bool] = {}
 
 
-def sm90a_built(device_index: int) -> bool | None:
-    """Whether this device runs the kernel's sm_90a code (an sm_90 build has only an empty kernel); None while
-    unknown: asked only outside a capture (the answer is a synchronous copy), then remembered."""
+def sm90a_built(device_index: int) -> bool:
+    """Whether this device runs the kernel's sm_90a code (an sm_90 build has only an empty kernel): a function
+    attribute of the build, asked once a device (also inside a capture)."""
     if not hasattr(torch.ops.attnops, "mla_sm90a_built"):  # (a build without CUDA kernels)
         return False
     if device_index not in _sm90a:
-        if torch.cuda.is_current_stream_capturing():
-            return None
         _sm90a[device_index] = bool(torch.ops.attnops.mla_sm90a_built(device_index))
     return _sm90a[device_index]
 
@@ -76,10 +74,7 @@ def reasons(case) -> list[str]:
         found.append("a cache whose latent rows do not all start on a 16-byte boundary (its kernel copies them by "
                      "16-byte words)")
     if not found:
-        built = sm90a_built(torch.cuda.current_device())
-        if built is None:
-            found.append("not yet asked outside a capture whether its sm_90a code was built (call it once eagerly)")
-        elif not built:
+        if not sm90a_built(torch.cuda.current_device()):
             found.append("attnops was built without sm_90a code (TORCH_CUDA_ARCH_LIST=9.0a; setup.py asks for it "
                          "on an sm_90 GPU)")
     return found

@@ -12,15 +12,15 @@
 namespace attnops::mla_sm90 {
 
 // 1 where the kernel this device runs is the sm_90a code (built with TORCH_CUDA_ARCH_LIST holding 9.0a; setup.py
-// asks for it on an sm_90 GPU), else 0: the backend declines then. A synchronous copy: call it outside captures.
+// asks for it on an sm_90 GPU), else 0: the backend declines then. Safe inside a capture.
 int64_t mla_sm90a_built(int64_t device) {
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
-  int built = 0;
-  if (cudaMemcpyFromSymbol(&built, kBuiltSm90a, sizeof(int)) != cudaSuccess) {
+  cudaFuncAttributes attributes{};
+  if (cudaFuncGetAttributes(&attributes, sm90a_marker) != cudaSuccess) {
     (void)cudaGetLastError();
     return 0;
   }
-  return built;
+  return attributes.sharedSizeBytes >= kMarkerInts * sizeof(int) ? 1 : 0;
 }
 
 // q_nope [T, H, 512] and q_pe [T, H, 64] bf16 with unit inner stride and 16-byte aligned rows; kv_cache

@@ -42,6 +42,7 @@ constexpr int kChunkBytes = kKeys * 128;         // one column chunk of a tile (
 constexpr int kTileBytes = kChunks * kChunkBytes;
 constexpr int kPBytes = kRows * kKeys * 2;
 constexpr int kSmemBytes = 3 * kTileBytes + kPBytes + 3 * kRows * 4 + 1024;  // + alignment slack
+constexpr int kMarkerInts = 4;                    // the sm_90a marker's static shared memory (the probe)
 static_assert(kSmemBytes <= 227 * 1024, "one block must fit an sm_90 SM's 227 KB of shared memory");
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr int kErrBlockTable = 0, kErrSeqLens = 1;  // attnops/errors.py ARGUMENTS
@@ -491,11 +492,15 @@ __global__ void __launch_bounds__(128) mla_merge_kernel(const Args a, const floa
     a.lse[row] = any_nan ? NAN : (total == 0.0f ? -INFINITY : (mx + log2f(total)) * kLn2);
 }
 
-// 1 where this device runs the sm_90a code above, 0 where it got another arch's (an empty kernel)
+// Which code this device runs, told by the host through cudaFuncGetAttributes (a function attribute, not a stream
+// operation: allowed inside a capture, unlike a copy of a device symbol): the sm_90a variant alone holds static
+// shared memory
+__global__ void sm90a_marker() {
 #if defined(ATTNOPS_MLA_SM90A)
-__device__ const int kBuiltSm90a = 1;
-#else
-__device__ const int kBuiltSm90a = 0;
+  __shared__ int marker[kMarkerInts];
+  marker[threadIdx.x % kMarkerInts] = 0;
+  asm volatile("" ::"r"(marker[0]));
 #endif
+}
 
 }  // namespace attnops::mla_sm90
