@@ -166,6 +166,8 @@ def main(argv=None) -> int:
     parser.add_argument("--sweep-grid", nargs="+", help="narrow the sweep: KEY=V1,V2 ... over BLOCK_H, BLOCK_N, "
                                                         "num_warps, num_stages, split_factor (e.g. BLOCK_H=32,64 "
                                                         "split_factor=1,4)")
+    parser.add_argument("--no-flashinfer", action="store_true", help="leave FlashInfer's wrapper out (e.g. under a "
+                                                                          "profiler)")
     parser.add_argument("--json", help="write the records here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -213,7 +215,7 @@ def main(argv=None) -> int:
                 for r in timed_rows[1:4]:
                     print(f"         {r['us']:.1f} us at " + ", ".join(f"{k}={v}" for k, v in r.items() if k != "us"))
             fi_text = f"{'-':>15}{'-':>8}"
-            if args.kv_format == "bf16":
+            if args.kv_format == "bf16" and not args.no_flashinfer:
                 try:
                     fi_out = torch.empty_like(out)
                     fi = flashinfer_fn(case, scale, fi_out)
