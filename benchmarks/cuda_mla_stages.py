@@ -1,13 +1,14 @@
 """Where the cuda backend's latent-attention decode (csrc/cuda/mla_decode_sm90.cuh) spends a tile: its time per
-64-key tile with one split a block, as the number of blocks running at once grows, and the same blocks at 64 and
-128 heads (two head blocks of a token read the same latent rows: does the second read come from L2?).
+64-key tile with one split a block, as the number of blocks running at once grows, at 64 and 128 heads (two head
+blocks of a token read the same latent rows), each with the kernel's stages left out in turn:
 
     python benchmarks/cuda_mla_stages.py --json stages.json
 
-- per-tile time flat as the blocks grow: each block is bound by its own work (MMAs, softmax, waits), not by HBM;
-  growing with the blocks: the blocks share a bandwidth.
-- H 128 with T tokens (2T blocks) against H 64 with 2T tokens (2T blocks, twice the distinct rows): equal times
-  say the second head block's rows come from HBM again, not from L2.
+- all: the kernel as the op runs it;
+- no-loads: the first two tiles' rows only, reused (the MMAs, softmax and waits alone);
+- loads-only: the tiles' copies and their waits alone (no MMA, no softmax).
+Per-tile time flat as the blocks grow: a block is bound by its own chain of work, not by a bandwidth the blocks
+share; a stage whose leaving out takes most of the time away is what binds it.
 """
 from __future__ import annotations
 
@@ -32,29 +33,28 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("cuda_mla_stages.py needs a CUDA GPU")
-    import attnops
-    from attnops.backends import cuda_mla
-    cuda_mla.plan = lambda tokens, heads, capacity, sms, sinks: (1, math.ceil(capacity / 64) * 64)  # one split
+    from attnops import errors as attnops_errors  # (importing attnops registers the ops)
+    stages = {"all": 0, "no-loads": 1, "loads-only": 2}  # (csrc/cuda/mla_decode_sm90.cuh: kAllStages ...)
     records = []
-    print(f"{'heads':>6}{'tokens':>8}{'blocks':>8}{'us':>10}{'us/tile':>10}{'TB/s':>8}")
+    print(f"{'heads':>6}{'tokens':>8}{'blocks':>8}{'stages':>12}{'us':>10}{'us/tile':>10}{'TB/s':>8}")
     runs = [(64, t) for t in args.tokens] + [(128, t) for t in args.tokens if 2 * t <= max(args.tokens)]
     for heads, tokens in runs:
         case = make_case(tokens, args.kv_len, heads, 512, 64, 64, args.kv_format)
         out = torch.empty_like(case["q_nope"])
-        fmt = "fp8_e4m3" if case["kv_scale"] is not None else "auto"
-
-        def op():
-            with attnops.use_backend("cuda"):
-                torch.ops.attnops.mla_attention.out(case["q_nope"], case["q_pe"], case["kv_cache"],
-                                                    case["block_table"], case["seq_lens"], None, scale=0.07,
-                                                    kv_format=fmt, kv_scale=case["kv_scale"], out=out)
-        us = graph_time_us(op)
+        errors = attnops_errors.buffer(torch.device("cuda"))
         tiles = math.ceil(args.kv_len / 64)
-        tbs = tokens * args.kv_len * 576 * case["kv_cache"].element_size() / us / 1e6
-        record = dict(heads=heads, tokens=tokens, blocks=tokens * math.ceil(heads / 64), us=us, us_per_tile=us / tiles,
-                      tbs=tbs, kv_len=args.kv_len, kv_format=args.kv_format, gpu=torch.cuda.get_device_name())
-        records.append(record)
-        print(f"{heads:>6}{tokens:>8}{record['blocks']:>8}{us:>10.1f}{us / tiles:>10.3f}{tbs:>8.2f}")
+        for name, code in stages.items():
+            def op(code=code):
+                torch.ops.attnops.mla_decode_sm90(case["q_nope"], case["q_pe"], case["kv_cache"], case["kv_scale"],
+                                                  case["block_table"], case["seq_lens"], None, out, None, out, out,
+                                                  errors, 0.07, 1, tiles * 64, code)
+            us = graph_time_us(op)
+            tbs = tokens * args.kv_len * 576 * case["kv_cache"].element_size() / us / 1e6
+            record = dict(heads=heads, tokens=tokens, blocks=tokens * math.ceil(heads / 64), stages=name, us=us,
+                          us_per_tile=us / tiles, tbs=tbs, kv_len=args.kv_len, kv_format=args.kv_format,
+                          gpu=torch.cuda.get_device_name())
+            records.append(record)
+            print(f"{heads:>6}{tokens:>8}{record['blocks']:>8}{name:>12}{us:>10.1f}{us / tiles:>10.3f}{tbs:>8.2f}")
         del case, out
     if args.json:
         with open(args.json, "w") as f:

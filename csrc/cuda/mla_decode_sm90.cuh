@@ -63,7 +63,10 @@ struct Args {
   int64_t kv_page, kv_token;  // bytes
   int table_stride, num_pages, page_size, capacity, num_heads, head_blocks, chunk, splits;
   float qk_scale_log2;  // softmax scale x log2(e)
+  int stages;           // kAllStages; benchmarks/cuda_mla_stages.py times the kernel with a stage left out
 };
+// The stages a call runs (benchmarks leave one out to see what a tile's time is made of; the op runs all)
+constexpr int kAllStages = 0, kNoLoadsAfterFirst = 1, kLoadsOnly = 2;
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -300,7 +303,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
     cp_async_wait<0>();
     fence_proxy_async();
     __syncthreads();  // stage i in place; every use of the other stage (and fp8: of the tile) done
-    if (i + 1 < tiles)
+    if (i + 1 < tiles && (a.stages != kNoLoadsAfterFirst || i == 0))
       saw_bad |= load_tile<kFp8>(a, next_page, start + kKeys, hi, s_stage + ((i + 1) & 1) * kStageBytes, tid);
     cp_async_commit();
     next_page = page_of(a, table_row, start + 2 * kKeys, hi, tid);
@@ -310,6 +313,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
       __syncthreads();  // the widened tile in place
     }
 
+    if (a.stages == kLoadsOnly) continue;
     uint32_t p_frag[4][4];
     float alpha0, alpha1;
     if (wg == 0) {
