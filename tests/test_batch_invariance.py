@@ -348,9 +348,11 @@ def serve_target(model, schedule, threads: int, device: str = "cpu", **options) 
 @pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
 def test_generator_serves_a_request_the_same_whatever_is_beside_it(family):
     """Greedy tokens and their log-probabilities (so the logits' bits) of a request served alone, then among
-    random others that arrive before, with and after it (some waiting for a row: max_batch 3), on 1-6 threads.
-    Its prompt is long enough (700 tokens) that the CPU kernels outside the mode would split it by the threads.
-    DeepSeek: latent attention on a LatentKVCache."""
+    random others that arrive before, with and after it (some waiting for a row: max_batch 3), on 1-6 threads
+    (alone and among others on the same count: torch's own matrix products need not give the same bits on
+    another thread count, on some CPUs). Its prompt is long enough (700 tokens) that the CPU kernels outside the
+    mode would split it by the threads. DeepSeek: latent attention on a LatentKVCache, and a mixture of experts
+    (the Generator has it compute a token's experts apart from the others')."""
     pytest.importorskip("transformers")
     import attnops.hf
     from attnops.hf import families
@@ -360,13 +362,38 @@ def test_generator_serves_a_request_the_same_whatever_is_beside_it(family):
              build(make_config(family), attnops.hf.ATTN_IMPLEMENTATION))
     rng = random.Random(6)
     target = [rng.randrange(1, 256) for _ in range(700)]
-    want = serve_target(model, [(0, "target", target, 12)], threads=DEFAULT_THREADS)
-    assert len(want[0]) == 12 and len(set(want[0])) > 1
+    alone = {}
     for trial in range(4):
         others = [(rng.randint(0, 6), i, [rng.randrange(1, 256) for _ in range(rng.randint(3, 20))],
                    rng.randint(2, 14)) for i in range(rng.randint(1, 5))]
         schedule = others + [(rng.randint(0, 4), "target", target, 12)]
-        assert serve_target(model, schedule, threads=rng.choice([1, 2, 3, 6])) == want, (trial, schedule)
+        threads = rng.choice([1, 2, 3, 6])
+        if threads not in alone:
+            alone[threads] = serve_target(model, [(0, "target", target, 12)], threads=threads)
+            assert len(alone[threads][0]) == 12 and len(set(alone[threads][0])) > 1
+        assert serve_target(model, schedule, threads=threads) == alone[threads], (trial, threads, schedule)
+
+
+def test_a_batch_invariant_generator_has_a_mixture_of_experts_compute_each_token_apart():
+    """transformers groups a mixture of experts' tokens by expert (grouped_mm): a token's matrix products then take
+    their shapes from the other tokens' routing. A batch-invariant Generator has attnops.hf's model compute them a
+    (token, expert) pair at a time; a model without experts is left as it is."""
+    pytest.importorskip("transformers")
+    import attnops.hf
+    from attnops.hf import families
+    from attnops.serving.generate import Generator
+    from conftest import build, make_config
+    deepseek = attnops.hf.serving_model(families.load("deepseek_v3", tiny=True, dtype=torch.float32))
+    assert deepseek.hf.config._experts_implementation != "batched_mm"
+    Generator(deepseek, deepseek.make_kv_cache(8, kv_format="fp32"), max_batch=2, max_seq_len=64)
+    assert deepseek.hf.config._experts_implementation != "batched_mm"  # (only in the mode)
+    Generator(deepseek, deepseek.make_kv_cache(8, kv_format="fp32"), max_batch=2, max_seq_len=64,
+              batch_invariant=True)
+    assert deepseek.hf.config._experts_implementation == "batched_mm"
+    llama = attnops.hf.serving_model(build(make_config("llama"), attnops.hf.ATTN_IMPLEMENTATION))
+    before = llama.hf.config._experts_implementation
+    llama.prepare_batch_invariant()
+    assert llama.hf.config._experts_implementation == before
 
 
 @pytest.mark.gpu

@@ -152,6 +152,19 @@ class ServingModel(torch.nn.Module):
         latent-attention model; each layer at its own shape). kwargs go to paged_kv_cache."""
         return paged_kv_cache(self.hf.config, num_pages, **kwargs)
 
+    def prepare_batch_invariant(self) -> None:
+        """Makes a row's logits independent of the step's other rows as far as the model's own layers go (a
+        Generator with batch_invariant=True calls it): a mixture-of-experts model computes its experts a (token,
+        expert) pair at a time (transformers' experts_implementation "batched_mm"), not grouped by expert, whose
+        matrix products take their shapes, and on some CPUs their bits, from the other rows' routing. The model
+        keeps that setting."""
+        hf = self.hf
+        can_set = getattr(hf, "_can_set_experts_implementation", None)
+        if not (callable(can_set) and can_set()):
+            return  # (no experts, or a transformers without experts implementations)
+        if getattr(hf.config, "_experts_implementation", None) != "batched_mm":
+            hf.set_experts_implementation("batched_mm")
+
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
                 meta: BatchMetadata) -> torch.Tensor:
         # An empty 4-D mask is taken by transformers as a mask already built and passed through untouched: no

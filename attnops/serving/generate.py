@@ -217,8 +217,10 @@ class Generator:
     served beside it (and whenever it arrives): every step runs in attnops.batch_invariant() mode, the decode
     step always at one batch size (max_batch rows; the model's matrix products see the same shapes each step),
     each prompt is prefilled alone, and prefix sharing and cascade are off (both compute a row from other
-    requests' work). Costs: padding rows up to max_batch, a prefill call per request. A request recomputed after
-    a failed step is the exception (its prompt and tokens prefilled together);
+    requests' work); a model with a `prepare_batch_invariant()` method (attnops.hf.serving_model's) is asked to
+    make its own layers row-independent too (a mixture of experts: a token's experts computed apart from the
+    others'). Costs: padding rows up to max_batch, a prefill call per request. A request recomputed after a failed
+    step is the exception (its prompt and tokens prefilled together);
     vocab_size: the token ids a prompt may hold are [0, vocab_size) (default: the model's config.vocab_size, else
     its input embedding's num_embeddings, where it has either).
 
@@ -256,6 +258,9 @@ class Generator:
                 raise ValueError(f"Generator: with batch_invariant=True the decode step runs at max_batch rows only "
                                  f"(buckets=({max_batch},) or None; got {tuple(buckets)})")
             buckets, prefix_sharing, cascade = (max_batch,), False, False
+            prepare = getattr(model, "prepare_batch_invariant", None)
+            if callable(prepare):  # (the model's own layers: attnops.hf's mixture-of-experts models)
+                prepare()
         self.batch_invariant = batch_invariant
         prefix_sharing = True if prefix_sharing is None else prefix_sharing
         cascade = True if cascade is None else cascade
