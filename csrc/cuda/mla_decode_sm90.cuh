@@ -8,9 +8,9 @@
 //
 // A block: one token, 64 of its heads (rows past num_heads are zero queries, never written), one split of its
 // keys, 256 threads = two warpgroups.
-// - Shared memory: Q [64 x 576] and two stages of 64 latent rows [64 x 576] (cp.async by warpgroup 1, the next
-//   tile loading while this one is used), P [64 x 64] bf16; every operand in wgmma's 128-byte-swizzle layout:
-//   64-value column chunks of [rows x 128 bytes], the 16-byte pieces of row r XORed with r % 8.
+// - Shared memory: Q [64 x 576] and two stages of 64 latent rows [64 x 576] (cp.async, the next tile loading while
+//   this one is used), P [64 x 64] bf16; every operand in wgmma's 128-byte-swizzle layout: 64-value column chunks
+//   of [rows x 128 bytes], the 16-byte pieces of row r XORed with r % 8.
 // - Warpgroup 0: S = Q K^T (m64n64k16 over 576 values), the online softmax (base 2), P to shared memory and
 //   to registers; O[:, 0:256] += P V (P from registers).
 // - Warpgroup 1: O[:, 256:512] += P V (P from shared memory), rescaled by warpgroup 0's factors.
@@ -36,8 +36,6 @@ constexpr int kR = 512, kP = 64, kD = kR + kP;  // latent, rotary, row width
 constexpr int kRows = 64;                        // heads a block
 constexpr int kKeys = 64;                        // keys a tile
 constexpr int kThreads = 256;
-constexpr int kLoaders = 128;                    // threads that copy the key tiles (warpgroup 1)
-constexpr int kLoadersPerRow = kLoaders / kKeys;
 constexpr int kChunks = kD / 64;                 // 64-value column chunks of a row
 constexpr int kPieces = kD / 8;                  // 16-byte pieces of a row
 constexpr int kChunkBytes = kKeys * 128;         // one column chunk of a tile (kRows == kKeys)
@@ -187,18 +185,18 @@ __device__ __forceinline__ void wgmma_m64n256k16_ss(float (&d)[128], uint64_t de
 
 // The page of thread tid's key in the tile of keys [start, start + 64) (0 past `end`): read a tile ahead of its
 // copy, so that the copy never waits on the block table
-__device__ __forceinline__ int page_of(const Args& a, const int* table_row, int start, int end, int loader) {
-  const int key = start + loader / kLoadersPerRow;
+__device__ __forceinline__ int page_of(const Args& a, const int* table_row, int start, int end, int tid) {
+  const int key = start + (tid >> 2);
   return key < end ? table_row[key / a.page_size] : 0;
 }
 
 // Loads the latent rows of keys [start, start + 64) into `dst` (keys at or past `end` zero-filled, read from
-// nowhere): loader thread t takes row t / 2 (its key's page: page_of), pieces t % 2 + 2 j. bf16: straight into the
+// nowhere): thread tid takes row tid / 4 (its key's page: page_of), pieces tid % 4 + 4 j. bf16: straight into the
 // swizzled tile; fp8: into a staging area of plain [64 x 576]-byte rows, for to_bf16_tile. Returns whether its key
 // is visible and sits in a page outside the cache (never read).
 template <bool kFp8>
-__device__ __forceinline__ bool load_tile(const Args& a, int page, int start, int end, uint32_t dst, int loader) {
-  const int row = loader / kLoadersPerRow;
+__device__ __forceinline__ bool load_tile(const Args& a, int page, int start, int end, uint32_t dst, int tid) {
+  const int row = tid >> 2;
   const int key = start + row;
   const bool visible = key < end;
   const bool bad = visible && (page < 0 || page >= a.num_pages);
@@ -207,8 +205,8 @@ __device__ __forceinline__ bool load_tile(const Args& a, int page, int start, in
       ok ? a.kv + static_cast<int64_t>(page) * a.kv_page + static_cast<int64_t>(key % a.page_size) * a.kv_token : a.kv;
   constexpr int kRowPieces = kFp8 ? kD / 16 : kPieces;
 #pragma unroll
-  for (int j = 0; j < kRowPieces / kLoadersPerRow; ++j) {
-    const int piece = loader % kLoadersPerRow + kLoadersPerRow * j;
+  for (int j = 0; j < kRowPieces / 4; ++j) {
+    const int piece = (tid & 3) + 4 * j;
     cp_async_16(dst + (kFp8 ? row * kD + piece * 16 : swizzled(row, piece)), src + (ok ? piece * 16 : 0), ok);
   }
   return bad;
@@ -290,15 +288,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
       cp_async_16(s_q + swizzled(row, piece), piece < kR / 8 ? nope + piece * 8 : pe + (piece - kR / 8) * 8, valid);
     }
   }
-  // the tiles: copied by warpgroup 1 alone, whose copies may wait for room in the memory pipeline while
-  // warpgroup 0 computes the scores (copied by every thread, they held up the scores' MMAs)
-  const int loader = tid - (kThreads - kLoaders);
-  bool saw_bad = false;
-  int next_page = 0;
-  if (wg == 1) {
-    saw_bad = tiles > 0 && load_tile<kFp8>(a, page_of(a, table_row, lo, hi, loader), lo, hi, s_stage, loader);
-    next_page = page_of(a, table_row, lo + kKeys, hi, loader);  // (tile 1's)
-  }
+  bool saw_bad = tiles > 0 && load_tile<kFp8>(a, page_of(a, table_row, lo, hi, tid), lo, hi, s_stage, tid);
+  int next_page = page_of(a, table_row, lo + kKeys, hi, tid);  // (tile 1's)
   cp_async_commit();
 
   float o[128];  // warpgroup wg's columns [256 wg, 256 wg + 256) of rows row0, row1
@@ -312,12 +303,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
     cp_async_wait<0>();
     fence_proxy_async();
     __syncthreads();  // stage i in place; every use of the other stage (and fp8: of the tile) done
-    if (wg == 1) {
-      if (i + 1 < tiles && (a.stages != kNoLoadsAfterFirst || i == 0))
-        saw_bad |= load_tile<kFp8>(a, next_page, start + kKeys, hi, s_stage + ((i + 1) & 1) * kStageBytes, loader);
-      next_page = page_of(a, table_row, start + 2 * kKeys, hi, loader);
-    }
+    if (i + 1 < tiles && (a.stages != kNoLoadsAfterFirst || i == 0))
+      saw_bad |= load_tile<kFp8>(a, next_page, start + kKeys, hi, s_stage + ((i + 1) & 1) * kStageBytes, tid);
     cp_async_commit();
+    next_page = page_of(a, table_row, start + 2 * kKeys, hi, tid);
     if constexpr (kFp8) {
       to_bf16_tile(smem + (s_stage - s_q) + (i & 1) * kStageBytes, smem + (s_k - s_q), tid);
       fence_proxy_async();
@@ -393,14 +382,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
       alpha0 = s_alpha[row0];
       alpha1 = s_alpha[row1];
     }
-    if (__any_sync(0xffffffffu, alpha0 != 1.0f || alpha1 != 1.0f)) {  // (no row's max moved: nothing to scale)
 #pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        o[4 * j] *= alpha0;
-        o[4 * j + 1] *= alpha0;
-        o[4 * j + 2] *= alpha1;
-        o[4 * j + 3] *= alpha1;
-      }
+    for (int j = 0; j < 32; ++j) {
+      o[4 * j] *= alpha0;
+      o[4 * j + 1] *= alpha0;
+      o[4 * j + 2] *= alpha1;
+      o[4 * j + 3] *= alpha1;
     }
     pin(o);
     wgmma_fence();
