@@ -110,7 +110,8 @@ def test_kernel_compiles_for_sm90a_without_spills_and_keeps_its_wgmmas_pipelined
     log = done.stdout + done.stderr
     assert done.returncode == 0, log
     frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    assert len(frames) == 4 and all(f == ("0", "0", "0") for f in frames), log  # (bf16's, fp8's, the merge, the probe)
+    # (bf16's, bf16's TMA path, fp8's, the merge, the probe)
+    assert len(frames) == 5 and all(f == ("0", "0", "0") for f in frames), log
     marker = [part for part in log.split("Compiling entry function") if "sm90a_marker" in part]
     assert marker and re.search(r"[1-9]\d* bytes smem", marker[0]), log  # (the probe: static shared memory in sm_90a)
     assert all(int(n) <= 255 for n in re.findall(r"Used (\d+) registers", log)), log
@@ -119,8 +120,11 @@ def test_kernel_compiles_for_sm90a_without_spills_and_keeps_its_wgmmas_pipelined
     if cuobjdump is None:
         pytest.skip("no cuobjdump to read the SASS")
     sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, timeout=120).stdout
-    assert len(re.findall(r"HGMMA\.64x64x16\.F32\.BF16", sass)) == 2 * 36  # (each cache format's kernel)
-    assert len(re.findall(r"HGMMA\.64x256x16\.F32\.BF16", sass)) == 2 * 8
+    assert len(re.findall(r"HGMMA\.64x64x16\.F32\.BF16", sass)) == 3 * 36  # (each kernel)
+    assert len(re.findall(r"HGMMA\.64x256x16\.F32\.BF16", sass)) == 3 * 8
+    functions = re.split(r"\n\s*Function : ", sass)
+    tma = [f for f in functions if "UTMALDG" in f]  # (the tensor memory accelerator's copies)
+    assert len(tma) == 1 and "ILb0ELb1E" in tma[0].split("\n", 1)[0], [f.split("\n", 1)[0] for f in tma]
     assert "LDL" not in sass and "STL" not in sass
 
 
@@ -130,11 +134,13 @@ def sm90() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-@pytest.fixture
-def cuda_on(monkeypatch):
+@pytest.fixture(params=["cp.async", "tma"])
+def cuda_on(monkeypatch, request):
+    """The kernel on an sm_90 GPU, both cache formats, its whole tiles copied by cp.async or by the TMA path."""
     if not sm90():
         pytest.skip("needs an sm_90 GPU")
     monkeypatch.setenv(cuda_mla.ENV, "fp8")  # (both formats)
+    monkeypatch.setenv(cuda_mla.TMA_ENV, "1" if request.param == "tma" else "0")
     yield
 
 
@@ -151,7 +157,7 @@ def test_matches_the_reference_on_random_decode_batches(cuda_on, seed):
         heads = rng.choice([1, 16, 64, 100, 128])
         batch = rng.choice([1, 3, 17, 150])
         kv_lens = [rng.choice([0, 1, 63, 64, 65, rng.randint(2, 5000)]) for _ in range(batch)]
-        args = deepseek_inputs(kv_lens, heads, page_size=rng.choice([16, 64]), seed=rng.randrange(1 << 30),
+        args = deepseek_inputs(kv_lens, heads, page_size=rng.choice([4, 8, 16, 64, 128]), seed=rng.randrange(1 << 30),
                                kv_format=rng.choice(["auto", "fp8_e4m3"]))
         if rng.random() < 0.3:
             args["sinks"] = torch.randn(heads, device="cuda") * 2
@@ -180,6 +186,31 @@ def test_one_split_and_many_give_the_same_rows(cuda_on):
     assert relative_error(out, ref) < 1e-2
     torch.testing.assert_close(lse, ref_lse.float(), atol=2e-3, rtol=1e-3)
     assert relative_error(out1, out[:1]) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [8, 64])
+def test_rows_past_a_sequences_end_are_never_met(cuda_on, page_size):
+    """NaN in every cache row no sequence holds (past each sequence's end in its last page, and the pages of no
+    sequence): P V must never multiply them, not even by zero."""
+    args = deepseek_inputs([1, 63, 65, 700, 1000], 128, page_size=page_size)
+    held = torch.zeros(args["kv_cache"].shape[:2], dtype=torch.bool, device="cuda")
+    for b, n in enumerate(args["seq_lens"].tolist()):
+        keys = torch.arange(n, device="cuda")
+        held[args["block_table"][b, keys // page_size].long(), keys % page_size] = True
+    args["kv_cache"][~held] = float("nan")
+    with attnops.use_backend("cuda"):
+        out = torch.ops.attnops.mla_attention(**args)
+    assert not out.isnan().any()
+    assert relative_error(out, mla_attention_reference(**args)) < 1e-2
+
+
+def test_copies_by_tma_only_when_asked_for_bf16_pages_of_8_rows_or_more(monkeypatch):
+    monkeypatch.delenv(cuda_mla.TMA_ENV, raising=False)
+    assert not cuda_mla.copies_by_tma("bf16", 64)
+    monkeypatch.setenv(cuda_mla.TMA_ENV, "1")
+    assert cuda_mla.copies_by_tma("bf16", 8) and cuda_mla.copies_by_tma("bf16", 256)
+    assert not cuda_mla.copies_by_tma("bf16", 4) and not cuda_mla.copies_by_tma("fp8_e4m3", 64)
 
 
 @pytest.mark.gpu

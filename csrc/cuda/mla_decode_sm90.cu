@@ -2,9 +2,11 @@
 // torch.ops.attnops.mla_decode_sm90, called by the `cuda` backend (attnops/backends/cuda_mla.py), which validates
 // the call and plans the splits.
 #include <ATen/core/Tensor.h>
+#include <algorithm>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cudaTypedefs.h>
 #include <torch/library.h>
 
 #include "mla_decode_sm90.cuh"
@@ -23,6 +25,35 @@ int64_t mla_sm90a_built(int64_t device) {
   return attributes.sharedSizeBytes >= kMarkerInts * sizeof(int) ? 1 : 0;
 }
 
+// The cache as the TMA path's tensor map: [num_pages][page_size][576] bf16 with the cache's strides, boxes of
+// {64 values, min(page_size, 64) rows, 1 page} landing in the 128-byte swizzle, coordinates outside it as zeros
+static void encode_kv_map(CUtensorMap* map, const at::Tensor& kv_cache) {
+  using Encode = PFN_cuTensorMapEncodeTiled_v12000;
+  static const Encode encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      fn = nullptr;
+    }
+    return reinterpret_cast<Encode>(fn);
+  }();
+  TORCH_CHECK(encode != nullptr, "mla_decode_sm90: the CUDA driver has no cuTensorMapEncodeTiled");
+  const int64_t page_size = kv_cache.size(1), element = kv_cache.element_size();
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(kD), static_cast<cuuint64_t>(page_size),
+                              static_cast<cuuint64_t>(kv_cache.size(0))};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(kv_cache.stride(1) * element),
+                                 static_cast<cuuint64_t>(kv_cache.stride(0) * element)};
+  const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(std::min<int64_t>(page_size, kKeys)), 1};
+  const cuuint32_t unit[3] = {1, 1, 1};
+  const CUresult done = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, kv_cache.data_ptr(), dims, strides, box,
+                               unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(done == CUDA_SUCCESS, "mla_decode_sm90: cuTensorMapEncodeTiled failed (", static_cast<int>(done), ")");
+}
+
 // q_nope [T, H, 512] and q_pe [T, H, 64] bf16 with unit inner stride and 16-byte aligned rows; kv_cache
 // [num_pages, page_size, 576] bf16 or float8_e4m3fn (with kv_scale, float32 of one element), the same; out
 // [T, H, 512] bf16 (unit inner stride, value pairs aligned), lse float32 [T, H] contiguous or none; with
@@ -33,7 +64,7 @@ void mla_decode_sm90(const at::Tensor& q_nope, const at::Tensor& q_pe, const at:
                      const at::Tensor& seq_lens, const std::optional<at::Tensor>& sinks,
                      const at::Tensor& out, const std::optional<at::Tensor>& lse, const at::Tensor& part_out,
                      const at::Tensor& part_lse, const at::Tensor& errors, double scale, int64_t splits,
-                     int64_t chunk, int64_t stages) {
+                     int64_t chunk, int64_t stages, int64_t tma) {
   const int64_t T = q_nope.size(0), H = q_nope.size(1);
   TORCH_CHECK(q_nope.size(2) == kR && q_pe.size(2) == kP, "mla_decode_sm90: latent 512 and rotary 64 only");
   TORCH_CHECK(splits >= 1 && chunk % kKeys == 0 && chunk > 0, "mla_decode_sm90: chunk a multiple of 64");
@@ -71,7 +102,12 @@ void mla_decode_sm90(const at::Tensor& q_nope, const at::Tensor& q_pe, const at:
   a.qk_scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   TORCH_CHECK(stages >= kAllStages && stages <= kLoadsOnly, "mla_decode_sm90: stages 0, 1 or 2");
   a.stages = static_cast<int>(stages);
-  auto kernel = decode_kernel(fp8);
+  if (tma) {  // (bf16, pages of 8 rows or more, each a power of two; rows and pages 16-byte aligned: the backend's)
+    TORCH_CHECK(!fp8 && a.page_size >= 8 && (a.page_size & (a.page_size - 1)) == 0,
+                "mla_decode_sm90: the TMA path reads bf16 caches with pages of 8 rows or more");
+    encode_kv_map(&a.kv_map, kv_cache);
+  }
+  auto kernel = decode_kernel(fp8, tma != 0);
   // (a function attribute, not a stream operation: allowed inside a capture)
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   const dim3 grid(static_cast<unsigned>(T * a.head_blocks), static_cast<unsigned>(splits));
@@ -92,7 +128,7 @@ TORCH_LIBRARY_FRAGMENT(attnops, m) {
   m.def(
       "mla_decode_sm90(Tensor q_nope, Tensor q_pe, Tensor kv_cache, Tensor? kv_scale, Tensor block_table, "
       "Tensor seq_lens, Tensor? sinks, Tensor(a!) out, Tensor(b!)? lse, Tensor(c!) part_out, Tensor(d!) part_lse, "
-      "Tensor(e!) errors, float scale, int splits, int chunk, int stages=0) -> ()");
+      "Tensor(e!) errors, float scale, int splits, int chunk, int stages=0, int tma=0) -> ()");
   m.def("mla_sm90a_built(int device) -> int", &attnops::mla_sm90::mla_sm90a_built);
 }
 

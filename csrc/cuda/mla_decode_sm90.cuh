@@ -25,6 +25,7 @@
 // nothing; a page index outside the cache is never read and makes NaN the rows whose split sees one of its keys.
 // Each is recorded in the error buffer (attnops/errors.py) with atomic min.
 #pragma once
+#include <cuda.h>  // CUtensorMap
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -41,13 +42,14 @@ constexpr int kPieces = kD / 8;                  // 16-byte pieces of a row
 constexpr int kChunkBytes = kKeys * 128;         // one column chunk of a tile (kRows == kKeys)
 constexpr int kTileBytes = kChunks * kChunkBytes;
 constexpr int kPBytes = kRows * kKeys * 2;
-constexpr int kSmemBytes = 3 * kTileBytes + kPBytes + 3 * kRows * 4 + 1024;  // + alignment slack
+constexpr int kSmemBytes = 3 * kTileBytes + kPBytes + 3 * kRows * 4 + 2 * 8 + 1024;  // + 2 mbarriers, alignment
 constexpr int kMarkerInts = 4;                    // the sm_90a marker's static shared memory (the probe)
 static_assert(kSmemBytes <= 227 * 1024, "one block must fit an sm_90 SM's 227 KB of shared memory");
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr int kErrBlockTable = 0, kErrSeqLens = 1;  // attnops/errors.py ARGUMENTS
 
 struct Args {
+  CUtensorMap kv_map;           // the cache as [num_pages][page_size][576] bf16 boxes of 64 values (the TMA path)
   const __nv_bfloat16* q_nope;  // [T, H, 512], rows 16-byte aligned
   const __nv_bfloat16* q_pe;    // [T, H, 64]
   const uint8_t* kv;            // [num_pages, page_size, 576] bf16, or fp8 e4m3 (stored = value / kv_scale)
@@ -86,6 +88,28 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 // generic-proxy writes (cp.async, st.shared) made visible to wgmma's reads (the async proxy)
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// mbarriers (the TMA path's tiles): a stage's barrier completes a phase when its tile's bytes have all landed
+__device__ __forceinline__ void mbarrier_init(uint32_t bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar));
+}
+__device__ __forceinline__ void mbarrier_expect_bytes(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nwait_%=:\nmbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+// One box of the cache's tensor map ({64 values, rows, 1 page} at value c0, row c1 of page c2) into shared memory
+// in the 128-byte swizzle (the wgmma layout: the box's rows land on 128-byte lines of a 1024-byte aligned chunk);
+// coordinates outside the map (a bad page index) land as zeros
+__device__ __forceinline__ void tma_box(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1, int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+      "[%5];\n" ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+      : "memory");
+}
 
 // A wgmma shared-memory descriptor: start address, leading and stride byte offsets (16-byte units), 128-byte
 // swizzle. K-major operands: stride = 1024 (8 rows of 128 bytes), leading unused (1). N-major V: leading = the
@@ -212,6 +236,24 @@ __device__ __forceinline__ bool load_tile(const Args& a, int page, int start, in
   return bad;
 }
 
+// The TMA path's copy of a whole tile (keys [start, start + 64), all visible) into `dst`, by one thread: boxes of
+// min(page_size, 64) rows, 9 column chunks a page. Returns whether a page index is outside the cache (its boxes land
+// as zeros; the rows are NaN in the end).
+__device__ __forceinline__ bool tma_tile(const Args& a, const int* table_row, int start, uint32_t dst, uint32_t bar) {
+  const int rows = min(a.page_size, kKeys);
+  mbarrier_expect_bytes(bar, kTileBytes);
+  bool bad = false;
+  for (int r0 = 0; r0 < kKeys; r0 += rows) {
+    const int key = start + r0;
+    const int page = table_row[key / a.page_size];
+    bad |= page < 0 || page >= a.num_pages;
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c)
+      tma_box(dst + c * kChunkBytes + r0 * 128, &a.kv_map, bar, c * 64, key % a.page_size, page);
+  }
+  return bad;
+}
+
 // Two e4m3 values as a bf16 pair, exactly (every e4m3 value is a bf16 value)
 __device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint16_t pair) {
   const __half2_raw raw = __nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3);
@@ -241,8 +283,14 @@ __device__ __forceinline__ void to_bf16_tile(const uint8_t* stage, uint8_t* tile
 
 // kFp8: an fp8 e4m3 cache, staged as bytes (two stages in the second tile's place) and widened to one bf16 tile
 // before the MMAs; kv_scale joins the scores' scale and the output, never the MMAs.
-template <bool kFp8>
+// kTma (bf16, pages of 8 rows or more; off unless asked for: not yet measured): a whole tile is copied by the
+// tensor memory accelerator, issued by one thread of warpgroup 1 and awaited on its stage's mbarrier, not by 256
+// threads' cp.async (whose copies held up the MMAs behind them); the last, partial tile of a split still by
+// cp.async, which fills the keys past the end with zeros (rows past a sequence's end may hold anything, NaN
+// included, and P V must not meet them).
+template <bool kFp8, bool kTma>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_constant__ Args a) {
+  static_assert(!(kFp8 && kTma), "the TMA path copies bf16 tiles");
 #if defined(ATTNOPS_MLA_SM90A)
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -288,8 +336,27 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
       cp_async_16(s_q + swizzled(row, piece), piece < kR / 8 ? nope + piece * 8 : pe + (piece - kR / 8) * 8, valid);
     }
   }
-  bool saw_bad = tiles > 0 && load_tile<kFp8>(a, page_of(a, table_row, lo, hi, tid), lo, hi, s_stage, tid);
-  int next_page = page_of(a, table_row, lo + kKeys, hi, tid);  // (tile 1's)
+  const uint32_t s_bar = smem_u32(s_l + kRows);  // the TMA path: a stage's mbarrier (8 bytes each)
+  constexpr int kIssuer = kThreads - 1;           // the TMA path's issuing thread (warpgroup 1's)
+  uint32_t phases = 0;                            // bit s: the parity stage s's mbarrier completes next
+  if constexpr (kTma) {
+    if (tid == kIssuer) {
+      mbarrier_init(s_bar);
+      mbarrier_init(s_bar + 8);
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+  }
+  const auto by_tma = [&](int start) { return kTma && start + kKeys <= hi; };  // (uniform)
+  bool saw_bad = false;
+  if (tiles > 0) {
+    if (by_tma(lo)) {
+      if (tid == kIssuer) saw_bad = tma_tile(a, table_row, lo, s_stage, s_bar);
+    } else {
+      saw_bad = load_tile<kFp8>(a, page_of(a, table_row, lo, hi, tid), lo, hi, s_stage, tid);
+    }
+  }
+  int next_page = by_tma(lo + kKeys) ? 0 : page_of(a, table_row, lo + kKeys, hi, tid);  // (tile 1's)
   cp_async_commit();
 
   float o[128];  // warpgroup wg's columns [256 wg, 256 wg + 256) of rows row0, row1
@@ -301,12 +368,22 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
     const int start = lo + i * kKeys;
     const uint32_t tile = kFp8 ? s_k : s_k + (i & 1) * kTileBytes;
     cp_async_wait<0>();
+    if (by_tma(start) && (a.stages != kNoLoadsAfterFirst || i <= 1)) {
+      mbarrier_wait(s_bar + (i & 1) * 8, (phases >> (i & 1)) & 1);
+      phases ^= 1u << (i & 1);
+    }
     fence_proxy_async();
     __syncthreads();  // stage i in place; every use of the other stage (and fp8: of the tile) done
-    if (i + 1 < tiles && (a.stages != kNoLoadsAfterFirst || i == 0))
-      saw_bad |= load_tile<kFp8>(a, next_page, start + kKeys, hi, s_stage + ((i + 1) & 1) * kStageBytes, tid);
+    if (i + 1 < tiles && (a.stages != kNoLoadsAfterFirst || i == 0)) {
+      const uint32_t next = s_stage + ((i + 1) & 1) * kStageBytes;
+      if (by_tma(start + kKeys)) {
+        if (tid == kIssuer) saw_bad |= tma_tile(a, table_row, start + kKeys, next, s_bar + ((i + 1) & 1) * 8);
+      } else {
+        saw_bad |= load_tile<kFp8>(a, next_page, start + kKeys, hi, next, tid);
+      }
+    }
     cp_async_commit();
-    next_page = page_of(a, table_row, start + 2 * kKeys, hi, tid);
+    next_page = by_tma(start + 2 * kKeys) ? 0 : page_of(a, table_row, start + 2 * kKeys, hi, tid);
     if constexpr (kFp8) {
       to_bf16_tile(smem + (s_stage - s_q) + (i & 1) * kStageBytes, smem + (s_k - s_q), tid);
       fence_proxy_async();
@@ -452,8 +529,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
 #endif
 }
 
-// The kernel of a cache format (a name for both instantiations: any file that includes this compiles them)
-inline void (*decode_kernel(bool fp8))(Args) { return fp8 ? mla_decode_kernel<true> : mla_decode_kernel<false>; }
+// The kernel of a cache format and copy path (a name for each instantiation: any file that includes this compiles
+// them)
+inline void (*decode_kernel(bool fp8, bool tma))(Args) {
+  return fp8 ? mla_decode_kernel<true, false> : tma ? mla_decode_kernel<false, true> : mla_decode_kernel<false, false>;
+}
 
 // Block (token, head): the splits' partials of a row combined by their base-2 LSEs, the sink (if any) in the
 // denominator (a row with no key stays 0 whatever its sink); a NaN partial (a bad index its split met) makes the
