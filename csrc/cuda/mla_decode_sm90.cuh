@@ -281,6 +281,39 @@ __device__ __forceinline__ void to_bf16_tile(const uint8_t* stage, uint8_t* tile
   }
 }
 
+// The end of a block: this thread's rows (row0, row1) of its warpgroup's 256 output columns, normalised by the
+// rows' sums s_l with their maxima s_m (base 2): with one split, out (bf16) and the LSE; with more, the split's
+// partial (fp32) and base-2 LSE for mla_merge_kernel. nan_rows: a bad index made every row NaN.
+__device__ __forceinline__ void store_rows(const Args& a, const float (&o)[128], int wg, int t4, int row0, int row1,
+                                           int token, int head_block, int split, const float* s_m, const float* s_l,
+                                           bool nan_rows, float kv_scale) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = r ? row1 : row0, head = head_block * kRows + row;
+    if (head >= a.num_heads) continue;
+    const float l = s_l[row], m = s_m[row];
+    const bool has_keys = l > 0.0f;
+    const float inv = nan_rows ? NAN : (has_keys ? kv_scale / l : 0.0f);
+    const float lse2 = nan_rows ? NAN : (has_keys ? m + log2f(l) : -INFINITY);
+    const int col = wg * 256 + 2 * t4;
+    if (a.splits == 1) {
+      __nv_bfloat16* dst = a.out + token * a.out_token + head * a.out_head + col;
+#pragma unroll
+      for (int j = 0; j < 32; ++j)
+        *reinterpret_cast<__nv_bfloat162*>(dst + 8 * j) =
+            __floats2bfloat162_rn(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+      if (a.lse != nullptr && wg == 0 && t4 == 0) a.lse[static_cast<int64_t>(token) * a.num_heads + head] = lse2 * kLn2;
+    } else {
+      const int64_t part = (static_cast<int64_t>(token) * a.num_heads + head) * a.splits + split;
+      float* dst = a.part_out + part * kR + col;
+#pragma unroll
+      for (int j = 0; j < 32; ++j)
+        *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+      if (wg == 0 && t4 == 0) a.part_lse[part] = lse2;
+    }
+  }
+}
+
 // kFp8: an fp8 e4m3 cache, staged as bytes (two stages in the second tile's place) and widened to one bf16 tile
 // before the MMAs; kv_scale joins the scores' scale and the output, never the MMAs.
 // kTma (bf16, pages of 8 rows or more; off unless asked for: not yet measured): a whole tile is copied by the
@@ -500,32 +533,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
     }
   }
   __syncthreads();
-  const bool nan_rows = len_bad || poisoned;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = r ? row1 : row0, head = head_block * kRows + row;
-    if (head >= a.num_heads) continue;
-    const float l = s_l[row], m = s_m[row];
-    const bool has_keys = l > 0.0f;
-    const float inv = nan_rows ? NAN : (has_keys ? kv_scale / l : 0.0f);
-    const float lse2 = nan_rows ? NAN : (has_keys ? m + log2f(l) : -INFINITY);
-    const int col = wg * 256 + 2 * t4;
-    if (a.splits == 1) {
-      __nv_bfloat16* dst = a.out + token * a.out_token + head * a.out_head + col;
-#pragma unroll
-      for (int j = 0; j < 32; ++j)
-        *reinterpret_cast<__nv_bfloat162*>(dst + 8 * j) =
-            __floats2bfloat162_rn(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
-      if (a.lse != nullptr && wg == 0 && t4 == 0) a.lse[static_cast<int64_t>(token) * a.num_heads + head] = lse2 * kLn2;
-    } else {
-      const int64_t part = (static_cast<int64_t>(token) * a.num_heads + head) * a.splits + split;
-      float* dst = a.part_out + part * kR + col;
-#pragma unroll
-      for (int j = 0; j < 32; ++j)
-        *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
-      if (wg == 0 && t4 == 0) a.part_lse[part] = lse2;
-    }
-  }
+  store_rows(a, o, wg, t4, row0, row1, token, head_block, split, s_m, s_l, len_bad || poisoned, kv_scale);
 #endif
 }
 
