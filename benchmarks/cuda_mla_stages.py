@@ -7,7 +7,8 @@ blocks of a token read the same latent rows), each with the kernel's stages left
 - all: the kernel as the op runs it;
 - no-loads: the first two tiles' rows only, reused (the MMAs, softmax and waits alone);
 - loads-only: the tiles' copies and their waits alone (no MMA, no softmax).
-ATTNOPS_CUDA_MLA_TMA=1: the whole tiles copied by the tensor memory accelerator (bf16), not cp.async.
+ATTNOPS_CUDA_MLA_VARIANT=tma: the whole tiles copied by the tensor memory accelerator (bf16), not cp.async;
+=seesaw: the seesaw schedule (all stages only).
 Per-tile time flat as the blocks grow: a block is bound by its own chain of work, not by a bandwidth the blocks
 share; a stage whose leaving out takes most of the time away is what binds it.
 """
@@ -35,9 +36,11 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         sys.exit("cuda_mla_stages.py needs a CUDA GPU")
     from attnops import errors as attnops_errors  # (importing attnops registers the ops)
-    from attnops.backends.cuda_mla import copies_by_tma
+    from attnops.backends.cuda_mla import VARIANTS, kernel_variant
+    variant = kernel_variant(args.kv_format, 64)  # (ATTNOPS_CUDA_MLA_VARIANT)
     stages = {"all": 0, "no-loads": 1, "loads-only": 2}  # (csrc/cuda/mla_decode_sm90.cuh: kAllStages ...)
-    tma = int(copies_by_tma(args.kv_format, 64))  # (ATTNOPS_CUDA_MLA_TMA=1, bf16)
+    if VARIANTS[variant] == "seesaw":
+        stages = {"all": 0}
     records = []
     print(f"{'heads':>6}{'tokens':>8}{'blocks':>8}{'stages':>12}{'us':>10}{'us/tile':>10}{'TB/s':>8}")
     runs = [(64, t) for t in args.tokens] + [(128, t) for t in args.tokens if 2 * t <= max(args.tokens)]
@@ -50,10 +53,11 @@ def main(argv=None) -> int:
             def op(code=code):
                 torch.ops.attnops.mla_decode_sm90(case["q_nope"], case["q_pe"], case["kv_cache"], case["kv_scale"],
                                                   case["block_table"], case["seq_lens"], None, out, None, out, out,
-                                                  errors, 0.07, 1, tiles * 64, code, tma)
+                                                  errors, 0.07, 1, tiles * 64, code, variant)
             us = graph_time_us(op)
             tbs = tokens * args.kv_len * 576 * case["kv_cache"].element_size() / us / 1e6
-            record = dict(heads=heads, tokens=tokens, blocks=tokens * math.ceil(heads / 64), stages=name, us=us,
+            record = dict(heads=heads, tokens=tokens, blocks=tokens * math.ceil(heads / 64), stages=name,
+                          variant=VARIANTS[variant], us=us,
                           us_per_tile=us / tiles, tbs=tbs, kv_len=args.kv_len, kv_format=args.kv_format,
                           gpu=torch.cuda.get_device_name())
             records.append(record)

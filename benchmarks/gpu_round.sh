@@ -74,11 +74,11 @@
 #             of tests/test_cuda_mla.py ($results/cuda-mla-tests.log), then benchmarks/mla_decode.py pinned to it
 #             at CUDA_MLA_HEADS heads (default 16 64 128), bf16 against FlashInfer's MLA wrapper where installed,
 #             and fp8: $results/cuda-mla-{bf16,fp8_e4m3}.{json,txt}
-#   cuda-mla-tma the cuda backend's latent-attention kernel with its whole tiles copied by the tensor memory
-#             accelerator (ATTNOPS_CUDA_MLA_TMA=1) against cp.async, same run: benchmarks/cuda_mla_stages.py with
-#             each, then mla_decode.py (bf16, CUDA_MLA_HEADS) alternating, two rounds:
-#             $results/cuda-mla-tma{0,1}-{1,2}.json, cuda-mla-tma.txt (each case's best, the speedup). The GPU
-#             tests (both paths) are the cuda-mla step's
+#   cuda-mla-variants the cuda backend's latent-attention kernel in each form (ATTNOPS_CUDA_MLA_VARIANT: cp.async,
+#             tma: whole tiles copied by the tensor memory accelerator, seesaw: two tiles a step, a warpgroup's
+#             softmax beside the other's MMAs), same run: benchmarks/cuda_mla_stages.py with each, then
+#             mla_decode.py (bf16, CUDA_MLA_HEADS) alternating, two rounds: $results/cuda-mla-{variant}-{1,2}.json,
+#             cuda-mla-variants.txt (each case's best, the speedups). Their GPU tests are the cuda-mla step's
 #   invariance the cost of batch-invariant mode (ATTNOPS_BATCH_INVARIANT=1) on the bench grid's Triton cases, same
 #             run, two rounds alternating: $results/invariance-{0,1}-{1,2}.json, invariance.txt (per case and the
 #             geometric mean; INVARIANCE_ARGS narrows the grid, e.g. "--groups decode-large verify";
@@ -264,34 +264,37 @@ PY
           --json "$results/cuda-mla-$fmt.json" 2>&1 | tee "$results/cuda-mla-$fmt.txt" | tail -12
       done
       stamp cuda-mla ;;
-    cuda-mla-tma)
-      for tma in 0 1; do  # (where a tile's time goes with each copy path)
-        ATTNOPS_CUDA_MLA_TMA=$tma timeout 120 python3 benchmarks/cuda_mla_stages.py --tokens 1 66 132 \
-          --json "$results/cuda-mla-stages-tma$tma.json" 2>&1 | tail -15
+    cuda-mla-variants)
+      for variant in cp.async tma seesaw; do  # (where a tile's time goes in each form)
+        ATTNOPS_CUDA_MLA_VARIANT=$variant timeout 120 python3 benchmarks/cuda_mla_stages.py --tokens 1 66 132 \
+          --json "$results/cuda-mla-stages-$variant.json" 2>&1 | tail -15
       done
-      for round in 1 2; do for tma in 0 1; do
-        ATTNOPS_CUDA_MLA_TMA=$tma timeout ${MLA_TIMEOUT:-200} python3 benchmarks/mla_decode.py --backend cuda \
+      for round in 1 2; do for variant in cp.async tma seesaw; do
+        ATTNOPS_CUDA_MLA_VARIANT=$variant timeout ${MLA_TIMEOUT:-200} python3 benchmarks/mla_decode.py --backend cuda \
           --heads ${CUDA_MLA_HEADS:-16 64 128} --cases 1x32768 32x8192 128x4096 --no-flashinfer \
-          --json "$results/cuda-mla-tma$tma-$round.json" > "$results/cuda-mla-tma$tma-$round.txt" 2>&1
+          --json "$results/cuda-mla-$variant-$round.json" > "$results/cuda-mla-$variant-$round.txt" 2>&1 || \
+          tail -5 "$results/cuda-mla-$variant-$round.txt"
       done; done
-      python3 - "$results" <<'PY' | tee "$results/cuda-mla-tma.txt"
+      python3 - "$results" <<'PY' | tee "$results/cuda-mla-variants.txt"
 import glob, json, math, sys
-best = {}  # case -> copy path -> best time over the rounds (us)
-for path in glob.glob(f"{sys.argv[1]}/cuda-mla-tma[01]-*.json"):
-    tma = path.rsplit("/", 1)[1][len("cuda-mla-tma")]
-    for r in json.load(open(path))["records"]:
-        cell = best.setdefault(r["case"], {})
-        cell[tma] = min(cell.get(tma, math.inf), r["attnops_us"])
-print(f"{'case':<28}{'cp.async us':>12}{'tma us':>10}{'speedup':>9}")
-ratios = []
+variants = ["cp.async", "tma", "seesaw"]
+best = {}  # case -> variant -> best time over the rounds (us)
+for variant in variants:
+    for path in glob.glob(f"{sys.argv[1]}/cuda-mla-{variant}-[12].json"):
+        for r in json.load(open(path))["records"]:
+            cell = best.setdefault(r["case"], {})
+            cell[variant] = min(cell.get(variant, math.inf), r["attnops_us"])
+print(f"{'case':<28}" + "".join(f"{v + ' us':>12}" for v in variants) + "   speedup over cp.async")
 for case, cell in best.items():
-    if "0" in cell and "1" in cell:
-        ratios.append(cell["0"] / cell["1"])
-        print(f"{case:<28}{cell['0']:>12.1f}{cell['1']:>10.1f}{ratios[-1]:>9.3f}")
-if ratios:
-    print(f"geometric mean speedup of the TMA path: {math.exp(sum(map(math.log, ratios)) / len(ratios)):.4f}")
+    times = "".join(f"{cell[v]:>12.1f}" if v in cell else f"{'-':>12}" for v in variants)
+    ups = " ".join(f"{v} x{cell['cp.async'] / cell[v]:.3f}" for v in variants[1:] if v in cell and "cp.async" in cell)
+    print(f"{case:<28}{times}   {ups}")
+for v in variants[1:]:
+    ratios = [c["cp.async"] / c[v] for c in best.values() if v in c and "cp.async" in c]
+    if ratios:
+        print(f"{v}: geometric mean speedup over cp.async {math.exp(sum(map(math.log, ratios)) / len(ratios)):.4f}")
 PY
-      stamp cuda-mla-tma ;;
+      stamp cuda-mla-variants ;;
     tests)
       limit=${TESTS_TIMEOUT:-240}
       suites=${TEST_SUITES:-capture triton flashinfer e2e}

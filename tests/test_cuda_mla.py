@@ -100,9 +100,10 @@ def test_kernel_compiles_for_sm90a_without_spills_and_keeps_its_wgmmas_pipelined
     """nvcc + ptxas for sm_90a (no GPU needed): the kernel fits its registers with no spill and no stack, ptxas
     does not serialise its wgmmas (it does when it cannot tell a branch is warp-uniform), and the SASS holds the
     MMAs the design says: 36 of m64n64k16 for Q K^T over 576 values and 4 of m64n256k16 a warpgroup for P V, in
-    each cache format's kernel (bf16, fp8)."""
+    each form's kernel (bf16 by cp.async, bf16 by the TMA, fp8; the seesaw schedule: Q K^T and both P V in each
+    warpgroup); the TMA's copies in the TMA path's and the seesaw's kernels only."""
     source = tmp_path / "kernel.cu"
-    source.write_text('#include "mla_decode_sm90.cuh"\n')
+    source.write_text('#include "mla_seesaw_sm90.cuh"\n')
     cubin = tmp_path / "kernel.cubin"
     done = subprocess.run(["nvcc", "-std=c++17", "-O3", "-arch=sm_90a", "-cubin", "-Xptxas", "-v", "-I",
                            os.path.join(ROOT, "csrc", "cuda"), "-o", str(cubin), str(source)],
@@ -110,8 +111,8 @@ def test_kernel_compiles_for_sm90a_without_spills_and_keeps_its_wgmmas_pipelined
     log = done.stdout + done.stderr
     assert done.returncode == 0, log
     frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    # (bf16's, bf16's TMA path, fp8's, the merge, the probe)
-    assert len(frames) == 5 and all(f == ("0", "0", "0") for f in frames), log
+    # (bf16's by cp.async and by the TMA, fp8's, the seesaw's, the merge, the probe)
+    assert len(frames) == 6 and all(f == ("0", "0", "0") for f in frames), log
     marker = [part for part in log.split("Compiling entry function") if "sm90a_marker" in part]
     assert marker and re.search(r"[1-9]\d* bytes smem", marker[0]), log  # (the probe: static shared memory in sm_90a)
     assert all(int(n) <= 255 for n in re.findall(r"Used (\d+) registers", log)), log
@@ -120,11 +121,15 @@ def test_kernel_compiles_for_sm90a_without_spills_and_keeps_its_wgmmas_pipelined
     if cuobjdump is None:
         pytest.skip("no cuobjdump to read the SASS")
     sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, timeout=120).stdout
-    assert len(re.findall(r"HGMMA\.64x64x16\.F32\.BF16", sass)) == 3 * 36  # (each kernel)
-    assert len(re.findall(r"HGMMA\.64x256x16\.F32\.BF16", sass)) == 3 * 8
-    functions = re.split(r"\n\s*Function : ", sass)
-    tma = [f for f in functions if "UTMALDG" in f]  # (the tensor memory accelerator's copies)
-    assert len(tma) == 1 and "ILb0ELb1E" in tma[0].split("\n", 1)[0], [f.split("\n", 1)[0] for f in tma]
+    functions = {f.split("\n", 1)[0].strip(): f for f in re.split(r"\n\s*Function : ", sass)[1:]}
+    kernels = {name: body for name, body in functions.items() if "decode_kernel" in name or "seesaw" in name}
+    assert len(kernels) == 4, list(functions)
+    for name, body in kernels.items():
+        per_warpgroup = 2 if "seesaw" in name else 1  # (each warpgroup its scores and its P V of both tiles)
+        assert len(re.findall(r"HGMMA\.64x64x16\.F32\.BF16", body)) == 36 * per_warpgroup, name
+        assert len(re.findall(r"HGMMA\.64x256x16\.F32\.BF16", body)) == 8 * per_warpgroup, name
+    tma = sorted(name for name, body in functions.items() if "UTMALDG" in body)  # (the TMA's copies)
+    assert len(tma) == 2 and "ILb0ELb1E" in tma[0] and "seesaw" in tma[1], tma
     assert "LDL" not in sass and "STL" not in sass
 
 
@@ -134,13 +139,13 @@ def sm90() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-@pytest.fixture(params=["cp.async", "tma"])
+@pytest.fixture(params=cuda_mla.VARIANTS)
 def cuda_on(monkeypatch, request):
-    """The kernel on an sm_90 GPU, both cache formats, its whole tiles copied by cp.async or by the TMA path."""
+    """The kernel on an sm_90 GPU, both cache formats, in each of its forms (bf16 only where not cp.async)."""
     if not sm90():
         pytest.skip("needs an sm_90 GPU")
     monkeypatch.setenv(cuda_mla.ENV, "fp8")  # (both formats)
-    monkeypatch.setenv(cuda_mla.TMA_ENV, "1" if request.param == "tma" else "0")
+    monkeypatch.setenv(cuda_mla.VARIANT_ENV, request.param)
     yield
 
 
@@ -205,12 +210,16 @@ def test_rows_past_a_sequences_end_are_never_met(cuda_on, page_size):
     assert relative_error(out, mla_attention_reference(**args)) < 1e-2
 
 
-def test_copies_by_tma_only_when_asked_for_bf16_pages_of_8_rows_or_more(monkeypatch):
-    monkeypatch.delenv(cuda_mla.TMA_ENV, raising=False)
-    assert not cuda_mla.copies_by_tma("bf16", 64)
-    monkeypatch.setenv(cuda_mla.TMA_ENV, "1")
-    assert cuda_mla.copies_by_tma("bf16", 8) and cuda_mla.copies_by_tma("bf16", 256)
-    assert not cuda_mla.copies_by_tma("bf16", 4) and not cuda_mla.copies_by_tma("fp8_e4m3", 64)
+def test_variants_only_when_asked_for_bf16_pages_of_8_rows_or_more(monkeypatch):
+    monkeypatch.delenv(cuda_mla.VARIANT_ENV, raising=False)
+    assert cuda_mla.kernel_variant("bf16", 64) == 0
+    for code, name in enumerate(cuda_mla.VARIANTS):
+        monkeypatch.setenv(cuda_mla.VARIANT_ENV, name)
+        assert cuda_mla.kernel_variant("bf16", 8) == cuda_mla.kernel_variant("bf16", 256) == code
+        assert cuda_mla.kernel_variant("bf16", 4) == cuda_mla.kernel_variant("fp8_e4m3", 64) == 0
+    monkeypatch.setenv(cuda_mla.VARIANT_ENV, "fast")
+    with pytest.raises(ValueError, match=cuda_mla.VARIANT_ENV):
+        cuda_mla.kernel_variant("bf16", 64)
 
 
 @pytest.mark.gpu

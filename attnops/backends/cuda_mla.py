@@ -8,8 +8,9 @@ Served by default for bf16 caches: slower than FlashInfer's MLA kernels at many 
 (inside them, where FlashInfer is passed over). fp8 caches only with ATTNOPS_CUDA_MLA=fp8: correct, but no faster
 than bf16 at 16 heads (the 64-row MMAs of 16 heads bind it, not the bytes) and not yet timed against Triton's fp8.
 ATTNOPS_CUDA_MLA=0 turns it off. `bash benchmarks/gpu_round.sh cuda-mla` runs its GPU tests and times it.
-ATTNOPS_CUDA_MLA_TMA=1 has it copy whole tiles through the tensor memory accelerator (copies_by_tma), not yet
-measured.
+ATTNOPS_CUDA_MLA_VARIANT picks the kernel's form (kernel_variant): `tma` (whole tiles copied by the tensor memory
+accelerator) and `seesaw` (two tiles a step, each warpgroup the scores and softmax of one, csrc/cuda/
+mla_seesaw_sm90.cuh) are not yet measured, so the default stays `cp.async`.
 
 The split of each sequence's keys comes from shapes only (the table's capacity, the tokens, the heads, the SM
 count), so a CUDA graph replays any lengths; with more than one split, the op's second kernel merges the partials
@@ -28,7 +29,8 @@ from ..env import sm_count
 from .base import common_reasons, kernel_outputs, rows_without_a_sequence
 
 ENV = "ATTNOPS_CUDA_MLA"
-TMA_ENV = "ATTNOPS_CUDA_MLA_TMA"
+VARIANT_ENV = "ATTNOPS_CUDA_MLA_VARIANT"
+VARIANTS = ("cp.async", "tma", "seesaw")  # (the op's `variant` codes 0, 1, 2)
 SHAPE = (512, 64)  # (R, P) the kernel is built for
 KV_FORMATS = ("bf16", "fp8_e4m3")  # (fp8: widened to bf16 in shared memory; q is bf16)
 ROWS = 64  # heads a block
@@ -43,11 +45,16 @@ def served_formats() -> tuple[str, ...]:
     return {"0": (), "fp8": KV_FORMATS}.get(switch, ("bf16",))
 
 
-def copies_by_tma(kv_format: str, page_size: int) -> bool:
-    """Whether the kernel copies a call's whole tiles through the tensor memory accelerator (one thread's bulk
-    copies, not every thread's cp.async): with ATTNOPS_CUDA_MLA_TMA=1 only, until measured against the cp.async
-    copies (`bash benchmarks/gpu_round.sh cuda-mla-tma`); bf16 caches with pages of 8 rows or more."""
-    return os.environ.get(TMA_ENV, "0") not in ("", "0") and kv_format == "bf16" and page_size >= 8
+def kernel_variant(kv_format: str, page_size: int) -> int:
+    """The kernel's form for a call, as the op's code (VARIANTS' index): ATTNOPS_CUDA_MLA_VARIANT's (default
+    cp.async) where it serves the call; tma and seesaw copy through the tensor memory accelerator, bf16 caches with
+    pages of 8 rows or more (cp.async otherwise). `bash benchmarks/gpu_round.sh cuda-mla-variants` times them."""
+    name = os.environ.get(VARIANT_ENV) or "cp.async"
+    if name not in VARIANTS:
+        raise ValueError(f"{VARIANT_ENV} must be one of {', '.join(VARIANTS)} (got {name!r})")
+    if name != "cp.async" and (kv_format != "bf16" or page_size < 8):
+        return 0
+    return VARIANTS.index(name)
 
 
 _sm90a: dict[int, bool] = {}
@@ -128,7 +135,7 @@ def mla_attention(call) -> None:
     torch.ops.attnops.mla_decode_sm90(q_nope, q_pe, call.kv_cache, call.kv_scale, call.block_table.contiguous(),
                                       call.seq_lens.contiguous(), sinks, out, lse, part_out, part_lse,
                                       errors.buffer(device), float(call.scale), splits, chunk, 0,
-                                      int(copies_by_tma(call.case.kv_format, call.kv_cache.shape[1])))
+                                      kernel_variant(call.case.kv_format, call.kv_cache.shape[1]))
 
 
 def _pairs_aligned(out: torch.Tensor) -> bool:

@@ -9,7 +9,7 @@
 #include <cudaTypedefs.h>
 #include <torch/library.h>
 
-#include "mla_decode_sm90.cuh"
+#include "mla_seesaw_sm90.cuh"
 
 namespace attnops::mla_sm90 {
 
@@ -64,7 +64,7 @@ void mla_decode_sm90(const at::Tensor& q_nope, const at::Tensor& q_pe, const at:
                      const at::Tensor& seq_lens, const std::optional<at::Tensor>& sinks,
                      const at::Tensor& out, const std::optional<at::Tensor>& lse, const at::Tensor& part_out,
                      const at::Tensor& part_lse, const at::Tensor& errors, double scale, int64_t splits,
-                     int64_t chunk, int64_t stages, int64_t tma) {
+                     int64_t chunk, int64_t stages, int64_t variant) {
   const int64_t T = q_nope.size(0), H = q_nope.size(1);
   TORCH_CHECK(q_nope.size(2) == kR && q_pe.size(2) == kP, "mla_decode_sm90: latent 512 and rotary 64 only");
   TORCH_CHECK(splits >= 1 && chunk % kKeys == 0 && chunk > 0, "mla_decode_sm90: chunk a multiple of 64");
@@ -102,17 +102,21 @@ void mla_decode_sm90(const at::Tensor& q_nope, const at::Tensor& q_pe, const at:
   a.qk_scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   TORCH_CHECK(stages >= kAllStages && stages <= kLoadsOnly, "mla_decode_sm90: stages 0, 1 or 2");
   a.stages = static_cast<int>(stages);
-  if (tma) {  // (bf16, pages of 8 rows or more, each a power of two; rows and pages 16-byte aligned: the backend's)
+  // variant 0: tiles by cp.async; 1: whole tiles by the TMA; 2: the seesaw schedule (mla_seesaw_sm90.cuh)
+  TORCH_CHECK(variant >= 0 && variant <= 2, "mla_decode_sm90: variant 0, 1 or 2");
+  TORCH_CHECK(variant != 2 || stages == kAllStages, "mla_decode_sm90: the seesaw schedule runs all its stages");
+  if (variant) {  // (bf16, pages of 8 rows or more, each a power of two; rows and pages 16-byte aligned: the backend's)
     TORCH_CHECK(!fp8 && a.page_size >= 8 && (a.page_size & (a.page_size - 1)) == 0,
-                "mla_decode_sm90: the TMA path reads bf16 caches with pages of 8 rows or more");
+                "mla_decode_sm90: the TMA copies read bf16 caches with pages of 8 rows or more");
     encode_kv_map(&a.kv_map, kv_cache);
   }
-  auto kernel = decode_kernel(fp8, tma != 0);
+  auto kernel = variant == 2 ? seesaw_kernel() : decode_kernel(fp8, variant == 1);
+  const int smem_bytes = variant == 2 ? kSeesawSmemBytes : kSmemBytes;
   // (a function attribute, not a stream operation: allowed inside a capture)
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
   const dim3 grid(static_cast<unsigned>(T * a.head_blocks), static_cast<unsigned>(splits));
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  kernel<<<grid, kThreads, kSmemBytes, stream>>>(a);
+  kernel<<<grid, kThreads, smem_bytes, stream>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (splits > 1) {
     mla_merge_kernel<<<dim3(static_cast<unsigned>(T), static_cast<unsigned>(H)), kR / 4, 0, stream>>>(
@@ -128,7 +132,7 @@ TORCH_LIBRARY_FRAGMENT(attnops, m) {
   m.def(
       "mla_decode_sm90(Tensor q_nope, Tensor q_pe, Tensor kv_cache, Tensor? kv_scale, Tensor block_table, "
       "Tensor seq_lens, Tensor? sinks, Tensor(a!) out, Tensor(b!)? lse, Tensor(c!) part_out, Tensor(d!) part_lse, "
-      "Tensor(e!) errors, float scale, int splits, int chunk, int stages=0, int tma=0) -> ()");
+      "Tensor(e!) errors, float scale, int splits, int chunk, int stages=0, int variant=0) -> ()");
   m.def("mla_sm90a_built(int device) -> int", &attnops::mla_sm90::mla_sm90a_built);
 }
 
