@@ -281,6 +281,53 @@ __device__ __forceinline__ void to_bf16_tile(const uint8_t* stage, uint8_t* tile
   }
 }
 
+// Masks the scores of keys at or past `end` (key start + 8 j + 2 t4 + c % 2 of s[4 j + c]), scales them to base 2,
+// and returns the rows' maxima over this tile (row0: c < 2, row1), reduced over the row's four threads
+__device__ __forceinline__ void masked_max(float (&s)[32], int start, int end, int t4, float qk_scale_log2,
+                                           float& max0, float& max1) {
+  max0 = max1 = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int key = start + 8 * j + 2 * t4 + (c & 1);
+      const float v = key < end ? s[4 * j + c] * qk_scale_log2 : -INFINITY;
+      s[4 * j + c] = v;
+      if (c < 2) max0 = fmaxf(max0, v);
+      else max1 = fmaxf(max1, v);
+    }
+  }
+#pragma unroll
+  for (int mask = 1; mask <= 2; mask <<= 1) {
+    max0 = fmaxf(max0, __shfl_xor_sync(0xffffffffu, max0, mask));
+    max1 = fmaxf(max1, __shfl_xor_sync(0xffffffffu, max1, mask));
+  }
+}
+
+// O *= the rows' factors (row0: scale0, row1: scale1)
+__device__ __forceinline__ void scale_rows(float (&o)[128], float scale0, float scale1) {
+#pragma unroll
+  for (int j = 0; j < 32; ++j) {
+    o[4 * j] *= scale0;
+    o[4 * j + 1] *= scale0;
+    o[4 * j + 2] *= scale1;
+    o[4 * j + 3] *= scale1;
+  }
+}
+
+// O (+)= P V over a tile's 64 keys, V = the tile's 256 columns at `v_cols` (N-major), P from registers or from
+// shared memory (an SS operand)
+__device__ __forceinline__ void pv_rs(float (&o)[128], const uint32_t (&p_frag)[4][4], uint32_t v_cols) {
+#pragma unroll
+  for (int kk = 0; kk < kKeys / 16; ++kk)
+    wgmma_m64n256k16_rs(o, p_frag[kk], descriptor(v_cols + kk * 2048, kChunkBytes, 1024));
+}
+__device__ __forceinline__ void pv_ss(float (&o)[128], uint32_t s_p, uint32_t v_cols) {
+#pragma unroll
+  for (int kk = 0; kk < kKeys / 16; ++kk)
+    wgmma_m64n256k16_ss(o, descriptor(s_p + kk * 32, 16, 1024), descriptor(v_cols + kk * 2048, kChunkBytes, 1024));
+}
+
 // The end of a block: this thread's rows (row0, row1) of its warpgroup's 256 output columns, normalised by the
 // rows' sums s_l with their maxima s_m (base 2): with one split, out (bf16) and the LSE; with more, the split's
 // partial (fp32) and base-2 LSE for mla_merge_kernel. nan_rows: a bad index made every row NaN.
@@ -441,23 +488,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
       wgmma_wait_all();
       pin(s);
       // online softmax in base 2; s[4 j + c]: row row0 (c < 2) or row1, key start + 8 j + 2 t4 + c % 2
-      float max0 = -INFINITY, max1 = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const int key = start + 8 * j + 2 * t4 + (c & 1);
-          const float v = key < hi ? s[4 * j + c] * qk_scale_log2 : -INFINITY;
-          s[4 * j + c] = v;
-          if (c < 2) max0 = fmaxf(max0, v);
-          else max1 = fmaxf(max1, v);
-        }
-      }
-#pragma unroll
-      for (int mask = 1; mask <= 2; mask <<= 1) {
-        max0 = fmaxf(max0, __shfl_xor_sync(0xffffffffu, max0, mask));
-        max1 = fmaxf(max1, __shfl_xor_sync(0xffffffffu, max1, mask));
-      }
+      float max0, max1;
+      masked_max(s, start, hi, t4, qk_scale_log2, max0, max1);
       const float new0 = fmaxf(m0, max0), new1 = fmaxf(m1, max1);
       const float base0 = new0 == -INFINITY ? 0.0f : new0, base1 = new1 == -INFINITY ? 0.0f : new1;
       alpha0 = exp2f(m0 - base0);
@@ -492,24 +524,14 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
       alpha0 = s_alpha[row0];
       alpha1 = s_alpha[row1];
     }
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      o[4 * j] *= alpha0;
-      o[4 * j + 1] *= alpha0;
-      o[4 * j + 2] *= alpha1;
-      o[4 * j + 3] *= alpha1;
-    }
+    scale_rows(o, alpha0, alpha1);
     pin(o);
     wgmma_fence();
     const uint32_t v_cols = tile + wg * 4 * kChunkBytes;  // this warpgroup's 256 columns of V
     if (wg == 0) {
-#pragma unroll
-      for (int kk = 0; kk < kKeys / 16; ++kk)
-        wgmma_m64n256k16_rs(o, p_frag[kk], descriptor(v_cols + kk * 2048, kChunkBytes, 1024));
+      pv_rs(o, p_frag, v_cols);
     } else {
-#pragma unroll
-      for (int kk = 0; kk < kKeys / 16; ++kk)
-        wgmma_m64n256k16_ss(o, descriptor(s_p + kk * 32, 16, 1024), descriptor(v_cols + kk * 2048, kChunkBytes, 1024));
+      pv_ss(o, s_p, v_cols);
     }
     wgmma_commit();
     wgmma_wait_all();

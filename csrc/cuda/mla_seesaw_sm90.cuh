@@ -135,29 +135,6 @@ __device__ __forceinline__ void tile_scores(float (&s)[32], uint32_t s_q, uint32
   pin(s);
 }
 
-// Masks the scores of keys at or past `end` (key start + 8 j + 2 t4 + c % 2 of s[4 j + c]), scales them to base 2,
-// and returns the rows' maxima over this tile (row0: c < 2, row1), reduced over the row's four threads
-__device__ __forceinline__ void masked_max(float (&s)[32], int start, int end, int t4, float qk_scale_log2,
-                                           float& max0, float& max1) {
-  max0 = max1 = -INFINITY;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int key = start + 8 * j + 2 * t4 + (c & 1);
-      const float v = key < end ? s[4 * j + c] * qk_scale_log2 : -INFINITY;
-      s[4 * j + c] = v;
-      if (c < 2) max0 = fmaxf(max0, v);
-      else max1 = fmaxf(max1, v);
-    }
-  }
-#pragma unroll
-  for (int mask = 1; mask <= 2; mask <<= 1) {
-    max0 = fmaxf(max0, __shfl_xor_sync(0xffffffffu, max0, mask));
-    max1 = fmaxf(max1, __shfl_xor_sync(0xffffffffu, max1, mask));
-  }
-}
-
 // P = exp2(S - base) in place (fp32), its bf16 A fragments, and this thread's row sums
 __device__ __forceinline__ void exponentiate(float (&s)[32], float base0, float base1, uint32_t (&p_frag)[4][4],
                                              float& sum0, float& sum1) {
@@ -186,29 +163,6 @@ __device__ __forceinline__ void store_p(uint8_t* p_bytes, const float (&s)[32], 
     *reinterpret_cast<uint32_t*>(p_bytes + row1 * 128 + ((j ^ (row1 & 7)) << 4) + t4 * 4) =
         pack_bf16(s[4 * j + 2] * scale1, s[4 * j + 3] * scale1);
   }
-}
-
-__device__ __forceinline__ void scale_rows(float (&o)[128], float scale0, float scale1) {
-#pragma unroll
-  for (int j = 0; j < 32; ++j) {
-    o[4 * j] *= scale0;
-    o[4 * j + 1] *= scale0;
-    o[4 * j + 2] *= scale1;
-    o[4 * j + 3] *= scale1;
-  }
-}
-
-// O (+)= P V over a tile's 64 keys, V = the tile's 256 columns at `v_cols` (N-major), P from registers or from
-// shared memory (an SS operand)
-__device__ __forceinline__ void pv_rs(float (&o)[128], const uint32_t (&p_frag)[4][4], uint32_t v_cols) {
-#pragma unroll
-  for (int kk = 0; kk < kKeys / 16; ++kk)
-    wgmma_m64n256k16_rs(o, p_frag[kk], descriptor(v_cols + kk * 2048, kChunkBytes, 1024));
-}
-__device__ __forceinline__ void pv_ss(float (&o)[128], uint32_t s_p, uint32_t v_cols) {
-#pragma unroll
-  for (int kk = 0; kk < kKeys / 16; ++kk)
-    wgmma_m64n256k16_ss(o, descriptor(s_p + kk * 32, 16, 1024), descriptor(v_cols + kk * 2048, kChunkBytes, 1024));
 }
 
 __device__ __forceinline__ float exp2_from(float m_old, float base) { return exp2f(m_old - base); }
