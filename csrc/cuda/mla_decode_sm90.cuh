@@ -122,6 +122,9 @@ __device__ __forceinline__ uint64_t descriptor(uint32_t addr, uint32_t leading, 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// waits until at most N committed groups of this warpgroup's wgmmas are in flight
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
 // keeps the compiler from moving accumulator reads or writes across a wgmma fence or wait
 template <int N>
 __device__ __forceinline__ void pin(float (&d)[N]) {
@@ -236,20 +239,38 @@ __device__ __forceinline__ bool load_tile(const Args& a, int page, int start, in
   return bad;
 }
 
+// The page of each box of a tile's keys [start, start + 64) (boxes of `rows` keys, rows >= 8: at most kMaxBoxes),
+// every table entry read before any copy is issued (one round trip, not one a box); -1 past `end` (read as zeros,
+// no table entry past the sequence's). `bad`: a visible key's page is outside the cache.
+constexpr int kMaxBoxes = kKeys / 8;
+__device__ __forceinline__ void box_pages(const Args& a, const int* table_row, int start, int end, int rows,
+                                          int (&pages)[kMaxBoxes], bool& bad) {
+#pragma unroll
+  for (int r = 0; r < kMaxBoxes; ++r) {
+    const int key = start + r * rows;
+    const bool visible = r * rows < kKeys && key < end;
+    pages[r] = visible ? table_row[key / a.page_size] : -1;
+    bad |= visible && (pages[r] < 0 || pages[r] >= a.num_pages);
+  }
+}
+
 // The TMA path's copy of a whole tile (keys [start, start + 64), all visible) into `dst`, by one thread: boxes of
 // min(page_size, 64) rows, 9 column chunks a page. Returns whether a page index is outside the cache (its boxes land
 // as zeros; the rows are NaN in the end).
 __device__ __forceinline__ bool tma_tile(const Args& a, const int* table_row, int start, uint32_t dst, uint32_t bar) {
   const int rows = min(a.page_size, kKeys);
-  mbarrier_expect_bytes(bar, kTileBytes);
+  int pages[kMaxBoxes];
   bool bad = false;
-  for (int r0 = 0; r0 < kKeys; r0 += rows) {
-    const int key = start + r0;
-    const int page = table_row[key / a.page_size];
-    bad |= page < 0 || page >= a.num_pages;
+  box_pages(a, table_row, start, start + kKeys, rows, pages, bad);
+  mbarrier_expect_bytes(bar, kTileBytes);
 #pragma unroll
-    for (int c = 0; c < kChunks; ++c)
-      tma_box(dst + c * kChunkBytes + r0 * 128, &a.kv_map, bar, c * 64, key % a.page_size, page);
+  for (int r = 0; r < kMaxBoxes; ++r) {
+    if (r * rows < kKeys) {
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c)
+        tma_box(dst + c * kChunkBytes + r * rows * 128, &a.kv_map, bar, c * 64, (start + r * rows) % a.page_size,
+                pages[r]);
+    }
   }
   return bad;
 }

@@ -71,33 +71,36 @@ __device__ __forceinline__ int group_chunks(int slot, int group) { return 4 * (s
 __device__ __forceinline__ bool tma_group(const Args& a, const int* table_row, int start, int end, uint32_t dst,
                                           uint32_t bar, int slot, int group) {
   const int rows = min(a.page_size, kKeys), first = group_chunks(slot, group);
-  mbarrier_expect_bytes(bar, (group == 0 ? 5 : 4) * kChunkBytes);
+  int pages[kMaxBoxes];
   bool bad = false;
-  for (int r0 = 0; r0 < kKeys; r0 += rows) {
-    const int key = start + r0;
-    const int page = key < end ? table_row[key / a.page_size] : -1;
-    bad |= key < end && (page < 0 || page >= a.num_pages);
+  box_pages(a, table_row, start, end, rows, pages, bad);
+  mbarrier_expect_bytes(bar, (group == 0 ? 5 : 4) * kChunkBytes);
 #pragma unroll
-    for (int c = 0; c < 4; ++c)
-      tma_box(dst + (first + c) * kChunkBytes + r0 * 128, &a.kv_map, bar, (first + c) * 64, key % a.page_size, page);
-    if (group == 0) tma_box(dst + 8 * kChunkBytes + r0 * 128, &a.kv_map, bar, 8 * 64, key % a.page_size, page);
+  for (int r = 0; r < kMaxBoxes; ++r) {
+    if (r * rows < kKeys) {
+      const int row = (start + r * rows) % a.page_size;
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+        tma_box(dst + (first + c) * kChunkBytes + r * rows * 128, &a.kv_map, bar, (first + c) * 64, row, pages[r]);
+      if (group == 0) tma_box(dst + 8 * kChunkBytes + r * rows * 128, &a.kv_map, bar, 8 * 64, row, pages[r]);
+    }
   }
   return bad;
 }
 
 // S = Q K^T of the tile in `tile` (slot s): the own group first (the rotary chunk from q_pe's registers, then the
 // four chunks), then, once it has landed, the other group. Rows past `visible` (< 64: the split's last tile) are
-// zeroed first, in every chunk, by this warpgroup.
+// zeroed first in the 8 value chunks, by this warpgroup (their scores are masked whatever the rows hold).
 __device__ __forceinline__ void tile_scores(float (&s)[32], uint32_t s_q, uint32_t tile, const uint32_t (&q_pe)[4][4],
                                             int slot, uint32_t bar0, uint32_t bar1, uint32_t& phases, int visible,
                                             uint8_t* tile_bytes, int wg_tid) {
   const uint32_t own = 2 * slot, other = 2 * slot + 1;
   mbarrier_wait(bar0, (phases >> own) & 1);
   phases ^= 1u << own;
-  if (visible < kKeys) {  // (both groups in place, then the rows past the end zeroed)
+  if (visible < kKeys) {  // (both groups in place, then the value chunks' rows past the end zeroed: P V's)
     mbarrier_wait(bar1, (phases >> other) & 1);
-    for (int i = wg_tid; i < (kKeys - visible) * kChunks * 8; i += 128) {
-      const int row = visible + i / (kChunks * 8), chunk = (i / 8) % kChunks, piece = i % 8;
+    for (int i = wg_tid; i < (kKeys - visible) * 8 * 8; i += 128) {
+      const int row = visible + i / 64, chunk = (i / 8) % 8, piece = i % 8;
       *reinterpret_cast<uint4*>(tile_bytes + chunk * kChunkBytes + row * 128 + piece * 16) = make_uint4(0, 0, 0, 0);
     }
     fence_proxy_async();
@@ -293,12 +296,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_seesaw_kernel(const __grid_co
       m1 = s_m1[row1];
       wgmma_wait_all();
       pin(o);
-      // slot 0's own group read for the last time: the next even tile's
-      if (wg_tid == 0 && start0 + 2 * kKeys < hi)
-        saw_bad |= tma_group(a, table_row, start0 + 2 * kKeys, hi, slot0, bar(0, 0), 0, 0);
       store_p(p0_bytes, s, c1_0, c1_1, row0, row1, t4);  // P0 c1: warpgroup 1's A operand
       fence_proxy_async();
       named_arrive(kBarP0);
+      // slot 0's own group read for the last time: the next even tile's
+      if (wg_tid == 0 && start0 + 2 * kKeys < hi)
+        saw_bad |= tma_group(a, table_row, start0 + 2 * kKeys, hi, slot0, bar(0, 0), 0, 0);
       l0 *= c1_0;
       l1 *= c1_1;
       scale_rows(o, c1_0, c1_1);
@@ -347,19 +350,20 @@ __global__ void __launch_bounds__(kThreads, 1) mla_seesaw_kernel(const __grid_co
       pin(o);
       wgmma_fence();
       if (has1) pv_rs(o, p_frag, slot1 + 4 * kChunkBytes);  // O_R += P1 V1_R
+      wgmma_commit();
       named_sync(kBarP0);  // P0 c1 from warpgroup 0 (which is done with slot 0's own group)
       mbarrier_wait(bar(0, 1), (phases >> 1) & 1);  // (slot 0's group 1: warpgroup 0 saw it land; so does this one)
       phases ^= 1u << 1;
       pv_ss(o, s_p0, slot0 + 4 * kChunkBytes);  // O_R += P0 V0_R
       wgmma_commit();
+      wgmma_wait<1>();  // P1 V1_R done: slot 1's own group read for the last time, the next odd tile's
+      if (wg_tid == 0 && has1 && start1 + 2 * kKeys < hi)
+        saw_bad |= tma_group(a, table_row, start1 + 2 * kKeys, hi, slot1, bar(1, 0), 1, 0);
       wgmma_wait_all();
       pin(o);
-      if (wg_tid == 0) {  // slot 0's group 1 and slot 1's own group read for the last time: the next tiles'
-        if (start0 + 2 * kKeys < hi)
-          saw_bad |= tma_group(a, table_row, start0 + 2 * kKeys, hi, slot0, bar(0, 1), 0, 1);
-        if (has1 && start1 + 2 * kKeys < hi)
-          saw_bad |= tma_group(a, table_row, start1 + 2 * kKeys, hi, slot1, bar(1, 0), 1, 0);
-      }
+      // slot 0's group 1 read for the last time: the next even tile's
+      if (wg_tid == 0 && start0 + 2 * kKeys < hi)
+        saw_bad |= tma_group(a, table_row, start0 + 2 * kKeys, hi, slot0, bar(0, 1), 0, 1);
     }
   }
 
