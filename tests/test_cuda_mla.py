@@ -139,7 +139,7 @@ def sm90() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-@pytest.fixture(params=cuda_mla.VARIANTS)
+@pytest.fixture(params=cuda_mla.VARIANTS, ids=lambda variant: variant.replace(".", "") + "_form")  # (-k tma_form ...)
 def cuda_on(monkeypatch, request):
     """The kernel on an sm_90 GPU, both cache formats, in each of its forms (bf16 only where not cp.async)."""
     if not sm90():
