@@ -80,18 +80,21 @@ def target_rows(args, seqs, position):
 
 
 def check_invariant(backend: str, *, latent: bool, device: str, dtype, trials: int, seed: int,
-                    threads: tuple[int, ...] = (), kv_format: str | None = None) -> None:
+                    threads: tuple[int, ...] = (), kv_format: str | None = None, latent_row: tuple | None = None,
+                    heads: tuple[int, ...] = (1, 4, 8), page_sizes: tuple[int, ...] = (1, 4, 16),
+                    decode_only: bool = False) -> None:
     """`threads`: torch's thread counts to draw from for each call (the C++ CPU kernels' work follows them).
-    kv_format: a 4-bit cache ("nvfp4", "mxfp4"; the cache's dtype otherwise)."""
+    kv_format: a 4-bit cache ("nvfp4", "mxfp4"; the cache's dtype otherwise). latent_row: (R, P) of latent rows
+    (default: R 64 or 128, P 16); heads, page_sizes: what each trial draws from; decode_only: no query blocks."""
     rng = random.Random(seed)
     default_threads = torch.get_num_threads()
     gen = torch.Generator().manual_seed(seed)
     op = torch.ops.attnops.mla_attention_with_lse if latent else torch.ops.attnops.paged_attention_with_lse
     for trial in range(trials):
-        decode = rng.random() < 0.5
-        shape = dict(decode=decode, page_size=rng.choice([1, 4, 16]), latent=latent, heads=rng.choice([1, 4, 8]),
-                     dim=rng.choice([64, 128]) if latent or kv_format else rng.choice([32, 64]), rope=16,
-                     dtype=dtype, kv_format=kv_format)
+        decode = decode_only or rng.random() < 0.5
+        dim, rope = latent_row or (rng.choice([64, 128]) if latent or kv_format else rng.choice([32, 64]), 16)
+        shape = dict(decode=decode, page_size=rng.choice(page_sizes), latent=latent, heads=rng.choice(heads),
+                     dim=dim, rope=rope, dtype=dtype, kv_format=kv_format)
         target = sequence(rng, gen, **shape)
         extra = dict(scale=0.11) if kv_format is None else dict(scale=0.11, kv_format=kv_format)
         with attnops.batch_invariant(), attnops.use_backend(backend):
@@ -169,6 +172,40 @@ def test_triton_is_invariant_on_the_gpu(dtype, latent):
 def test_4bit_caches_are_invariant_on_the_gpu(backend, kv_format):
     check_invariant(backend, latent=False, device="cuda", dtype=torch.bfloat16, trials=20, seed=5,
                     kv_format=kv_format)
+
+
+@pytest.mark.gpu
+def test_cuda_latent_attention_is_invariant_on_the_gpu(monkeypatch):
+    """The cuda backend's latent-attention kernel in the mode (cuda_mla.invariant_plan), DeepSeek's rows, in each
+    of its forms: what cuda_mla.INVARIANT_CHECKED waits for."""
+    from attnops.backends import cuda_mla
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
+        pytest.skip("needs an sm_90 GPU")
+    monkeypatch.setattr(cuda_mla, "INVARIANT_CHECKED", True)
+    for variant in cuda_mla.VARIANTS:
+        monkeypatch.setenv(cuda_mla.VARIANT_ENV, variant)
+        check_invariant("cuda", latent=True, device="cuda", dtype=torch.bfloat16, trials=6, seed=7,
+                        latent_row=(512, 64), heads=(1, 16, 64, 100, 128), page_sizes=(16, 64), decode_only=True)
+
+
+def test_cuda_latent_attention_plan_in_the_mode_depends_on_no_batch(monkeypatch):
+    """Its invariant plan: a fixed key count a split from each sequence's start, the splits covering the table, at
+    least two; the default plan follows the batch. In the mode the backend declines latent attention until the
+    GPU check has passed."""
+    from attnops.backends import cuda_mla
+    from attnops.backends.cuda import CudaBackend
+    from attnops.cases import MLACase
+    assert len({cuda_mla.plan(tokens, 16, 32768, 132, False)[1] for tokens in (1, 4, 32, 128)}) > 1
+    for capacity in (16, 2048, 2049, 8192, 1 << 17):
+        splits, chunk = cuda_mla.invariant_plan(capacity)
+        assert chunk == cuda_mla.INVARIANT_CHUNK and chunk % cuda_mla.TILE == 0
+        assert splits == max(2, -(-capacity // chunk)) and (splits - 1) * chunk < max(capacity, chunk + 1)
+    case = MLACase(device_type="cuda", arch=(9, 0), q_dtype=torch.bfloat16, kv_format="bf16", latent_dim=512,
+                   rope_dim=64, num_heads=16, page_size=64, decode=True, batch=4, max_kv_len=8192)
+    monkeypatch.setattr(cuda_mla, "INVARIANT_CHECKED", False)
+    assert any("not yet checked on a GPU" in r for r in CudaBackend().invariance_reasons(case))
+    monkeypatch.setattr(cuda_mla, "INVARIANT_CHECKED", True)
+    assert CudaBackend().invariance_reasons(case) == []
 
 
 def test_cuda_plan_in_the_mode_depends_on_no_batch(monkeypatch):

@@ -86,7 +86,8 @@ class CudaBackend(Backend):
 
     def invariance_reasons(self, case) -> list[str]:
         if isinstance(case, MLACase):
-            return ["latent attention: not yet shown batch-invariant"]
+            return [] if cuda_mla.INVARIANT_CHECKED else [
+                "latent attention: its invariant split plan (cuda_mla.invariant_plan) is not yet checked on a GPU"]
         return []  # (invariant_splits in the mode; a block's warps split its keys by position only)
 
     def supports(self, case) -> list[str]:

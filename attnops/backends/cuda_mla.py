@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from .. import errors
+from .. import errors, invariance
 from ..checks_mla import rows_16_byte_aligned
 from ..env import sm_count
 from .base import common_reasons, kernel_outputs, rows_without_a_sequence
@@ -37,6 +37,10 @@ ROWS = 64  # heads a block
 TILE = 64  # keys a step; splits are whole tiles
 MIN_CHUNK = 256  # keys a split at least (a block loads its 64 heads' queries first: 72 KB)
 MAX_SPLITS = 65535  # a grid dimension
+INVARIANT_CHUNK = 2048  # batch-invariant mode: keys a split, from each sequence's start (a multiple of TILE)
+# The mode is served once tests/test_batch_invariance.py::test_cuda_latent_attention_is_invariant_on_the_gpu has
+# passed on an sm_90 GPU (the cuda backend declines latent attention in the mode until then)
+INVARIANT_CHECKED = False
 
 
 def served_formats() -> tuple[str, ...]:
@@ -109,6 +113,13 @@ def plan(num_tokens: int, num_heads: int, capacity: int, sm_count: int, sinks: b
     return max(splits, 2 if sinks else 1), chunk
 
 
+def invariant_plan(capacity: int) -> tuple[int, int]:
+    """(splits, keys a split) in batch-invariant mode: every sequence cut every INVARIANT_CHUNK keys from its start,
+    whatever the batch, the heads and the SMs, so a row's partials and their merge follow its own length only; the
+    splits past it are empty (LSE -inf, skipped by the merge). At least two: every call takes the merge's path."""
+    return max(2, math.ceil(capacity / INVARIANT_CHUNK)), INVARIANT_CHUNK
+
+
 def mla_attention(call) -> None:
     out, lse = call.out, call.lse
     if not _pairs_aligned(out) or (lse is not None and not lse.is_contiguous()):
@@ -127,7 +138,8 @@ def mla_attention(call) -> None:
                     for q in (call.q_nope, call.q_pe))
     sinks = None if call.sinks is None else call.sinks.contiguous()
     index = device.index if device.index is not None else torch.cuda.current_device()
-    splits, chunk = plan(num_tokens, num_heads, call.case.max_kv_len, sm_count(index), call.sinks is not None)
+    splits, chunk = (invariant_plan(call.case.max_kv_len) if invariance.enabled() else
+                     plan(num_tokens, num_heads, call.case.max_kv_len, sm_count(index), call.sinks is not None))
     part_out = part_lse = out  # (unused with one split: the kernel writes out and lse)
     if splits > 1:
         part_out = torch.empty(num_tokens * num_heads * splits * latent, dtype=torch.float32, device=device)
