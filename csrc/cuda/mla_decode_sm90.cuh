@@ -210,6 +210,30 @@ __device__ __forceinline__ void wgmma_m64n256k16_ss(float (&d)[128], uint64_t de
 #define ATTNOPS_MLA_SM90A 1  // wgmma: sm_90a code only (an sm_90 build leaves the kernel empty; the probe says so)
 #endif
 
+// A block's token, head block and split (blockIdx), and its split's keys [lo, hi) of the sequence, `tiles` of 64
+// (the last maybe partial). A sequence length outside [0, capacity] is recorded once a token and read as no key
+// (len_bad: the rows are NaN in the end).
+struct BlockKeys {
+  int token, head_block, split, lo, hi, tiles;
+  bool len_bad;
+  const int* table_row;  // the token's block-table row
+};
+__device__ __forceinline__ BlockKeys block_keys(const Args& a, int tid) {
+  BlockKeys k;
+  k.token = blockIdx.x / a.head_blocks, k.head_block = blockIdx.x % a.head_blocks, k.split = blockIdx.y;
+  int seq_len = a.seq_lens[k.token];
+  k.len_bad = seq_len < 0 || seq_len > a.capacity;
+  if (k.len_bad) {
+    if (k.head_block == 0 && k.split == 0 && tid == 0) atomicMin(a.errors + kErrSeqLens, k.token);
+    seq_len = 0;
+  }
+  k.lo = k.split * a.chunk;
+  k.hi = min(k.lo + a.chunk, seq_len);
+  k.tiles = k.hi > k.lo ? (k.hi - k.lo + kKeys - 1) / kKeys : 0;
+  k.table_row = a.block_table + static_cast<int64_t>(k.token) * a.table_stride;
+  return k;
+}
+
 // The page of thread tid's key in the tile of keys [start, start + 64) (0 past `end`): read a tile ahead of its
 // copy, so that the copy never waits on the block table
 __device__ __forceinline__ int page_of(const Args& a, const int* table_row, int start, int end, int tid) {
@@ -254,22 +278,26 @@ __device__ __forceinline__ void box_pages(const Args& a, const int* table_row, i
   }
 }
 
-// The TMA path's copy of a whole tile (keys [start, start + 64), all visible) into `dst`, by one thread: boxes of
-// min(page_size, 64) rows, 9 column chunks a page. Returns whether a page index is outside the cache (its boxes land
-// as zeros; the rows are NaN in the end).
-__device__ __forceinline__ bool tma_tile(const Args& a, const int* table_row, int start, uint32_t dst, uint32_t bar) {
+// Copies of the keys [start, start + 64) into the tile at `dst` by the tensor memory accelerator, from one thread,
+// awaited on `bar`: column chunks [first, first + count) and, with `rope`, the rotary chunk 8, in boxes of
+// min(page_size, 64) rows. Returns whether a page index of a visible key (< `end`) is outside the cache (its boxes
+// land as zeros; the rows are NaN in the end).
+__device__ __forceinline__ bool tma_chunks(const Args& a, const int* table_row, int start, int end, uint32_t dst,
+                                           uint32_t bar, int first, int count, bool rope) {
   const int rows = min(a.page_size, kKeys);
   int pages[kMaxBoxes];
   bool bad = false;
-  box_pages(a, table_row, start, start + kKeys, rows, pages, bad);
-  mbarrier_expect_bytes(bar, kTileBytes);
+  box_pages(a, table_row, start, end, rows, pages, bad);
+  mbarrier_expect_bytes(bar, (count + (rope ? 1 : 0)) * kChunkBytes);
 #pragma unroll
   for (int r = 0; r < kMaxBoxes; ++r) {
     if (r * rows < kKeys) {
+      const int row = (start + r * rows) % a.page_size;
 #pragma unroll
-      for (int c = 0; c < kChunks; ++c)
-        tma_box(dst + c * kChunkBytes + r * rows * 128, &a.kv_map, bar, c * 64, (start + r * rows) % a.page_size,
-                pages[r]);
+      for (int c = 0; c < kChunks - 1; ++c)
+        if (c < count)
+          tma_box(dst + (first + c) * kChunkBytes + r * rows * 128, &a.kv_map, bar, (first + c) * 64, row, pages[r]);
+      if (rope) tma_box(dst + 8 * kChunkBytes + r * rows * 128, &a.kv_map, bar, 8 * 64, row, pages[r]);
     }
   }
   return bad;
@@ -411,18 +439,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
   const int g = lane >> 2, t4 = lane & 3;
   const int row0 = warp * 16 + g, row1 = row0 + 8;  // this thread's two rows of the block's 64 (both warpgroups)
-  const int token = blockIdx.x / a.head_blocks, head_block = blockIdx.x % a.head_blocks, split = blockIdx.y;
-
-  int seq_len = a.seq_lens[token];
-  const bool len_bad = seq_len < 0 || seq_len > a.capacity;
-  if (len_bad) {
-    if (head_block == 0 && split == 0 && tid == 0) atomicMin(a.errors + kErrSeqLens, token);
-    seq_len = 0;
-  }
-  const int lo = split * a.chunk;
-  const int hi = min(lo + a.chunk, seq_len);
-  const int tiles = hi > lo ? (hi - lo + kKeys - 1) / kKeys : 0;
-  const int* table_row = a.block_table + static_cast<int64_t>(token) * a.table_stride;
+  const BlockKeys keys = block_keys(a, tid);
+  const int token = keys.token, head_block = keys.head_block, split = keys.split;
+  const int lo = keys.lo, hi = keys.hi, tiles = keys.tiles;
+  const bool len_bad = keys.len_bad;
+  const int* table_row = keys.table_row;
   const float kv_scale = kFp8 ? *a.kv_scale : 1.0f;
   const float qk_scale_log2 = a.qk_scale_log2 * kv_scale;
 
@@ -452,7 +473,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   bool saw_bad = false;
   if (tiles > 0) {
     if (by_tma(lo)) {
-      if (tid == kIssuer) saw_bad = tma_tile(a, table_row, lo, s_stage, s_bar);
+      if (tid == kIssuer) saw_bad = tma_chunks(a, table_row, lo, hi, s_stage, s_bar, 0, kChunks - 1, true);
     } else {
       saw_bad = load_tile<kFp8>(a, page_of(a, table_row, lo, hi, tid), lo, hi, s_stage, tid);
     }
@@ -478,7 +499,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
     if (i + 1 < tiles && (a.stages != kNoLoadsAfterFirst || i == 0)) {
       const uint32_t next = s_stage + ((i + 1) & 1) * kStageBytes;
       if (by_tma(start + kKeys)) {
-        if (tid == kIssuer) saw_bad |= tma_tile(a, table_row, start + kKeys, next, s_bar + ((i + 1) & 1) * 8);
+        if (tid == kIssuer)
+          saw_bad |= tma_chunks(a, table_row, start + kKeys, hi, next, s_bar + ((i + 1) & 1) * 8, 0, kChunks - 1, true);
       } else {
         saw_bad |= load_tile<kFp8>(a, next_page, start + kKeys, hi, next, tid);
       }

@@ -66,26 +66,10 @@ __device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const uint32_
 __device__ __forceinline__ int group_chunks(int slot, int group) { return 4 * (slot ^ group); }
 
 // One group of the tile of keys [start, start + 64) into slot `dst` by the tensor memory accelerator, awaited on
-// `bar`: boxes of min(page_size, 64) rows; a box whose keys all lie at or past `end` reads page -1 (zeros, and no
-// table entry past the sequence's). Returns whether a page index of a visible key is outside the cache.
+// `bar` (tma_chunks: a box past `end` reads page -1, zeros, and no table entry past the sequence's)
 __device__ __forceinline__ bool tma_group(const Args& a, const int* table_row, int start, int end, uint32_t dst,
                                           uint32_t bar, int slot, int group) {
-  const int rows = min(a.page_size, kKeys), first = group_chunks(slot, group);
-  int pages[kMaxBoxes];
-  bool bad = false;
-  box_pages(a, table_row, start, end, rows, pages, bad);
-  mbarrier_expect_bytes(bar, (group == 0 ? 5 : 4) * kChunkBytes);
-#pragma unroll
-  for (int r = 0; r < kMaxBoxes; ++r) {
-    if (r * rows < kKeys) {
-      const int row = (start + r * rows) % a.page_size;
-#pragma unroll
-      for (int c = 0; c < 4; ++c)
-        tma_box(dst + (first + c) * kChunkBytes + r * rows * 128, &a.kv_map, bar, (first + c) * 64, row, pages[r]);
-      if (group == 0) tma_box(dst + 8 * kChunkBytes + r * rows * 128, &a.kv_map, bar, 8 * 64, row, pages[r]);
-    }
-  }
-  return bad;
+  return tma_chunks(a, table_row, start, end, dst, bar, group_chunks(slot, group), 4, group == 0);
 }
 
 // S = Q K^T of the tile in `tile` (slot s): the own group first (the rotary chunk from q_pe's registers, then the
@@ -193,18 +177,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_seesaw_kernel(const __grid_co
   const int wg_tid = tid & 127;
   const int g = lane >> 2, t4 = lane & 3;
   const int row0 = warp * 16 + g, row1 = row0 + 8;
-  const int token = blockIdx.x / a.head_blocks, head_block = blockIdx.x % a.head_blocks, split = blockIdx.y;
-
-  int seq_len = a.seq_lens[token];
-  const bool len_bad = seq_len < 0 || seq_len > a.capacity;
-  if (len_bad) {
-    if (head_block == 0 && split == 0 && tid == 0) atomicMin(a.errors + kErrSeqLens, token);
-    seq_len = 0;
-  }
-  const int lo = split * a.chunk;
-  const int hi = min(lo + a.chunk, seq_len);
-  const int tiles = hi > lo ? (hi - lo + kKeys - 1) / kKeys : 0;
-  const int* table_row = a.block_table + static_cast<int64_t>(token) * a.table_stride;
+  const BlockKeys keys = block_keys(a, tid);
+  const int token = keys.token, head_block = keys.head_block, split = keys.split;
+  const int lo = keys.lo, hi = keys.hi, tiles = keys.tiles;
+  const bool len_bad = keys.len_bad;
+  const int* table_row = keys.table_row;
   const float qk_scale_log2 = a.qk_scale_log2;
 
   {  // Q's first 512 values into shared memory; q_pe's 64 into registers (the rotary MMAs' A fragments)
