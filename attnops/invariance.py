@@ -35,6 +35,14 @@ def batch_invariant(enabled: bool = True):
         _mode.reset(token)
 
 
+def fixed_splits(capacity: int, chunk: int) -> tuple[int, int]:
+    """(splits, keys a split) of a kernel in the mode: every sequence cut every `chunk` keys from its start, whatever
+    the batch, the heads and the SMs, so a row's partial sums and their merge are fixed by its own length; the
+    splits past it are empty (LSE -inf, weight 0 in the merge). At least two, so that every call takes the merge's
+    path, whatever the table's width (`capacity`, in keys)."""
+    return max(2, -(-capacity // chunk)), chunk
+
+
 def enabled() -> bool:
     """Whether the calls made now are in batch-invariant mode (the innermost batch_invariant block, else
     ATTNOPS_BATCH_INVARIANT=1)."""

@@ -176,8 +176,8 @@ def test_4bit_caches_are_invariant_on_the_gpu(backend, kv_format):
 
 @pytest.mark.gpu
 def test_cuda_latent_attention_is_invariant_on_the_gpu(monkeypatch):
-    """The cuda backend's latent-attention kernel in the mode (cuda_mla.invariant_plan), DeepSeek's rows, in each
-    of its forms: what cuda_mla.INVARIANT_CHECKED waits for."""
+    """The cuda backend's latent-attention kernel in the mode (splits of cuda_mla.INVARIANT_CHUNK keys), DeepSeek's
+    rows, in each of its forms: what cuda_mla.INVARIANT_CHECKED waits for."""
     from attnops.backends import cuda_mla
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
         pytest.skip("needs an sm_90 GPU")
@@ -197,7 +197,7 @@ def test_cuda_latent_attention_plan_in_the_mode_depends_on_no_batch(monkeypatch)
     from attnops.cases import MLACase
     assert len({cuda_mla.plan(tokens, 16, 32768, 132, False)[1] for tokens in (1, 4, 32, 128)}) > 1
     for capacity in (16, 2048, 2049, 8192, 1 << 17):
-        splits, chunk = cuda_mla.invariant_plan(capacity)
+        splits, chunk = invariance.fixed_splits(capacity, cuda_mla.INVARIANT_CHUNK)
         assert chunk == cuda_mla.INVARIANT_CHUNK and chunk % cuda_mla.TILE == 0
         assert splits == max(2, -(-capacity // chunk)) and (splits - 1) * chunk < max(capacity, chunk + 1)
     case = MLACase(device_type="cuda", arch=(9, 0), q_dtype=torch.bfloat16, kv_format="bf16", latent_dim=512,
@@ -217,7 +217,7 @@ def test_cuda_plan_in_the_mode_depends_on_no_batch(monkeypatch):
     chunks = {cuda_backend.plan_splits(0, batch, 8, 32768)[1] for batch in (1, 4, 32, 128)}
     assert len(chunks) > 1, "the default plan follows the batch (else this test shows nothing)"
     for capacity in (16, 2048, 2049, 8192, 1 << 17):
-        splits, chunk = cuda_backend.invariant_splits(capacity)
+        splits, chunk = invariance.fixed_splits(capacity, cuda_backend.INVARIANT_CHUNK)
         assert chunk == cuda_backend.INVARIANT_CHUNK and chunk % cuda_backend.TILE == 0
         assert splits == max(2, -(-capacity // chunk)), (capacity, splits)
 

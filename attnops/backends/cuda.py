@@ -56,14 +56,6 @@ def plan_splits(device_index: int, batch: int, num_kv_heads: int, capacity: int)
     return math.ceil(tiles * TILE / chunk), chunk
 
 
-def invariant_splits(capacity: int) -> tuple[int, int]:
-    """(splits, keys a split) in batch-invariant mode (attnops.invariance): every sequence is cut every
-    INVARIANT_CHUNK keys from its start, whatever the batch and the SMs, so a row's partial sums and their merge
-    are fixed by its own length; the splits past it are empty (LSE -inf, weight 0). At least two, so that every
-    call takes the merge path, whatever the table's width."""
-    return max(2, math.ceil(capacity / INVARIANT_CHUNK)), INVARIANT_CHUNK
-
-
 class CudaBackend(Backend):
     name = "cuda"
     description = ("attnops' CUDA C++ kernels: 4-bit KV (nvfp4, mxfp4) at head dims 64/128/256, decode and verify, "
@@ -87,8 +79,8 @@ class CudaBackend(Backend):
     def invariance_reasons(self, case) -> list[str]:
         if isinstance(case, MLACase):
             return [] if cuda_mla.INVARIANT_CHECKED else [
-                "latent attention: its invariant split plan (cuda_mla.invariant_plan) is not yet checked on a GPU"]
-        return []  # (invariant_splits in the mode; a block's warps split its keys by position only)
+                "latent attention: its split plan in the mode is not yet checked on a GPU"]
+        return []  # (invariance.fixed_splits in the mode; a block's warps split its keys by position only)
 
     def supports(self, case) -> list[str]:
         if isinstance(case, MLACase):
@@ -125,7 +117,7 @@ class CudaBackend(Backend):
             rows_without_a_sequence(out, lse)
             return
         if invariance.enabled():
-            splits, chunk = invariant_splits(call.capacity)
+            splits, chunk = invariance.fixed_splits(call.capacity, INVARIANT_CHUNK)
         else:
             splits, chunk = plan_splits(q.device.index if q.device.index is not None else torch.cuda.current_device(),
                                         case.batch, case.num_kv_heads, call.capacity)

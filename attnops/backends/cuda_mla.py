@@ -113,13 +113,6 @@ def plan(num_tokens: int, num_heads: int, capacity: int, sm_count: int, sinks: b
     return max(splits, 2 if sinks else 1), chunk
 
 
-def invariant_plan(capacity: int) -> tuple[int, int]:
-    """(splits, keys a split) in batch-invariant mode: every sequence cut every INVARIANT_CHUNK keys from its start,
-    whatever the batch, the heads and the SMs, so a row's partials and their merge follow its own length only; the
-    splits past it are empty (LSE -inf, skipped by the merge). At least two: every call takes the merge's path."""
-    return max(2, math.ceil(capacity / INVARIANT_CHUNK)), INVARIANT_CHUNK
-
-
 def mla_attention(call) -> None:
     out, lse = call.out, call.lse
     if not _pairs_aligned(out) or (lse is not None and not lse.is_contiguous()):
@@ -138,7 +131,7 @@ def mla_attention(call) -> None:
                     for q in (call.q_nope, call.q_pe))
     sinks = None if call.sinks is None else call.sinks.contiguous()
     index = device.index if device.index is not None else torch.cuda.current_device()
-    splits, chunk = (invariant_plan(call.case.max_kv_len) if invariance.enabled() else
+    splits, chunk = (invariance.fixed_splits(call.case.max_kv_len, INVARIANT_CHUNK) if invariance.enabled() else
                      plan(num_tokens, num_heads, call.case.max_kv_len, sm_count(index), call.sinks is not None))
     part_out = part_lse = out  # (unused with one split: the kernel writes out and lse)
     if splits > 1:
