@@ -46,16 +46,27 @@ def _key(device: torch.device) -> torch.device:
 def _allocate(device: torch.device, numel: int, dtype: torch.dtype, value: int) -> torch.Tensor:
     if device.type != "cuda":
         return torch.full((numel,), value, dtype=dtype, device=device)
-    # On a stream of its own: allocations on the stream of a CUDA-graph capture or of a cudagraph-trees warm-up come
-    # from that graph's private pool, whose memory the graph recycles; the buffer must outlive every graph.
-    side = torch.cuda.Stream(device)
-    with torch.cuda.stream(side):
-        buffer = torch.full((numel,), value, dtype=dtype, device=device)
+    # The buffer must outlive every CUDA graph, so it must not come from a graph's private pool, whose memory the
+    # graph recycles. A capture sends the allocations made on its stream there: allocate on a stream of our own.
     if torch.cuda.is_current_stream_capturing():
+        side = torch.cuda.Stream(device)
+        with torch.cuda.stream(side):
+            buffer = torch.full((numel,), value, dtype=dtype, device=device)
         side.synchronize()  # a wait on an event from outside a capture cannot enter the graph: wait on the host
-    else:
-        torch.cuda.current_stream(device).wait_stream(side)
-    return buffer
+        return buffer
+    # torch.compile's cudagraph-trees warm-up sends every allocation of its thread there: allocate on another thread
+    made: list[torch.Tensor] = []
+
+    def allocate() -> None:
+        made.append(torch.full((numel,), value, dtype=dtype, device=device))
+        torch.cuda.current_stream(device).synchronize()
+
+    worker = threading.Thread(target=allocate, name="attnops-error-buffer")
+    worker.start()
+    worker.join()
+    if not made:
+        raise RuntimeError(f"could not allocate attnops' error buffer on {device}")
+    return made[0]
 
 
 def buffer(device: torch.device) -> torch.Tensor:

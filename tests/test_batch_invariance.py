@@ -177,21 +177,19 @@ def test_4bit_caches_are_invariant_on_the_gpu(backend, kv_format):
 @pytest.mark.gpu
 def test_cuda_latent_attention_is_invariant_on_the_gpu(monkeypatch):
     """The cuda backend's latent-attention kernel in the mode (splits of cuda_mla.INVARIANT_CHUNK keys), DeepSeek's
-    rows, in each of its forms: what cuda_mla.INVARIANT_CHECKED waits for."""
+    rows, in each of its forms."""
     from attnops.backends import cuda_mla
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
         pytest.skip("needs an sm_90 GPU")
-    monkeypatch.setattr(cuda_mla, "INVARIANT_CHECKED", True)
     for variant in cuda_mla.VARIANTS:
         monkeypatch.setenv(cuda_mla.VARIANT_ENV, variant)
         check_invariant("cuda", latent=True, device="cuda", dtype=torch.bfloat16, trials=6, seed=7,
                         latent_row=(512, 64), heads=(1, 16, 64, 100, 128), page_sizes=(16, 64), decode_only=True)
 
 
-def test_cuda_latent_attention_plan_in_the_mode_depends_on_no_batch(monkeypatch):
+def test_cuda_latent_attention_plan_in_the_mode_depends_on_no_batch():
     """Its invariant plan: a fixed key count a split from each sequence's start, the splits covering the table, at
-    least two; the default plan follows the batch. In the mode the backend declines latent attention until the
-    GPU check has passed."""
+    least two; the default plan follows the batch; the backend serves latent attention in the mode."""
     from attnops.backends import cuda_mla
     from attnops.backends.cuda import CudaBackend
     from attnops.cases import MLACase
@@ -202,9 +200,6 @@ def test_cuda_latent_attention_plan_in_the_mode_depends_on_no_batch(monkeypatch)
         assert splits == max(2, -(-capacity // chunk)) and (splits - 1) * chunk < max(capacity, chunk + 1)
     case = MLACase(device_type="cuda", arch=(9, 0), q_dtype=torch.bfloat16, kv_format="bf16", latent_dim=512,
                    rope_dim=64, num_heads=16, page_size=64, decode=True, batch=4, max_kv_len=8192)
-    monkeypatch.setattr(cuda_mla, "INVARIANT_CHECKED", False)
-    assert any("not yet checked on a GPU" in r for r in CudaBackend().invariance_reasons(case))
-    monkeypatch.setattr(cuda_mla, "INVARIANT_CHECKED", True)
     assert CudaBackend().invariance_reasons(case) == []
 
 

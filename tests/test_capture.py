@@ -115,3 +115,29 @@ def test_compile_reduce_overhead_replays_right_or_refuses(heads, kv_format, back
             torch.cuda.synchronize()
             err = relative_error(out, _expected(args))
             assert err < TOLERANCE, f"call {replay}: relative error {err:.3g}"
+
+
+@pytest.mark.gpu
+def test_the_error_buffer_made_in_a_cudagraph_trees_warm_up_lies_outside_the_graph_pool(monkeypatch):
+    """A process whose first attnops call is a compiled step's warm-up allocates the error buffer there; the
+    warm-up sends every allocation of its thread to the graph's pool, and a tensor of that pool which is not an
+    output makes cudagraph trees refuse the step ("not tracked as outputs") and would be recycled by it."""
+    from attnops import errors
+
+    monkeypatch.setattr(errors, "_buffers", {})  # (as in a fresh process)
+    args = _inputs((32, 8, 128), "bf16")
+    static = {k: v for k, v in args.items() if k not in ("q", "block_table", "seq_lens")}
+
+    def attend(q, block_table, seq_lens):
+        return torch.ops.attnops.paged_attention(q, block_table=block_table, seq_lens=seq_lens, **static) * 1.0
+
+    torch._dynamo.reset()
+    compiled = torch.compile(attend, mode="reduce-overhead", fullgraph=True)
+    gen = torch.Generator().manual_seed(5)
+    with attnops.use_backend("triton"):
+        for replay in range(4):
+            _redraw(args, gen, replay)
+            out = compiled(args["q"].clone(), args["block_table"].clone(), args["seq_lens"].clone())
+            torch.cuda.synchronize()
+            assert relative_error(out, _expected(args)) < TOLERANCE, replay
+    assert errors._buffers  # (the premise: the warm-up made it)

@@ -77,9 +77,6 @@ class CudaBackend(Backend):
         return []
 
     def invariance_reasons(self, case) -> list[str]:
-        if isinstance(case, MLACase):
-            return [] if cuda_mla.INVARIANT_CHECKED else [
-                "latent attention: its split plan in the mode is not yet checked on a GPU"]
         return []  # (invariance.fixed_splits in the mode; a block's warps split its keys by position only)
 
     def supports(self, case) -> list[str]:

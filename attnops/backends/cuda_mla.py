@@ -38,9 +38,6 @@ TILE = 64  # keys a step; splits are whole tiles
 MIN_CHUNK = 256  # keys a split at least (a block loads its 64 heads' queries first: 72 KB)
 MAX_SPLITS = 65535  # a grid dimension
 INVARIANT_CHUNK = 2048  # batch-invariant mode: keys a split, from each sequence's start (a multiple of TILE)
-# The mode is served once tests/test_batch_invariance.py::test_cuda_latent_attention_is_invariant_on_the_gpu has
-# passed on an sm_90 GPU (the cuda backend declines latent attention in the mode until then)
-INVARIANT_CHECKED = False
 
 
 def served_formats() -> tuple[str, ...]:
@@ -51,9 +48,9 @@ def served_formats() -> tuple[str, ...]:
 
 def kernel_variant(kv_format: str, page_size: int) -> int:
     """The kernel's form for a call, as the op's code (VARIANTS' index): ATTNOPS_CUDA_MLA_VARIANT's (default
-    cp.async) where it serves the call; tma and seesaw copy through the tensor memory accelerator, bf16 caches with
-    pages of 8 rows or more (cp.async otherwise). `bash benchmarks/gpu_round.sh cuda-mla-variants` times them."""
-    name = os.environ.get(VARIANT_ENV) or "cp.async"
+    tma, the fastest, docs/bench.md) where it serves the call; tma and seesaw copy through the tensor memory
+    accelerator, bf16 caches with pages of 8 rows or more (cp.async otherwise). `bash benchmarks/gpu_round.sh cuda-mla-variants` times them."""
+    name = os.environ.get(VARIANT_ENV) or "tma"
     if name not in VARIANTS:
         raise ValueError(f"{VARIANT_ENV} must be one of {', '.join(VARIANTS)} (got {name!r})")
     if name != "cp.async" and (kv_format != "bf16" or page_size < 8):
