@@ -210,9 +210,10 @@ def test_rows_past_a_sequences_end_are_never_met(cuda_on, page_size):
     assert relative_error(out, mla_attention_reference(**args)) < 1e-2
 
 
-def test_variants_only_when_asked_for_bf16_pages_of_8_rows_or_more(monkeypatch):
-    monkeypatch.delenv(cuda_mla.VARIANT_ENV, raising=False)
-    assert cuda_mla.kernel_variant("bf16", 64) == 0
+def test_tma_forms_only_for_bf16_pages_of_8_rows_or_more(monkeypatch):
+    monkeypatch.delenv(cuda_mla.VARIANT_ENV, raising=False)  # (the default: tma)
+    assert cuda_mla.kernel_variant("bf16", 64) == cuda_mla.VARIANTS.index("tma")
+    assert cuda_mla.kernel_variant("bf16", 4) == cuda_mla.kernel_variant("fp8_e4m3", 64) == 0
     for code, name in enumerate(cuda_mla.VARIANTS):
         monkeypatch.setenv(cuda_mla.VARIANT_ENV, name)
         assert cuda_mla.kernel_variant("bf16", 8) == cuda_mla.kernel_variant("bf16", 256) == code
