@@ -239,6 +239,10 @@ def environment(device) -> dict:
     return env
 
 
+class Uncapturable(Exception):
+    """A graph-only run's impl that no CUDA graph could capture: nothing of it was timed."""
+
+
 def run_case(case, impls, device, q_dtype, timing_rep_ms, progress, graph_only=False) -> list:
     """Every impl of `impls` on one case: check, then time. Returns one record per impl. Backends and auto time
     a decode case's graph in a re-planned capture (as attnops.serving.graphs runs it), other cases' graphs through the
@@ -280,7 +284,9 @@ def run_case(case, impls, device, q_dtype, timing_rep_ms, progress, graph_only=F
                         record["graph_tbps"] = nbytes / record["graph_us"] / 1e6
                     except Exception as e:  # not capturable: the eager numbers stand alone
                         record["graph_error"] = f"{type(e).__name__}: {e}"[:300]
-                if "median_us" not in record:
+                if "median_us" not in record and "graph_error" in record:  # (graph-only: nothing was timed)
+                    raise Uncapturable(record["graph_error"])
+                if "median_us" not in record:  # (graph-only; auto's own time on decode cases only: NaN otherwise)
                     record.update(median_us=record.get("graph_us", float("nan")), median_is_graph=True)
                 seconds = record["median_us"] * 1e-6
                 record["tbps"] = nbytes / seconds / 1e12
@@ -289,6 +295,8 @@ def run_case(case, impls, device, q_dtype, timing_rep_ms, progress, graph_only=F
                 record["tflops"] = flops / seconds / 1e12
         except peers_module.Unsupported as e:
             record.update(status="unsupported", reason=str(e))
+        except Uncapturable as e:
+            record.update(status="uncapturable", reason=str(e))
         except Exception as e:  # a crash of one impl must not lose the run: record it
             record.update(status="error", reason=f"{type(e).__name__}: {e}"[:500])
         records.append(record)
