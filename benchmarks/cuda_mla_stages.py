@@ -37,9 +37,9 @@ def main(argv=None) -> int:
         sys.exit("cuda_mla_stages.py needs a CUDA GPU")
     from attnops import errors as attnops_errors  # (importing attnops registers the ops)
     from attnops.backends.cuda_mla import VARIANTS, kernel_variant
-    variant = kernel_variant(args.kv_format, 64)  # (ATTNOPS_CUDA_MLA_VARIANT)
+    variant = kernel_variant(args.kv_format, 64, 64)  # (ATTNOPS_CUDA_MLA_VARIANT; keys: tma at these heads)
     stages = {"all": 0, "no-loads": 1, "loads-only": 2}  # (csrc/cuda/mla_decode_sm90.cuh: kAllStages ...)
-    if VARIANTS[variant] == "seesaw":
+    if VARIANTS[variant] in ("seesaw", "keys"):
         stages = {"all": 0}
     records = []
     print(f"{'heads':>6}{'tokens':>8}{'blocks':>8}{'stages':>12}{'us':>10}{'us/tile':>10}{'TB/s':>8}")

@@ -101,9 +101,10 @@ def test_kernel_compiles_for_sm90a_without_spills_and_keeps_its_wgmmas_pipelined
     does not serialise its wgmmas (it does when it cannot tell a branch is warp-uniform), and the SASS holds the
     MMAs the design says: 36 of m64n64k16 for Q K^T over 576 values and 4 of m64n256k16 a warpgroup for P V, in
     each form's kernel (bf16 by cp.async, bf16 by the TMA, fp8; the seesaw schedule: Q K^T and both P V in each
-    warpgroup); the TMA's copies in the TMA path's and the seesaw's kernels only."""
+    warpgroup; the keys form's own, below); the TMA's copies in the TMA path's, the seesaw's and the keys form's
+    kernels only."""
     source = tmp_path / "kernel.cu"
-    source.write_text('#include "mla_seesaw_sm90.cuh"\n')
+    source.write_text('#include "mla_keys_sm90.cuh"\n#include "mla_seesaw_sm90.cuh"\n')
     cubin = tmp_path / "kernel.cubin"
     done = subprocess.run(["nvcc", "-std=c++17", "-O3", "-arch=sm_90a", "-cubin", "-Xptxas", "-v", "-I",
                            os.path.join(ROOT, "csrc", "cuda"), "-o", str(cubin), str(source)],
@@ -111,8 +112,8 @@ def test_kernel_compiles_for_sm90a_without_spills_and_keeps_its_wgmmas_pipelined
     log = done.stdout + done.stderr
     assert done.returncode == 0, log
     frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    # (bf16's by cp.async and by the TMA, fp8's, the seesaw's, the merge, the probe)
-    assert len(frames) == 6 and all(f == ("0", "0", "0") for f in frames), log
+    # (bf16's by cp.async and by the TMA, fp8's, the seesaw's, the keys form's, the merge, the probe)
+    assert len(frames) == 7 and all(f == ("0", "0", "0") for f in frames), log
     marker = [part for part in log.split("Compiling entry function") if "sm90a_marker" in part]
     assert marker and re.search(r"[1-9]\d* bytes smem", marker[0]), log  # (the probe: static shared memory in sm_90a)
     assert all(int(n) <= 255 for n in re.findall(r"Used (\d+) registers", log)), log
@@ -124,12 +125,18 @@ def test_kernel_compiles_for_sm90a_without_spills_and_keeps_its_wgmmas_pipelined
     functions = {f.split("\n", 1)[0].strip(): f for f in re.split(r"\n\s*Function : ", sass)[1:]}
     kernels = {name: body for name, body in functions.items() if "decode_kernel" in name or "seesaw" in name}
     assert len(kernels) == 4, list(functions)
+    keys_form = [body for name, body in functions.items() if "keys_kernel" in name]
+    assert len(keys_form) == 1, list(functions)
+    # the keys form: S^T = K Q^T (36 of m64n16k16 over 576 values), O^T += V^T P^T (8 row blocks x 4 key steps,
+    # V^T read M-major: transposed A), each warpgroup all of them for its own tiles
+    assert len(re.findall(r"HGMMA\.64x16x16\.F32\.BF16", keys_form[0])) == 36 + 32
+    assert len(re.findall(r"HGMMA\.64x16x16\.F32\.BF16 \S+, gdesc\[\w+\]\.tnspA", keys_form[0])) == 32
     for name, body in kernels.items():
         per_warpgroup = 2 if "seesaw" in name else 1  # (each warpgroup its scores and its P V of both tiles)
         assert len(re.findall(r"HGMMA\.64x64x16\.F32\.BF16", body)) == 36 * per_warpgroup, name
         assert len(re.findall(r"HGMMA\.64x256x16\.F32\.BF16", body)) == 8 * per_warpgroup, name
     tma = sorted(name for name, body in functions.items() if "UTMALDG" in body)  # (the TMA's copies)
-    assert len(tma) == 2 and "ILb0ELb1E" in tma[0] and "seesaw" in tma[1], tma
+    assert len(tma) == 3 and "keys" in tma[0] and "ILb0ELb1E" in tma[1] and "seesaw" in tma[2], tma
     assert "LDL" not in sass and "STL" not in sass
 
 
@@ -212,15 +219,18 @@ def test_rows_past_a_sequences_end_are_never_met(cuda_on, page_size):
 
 def test_tma_forms_only_for_bf16_pages_of_8_rows_or_more(monkeypatch):
     monkeypatch.delenv(cuda_mla.VARIANT_ENV, raising=False)  # (the default: tma)
-    assert cuda_mla.kernel_variant("bf16", 64) == cuda_mla.VARIANTS.index("tma")
-    assert cuda_mla.kernel_variant("bf16", 4) == cuda_mla.kernel_variant("fp8_e4m3", 64) == 0
+    assert cuda_mla.kernel_variant("bf16", 64, 16) == cuda_mla.VARIANTS.index("tma")
+    assert cuda_mla.kernel_variant("bf16", 4, 16) == cuda_mla.kernel_variant("fp8_e4m3", 64, 16) == 0
     for code, name in enumerate(cuda_mla.VARIANTS):
         monkeypatch.setenv(cuda_mla.VARIANT_ENV, name)
-        assert cuda_mla.kernel_variant("bf16", 8) == cuda_mla.kernel_variant("bf16", 256) == code
-        assert cuda_mla.kernel_variant("bf16", 4) == cuda_mla.kernel_variant("fp8_e4m3", 64) == 0
+        assert cuda_mla.kernel_variant("bf16", 8, 16) == cuda_mla.kernel_variant("bf16", 256, 1) == code
+        assert cuda_mla.kernel_variant("bf16", 4, 16) == cuda_mla.kernel_variant("fp8_e4m3", 64, 16) == 0
+    # the keys form: at most KEYS_MAX_HEADS heads (its MMAs' N), the tma form above
+    monkeypatch.setenv(cuda_mla.VARIANT_ENV, "keys")
+    assert cuda_mla.kernel_variant("bf16", 64, cuda_mla.KEYS_MAX_HEADS + 1) == cuda_mla.VARIANTS.index("tma")
     monkeypatch.setenv(cuda_mla.VARIANT_ENV, "fast")
     with pytest.raises(ValueError, match=cuda_mla.VARIANT_ENV):
-        cuda_mla.kernel_variant("bf16", 64)
+        cuda_mla.kernel_variant("bf16", 64, 16)
 
 
 @pytest.mark.gpu

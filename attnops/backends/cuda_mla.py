@@ -9,8 +9,9 @@ Served by default for bf16 caches: slower than FlashInfer's MLA kernels at many 
 than bf16 at 16 heads (the 64-row MMAs of 16 heads bind it, not the bytes) and not yet timed against Triton's fp8.
 ATTNOPS_CUDA_MLA=0 turns it off. `bash benchmarks/gpu_round.sh cuda-mla` runs its GPU tests and times it.
 ATTNOPS_CUDA_MLA_VARIANT picks the kernel's form (kernel_variant): `tma` (whole tiles copied by the tensor memory
-accelerator) and `seesaw` (two tiles a step, each warpgroup the scores and softmax of one, csrc/cuda/
-mla_seesaw_sm90.cuh) are not yet measured, so the default stays `cp.async`.
+accelerator; the default, the fastest measured), `cp.async`, `seesaw` (two tiles a step, each warpgroup the scores
+and softmax of one, csrc/cuda/mla_seesaw_sm90.cuh; slower) and `keys` (at most 16 heads: the keys as the MMAs' M,
+csrc/cuda/mla_keys_sm90.cuh; not yet measured).
 
 The split of each sequence's keys comes from shapes only (the table's capacity, the tokens, the heads, the SM
 count), so a CUDA graph replays any lengths; with more than one split, the op's second kernel merges the partials
@@ -30,7 +31,8 @@ from .base import common_reasons, kernel_outputs, rows_without_a_sequence
 
 ENV = "ATTNOPS_CUDA_MLA"
 VARIANT_ENV = "ATTNOPS_CUDA_MLA_VARIANT"
-VARIANTS = ("cp.async", "tma", "seesaw")  # (the op's `variant` codes 0, 1, 2)
+VARIANTS = ("cp.async", "tma", "seesaw", "keys")  # (the op's `variant` codes 0, 1, 2, 3)
+KEYS_MAX_HEADS = 16  # the keys form's heads a block (its MMAs' N)
 SHAPE = (512, 64)  # (R, P) the kernel is built for
 KV_FORMATS = ("bf16", "fp8_e4m3")  # (fp8: widened to bf16 in shared memory; q is bf16)
 ROWS = 64  # heads a block
@@ -46,15 +48,18 @@ def served_formats() -> tuple[str, ...]:
     return {"0": (), "fp8": KV_FORMATS}.get(switch, ("bf16",))
 
 
-def kernel_variant(kv_format: str, page_size: int) -> int:
+def kernel_variant(kv_format: str, page_size: int, num_heads: int) -> int:
     """The kernel's form for a call, as the op's code (VARIANTS' index): ATTNOPS_CUDA_MLA_VARIANT's (default
-    tma, the fastest, docs/bench.md) where it serves the call; tma and seesaw copy through the tensor memory
-    accelerator, bf16 caches with pages of 8 rows or more (cp.async otherwise). `bash benchmarks/gpu_round.sh cuda-mla-variants` times them."""
+    tma, the fastest, docs/bench.md) where it serves the call: the forms other than cp.async copy through the tensor
+    memory accelerator, bf16 caches with pages of 8 rows or more (cp.async otherwise); keys takes at most
+    KEYS_MAX_HEADS heads (tma otherwise). `bash benchmarks/gpu_round.sh cuda-mla-variants` times them."""
     name = os.environ.get(VARIANT_ENV) or "tma"
     if name not in VARIANTS:
         raise ValueError(f"{VARIANT_ENV} must be one of {', '.join(VARIANTS)} (got {name!r})")
     if name != "cp.async" and (kv_format != "bf16" or page_size < 8):
         return 0
+    if name == "keys" and num_heads > KEYS_MAX_HEADS:
+        return VARIANTS.index("tma")
     return VARIANTS.index(name)
 
 
@@ -137,7 +142,7 @@ def mla_attention(call) -> None:
     torch.ops.attnops.mla_decode_sm90(q_nope, q_pe, call.kv_cache, call.kv_scale, call.block_table.contiguous(),
                                       call.seq_lens.contiguous(), sinks, out, lse, part_out, part_lse,
                                       errors.buffer(device), float(call.scale), splits, chunk, 0,
-                                      kernel_variant(call.case.kv_format, call.kv_cache.shape[1]))
+                                      kernel_variant(call.case.kv_format, call.kv_cache.shape[1], num_heads))
 
 
 def _pairs_aligned(out: torch.Tensor) -> bool:

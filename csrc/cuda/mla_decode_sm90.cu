@@ -9,6 +9,7 @@
 #include <cudaTypedefs.h>
 #include <torch/library.h>
 
+#include "mla_keys_sm90.cuh"
 #include "mla_seesaw_sm90.cuh"
 
 namespace attnops::mla_sm90 {
@@ -102,16 +103,18 @@ void mla_decode_sm90(const at::Tensor& q_nope, const at::Tensor& q_pe, const at:
   a.qk_scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   TORCH_CHECK(stages >= kAllStages && stages <= kLoadsOnly, "mla_decode_sm90: stages 0, 1 or 2");
   a.stages = static_cast<int>(stages);
-  // variant 0: tiles by cp.async; 1: whole tiles by the TMA; 2: the seesaw schedule (mla_seesaw_sm90.cuh)
-  TORCH_CHECK(variant >= 0 && variant <= 2, "mla_decode_sm90: variant 0, 1 or 2");
-  TORCH_CHECK(variant != 2 || stages == kAllStages, "mla_decode_sm90: the seesaw schedule runs all its stages");
+  // variant 0: tiles by cp.async; 1: whole tiles by the TMA; 2: the seesaw schedule (mla_seesaw_sm90.cuh); 3: the
+  // keys as the MMAs' M, at most 16 heads (mla_keys_sm90.cuh)
+  TORCH_CHECK(variant >= 0 && variant <= 3, "mla_decode_sm90: variant 0, 1, 2 or 3");
+  TORCH_CHECK(variant < 2 || stages == kAllStages, "mla_decode_sm90: the seesaw and keys forms run all their stages");
+  TORCH_CHECK(variant != 3 || H <= kNarrowHeads, "mla_decode_sm90: the keys form takes at most 16 heads");
   if (variant) {  // (bf16, pages of 8 rows or more, each a power of two; rows and pages 16-byte aligned: the backend's)
     TORCH_CHECK(!fp8 && a.page_size >= 8 && (a.page_size & (a.page_size - 1)) == 0,
                 "mla_decode_sm90: the TMA copies read bf16 caches with pages of 8 rows or more");
     encode_kv_map(&a.kv_map, kv_cache);
   }
-  auto kernel = variant == 2 ? seesaw_kernel() : decode_kernel(fp8, variant == 1);
-  const int smem_bytes = variant == 2 ? kSeesawSmemBytes : kSmemBytes;
+  auto kernel = variant == 3 ? keys_kernel() : variant == 2 ? seesaw_kernel() : decode_kernel(fp8, variant == 1);
+  const int smem_bytes = variant == 3 ? kKeysSmemBytes : variant == 2 ? kSeesawSmemBytes : kSmemBytes;
   // (a function attribute, not a stream operation: allowed inside a capture)
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
   const dim3 grid(static_cast<unsigned>(T * a.head_blocks), static_cast<unsigned>(splits));

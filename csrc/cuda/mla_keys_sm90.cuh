@@ -1,0 +1,296 @@
+// Latent attention (MLA) decode for sm_90a with the keys as the MMAs' M: the `cuda` backend's latent-attention
+// kernel for at most 16 heads, with ATTNOPS_CUDA_MLA_VARIANT=keys (off unless asked for: not yet measured).
+//
+// Why: mla_decode_sm90.cuh's kernel puts a token's heads on the M of its MMAs, which is 64 rows whatever the heads,
+// so at 16 heads (DeepSeek-V3 over 8 GPUs) three quarters of its MMA work, and of the shared memory the MMAs read,
+// is padding, and its chain of work a tile (not the memory) bounds it (docs/bench.md). Here the tile's 64 keys are
+// the M and the heads the N (16), both products transposed:
+//   S^T [64 keys x 16] = K [64 x 576] Q^T        (m64n16k16 x 36; K and Q K-major in shared memory)
+//   O^T [512 x 16]    += V^T [512 x 64] P^T      (m64n16k16 x 8 row blocks x 4; V^T is the tile read M-major)
+// so a tile's MMAs read the tile once and Q (16 rows) lightly, and O^T is 64 registers a thread.
+//
+// A block: one token, one split of its keys, 256 threads = two warpgroups that take the split's tiles in turn
+// (warpgroup w the tiles i = w, w + 2, ...), each in its own slot of shared memory with its own running maxima,
+// sums and O^T, so that one warpgroup's softmax runs beside the other's MMAs with no exchange between them until
+// the end, where warpgroup 1 hands its state to warpgroup 0 through shared memory and warpgroup 0 merges and
+// stores. Every tile is copied by the tensor memory accelerator (one thread of the warpgroup; the cache's tensor map
+// as in the TMA path), into the slot as soon as the warpgroup's P V of the slot's last tile is done; rows past the
+// sequence's end are zeroed after they land (they may hold anything, NaN included, and P V must not meet them).
+// Softmax: a head's maximum over the tile's 64 keys (rows) is reduced over the warp's lanes and the warpgroup's
+// four warps (shared memory, a named barrier); the sums stay a thread's own until the end.
+// Bf16 caches, pages of 8 rows or more; splits, merge, bad indices and outputs as mla_decode_sm90.cuh.
+#pragma once
+#include "mla_decode_sm90.cuh"
+
+namespace attnops::mla_sm90 {
+
+constexpr int kNarrowHeads = 16;                         // the heads a block (the MMAs' N); fewer are zero queries
+constexpr int kQChunkBytes = kNarrowHeads * 128;         // one 64-value column chunk of Q [16 x 576]
+constexpr int kQBytes = kChunks * kQChunkBytes;
+constexpr int kPtBytes = kNarrowHeads * kKeys * 2;       // P [16 heads x 64 keys], K-major (the B operand of P V)
+constexpr int kKeysOBytes = kR * kNarrowHeads * 4;       // warpgroup 1's O^T, handed over at the end
+static_assert(kKeysOBytes <= 2 * kTileBytes, "the hand-over uses the slots' memory");
+constexpr int kKeysSmemBytes = kQBytes + 2 * kTileBytes + 2 * kPtBytes + 2 * 4 * kNarrowHeads * 4 +
+                               2 * kNarrowHeads * 4 + 2 * 8 + 1024;
+static_assert(kKeysSmemBytes <= 227 * 1024, "one block must fit an sm_90 SM's 227 KB of shared memory");
+constexpr int kBarWarpgroup = 1;  // named barriers 1 and 2: warpgroup 0's and 1's own (0 is __syncthreads')
+
+__device__ __forceinline__ void warpgroup_sync(int wg) {
+  asm volatile("bar.sync %0, 128;\n" ::"r"(kBarWarpgroup + wg) : "memory");
+}
+
+// D (+)= A B: A [64 x 16] from shared memory (K-major, or M-major with trans_a), B [16 x 16] K-major in shared
+// memory; D fp32 [64 x 16]
+template <int kTransA>
+__device__ __forceinline__ void wgmma_m64n16k16_ss(float (&d)[8], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, "
+      "%11, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTransA));
+}
+
+// The accumulators' layout (m64n16, this thread: warp `warp` of its warpgroup, lane 4 g + t4): d[4 j + c] is row
+// 16 warp + g + 8 (c / 2), column 8 j + 2 t4 + c % 2. Rows are keys (S^T) or latent values (O^T), columns heads;
+// a thread's four columns (q = 2 j + c % 2) are the same in both.
+__device__ __forceinline__ int column_of(int q, int t4) { return 8 * (q >> 1) + 2 * t4 + (q & 1); }
+
+template <int kUnused>
+__global__ void __launch_bounds__(kThreads, 1) mla_keys_kernel(const __grid_constant__ Args a) {
+#if defined(ATTNOPS_MLA_SM90A)
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const uint32_t s_q = smem_u32(smem);
+  const uint32_t s_slots = s_q + kQBytes;  // slot w at s_slots + w * kTileBytes
+  uint8_t* pt_bytes = smem + kQBytes + 2 * kTileBytes;  // warpgroup w's P at + w * kPtBytes
+  float* s_colmax = reinterpret_cast<float*>(pt_bytes + 2 * kPtBytes);  // [warpgroup][warp][head]
+  float* s_handover = s_colmax + 2 * 4 * kNarrowHeads;                  // warpgroup 1's maxima, then sums
+  const uint32_t s_bar = smem_u32(s_handover + 2 * kNarrowHeads);       // warpgroup w's slot: + 8 w
+
+  const int tid = threadIdx.x, lane = tid & 31;
+  const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);  // (warp-uniform to the compiler: see mla_decode_kernel)
+  const int warp = (tid >> 5) & 3, wg_tid = tid & 127;
+  const int g = lane >> 2, t4 = lane & 3;
+  const BlockKeys keys = block_keys(a, tid);
+  const int token = keys.token, split = keys.split, lo = keys.lo, hi = keys.hi, tiles = keys.tiles;
+  const int* table_row = keys.table_row;
+  const uint32_t slot = s_slots + wg * kTileBytes, bar = s_bar + 8 * wg;
+  uint8_t* slot_bytes = smem + kQBytes + wg * kTileBytes;
+  const uint32_t s_pt = smem_u32(pt_bytes + wg * kPtBytes);
+  uint8_t* my_pt = pt_bytes + wg * kPtBytes;
+  float* my_colmax = s_colmax + wg * 4 * kNarrowHeads;
+  const bool issuer = wg_tid == 0;
+
+  if (tid == 0) {
+    mbarrier_init(s_bar);
+    mbarrier_init(s_bar + 8);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  bool saw_bad = false;
+  if (issuer && wg < tiles)  // (the first tile of each warpgroup, before Q: both copies in flight at once)
+    saw_bad = tma_chunks(a, table_row, lo + wg * kKeys, hi, slot, bar, 0, kChunks - 1, true);
+  // Q [16 x 576]: q_nope's 512 values then q_pe's 64 a row (zeros past num_heads), K-major in 64-value chunks
+  for (int i = tid; i < kNarrowHeads * kPieces; i += kThreads) {
+    const int row = i / kPieces, piece = i % kPieces;
+    const bool valid = row < a.num_heads;
+    const __nv_bfloat16* nope = a.q_nope + token * a.q_nope_token + (valid ? row : 0) * a.q_nope_head;
+    const __nv_bfloat16* pe = a.q_pe + token * a.q_pe_token + (valid ? row : 0) * a.q_pe_head;
+    const uint32_t dst = s_q + (piece >> 3) * kQChunkBytes + row * 128 + (((piece & 7) ^ (row & 7)) << 4);
+    cp_async_16(dst, piece < kR / 8 ? nope + piece * 8 : pe + (piece - kR / 8) * 8, valid);
+  }
+  cp_async_commit();
+  cp_async_wait<0>();
+  fence_proxy_async();
+  __syncthreads();
+
+  float o[8][8];  // O^T row block b (latent values 64 b ..): o[b][4 j + c] as column_of's layout
+#pragma unroll
+  for (int b = 0; b < 8; ++b)
+#pragma unroll
+    for (int z = 0; z < 8; ++z) o[b][z] = 0.0f;
+  float m[4], l[4];  // this thread's four heads: running maximum (base 2; the warpgroup's), this thread's sums
+#pragma unroll
+  for (int q = 0; q < 4; ++q) m[q] = -INFINITY, l[q] = 0.0f;
+  uint32_t phase = 0;
+
+  for (int i = wg; i < tiles; i += 2) {
+    const int start = lo + i * kKeys;
+    const int visible = min(hi - start, kKeys);
+    mbarrier_wait(bar, phase);
+    phase ^= 1;
+    if (visible < kKeys) {  // the value chunks' rows past the end zeroed (their scores are masked below)
+      for (int z = wg_tid; z < (kKeys - visible) * 8 * 8; z += 128) {
+        const int row = visible + z / 64, chunk = (z / 8) % 8, piece = z % 8;
+        *reinterpret_cast<uint4*>(slot_bytes + chunk * kChunkBytes + row * 128 + piece * 16) = make_uint4(0, 0, 0, 0);
+      }
+      fence_proxy_async();
+      warpgroup_sync(wg);
+    }
+    // S^T = K Q^T
+    float s[8];
+#pragma unroll
+    for (int z = 0; z < 8; ++z) s[z] = 0.0f;
+    pin(s);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+      const uint32_t k_offset = (kk >> 2) * kChunkBytes + (kk & 3) * 32;
+      const uint32_t q_offset = (kk >> 2) * kQChunkBytes + (kk & 3) * 32;
+      wgmma_m64n16k16_ss<0>(s, descriptor(slot + k_offset, 16, 1024), descriptor(s_q + q_offset, 16, 1024), kk > 0);
+    }
+    wgmma_commit();
+    wgmma_wait_all();
+    pin(s);
+    // the heads' maxima over the tile's keys: this thread's two rows, the warp's eight row pairs, the four warps
+    const int key0 = start + 16 * warp + g, key1 = key0 + 8;
+    float tile_max[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int j = q >> 1, c = q & 1;
+      s[4 * j + c] = key0 < hi ? s[4 * j + c] * a.qk_scale_log2 : -INFINITY;
+      s[4 * j + 2 + c] = key1 < hi ? s[4 * j + 2 + c] * a.qk_scale_log2 : -INFINITY;
+      float v = fmaxf(s[4 * j + c], s[4 * j + 2 + c]);
+#pragma unroll
+      for (int mask = 4; mask <= 16; mask <<= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, mask));
+      tile_max[q] = v;
+    }
+    if (g == 0) {
+#pragma unroll
+      for (int q = 0; q < 4; ++q) my_colmax[warp * kNarrowHeads + column_of(q, t4)] = tile_max[q];
+    }
+    warpgroup_sync(wg);
+    float alpha[4], base[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int col = column_of(q, t4);
+      float v = my_colmax[col];
+#pragma unroll
+      for (int w = 1; w < 4; ++w) v = fmaxf(v, my_colmax[w * kNarrowHeads + col]);
+      const float next = fmaxf(m[q], v);
+      base[q] = next == -INFINITY ? 0.0f : next;
+      alpha[q] = exp2f(m[q] - base[q]);
+      m[q] = next;
+    }
+    // P = exp2(S - base) to shared memory as P [16 heads x 64 keys] K-major (128-byte swizzle), the sums
+    const int row0 = 16 * warp + g, row1 = row0 + 8;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int j = q >> 1, c = q & 1, col = column_of(q, t4);
+      const float p0 = exp2f(s[4 * j + c] - base[q]), p1 = exp2f(s[4 * j + 2 + c] - base[q]);
+      l[q] = l[q] * alpha[q] + p0 + p1;
+      __nv_bfloat16* line = reinterpret_cast<__nv_bfloat16*>(my_pt + col * 128);
+      line[(((row0 >> 3) ^ (col & 7)) << 3) + (row0 & 7)] = __float2bfloat16_rn(p0);
+      line[(((row1 >> 3) ^ (col & 7)) << 3) + (row1 & 7)] = __float2bfloat16_rn(p1);
+    }
+#pragma unroll
+    for (int b = 0; b < 8; ++b)
+#pragma unroll
+      for (int z = 0; z < 8; ++z) o[b][z] *= alpha[2 * (z >> 2) + (z & 1)];
+    fence_proxy_async();
+    warpgroup_sync(wg);  // P in place (and every read of the maxima done)
+    // O^T += V^T P^T: V^T's row block b is the tile's value chunk b read M-major
+#pragma unroll
+    for (int b = 0; b < 8; ++b) pin(o[b]);
+    wgmma_fence();
+#pragma unroll
+    for (int b = 0; b < 8; ++b)
+#pragma unroll
+      for (int kk = 0; kk < kKeys / 16; ++kk)
+        wgmma_m64n16k16_ss<1>(o[b], descriptor(slot + b * kChunkBytes + kk * 2048, kChunkBytes, 1024),
+                              descriptor(s_pt + kk * 32, 16, 1024), 1);
+    wgmma_commit();
+    wgmma_wait_all();
+#pragma unroll
+    for (int b = 0; b < 8; ++b) pin(o[b]);
+    warpgroup_sync(wg);  // every warp's P V done: the slot and P free
+    if (issuer && i + 2 < tiles)
+      saw_bad |= tma_chunks(a, table_row, start + 2 * kKeys, hi, slot, bar, 0, kChunks - 1, true);
+  }
+
+  // the sums over the warpgroup (lanes of a column, then its four warps)
+#pragma unroll
+  for (int q = 0; q < 4; ++q)
+#pragma unroll
+    for (int mask = 4; mask <= 16; mask <<= 1) l[q] += __shfl_xor_sync(0xffffffffu, l[q], mask);
+  const bool poisoned = __syncthreads_or(saw_bad) != 0;  // (also: both warpgroups' loops done, the slots free)
+  if (poisoned && tid == 0) atomicMin(a.errors + kErrBlockTable, token);
+  if (g == 0) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) my_colmax[warp * kNarrowHeads + column_of(q, t4)] = l[q];
+  }
+  float* handover = reinterpret_cast<float*>(smem + kQBytes);  // warpgroup 1's O^T, a thread's 64 values
+  if (wg == 1) {
+#pragma unroll
+    for (int b = 0; b < 8; ++b)
+#pragma unroll
+      for (int z = 0; z < 8; ++z) handover[(8 * b + z) * 128 + wg_tid] = o[b][z];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const int col = column_of(q, t4);
+    l[q] = my_colmax[col] + my_colmax[kNarrowHeads + col] + my_colmax[2 * kNarrowHeads + col] +
+           my_colmax[3 * kNarrowHeads + col];
+  }
+  if (wg == 1 && warp == 0 && g == 0) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      s_handover[column_of(q, t4)] = m[q];
+      s_handover[kNarrowHeads + column_of(q, t4)] = l[q];
+    }
+  }
+  __syncthreads();
+  if (wg == 1) return;
+  // warpgroup 0: the two warpgroups' states merged, normalised, stored (with one split out and the LSE; with more
+  // the split's partial and base-2 LSE for mla_merge_kernel)
+  const bool nan_rows = keys.len_bad || poisoned;
+  float f0[4], f1[4], inv[4], lse2[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const int col = column_of(q, t4);
+    const float m1 = s_handover[col], l1 = s_handover[kNarrowHeads + col];
+    const float mx = fmaxf(m[q], m1);
+    const float base = mx == -INFINITY ? 0.0f : mx;
+    f0[q] = exp2f(m[q] - base);
+    f1[q] = exp2f(m1 - base);
+    const float total = l[q] * f0[q] + l1 * f1[q];
+    const bool has_keys = total > 0.0f;
+    inv[q] = nan_rows ? NAN : (has_keys ? 1.0f / total : 0.0f);
+    lse2[q] = nan_rows ? NAN : (has_keys ? base + log2f(total) : -INFINITY);
+  }
+#pragma unroll
+  for (int b = 0; b < 8; ++b) {
+#pragma unroll
+    for (int z = 0; z < 8; ++z) {
+      const int q = 2 * (z >> 2) + (z & 1), head = column_of(q, t4);
+      if (head >= a.num_heads) continue;
+      const int value = 64 * b + 16 * warp + g + 8 * ((z >> 1) & 1);
+      const float v = (o[b][z] * f0[q] + handover[(8 * b + z) * 128 + wg_tid] * f1[q]) * inv[q];
+      if (a.splits == 1) {
+        a.out[token * a.out_token + head * a.out_head + value] = __float2bfloat16_rn(v);
+      } else {
+        const int64_t part = (static_cast<int64_t>(token) * a.num_heads + head) * a.splits + split;
+        a.part_out[part * kR + value] = v;
+      }
+    }
+  }
+  if (warp == 0 && g == 0) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int head = column_of(q, t4);
+      if (head >= a.num_heads) continue;
+      if (a.splits == 1) {
+        if (a.lse != nullptr) a.lse[static_cast<int64_t>(token) * a.num_heads + head] = lse2[q] * kLn2;
+      } else {
+        a.part_lse[(static_cast<int64_t>(token) * a.num_heads + head) * a.splits + split] = lse2[q];
+      }
+    }
+  }
+#endif
+}
+
+inline void (*keys_kernel())(Args) { return mla_keys_kernel<0>; }
+
+}  // namespace attnops::mla_sm90
