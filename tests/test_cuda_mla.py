@@ -184,12 +184,17 @@ def test_matches_the_reference_on_random_decode_batches(cuda_on, seed):
         torch.testing.assert_close(lse, ref_lse.float(), atol=2e-3, rtol=1e-3, equal_nan=True)
 
 
+# (every form serves 64 and 128 heads; the keys form only 16 or fewer)
+HEADS = [1, 16, 128]
+
+
 @pytest.mark.gpu
-def test_one_split_and_many_give_the_same_rows(cuda_on):
+@pytest.mark.parametrize("heads", HEADS)
+def test_one_split_and_many_give_the_same_rows(cuda_on, heads):
     """A large batch takes one split (the kernel writes out and the LSE itself); a single sequence takes many
     (partials merged): each against the reference, and one sequence's row equal in both within rounding."""
-    args = deepseek_inputs([1500] * 300, 128, seed=3)
-    assert cuda_mla.plan(300, 128, args["block_table"].shape[1] * 64, 132, False)[0] == 1
+    args = deepseek_inputs([1500] * 300, heads, seed=3)
+    assert cuda_mla.plan(300, heads, args["block_table"].shape[1] * 64, 132, False)[0] == 1
     with attnops.use_backend("cuda"):
         out, lse = torch.ops.attnops.mla_attention_with_lse(**args)
         alone = {k: (v[:1] if k in ("q_nope", "q_pe", "block_table", "seq_lens") else v) for k, v in args.items()}
@@ -201,11 +206,13 @@ def test_one_split_and_many_give_the_same_rows(cuda_on):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("heads", HEADS)
 @pytest.mark.parametrize("page_size", [8, 64])
-def test_rows_past_a_sequences_end_are_never_met(cuda_on, page_size):
+def test_rows_past_a_sequences_end_are_never_met(cuda_on, page_size, heads):
     """NaN in every cache row no sequence holds (past each sequence's end in its last page, and the pages of no
-    sequence): P V must never multiply them, not even by zero."""
-    args = deepseek_inputs([1, 63, 65, 700, 1000], 128, page_size=page_size)
+    sequence): P V must never multiply them, not even by zero. Lengths of 1 key, 1 tile less one, 2 tiles, an odd
+    count of tiles."""
+    args = deepseek_inputs([1, 63, 65, 128, 700, 1000], heads, page_size=page_size)
     held = torch.zeros(args["kv_cache"].shape[:2], dtype=torch.bool, device="cuda")
     for b, n in enumerate(args["seq_lens"].tolist()):
         keys = torch.arange(n, device="cuda")
@@ -262,8 +269,9 @@ def test_a_user_cuda_graph_replays_new_lengths_and_tables(cuda_on):
 
 
 @pytest.mark.gpu
-def test_compiled_with_cuda_graphs(cuda_on):
-    check_reduce_overhead("cuda", deepseek_inputs([300, 40], 128, page_size=16))
+@pytest.mark.parametrize("heads", [16, 128])
+def test_compiled_with_cuda_graphs(cuda_on, heads):
+    check_reduce_overhead("cuda", deepseek_inputs([300, 40], heads, page_size=16))
 
 
 @pytest.mark.gpu
@@ -284,24 +292,25 @@ def test_outputs_and_queries_of_any_layout(cuda_on):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("heads", HEADS)
 @pytest.mark.parametrize("kv_format", ["auto", "fp8_e4m3"])
-def test_the_value_path_alone(cuda_on, kv_format):
+def test_the_value_path_alone(cuda_on, kv_format, heads):
     """P V without Q K^T: zero queries weigh every visible key alike (the mean of the latent rows' c parts), and a
     sequence of one key returns its c part whatever the query (both exact up to bf16 rounding)."""
-    args = deepseek_inputs([1, 200, 64, 777], 128, kv_format=kv_format)
+    args = deepseek_inputs([1, 200, 64, 777], heads, kv_format=kv_format)
     args["q_nope"].zero_()
     args["q_pe"].zero_()
     with attnops.use_backend("cuda"):
         out = torch.ops.attnops.mla_attention(**args)
     for b, n in enumerate(args["seq_lens"].tolist()):
         mean = rows_of(args, b)[:, :512].mean(0)
-        assert relative_error(out[b], mean.expand(128, 512)) < 1e-2, (b, n)
-    args = deepseek_inputs([1, 1], 64, kv_format=kv_format)
+        assert relative_error(out[b], mean.expand(heads, 512)) < 1e-2, (b, n)
+    args = deepseek_inputs([1, 1], heads, kv_format=kv_format)
     with attnops.use_backend("cuda"):
         out = torch.ops.attnops.mla_attention(**args)
     for b in range(2):
         first = rows_of(args, b)[0, :512]
-        assert relative_error(out[b], first.expand(64, 512)) < 1e-2
+        assert relative_error(out[b], first.expand(heads, 512)) < 1e-2
 
 
 def rows_of(args, b):

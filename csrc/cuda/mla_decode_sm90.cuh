@@ -282,12 +282,10 @@ __device__ __forceinline__ void box_pages(const Args& a, const int* table_row, i
 // awaited on `bar`: column chunks [first, first + count) and, with `rope`, the rotary chunk 8, in boxes of
 // min(page_size, 64) rows. Returns whether a page index of a visible key (< `end`) is outside the cache (its boxes
 // land as zeros; the rows are NaN in the end).
-__device__ __forceinline__ bool tma_chunks(const Args& a, const int* table_row, int start, int end, uint32_t dst,
-                                           uint32_t bar, int first, int count, bool rope) {
+// tma_boxes: the same with the boxes' pages already read (box_pages)
+__device__ __forceinline__ void tma_boxes(const Args& a, const int (&pages)[kMaxBoxes], int start, uint32_t dst,
+                                          uint32_t bar, int first, int count, bool rope) {
   const int rows = min(a.page_size, kKeys);
-  int pages[kMaxBoxes];
-  bool bad = false;
-  box_pages(a, table_row, start, end, rows, pages, bad);
   mbarrier_expect_bytes(bar, (count + (rope ? 1 : 0)) * kChunkBytes);
 #pragma unroll
   for (int r = 0; r < kMaxBoxes; ++r) {
@@ -300,6 +298,13 @@ __device__ __forceinline__ bool tma_chunks(const Args& a, const int* table_row, 
       if (rope) tma_box(dst + 8 * kChunkBytes + r * rows * 128, &a.kv_map, bar, 8 * 64, row, pages[r]);
     }
   }
+}
+__device__ __forceinline__ bool tma_chunks(const Args& a, const int* table_row, int start, int end, uint32_t dst,
+                                           uint32_t bar, int first, int count, bool rope) {
+  int pages[kMaxBoxes];
+  bool bad = false;
+  box_pages(a, table_row, start, end, min(a.page_size, kKeys), pages, bad);
+  tma_boxes(a, pages, start, dst, bar, first, count, rope);
   return bad;
 }
 

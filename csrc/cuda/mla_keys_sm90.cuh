@@ -7,14 +7,16 @@
 // the M and the heads the N (16), both products transposed:
 //   S^T [64 keys x 16] = K [64 x 576] Q^T        (m64n16k16 x 36; K and Q K-major in shared memory)
 //   O^T [512 x 16]    += V^T [512 x 64] P^T      (m64n16k16 x 8 row blocks x 4; V^T is the tile read M-major)
-// so a tile's MMAs read the tile once and Q (16 rows) lightly, and O^T is 64 registers a thread.
+// so a tile's MMAs read Q (16 rows) lightly besides the tile (as K, then its values as V), and O^T is 64
+// registers a thread.
 //
 // A block: one token, one split of its keys, 256 threads = two warpgroups that take the split's tiles in turn
 // (warpgroup w the tiles i = w, w + 2, ...), each in its own slot of shared memory with its own running maxima,
 // sums and O^T, so that one warpgroup's softmax runs beside the other's MMAs with no exchange between them until
 // the end, where warpgroup 1 hands its state to warpgroup 0 through shared memory and warpgroup 0 merges and
 // stores. Every tile is copied by the tensor memory accelerator (one thread of the warpgroup; the cache's tensor map
-// as in the TMA path), into the slot as soon as the warpgroup's P V of the slot's last tile is done; rows past the
+// as in the TMA path), into the slot as soon as the warpgroup's P V of the slot's last tile is done (its pages read
+// before, while the tile is computed); rows past the
 // sequence's end are zeroed after they land (they may hold anything, NaN included, and P V must not meet them).
 // Softmax: a head's maximum over the tile's 64 keys (rows) is reduced over the warp's lanes and the warpgroup's
 // four warps (shared memory, a named barrier); the sums stay a thread's own until the end.
@@ -31,7 +33,7 @@ constexpr int kPtBytes = kNarrowHeads * kKeys * 2;       // P [16 heads x 64 key
 constexpr int kKeysOBytes = kR * kNarrowHeads * 4;       // warpgroup 1's O^T, handed over at the end
 static_assert(kKeysOBytes <= 2 * kTileBytes, "the hand-over uses the slots' memory");
 constexpr int kKeysSmemBytes = kQBytes + 2 * kTileBytes + 2 * kPtBytes + 2 * 4 * kNarrowHeads * 4 +
-                               2 * kNarrowHeads * 4 + 2 * 8 + 1024;
+                               kNarrowHeads * 4 + 2 * 8 + 1024;
 static_assert(kKeysSmemBytes <= 227 * 1024, "one block must fit an sm_90 SM's 227 KB of shared memory");
 constexpr int kBarWarpgroup = 1;  // named barriers 1 and 2: warpgroup 0's and 1's own (0 is __syncthreads')
 
@@ -64,9 +66,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_keys_kernel(const __grid_cons
   const uint32_t s_q = smem_u32(smem);
   const uint32_t s_slots = s_q + kQBytes;  // slot w at s_slots + w * kTileBytes
   uint8_t* pt_bytes = smem + kQBytes + 2 * kTileBytes;  // warpgroup w's P at + w * kPtBytes
-  float* s_colmax = reinterpret_cast<float*>(pt_bytes + 2 * kPtBytes);  // [warpgroup][warp][head]
-  float* s_handover = s_colmax + 2 * 4 * kNarrowHeads;                  // warpgroup 1's maxima, then sums
-  const uint32_t s_bar = smem_u32(s_handover + 2 * kNarrowHeads);       // warpgroup w's slot: + 8 w
+  // [warpgroup][warp][head]: the warps' maxima of a tile; at the end the warps' sums
+  float* s_colmax = reinterpret_cast<float*>(pt_bytes + 2 * kPtBytes);
+  float* s_m1 = s_colmax + 2 * 4 * kNarrowHeads;             // warpgroup 1's maxima at the end
+  const uint32_t s_bar = smem_u32(s_m1 + kNarrowHeads);      // warpgroup w's slot: + 8 w
 
   const int tid = threadIdx.x, lane = tid & 31;
   const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);  // (warp-uniform to the compiler: see mla_decode_kernel)
@@ -120,6 +123,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_keys_kernel(const __grid_cons
     const int visible = min(hi - start, kKeys);
     mbarrier_wait(bar, phase);
     phase ^= 1;
+    int next_pages[kMaxBoxes];  // (the issuer's: the slot's next tile, copied once this one is done)
+    if (issuer && i + 2 < tiles)
+      box_pages(a, table_row, start + 2 * kKeys, hi, min(a.page_size, kKeys), next_pages, saw_bad);
     if (visible < kKeys) {  // the value chunks' rows past the end zeroed (their scores are masked below)
       for (int z = wg_tid; z < (kKeys - visible) * 8 * 8; z += 128) {
         const int row = visible + z / 64, chunk = (z / 8) % 8, piece = z % 8;
@@ -205,11 +211,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_keys_kernel(const __grid_cons
 #pragma unroll
     for (int b = 0; b < 8; ++b) pin(o[b]);
     warpgroup_sync(wg);  // every warp's P V done: the slot and P free
-    if (issuer && i + 2 < tiles)
-      saw_bad |= tma_chunks(a, table_row, start + 2 * kKeys, hi, slot, bar, 0, kChunks - 1, true);
+    if (issuer && i + 2 < tiles) tma_boxes(a, next_pages, start + 2 * kKeys, slot, bar, 0, kChunks - 1, true);
   }
 
-  // the sums over the warpgroup (lanes of a column, then its four warps)
+  // the sums over the warpgroup (lanes of a column, then its four warps, below)
 #pragma unroll
   for (int q = 0; q < 4; ++q)
 #pragma unroll
@@ -218,7 +223,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_keys_kernel(const __grid_cons
   if (poisoned && tid == 0) atomicMin(a.errors + kErrBlockTable, token);
   if (g == 0) {
 #pragma unroll
-    for (int q = 0; q < 4; ++q) my_colmax[warp * kNarrowHeads + column_of(q, t4)] = l[q];
+    for (int q = 0; q < 4; ++q) {
+      my_colmax[warp * kNarrowHeads + column_of(q, t4)] = l[q];
+      if (wg == 1 && warp == 0) s_m1[column_of(q, t4)] = m[q];
+    }
   }
   float* handover = reinterpret_cast<float*>(smem + kQBytes);  // warpgroup 1's O^T, a thread's 64 values
   if (wg == 1) {
@@ -226,20 +234,6 @@ __global__ void __launch_bounds__(kThreads, 1) mla_keys_kernel(const __grid_cons
     for (int b = 0; b < 8; ++b)
 #pragma unroll
       for (int z = 0; z < 8; ++z) handover[(8 * b + z) * 128 + wg_tid] = o[b][z];
-  }
-  __syncthreads();
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const int col = column_of(q, t4);
-    l[q] = my_colmax[col] + my_colmax[kNarrowHeads + col] + my_colmax[2 * kNarrowHeads + col] +
-           my_colmax[3 * kNarrowHeads + col];
-  }
-  if (wg == 1 && warp == 0 && g == 0) {
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      s_handover[column_of(q, t4)] = m[q];
-      s_handover[kNarrowHeads + column_of(q, t4)] = l[q];
-    }
   }
   __syncthreads();
   if (wg == 1) return;
@@ -250,12 +244,18 @@ __global__ void __launch_bounds__(kThreads, 1) mla_keys_kernel(const __grid_cons
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
     const int col = column_of(q, t4);
-    const float m1 = s_handover[col], l1 = s_handover[kNarrowHeads + col];
+    float l0 = 0.0f, l1 = 0.0f;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      l0 += s_colmax[w * kNarrowHeads + col];
+      l1 += s_colmax[(4 + w) * kNarrowHeads + col];
+    }
+    const float m1 = s_m1[col];
     const float mx = fmaxf(m[q], m1);
     const float base = mx == -INFINITY ? 0.0f : mx;
     f0[q] = exp2f(m[q] - base);
     f1[q] = exp2f(m1 - base);
-    const float total = l[q] * f0[q] + l1 * f1[q];
+    const float total = l0 * f0[q] + l1 * f1[q];
     const bool has_keys = total > 0.0f;
     inv[q] = nan_rows ? NAN : (has_keys ? 1.0f / total : 0.0f);
     lse2[q] = nan_rows ? NAN : (has_keys ? base + log2f(total) : -INFINITY);
