@@ -77,7 +77,7 @@
 #   cuda-mla-variants the cuda backend's latent-attention kernel in each form (ATTNOPS_CUDA_MLA_VARIANT: cp.async,
 #             tma: whole tiles copied by the tensor memory accelerator, seesaw: two tiles a step, a warpgroup's
 #             softmax beside the other's MMAs, keys: at most 16 heads, the keys as the MMAs' M), same run: benchmarks/cuda_mla_stages.py with each, then
-#             mla_decode.py (bf16, CUDA_MLA_HEADS) alternating, two rounds: $results/cuda-mla-{variant}-{1,2}.json,
+#             mla_decode.py (bf16, CUDA_MLA_HEADS; fp8 at 16 heads for cp.async and keys) alternating, two rounds: $results/cuda-mla-{variant}-{1,2}.json,
 #             cuda-mla-variants.txt (each case's best, the speedups). Their GPU tests are the cuda-mla step's
 #   invariance the cost of batch-invariant mode (ATTNOPS_BATCH_INVARIANT=1) on the bench grid's Triton cases, same
 #             run, two rounds alternating: $results/invariance-{0,1}-{1,2}.json, invariance.txt (per case and the
@@ -272,7 +272,7 @@ PY
     cuda-mla-variants)
       # (a form that fails or hangs once is left out of the rest of the step: a hang costs its timeout only once)
       variants="cp.async tma seesaw keys"
-      for variant in $variants; do  # (where a tile's time goes in each form)
+      for variant in cp.async tma seesaw; do  # (where a tile's time goes in each form; keys: none at 64 heads)
         ATTNOPS_CUDA_MLA_VARIANT=$variant timeout 90 python3 benchmarks/cuda_mla_stages.py --tokens 1 66 132 \
           --json "$results/cuda-mla-stages-$variant.json" > "/tmp/stages-$variant.txt" 2>&1 \
           || { echo "$variant: failed"; variants=$(echo $variants | sed "s/$variant//"); }
@@ -283,13 +283,20 @@ PY
           --heads ${CUDA_MLA_HEADS:-16 64 128} --cases 1x32768 32x8192 128x4096 --no-flashinfer \
           --json "$results/cuda-mla-$variant-$round.json" > "$results/cuda-mla-$variant-$round.txt" 2>&1 || \
           { echo "$variant: failed"; tail -5 "$results/cuda-mla-$variant-$round.txt"; variants=$(echo $variants | sed "s/$variant//"); }
+        case $variant in cp.async|keys)  # (fp8 caches: these two forms only; keys at 16 heads)
+          ATTNOPS_CUDA_MLA=fp8 ATTNOPS_CUDA_MLA_VARIANT=$variant timeout ${MLA_TIMEOUT:-120} python3 \
+            benchmarks/mla_decode.py --backend cuda --heads 16 --cases 1x32768 32x8192 128x4096 --no-flashinfer \
+            --kv-format fp8_e4m3 --json "$results/cuda-mla-$variant-fp8-$round.json" \
+            > "$results/cuda-mla-$variant-fp8-$round.txt" 2>&1 || echo "$variant fp8: failed" ;;
+        esac
       done; done
       python3 - "$results" <<'PY' | tee "$results/cuda-mla-variants.txt"
 import glob, json, math, sys
 variants = ["cp.async", "tma", "seesaw", "keys"]
 best = {}  # case -> variant -> best time over the rounds (us)
 for variant in variants:
-    for path in glob.glob(f"{sys.argv[1]}/cuda-mla-{variant}-[12].json"):
+    for path in glob.glob(f"{sys.argv[1]}/cuda-mla-{variant}-[12].json") + \
+            glob.glob(f"{sys.argv[1]}/cuda-mla-{variant}-fp8-[12].json"):
         for r in json.load(open(path))["records"]:
             cell = best.setdefault(r["case"], {})
             cell[variant] = min(cell.get(variant, math.inf), r["attnops_us"])

@@ -112,8 +112,8 @@ def test_kernel_compiles_for_sm90a_without_spills_and_keeps_its_wgmmas_pipelined
     log = done.stdout + done.stderr
     assert done.returncode == 0, log
     frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    # (bf16's by cp.async and by the TMA, fp8's, the seesaw's, the keys form's, the merge, the probe)
-    assert len(frames) == 7 and all(f == ("0", "0", "0") for f in frames), log
+    # (bf16's by cp.async and by the TMA, fp8's, the seesaw's, the keys form's two, the merge, the probe)
+    assert len(frames) == 8 and all(f == ("0", "0", "0") for f in frames), log
     marker = [part for part in log.split("Compiling entry function") if "sm90a_marker" in part]
     assert marker and re.search(r"[1-9]\d* bytes smem", marker[0]), log  # (the probe: static shared memory in sm_90a)
     assert all(int(n) <= 255 for n in re.findall(r"Used (\d+) registers", log)), log
@@ -126,17 +126,18 @@ def test_kernel_compiles_for_sm90a_without_spills_and_keeps_its_wgmmas_pipelined
     kernels = {name: body for name, body in functions.items() if "decode_kernel" in name or "seesaw" in name}
     assert len(kernels) == 4, list(functions)
     keys_form = [body for name, body in functions.items() if "keys_kernel" in name]
-    assert len(keys_form) == 1, list(functions)
+    assert len(keys_form) == 2, list(functions)  # (bf16, fp8)
     # the keys form: S^T = K Q^T (36 of m64n16k16 over 576 values), O^T += V^T P^T (8 row blocks x 4 key steps,
     # V^T read M-major: transposed A), each warpgroup all of them for its own tiles
-    assert len(re.findall(r"HGMMA\.64x16x16\.F32\.BF16", keys_form[0])) == 36 + 32
-    assert len(re.findall(r"HGMMA\.64x16x16\.F32\.BF16 \S+, gdesc\[\w+\]\.tnspA", keys_form[0])) == 32
+    for body in keys_form:
+        assert len(re.findall(r"HGMMA\.64x16x16\.F32\.BF16", body)) == 36 + 32
+        assert len(re.findall(r"HGMMA\.64x16x16\.F32\.BF16 \S+, gdesc\[\w+\]\.tnspA", body)) == 32
     for name, body in kernels.items():
         per_warpgroup = 2 if "seesaw" in name else 1  # (each warpgroup its scores and its P V of both tiles)
         assert len(re.findall(r"HGMMA\.64x64x16\.F32\.BF16", body)) == 36 * per_warpgroup, name
         assert len(re.findall(r"HGMMA\.64x256x16\.F32\.BF16", body)) == 8 * per_warpgroup, name
     tma = sorted(name for name, body in functions.items() if "UTMALDG" in body)  # (the TMA's copies)
-    assert len(tma) == 3 and "keys" in tma[0] and "ILb0ELb1E" in tma[1] and "seesaw" in tma[2], tma
+    assert len(tma) == 4 and all("keys" in n for n in tma[:2]) and "ILb0ELb1E" in tma[2] and "seesaw" in tma[3], tma
     assert "LDL" not in sass and "STL" not in sass
 
 
@@ -148,7 +149,7 @@ def sm90() -> bool:
 
 @pytest.fixture(params=cuda_mla.VARIANTS, ids=lambda variant: variant.replace(".", "") + "_form")  # (-k tma_form ...)
 def cuda_on(monkeypatch, request):
-    """The kernel on an sm_90 GPU, both cache formats, in each of its forms (bf16 only where not cp.async)."""
+    """The kernel on an sm_90 GPU, both cache formats, in each of its forms (fp8 by the cp.async and keys forms)."""
     if not sm90():
         pytest.skip("needs an sm_90 GPU")
     monkeypatch.setenv(cuda_mla.ENV, "fp8")  # (both formats)
@@ -231,10 +232,12 @@ def test_tma_forms_only_for_bf16_pages_of_8_rows_or_more(monkeypatch):
     for code, name in enumerate(cuda_mla.VARIANTS):
         monkeypatch.setenv(cuda_mla.VARIANT_ENV, name)
         assert cuda_mla.kernel_variant("bf16", 8, 16) == cuda_mla.kernel_variant("bf16", 256, 1) == code
-        assert cuda_mla.kernel_variant("bf16", 4, 16) == cuda_mla.kernel_variant("fp8_e4m3", 64, 16) == 0
-    # the keys form: at most KEYS_MAX_HEADS heads (its MMAs' N), the tma form above
+        assert cuda_mla.kernel_variant("bf16", 4, 16) == 0
+        assert cuda_mla.kernel_variant("fp8_e4m3", 64, 16) == (code if name == "keys" else 0)
+    # the keys form: at most KEYS_MAX_HEADS heads (its MMAs' N), the tma form above (cp.async for fp8)
     monkeypatch.setenv(cuda_mla.VARIANT_ENV, "keys")
     assert cuda_mla.kernel_variant("bf16", 64, cuda_mla.KEYS_MAX_HEADS + 1) == cuda_mla.VARIANTS.index("tma")
+    assert cuda_mla.kernel_variant("fp8_e4m3", 64, cuda_mla.KEYS_MAX_HEADS + 1) == 0
     monkeypatch.setenv(cuda_mla.VARIANT_ENV, "fast")
     with pytest.raises(ValueError, match=cuda_mla.VARIANT_ENV):
         cuda_mla.kernel_variant("bf16", 64, 16)

@@ -51,15 +51,15 @@ def served_formats() -> tuple[str, ...]:
 def kernel_variant(kv_format: str, page_size: int, num_heads: int) -> int:
     """The kernel's form for a call, as the op's code (VARIANTS' index): ATTNOPS_CUDA_MLA_VARIANT's (default
     tma, the fastest, docs/bench.md) where it serves the call: the forms other than cp.async copy through the tensor
-    memory accelerator, bf16 caches with pages of 8 rows or more (cp.async otherwise); keys takes at most
-    KEYS_MAX_HEADS heads (tma otherwise). `bash benchmarks/gpu_round.sh cuda-mla-variants` times them."""
+    memory accelerator, pages of 8 rows or more (cp.async otherwise), bf16 caches (keys: fp8 too); keys takes at
+    most KEYS_MAX_HEADS heads (tma otherwise). `bash benchmarks/gpu_round.sh cuda-mla-variants` times them."""
     name = os.environ.get(VARIANT_ENV) or "tma"
     if name not in VARIANTS:
         raise ValueError(f"{VARIANT_ENV} must be one of {', '.join(VARIANTS)} (got {name!r})")
-    if name != "cp.async" and (kv_format != "bf16" or page_size < 8):
-        return 0
     if name == "keys" and num_heads > KEYS_MAX_HEADS:
-        return VARIANTS.index("tma")
+        name = "tma"
+    if name != "cp.async" and (page_size < 8 or (kv_format != "bf16" and name != "keys")):
+        return 0
     return VARIANTS.index(name)
 
 

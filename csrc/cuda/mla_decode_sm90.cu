@@ -26,8 +26,9 @@ int64_t mla_sm90a_built(int64_t device) {
   return attributes.sharedSizeBytes >= kMarkerInts * sizeof(int) ? 1 : 0;
 }
 
-// The cache as the TMA path's tensor map: [num_pages][page_size][576] bf16 with the cache's strides, boxes of
-// {64 values, min(page_size, 64) rows, 1 page} landing in the 128-byte swizzle, coordinates outside it as zeros
+// The cache as the TMA forms' tensor map: [num_pages][page_size][576] with the cache's strides, boxes of {64 values,
+// min(page_size, 64) rows, 1 page}, coordinates outside it as zeros: bf16 landing in the 128-byte swizzle (the
+// wgmma layout), fp8 bytes unswizzled (the keys form widens them)
 static void encode_kv_map(CUtensorMap* map, const at::Tensor& kv_cache) {
   using Encode = PFN_cuTensorMapEncodeTiled_v12000;
   static const Encode encode = [] {
@@ -49,8 +50,10 @@ static void encode_kv_map(CUtensorMap* map, const at::Tensor& kv_cache) {
                                  static_cast<cuuint64_t>(kv_cache.stride(0) * element)};
   const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(std::min<int64_t>(page_size, kKeys)), 1};
   const cuuint32_t unit[3] = {1, 1, 1};
-  const CUresult done = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, kv_cache.data_ptr(), dims, strides, box,
-                               unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+  const bool fp8 = element == 1;
+  const CUresult done = encode(map, fp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3,
+                               kv_cache.data_ptr(), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                               fp8 ? CU_TENSOR_MAP_SWIZZLE_NONE : CU_TENSOR_MAP_SWIZZLE_128B,
                                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   TORCH_CHECK(done == CUDA_SUCCESS, "mla_decode_sm90: cuTensorMapEncodeTiled failed (", static_cast<int>(done), ")");
 }
@@ -108,12 +111,13 @@ void mla_decode_sm90(const at::Tensor& q_nope, const at::Tensor& q_pe, const at:
   TORCH_CHECK(variant >= 0 && variant <= 3, "mla_decode_sm90: variant 0, 1, 2 or 3");
   TORCH_CHECK(variant < 2 || stages == kAllStages, "mla_decode_sm90: the seesaw and keys forms run all their stages");
   TORCH_CHECK(variant != 3 || H <= kNarrowHeads, "mla_decode_sm90: the keys form takes at most 16 heads");
-  if (variant) {  // (bf16, pages of 8 rows or more, each a power of two; rows and pages 16-byte aligned: the backend's)
-    TORCH_CHECK(!fp8 && a.page_size >= 8 && (a.page_size & (a.page_size - 1)) == 0,
-                "mla_decode_sm90: the TMA copies read bf16 caches with pages of 8 rows or more");
+  if (variant) {  // (pages of 8 rows or more, each a power of two; rows and pages 16-byte aligned: the backend's)
+    TORCH_CHECK((!fp8 || variant == 3) && a.page_size >= 8 && (a.page_size & (a.page_size - 1)) == 0,
+                "mla_decode_sm90: the TMA copies read bf16 caches (fp8 too in the keys form) with pages of 8 rows "
+                "or more");
     encode_kv_map(&a.kv_map, kv_cache);
   }
-  auto kernel = variant == 3 ? keys_kernel() : variant == 2 ? seesaw_kernel() : decode_kernel(fp8, variant == 1);
+  auto kernel = variant == 3 ? keys_kernel(fp8) : variant == 2 ? seesaw_kernel() : decode_kernel(fp8, variant == 1);
   const int smem_bytes = variant == 3 ? kKeysSmemBytes : variant == 2 ? kSeesawSmemBytes : kSmemBytes;
   // (a function attribute, not a stream operation: allowed inside a capture)
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));

@@ -20,7 +20,10 @@
 // sequence's end are zeroed after they land (they may hold anything, NaN included, and P V must not meet them).
 // Softmax: a head's maximum over the tile's 64 keys (rows) is reduced over the warp's lanes and the warpgroup's
 // four warps (shared memory, a named barrier); the sums stay a thread's own until the end.
-// Bf16 caches, pages of 8 rows or more; splits, merge, bad indices and outputs as mla_decode_sm90.cuh.
+// fp8 e4m3 caches (stored = value / kv_scale): a tile's bytes land in the upper half of its slot (a copy of 64-byte
+// boxes, unswizzled) and the warpgroup widens them in place to the bf16 tile, exactly; kv_scale joins the scores'
+// scale and the output. So the fp8 form reads half the bytes and keeps the bf16 form's shared memory.
+// Pages of 8 rows or more; splits, merge, bad indices and outputs as mla_decode_sm90.cuh.
 #pragma once
 #include "mla_decode_sm90.cuh"
 
@@ -35,6 +38,8 @@ static_assert(kKeysOBytes <= 2 * kTileBytes, "the hand-over uses the slots' memo
 constexpr int kKeysSmemBytes = kQBytes + 2 * kTileBytes + 2 * kPtBytes + 2 * 4 * kNarrowHeads * 4 +
                                kNarrowHeads * 4 + 2 * 8 + 1024;
 static_assert(kKeysSmemBytes <= 227 * 1024, "one block must fit an sm_90 SM's 227 KB of shared memory");
+constexpr int kFp8ChunkBytes = kKeys * 64;              // fp8: one 64-value column chunk of a tile, unswizzled
+constexpr int kFp8StageOffset = kTileBytes - kChunks * kFp8ChunkBytes;  // fp8: the staged bytes in a slot
 constexpr int kBarWarpgroup = 1;  // named barriers 1 and 2: warpgroup 0's and 1's own (0 is __syncthreads')
 
 __device__ __forceinline__ void warpgroup_sync(int wg) {
@@ -58,7 +63,75 @@ __device__ __forceinline__ void wgmma_m64n16k16_ss(float (&d)[8], uint64_t desc_
 // a thread's four columns (q = 2 j + c % 2) are the same in both.
 __device__ __forceinline__ int column_of(int q, int t4) { return 8 * (q >> 1) + 2 * t4 + (q & 1); }
 
-template <int kUnused>
+// fp8: the keys [start, start + 64) copied as bytes to `stage` ([9 chunks][64 rows][64 bytes]) by the tensor memory
+// accelerator from one thread, awaited on `bar`; boxes of {64 values, min(page_size, 64) rows} as tma_boxes'
+__device__ __forceinline__ void tma_fp8_boxes(const Args& a, const int (&pages)[kMaxBoxes], int start, uint32_t stage,
+                                              uint32_t bar) {
+  const int rows = min(a.page_size, kKeys);
+  mbarrier_expect_bytes(bar, kChunks * kFp8ChunkBytes);
+#pragma unroll
+  for (int r = 0; r < kMaxBoxes; ++r) {
+    if (r * rows < kKeys) {
+      const int row = (start + r * rows) % a.page_size;
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c)
+        tma_box(stage + c * kFp8ChunkBytes + r * rows * 64, &a.kv_map, bar, c * 64, row, pages[r]);
+    }
+  }
+}
+
+// A tile's copy into a slot: bf16 swizzled, or fp8 bytes to the slot's upper half
+template <bool kFp8>
+__device__ __forceinline__ void copy_tile(const Args& a, const int (&pages)[kMaxBoxes], int start, uint32_t slot,
+                                          uint32_t bar) {
+  if constexpr (kFp8) {
+    tma_fp8_boxes(a, pages, start, slot + kFp8StageOffset, bar);
+  } else {
+    tma_boxes(a, pages, start, slot, bar, 0, kChunks - 1, true);
+  }
+}
+
+// 32 staged e4m3 values (two 16-byte words) as four 16-byte pieces of bf16, to pieces 4 half .. 4 half + 3 of
+// column chunk c of the tile's row `row` (swizzled)
+__device__ __forceinline__ void store_widened(uint8_t* tile, int row, int c, int half, const uint4 (&v)[2]) {
+  const uint32_t words[8] = {v[0].x, v[0].y, v[0].z, v[0].w, v[1].x, v[1].y, v[1].z, v[1].w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    uint32_t out[4];
+#pragma unroll
+    for (int w = 0; w < 2; ++w) {
+      out[2 * w] = e4m3x2_to_bf16x2(static_cast<uint16_t>(words[2 * k + w] & 0xffff));
+      out[2 * w + 1] = e4m3x2_to_bf16x2(static_cast<uint16_t>(words[2 * k + w] >> 16));
+    }
+    *reinterpret_cast<uint4*>(tile + swizzled(row, 8 * c + 4 * half + k)) = make_uint4(out[0], out[1], out[2], out[3]);
+  }
+}
+
+// fp8: the slot's staged bytes widened in place to its bf16 tile, by the warpgroup (thread t: row t / 2, values
+// 32 (t % 2) .. of each chunk). The bf16 chunks 0-4 cover the staging's chunk 0 and chunks 5-8 the rest, so: chunks
+// 0-4 read, a barrier, written; chunks 5-8 read, a barrier, written.
+__device__ __forceinline__ void widen_slot(uint8_t* tile, int wg_tid, int wg) {
+  const int row = wg_tid >> 1, half = wg_tid & 1;
+  const uint8_t* staged = tile + kFp8StageOffset + row * 64 + half * 32;
+  uint4 v[5][2];
+#pragma unroll
+  for (int c = 0; c < 5; ++c)
+#pragma unroll
+    for (int w = 0; w < 2; ++w) v[c][w] = *reinterpret_cast<const uint4*>(staged + c * kFp8ChunkBytes + 16 * w);
+  warpgroup_sync(wg);
+#pragma unroll
+  for (int c = 0; c < 5; ++c) store_widened(tile, row, c, half, v[c]);
+#pragma unroll
+  for (int c = 5; c < kChunks; ++c)
+#pragma unroll
+    for (int w = 0; w < 2; ++w)
+      v[c - 5][w] = *reinterpret_cast<const uint4*>(staged + c * kFp8ChunkBytes + 16 * w);
+  warpgroup_sync(wg);
+#pragma unroll
+  for (int c = 5; c < kChunks; ++c) store_widened(tile, row, c, half, v[c - 5]);
+}
+
+template <bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1) mla_keys_kernel(const __grid_constant__ Args a) {
 #if defined(ATTNOPS_MLA_SM90A)
   extern __shared__ uint8_t smem_raw[];
@@ -92,8 +165,13 @@ __global__ void __launch_bounds__(kThreads, 1) mla_keys_kernel(const __grid_cons
   }
   __syncthreads();
   bool saw_bad = false;
-  if (issuer && wg < tiles)  // (the first tile of each warpgroup, before Q: both copies in flight at once)
-    saw_bad = tma_chunks(a, table_row, lo + wg * kKeys, hi, slot, bar, 0, kChunks - 1, true);
+  if (issuer && wg < tiles) {  // (the first tile of each warpgroup, before Q: both copies in flight at once)
+    int pages[kMaxBoxes];
+    box_pages(a, table_row, lo + wg * kKeys, hi, min(a.page_size, kKeys), pages, saw_bad);
+    copy_tile<kFp8>(a, pages, lo + wg * kKeys, slot, bar);
+  }
+  const float kv_scale = kFp8 ? *a.kv_scale : 1.0f;
+  const float qk_scale_log2 = a.qk_scale_log2 * kv_scale;
   // Q [16 x 576]: q_nope's 512 values then q_pe's 64 a row (zeros past num_heads), K-major in 64-value chunks
   for (int i = tid; i < kNarrowHeads * kPieces; i += kThreads) {
     const int row = i / kPieces, piece = i % kPieces;
@@ -126,11 +204,15 @@ __global__ void __launch_bounds__(kThreads, 1) mla_keys_kernel(const __grid_cons
     int next_pages[kMaxBoxes];  // (the issuer's: the slot's next tile, copied once this one is done)
     if (issuer && i + 2 < tiles)
       box_pages(a, table_row, start + 2 * kKeys, hi, min(a.page_size, kKeys), next_pages, saw_bad);
+    if constexpr (kFp8) widen_slot(slot_bytes, wg_tid, wg);
     if (visible < kKeys) {  // the value chunks' rows past the end zeroed (their scores are masked below)
+      if constexpr (kFp8) warpgroup_sync(wg);  // (every row widened)
       for (int z = wg_tid; z < (kKeys - visible) * 8 * 8; z += 128) {
         const int row = visible + z / 64, chunk = (z / 8) % 8, piece = z % 8;
         *reinterpret_cast<uint4*>(slot_bytes + chunk * kChunkBytes + row * 128 + piece * 16) = make_uint4(0, 0, 0, 0);
       }
+    }
+    if (kFp8 || visible < kKeys) {
       fence_proxy_async();
       warpgroup_sync(wg);
     }
@@ -155,8 +237,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_keys_kernel(const __grid_cons
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
       const int j = q >> 1, c = q & 1;
-      s[4 * j + c] = key0 < hi ? s[4 * j + c] * a.qk_scale_log2 : -INFINITY;
-      s[4 * j + 2 + c] = key1 < hi ? s[4 * j + 2 + c] * a.qk_scale_log2 : -INFINITY;
+      s[4 * j + c] = key0 < hi ? s[4 * j + c] * qk_scale_log2 : -INFINITY;
+      s[4 * j + 2 + c] = key1 < hi ? s[4 * j + 2 + c] * qk_scale_log2 : -INFINITY;
       float v = fmaxf(s[4 * j + c], s[4 * j + 2 + c]);
 #pragma unroll
       for (int mask = 4; mask <= 16; mask <<= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, mask));
@@ -211,7 +293,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_keys_kernel(const __grid_cons
 #pragma unroll
     for (int b = 0; b < 8; ++b) pin(o[b]);
     warpgroup_sync(wg);  // every warp's P V done: the slot and P free
-    if (issuer && i + 2 < tiles) tma_boxes(a, next_pages, start + 2 * kKeys, slot, bar, 0, kChunks - 1, true);
+    if (issuer && i + 2 < tiles) copy_tile<kFp8>(a, next_pages, start + 2 * kKeys, slot, bar);
   }
 
   // the sums over the warpgroup (lanes of a column, then its four warps, below)
@@ -257,7 +339,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_keys_kernel(const __grid_cons
     f1[q] = exp2f(m1 - base);
     const float total = l0 * f0[q] + l1 * f1[q];
     const bool has_keys = total > 0.0f;
-    inv[q] = nan_rows ? NAN : (has_keys ? 1.0f / total : 0.0f);
+    inv[q] = nan_rows ? NAN : (has_keys ? kv_scale / total : 0.0f);
     lse2[q] = nan_rows ? NAN : (has_keys ? base + log2f(total) : -INFINITY);
   }
 #pragma unroll
@@ -291,6 +373,6 @@ __global__ void __launch_bounds__(kThreads, 1) mla_keys_kernel(const __grid_cons
 #endif
 }
 
-inline void (*keys_kernel())(Args) { return mla_keys_kernel<0>; }
+inline void (*keys_kernel(bool fp8))(Args) { return fp8 ? mla_keys_kernel<true> : mla_keys_kernel<false>; }
 
 }  // namespace attnops::mla_sm90
