@@ -129,6 +129,9 @@ def test_kernel_compiles_for_sm90a_without_spills_and_keeps_its_wgmmas_pipelined
     assert len(keys_form) == 2, list(functions)  # (bf16, fp8)
     # the keys form: S^T = K Q^T (36 of m64n16k16 over 576 values), O^T += V^T P^T (8 row blocks x 4 key steps,
     # V^T read M-major: transposed A), each warpgroup all of them for its own tiles
+    for name, body in functions.items():
+        if "keys_kernel" in name:  # (fp8: the staged bytes widened in the kernel; bf16: none)
+            assert ("E4M3" in body) == ("ILb1E" in name), name
     for body in keys_form:
         assert len(re.findall(r"HGMMA\.64x16x16\.F32\.BF16", body)) == 36 + 32
         assert len(re.findall(r"HGMMA\.64x16x16\.F32\.BF16 \S+, gdesc\[\w+\]\.tnspA", body)) == 32
@@ -207,13 +210,14 @@ def test_one_split_and_many_give_the_same_rows(cuda_on, heads):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kv_format", ["auto", "fp8_e4m3"])
 @pytest.mark.parametrize("heads", HEADS)
 @pytest.mark.parametrize("page_size", [8, 64])
-def test_rows_past_a_sequences_end_are_never_met(cuda_on, page_size, heads):
+def test_rows_past_a_sequences_end_are_never_met(cuda_on, page_size, heads, kv_format):
     """NaN in every cache row no sequence holds (past each sequence's end in its last page, and the pages of no
     sequence): P V must never multiply them, not even by zero. Lengths of 1 key, 1 tile less one, 2 tiles, an odd
     count of tiles."""
-    args = deepseek_inputs([1, 63, 65, 128, 700, 1000], heads, page_size=page_size)
+    args = deepseek_inputs([1, 63, 65, 128, 700, 1000], heads, page_size=page_size, kv_format=kv_format)
     held = torch.zeros(args["kv_cache"].shape[:2], dtype=torch.bool, device="cuda")
     for b, n in enumerate(args["seq_lens"].tolist()):
         keys = torch.arange(n, device="cuda")
@@ -225,7 +229,7 @@ def test_rows_past_a_sequences_end_are_never_met(cuda_on, page_size, heads):
     assert relative_error(out, mla_attention_reference(**args)) < 1e-2
 
 
-def test_tma_forms_only_for_bf16_pages_of_8_rows_or_more(monkeypatch):
+def test_the_forms_each_serve_what_they_can_and_tma_is_the_default(monkeypatch):
     monkeypatch.delenv(cuda_mla.VARIANT_ENV, raising=False)  # (the default: tma)
     assert cuda_mla.kernel_variant("bf16", 64, 16) == cuda_mla.VARIANTS.index("tma")
     assert cuda_mla.kernel_variant("bf16", 4, 16) == cuda_mla.kernel_variant("fp8_e4m3", 64, 16) == 0
@@ -238,14 +242,16 @@ def test_tma_forms_only_for_bf16_pages_of_8_rows_or_more(monkeypatch):
     monkeypatch.setenv(cuda_mla.VARIANT_ENV, "keys")
     assert cuda_mla.kernel_variant("bf16", 64, cuda_mla.KEYS_MAX_HEADS + 1) == cuda_mla.VARIANTS.index("tma")
     assert cuda_mla.kernel_variant("fp8_e4m3", 64, cuda_mla.KEYS_MAX_HEADS + 1) == 0
+    assert cuda_mla.kernel_variant("fp8_e4m3", 4, 16) == 0
     monkeypatch.setenv(cuda_mla.VARIANT_ENV, "fast")
     with pytest.raises(ValueError, match=cuda_mla.VARIANT_ENV):
         cuda_mla.kernel_variant("bf16", 64, 16)
 
 
 @pytest.mark.gpu
-def test_bad_indices_follow_paged_attentions_rules(cuda_on):
-    args = deepseek_inputs([100, 70, 1200], 16, page_size=16)
+@pytest.mark.parametrize("kv_format", ["auto", "fp8_e4m3"])
+def test_bad_indices_follow_paged_attentions_rules(cuda_on, kv_format):
+    args = deepseek_inputs([100, 70, 1200], 16, page_size=16, kv_format=kv_format)
     args["seq_lens"][1] = 10_000  # sequence 1: NaN, nothing read
     args["block_table"][2, 40] = 99_999  # sequence 2's 41st page: its row sees it
     attnops.take_errors()

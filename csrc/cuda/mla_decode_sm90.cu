@@ -29,7 +29,7 @@ int64_t mla_sm90a_built(int64_t device) {
 // The cache as the TMA forms' tensor map: [num_pages][page_size][576] with the cache's strides, boxes of {64 values,
 // min(page_size, 64) rows, 1 page}, coordinates outside it as zeros: bf16 landing in the 128-byte swizzle (the
 // wgmma layout), fp8 bytes unswizzled (the keys form widens them)
-static void encode_kv_map(CUtensorMap* map, const at::Tensor& kv_cache) {
+static void encode_kv_map(CUtensorMap* map, const at::Tensor& kv_cache, bool fp8) {
   using Encode = PFN_cuTensorMapEncodeTiled_v12000;
   static const Encode encode = [] {
     void* fn = nullptr;
@@ -50,7 +50,6 @@ static void encode_kv_map(CUtensorMap* map, const at::Tensor& kv_cache) {
                                  static_cast<cuuint64_t>(kv_cache.stride(0) * element)};
   const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(std::min<int64_t>(page_size, kKeys)), 1};
   const cuuint32_t unit[3] = {1, 1, 1};
-  const bool fp8 = element == 1;
   const CUresult done = encode(map, fp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3,
                                kv_cache.data_ptr(), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
                                fp8 ? CU_TENSOR_MAP_SWIZZLE_NONE : CU_TENSOR_MAP_SWIZZLE_128B,
@@ -80,6 +79,7 @@ void mla_decode_sm90(const at::Tensor& q_nope, const at::Tensor& q_pe, const at:
   a.q_nope = reinterpret_cast<const __nv_bfloat16*>(q_nope.data_ptr());
   a.q_pe = reinterpret_cast<const __nv_bfloat16*>(q_pe.data_ptr());
   const bool fp8 = kv_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(fp8 || kv_cache.scalar_type() == at::kBFloat16, "mla_decode_sm90: a bf16 or float8_e4m3fn cache");
   TORCH_CHECK(fp8 == kv_scale.has_value(), "mla_decode_sm90: kv_scale with an fp8 e4m3 cache, and only then");
   a.kv = reinterpret_cast<const uint8_t*>(kv_cache.data_ptr());
   a.kv_scale = fp8 ? kv_scale->data_ptr<float>() : nullptr;
@@ -115,7 +115,7 @@ void mla_decode_sm90(const at::Tensor& q_nope, const at::Tensor& q_pe, const at:
     TORCH_CHECK((!fp8 || variant == 3) && a.page_size >= 8 && (a.page_size & (a.page_size - 1)) == 0,
                 "mla_decode_sm90: the TMA copies read bf16 caches (fp8 too in the keys form) with pages of 8 rows "
                 "or more");
-    encode_kv_map(&a.kv_map, kv_cache);
+    encode_kv_map(&a.kv_map, kv_cache, fp8);
   }
   auto kernel = variant == 3 ? keys_kernel(fp8) : variant == 2 ? seesaw_kernel() : decode_kernel(fp8, variant == 1);
   const int smem_bytes = variant == 3 ? kKeysSmemBytes : variant == 2 ? kSeesawSmemBytes : kSmemBytes;

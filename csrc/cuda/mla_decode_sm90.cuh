@@ -49,7 +49,7 @@ constexpr float kLn2 = 0.6931471805599453f;
 constexpr int kErrBlockTable = 0, kErrSeqLens = 1;  // attnops/errors.py ARGUMENTS
 
 struct Args {
-  CUtensorMap kv_map;           // the cache as [num_pages][page_size][576] bf16 boxes of 64 values (the TMA path)
+  CUtensorMap kv_map;           // the cache as [num_pages][page_size][576], boxes of 64 values (the TMA forms)
   const __nv_bfloat16* q_nope;  // [T, H, 512], rows 16-byte aligned
   const __nv_bfloat16* q_pe;    // [T, H, 64]
   const uint8_t* kv;            // [num_pages, page_size, 576] bf16, or fp8 e4m3 (stored = value / kv_scale)
