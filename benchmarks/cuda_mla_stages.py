@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     from attnops.backends.cuda_mla import VARIANTS, kernel_variant
     variant = kernel_variant(args.kv_format, 64, 64)  # (ATTNOPS_CUDA_MLA_VARIANT; keys: tma at these heads)
     stages = {"all": 0, "no-loads": 1, "loads-only": 2}  # (csrc/cuda/mla_decode_sm90.cuh: kAllStages ...)
-    if VARIANTS[variant] in ("seesaw", "keys"):
+    if VARIANTS[variant] in ("seesaw", "keys", "overlap"):
         stages = {"all": 0}
     records = []
     print(f"{'heads':>6}{'tokens':>8}{'blocks':>8}{'stages':>12}{'us':>10}{'us/tile':>10}{'TB/s':>8}")

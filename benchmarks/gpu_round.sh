@@ -76,7 +76,8 @@
 #             and fp8: $results/cuda-mla-{bf16,fp8_e4m3}.{json,txt}
 #   cuda-mla-variants the cuda backend's latent-attention kernel in each form (ATTNOPS_CUDA_MLA_VARIANT: cp.async,
 #             tma: whole tiles copied by the tensor memory accelerator, seesaw: two tiles a step, a warpgroup's
-#             softmax beside the other's MMAs, keys: at most 16 heads, the keys as the MMAs' M), same run: benchmarks/cuda_mla_stages.py with each, then
+#             softmax beside the other's MMAs, keys: at most 16 heads, the keys as the MMAs' M, overlap: the next
+#             tile's scores beside this tile's softmax), same run: benchmarks/cuda_mla_stages.py with each, then
 #             mla_decode.py (bf16, CUDA_MLA_HEADS; fp8 at 16 heads for cp.async and keys) alternating, two rounds: $results/cuda-mla-{variant}-{1,2}.json,
 #             cuda-mla-variants.txt (each case's best, the speedups). Their GPU tests are the cuda-mla step's
 #   invariance the cost of batch-invariant mode (ATTNOPS_BATCH_INVARIANT=1) on the bench grid's Triton cases, same
@@ -255,7 +256,7 @@ PY
         2>&1 | tee "$results/${MLA_NAME:-mla}.txt" | tail -40
       stamp mla ;;
     cuda-mla)
-      for variant in cpasync_form tma_form seesaw_form keys_form; do  # (each form under its own time limit)
+      for variant in cpasync_form tma_form seesaw_form keys_form overlap_form; do  # (each form under its own time limit)
         ATTNOPS_CUDA_MLA=fp8 timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -rA -p no:cacheprovider -m gpu \
           -k $variant tests/test_cuda_mla.py > "/tmp/cuda-mla-tests-$variant.log" 2>&1
         echo "== $variant (exit $?)"; grep -E "passed|failed|FAILED|Error" "/tmp/cuda-mla-tests-$variant.log" \
@@ -271,8 +272,8 @@ PY
       stamp cuda-mla ;;
     cuda-mla-variants)
       # (a form that fails or hangs once is left out of the rest of the step: a hang costs its timeout only once)
-      variants="cp.async tma seesaw keys"
-      for variant in cp.async tma seesaw; do  # (where a tile's time goes in each form; keys: none at 64 heads)
+      variants="cp.async tma seesaw keys overlap"
+      for variant in cp.async tma seesaw overlap; do  # (where a tile's time goes in each form; keys: none at 64 heads)
         ATTNOPS_CUDA_MLA_VARIANT=$variant timeout 90 python3 benchmarks/cuda_mla_stages.py --tokens 1 66 132 \
           --json "$results/cuda-mla-stages-$variant.json" > "/tmp/stages-$variant.txt" 2>&1 \
           || { echo "$variant: failed"; variants=$(echo $variants | sed "s/$variant//"); }
@@ -292,7 +293,7 @@ PY
       done; done
       python3 - "$results" <<'PY' | tee "$results/cuda-mla-variants.txt"
 import glob, json, math, sys
-variants = ["cp.async", "tma", "seesaw", "keys"]
+variants = ["cp.async", "tma", "seesaw", "keys", "overlap"]
 best = {}  # case -> variant -> best time over the rounds (us)
 for variant in variants:
     for path in glob.glob(f"{sys.argv[1]}/cuda-mla-{variant}-[12].json") + \

@@ -10,8 +10,9 @@ than bf16 at 16 heads (the 64-row MMAs of 16 heads bind it, not the bytes) and n
 ATTNOPS_CUDA_MLA=0 turns it off. `bash benchmarks/gpu_round.sh cuda-mla` runs its GPU tests and times it.
 ATTNOPS_CUDA_MLA_VARIANT picks the kernel's form (kernel_variant): `tma` (whole tiles copied by the tensor memory
 accelerator; the default, the fastest measured), `cp.async`, `seesaw` (two tiles a step, each warpgroup the scores
-and softmax of one, csrc/cuda/mla_seesaw_sm90.cuh; slower) and `keys` (at most 16 heads: the keys as the MMAs' M,
-csrc/cuda/mla_keys_sm90.cuh; not yet measured).
+and softmax of one, csrc/cuda/mla_seesaw_sm90.cuh; slower), `keys` (at most 16 heads: the keys as the MMAs' M,
+csrc/cuda/mla_keys_sm90.cuh) and `overlap` (the next tile's scores computed beside this tile's softmax,
+csrc/cuda/mla_overlap_sm90.cuh), the last two not yet measured.
 
 The split of each sequence's keys comes from shapes only (the table's capacity, the tokens, the heads, the SM
 count), so a CUDA graph replays any lengths; with more than one split, the op's second kernel merges the partials
@@ -31,7 +32,7 @@ from .base import common_reasons, kernel_outputs, rows_without_a_sequence
 
 ENV = "ATTNOPS_CUDA_MLA"
 VARIANT_ENV = "ATTNOPS_CUDA_MLA_VARIANT"
-VARIANTS = ("cp.async", "tma", "seesaw", "keys")  # (the op's `variant` codes 0, 1, 2, 3)
+VARIANTS = ("cp.async", "tma", "seesaw", "keys", "overlap")  # (the op's `variant` codes 0 to 4)
 KEYS_MAX_HEADS = 16  # the keys form's heads a block (its MMAs' N)
 SHAPE = (512, 64)  # (R, P) the kernel is built for
 KV_FORMATS = ("bf16", "fp8_e4m3")  # (fp8: widened to bf16 in shared memory; q is bf16)

@@ -10,6 +10,7 @@
 #include <torch/library.h>
 
 #include "mla_keys_sm90.cuh"
+#include "mla_overlap_sm90.cuh"
 #include "mla_seesaw_sm90.cuh"
 
 namespace attnops::mla_sm90 {
@@ -107,9 +108,10 @@ void mla_decode_sm90(const at::Tensor& q_nope, const at::Tensor& q_pe, const at:
   TORCH_CHECK(stages >= kAllStages && stages <= kLoadsOnly, "mla_decode_sm90: stages 0, 1 or 2");
   a.stages = static_cast<int>(stages);
   // variant 0: tiles by cp.async; 1: whole tiles by the TMA; 2: the seesaw schedule (mla_seesaw_sm90.cuh); 3: the
-  // keys as the MMAs' M, at most 16 heads (mla_keys_sm90.cuh)
-  TORCH_CHECK(variant >= 0 && variant <= 3, "mla_decode_sm90: variant 0, 1, 2 or 3");
-  TORCH_CHECK(variant < 2 || stages == kAllStages, "mla_decode_sm90: the seesaw and keys forms run all their stages");
+  // keys as the MMAs' M, at most 16 heads (mla_keys_sm90.cuh); 4: the next scores beside the softmax
+  // (mla_overlap_sm90.cuh)
+  TORCH_CHECK(variant >= 0 && variant <= 4, "mla_decode_sm90: variant 0 to 4");
+  TORCH_CHECK(variant < 2 || stages == kAllStages, "mla_decode_sm90: the forms after tma run all their stages");
   TORCH_CHECK(variant != 3 || H <= kNarrowHeads, "mla_decode_sm90: the keys form takes at most 16 heads");
   if (variant) {  // (pages of 8 rows or more, each a power of two; rows and pages 16-byte aligned: the backend's)
     TORCH_CHECK((!fp8 || variant == 3) && a.page_size >= 8 && (a.page_size & (a.page_size - 1)) == 0,
@@ -117,7 +119,7 @@ void mla_decode_sm90(const at::Tensor& q_nope, const at::Tensor& q_pe, const at:
                 "or more");
     encode_kv_map(&a.kv_map, kv_cache, fp8);
   }
-  auto kernel = variant == 3 ? keys_kernel(fp8) : variant == 2 ? seesaw_kernel() : decode_kernel(fp8, variant == 1);
+  auto kernel = variant == 4 ? overlap_kernel() : variant == 3 ? keys_kernel(fp8) : variant == 2 ? seesaw_kernel() : decode_kernel(fp8, variant == 1);
   const int smem_bytes = variant == 3 ? kKeysSmemBytes : variant == 2 ? kSeesawSmemBytes : kSmemBytes;
   // (a function attribute, not a stream operation: allowed inside a capture)
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));

@@ -358,6 +358,59 @@ __device__ __forceinline__ void masked_max(float (&s)[32], int start, int end, i
   }
 }
 
+// Warpgroup 0's online softmax of a tile's scores s (base 2; s[4 j + c]: row row0 (c < 2) or row1, key start + 8 j
+// + 2 t4 + c % 2): the rows' running maxima and this thread's sums updated, P to registers (the A fragments of
+// P V) and to shared memory (p_bytes: P [64 x 64] K-major, swizzled), the rows' factors returned and written to
+// s_alpha for warpgroup 1; fenced for the MMAs' reads. s is only read (it may be a wgmma's accumulator, which no
+// other instruction may write while a wgmma is in flight: ptxas would serialise the kernel's wgmmas).
+__device__ __forceinline__ void softmax_tile(const float (&s)[32], int start, int end, int t4, int row0, int row1,
+                                             float qk_scale_log2, float& m0, float& m1, float& l0, float& l1,
+                                             uint32_t (&p_frag)[4][4], uint8_t* p_bytes, float* s_alpha,
+                                             float& alpha0, float& alpha1) {
+  const auto masked = [&](int j, int c) {  // (-inf past the end)
+    return start + 8 * j + 2 * t4 + (c & 1) < end ? s[4 * j + c] * qk_scale_log2 : -INFINITY;
+  };
+  float max0 = -INFINITY, max1 = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    max0 = fmaxf(max0, fmaxf(masked(j, 0), masked(j, 1)));
+    max1 = fmaxf(max1, fmaxf(masked(j, 2), masked(j, 3)));
+  }
+#pragma unroll
+  for (int mask = 1; mask <= 2; mask <<= 1) {
+    max0 = fmaxf(max0, __shfl_xor_sync(0xffffffffu, max0, mask));
+    max1 = fmaxf(max1, __shfl_xor_sync(0xffffffffu, max1, mask));
+  }
+  const float new0 = fmaxf(m0, max0), new1 = fmaxf(m1, max1);
+  const float base0 = new0 == -INFINITY ? 0.0f : new0, base1 = new1 == -INFINITY ? 0.0f : new1;
+  alpha0 = exp2f(m0 - base0);
+  alpha1 = exp2f(m1 - base1);
+  m0 = new0;
+  m1 = new1;
+  float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const float p0 = exp2f(masked(j, 0) - base0), p1 = exp2f(masked(j, 1) - base0);
+    const float p2 = exp2f(masked(j, 2) - base1), p3 = exp2f(masked(j, 3) - base1);
+    sum0 += p0 + p1;
+    sum1 += p2 + p3;
+    const uint32_t pair0 = pack_bf16(p0, p1), pair1 = pack_bf16(p2, p3);
+    // shared memory: P [64 x 64] K-major, keys 8 j .. 8 j + 7 are piece j of the row
+    *reinterpret_cast<uint32_t*>(p_bytes + row0 * 128 + ((j ^ (row0 & 7)) << 4) + t4 * 4) = pair0;
+    *reinterpret_cast<uint32_t*>(p_bytes + row1 * 128 + ((j ^ (row1 & 7)) << 4) + t4 * 4) = pair1;
+    // registers: the A fragments of 16-key step j / 2 (keys + 0..7: a0 a1; + 8..15: a2 a3)
+    p_frag[j >> 1][(j & 1) * 2] = pair0;
+    p_frag[j >> 1][(j & 1) * 2 + 1] = pair1;
+  }
+  l0 = l0 * alpha0 + sum0;
+  l1 = l1 * alpha1 + sum1;
+  if (t4 == 0) {
+    s_alpha[row0] = alpha0;
+    s_alpha[row1] = alpha1;
+  }
+  fence_proxy_async();
+}
+
 // O *= the rows' factors (row0: scale0, row1: scale1)
 __device__ __forceinline__ void scale_rows(float (&o)[128], float scale0, float scale1) {
 #pragma unroll
@@ -535,37 +588,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
       wgmma_commit();
       wgmma_wait_all();
       pin(s);
-      // online softmax in base 2; s[4 j + c]: row row0 (c < 2) or row1, key start + 8 j + 2 t4 + c % 2
-      float max0, max1;
-      masked_max(s, start, hi, t4, qk_scale_log2, max0, max1);
-      const float new0 = fmaxf(m0, max0), new1 = fmaxf(m1, max1);
-      const float base0 = new0 == -INFINITY ? 0.0f : new0, base1 = new1 == -INFINITY ? 0.0f : new1;
-      alpha0 = exp2f(m0 - base0);
-      alpha1 = exp2f(m1 - base1);
-      m0 = new0;
-      m1 = new1;
-      float sum0 = 0.0f, sum1 = 0.0f;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const float p0 = exp2f(s[4 * j] - base0), p1 = exp2f(s[4 * j + 1] - base0);
-        const float p2 = exp2f(s[4 * j + 2] - base1), p3 = exp2f(s[4 * j + 3] - base1);
-        sum0 += p0 + p1;
-        sum1 += p2 + p3;
-        const uint32_t pair0 = pack_bf16(p0, p1), pair1 = pack_bf16(p2, p3);
-        // shared memory: P [64 x 64] K-major, keys 8 j .. 8 j + 7 are piece j of the row
-        *reinterpret_cast<uint32_t*>(p_bytes + row0 * 128 + ((j ^ (row0 & 7)) << 4) + t4 * 4) = pair0;
-        *reinterpret_cast<uint32_t*>(p_bytes + row1 * 128 + ((j ^ (row1 & 7)) << 4) + t4 * 4) = pair1;
-        // registers: the A fragments of 16-key step j / 2 (keys + 0..7: a0 a1; + 8..15: a2 a3)
-        p_frag[j >> 1][(j & 1) * 2] = pair0;
-        p_frag[j >> 1][(j & 1) * 2 + 1] = pair1;
-      }
-      l0 = l0 * alpha0 + sum0;
-      l1 = l1 * alpha1 + sum1;
-      if (t4 == 0) {
-        s_alpha[row0] = alpha0;
-        s_alpha[row1] = alpha1;
-      }
-      fence_proxy_async();
+      softmax_tile(s, start, hi, t4, row0, row1, qk_scale_log2, m0, m1, l0, l1, p_frag, p_bytes, s_alpha, alpha0, alpha1);
     }
     __syncthreads();  // P and the factors in shared memory
     if (wg == 1) {
