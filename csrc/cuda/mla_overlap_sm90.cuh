@@ -9,15 +9,34 @@
 //   warpgroup 1:                                                               | O_R += P(i) V(i)
 //
 // Warpgroup 0 holds two score tiles (S(i), S(i+1)) beside its half of O. Tiles are copied by the tensor memory
-// accelerator two stages deep (tile i + 2 into tile i's stage once both warpgroups' P V of it is done); rows past
-// the sequence's end are zeroed after they land (they may hold anything, NaN included, and P V must not meet
-// them). Bf16 caches, pages of 8 rows or more; splits, merge, bad indices and outputs as mla_decode_sm90.cuh.
+// accelerator two stages deep: tile i + 2 into tile i's stage once both warpgroups' P V of it is done, which is
+// just before warpgroup 0 needs it (for S(i + 2)), so its pages are read and the tile prefetched to L2 at the
+// start of tile i; rows past the sequence's end are zeroed after they land (they may hold anything, NaN included,
+// and P V must not meet them). Bf16 caches, pages of 8 rows or more; splits, merge, bad indices and outputs as mla_decode_sm90.cuh.
 #pragma once
 #include "mla_decode_sm90.cuh"
 
 namespace attnops::mla_sm90 {
 
 constexpr int kBarScores = 1;  // a named barrier of warpgroup 0 (0 is __syncthreads')
+
+// An L2 prefetch of the boxes tma_boxes copies (the same coordinates, no shared memory, no mbarrier): a tile whose
+// stage is not yet free starts its way from memory, and the copy issued once it is lands from L2
+__device__ __forceinline__ void tma_prefetch(const Args& a, const int (&pages)[kMaxBoxes], int start) {
+  const int rows = min(a.page_size, kKeys);
+#pragma unroll
+  for (int r = 0; r < kMaxBoxes; ++r) {
+    if (r * rows < kKeys) {
+      const int row = (start + r * rows) % a.page_size;
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c)
+        asm volatile("cp.async.bulk.prefetch.tensor.3d.L2.global.tile [%0, {%1, %2, %3}];\n" ::"l"(
+                         reinterpret_cast<uint64_t>(&a.kv_map)),
+                     "r"(c * 64), "r"(row), "r"(pages[r])
+                     : "memory");
+    }
+  }
+}
 
 // Warpgroup 0: rows [visible, 64) of the tile's value chunks zeroed (the split's last tile; its scores are masked),
 // then S = Q K^T issued (committed, not awaited)
@@ -117,6 +136,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_overlap_kernel(const __grid_c
     const uint32_t tile = s_k + (i & 1) * kTileBytes;
     uint32_t p_frag[4][4];
     float alpha0, alpha1;
+    int next_pages[kMaxBoxes];  // (the issuer's: tile i + 2's, read now, copied once tile i is done)
+    if (tid == kIssuer && i + 2 < tiles) {
+      box_pages(a, table_row, start + 2 * kKeys, hi, min(a.page_size, kKeys), next_pages, saw_bad);
+      tma_prefetch(a, next_pages, start + 2 * kKeys);
+    }
     if (wg == 0) {
       wgmma_wait<0>();  // S(i)
       pin(cur);
@@ -127,15 +151,16 @@ __global__ void __launch_bounds__(kThreads, 1) mla_overlap_kernel(const __grid_c
       }
       softmax_tile(cur, start, hi, t4, row0, row1, qk_scale_log2, m0, m1, l0, l1, p_frag, p_bytes, s_alpha, alpha0,
                    alpha1);
+    } else {
+      await_tile(i);  // (its P V reads the tile)
+    }
+    __syncthreads();  // P and the factors in shared memory; the tile's value rows zeroed where past the end
+    if (wg == 0) {
       // S(i + 1) done (computed beside the softmax): O's rescale below must not meet a wgmma in flight (ptxas
       // serialises every wgmma of a stage whose accumulators other instructions write)
       wgmma_wait<0>();
       pin(next);
     } else {
-      await_tile(i);  // (its P V reads the tile)
-    }
-    __syncthreads();  // P and the factors in shared memory; the tile's value rows zeroed where past the end
-    if (wg == 1) {
       alpha0 = s_alpha[row0];
       alpha1 = s_alpha[row1];
     }
@@ -152,8 +177,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_overlap_kernel(const __grid_c
     wgmma_wait<0>();
     pin(o);
     __syncthreads();  // both P V of the tile done: its stage and P free
-    if (tid == kIssuer && i + 2 < tiles)
-      saw_bad |= tma_chunks(a, table_row, start + 2 * kKeys, hi, tile, s_bar + (i & 1) * 8, 0, kChunks - 1, true);
+    if (tid == kIssuer && i + 2 < tiles) tma_boxes(a, next_pages, start + 2 * kKeys, tile, s_bar + (i & 1) * 8, 0,
+                                                   kChunks - 1, true);
   };
   for (int i = 0; i < tiles; i += 2) {
     step(i, s_even, s_odd);
