@@ -299,6 +299,24 @@ __device__ __forceinline__ void tma_boxes(const Args& a, const int (&pages)[kMax
     }
   }
 }
+// An L2 prefetch of the boxes tma_boxes copies (the same coordinates, no shared memory, no mbarrier): a tile whose
+// stage is not yet free starts its way from memory, and the copy issued once it is lands from L2
+__device__ __forceinline__ void tma_prefetch(const Args& a, const int (&pages)[kMaxBoxes], int start) {
+  const int rows = min(a.page_size, kKeys);
+#pragma unroll
+  for (int r = 0; r < kMaxBoxes; ++r) {
+    if (r * rows < kKeys) {
+      const int row = (start + r * rows) % a.page_size;
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c)
+        asm volatile("cp.async.bulk.prefetch.tensor.3d.L2.global.tile [%0, {%1, %2, %3}];\n" ::"l"(
+                         reinterpret_cast<uint64_t>(&a.kv_map)),
+                     "r"(c * 64), "r"(row), "r"(pages[r])
+                     : "memory");
+    }
+  }
+}
+
 __device__ __forceinline__ bool tma_chunks(const Args& a, const int* table_row, int start, int end, uint32_t dst,
                                            uint32_t bar, int first, int count, bool rope) {
   int pages[kMaxBoxes];

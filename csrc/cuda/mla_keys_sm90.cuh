@@ -16,7 +16,7 @@
 // the end, where warpgroup 1 hands its state to warpgroup 0 through shared memory and warpgroup 0 merges and
 // stores. Every tile is copied by the tensor memory accelerator (one thread of the warpgroup; the cache's tensor map
 // as in the TMA path), into the slot as soon as the warpgroup's P V of the slot's last tile is done (its pages read
-// before, while the tile is computed); rows past the
+// and the tile prefetched to L2 before, while the slot's tile is computed); rows past the
 // sequence's end are zeroed after they land (they may hold anything, NaN included, and P V must not meet them).
 // Softmax: a head's maximum over the tile's 64 keys (rows) is reduced over the warp's lanes and the warpgroup's
 // four warps (shared memory, a named barrier); the sums stay a thread's own until the end.
@@ -203,8 +203,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_keys_kernel(const __grid_cons
     mbarrier_wait(bar, phase);
     phase ^= 1;
     int next_pages[kMaxBoxes];  // (the issuer's: the slot's next tile, copied once this one is done)
-    if (issuer && i + 2 < tiles)
+    if (issuer && i + 2 < tiles) {
       box_pages(a, table_row, start + 2 * kKeys, hi, min(a.page_size, kKeys), next_pages, saw_bad);
+      tma_prefetch(a, next_pages, start + 2 * kKeys);
+    }
     if constexpr (kFp8) widen_slot(slot_bytes, wg_tid, wg);
     if (visible < kKeys) {  // the value chunks' rows past the end zeroed (their scores are masked below)
       if constexpr (kFp8) warpgroup_sync(wg);  // (every row widened)

@@ -20,24 +20,6 @@ namespace attnops::mla_sm90 {
 
 constexpr int kBarScores = 1;  // a named barrier of warpgroup 0 (0 is __syncthreads')
 
-// An L2 prefetch of the boxes tma_boxes copies (the same coordinates, no shared memory, no mbarrier): a tile whose
-// stage is not yet free starts its way from memory, and the copy issued once it is lands from L2
-__device__ __forceinline__ void tma_prefetch(const Args& a, const int (&pages)[kMaxBoxes], int start) {
-  const int rows = min(a.page_size, kKeys);
-#pragma unroll
-  for (int r = 0; r < kMaxBoxes; ++r) {
-    if (r * rows < kKeys) {
-      const int row = (start + r * rows) % a.page_size;
-#pragma unroll
-      for (int c = 0; c < kChunks; ++c)
-        asm volatile("cp.async.bulk.prefetch.tensor.3d.L2.global.tile [%0, {%1, %2, %3}];\n" ::"l"(
-                         reinterpret_cast<uint64_t>(&a.kv_map)),
-                     "r"(c * 64), "r"(row), "r"(pages[r])
-                     : "memory");
-    }
-  }
-}
-
 // Warpgroup 0: rows [visible, 64) of the tile's value chunks zeroed (the split's last tile; its scores are masked),
 // then S = Q K^T issued (committed, not awaited)
 __device__ __forceinline__ void issue_scores(float (&s)[32], uint32_t s_q, uint32_t tile, uint8_t* tile_bytes,
