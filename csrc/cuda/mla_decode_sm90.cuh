@@ -486,6 +486,45 @@ __device__ __forceinline__ void store_rows(const Args& a, const float (&o)[128],
   }
 }
 
+// Q [64 x 576] of the block's heads into shared memory (swizzled; zeros past num_heads): cp.async, committed by
+// the caller; thread tid: row tid / 4, pieces tid % 4 + 4 j
+__device__ __forceinline__ void load_q(const Args& a, uint32_t s_q, int token, int head_block, int tid) {
+  const int row = tid >> 2, head = head_block * kRows + row;
+  const bool valid = head < a.num_heads;
+  const __nv_bfloat16* nope = a.q_nope + token * a.q_nope_token + (valid ? head : 0) * a.q_nope_head;
+  const __nv_bfloat16* pe = a.q_pe + token * a.q_pe_token + (valid ? head : 0) * a.q_pe_head;
+#pragma unroll
+  for (int j = 0; j < kPieces / 4; ++j) {
+    const int piece = (tid & 3) + 4 * j;
+    cp_async_16(s_q + swizzled(row, piece), piece < kR / 8 ? nope + piece * 8 : pe + (piece - kR / 8) * 8, valid);
+  }
+}
+
+// The end of a heads-as-rows block (both warpgroups): a bad page seen by any thread recorded and the rows made
+// NaN, warpgroup 0's row sums reduced and handed over with the maxima (s_m, s_l), the rows stored (store_rows)
+__device__ __forceinline__ void finish_rows(const Args& a, const float (&o)[128], bool saw_bad, bool len_bad,
+                                            int tid, int wg, int t4, int row0, int row1, int token, int head_block,
+                                            int split, float m0, float m1, float l0, float l1, float* s_m, float* s_l,
+                                            float kv_scale) {
+  const bool poisoned = __syncthreads_or(saw_bad) != 0;  // a visible key of this split in a bad page
+  if (poisoned && tid == 0) atomicMin(a.errors + kErrBlockTable, token);
+  if (wg == 0) {
+#pragma unroll
+    for (int mask = 1; mask <= 2; mask <<= 1) {
+      l0 += __shfl_xor_sync(0xffffffffu, l0, mask);
+      l1 += __shfl_xor_sync(0xffffffffu, l1, mask);
+    }
+    if (t4 == 0) {
+      s_m[row0] = m0;
+      s_m[row1] = m1;
+      s_l[row0] = l0;
+      s_l[row1] = l1;
+    }
+  }
+  __syncthreads();
+  store_rows(a, o, wg, t4, row0, row1, token, head_block, split, s_m, s_l, len_bad || poisoned, kv_scale);
+}
+
 // kFp8: an fp8 e4m3 cache, staged as bytes (two stages in the second tile's place) and widened to one bf16 tile
 // before the MMAs; kv_scale joins the scores' scale and the output, never the MMAs.
 // kTma (bf16, pages of 8 rows or more; off unless asked for: not yet measured): a whole tile is copied by the
@@ -523,17 +562,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   const float kv_scale = kFp8 ? *a.kv_scale : 1.0f;
   const float qk_scale_log2 = a.qk_scale_log2 * kv_scale;
 
-  {  // Q: q_nope's 512 values then q_pe's 64, a row a head (zeros past num_heads)
-    const int row = tid >> 2, head = head_block * kRows + row;
-    const bool valid = head < a.num_heads;
-    const __nv_bfloat16* nope = a.q_nope + token * a.q_nope_token + (valid ? head : 0) * a.q_nope_head;
-    const __nv_bfloat16* pe = a.q_pe + token * a.q_pe_token + (valid ? head : 0) * a.q_pe_head;
-#pragma unroll
-    for (int j = 0; j < kPieces / 4; ++j) {
-      const int piece = (tid & 3) + 4 * j;
-      cp_async_16(s_q + swizzled(row, piece), piece < kR / 8 ? nope + piece * 8 : pe + (piece - kR / 8) * 8, valid);
-    }
-  }
+  load_q(a, s_q, token, head_block, tid);
   const uint32_t s_bar = smem_u32(s_l + kRows);  // the TMA path: a stage's mbarrier (8 bytes each)
   constexpr int kIssuer = kThreads - 1;           // the TMA path's issuing thread (warpgroup 1's)
   uint32_t phases = 0;                            // bit s: the parity stage s's mbarrier completes next
@@ -628,23 +657,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   }
   cp_async_wait<0>();
 
-  const bool poisoned = __syncthreads_or(saw_bad) != 0;  // a visible key of this split in a bad page
-  if (poisoned && tid == 0) atomicMin(a.errors + kErrBlockTable, token);
-  if (wg == 0) {
-#pragma unroll
-    for (int mask = 1; mask <= 2; mask <<= 1) {
-      l0 += __shfl_xor_sync(0xffffffffu, l0, mask);
-      l1 += __shfl_xor_sync(0xffffffffu, l1, mask);
-    }
-    if (t4 == 0) {
-      s_m[row0] = m0;
-      s_m[row1] = m1;
-      s_l[row0] = l0;
-      s_l[row1] = l1;
-    }
-  }
-  __syncthreads();
-  store_rows(a, o, wg, t4, row0, row1, token, head_block, split, s_m, s_l, len_bad || poisoned, kv_scale);
+  finish_rows(a, o, saw_bad, len_bad, tid, wg, t4, row0, row1, token, head_block, split, m0, m1, l0, l1, s_m, s_l,
+              kv_scale);
 #endif
 }
 

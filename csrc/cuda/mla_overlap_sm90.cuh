@@ -81,17 +81,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_overlap_kernel(const __grid_c
       saw_bad |= tma_chunks(a, table_row, lo + t * kKeys, hi, s_k + t * kTileBytes, s_bar + 8 * t, 0, kChunks - 1,
                             true);
   }
-  {  // Q: q_nope's 512 values then q_pe's 64, a row a head (zeros past num_heads)
-    const int row = tid >> 2, head = head_block * kRows + row;
-    const bool valid = head < a.num_heads;
-    const __nv_bfloat16* nope = a.q_nope + token * a.q_nope_token + (valid ? head : 0) * a.q_nope_head;
-    const __nv_bfloat16* pe = a.q_pe + token * a.q_pe_token + (valid ? head : 0) * a.q_pe_head;
-#pragma unroll
-    for (int j = 0; j < kPieces / 4; ++j) {
-      const int piece = (tid & 3) + 4 * j;
-      cp_async_16(s_q + swizzled(row, piece), piece < kR / 8 ? nope + piece * 8 : pe + (piece - kR / 8) * 8, valid);
-    }
-  }
+  load_q(a, s_q, token, head_block, tid);  // (Q after the first tiles' copies)
   cp_async_commit();
   cp_async_wait<0>();
   fence_proxy_async();
@@ -167,23 +157,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_overlap_kernel(const __grid_c
     if (i + 1 < tiles) step(i + 1, s_odd, s_even);
   }
 
-  const bool poisoned = __syncthreads_or(saw_bad) != 0;  // a visible key of this split in a bad page
-  if (poisoned && tid == 0) atomicMin(a.errors + kErrBlockTable, token);
-  if (wg == 0) {
-#pragma unroll
-    for (int mask = 1; mask <= 2; mask <<= 1) {
-      l0 += __shfl_xor_sync(0xffffffffu, l0, mask);
-      l1 += __shfl_xor_sync(0xffffffffu, l1, mask);
-    }
-    if (t4 == 0) {
-      s_m[row0] = m0;
-      s_m[row1] = m1;
-      s_l[row0] = l0;
-      s_l[row1] = l1;
-    }
-  }
-  __syncthreads();
-  store_rows(a, o, wg, t4, row0, row1, token, head_block, split, s_m, s_l, keys.len_bad || poisoned, 1.0f);
+  finish_rows(a, o, saw_bad, keys.len_bad, tid, wg, t4, row0, row1, token, head_block, split, m0, m1, l0, l1, s_m,
+              s_l, 1.0f);
 #endif
 }
 
