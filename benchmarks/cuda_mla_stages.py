@@ -7,8 +7,8 @@ blocks of a token read the same latent rows), each with the kernel's stages left
 - all: the kernel as the op runs it;
 - no-loads: the first two tiles' rows only, reused (the MMAs, softmax and waits alone);
 - loads-only: the tiles' copies and their waits alone (no MMA, no softmax).
-ATTNOPS_CUDA_MLA_VARIANT=tma: the whole tiles copied by the tensor memory accelerator (bf16), not cp.async;
-=seesaw: the seesaw schedule (all stages only).
+ATTNOPS_CUDA_MLA_VARIANT picks the kernel's form (cp.async, tma, ...; the forms after tma run all stages only;
+keys serves 16 heads or fewer: `--heads 16`).
 Per-tile time flat as the blocks grow: a block is bound by its own chain of work, not by a bandwidth the blocks
 share; a stage whose leaving out takes most of the time away is what binds it.
 """
@@ -29,7 +29,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kv-len", type=int, default=8192, help="keys a sequence (one split: all of them a block)")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 33, 66, 132],
-                        help="sequences at 64 heads (one block each)")
+                        help="sequences (one block each at 64 heads or fewer; at 128, those up to half the most)")
+    parser.add_argument("--heads", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--kv-format", default="bf16", choices=["bf16", "fp8_e4m3"])
     parser.add_argument("--json", help="write the records here")
     args = parser.parse_args(argv)
@@ -37,14 +38,14 @@ def main(argv=None) -> int:
         sys.exit("cuda_mla_stages.py needs a CUDA GPU")
     from attnops import errors as attnops_errors  # (importing attnops registers the ops)
     from attnops.backends.cuda_mla import VARIANTS, kernel_variant
-    variant = kernel_variant(args.kv_format, 64, 64)  # (ATTNOPS_CUDA_MLA_VARIANT; keys: tma at these heads)
-    stages = {"all": 0, "no-loads": 1, "loads-only": 2}  # (csrc/cuda/mla_decode_sm90.cuh: kAllStages ...)
-    if VARIANTS[variant] in ("seesaw", "keys", "overlap"):
-        stages = {"all": 0}
     records = []
     print(f"{'heads':>6}{'tokens':>8}{'blocks':>8}{'stages':>12}{'us':>10}{'us/tile':>10}{'TB/s':>8}")
-    runs = [(64, t) for t in args.tokens] + [(128, t) for t in args.tokens if 2 * t <= max(args.tokens)]
+    runs = [(h, t) for h in args.heads for t in args.tokens if h <= 64 or 2 * t <= max(args.tokens)]
     for heads, tokens in runs:
+        variant = kernel_variant(args.kv_format, 64, heads)  # (ATTNOPS_CUDA_MLA_VARIANT)
+        stages = {"all": 0, "no-loads": 1, "loads-only": 2}  # (csrc/cuda/mla_decode_sm90.cuh: kAllStages ...)
+        if VARIANTS[variant] not in ("cp.async", "tma"):
+            stages = {"all": 0}
         case = make_case(tokens, args.kv_len, heads, 512, 64, 64, args.kv_format)
         out = torch.empty_like(case["q_nope"])
         errors = attnops_errors.buffer(torch.device("cuda"))

@@ -273,8 +273,9 @@ PY
     cuda-mla-variants)
       # (a form that fails or hangs once is left out of the rest of the step: a hang costs its timeout only once)
       variants="cp.async tma seesaw keys overlap"
-      for variant in cp.async tma seesaw overlap; do  # (where a tile's time goes in each form; keys: none at 64 heads)
-        ATTNOPS_CUDA_MLA_VARIANT=$variant timeout 90 python3 benchmarks/cuda_mla_stages.py --tokens 1 66 132 \
+      for variant in $variants; do  # (where a tile's time goes in each form; keys: the tma form past 16 heads)
+        ATTNOPS_CUDA_MLA_VARIANT=$variant timeout 120 python3 benchmarks/cuda_mla_stages.py --tokens 1 66 132 \
+          --heads 16 64 128 \
           --json "$results/cuda-mla-stages-$variant.json" > "/tmp/stages-$variant.txt" 2>&1 \
           || { echo "$variant: failed"; variants=$(echo $variants | sed "s/$variant//"); }
         tail -12 "/tmp/stages-$variant.txt"
