@@ -3,10 +3,11 @@
 for all of them, the 64 x 512 accumulator over two warpgroups), for DeepSeek's shape (R 512, P 64) with a bf16 or
 fp8 e4m3 cache under bf16 q.
 
-Served by default for bf16 caches: slower than FlashInfer's MLA kernels at many heads, much faster than Triton's
-(docs/bench.md, "Latent attention"), so dispatch puts it after FlashInfer (outside captures) and before Triton
-(inside them, where FlashInfer is passed over). fp8 caches only with ATTNOPS_CUDA_MLA=fp8: correct, but no faster
-than bf16 at 16 heads (the 64-row MMAs of 16 heads bind it, not the bytes) and not yet timed against Triton's fp8.
+Served by default for bf16 caches: 0.8-1.1x FlashInfer's MLA speed, much faster than Triton's at many heads
+(docs/bench.md, "Latent attention"); sm_90's measured rule (attnops/tables/sm_90.json) makes it the first choice
+for most decode cases, captured or not (FlashInfer's MLA plans on the host, so a capture passes it over). fp8
+caches only with ATTNOPS_CUDA_MLA=fp8: correct, but no faster than bf16 at 16 heads (the 64-row MMAs of 16 heads
+bind it, not the bytes; the keys form is built for that).
 ATTNOPS_CUDA_MLA=0 turns it off. `bash benchmarks/gpu_round.sh cuda-mla` runs its GPU tests and times it.
 ATTNOPS_CUDA_MLA_VARIANT picks the kernel's form (kernel_variant): `tma` (whole tiles copied by the tensor memory
 accelerator; the default, the fastest measured), `cp.async`, `seesaw` (two tiles a step, each warpgroup the scores
