@@ -110,23 +110,29 @@ __device__ __forceinline__ void store_widened(uint8_t* tile, int row, int c, int
 // fp8: the slot's staged bytes widened in place to its bf16 tile, by the warpgroup (thread t: row t / 2, values
 // 32 (t % 2) .. of each chunk). The bf16 chunks 0-3 cover no staged byte, chunk 4 the staging's chunk 0 and chunks
 // 5-8 the rest, so: chunks 0-4 read, 0-3 written, a barrier, 4 written; chunks 5-8 read, a barrier, written.
+// One chunk's 32 staged bytes of this thread (two 16-byte words, in order). Rows 2 and 3 of every four read their
+// second word first: the eight threads of a quarter-warp's load then meet eight different bank groups (rows 64
+// bytes apart would otherwise pair up on the same banks)
+__device__ __forceinline__ void load_staged(const uint8_t* staged, int row, uint4 (&v)[2]) {
+  const int first = (row >> 1) & 1;
+  const uint4 a = *reinterpret_cast<const uint4*>(staged + 16 * first);
+  const uint4 b = *reinterpret_cast<const uint4*>(staged + 16 * (first ^ 1));
+  v[0] = first ? b : a;
+  v[1] = first ? a : b;
+}
+
 __device__ __forceinline__ void widen_slot(uint8_t* tile, int wg_tid, int wg) {
   const int row = wg_tid >> 1, half = wg_tid & 1;
   const uint8_t* staged = tile + kFp8StageOffset + row * 64 + half * 32;
   uint4 v[5][2];
 #pragma unroll
-  for (int c = 0; c < 5; ++c)
-#pragma unroll
-    for (int w = 0; w < 2; ++w) v[c][w] = *reinterpret_cast<const uint4*>(staged + c * kFp8ChunkBytes + 16 * w);
+  for (int c = 0; c < 5; ++c) load_staged(staged + c * kFp8ChunkBytes, row, v[c]);
 #pragma unroll
   for (int c = 0; c < 4; ++c) store_widened(tile, row, c, half, v[c]);
   warpgroup_sync(wg);
   store_widened(tile, row, 4, half, v[4]);
 #pragma unroll
-  for (int c = 5; c < kChunks; ++c)
-#pragma unroll
-    for (int w = 0; w < 2; ++w)
-      v[c - 5][w] = *reinterpret_cast<const uint4*>(staged + c * kFp8ChunkBytes + 16 * w);
+  for (int c = 5; c < kChunks; ++c) load_staged(staged + c * kFp8ChunkBytes, row, v[c - 5]);
   warpgroup_sync(wg);
 #pragma unroll
   for (int c = 5; c < kChunks; ++c) store_widened(tile, row, c, half, v[c - 5]);
