@@ -282,39 +282,62 @@ __device__ __forceinline__ void box_pages(const Args& a, const int* table_row, i
 // awaited on `bar`: column chunks [first, first + count) and, with `rope`, the rotary chunk 8, in boxes of
 // min(page_size, 64) rows. Returns whether a page index of a visible key (< `end`) is outside the cache (its boxes
 // land as zeros; the rows are NaN in the end).
+// The boxes of a tile's keys [start, start + 64): box(r, first row of the box in the tile, its row in its page)
+// for each box r of min(page_size, 64) rows (the box's page: pages[r])
+template <class Box>
+__device__ __forceinline__ void for_each_box(const Args& a, int start, Box box) {
+  const int rows = min(a.page_size, kKeys);
+#pragma unroll
+  for (int r = 0; r < kMaxBoxes; ++r)
+    if (r * rows < kKeys) box(r, r * rows, (start + r * rows) % a.page_size);
+}
 // tma_boxes: the same with the boxes' pages already read (box_pages)
 __device__ __forceinline__ void tma_boxes(const Args& a, const int (&pages)[kMaxBoxes], int start, uint32_t dst,
                                           uint32_t bar, int first, int count, bool rope) {
-  const int rows = min(a.page_size, kKeys);
   mbarrier_expect_bytes(bar, (count + (rope ? 1 : 0)) * kChunkBytes);
+  for_each_box(a, start, [&](int r, int tile_row, int row) {
 #pragma unroll
-  for (int r = 0; r < kMaxBoxes; ++r) {
-    if (r * rows < kKeys) {
-      const int row = (start + r * rows) % a.page_size;
-#pragma unroll
-      for (int c = 0; c < kChunks - 1; ++c)
-        if (c < count)
-          tma_box(dst + (first + c) * kChunkBytes + r * rows * 128, &a.kv_map, bar, (first + c) * 64, row, pages[r]);
-      if (rope) tma_box(dst + 8 * kChunkBytes + r * rows * 128, &a.kv_map, bar, 8 * 64, row, pages[r]);
-    }
-  }
+    for (int c = 0; c < kChunks - 1; ++c)
+      if (c < count)
+        tma_box(dst + (first + c) * kChunkBytes + tile_row * 128, &a.kv_map, bar, (first + c) * 64, row, pages[r]);
+    if (rope) tma_box(dst + 8 * kChunkBytes + tile_row * 128, &a.kv_map, bar, 8 * 64, row, pages[r]);
+  });
 }
 // An L2 prefetch of the boxes tma_boxes copies (the same coordinates, no shared memory, no mbarrier): a tile whose
 // stage is not yet free starts its way from memory, and the copy issued once it is lands from L2
 __device__ __forceinline__ void tma_prefetch(const Args& a, const int (&pages)[kMaxBoxes], int start) {
-  const int rows = min(a.page_size, kKeys);
+  for_each_box(a, start, [&](int r, int, int row) {
 #pragma unroll
-  for (int r = 0; r < kMaxBoxes; ++r) {
-    if (r * rows < kKeys) {
-      const int row = (start + r * rows) % a.page_size;
-#pragma unroll
-      for (int c = 0; c < kChunks; ++c)
-        asm volatile("cp.async.bulk.prefetch.tensor.3d.L2.global.tile [%0, {%1, %2, %3}];\n" ::"l"(
-                         reinterpret_cast<uint64_t>(&a.kv_map)),
-                     "r"(c * 64), "r"(row), "r"(pages[r])
-                     : "memory");
-    }
+    for (int c = 0; c < kChunks; ++c)
+      asm volatile("cp.async.bulk.prefetch.tensor.3d.L2.global.tile [%0, {%1, %2, %3}];\n" ::"l"(
+                       reinterpret_cast<uint64_t>(&a.kv_map)),
+                   "r"(c * 64), "r"(row), "r"(pages[r])
+                   : "memory");
+  });
+}
+
+// Rows [visible, 64) of a tile's eight value chunks zeroed by one warpgroup (thread wg_tid; the split's last tile:
+// rows past a sequence's end may hold anything, NaN included, and P V must not meet them; their scores are masked).
+// The caller fences and syncs before the MMAs read them.
+__device__ __forceinline__ void zero_rows_past(uint8_t* tile, int visible, int wg_tid) {
+  for (int z = wg_tid; z < (kKeys - visible) * 8 * 8; z += 128) {
+    const int row = visible + z / 64, chunk = (z / 8) % 8, piece = z % 8;
+    *reinterpret_cast<uint4*>(tile + chunk * kChunkBytes + row * 128 + piece * 16) = make_uint4(0, 0, 0, 0);
   }
+}
+
+// Warpgroup 0's S = Q K^T over 576 values (Q and the tile K-major, swizzled), issued and committed, not awaited
+__device__ __forceinline__ void issue_scores(float (&s)[32], uint32_t s_q, uint32_t tile) {
+#pragma unroll
+  for (int z = 0; z < 32; ++z) s[z] = 0.0f;
+  pin(s);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kD / 16; ++kk) {
+    const uint32_t offset = (kk >> 2) * kChunkBytes + (kk & 3) * 32;
+    wgmma_m64n64k16_ss(s, descriptor(s_q + offset, 16, 1024), descriptor(tile + offset, 16, 1024), kk > 0);
+  }
+  wgmma_commit();
 }
 
 __device__ __forceinline__ bool tma_chunks(const Args& a, const int* table_row, int start, int end, uint32_t dst,
@@ -623,19 +646,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
     float alpha0, alpha1;
     if (wg == 0) {
       float s[32];
-#pragma unroll
-      for (int z = 0; z < 32; ++z) s[z] = 0.0f;
-      pin(s);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kD / 16; ++kk) {
-        const uint32_t offset = (kk >> 2) * kChunkBytes + (kk & 3) * 32;
-        wgmma_m64n64k16_ss(s, descriptor(s_q + offset, 16, 1024), descriptor(tile + offset, 16, 1024), kk > 0);
-      }
-      wgmma_commit();
+      issue_scores(s, s_q, tile);
       wgmma_wait_all();
       pin(s);
-      softmax_tile(s, start, hi, t4, row0, row1, qk_scale_log2, m0, m1, l0, l1, p_frag, p_bytes, s_alpha, alpha0, alpha1);
+      softmax_tile(s, start, hi, t4, row0, row1, qk_scale_log2, m0, m1, l0, l1, p_frag, p_bytes, s_alpha, alpha0,
+                   alpha1);
     }
     __syncthreads();  // P and the factors in shared memory
     if (wg == 1) {

@@ -67,17 +67,12 @@ __device__ __forceinline__ int column_of(int q, int t4) { return 8 * (q >> 1) + 
 // accelerator from one thread, awaited on `bar`; boxes of {64 values, min(page_size, 64) rows} as tma_boxes'
 __device__ __forceinline__ void tma_fp8_boxes(const Args& a, const int (&pages)[kMaxBoxes], int start, uint32_t stage,
                                               uint32_t bar) {
-  const int rows = min(a.page_size, kKeys);
   mbarrier_expect_bytes(bar, kChunks * kFp8ChunkBytes);
+  for_each_box(a, start, [&](int r, int tile_row, int row) {
 #pragma unroll
-  for (int r = 0; r < kMaxBoxes; ++r) {
-    if (r * rows < kKeys) {
-      const int row = (start + r * rows) % a.page_size;
-#pragma unroll
-      for (int c = 0; c < kChunks; ++c)
-        tma_box(stage + c * kFp8ChunkBytes + r * rows * 64, &a.kv_map, bar, c * 64, row, pages[r]);
-    }
-  }
+    for (int c = 0; c < kChunks; ++c)
+      tma_box(stage + c * kFp8ChunkBytes + tile_row * 64, &a.kv_map, bar, c * 64, row, pages[r]);
+  });
 }
 
 // A tile's copy into a slot: bf16 swizzled, or fp8 bytes to the slot's upper half
@@ -216,10 +211,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_keys_kernel(const __grid_cons
     if constexpr (kFp8) widen_slot(slot_bytes, wg_tid, wg);
     if (visible < kKeys) {  // the value chunks' rows past the end zeroed (their scores are masked below)
       if constexpr (kFp8) warpgroup_sync(wg);  // (every row widened)
-      for (int z = wg_tid; z < (kKeys - visible) * 8 * 8; z += 128) {
-        const int row = visible + z / 64, chunk = (z / 8) % 8, piece = z % 8;
-        *reinterpret_cast<uint4*>(slot_bytes + chunk * kChunkBytes + row * 128 + piece * 16) = make_uint4(0, 0, 0, 0);
-      }
+      zero_rows_past(slot_bytes, visible, wg_tid);
     }
     if (kFp8 || visible < kKeys) {
       fence_proxy_async();

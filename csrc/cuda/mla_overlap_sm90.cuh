@@ -12,7 +12,8 @@
 // accelerator two stages deep: tile i + 2 into tile i's stage once both warpgroups' P V of it is done, which is
 // just before warpgroup 0 needs it (for S(i + 2)), so its pages are read and the tile prefetched to L2 at the
 // start of tile i; rows past the sequence's end are zeroed after they land (they may hold anything, NaN included,
-// and P V must not meet them). Bf16 caches, pages of 8 rows or more; splits, merge, bad indices and outputs as mla_decode_sm90.cuh.
+// and P V must not meet them). Bf16 caches, pages of 8 rows or more; splits, merge, bad indices and outputs as
+// mla_decode_sm90.cuh.
 #pragma once
 #include "mla_decode_sm90.cuh"
 
@@ -20,28 +21,16 @@ namespace attnops::mla_sm90 {
 
 constexpr int kBarScores = 1;  // a named barrier of warpgroup 0 (0 is __syncthreads')
 
-// Warpgroup 0: rows [visible, 64) of the tile's value chunks zeroed (the split's last tile; its scores are masked),
-// then S = Q K^T issued (committed, not awaited)
-__device__ __forceinline__ void issue_scores(float (&s)[32], uint32_t s_q, uint32_t tile, uint8_t* tile_bytes,
-                                             int visible, int wg_tid) {
+// Warpgroup 0: the tile's value rows past `visible` zeroed (the split's last tile), then S = Q K^T issued
+// (committed, not awaited)
+__device__ __forceinline__ void zero_and_issue_scores(float (&s)[32], uint32_t s_q, uint32_t tile,
+                                                      uint8_t* tile_bytes, int visible, int wg_tid) {
   if (visible < kKeys) {
-    for (int z = wg_tid; z < (kKeys - visible) * 8 * 8; z += 128) {
-      const int row = visible + z / 64, chunk = (z / 8) % 8, piece = z % 8;
-      *reinterpret_cast<uint4*>(tile_bytes + chunk * kChunkBytes + row * 128 + piece * 16) = make_uint4(0, 0, 0, 0);
-    }
+    zero_rows_past(tile_bytes, visible, wg_tid);
     fence_proxy_async();
     asm volatile("bar.sync %0, 128;\n" ::"n"(kBarScores) : "memory");
   }
-#pragma unroll
-  for (int z = 0; z < 32; ++z) s[z] = 0.0f;
-  pin(s);
-  wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < kD / 16; ++kk) {
-    const uint32_t offset = (kk >> 2) * kChunkBytes + (kk & 3) * 32;
-    wgmma_m64n64k16_ss(s, descriptor(s_q + offset, 16, 1024), descriptor(tile + offset, 16, 1024), kk > 0);
-  }
-  wgmma_commit();
+  issue_scores(s, s_q, tile);
 }
 
 template <int kUnused>
@@ -99,7 +88,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_overlap_kernel(const __grid_c
   float s_even[32], s_odd[32];  // warpgroup 0: the scores of even and odd tiles
   if (wg == 0 && tiles > 0) {
     await_tile(0);
-    issue_scores(s_even, s_q, s_k, smem + kTileBytes, min(hi - lo, kKeys), tid & 127);
+    zero_and_issue_scores(s_even, s_q, s_k, smem + kTileBytes, min(hi - lo, kKeys), tid & 127);
   }
 
   // one tile: i's scores in `cur` (issued), i + 1's issued into `next`
@@ -118,8 +107,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_overlap_kernel(const __grid_c
       pin(cur);
       if (i + 1 < tiles) {
         await_tile(i + 1);
-        issue_scores(next, s_q, s_k + ((i + 1) & 1) * kTileBytes, smem + kTileBytes + ((i + 1) & 1) * kTileBytes,
-                     min(hi - start - kKeys, kKeys), tid & 127);
+        zero_and_issue_scores(next, s_q, s_k + ((i + 1) & 1) * kTileBytes,
+                              smem + kTileBytes + ((i + 1) & 1) * kTileBytes, min(hi - start - kKeys, kKeys),
+                              tid & 127);
       }
       softmax_tile(cur, start, hi, t4, row0, row1, qk_scale_log2, m0, m1, l0, l1, p_frag, p_bytes, s_alpha, alpha0,
                    alpha1);

@@ -83,10 +83,7 @@ __device__ __forceinline__ void tile_scores(float (&s)[32], uint32_t s_q, uint32
   phases ^= 1u << own;
   if (visible < kKeys) {  // (both groups in place, then the value chunks' rows past the end zeroed: P V's)
     mbarrier_wait(bar1, (phases >> other) & 1);
-    for (int i = wg_tid; i < (kKeys - visible) * 8 * 8; i += 128) {
-      const int row = visible + i / 64, chunk = (i / 8) % 8, piece = i % 8;
-      *reinterpret_cast<uint4*>(tile_bytes + chunk * kChunkBytes + row * 128 + piece * 16) = make_uint4(0, 0, 0, 0);
-    }
+    zero_rows_past(tile_bytes, visible, wg_tid);
     fence_proxy_async();
     named_sync(kBarOwn + slot, 128);
   }
