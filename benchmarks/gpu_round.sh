@@ -342,7 +342,7 @@ PY
         --append --plot "$results/serve.png" >> "$results/serve.txt" 2> /tmp/serve.err; tail -30 "$results/serve.txt"
       tail -3 /tmp/serve.err; stamp serve ;;
     serve-mla)
-      timeout ${SERVE_TIMEOUT:-540} python3 -m attnops serve-bench --family deepseek_v2 --contexts 8192 --batches 32 \
+      timeout ${SERVE_TIMEOUT:-540} python3 -m attnops serve-bench --family deepseek_v2 --layers ${SERVE_MLA_LAYERS:-8} --contexts 8192 --batches 32 \
         --modes compiled+graphs transformers --kv-formats bf16 fp8_e4m3 ${SERVE_MLA_ARGS:-} --json "$results/serve-mla.json" \
         --plot "$results/serve-mla.png" > "$results/serve-mla.txt" 2> /tmp/serve-mla.err; tail -3 /tmp/serve-mla.err
       tail -8 "$results/serve-mla.txt"; stamp serve-mla ;;

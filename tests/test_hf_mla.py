@@ -187,6 +187,11 @@ def test_families_load_enables_mla():
     assert (real.hidden_size, real.num_attention_heads, real.q_lora_rank, real.kv_lora_rank, real.qk_nope_head_dim,
             real.qk_rope_head_dim, real.v_head_dim) == (7168, 128, 1536, 512, 128, 64, 128)
     assert "deepseek_v3" not in families.FAMILIES  # the generic path's families: it cannot serve latent attention
+    # a family's first layers only (the serving benchmark's model where the whole one would not fit)
+    assert families.family_config("deepseek_v2", layers=3).num_hidden_layers == 3
+    assert families.load("deepseek_v2", tiny=True, dtype=torch.float32, layers=1).config.num_hidden_layers == 1
+    with pytest.raises(ValueError, match="layers must be a positive int"):
+        families.family_config("deepseek_v2", layers=0)
 
 
 def test_bad_inputs():

@@ -63,7 +63,7 @@ def load_model(family, args, device, dtype):
     """transformers' model (attn_implementation "attnops") of a family, random at its real shape (tiny with
     --small), or of --checkpoint."""
     from ..hf import families
-    return families.load(args.checkpoint or family, device=device, dtype=dtype, tiny=args.small)
+    return families.load(args.checkpoint or family, device=device, dtype=dtype, tiny=args.small, layers=args.layers)
 
 
 def checkpoint_family(path) -> str:
@@ -415,6 +415,9 @@ def main(argv=None) -> dict:
                         help=f"model families, random weights at a real model's shape ({shapes}; tiny with "
                              "--small). Default: llama")
     parser.add_argument("--checkpoint", help="a checkpoint directory instead (its family read from config.json)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="a family's first N layers only (default: all of the real model's): for a model whose "
+                             "weights and transformers' static cache would not fit at the largest point")
     parser.add_argument("--batches", type=int, nargs="*", help="default: 1 32 128 (1 4 with --small)")
     parser.add_argument("--contexts", type=int, nargs="*", help="default: 1024 8192 (64 256 with --small)")
     parser.add_argument("--modes", nargs="*", choices=MODES,
@@ -441,6 +444,8 @@ def main(argv=None) -> dict:
     device = torch.device(args.device or ("cpu" if args.small or not torch.cuda.is_available() else "cuda"))
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     dtype_name = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
+    if args.layers is not None and (args.layers < 1 or args.checkpoint):
+        raise SystemExit("python -m attnops serve-bench: --layers must be at least 1, and is for --family only")
     if args.checkpoint:
         family = checkpoint_family(args.checkpoint)
         if args.family not in (None, [family]):

@@ -105,11 +105,16 @@ def _spec(family: str) -> Family:
     return spec
 
 
-def family_config(family: str, *, tiny: bool = False):
-    """transformers' config of `family` (of FAMILIES or MLA_FAMILIES) at its real model's shape, or tiny."""
+def family_config(family: str, *, tiny: bool = False, layers: int | None = None):
+    """transformers' config of `family` (of FAMILIES or MLA_FAMILIES) at its real model's shape, or tiny; with
+    `layers`, its first that many layers only (a model whose weights and cache would not fit otherwise)."""
     import transformers
     spec = _spec(family)
     fields = {**TINY, **spec.tiny} if tiny else copy.deepcopy(spec.real)
+    if layers is not None:
+        if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+            raise ValueError(f"attnops.hf: layers must be a positive int (got {layers!r})")
+        fields["num_hidden_layers"] = layers
     return transformers.AutoConfig.for_model(spec.model_type, **fields)
 
 
@@ -122,20 +127,22 @@ def describe(model_or_family: str, tiny: bool = False) -> str:
 
 
 def load(model: str, *, device="cpu", dtype=torch.bfloat16, tiny: bool = False, seed: int = 0,
-         attn_implementation: str = ATTN_IMPLEMENTATION):
+         attn_implementation: str = ATTN_IMPLEMENTATION, layers: int | None = None):
     """A transformers causal LM in eval mode: `model` is a family name (random weights, at the real model's shape
     or tiny, made on `device` in `dtype`) or a checkpoint (a directory, or a name transformers resolves; every
-    weight of its config must be in it). A latent-attention model (MLA_FAMILIES, a DeepSeek-V2/V3 checkpoint)
+    weight of its config must be in it; `layers` is for families only). A latent-attention model (MLA_FAMILIES, a DeepSeek-V2/V3 checkpoint)
     with attn_implementation "attnops" comes through attnops.hf.mla.enable_mla: serve it with a LatentCache."""
     import transformers
     from .mla import enable_mla, has_latent_attention
     if model in FAMILIES or model in MLA_FAMILIES:
-        config = family_config(model, tiny=tiny)
+        config = family_config(model, tiny=tiny, layers=layers)
         torch.manual_seed(seed)
         with torch.device(device):
             hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation,
                                                                dtype=dtype)
     else:
+        if layers is not None:
+            raise ValueError(f"attnops.hf: layers is for a family's random model, not a checkpoint ({model})")
         # a hub name is namespace/name; anything else that is not a directory here is a mistake to say so
         if not Path(model).exists() and (model.count("/") != 1 or model.startswith(("/", ".", "~"))):
             raise ValueError(f"attnops.hf: model must be a family ({', '.join([*FAMILIES, *MLA_FAMILIES])}) or a "
