@@ -70,7 +70,7 @@
 #             FlashInfer is installed, and the ceiling): $results/$MLA_NAME.json, .txt (MLA_NAME default mla).
 #             MLA_ARGS="--sweep" times Triton's tiles and splits per case (what mla_plan is fitted to);
 #             MLA_ARGS="--backend flashinfer" the op through FlashInfer's MLA backend (eager: a step's plan reused)
-#   cuda-mla  the CUDA backend's sm_90a latent-attention decode (ATTNOPS_CUDA_MLA=fp8: fp8 too): the GPU tests
+#   cuda-mla  the CUDA backend's sm_90a latent-attention decode (bf16 and fp8 caches): the GPU tests
 #             of tests/test_cuda_mla.py ($results/cuda-mla-tests.log), then benchmarks/mla_decode.py pinned to it
 #             at CUDA_MLA_HEADS heads (default 16 64 128), bf16 against FlashInfer's MLA wrapper where installed,
 #             and fp8: $results/cuda-mla-{bf16,fp8_e4m3}.{json,txt}
@@ -174,7 +174,7 @@ for step in "$@"; do
       tail -3 /tmp/models.err; sed -n '/^the rule on/,$p' "$results/models.log" | head -60; stamp models ;;
     mla-models)
       arch=$(python3 -c "import torch; print('sm_%d%d' % torch.cuda.get_device_capability())")
-      ATTNOPS_CUDA_MLA=fp8 timeout ${MODELS_TIMEOUT:-540} python3 -m attnops bench --grid models --cases deepseek-v3 \
+      timeout ${MODELS_TIMEOUT:-540} python3 -m attnops bench --grid models --cases deepseek-v3 \
         --backends flashinfer cuda triton --peers fi-mla --auto --graph-only --rep-ms ${REP_MS:-50} \
         --json "$results/mla-models.json" \
         > "$results/mla-models.txt" 2> /tmp/mla-models.err; tail -3 /tmp/mla-models.err
@@ -257,7 +257,7 @@ PY
       stamp mla ;;
     cuda-mla)
       for variant in cpasync_form tma_form seesaw_form keys_form overlap_form; do  # (each form under its own time limit)
-        ATTNOPS_CUDA_MLA=fp8 timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -rA -p no:cacheprovider -m gpu \
+        timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -rA -p no:cacheprovider -m gpu \
           -k $variant tests/test_cuda_mla.py > "/tmp/cuda-mla-tests-$variant.log" 2>&1
         echo "== $variant (exit $?)"; grep -E "passed|failed|FAILED|Error" "/tmp/cuda-mla-tests-$variant.log" \
           | grep -v "^PASSED" | tail -8
@@ -265,7 +265,7 @@ PY
       timeout 60 python3 -m pytest -q -p no:cacheprovider -m gpu -k "not _form" \
         tests/test_cuda_mla.py 2>&1 | tail -1
       for fmt in bf16 fp8_e4m3; do
-        ATTNOPS_CUDA_MLA=fp8 timeout ${MLA_TIMEOUT:-300} python3 benchmarks/mla_decode.py --backend cuda \
+        timeout ${MLA_TIMEOUT:-300} python3 benchmarks/mla_decode.py --backend cuda \
           --heads ${CUDA_MLA_HEADS:-16 64 128} --cases 1x32768 32x8192 128x4096 --kv-format $fmt \
           --json "$results/cuda-mla-$fmt.json" 2>&1 | tee "$results/cuda-mla-$fmt.txt" | tail -12
       done
@@ -286,7 +286,7 @@ PY
           --json "$results/cuda-mla-$variant-$round.json" > "$results/cuda-mla-$variant-$round.txt" 2>&1 || \
           { echo "$variant: failed"; tail -5 "$results/cuda-mla-$variant-$round.txt"; variants=$(echo $variants | sed "s/$variant//"); }
         case $variant in cp.async|keys)  # (fp8 caches: these two forms only; keys at 16 heads)
-          ATTNOPS_CUDA_MLA=fp8 ATTNOPS_CUDA_MLA_VARIANT=$variant timeout ${MLA_TIMEOUT:-120} python3 \
+          ATTNOPS_CUDA_MLA_VARIANT=$variant timeout ${MLA_TIMEOUT:-120} python3 \
             benchmarks/mla_decode.py --backend cuda --heads 16 --cases 1x32768 32x8192 128x4096 --no-flashinfer \
             --kv-format fp8_e4m3 --json "$results/cuda-mla-$variant-fp8-$round.json" \
             > "$results/cuda-mla-$variant-fp8-$round.txt" 2>&1 || echo "$variant fp8: failed" ;;

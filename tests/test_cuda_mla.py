@@ -1,7 +1,7 @@
 """The CUDA backend's latent-attention decode (attnops/backends/cuda_mla.py, csrc/cuda/mla_decode_sm90.cuh).
 
 Here: what it declines and why, its split plan, and its kernel through nvcc for sm_90a (resources, no spills, the
-wgmmas kept pipelined). On an H100/H200 (`-m gpu`, ATTNOPS_CUDA_MLA=fp8 set by the tests: fp8 too): the op
+wgmmas kept pipelined). On an H100/H200 (`-m gpu`, bf16 and fp8 caches): the op
 pinned to it against the float64 reference on random ragged decode batches (1 to 128 heads, pages of 16 and 64,
 one and many splits, LSE, sinks), bad indices, a user's CUDA graph replaying new lengths and tables, and
 reduce-overhead.
@@ -30,20 +30,20 @@ CASE = MLACase(device_type="cuda", arch=(9, 0), q_dtype=torch.bfloat16, kv_forma
                rope_dim=64, num_heads=128, page_size=64, decode=True, batch=8, max_kv_len=8192)
 
 
-def test_serves_bf16_by_default_fp8_when_asked_and_nothing_when_off(monkeypatch):
+def test_serves_bf16_and_fp8_by_default_bf16_when_asked_and_nothing_when_off(monkeypatch):
     monkeypatch.setattr(cuda_mla, "sm90a_built", lambda device: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     fp8 = MLACase(**{**CASE.__dict__, "kv_format": "fp8_e4m3"})
     monkeypatch.delenv(cuda_mla.ENV, raising=False)
-    assert cuda_mla.reasons(CASE) == [] and any(f"{cuda_mla.ENV}=fp8" in r for r in cuda_mla.reasons(fp8))
-    monkeypatch.setenv(cuda_mla.ENV, "fp8")
     assert cuda_mla.reasons(CASE) == cuda_mla.reasons(fp8) == []
+    monkeypatch.setenv(cuda_mla.ENV, "bf16")
+    assert cuda_mla.reasons(CASE) == [] and any(f"{cuda_mla.ENV}=bf16" in r for r in cuda_mla.reasons(fp8))
     monkeypatch.setenv(cuda_mla.ENV, "0")
     assert any("turned off" in r for r in cuda_mla.reasons(CASE))
 
 
 def test_declines_what_its_kernel_is_not_built_for(monkeypatch):
-    monkeypatch.setenv(cuda_mla.ENV, "fp8")
+    monkeypatch.delenv(cuda_mla.ENV, raising=False)
     monkeypatch.setattr(cuda_mla, "sm90a_built", lambda device: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     assert cuda_mla.reasons(CASE) == []
@@ -170,7 +170,7 @@ def cuda_on(monkeypatch, request):
     """The kernel on an sm_90 GPU, both cache formats, in each of its forms (fp8 by the cp.async and keys forms)."""
     if not sm90():
         pytest.skip("needs an sm_90 GPU")
-    monkeypatch.setenv(cuda_mla.ENV, "fp8")  # (both formats)
+    monkeypatch.delenv(cuda_mla.ENV, raising=False)  # (both formats)
     monkeypatch.setenv(cuda_mla.VARIANT_ENV, request.param)
     yield
 
@@ -247,23 +247,27 @@ def test_rows_past_a_sequences_end_are_never_met(cuda_on, page_size, heads, kv_f
     assert relative_error(out, mla_attention_reference(**args)) < 1e-2
 
 
-def test_the_forms_each_serve_what_they_can_and_tma_is_the_default(monkeypatch):
-    monkeypatch.delenv(cuda_mla.VARIANT_ENV, raising=False)  # (the default: tma)
-    assert cuda_mla.kernel_variant("bf16", 64, 16) == cuda_mla.VARIANTS.index("tma")
-    assert cuda_mla.kernel_variant("bf16", 4, 16) == cuda_mla.kernel_variant("fp8_e4m3", 64, 16) == 0
-    for code, name in enumerate(cuda_mla.VARIANTS):
+def test_the_forms_each_serve_what_they_can_and_the_defaults_are_the_fastest_measured(monkeypatch):
+    variant, code = cuda_mla.kernel_variant, cuda_mla.VARIANTS.index
+    monkeypatch.delenv(cuda_mla.VARIANT_ENV, raising=False)  # the defaults: tma for bf16; for fp8 keys or cp.async
+    long = cuda_mla.KEYS_FP8_MIN_CHUNK
+    assert variant("bf16", 64, 16, 256) == variant("bf16", 64, 128, long) == code("tma")
+    assert variant("fp8_e4m3", 64, 16, long) == variant("fp8_e4m3", 64, 1, 2 * long) == code("keys")
+    assert variant("fp8_e4m3", 64, 16, long - 64) == variant("fp8_e4m3", 64, 17, long) == code("cp.async")
+    assert variant("bf16", 4, 16, long) == variant("fp8_e4m3", 4, 16, long) == code("cp.async")
+    for number, name in enumerate(cuda_mla.VARIANTS):
         monkeypatch.setenv(cuda_mla.VARIANT_ENV, name)
-        assert cuda_mla.kernel_variant("bf16", 8, 16) == cuda_mla.kernel_variant("bf16", 256, 1) == code
-        assert cuda_mla.kernel_variant("bf16", 4, 16) == 0
-        assert cuda_mla.kernel_variant("fp8_e4m3", 64, 16) == (code if name == "keys" else 0)
+        assert variant("bf16", 8, 16, 256) == variant("bf16", 256, 1, long) == number
+        assert variant("bf16", 4, 16, long) == 0
+        assert variant("fp8_e4m3", 64, 16, 256) == (number if name == "keys" else 0)
     # the keys form: at most KEYS_MAX_HEADS heads (its MMAs' N), the tma form above (cp.async for fp8)
     monkeypatch.setenv(cuda_mla.VARIANT_ENV, "keys")
-    assert cuda_mla.kernel_variant("bf16", 64, cuda_mla.KEYS_MAX_HEADS + 1) == cuda_mla.VARIANTS.index("tma")
-    assert cuda_mla.kernel_variant("fp8_e4m3", 64, cuda_mla.KEYS_MAX_HEADS + 1) == 0
-    assert cuda_mla.kernel_variant("fp8_e4m3", 4, 16) == 0
+    assert variant("bf16", 64, cuda_mla.KEYS_MAX_HEADS + 1, long) == code("tma")
+    assert variant("fp8_e4m3", 64, cuda_mla.KEYS_MAX_HEADS + 1, long) == 0
+    assert variant("fp8_e4m3", 4, 16, long) == 0
     monkeypatch.setenv(cuda_mla.VARIANT_ENV, "fast")
     with pytest.raises(ValueError, match=cuda_mla.VARIANT_ENV):
-        cuda_mla.kernel_variant("bf16", 64, 16)
+        variant("bf16", 64, 16, long)
 
 
 @pytest.mark.gpu

@@ -59,8 +59,8 @@ def plan_splits(device_index: int, batch: int, num_kv_heads: int, capacity: int)
 class CudaBackend(Backend):
     name = "cuda"
     description = ("attnops' CUDA C++ kernels: 4-bit KV (nvfp4, mxfp4) at head dims 64/128/256, decode and verify, "
-                   "windows and soft cap, read in place; latent-attention (MLA) decode on sm_90a (bf16; fp8 with "
-                   "ATTNOPS_CUDA_MLA=fp8)")
+                   "windows and soft cap, read in place; latent-attention (MLA) decode on sm_90a (bf16 and fp8 "
+                   "caches)")
     writes_cache = False  # reshape_and_cache goes to the Triton kernels
     serves_mla = True  # latent-attention decode on sm_90a (cuda_mla.py)
 

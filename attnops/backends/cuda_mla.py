@@ -3,17 +3,16 @@
 for all of them, the 64 x 512 accumulator over two warpgroups), for DeepSeek's shape (R 512, P 64) with a bf16 or
 fp8 e4m3 cache under bf16 q.
 
-Served by default for bf16 caches: 0.8-1.1x FlashInfer's MLA speed, much faster than Triton's at many heads
-(docs/bench.md, "Latent attention"); sm_90's measured rule (attnops/tables/sm_90.json) makes it the first choice
-for most decode cases, captured or not (FlashInfer's MLA plans on the host, so a capture passes it over). fp8
-caches only with ATTNOPS_CUDA_MLA=fp8: correct, but no faster than bf16 at 16 heads (the 64-row MMAs of 16 heads
-bind it, not the bytes; the keys form is built for that).
-ATTNOPS_CUDA_MLA=0 turns it off. `bash benchmarks/gpu_round.sh cuda-mla` runs its GPU tests and times it.
-ATTNOPS_CUDA_MLA_VARIANT picks the kernel's form (kernel_variant): `tma` (whole tiles copied by the tensor memory
-accelerator; the default, the fastest measured), `cp.async`, `seesaw` (two tiles a step, each warpgroup the scores
-and softmax of one, csrc/cuda/mla_seesaw_sm90.cuh; slower), `keys` (at most 16 heads: the keys as the MMAs' M,
-csrc/cuda/mla_keys_sm90.cuh) and `overlap` (the next tile's scores computed beside this tile's softmax,
-csrc/cuda/mla_overlap_sm90.cuh), the last two not yet measured.
+bf16 caches: 0.8-1.1x FlashInfer's MLA speed, much faster than Triton's at many heads (docs/bench.md, "Latent
+attention"); fp8 caches: slower than its bf16 (the widening to bf16 sits on its chain of work) but faster than
+Triton's fp8 on most decode shapes. sm_90's measured rule (attnops/tables/sm_90.json) makes it the first choice for
+most decode cases, captured or not (FlashInfer's MLA plans on the host, so a capture passes it over).
+ATTNOPS_CUDA_MLA=0 turns it off, =bf16 keeps it to bf16 caches. `bash benchmarks/gpu_round.sh cuda-mla` runs its GPU
+tests and times it. ATTNOPS_CUDA_MLA_VARIANT picks the kernel's form (kernel_variant; the default: the fastest
+measured for the call): `tma` (whole tiles copied by the tensor memory accelerator), `cp.async`, `seesaw` (two
+tiles a step, each warpgroup the scores and softmax of one, csrc/cuda/mla_seesaw_sm90.cuh), `keys` (at most 16
+heads: the keys as the MMAs' M, csrc/cuda/mla_keys_sm90.cuh) and `overlap` (the next tile's scores computed beside
+this tile's softmax, csrc/cuda/mla_overlap_sm90.cuh).
 
 The split of each sequence's keys comes from shapes only (the table's capacity, the tokens, the heads, the SM
 count), so a CUDA graph replays any lengths; with more than one split, the op's second kernel merges the partials
@@ -35,6 +34,7 @@ ENV = "ATTNOPS_CUDA_MLA"
 VARIANT_ENV = "ATTNOPS_CUDA_MLA_VARIANT"
 VARIANTS = ("cp.async", "tma", "seesaw", "keys", "overlap")  # (the op's `variant` codes 0 to 4)
 KEYS_MAX_HEADS = 16  # the keys form's heads a block (its MMAs' N)
+KEYS_FP8_MIN_CHUNK = 2048  # fp8: the keys form's splits at least (measured faster at 2048 and 4096, slower at 256)
 SHAPE = (512, 64)  # (R, P) the kernel is built for
 KV_FORMATS = ("bf16", "fp8_e4m3")  # (fp8: widened to bf16 in shared memory; q is bf16)
 ROWS = 64  # heads a block
@@ -45,17 +45,19 @@ INVARIANT_CHUNK = 2048  # batch-invariant mode: keys a split, from each sequence
 
 
 def served_formats() -> tuple[str, ...]:
-    """The cache formats it serves: ATTNOPS_CUDA_MLA unset or 1: bf16; fp8: bf16 and fp8 e4m3; 0: none."""
+    """The cache formats it serves: ATTNOPS_CUDA_MLA unset or 1: bf16 and fp8 e4m3; bf16: bf16; 0: none."""
     switch = os.environ.get(ENV, "1")
-    return {"0": (), "fp8": KV_FORMATS}.get(switch, ("bf16",))
+    return {"0": (), "bf16": ("bf16",)}.get(switch, KV_FORMATS)
 
 
-def kernel_variant(kv_format: str, page_size: int, num_heads: int) -> int:
-    """The kernel's form for a call, as the op's code (VARIANTS' index): ATTNOPS_CUDA_MLA_VARIANT's (default
-    tma, the fastest, docs/bench.md) where it serves the call: the forms other than cp.async copy through the tensor
-    memory accelerator, pages of 8 rows or more (cp.async otherwise), bf16 caches (keys: fp8 too); keys takes at
-    most KEYS_MAX_HEADS heads (tma otherwise). `bash benchmarks/gpu_round.sh cuda-mla-variants` times them."""
-    name = os.environ.get(VARIANT_ENV) or "tma"
+def kernel_variant(kv_format: str, page_size: int, num_heads: int, chunk: int) -> int:
+    """The kernel's form for a call of `chunk` keys a split, as the op's code (VARIANTS' index):
+    ATTNOPS_CUDA_MLA_VARIANT's where it serves the call, by default the fastest measured (docs/bench.md: tma for
+    bf16; for fp8 keys at most KEYS_MAX_HEADS heads and KEYS_FP8_MIN_CHUNK keys a split, cp.async otherwise). The forms other than cp.async copy through the tensor memory accelerator, pages
+    of 8 rows or more (cp.async otherwise), bf16 caches (keys: fp8 too); keys takes at most KEYS_MAX_HEADS heads (tma
+    otherwise). `bash benchmarks/gpu_round.sh cuda-mla-variants` times them."""
+    name = os.environ.get(VARIANT_ENV) or \
+        ("tma" if kv_format == "bf16" else "keys" if chunk >= KEYS_FP8_MIN_CHUNK else "cp.async")
     if name not in VARIANTS:
         raise ValueError(f"{VARIANT_ENV} must be one of {', '.join(VARIANTS)} (got {name!r})")
     if name == "keys" and num_heads > KEYS_MAX_HEADS:
@@ -87,7 +89,7 @@ def reasons(case) -> list[str]:
     found = common_reasons(case, devices=("cuda",), q_dtypes=(torch.bfloat16,), archs=lambda arch: arch == (9, 0))
     if case.kv_format not in served:
         found.append(f"kv_format {case.kv_format} not supported" if case.kv_format not in KV_FORMATS else
-                     f"kv_format {case.kv_format}: correct but not yet timed against Triton's, so only with {ENV}=fp8")
+                     f"kv_format {case.kv_format}: turned off ({ENV}={os.environ.get(ENV)})")
     if (case.latent_dim, case.rope_dim) != SHAPE:
         found.append(f"latent rows of R {case.latent_dim}, P {case.rope_dim}: its kernel is built for R {SHAPE[0]}, "
                      f"P {SHAPE[1]}")
@@ -144,7 +146,7 @@ def mla_attention(call) -> None:
     torch.ops.attnops.mla_decode_sm90(q_nope, q_pe, call.kv_cache, call.kv_scale, call.block_table.contiguous(),
                                       call.seq_lens.contiguous(), sinks, out, lse, part_out, part_lse,
                                       errors.buffer(device), float(call.scale), splits, chunk, 0,
-                                      kernel_variant(call.case.kv_format, call.kv_cache.shape[1], num_heads))
+                                      kernel_variant(call.case.kv_format, call.kv_cache.shape[1], num_heads, chunk))
 
 
 def _pairs_aligned(out: torch.Tensor) -> bool:
