@@ -403,7 +403,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--groups", nargs="*", help="groups: decode-small, decode-large, verify, formats, heads...")
     parser.add_argument("--formats", nargs="*", help="kv formats: bf16 fp8_e4m3 nvfp4 ...")
     parser.add_argument("--backends", nargs="*", help="attnops backends (default: every one but reference)")
-    parser.add_argument("--peers", nargs="*", help="peers (default: all for the device)")
+    parser.add_argument("--peers", nargs="*", help="peers (default: all for the device; --peers alone: none)")
     parser.add_argument("--rep-ms", type=int, default=100, help="timing budget per measurement (ms)")
     parser.add_argument("--auto", action="store_true",
                         help="also time the op under automatic dispatch (impl 'auto'; its choice is recorded)")
