@@ -161,8 +161,11 @@ def flashinfer_mla_runner(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seql
     workspace = torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device=device)
     wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(workspace, backend="auto")
     qo_indptr = torch.arange(batch + 1, dtype=torch.int32, device=device) if cu_seqlens_q is None else cu_seqlens_q
-    kv_indptr = torch.arange(batch + 1, dtype=torch.int32, device=device) * width
-    wrapper.plan(qo_indptr, kv_indptr, block_table.flatten(), seq_lens, heads, latent, q_pe.shape[2],
+    # each sequence's pages, exactly as many as its keys fill (FlashInfer's plan checks the counts)
+    pages = (seq_lens.long() + kv_cache.shape[1] - 1) // kv_cache.shape[1]
+    kv_indptr = torch.nn.functional.pad(pages.cumsum(0), (1, 0)).to(torch.int32)
+    kv_indices = block_table[torch.arange(width, device=device) < pages[:, None]]
+    wrapper.plan(qo_indptr, kv_indptr, kv_indices, seq_lens, heads, latent, q_pe.shape[2],
                  kv_cache.shape[1], cu_seqlens_q is not None, scale, q_nope.dtype, kv_cache.dtype)
     ckv, kpe = kv_cache[..., :latent].contiguous(), kv_cache[..., latent:].contiguous()
     return lambda: wrapper.run(q_nope, q_pe, ckv, kpe, out=out)

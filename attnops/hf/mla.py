@@ -43,25 +43,27 @@ from .cache import StepCache
 KV_FORMATS = ("fp8_e4m3",)  # beside the default, the model's own dtype (fp32, bf16, fp16)
 
 
-def _rotary_v3(module, q_pe, k_pe, position_embeddings):
-    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as v3
+def _rotary_v3(module, q_pe, k_pe, position_embeddings, *, plain, interleaved):
     cos, sin = position_embeddings
     # DeepSeek's checkpoints lay the rotary dims out in interleaved pairs (config.rope_interleave)
-    rotate = v3.apply_rotary_pos_emb_interleave if module.config.rope_interleave else v3.apply_rotary_pos_emb
+    rotate = interleaved if module.config.rope_interleave else plain
     return rotate(q_pe, k_pe, cos, sin)
 
 
-def _rotary_v2(module, q_pe, k_pe, position_embeddings):
-    from transformers.models.deepseek_v2 import modeling_deepseek_v2 as v2
-    return v2.apply_rotary_emb(q_pe, k_pe, position_embeddings.to(q_pe.device))  # complex freqs_cis
+def _rotary_v2(module, q_pe, k_pe, position_embeddings, *, apply):
+    return apply(q_pe, k_pe, position_embeddings.to(q_pe.device))  # complex freqs_cis
 
 
 @functools.cache
 def latent_attention_classes() -> dict:
-    """{transformers' latent-attention module class: its RoPE, as its own forward applies it}."""
-    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Attention
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
-    return {DeepseekV3Attention: _rotary_v3, DeepseekV2Attention: _rotary_v2}
+    """{transformers' latent-attention module class: its RoPE, as its own forward applies it}. transformers'
+    functions are looked up here, outside any compiled region (an import inside one breaks torch.compile's graph on
+    transformers' lazy modules)."""
+    from transformers.models.deepseek_v2 import modeling_deepseek_v2 as v2
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as v3
+    return {v3.DeepseekV3Attention: functools.partial(_rotary_v3, plain=v3.apply_rotary_pos_emb,
+                                                      interleaved=v3.apply_rotary_pos_emb_interleave),
+            v2.DeepseekV2Attention: functools.partial(_rotary_v2, apply=v2.apply_rotary_emb)}
 
 
 def has_latent_attention(model: torch.nn.Module) -> bool:
