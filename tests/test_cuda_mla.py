@@ -63,15 +63,17 @@ def test_declines_what_its_kernel_is_not_built_for(monkeypatch):
 
 @pytest.mark.parametrize("tokens,heads,capacity,sinks", [(1, 128, 32768, False), (32, 16, 8192, False),
                                                          (128, 128, 4096, False), (64, 16, 8192, True),
-                                                         (3, 1, 64, True), (1, 8, 1, False), (5, 64, 2 ** 26, False)])
+                                                         (3, 1, 64, True), (1, 8, 1, False), (5, 64, 2 ** 26, False),
+                                                         (64, 16, 61184, False)])
 def test_split_plan_covers_the_capacity_in_whole_tiles(tokens, heads, capacity, sinks):
     splits, chunk = cuda_mla.plan(tokens, heads, capacity, 132, sinks)
     assert chunk % cuda_mla.TILE == 0 and chunk >= cuda_mla.MIN_CHUNK
     assert splits * chunk >= capacity and 1 <= splits <= cuda_mla.MAX_SPLITS
     assert (splits - 1) * chunk < capacity or (sinks and splits == 2)  # no empty split but the sinks' second
     assert splits >= (2 if sinks else 1)
+    assert chunk <= cuda_mla.MAX_CHUNK or capacity > cuda_mla.MAX_CHUNK * cuda_mla.MAX_SPLITS
     blocks = tokens * -(-heads // cuda_mla.ROWS)
-    if splits > 1 and not sinks:  # never a second wave of a few blocks (one block an SM)
+    if splits > 1 and not sinks and chunk < cuda_mla.MAX_CHUNK:  # never a second wave of a few blocks (one an SM)
         assert blocks * splits <= 132
     if capacity >= 132 * cuda_mla.MIN_CHUNK and blocks < 132:  # a small batch fills the GPU by its splits
         assert blocks * splits > 66
@@ -205,6 +207,23 @@ def test_matches_the_reference_on_random_decode_batches(cuda_on, seed):
 
 # (every form serves 64 and 128 heads; the keys form only 16 or fewer)
 HEADS = [1, 16, 128]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", HEADS)
+def test_a_long_sequence_among_short_ones(cuda_on, heads):
+    """A ragged batch: the table as wide as its longest sequence, so the short ones' splits past their ends are
+    empty (the blocks leave at once, the merge skips them); with sinks and the LSE."""
+    rng = random.Random(heads)
+    kv_lens = [rng.choice([0, 1, rng.randint(2, 700)]) for _ in range(40)] + [20000, 9000]
+    args = deepseek_inputs(kv_lens, heads, seed=heads, kv_format=rng.choice(["auto", "fp8_e4m3"]))
+    args["sinks"] = torch.randn(heads, device="cuda")
+    assert cuda_mla.plan(len(kv_lens), heads, args["block_table"].shape[1] * 64, 132, True)[0] > 2
+    with attnops.use_backend("cuda"):
+        out, lse = torch.ops.attnops.mla_attention_with_lse(**args)
+    ref, ref_lse = mla_attention_reference(**args, return_lse=True)
+    assert relative_error(out, ref) < 1e-2
+    torch.testing.assert_close(lse, ref_lse.float(), atol=2e-3, rtol=1e-3, equal_nan=True)
 
 
 @pytest.mark.gpu

@@ -40,6 +40,7 @@ KV_FORMATS = ("bf16", "fp8_e4m3")  # (fp8: widened to bf16 in shared memory; q i
 ROWS = 64  # heads a block
 TILE = 64  # keys a step; splits are whole tiles
 MIN_CHUNK = 256  # keys a split at least (a block loads its 64 heads' queries first: 72 KB)
+MAX_CHUNK = 4096  # keys a split at most: a ragged batch's long sequences spread over the SMs
 MAX_SPLITS = 65535  # a grid dimension
 INVARIANT_CHUNK = 2048  # batch-invariant mode: keys a split, from each sequence's start (a multiple of TILE)
 
@@ -110,11 +111,14 @@ def reasons(case) -> list[str]:
 def plan(num_tokens: int, num_heads: int, capacity: int, sm_count: int, sinks: bool) -> tuple[int, int]:
     """(splits, keys a split) of a call: at most one wave of blocks when it splits (a block holds most of an SM's
     shared memory: one block an SM, and a second wave of a few blocks would double the time), at least MIN_CHUNK
-    keys a split; with sinks at least two splits (the merge adds them). Shapes only: graph-safe."""
+    keys a split; with sinks at least two splits (the merge adds them). Shapes only: graph-safe. Splits of at most
+    MAX_CHUNK keys, whatever the one wave would give: the plan sees the table's capacity, not the lengths, and a
+    ragged batch's longest sequence must not run on one SM while the others idle (the short sequences' splits past
+    their ends exit at once). No uniform batch of the grids reaches the cap (docs/bench.md)."""
     blocks = max(1, num_tokens) * math.ceil(num_heads / ROWS)
     tiles = max(1, math.ceil(capacity / TILE))
     splits = max(1, sm_count // blocks)
-    chunk = max(MIN_CHUNK, math.ceil(tiles / splits) * TILE, math.ceil(tiles / MAX_SPLITS) * TILE)
+    chunk = max(MIN_CHUNK, min(math.ceil(tiles / splits) * TILE, MAX_CHUNK), math.ceil(tiles / MAX_SPLITS) * TILE)
     splits = math.ceil(tiles * TILE / chunk)
     return max(splits, 2 if sinks else 1), chunk
 

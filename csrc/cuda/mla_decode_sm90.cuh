@@ -234,6 +234,17 @@ __device__ __forceinline__ BlockKeys block_keys(const Args& a, int tid) {
   return k;
 }
 
+// A split that starts at or past its sequence's end (the short sequences of a ragged batch, whose splits cover the
+// table's capacity): nothing to read, so with several splits the block only marks its partials empty (base-2 LSE
+// -inf: the merge skips them) and leaves. With one split, or a bad length, the full path writes the rows.
+__device__ __forceinline__ bool empty_split(const Args& a, const BlockKeys& k, int tid) {
+  if (a.splits == 1 || k.tiles > 0 || k.len_bad) return false;
+  const int head = k.head_block * kRows + tid;
+  if (tid < kRows && head < a.num_heads)
+    a.part_lse[(static_cast<int64_t>(k.token) * a.num_heads + head) * a.splits + k.split] = -INFINITY;
+  return true;
+}
+
 // The page of thread tid's key in the tile of keys [start, start + 64) (0 past `end`): read a tile ahead of its
 // copy, so that the copy never waits on the block table
 __device__ __forceinline__ int page_of(const Args& a, const int* table_row, int start, int end, int tid) {
@@ -578,6 +589,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   const int g = lane >> 2, t4 = lane & 3;
   const int row0 = warp * 16 + g, row1 = row0 + 8;  // this thread's two rows of the block's 64 (both warpgroups)
   const BlockKeys keys = block_keys(a, tid);
+  if (empty_split(a, keys, tid)) return;
   const int token = keys.token, head_block = keys.head_block, split = keys.split;
   const int lo = keys.lo, hi = keys.hi, tiles = keys.tiles;
   const bool len_bad = keys.len_bad;

@@ -151,6 +151,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_keys_kernel(const __grid_cons
   const int warp = (tid >> 5) & 3, wg_tid = tid & 127;
   const int g = lane >> 2, t4 = lane & 3;
   const BlockKeys keys = block_keys(a, tid);
+  if (empty_split(a, keys, tid)) return;
   const int token = keys.token, split = keys.split, lo = keys.lo, hi = keys.hi, tiles = keys.tiles;
   const int* table_row = keys.table_row;
   const uint32_t slot = s_slots + wg * kTileBytes, bar = s_bar + 8 * wg;

@@ -52,6 +52,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_overlap_kernel(const __grid_c
   const int g = lane >> 2, t4 = lane & 3;
   const int row0 = warp * 16 + g, row1 = row0 + 8;
   const BlockKeys keys = block_keys(a, tid);
+  if (empty_split(a, keys, tid)) return;
   const int token = keys.token, head_block = keys.head_block, split = keys.split;
   const int lo = keys.lo, hi = keys.hi, tiles = keys.tiles;
   const int* table_row = keys.table_row;

@@ -175,6 +175,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_seesaw_kernel(const __grid_co
   const int g = lane >> 2, t4 = lane & 3;
   const int row0 = warp * 16 + g, row1 = row0 + 8;
   const BlockKeys keys = block_keys(a, tid);
+  if (empty_split(a, keys, tid)) return;
   const int token = keys.token, head_block = keys.head_block, split = keys.split;
   const int lo = keys.lo, hi = keys.hi, tiles = keys.tiles;
   const bool len_bad = keys.len_bad;
