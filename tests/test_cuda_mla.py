@@ -215,7 +215,7 @@ def test_a_long_sequence_among_short_ones(cuda_on, heads):
     """A ragged batch: the table as wide as its longest sequence, so the short ones' splits past their ends are
     empty (the blocks leave at once, the merge skips them); with sinks and the LSE."""
     rng = random.Random(heads)
-    kv_lens = [rng.choice([0, 1, rng.randint(2, 700)]) for _ in range(40)] + [20000, 9000]
+    kv_lens = [rng.choice([0, 1, rng.randint(2, 700)]) for _ in range(40)] + [12000, 5000]
     args = deepseek_inputs(kv_lens, heads, seed=heads, kv_format=rng.choice(["auto", "fp8_e4m3"]))
     args["sinks"] = torch.randn(heads, device="cuda")
     assert cuda_mla.plan(len(kv_lens), heads, args["block_table"].shape[1] * 64, 132, True)[0] > 2
