@@ -49,7 +49,9 @@ def test_declines_what_its_kernel_is_not_built_for(monkeypatch):
     assert cuda_mla.reasons(CASE) == []
     for change, words in [(dict(latent_dim=256), "R 256, P 64"), (dict(rope_dim=32), "R 512, P 32"),
                           (dict(q_dtype=torch.float16, kv_format="fp16"), "dtype"),
-                          (dict(kv_format="fp8_e5m2"), "fp8_e5m2"), (dict(decode=False), "decode only"),
+                          (dict(kv_format="fp8_e5m2"), "fp8_e5m2"),
+                          (dict(decode=False, shape_class="verify"), f"{cuda_mla.VERIFY_ENV}=1"),
+                          (dict(decode=False, shape_class="prefill"), "decode and verify only"),
                           (dict(decode=False, tree_mask=True), "tree_mask"), (dict(aligned_kv=False), "16-byte"),
                           (dict(arch=(8, 0)), "sm_80"), (dict(arch=(10, 0)), "sm_100"),
                           (dict(device_type="cpu", arch=None), "cuda")]:
@@ -114,10 +116,10 @@ def test_kernel_compiles_for_sm90a_without_spills_and_keeps_its_wgmmas_pipelined
     assert done.returncode == 0, log
     frames = dict(re.findall(r"Function properties for (\w+)\n\s*(\d+ bytes stack frame, \d+ bytes spill stores, "
                              r"\d+ bytes spill loads)", log))
-    # (bf16's by cp.async and by the TMA, fp8's, the seesaw's, the keys form's two, the overlap form's, the merge,
-    # the probe): none spills but the overlap form, whose warpgroup 0 holds two score tiles beside its half of O and
+    # (bf16's by cp.async and by the TMA, fp8's, the seesaw's, the keys form's two, the overlap form's, verify's
+    # rows, the merge, the probe): none spills but the overlap form, whose warpgroup 0 holds two score tiles beside its half of O and
     # spills a few registers outside its MMAs' pipeline (at most 64 bytes: more would be a regression)
-    assert len(frames) == 9, log
+    assert len(frames) == 10, log
     for name, frame in frames.items():
         stack, stores, loads = map(int, re.findall(r"\d+", frame))
         if "overlap" in name:
@@ -177,8 +179,8 @@ def cuda_on(monkeypatch, request):
     yield
 
 
-def deepseek_inputs(kv_lens, heads, page_size=64, seed=0, kv_format="auto"):
-    return random_mla_inputs(kv_lens, num_heads=heads, latent_dim=512, rope_dim=64, page_size=page_size,
+def deepseek_inputs(kv_lens, heads, page_size=64, seed=0, kv_format="auto", q_lens=None):
+    return random_mla_inputs(kv_lens, q_lens, num_heads=heads, latent_dim=512, rope_dim=64, page_size=page_size,
                              q_dtype=torch.bfloat16, kv_format=kv_format, device="cuda", seed=seed, scale=0.0625)
 
 
@@ -300,6 +302,51 @@ def test_bad_indices_follow_paged_attentions_rules(cuda_on, kv_format):
         out = torch.ops.attnops.mla_attention(**args)
     assert attnops.take_errors() == {"seq_lens": 1, "block_table": 2}
     assert out[1:].isnan().all() and not out[0].isnan().any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(2))
+def test_verify_matches_the_reference(cuda_on, monkeypatch, seed):
+    """Several query tokens a sequence (ATTNOPS_CUDA_MLA_VERIFY=1): each row sees the keys up to its own position;
+    sequences with no query row, rows past a short sequence's keys, sinks and the LSE."""
+    monkeypatch.setenv(cuda_mla.VERIFY_ENV, "1")
+    rng = random.Random(seed)
+    for _ in range(6):
+        heads = rng.choice([1, 16, 128])
+        batch = rng.choice([1, 5, 33])
+        q_lens = [rng.choice([0, 1, 2, 4, 8]) for _ in range(batch)]
+        q_lens[0] = max(q_lens[0], 1)
+        kv_lens = [rng.choice([0, 1, 3, 64, rng.randint(2, 5000)]) for _ in range(batch)]
+        args = deepseek_inputs(kv_lens, heads, page_size=rng.choice([8, 64]), seed=rng.randrange(1 << 30),
+                               kv_format=rng.choice(["auto", "fp8_e4m3"]), q_lens=q_lens)
+        if rng.random() < 0.5:
+            args["sinks"] = torch.randn(heads, device="cuda")
+        with attnops.use_backend("cuda"):
+            assert attnops.explain(**args).chosen == "cuda"
+            out, lse = torch.ops.attnops.mla_attention_with_lse(**args)
+        ref, ref_lse = mla_attention_reference(**args, return_lse=True)
+        what = (heads, q_lens[:4], kv_lens[:4], "sinks" in args, args["kv_format"])
+        assert relative_error(out, ref) < 1e-2, what
+        torch.testing.assert_close(lse, ref_lse.float(), atol=2e-3, rtol=1e-3, equal_nan=True)
+
+
+@pytest.mark.gpu
+def test_verify_bad_indices_name_the_sequence(cuda_on, monkeypatch):
+    monkeypatch.setenv(cuda_mla.VERIFY_ENV, "1")
+    args = deepseek_inputs([100, 70, 1200, 90], 16, page_size=16, q_lens=[2, 3, 4, 1])
+    args["seq_lens"][1] = 10_000  # sequence 1 (rows 2-4): NaN, nothing read
+    args["block_table"][2, 74] = 99_999  # sequence 2's 75th page (keys 1184-1199): all its rows (1196-1199) see it
+    attnops.take_errors()
+    with attnops.use_backend("cuda"):
+        out = torch.ops.attnops.mla_attention(**args)
+    assert attnops.take_errors() == {"seq_lens": 1, "block_table": 2}
+    nan_rows = out.isnan().flatten(1).all(1).tolist()
+    assert nan_rows == [False, False, True, True, True, True, True, True, True, False]
+    args = deepseek_inputs([100, 70], 16, page_size=16, q_lens=[2, 3])
+    args["cu_seqlens_q"][1] = 6  # past T = 5 (and then decreasing)
+    with attnops.use_backend("cuda"):
+        out = torch.ops.attnops.mla_attention(**args)
+    assert attnops.take_errors() == {"cu_seqlens_q": 1} and out.isnan().all()
 
 
 @pytest.mark.gpu

@@ -2,6 +2,7 @@
 // torch.ops.attnops.mla_decode_sm90, called by the `cuda` backend (attnops/backends/cuda_mla.py), which validates
 // the call and plans the splits.
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <algorithm>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -62,19 +63,23 @@ static void encode_kv_map(CUtensorMap* map, const at::Tensor& kv_cache, bool fp8
 // [num_pages, page_size, 576] bf16 or float8_e4m3fn (with kv_scale, float32 of one element), the same; out
 // [T, H, 512] bf16 (unit inner stride, value pairs aligned), lse float32 [T, H] contiguous or none; with
 // splits > 1, part_out float32 [T, H, splits, 512] and part_lse [T, H, splits] are the splits' partials, merged
-// into out and lse (sinks, float32 [H], need splits > 1). Validated by the backend.
+// into out and lse (sinks, float32 [H], need splits > 1); cu_seqlens_q int32 [B + 1] (several query tokens a
+// sequence) or none (decode: B == T). Validated by the backend.
 void mla_decode_sm90(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& kv_cache,
                      const std::optional<at::Tensor>& kv_scale, const at::Tensor& block_table,
                      const at::Tensor& seq_lens, const std::optional<at::Tensor>& sinks,
                      const at::Tensor& out, const std::optional<at::Tensor>& lse, const at::Tensor& part_out,
                      const at::Tensor& part_lse, const at::Tensor& errors, double scale, int64_t splits,
-                     int64_t chunk, int64_t stages, int64_t variant) {
+                     int64_t chunk, int64_t stages, int64_t variant,
+                     const std::optional<at::Tensor>& cu_seqlens_q) {
   const int64_t T = q_nope.size(0), H = q_nope.size(1);
   TORCH_CHECK(q_nope.size(2) == kR && q_pe.size(2) == kP, "mla_decode_sm90: latent 512 and rotary 64 only");
   TORCH_CHECK(splits >= 1 && chunk % kKeys == 0 && chunk > 0, "mla_decode_sm90: chunk a multiple of 64");
-  TORCH_CHECK(seq_lens.size(0) == T, "mla_decode_sm90: decode only (one query token a sequence)");
+  TORCH_CHECK(cu_seqlens_q ? cu_seqlens_q->size(0) == seq_lens.size(0) + 1 : seq_lens.size(0) == T,
+              "mla_decode_sm90: one query token a sequence, or cu_seqlens_q of the sequences + 1 entries");
   TORCH_CHECK(!sinks || splits > 1, "mla_decode_sm90: sinks are added by the merge (splits > 1)");
   if (T == 0) return;
+  TORCH_CHECK(seq_lens.size(0) > 0, "mla_decode_sm90: at least one sequence");
   c10::cuda::CUDAGuard guard(q_nope.device());
   Args a{};
   a.q_nope = reinterpret_cast<const __nv_bfloat16*>(q_nope.data_ptr());
@@ -86,6 +91,15 @@ void mla_decode_sm90(const at::Tensor& q_nope, const at::Tensor& q_pe, const at:
   a.kv_scale = fp8 ? kv_scale->data_ptr<float>() : nullptr;
   a.block_table = block_table.data_ptr<int>();
   a.seq_lens = seq_lens.data_ptr<int>();
+  a.cu_q = cu_seqlens_q ? cu_seqlens_q->data_ptr<int>() : nullptr;
+  at::Tensor token_rows;  // verify: [2, T] each token's sequence and the rows after it (mla_rows_kernel)
+  if (cu_seqlens_q) {
+    token_rows = at::empty({2, T}, seq_lens.options());
+    a.token_seq = token_rows.data_ptr<int>();
+    a.token_later = a.token_seq + T;
+  }
+  a.num_tokens = static_cast<int>(T);
+  a.batch = static_cast<int>(seq_lens.size(0));
   a.out = reinterpret_cast<__nv_bfloat16*>(out.data_ptr());
   a.lse = lse ? lse->data_ptr<float>() : nullptr;  // (with splits, the merge writes it)
   a.part_out = splits > 1 ? part_out.data_ptr<float>() : nullptr;
@@ -125,6 +139,10 @@ void mla_decode_sm90(const at::Tensor& q_nope, const at::Tensor& q_pe, const at:
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
   const dim3 grid(static_cast<unsigned>(T * a.head_blocks), static_cast<unsigned>(splits));
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  if (cu_seqlens_q) {
+    mla_rows_kernel<<<1, 1024, 0, stream>>>(a);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
   kernel<<<grid, kThreads, smem_bytes, stream>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (splits > 1) {
@@ -141,7 +159,8 @@ TORCH_LIBRARY_FRAGMENT(attnops, m) {
   m.def(
       "mla_decode_sm90(Tensor q_nope, Tensor q_pe, Tensor kv_cache, Tensor? kv_scale, Tensor block_table, "
       "Tensor seq_lens, Tensor? sinks, Tensor(a!) out, Tensor(b!)? lse, Tensor(c!) part_out, Tensor(d!) part_lse, "
-      "Tensor(e!) errors, float scale, int splits, int chunk, int stages=0, int variant=0) -> ()");
+      "Tensor(e!) errors, float scale, int splits, int chunk, int stages=0, int variant=0, "
+      "Tensor? cu_seqlens_q=None) -> ()");
   m.def("mla_sm90a_built(int device) -> int", &attnops::mla_sm90::mla_sm90a_built);
 }
 

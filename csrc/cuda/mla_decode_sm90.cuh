@@ -46,7 +46,7 @@ constexpr int kSmemBytes = 3 * kTileBytes + kPBytes + 3 * kRows * 4 + 2 * 8 + 10
 constexpr int kMarkerInts = 4;                    // the sm_90a marker's static shared memory (the probe)
 static_assert(kSmemBytes <= 227 * 1024, "one block must fit an sm_90 SM's 227 KB of shared memory");
 constexpr float kLn2 = 0.6931471805599453f;
-constexpr int kErrBlockTable = 0, kErrSeqLens = 1;  // attnops/errors.py ARGUMENTS
+constexpr int kErrBlockTable = 0, kErrSeqLens = 1, kErrCuSeqlensQ = 2;  // attnops/errors.py ARGUMENTS
 
 struct Args {
   CUtensorMap kv_map;           // the cache as [num_pages][page_size][576], boxes of 64 values (the TMA forms)
@@ -56,6 +56,9 @@ struct Args {
   const float* kv_scale;        // fp8: one element
   const int* block_table;
   const int* seq_lens;
+  const int* cu_q;         // cu_seqlens_q [batch + 1] (several query tokens a sequence), or null: decode
+  int* token_seq;          // with cu_q: [T] each token's sequence (-1: cu_q is bad), by mla_rows_kernel
+  int* token_later;        // with cu_q: [T] the rows of its sequence after it
   __nv_bfloat16* out;  // [T, H, 512] (one split)
   float* lse;          // [T, H] natural log, or null
   float* part_out;     // [T, H, splits, 512] (splits > 1)
@@ -64,6 +67,7 @@ struct Args {
   int64_t q_nope_token, q_nope_head, q_pe_token, q_pe_head, out_token, out_head;
   int64_t kv_page, kv_token;  // bytes
   int table_stride, num_pages, page_size, capacity, num_heads, head_blocks, chunk, splits;
+  int num_tokens, batch;  // T, and the sequences (seq_lens' length)
   float qk_scale_log2;  // softmax scale x log2(e)
   int stages;           // kAllStages; benchmarks/cuda_mla_stages.py times the kernel with a stage left out
 };
@@ -210,27 +214,34 @@ __device__ __forceinline__ void wgmma_m64n256k16_ss(float (&d)[128], uint64_t de
 #define ATTNOPS_MLA_SM90A 1  // wgmma: sm_90a code only (an sm_90 build leaves the kernel empty; the probe says so)
 #endif
 
-// A block's token, head block and split (blockIdx), and its split's keys [lo, hi) of the sequence, `tiles` of 64
-// (the last maybe partial). A sequence length outside [0, capacity] is recorded once a token and read as no key
-// (len_bad: the rows are NaN in the end).
+// A block's token, head block and split (blockIdx), and its split's keys [lo, hi) of the token's sequence, `tiles`
+// of 64 (the last maybe partial). Decode: token b is sequence b's one query row. Several query tokens a sequence
+// (verify): mla_rows_kernel has written each token's sequence and how many of the sequence's rows follow it, and
+// the token sees the keys up to its own position, like paged attention's rows (each such row its own block: a
+// sequence's rows read its keys once each, mostly from L2). A sequence length outside [0, capacity] is recorded
+// and read as no key; a bad cu_seqlens_q (sequence -1) too (len_bad: the rows are NaN in the end).
 struct BlockKeys {
   int token, head_block, split, lo, hi, tiles;
   bool len_bad;
-  const int* table_row;  // the token's block-table row
+  const int* table_row;  // the sequence's block-table row
 };
+__device__ __forceinline__ int sequence_of(const Args& a, int token) {
+  return a.token_seq != nullptr ? a.token_seq[token] : token;
+}
 __device__ __forceinline__ BlockKeys block_keys(const Args& a, int tid) {
   BlockKeys k;
   k.token = blockIdx.x / a.head_blocks, k.head_block = blockIdx.x % a.head_blocks, k.split = blockIdx.y;
-  int seq_len = a.seq_lens[k.token];
-  k.len_bad = seq_len < 0 || seq_len > a.capacity;
-  if (k.len_bad) {
-    if (k.head_block == 0 && k.split == 0 && tid == 0) atomicMin(a.errors + kErrSeqLens, k.token);
-    seq_len = 0;
-  }
+  const int seq = sequence_of(a, k.token);
+  const int later_rows = a.token_seq != nullptr ? a.token_later[k.token] : 0;
+  int seq_len = seq < 0 ? 0 : a.seq_lens[seq];
+  const bool len_bad = seq_len < 0 || seq_len > a.capacity;
+  if (len_bad && k.head_block == 0 && k.split == 0 && tid == 0) atomicMin(a.errors + kErrSeqLens, seq);
+  k.len_bad = seq < 0 || len_bad;
+  seq_len = k.len_bad ? 0 : min(max(seq_len - later_rows, 0), seq_len);
   k.lo = k.split * a.chunk;
   k.hi = min(k.lo + a.chunk, seq_len);
   k.tiles = k.hi > k.lo ? (k.hi - k.lo + kKeys - 1) / kKeys : 0;
-  k.table_row = a.block_table + static_cast<int64_t>(k.token) * a.table_stride;
+  k.table_row = a.block_table + static_cast<int64_t>(seq < 0 ? 0 : seq) * a.table_stride;
   return k;
 }
 
@@ -541,7 +552,7 @@ __device__ __forceinline__ void finish_rows(const Args& a, const float (&o)[128]
                                             int split, float m0, float m1, float l0, float l1, float* s_m, float* s_l,
                                             float kv_scale) {
   const bool poisoned = __syncthreads_or(saw_bad) != 0;  // a visible key of this split in a bad page
-  if (poisoned && tid == 0) atomicMin(a.errors + kErrBlockTable, token);
+  if (poisoned && tid == 0) atomicMin(a.errors + kErrBlockTable, sequence_of(a, token));
   if (wg == 0) {
 #pragma unroll
     for (int mask = 1; mask <= 2; mask <<= 1) {
@@ -693,6 +704,33 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
 // them)
 inline void (*decode_kernel(bool fp8, bool tma))(Args) {
   return fp8 ? mla_decode_kernel<true, false> : tma ? mla_decode_kernel<false, true> : mla_decode_kernel<false, false>;
+}
+
+// With several query tokens a sequence: one block finds each token's sequence (the last whose rows start at or
+// before it) and how many of its rows follow it, once, for every block of the decode kernel; a cu_seqlens_q that
+// does not run non-decreasing from 0 to T is recorded at its first bad entry and makes every token's sequence -1.
+// Plain CUDA: any arch runs it.
+__global__ void __launch_bounds__(1024) mla_rows_kernel(const Args a) {
+  __shared__ int first_bad;
+  if (threadIdx.x == 0) first_bad = a.batch + 1;
+  __syncthreads();
+  for (int i = threadIdx.x; i <= a.batch; i += blockDim.x) {
+    const int cur = a.cu_q[i], prev = i > 0 ? a.cu_q[i - 1] : 0;
+    if (cur < prev || cur > a.num_tokens || (i == 0 && cur != 0) || (i == a.batch && cur != a.num_tokens))
+      atomicMin(&first_bad, i);
+  }
+  __syncthreads();
+  const bool bad = first_bad <= a.batch;
+  if (bad && threadIdx.x == 0) atomicMin(a.errors + kErrCuSeqlensQ, first_bad);
+  for (int t = threadIdx.x; t < a.num_tokens; t += blockDim.x) {
+    int lo = 0, hi = a.batch - 1;
+    while (!bad && lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (a.cu_q[mid] <= t) lo = mid; else hi = mid - 1;
+    }
+    a.token_seq[t] = bad ? -1 : lo;
+    a.token_later[t] = bad ? 0 : a.cu_q[lo + 1] - 1 - t;
+  }
 }
 
 // Block (token, head): the splits' partials of a row combined by their base-2 LSEs, the sink (if any) in the

@@ -304,7 +304,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_keys_kernel(const __grid_cons
 #pragma unroll
     for (int mask = 4; mask <= 16; mask <<= 1) l[q] += __shfl_xor_sync(0xffffffffu, l[q], mask);
   const bool poisoned = __syncthreads_or(saw_bad) != 0;  // (also: both warpgroups' loops done, the slots free)
-  if (poisoned && tid == 0) atomicMin(a.errors + kErrBlockTable, token);
+  if (poisoned && tid == 0) atomicMin(a.errors + kErrBlockTable, sequence_of(a, token));
   if (g == 0) {
 #pragma unroll
     for (int q = 0; q < 4; ++q) {

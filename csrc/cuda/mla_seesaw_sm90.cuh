@@ -343,7 +343,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_seesaw_kernel(const __grid_co
   }
 
   const bool poisoned = __syncthreads_or(saw_bad) != 0;  // a visible key of this split in a bad page
-  if (poisoned && tid == 0) atomicMin(a.errors + kErrBlockTable, token);
+  if (poisoned && tid == 0) atomicMin(a.errors + kErrBlockTable, sequence_of(a, token));
 #pragma unroll
   for (int mask = 1; mask <= 2; mask <<= 1) {
     l0 += __shfl_xor_sync(0xffffffffu, l0, mask);
