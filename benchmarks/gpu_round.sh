@@ -80,6 +80,9 @@
 #             tile's scores beside this tile's softmax), same run: benchmarks/cuda_mla_stages.py with each, then
 #             mla_decode.py (bf16, CUDA_MLA_HEADS; fp8 at 16 heads for cp.async and keys) alternating, two rounds: $results/cuda-mla-{variant}-{1,2}.json,
 #             cuda-mla-variants.txt (each case's best, the speedups). Their GPU tests are the cuda-mla step's
+#   cuda-mla-verify the cuda backend's latent-attention verify (ATTNOPS_CUDA_MLA_VERIFY=1: each query row its own
+#             block), off until measured: its GPU tests, then the mla grid's verify cases against Triton, FlashInfer
+#             through the op and FlashInfer's MLA wrapper, same run: $results/cuda-mla-verify.{json,txt}
 #   invariance the cost of batch-invariant mode (ATTNOPS_BATCH_INVARIANT=1) on the bench grid's Triton cases, same
 #             run, two rounds alternating: $results/invariance-{0,1}-{1,2}.json, invariance.txt (per case and the
 #             geometric mean; INVARIANCE_ARGS narrows the grid, e.g. "--groups decode-large verify";
@@ -313,6 +316,14 @@ for v in variants[1:]:
         print(f"{v}: geometric mean speedup over cp.async {math.exp(sum(map(math.log, ratios)) / len(ratios)):.4f}")
 PY
       stamp cuda-mla-variants ;;
+    cuda-mla-verify)
+      ATTNOPS_CUDA_MLA_VERIFY=1 timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -m gpu -k \
+        "verify or long_sequence" tests/test_cuda_mla.py > "$results/cuda-mla-verify-tests.log" 2>&1
+      tail -1 "$results/cuda-mla-verify-tests.log"; grep -E "^FAILED" "$results/cuda-mla-verify-tests.log" | head -8
+      ATTNOPS_CUDA_MLA_VERIFY=1 timeout ${MLA_TIMEOUT:-200} python3 -m attnops bench --grid mla --cases verify \
+        --backends cuda triton flashinfer --peers fi-mla --graph-only --rep-ms ${REP_MS:-25} \
+        --json "$results/cuda-mla-verify.json" > "$results/cuda-mla-verify.txt" 2>&1
+      grep -E "verify" "$results/cuda-mla-verify.txt" | grep -v unsupported | cut -c1-130; stamp cuda-mla-verify ;;
     tests)
       limit=${TESTS_TIMEOUT:-240}
       suites=${TEST_SUITES:-capture triton flashinfer e2e}
