@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     print(f"{'heads':>6}{'tokens':>8}{'blocks':>8}{'stages':>12}{'us':>10}{'us/tile':>10}{'TB/s':>8}")
     runs = [(h, t) for h in args.heads for t in args.tokens if h <= 64 or 2 * t <= max(args.tokens)]
     for heads, tokens in runs:
-        variant = kernel_variant(args.kv_format, 64, heads, args.kv_len)  # (one split a block; ATTNOPS_CUDA_MLA_VARIANT)
+        variant = kernel_variant(args.kv_format, 64, heads, args.kv_len)  # (a split a block; the variable's form)
         stages = {"all": 0, "no-loads": 1, "loads-only": 2}  # (csrc/cuda/mla_decode_sm90.cuh: kAllStages ...)
         if VARIANTS[variant] not in ("cp.async", "tma"):
             stages = {"all": 0}

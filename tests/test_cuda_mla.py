@@ -117,8 +117,9 @@ def test_kernel_compiles_for_sm90a_without_spills_and_keeps_its_wgmmas_pipelined
     frames = dict(re.findall(r"Function properties for (\w+)\n\s*(\d+ bytes stack frame, \d+ bytes spill stores, "
                              r"\d+ bytes spill loads)", log))
     # (bf16's by cp.async and by the TMA, fp8's, the seesaw's, the keys form's two, the overlap form's, verify's
-    # rows, the merge, the probe): none spills but the overlap form, whose warpgroup 0 holds two score tiles beside its half of O and
-    # spills a few registers outside its MMAs' pipeline (at most 64 bytes: more would be a regression)
+    # rows, the merge, the probe): none spills but the overlap form, whose warpgroup 0 holds two score tiles beside
+    # its half of O and spills a few registers outside its MMAs' pipeline (at most 64 bytes: more would be a
+    # regression)
     assert len(frames) == 10, log
     for name, frame in frames.items():
         stack, stores, loads = map(int, re.findall(r"\d+", frame))

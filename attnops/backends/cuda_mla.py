@@ -59,9 +59,10 @@ def served_formats() -> tuple[str, ...]:
 def kernel_variant(kv_format: str, page_size: int, num_heads: int, chunk: int) -> int:
     """The kernel's form for a call of `chunk` keys a split, as the op's code (VARIANTS' index):
     ATTNOPS_CUDA_MLA_VARIANT's where it serves the call, by default the fastest measured (docs/bench.md: tma for
-    bf16; for fp8 keys at most KEYS_MAX_HEADS heads and KEYS_FP8_MIN_CHUNK keys a split, cp.async otherwise). The forms other than cp.async copy through the tensor memory accelerator, pages
-    of 8 rows or more (cp.async otherwise), bf16 caches (keys: fp8 too); keys takes at most KEYS_MAX_HEADS heads (tma
-    otherwise). `bash benchmarks/gpu_round.sh cuda-mla-variants` times them."""
+    bf16; for fp8 keys at most KEYS_MAX_HEADS heads and KEYS_FP8_MIN_CHUNK keys a split, cp.async otherwise). The
+    forms other than cp.async copy through the tensor memory accelerator, pages of 8 rows or more (cp.async
+    otherwise), bf16 caches (keys: fp8 too); keys takes at most KEYS_MAX_HEADS heads (tma otherwise).
+    `bash benchmarks/gpu_round.sh cuda-mla-variants` times them."""
     name = os.environ.get(VARIANT_ENV) or \
         ("tma" if kv_format == "bf16" else "keys" if chunk >= KEYS_FP8_MIN_CHUNK else "cp.async")
     if name not in VARIANTS:

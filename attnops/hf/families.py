@@ -130,8 +130,9 @@ def load(model: str, *, device="cpu", dtype=torch.bfloat16, tiny: bool = False, 
          attn_implementation: str = ATTN_IMPLEMENTATION, layers: int | None = None):
     """A transformers causal LM in eval mode: `model` is a family name (random weights, at the real model's shape
     or tiny, made on `device` in `dtype`) or a checkpoint (a directory, or a name transformers resolves; every
-    weight of its config must be in it; `layers` is for families only). A latent-attention model (MLA_FAMILIES, a DeepSeek-V2/V3 checkpoint)
-    with attn_implementation "attnops" comes through attnops.hf.mla.enable_mla: serve it with a LatentCache."""
+    weight of its config must be in it; `layers` is for families only). A latent-attention model (MLA_FAMILIES, a
+    DeepSeek-V2/V3 checkpoint) with attn_implementation "attnops" comes through attnops.hf.mla.enable_mla: serve it
+    with a LatentCache."""
     import transformers
     from .mla import enable_mla, has_latent_attention
     if model in FAMILIES or model in MLA_FAMILIES:
