@@ -133,8 +133,13 @@ void mla_decode_sm90(const at::Tensor& q_nope, const at::Tensor& q_pe, const at:
                 "or more");
     encode_kv_map(&a.kv_map, kv_cache, fp8);
   }
-  auto kernel = variant == 4 ? overlap_kernel() : variant == 3 ? keys_kernel(fp8) : variant == 2 ? seesaw_kernel() : decode_kernel(fp8, variant == 1);
-  const int smem_bytes = variant == 3 ? kKeysSmemBytes : variant == 2 ? kSeesawSmemBytes : kSmemBytes;
+  void (*kernel)(Args) = decode_kernel(fp8, variant == 1);  // (variants 0 and 1)
+  int smem_bytes = kSmemBytes;
+  switch (variant) {
+    case 2: kernel = seesaw_kernel(), smem_bytes = kSeesawSmemBytes; break;
+    case 3: kernel = keys_kernel(fp8), smem_bytes = kKeysSmemBytes; break;
+    case 4: kernel = overlap_kernel(); break;  // (the decode kernel's shared memory)
+  }
   // (a function attribute, not a stream operation: allowed inside a capture)
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
   const dim3 grid(static_cast<unsigned>(T * a.head_blocks), static_cast<unsigned>(splits));

@@ -74,6 +74,11 @@ struct Args {
 // The stages a call runs (benchmarks leave one out to see what a tile's time is made of; the op runs all)
 constexpr int kAllStages = 0, kNoLoadsAfterFirst = 1, kLoadsOnly = 2;
 
+// The dynamic shared memory's first 1024-byte boundary (the 128-byte swizzle's operands start on one)
+__device__ __forceinline__ uint8_t* aligned_smem(uint8_t* raw) {
+  return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
+}
+
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
@@ -582,7 +587,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   static_assert(!(kFp8 && kTma), "the TMA path copies bf16 tiles");
 #if defined(ATTNOPS_MLA_SM90A)
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* smem = aligned_smem(smem_raw);
   const uint32_t s_q = smem_u32(smem);
   const uint32_t s_k = s_q + kTileBytes;  // bf16: two stages of kTileBytes; fp8: the tile, then two byte stages
   constexpr int kStageBytes = kFp8 ? kKeys * kD : kTileBytes;

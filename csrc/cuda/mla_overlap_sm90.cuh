@@ -37,7 +37,7 @@ template <int kUnused>
 __global__ void __launch_bounds__(kThreads, 1) mla_overlap_kernel(const __grid_constant__ Args a) {
 #if defined(ATTNOPS_MLA_SM90A)
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* smem = aligned_smem(smem_raw);
   const uint32_t s_q = smem_u32(smem);
   const uint32_t s_k = s_q + kTileBytes;  // two stages of kTileBytes
   const uint32_t s_p = s_q + 3 * kTileBytes;

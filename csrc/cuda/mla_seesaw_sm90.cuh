@@ -155,7 +155,7 @@ template <int kUnused = 0>  // (a template: compiled where the host instantiates
 __global__ void __launch_bounds__(kThreads, 1) mla_seesaw_kernel(const __grid_constant__ Args a) {
 #if defined(ATTNOPS_MLA_SM90A)
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* smem = aligned_smem(smem_raw);
   const uint32_t s_q = smem_u32(smem);
   const uint32_t s_slots = s_q + kQNopeBytes;  // slot s at s_slots + s * kTileBytes
   uint8_t* p0_bytes = smem + kQNopeBytes + 2 * kTileBytes;
