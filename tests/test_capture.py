@@ -48,6 +48,18 @@ def _expected(args):
     return paged_attention_reference(**args, compute_dtype=torch.float64).double()
 
 
+def _compiled_reduce_overhead(args):
+    """paged_attention of `args` under torch.compile(mode="reduce-overhead"), taking q, the table and the lengths
+    (what a step changes) as inputs; the rest fixed."""
+    static = {k: v for k, v in args.items() if k not in ("q", "block_table", "seq_lens")}
+
+    def attend(q, block_table, seq_lens):
+        return torch.ops.attnops.paged_attention(q, block_table=block_table, seq_lens=seq_lens, **static) * 1.0
+
+    torch._dynamo.reset()
+    return torch.compile(attend, mode="reduce-overhead", fullgraph=True)
+
+
 def _skip_unservable(backend, args):
     if backend is None:
         return
@@ -94,13 +106,7 @@ def test_plain_cuda_graph_replays_right_or_refuses_at_capture(heads, kv_format, 
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: "-".join(map(str, h)))
 def test_compile_reduce_overhead_replays_right_or_refuses(heads, kv_format, backend):
     args = _inputs(heads, kv_format)
-    static = {k: v for k, v in args.items() if k not in ("q", "block_table", "seq_lens")}
-
-    def attend(q, block_table, seq_lens):
-        return torch.ops.attnops.paged_attention(q, block_table=block_table, seq_lens=seq_lens, **static) * 1.0
-
-    torch._dynamo.reset()
-    compiled = torch.compile(attend, mode="reduce-overhead", fullgraph=True)
+    compiled = _compiled_reduce_overhead(args)
     gen = torch.Generator().manual_seed(11)
     with attnops.use_backend(backend):
         _skip_unservable(backend, args)
@@ -126,13 +132,7 @@ def test_the_error_buffer_made_in_a_cudagraph_trees_warm_up_lies_outside_the_gra
 
     monkeypatch.setattr(errors, "_buffers", {})  # (as in a fresh process)
     args = _inputs((32, 8, 128), "bf16")
-    static = {k: v for k, v in args.items() if k not in ("q", "block_table", "seq_lens")}
-
-    def attend(q, block_table, seq_lens):
-        return torch.ops.attnops.paged_attention(q, block_table=block_table, seq_lens=seq_lens, **static) * 1.0
-
-    torch._dynamo.reset()
-    compiled = torch.compile(attend, mode="reduce-overhead", fullgraph=True)
+    compiled = _compiled_reduce_overhead(args)
     gen = torch.Generator().manual_seed(5)
     with attnops.use_backend("triton"):
         for replay in range(4):
