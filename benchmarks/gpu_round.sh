@@ -317,10 +317,10 @@ for v in variants[1:]:
 PY
       stamp cuda-mla-variants ;;
     cuda-mla-verify)
-      ATTNOPS_CUDA_MLA_VERIFY=1 timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -m gpu -k \
+      timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -m gpu -k \
         "verify or long_sequence" tests/test_cuda_mla.py > "$results/cuda-mla-verify-tests.log" 2>&1
       tail -1 "$results/cuda-mla-verify-tests.log"; grep -E "^FAILED" "$results/cuda-mla-verify-tests.log" | head -8
-      ATTNOPS_CUDA_MLA_VERIFY=1 timeout ${MLA_TIMEOUT:-200} python3 -m attnops bench --grid mla --cases verify \
+      timeout ${MLA_TIMEOUT:-200} python3 -m attnops bench --grid mla --cases verify \
         --backends cuda triton flashinfer --peers fi-mla --graph-only --rep-ms ${REP_MS:-25} \
         --json "$results/cuda-mla-verify.json" > "$results/cuda-mla-verify.txt" 2>&1
       grep -E "verify" "$results/cuda-mla-verify.txt" | grep -v unsupported | cut -c1-130; stamp cuda-mla-verify ;;

@@ -50,7 +50,6 @@ def test_declines_what_its_kernel_is_not_built_for(monkeypatch):
     for change, words in [(dict(latent_dim=256), "R 256, P 64"), (dict(rope_dim=32), "R 512, P 32"),
                           (dict(q_dtype=torch.float16, kv_format="fp16"), "dtype"),
                           (dict(kv_format="fp8_e5m2"), "fp8_e5m2"),
-                          (dict(decode=False, shape_class="verify"), f"{cuda_mla.VERIFY_ENV}=1"),
                           (dict(decode=False, shape_class="prefill"), "decode and verify only"),
                           (dict(decode=False, tree_mask=True), "tree_mask"), (dict(aligned_kv=False), "16-byte"),
                           (dict(arch=(8, 0)), "sm_80"), (dict(arch=(10, 0)), "sm_100"),
@@ -59,6 +58,11 @@ def test_declines_what_its_kernel_is_not_built_for(monkeypatch):
         assert any(words in r for r in found), (change, found)
     assert cuda_mla.reasons(MLACase(**{**CASE.__dict__, "sinks": True, "num_heads": 7})) == []
     assert cuda_mla.reasons(MLACase(**{**CASE.__dict__, "kv_format": "fp8_e4m3"})) == []
+    verify = MLACase(**{**CASE.__dict__, "decode": False, "shape_class": "verify"})
+    assert cuda_mla.reasons(verify) == []
+    monkeypatch.setenv(cuda_mla.VERIFY_ENV, "0")
+    assert any(f"{cuda_mla.VERIFY_ENV}=0" in r for r in cuda_mla.reasons(verify))
+    monkeypatch.delenv(cuda_mla.VERIFY_ENV)
     monkeypatch.setattr(cuda_mla, "sm90a_built", lambda device: False)
     assert any("9.0a" in r for r in cuda_mla.reasons(CASE))
 
@@ -308,9 +312,9 @@ def test_bad_indices_follow_paged_attentions_rules(cuda_on, kv_format):
 @pytest.mark.gpu
 @pytest.mark.parametrize("seed", range(2))
 def test_verify_matches_the_reference(cuda_on, monkeypatch, seed):
-    """Several query tokens a sequence (ATTNOPS_CUDA_MLA_VERIFY=1): each row sees the keys up to its own position;
+    """Several query tokens a sequence: each row sees the keys up to its own position;
     sequences with no query row, rows past a short sequence's keys, sinks and the LSE."""
-    monkeypatch.setenv(cuda_mla.VERIFY_ENV, "1")
+    monkeypatch.delenv(cuda_mla.VERIFY_ENV, raising=False)
     rng = random.Random(seed)
     for _ in range(6):
         heads = rng.choice([1, 16, 128])
@@ -333,7 +337,7 @@ def test_verify_matches_the_reference(cuda_on, monkeypatch, seed):
 
 @pytest.mark.gpu
 def test_verify_bad_indices_name_the_sequence(cuda_on, monkeypatch):
-    monkeypatch.setenv(cuda_mla.VERIFY_ENV, "1")
+    monkeypatch.delenv(cuda_mla.VERIFY_ENV, raising=False)
     args = deepseek_inputs([100, 70, 1200, 90], 16, page_size=16, q_lens=[2, 3, 4, 1])
     args["seq_lens"][1] = 10_000  # sequence 1 (rows 2-4): NaN, nothing read
     args["block_table"][2, 74] = 99_999  # sequence 2's 75th page (keys 1184-1199): all its rows (1196-1199) see it

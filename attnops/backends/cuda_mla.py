@@ -14,9 +14,10 @@ tiles a step, each warpgroup the scores and softmax of one, csrc/cuda/mla_seesaw
 heads: the keys as the MMAs' M, csrc/cuda/mla_keys_sm90.cuh) and `overlap` (the next tile's scores computed beside
 this tile's softmax, csrc/cuda/mla_overlap_sm90.cuh).
 
-Verify (a few query tokens a sequence, no tree mask) only with ATTNOPS_CUDA_MLA_VERIFY=1: each query row is its own
-block of the decode kernel, seeing its sequence's keys up to its own position (a sequence's rows read its keys once
-each); built, not yet measured, so dispatch's rule never picks it.
+Verify (a few query tokens a sequence, no tree mask): each query row is its own block of the decode kernel, seeing
+its sequence's keys up to its own position (a sequence's rows read its keys once each). Faster than Triton's verify
+on every measured case, slower than FlashInfer's bf16 (docs/bench.md), so the rule sends it fp8 verify and bf16
+verify inside a capture nobody replans. ATTNOPS_CUDA_MLA_VERIFY=0 leaves verify to the others.
 
 The split of each sequence's keys comes from shapes only (the table's capacity, the tokens, the heads, the SM
 count), so a CUDA graph replays any lengths; with more than one split, the op's second kernel merges the partials
@@ -35,7 +36,7 @@ from ..env import sm_count
 from .base import common_reasons, kernel_outputs, rows_without_a_sequence
 
 ENV = "ATTNOPS_CUDA_MLA"
-VERIFY_ENV = "ATTNOPS_CUDA_MLA_VERIFY"  # 1: verify too (each query row its own block; built, not yet measured)
+VERIFY_ENV = "ATTNOPS_CUDA_MLA_VERIFY"  # 0: decode only
 VARIANT_ENV = "ATTNOPS_CUDA_MLA_VARIANT"
 VARIANTS = ("cp.async", "tma", "seesaw", "keys", "overlap")  # (the op's `variant` codes 0 to 4)
 KEYS_MAX_HEADS = 16  # the keys form's heads a block (its MMAs' N)
@@ -100,9 +101,8 @@ def reasons(case) -> list[str]:
     if (case.latent_dim, case.rope_dim) != SHAPE:
         found.append(f"latent rows of R {case.latent_dim}, P {case.rope_dim}: its kernel is built for R {SHAPE[0]}, "
                      f"P {SHAPE[1]}")
-    if not case.decode and not (case.shape_class == "verify" and os.environ.get(VERIFY_ENV) == "1"):
-        found.append(f"decode only (one query token a sequence; verify, each query row its own block, is built but "
-                     f"not yet measured: {VERIFY_ENV}=1)" if case.shape_class == "verify" else
+    if not case.decode and not (case.shape_class == "verify" and os.environ.get(VERIFY_ENV) != "0"):
+        found.append(f"verify: turned off ({VERIFY_ENV}=0)" if case.shape_class == "verify" else
                      "decode and verify only (a few query tokens a sequence)")
     if case.tree_mask:
         found.append("tree_mask not supported")
