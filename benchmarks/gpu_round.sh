@@ -80,13 +80,15 @@
 #             tile's scores beside this tile's softmax), same run: benchmarks/cuda_mla_stages.py with each, then
 #             mla_decode.py (bf16, CUDA_MLA_HEADS; fp8 at 16 heads for cp.async and keys) alternating, two rounds: $results/cuda-mla-{variant}-{1,2}.json,
 #             cuda-mla-variants.txt (each case's best, the speedups). Their GPU tests are the cuda-mla step's
-#   cuda-mla-verify the cuda backend's latent-attention verify (ATTNOPS_CUDA_MLA_VERIFY=1: each query row its own
-#             block), off until measured: its GPU tests, then the mla grid's verify cases against Triton, FlashInfer
-#             through the op and FlashInfer's MLA wrapper, same run: $results/cuda-mla-verify.{json,txt}
+#   cuda-mla-verify the cuda backend's latent-attention verify (each query row its own block): its GPU tests, then
+#             the mla grid's verify cases against Triton, FlashInfer through the op and FlashInfer's MLA wrapper, same run: $results/cuda-mla-verify.{json,txt}
 #   invariance the cost of batch-invariant mode (ATTNOPS_BATCH_INVARIANT=1) on the bench grid's Triton cases, same
 #             run, two rounds alternating: $results/invariance-{0,1}-{1,2}.json, invariance.txt (per case and the
 #             geometric mean; INVARIANCE_ARGS narrows the grid, e.g. "--groups decode-large verify";
 #             INVARIANCE_BACKEND=cuda INVARIANCE_ARGS="--grid fp4" for the CUDA kernels; INVARIANCE_ROUNDS: 2)
+#   invariance-mla the mode's cost on the cuda latent-attention kernel (the mla grid) at each split size of
+#             MLA_CHUNKS (ATTNOPS_CUDA_MLA_INVARIANT_CHUNK; default 512 1024 2048) against the default mode, same run:
+#             $results/invariance-mla-{0,chunk}-{round}.json, invariance-mla.txt (INVARIANCE_ROUNDS: 1)
 #   fp4       python -m attnops bench --grid fp4 (4-bit decode and verify against FlashInfer's bf16, same run):
 #             $results/fp4.{json,png,txt}
 #   fp8       the fp8 bar (docs/bench.md): the models grid's fp8 e4m3 decode at 32 x 8192 and 128 x 4096 on every head shape
@@ -155,6 +157,19 @@ for step in "$@"; do
       done; done
       python3 benchmarks/invariance_cost.py "$results"/invariance-0-*.json -- "$results"/invariance-1-*.json \
         | tee "$results/invariance.txt"; stamp invariance ;;
+    invariance-mla)
+      # the mode's cost on the cuda latent-attention kernel at each split size of $MLA_CHUNKS (default 512 1024 2048):
+      # the mla grid (INVARIANCE_ARGS narrows it), the default mode and each size alternating, same run
+      for round in $(seq 1 ${INVARIANCE_ROUNDS:-1}); do for chunk in 0 ${MLA_CHUNKS:-512 1024 2048}; do
+        ATTNOPS_BATCH_INVARIANT=$(( chunk > 0 )) ATTNOPS_CUDA_MLA_INVARIANT_CHUNK=${chunk#0} timeout ${BENCH_TIMEOUT:-150} \
+          python3 -m attnops bench --grid mla --backends cuda --peers --graph-only --rep-ms ${REP_MS:-20} \
+          ${INVARIANCE_ARGS:-} --json "$results/invariance-mla-$chunk-$round.json" > /tmp/inv-mla.txt 2>&1
+        tail -1 /tmp/inv-mla.txt
+      done; done
+      for chunk in ${MLA_CHUNKS:-512 1024 2048}; do
+        echo "== $chunk keys a split"; python3 benchmarks/invariance_cost.py "$results"/invariance-mla-0-*.json -- \
+          "$results"/invariance-mla-$chunk-*.json
+      done | tee "$results/invariance-mla.txt" | grep -E "==|geometric"; stamp invariance-mla ;;
     jit|jit-start)
       # jit-start: the builds run on at the lowest CPU priority while the next steps use the GPU (Triton-only
       # work); jit-wait waits for them before any step that needs FlashInfer

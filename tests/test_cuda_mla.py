@@ -67,6 +67,17 @@ def test_declines_what_its_kernel_is_not_built_for(monkeypatch):
     assert any("9.0a" in r for r in cuda_mla.reasons(CASE))
 
 
+def test_the_modes_split_size_is_a_whole_number_of_tiles(monkeypatch):
+    monkeypatch.delenv(cuda_mla.INVARIANT_CHUNK_ENV, raising=False)
+    assert cuda_mla.invariant_chunk() == cuda_mla.INVARIANT_CHUNK
+    monkeypatch.setenv(cuda_mla.INVARIANT_CHUNK_ENV, "512")
+    assert cuda_mla.invariant_chunk() == 512
+    for bad in ("0", "100", "-64", "1k"):
+        monkeypatch.setenv(cuda_mla.INVARIANT_CHUNK_ENV, bad)
+        with pytest.raises(ValueError, match=cuda_mla.INVARIANT_CHUNK_ENV):
+            cuda_mla.invariant_chunk()
+
+
 @pytest.mark.parametrize("tokens,heads,capacity,sinks", [(1, 128, 32768, False), (32, 16, 8192, False),
                                                          (128, 128, 4096, False), (64, 16, 8192, True),
                                                          (3, 1, 64, True), (1, 8, 1, False), (5, 64, 2 ** 26, False),

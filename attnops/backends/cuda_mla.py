@@ -49,6 +49,7 @@ MIN_CHUNK = 256  # keys a split at least (a block loads its 64 heads' queries fi
 MAX_CHUNK = 4096  # keys a split at most: a ragged batch's long sequences spread over the SMs
 MAX_SPLITS = 65535  # a grid dimension
 INVARIANT_CHUNK = 2048  # batch-invariant mode: keys a split, from each sequence's start (a multiple of TILE)
+INVARIANT_CHUNK_ENV = "ATTNOPS_CUDA_MLA_INVARIANT_CHUNK"  # another split size in the mode, to time it
 
 
 def served_formats() -> tuple[str, ...]:
@@ -149,7 +150,7 @@ def mla_attention(call) -> None:
                     for q in (call.q_nope, call.q_pe))
     sinks = None if call.sinks is None else call.sinks.contiguous()
     index = device.index if device.index is not None else torch.cuda.current_device()
-    splits, chunk = (invariance.fixed_splits(call.case.max_kv_len, INVARIANT_CHUNK) if invariance.enabled() else
+    splits, chunk = (invariance.fixed_splits(call.case.max_kv_len, invariant_chunk()) if invariance.enabled() else
                      plan(num_tokens, num_heads, call.case.max_kv_len, sm_count(index), call.sinks is not None))
     part_out = part_lse = out  # (unused with one split: the kernel writes out and lse)
     if splits > 1:
@@ -160,6 +161,18 @@ def mla_attention(call) -> None:
                                       errors.buffer(device), float(call.scale), splits, chunk, 0,
                                       kernel_variant(call.case.kv_format, call.kv_cache.shape[1], num_heads, chunk),
                                       None if call.cu_seqlens_q is None else call.cu_seqlens_q.contiguous())
+
+
+def invariant_chunk() -> int:
+    """Keys a split in batch-invariant mode: INVARIANT_CHUNK, or ATTNOPS_CUDA_MLA_INVARIANT_CHUNK's (a multiple of
+    TILE; a fixed number for a process, so the mode's bits hold; benchmarks/gpu_round.sh's invariance-mla step
+    times several)."""
+    value = os.environ.get(INVARIANT_CHUNK_ENV)
+    if not value:
+        return INVARIANT_CHUNK
+    if not value.isdigit() or int(value) < TILE or int(value) % TILE:
+        raise ValueError(f"{INVARIANT_CHUNK_ENV} must be a positive multiple of {TILE} (got {value!r})")
+    return int(value)
 
 
 def _pairs_aligned(out: torch.Tensor) -> bool:
