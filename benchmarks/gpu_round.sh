@@ -62,8 +62,8 @@
 #   demo      python -m attnops demo $DEMO_ARGS, as a newcomer runs it: $results/demo.txt
 #   fuzz-warm each fuzz backend's first chunk in one process, so that the fuzz step's workers find every kernel
 #             compiled (after `jit`)
-#   head-dims head dims between powers of two (80, 96, 160, 192) and 512 in Triton's padded tiles, switched on with
-#             ATTNOPS_TRITON_PADDED_HEADS=1: tests/test_head_dims.py's GPU tests ($results/head-dims-tests.log), then
+#   head-dims head dims between powers of two (80, 96, 160, 192) and 512 in Triton's padded tiles:
+#             tests/test_head_dims.py's GPU tests ($results/head-dims-tests.log), then
 #             `bench --grid head-dims` (decode 32 x 8192 and 128 x 4096, 32/8 heads, bf16 and fp8, beside 128 and 256):
 #             $results/head-dims.{json,txt}
 #   mla       benchmarks/mla_decode.py $MLA_ARGS (latent-attention decode against FlashInfer's MLA wrapper where
@@ -262,11 +262,11 @@ for t in trees[1:]:  # the first tree's time over this one's, geometric mean ove
 PY
       stamp ab-cuda ;;
     head-dims)
-      # head dims between powers of two and 512 through Triton's padded tiles (switched on for the round): the GPU
-      # tests, then decode on the head-dims grid against FlashInfer where it serves the size
-      ATTNOPS_TRITON_PADDED_HEADS=1 timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu \
+      # head dims between powers of two and 512 through Triton's padded tiles: the GPU tests, then decode on the
+      # head-dims grid against FlashInfer where it serves the size
+      timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu \
         tests/test_head_dims.py > "$results/head-dims-tests.log" 2>&1; tail -3 "$results/head-dims-tests.log"
-      ATTNOPS_TRITON_PADDED_HEADS=1 timeout ${BENCH_TIMEOUT:-300} python3 -m attnops bench --grid head-dims \
+      timeout ${BENCH_TIMEOUT:-300} python3 -m attnops bench --grid head-dims \
         --backends triton --peers --graph-only --json "$results/head-dims.json" > "$results/head-dims.txt" 2>&1
       tail -30 "$results/head-dims.txt"; stamp head-dims ;;
     mla)

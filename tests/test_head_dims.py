@@ -7,8 +7,8 @@ reference, the C++ CPU kernels and Triton's padded tiles (its interpreter here; 
 - reshape_and_cache: bit-exact against attnops.formats' quantization, and the stored values read back;
 - merge_attention_states (the CPU path, and the GPU's Triton kernel under the interpreter) and cascade_attention;
 - head dims that are not served (72, 528; mxfp4 at 80) are ValueErrors naming head_dim (and kv_format);
-- on a GPU, auto dispatch of head dim 96 passes over triton (until switched on), flashinfer and cuda, saying why,
-  to the reference;
+- on a GPU, auto dispatch of head dim 96 takes Triton's padded tile (flashinfer and cuda decline it, saying why),
+  the reference when the padded tiles are switched off;
 - a tiny random Phi-3 (head dim 96) through attn_implementation="attnops": logits as transformers' eager, and
   greedy generate with a PagedCache token for token.
 """
@@ -181,9 +181,9 @@ def test_triton_cache_write_in_padded_tiles(head_dim):
 @pytest.mark.parametrize("head_dim", [48, 80, 96, 160, 192, 512])
 def test_triton_padded_tiles_on_the_gpu(head_dim, monkeypatch):
     """bf16, fp16, fp8 and the 4-bit formats whose block divides the head dim through Triton's padded tiles on
-    the GPU (switched on), decode and verify with splits, windows and sinks, against the float64 reference; and
+    the GPU, decode and verify with splits, windows and sinks, against the float64 reference; and
     under a CUDA graph the user captured."""
-    monkeypatch.setenv("ATTNOPS_TRITON_PADDED_HEADS", "1")
+    monkeypatch.delenv("ATTNOPS_TRITON_PADDED_HEADS", raising=False)
     dispatch._select_cached.cache_clear()
     rng = random.Random(head_dim)
     four_bit = [(f, torch.bfloat16) for f in ("nvfp4", "mxfp4") if head_dim % formats.FORMATS[f].block == 0]
@@ -213,9 +213,9 @@ def test_triton_padded_tiles_on_the_gpu(head_dim, monkeypatch):
         assert torch.equal(static, attnops.paged_attention(**args))
 
 
-def test_triton_serves_padded_head_dims_on_a_gpu_only_when_switched_on(monkeypatch):
-    """Until measured on a GPU, auto passes over Triton's padded tiles (and 512) there, saying how to turn them on;
-    with ATTNOPS_TRITON_PADDED_HEADS=1 Triton serves them, 4-bit formats too."""
+def test_triton_serves_padded_head_dims_on_a_gpu_unless_switched_off(monkeypatch):
+    """Triton's padded tiles (and 512) serve a GPU's calls by default, 4-bit formats too;
+    ATTNOPS_TRITON_PADDED_HEADS=0 turns them off there, saying so."""
     triton_backend = BACKENDS["triton"]
     if triton_backend.unavailable() and not torch.cuda.is_available():
         monkeypatch.setattr(type(triton_backend), "unavailable", lambda self: [])
@@ -224,14 +224,14 @@ def test_triton_serves_padded_head_dims_on_a_gpu_only_when_switched_on(monkeypat
                                    head_dim=96, page_size=16, num_q_heads=32, num_kv_heads=8, batch=4, num_tokens=4,
                                    max_kv_len=4096, decode=True)
     for head_dim in (96, 512):
-        reasons = triton_backend.supports(type(case)(**{**case.__dict__, "head_dim": head_dim}))
-        assert any("ATTNOPS_TRITON_PADDED_HEADS=1" in r for r in reasons), reasons
-    assert triton_backend.supports(type(case)(**{**case.__dict__, "head_dim": 128})) == []
-    monkeypatch.setenv("ATTNOPS_TRITON_PADDED_HEADS", "1")
-    assert triton_backend.supports(case) == []
-    for head_dim in (96, 512):
+        assert triton_backend.supports(type(case)(**{**case.__dict__, "head_dim": head_dim})) == []
         fp4 = type(case)(**{**case.__dict__, "kv_format": "nvfp4", "head_dim": head_dim})
         assert triton_backend.supports(fp4) == []
+    monkeypatch.setenv("ATTNOPS_TRITON_PADDED_HEADS", "0")
+    for head_dim in (96, 512):
+        reasons = triton_backend.supports(type(case)(**{**case.__dict__, "head_dim": head_dim}))
+        assert any("ATTNOPS_TRITON_PADDED_HEADS=0" in r for r in reasons), reasons
+    assert triton_backend.supports(type(case)(**{**case.__dict__, "head_dim": 128})) == []
 
 
 @pytest.mark.skipif("cpu" not in BACKEND_NAMES, reason="C++ CPU kernels not built")
@@ -409,22 +409,29 @@ def test_a_format_whose_block_does_not_divide_the_head_dim_is_an_error():
     assert attnops.PagedKVCache(1, 4, 16, 2, 80, kv_format="nvfp4").block_scales[0].shape[-1] == 5
 
 
-def test_gpu_dispatch_of_head_dim_96_falls_to_the_reference_saying_why(monkeypatch):
-    """No GPU kernel measured at head dim 96 yet: auto dispatch on a GPU passes over each with its reason and the
-    reference serves the call (slow, with a warning), rather than no backend at all."""
+def test_gpu_dispatch_of_head_dim_96(monkeypatch):
+    """On a GPU, head dim 96 goes to Triton's padded tile (FlashInfer and the cuda backend decline it, saying why);
+    with the padded tiles switched off, to the reference (slow, with a warning) rather than to no backend at all."""
     monkeypatch.delenv("ATTNOPS_TRITON_PADDED_HEADS", raising=False)
     dispatch._select_cached.cache_clear()
     case = AttentionCase.of_shapes(device_type="cuda", arch=(9, 0), q_dtype=torch.bfloat16, kv_format="bf16",
                                    head_dim=96, page_size=16, num_q_heads=32, num_kv_heads=8, batch=4, num_tokens=4,
                                    max_kv_len=4096, decode=True)
+    triton_backend = BACKENDS["triton"]
+    if triton_backend.unavailable() and not torch.cuda.is_available():
+        monkeypatch.setattr(type(triton_backend), "unavailable", lambda self: [])
+    assert dispatch.explain_case(case).chosen == "triton"
+    monkeypatch.setenv("ATTNOPS_TRITON_PADDED_HEADS", "0")
+    dispatch._select_cached.cache_clear()
     explanation = dispatch.explain_case(case)
     assert explanation.chosen == "reference"
     for name in ("triton", "flashinfer", "cuda"):
-        assert any(reason.startswith("head_dim 96 not supported (its kernels take ") or "not yet measured" in reason
+        assert any(reason.startswith("head_dim 96 not supported (its kernels take ") or "turned off" in reason
                    for reason in explanation.rejected[name]), (name, explanation.rejected[name])
         assert f"passed over {name}:" in str(explanation)
     with pytest.warns(UserWarning, match="the reference backend"):
         assert dispatch.select_backend(case).name == "reference"
+    dispatch._select_cached.cache_clear()
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -581,14 +581,13 @@ def test_backend_declines_with_reasons(monkeypatch):
     from attnops.dispatch import describe_attention
     backend = BACKENDS["triton"]
     assert backend.unavailable() == []
-    monkeypatch.delenv("ATTNOPS_TRITON_PADDED_HEADS", raising=False)
+    monkeypatch.setenv("ATTNOPS_TRITON_PADDED_HEADS", "0")
     case = describe_attention(device="cpu", head_dim=96, q_dtype=torch.bfloat16, kv_format="nvfp4",
                               scale_kind="block")
     if not CUDA:
         assert any("bf16" in r for r in backend.supports(case))
     on_gpu = type(case)(**{**case.__dict__, "device_type": "cuda", "arch": (9, 0)})
-    assert any("head_dim 96 (in 128's padded tile) is not yet measured on a GPU" in r
-               for r in backend.supports(on_gpu))
+    assert any("head_dim 96 (in 128's padded tile): turned off on a GPU" in r for r in backend.supports(on_gpu))
     assert backend.supports(describe_attention(device=DEVICE, q_dtype=torch.float16, kv_format="nvfp4",
                                                decode=False, soft_cap=True, sliding_window=True,
                                                scale_kind="block")) == []
