@@ -16,8 +16,9 @@ this tile's softmax, csrc/cuda/mla_overlap_sm90.cuh).
 
 Verify (a few query tokens a sequence, no tree mask): each query row is its own block of the decode kernel, seeing
 its sequence's keys up to its own position (a sequence's rows read its keys once each). Faster than Triton's verify
-on every measured case, slower than FlashInfer's bf16 (docs/bench.md), so the rule sends it fp8 verify and bf16
-verify inside a capture nobody replans. ATTNOPS_CUDA_MLA_VERIFY=0 leaves verify to the others.
+on every measured case, slower than FlashInfer's bf16 (docs/bench.md); sm_90's rule was fitted before it served
+verify, so auto puts it behind FlashInfer and Triton there until the rule is refitted. ATTNOPS_CUDA_MLA_VERIFY=0
+leaves verify to the others.
 
 The split of each sequence's keys comes from shapes only (the table's capacity, the tokens, the heads, the SM
 count), so a CUDA graph replays any lengths; with more than one split, the op's second kernel merges the partials
