@@ -27,13 +27,12 @@ count), so a CUDA graph replays any lengths; with more than one split, the op's 
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
 from .. import errors, invariance
 from ..checks_mla import rows_16_byte_aligned
-from ..env import sm_count
+from ..env import environ_get, sm_count
 from .base import common_reasons, kernel_outputs, rows_without_a_sequence
 
 ENV = "ATTNOPS_CUDA_MLA"
@@ -55,7 +54,7 @@ INVARIANT_CHUNK_ENV = "ATTNOPS_CUDA_MLA_INVARIANT_CHUNK"  # another split size i
 
 def served_formats() -> tuple[str, ...]:
     """The cache formats it serves: ATTNOPS_CUDA_MLA unset or 1: bf16 and fp8 e4m3; bf16: bf16; 0: none."""
-    switch = os.environ.get(ENV, "1")
+    switch = environ_get(ENV) or "1"
     return {"0": (), "bf16": ("bf16",)}.get(switch, KV_FORMATS)
 
 
@@ -66,7 +65,7 @@ def kernel_variant(kv_format: str, page_size: int, num_heads: int, chunk: int) -
     forms other than cp.async copy through the tensor memory accelerator, pages of 8 rows or more (cp.async
     otherwise), bf16 caches (keys: fp8 too); keys takes at most KEYS_MAX_HEADS heads (tma otherwise).
     `bash benchmarks/gpu_round.sh cuda-mla-variants` times them."""
-    name = os.environ.get(VARIANT_ENV) or \
+    name = environ_get(VARIANT_ENV) or \
         ("tma" if kv_format == "bf16" else "keys" if chunk >= KEYS_FP8_MIN_CHUNK else "cp.async")
     if name not in VARIANTS:
         raise ValueError(f"{VARIANT_ENV} must be one of {', '.join(VARIANTS)} (got {name!r})")
@@ -99,11 +98,11 @@ def reasons(case) -> list[str]:
     found = common_reasons(case, devices=("cuda",), q_dtypes=(torch.bfloat16,), archs=lambda arch: arch == (9, 0))
     if case.kv_format not in served:
         found.append(f"kv_format {case.kv_format} not supported" if case.kv_format not in KV_FORMATS else
-                     f"kv_format {case.kv_format}: turned off ({ENV}={os.environ.get(ENV)})")
+                     f"kv_format {case.kv_format}: turned off ({ENV}={environ_get(ENV)})")
     if (case.latent_dim, case.rope_dim) != SHAPE:
         found.append(f"latent rows of R {case.latent_dim}, P {case.rope_dim}: its kernel is built for R {SHAPE[0]}, "
                      f"P {SHAPE[1]}")
-    if not case.decode and not (case.shape_class == "verify" and os.environ.get(VERIFY_ENV) != "0"):
+    if not case.decode and not (case.shape_class == "verify" and environ_get(VERIFY_ENV) != "0"):
         found.append(f"verify: turned off ({VERIFY_ENV}=0)" if case.shape_class == "verify" else
                      "decode and verify only (a few query tokens a sequence)")
     if case.tree_mask:
@@ -168,7 +167,7 @@ def invariant_chunk() -> int:
     """Keys a split in batch-invariant mode: INVARIANT_CHUNK, or ATTNOPS_CUDA_MLA_INVARIANT_CHUNK's (a multiple of
     TILE; a fixed number for a process, so the mode's bits hold; benchmarks/gpu_round.sh's invariance-mla step
     times several)."""
-    value = os.environ.get(INVARIANT_CHUNK_ENV)
+    value = environ_get(INVARIANT_CHUNK_ENV)
     if not value:
         return INVARIANT_CHUNK
     if not value.isdigit() or int(value) < TILE or int(value) % TILE:
