@@ -82,6 +82,11 @@
 #             cuda-mla-variants.txt (each case's best, the speedups). Their GPU tests are the cuda-mla step's
 #   cuda-mla-verify the cuda backend's latent-attention verify (each query row its own block): its GPU tests, then
 #             the mla grid's verify cases against Triton, FlashInfer through the op and FlashInfer's MLA wrapper, same run: $results/cuda-mla-verify.{json,txt}
+#   cuda-mla-pack verify's tokens packed into the cuda latent-attention kernel's rows (ATTNOPS_CUDA_MLA_PACK_VERIFY=1:
+#             tokens x heads fill a block's 64 rows at up to 32 heads): its GPU tests and the kernel's verify tests,
+#             the cuda latent-attention invariance test, then the mla grid's verify cases with it off and on
+#             alternating, two rounds, beside FlashInfer's MLA wrapper: $results/cuda-mla-pack-{0,1}-{1,2}.json,
+#             cuda-mla-pack.txt (per case, packed time over one token a block, geometric mean)
 #   invariance the cost of batch-invariant mode (ATTNOPS_BATCH_INVARIANT=1) on the bench grid's Triton cases, same
 #             run, two rounds alternating: $results/invariance-{0,1}-{1,2}.json, invariance.txt (per case and the
 #             geometric mean; INVARIANCE_ARGS narrows the grid, e.g. "--groups decode-large verify";
@@ -339,6 +344,21 @@ PY
         --backends cuda triton flashinfer --peers fi-mla --graph-only --rep-ms ${REP_MS:-25} \
         --json "$results/cuda-mla-verify.json" > "$results/cuda-mla-verify.txt" 2>&1
       grep -E "verify" "$results/cuda-mla-verify.txt" | grep -v unsupported | cut -c1-130; stamp cuda-mla-verify ;;
+    cuda-mla-pack)
+      timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -m gpu -k "packed or verify" \
+        tests/test_cuda_mla.py > "$results/cuda-mla-pack-tests.log" 2>&1
+      tail -1 "$results/cuda-mla-pack-tests.log"; grep -E "^FAILED" "$results/cuda-mla-pack-tests.log" | head -8
+      timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -m gpu -k cuda_latent \
+        tests/test_batch_invariance.py >> "$results/cuda-mla-pack-tests.log" 2>&1
+      tail -1 "$results/cuda-mla-pack-tests.log"
+      for round in 1 2; do for pack in 0 1; do
+        ATTNOPS_CUDA_MLA_PACK_VERIFY=$pack timeout ${MLA_TIMEOUT:-150} python3 -m attnops bench --grid mla \
+          --cases verify --backends cuda --peers fi-mla --graph-only --rep-ms ${REP_MS:-20} \
+          --json "$results/cuda-mla-pack-$pack-$round.json" > /tmp/pack-$pack-$round.txt 2>&1; tail -1 /tmp/pack-$pack-$round.txt
+      done; done
+      grep -E "verify" /tmp/pack-1-1.txt | grep -v unsupported | cut -c1-130
+      python3 benchmarks/invariance_cost.py --labels one-token-a-block packed "$results"/cuda-mla-pack-0-*.json -- \
+        "$results"/cuda-mla-pack-1-*.json | tee "$results/cuda-mla-pack.txt"; stamp cuda-mla-pack ;;
     tests)
       limit=${TESTS_TIMEOUT:-240}
       suites=${TEST_SUITES:-capture triton flashinfer e2e}

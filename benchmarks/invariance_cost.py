@@ -4,6 +4,10 @@ each mode over its files (rounds), the ratio invariant / default, and the geomet
 backend (the bars: <= 1.05 geometric mean, <= 1.10 every case).
 
     python benchmarks/invariance_cost.py out/invariance-0-*.json -- out/invariance-1-*.json
+
+Any other same-run A/B of two settings reads the same way, named by --labels (the second's time over the first's):
+
+    python benchmarks/invariance_cost.py --labels one-token-a-block packed out/pack-0-*.json -- out/pack-1-*.json
 """
 from __future__ import annotations
 
@@ -32,21 +36,26 @@ def best_times(paths: list[str]) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("files", nargs="+", help="default-mode JSON files, --, invariant-mode JSON files")
+    parser.add_argument("--labels", nargs=2, default=["default", "invariant"], metavar=("A", "B"),
+                        help="the two settings' names (default: default invariant)")
     raw = sys.argv[1:] if argv is None else list(argv)
-    parser.parse_args(raw)  # (--help; argparse drops the --, so the files are split from raw below)
+    labels = parser.parse_args(raw).labels  # (--help; argparse drops the --, so the files are split from raw below)
+    if "--labels" in raw:
+        at = raw.index("--labels")
+        raw = raw[:at] + raw[at + 3:]
     if "--" not in raw:
-        parser.error("separate the default-mode files from the invariant-mode files with --")
+        parser.error(f"separate the {labels[0]} files from the {labels[1]} files with --")
     split = raw.index("--")
     default, invariant = best_times(raw[:split]), best_times(raw[split + 1:])
     common = sorted(set(default) & set(invariant))
     if not common:
-        parser.error("no case timed in both modes")
-    print(f"{'case':<48}{'impl':<10}{'default us':>12}{'invariant us':>14}{'ratio':>8}")
+        parser.error("no case timed in both settings")
+    print(f"{'case':<48}{'impl':<10}{labels[0] + ' us':>16}{labels[1] + ' us':>16}{'ratio':>8}")
     ratios: dict = {}
     for case, impl in common:
         ratio = invariant[(case, impl)] / default[(case, impl)]
         ratios.setdefault(impl, []).append(ratio)
-        print(f"{case:<48}{impl:<10}{default[(case, impl)]:>12.1f}{invariant[(case, impl)]:>14.1f}{ratio:>8.3f}")
+        print(f"{case:<48}{impl:<10}{default[(case, impl)]:>16.1f}{invariant[(case, impl)]:>16.1f}{ratio:>8.3f}")
     for impl, values in ratios.items():
         geomean = math.exp(sum(math.log(v) for v in values) / len(values))
         print(f"{impl}: {len(values)} cases, geometric mean {geomean:.3f}, worst {max(values):.3f}")

@@ -177,7 +177,7 @@ def test_4bit_caches_are_invariant_on_the_gpu(backend, kv_format):
 @pytest.mark.gpu
 def test_cuda_latent_attention_is_invariant_on_the_gpu(monkeypatch):
     """The cuda backend's latent-attention kernel in the mode (splits of cuda_mla.INVARIANT_CHUNK keys), DeepSeek's
-    rows, in each of its forms."""
+    rows, in each of its forms; verify too, its tokens packed into a block's rows or not."""
     from attnops.backends import cuda_mla
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
         pytest.skip("needs an sm_90 GPU")
@@ -185,6 +185,12 @@ def test_cuda_latent_attention_is_invariant_on_the_gpu(monkeypatch):
         monkeypatch.setenv(cuda_mla.VARIANT_ENV, variant)
         check_invariant("cuda", latent=True, device="cuda", dtype=torch.bfloat16, trials=6, seed=7,
                         latent_row=(512, 64), heads=(1, 16, 64, 100, 128), page_sizes=(16, 64), decode_only=True)
+    # verify, each token a block and a sequence's tokens packed into a block's rows
+    monkeypatch.delenv(cuda_mla.VARIANT_ENV)
+    for pack in ("0", "1"):
+        monkeypatch.setenv(cuda_mla.PACK_ENV, pack)
+        check_invariant("cuda", latent=True, device="cuda", dtype=torch.bfloat16, trials=6, seed=8,
+                        latent_row=(512, 64), heads=(1, 8, 16, 32), page_sizes=(16, 64))
 
 
 def test_cuda_latent_attention_plan_in_the_mode_depends_on_no_batch():

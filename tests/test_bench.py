@@ -148,3 +148,29 @@ def test_a_plot_without_matplotlib_fails_before_anything_runs(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
     with pytest.raises(SystemExit, match="needs matplotlib"):
         run.main(["--cpu", "--plot", "x.png"])
+
+
+def test_same_run_ratios_of_two_settings(tmp_path, capsys):
+    """benchmarks/invariance_cost.py: each case's best time in each setting over its files (rounds), the second's
+    over the first's, and the geometric mean; --labels names the settings."""
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
+                        "invariance_cost.py")
+    spec = importlib.util.spec_from_file_location("invariance_cost", path)
+    cost = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cost)
+    files = []
+    for name, times in (("a1", (10.0, 20.0)), ("a2", (12.0, 18.0)), ("b1", (11.0, 36.0))):
+        records = [dict(case=case, impl="cuda", impl_type="backend", status="ok", graph_us=us)
+                   for case, us in zip(("x", "y"), times)]
+        records.append(dict(case="x", impl="flashinfer", impl_type="peer", status="ok", graph_us=1.0))
+        files.append(str(tmp_path / f"{name}.json"))
+        with open(files[-1], "w") as f:
+            json.dump({"records": records}, f)
+    assert cost.main(["--labels", "one", "two", files[0], files[1], "--", files[2]]) == 0
+    out = capsys.readouterr().out
+    assert "one us" in out and "two us" in out and "flashinfer" not in out
+    assert "cuda: 2 cases, geometric mean 1.483, worst 2.000" in out  # (x: 11 / 10, y: 36 / 18)
+    with pytest.raises(SystemExit):
+        cost.main([files[0], files[2]])  # (no --)

@@ -305,6 +305,24 @@ def test_the_forms_each_serve_what_they_can_and_the_defaults_are_the_fastest_mea
     monkeypatch.setenv(cuda_mla.VARIANT_ENV, "fast")
     with pytest.raises(ValueError, match=cuda_mla.VARIANT_ENV):
         variant("bf16", 64, 16, long)
+    # several tokens a block (packed verify): the cp.async and tma forms only
+    monkeypatch.delenv(cuda_mla.VARIANT_ENV)
+    assert variant("fp8_e4m3", 64, 16, long, packed=True) == code("cp.async")
+    assert variant("bf16", 64, 16, long, packed=True) == code("tma")
+    for name in cuda_mla.VARIANTS:
+        monkeypatch.setenv(cuda_mla.VARIANT_ENV, name)
+        assert variant("bf16", 64, 16, long, packed=True) == code("cp.async" if name == "cp.async" else "tma")
+
+
+def test_verify_packs_a_sequences_tokens_into_a_blocks_rows_only_when_asked(monkeypatch):
+    monkeypatch.delenv(cuda_mla.PACK_ENV, raising=False)
+    assert all(cuda_mla.tokens_per_block(heads, True) == 1 for heads in (1, 16, 128))  # (off until timed)
+    monkeypatch.setenv(cuda_mla.PACK_ENV, "1")
+    assert [cuda_mla.tokens_per_block(heads, True) for heads in (1, 3, 8, 16, 32, 33, 64, 128)] == \
+        [64, 21, 8, 4, 2, 1, 1, 1]
+    assert cuda_mla.tokens_per_block(16, False) == 1  # (decode: one token a sequence)
+    for heads in range(1, 129):
+        assert cuda_mla.tokens_per_block(heads, True) * heads <= cuda_mla.ROWS or heads > cuda_mla.ROWS // 2
 
 
 @pytest.mark.gpu
@@ -363,6 +381,86 @@ def test_verify_bad_indices_name_the_sequence(cuda_on, monkeypatch):
     with attnops.use_backend("cuda"):
         out = torch.ops.attnops.mla_attention(**args)
     assert attnops.take_errors() == {"cu_seqlens_q": 1} and out.isnan().all()
+
+
+@pytest.fixture(params=["tma", "cp.async"], ids=["packed_tma", "packed_cpasync"])
+def packed_on(monkeypatch, request):
+    """Verify's tokens packed into a block's rows (ATTNOPS_CUDA_MLA_PACK_VERIFY=1), in the two forms that take them
+    (fp8 by cp.async in both)."""
+    if not sm90():
+        pytest.skip("needs an sm_90 GPU")
+    monkeypatch.delenv(cuda_mla.ENV, raising=False)
+    monkeypatch.delenv(cuda_mla.VERIFY_ENV, raising=False)
+    monkeypatch.setenv(cuda_mla.PACK_ENV, "1")
+    monkeypatch.setenv(cuda_mla.VARIANT_ENV, request.param)
+    yield
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(3))
+def test_packed_verify_matches_the_reference(packed_on, seed):
+    """Each block a sequence's tokens x its heads (1 to 32 heads: 64 to 2 tokens a block): groups cut short by a
+    sequence's rows, rows past a short sequence's keys, sequences with no query row, one split and many, sinks and
+    the LSE, bf16 and fp8."""
+    rng = random.Random(100 + seed)
+    for _ in range(6):
+        heads = rng.choice([1, 3, 8, 16, 32])
+        batch = rng.choice([1, 5, 33])
+        q_lens = [rng.choice([0, 1, 2, 3, 4, 5, 8, 9]) for _ in range(batch)]
+        q_lens[0] = max(q_lens[0], 1)
+        kv_lens = [rng.choice([0, 1, 3, 64, rng.randint(2, 5000)]) for _ in range(batch)]
+        args = deepseek_inputs(kv_lens, heads, page_size=rng.choice([8, 64]), seed=rng.randrange(1 << 30),
+                               kv_format=rng.choice(["auto", "fp8_e4m3"]), q_lens=q_lens)
+        if rng.random() < 0.5:
+            args["sinks"] = torch.randn(heads, device="cuda")
+        assert cuda_mla.tokens_per_block(heads, True) * heads > cuda_mla.ROWS // 2
+        with attnops.use_backend("cuda"):
+            assert attnops.explain(**args).chosen == "cuda"
+            out, lse = torch.ops.attnops.mla_attention_with_lse(**args)
+        ref, ref_lse = mla_attention_reference(**args, return_lse=True)
+        what = (heads, q_lens[:4], kv_lens[:4], "sinks" in args, args["kv_format"])
+        assert relative_error(out, ref) < 1e-2, what
+        torch.testing.assert_close(lse, ref_lse.float(), atol=2e-3, rtol=1e-3, equal_nan=True)
+
+
+@pytest.mark.gpu
+def test_packed_verify_makes_nan_only_the_rows_that_see_a_bad_page(packed_on):
+    """A block holds several rows of a sequence: a bad page only its last row sees makes that row NaN, the others
+    exact (paged attention's rule); a bad length makes all its rows NaN."""
+    args = deepseek_inputs([1201, 100, 70], 16, page_size=16, q_lens=[4, 2, 3])
+    args["block_table"][0, 75] = 99_999  # keys 1200-1215: only the last row (keys < 1201) sees key 1200
+    args["seq_lens"][2] = 10_000
+    attnops.take_errors()
+    with attnops.use_backend("cuda"):
+        out = torch.ops.attnops.mla_attention(**args)
+    assert attnops.take_errors() == {"seq_lens": 2, "block_table": 0}
+    nan_rows = out.isnan().flatten(1).all(1).tolist()
+    assert nan_rows == [False, False, False, True, False, False, True, True, True]
+    fixed = {**args, "block_table": args["block_table"].clone(), "seq_lens": args["seq_lens"].clone()}
+    fixed["block_table"][0, 75] = 0
+    fixed["seq_lens"][2] = 70
+    ref = mla_attention_reference(**fixed)
+    assert relative_error(out[:3], ref[:3]) < 1e-2 and relative_error(out[4:6], ref[4:6]) < 1e-2
+
+
+@pytest.mark.gpu
+def test_packed_verify_in_a_user_cuda_graph_and_compiled(packed_on):
+    check_user_graph_replays("cuda", deepseek_inputs([300, 40, 1000], 16, page_size=16, q_lens=[3, 4, 2]))
+    torch._dynamo.reset()
+    args = deepseek_inputs([300, 40], 8, page_size=16, q_lens=[5, 2])
+    scale = args["scale"]
+
+    def step(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q):
+        return torch.ops.attnops.mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q,
+                                               scale=scale)
+
+    compiled = torch.compile(step, fullgraph=True, mode="reduce-overhead")
+    with attnops.use_backend("cuda"):
+        for lengths in ([300, 40], [12, 25], [299, 2]):
+            args["seq_lens"].copy_(torch.tensor(lengths))
+            got = compiled(*(args[name] for name in ("q_nope", "q_pe", "kv_cache", "block_table", "seq_lens",
+                                                     "cu_seqlens_q")))
+            assert relative_error(got, mla_attention_reference(**args)) < 1e-2, lengths
 
 
 @pytest.mark.gpu

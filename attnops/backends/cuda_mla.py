@@ -18,7 +18,8 @@ Verify (a few query tokens a sequence, no tree mask): each query row is its own 
 its sequence's keys up to its own position (a sequence's rows read its keys once each). Faster than Triton's verify
 on every measured case, slower than FlashInfer's bf16 (docs/bench.md); sm_90's rule was fitted before it served
 verify, so auto puts it behind FlashInfer and Triton there until the rule is refitted. ATTNOPS_CUDA_MLA_VERIFY=0
-leaves verify to the others.
+leaves verify to the others. ATTNOPS_CUDA_MLA_PACK_VERIFY=1 packs a sequence's query tokens into a block's 64 rows
+where there are at most 32 heads (tokens_per_block), so that its keys are read once for them; off until timed.
 
 The split of each sequence's keys comes from shapes only (the table's capacity, the tokens, the heads, the SM
 count), so a CUDA graph replays any lengths; with more than one split, the op's second kernel merges the partials
@@ -37,6 +38,7 @@ from .base import common_reasons, kernel_outputs, rows_without_a_sequence
 
 ENV = "ATTNOPS_CUDA_MLA"
 VERIFY_ENV = "ATTNOPS_CUDA_MLA_VERIFY"  # 0: decode only
+PACK_ENV = "ATTNOPS_CUDA_MLA_PACK_VERIFY"  # 1: verify's tokens packed into a block's rows (tokens_per_block)
 VARIANT_ENV = "ATTNOPS_CUDA_MLA_VARIANT"
 VARIANTS = ("cp.async", "tma", "seesaw", "keys", "overlap")  # (the op's `variant` codes 0 to 4)
 KEYS_MAX_HEADS = 16  # the keys form's heads a block (its MMAs' N)
@@ -58,18 +60,19 @@ def served_formats() -> tuple[str, ...]:
     return {"0": (), "bf16": ("bf16",)}.get(switch, KV_FORMATS)
 
 
-def kernel_variant(kv_format: str, page_size: int, num_heads: int, chunk: int) -> int:
+def kernel_variant(kv_format: str, page_size: int, num_heads: int, chunk: int, packed: bool = False) -> int:
     """The kernel's form for a call of `chunk` keys a split, as the op's code (VARIANTS' index):
     ATTNOPS_CUDA_MLA_VARIANT's where it serves the call, by default the fastest measured (docs/bench.md: tma for
     bf16; for fp8 keys at most KEYS_MAX_HEADS heads and KEYS_FP8_MIN_CHUNK keys a split, cp.async otherwise). The
     forms other than cp.async copy through the tensor memory accelerator, pages of 8 rows or more (cp.async
-    otherwise), bf16 caches (keys: fp8 too); keys takes at most KEYS_MAX_HEADS heads (tma otherwise).
+    otherwise), bf16 caches (keys: fp8 too); keys takes at most KEYS_MAX_HEADS heads (tma otherwise); `packed`
+    (several tokens a block: tokens_per_block) only the cp.async and tma forms (tma for the others).
     `bash benchmarks/gpu_round.sh cuda-mla-variants` times them."""
     name = environ_get(VARIANT_ENV) or \
-        ("tma" if kv_format == "bf16" else "keys" if chunk >= KEYS_FP8_MIN_CHUNK else "cp.async")
+        ("tma" if kv_format == "bf16" else "keys" if chunk >= KEYS_FP8_MIN_CHUNK and not packed else "cp.async")
     if name not in VARIANTS:
         raise ValueError(f"{VARIANT_ENV} must be one of {', '.join(VARIANTS)} (got {name!r})")
-    if name == "keys" and num_heads > KEYS_MAX_HEADS:
+    if (name == "keys" and num_heads > KEYS_MAX_HEADS) or (packed and name not in ("cp.async", "tma")):
         name = "tma"
     if name != "cp.async" and (page_size < 8 or (kv_format != "bf16" and name != "keys")):
         return 0
@@ -117,6 +120,18 @@ def reasons(case) -> list[str]:
     return found
 
 
+def tokens_per_block(num_heads: int, verify: bool) -> int:
+    """Query tokens of a sequence one block takes as its ROWS rows (token, head): with several query tokens a
+    sequence (verify) and ATTNOPS_CUDA_MLA_PACK_VERIFY=1, ROWS // num_heads where that is 2 or more (at most 32
+    heads), so that a sequence's keys are read once for those tokens, not once a token (at 16 heads, 4 tokens fill
+    the rows one token leaves three-quarters empty); 1 otherwise. A function of shapes: graph-safe, and the same
+    for a sequence whatever the batch (batch-invariant mode keeps its bits). Off by default: not yet timed
+    (`bash benchmarks/gpu_round.sh cuda-mla-pack`)."""
+    if not verify or environ_get(PACK_ENV) != "1":
+        return 1
+    return max(1, ROWS // num_heads)
+
+
 def plan(num_tokens: int, num_heads: int, capacity: int, sm_count: int, sinks: bool) -> tuple[int, int]:
     """(splits, keys a split) of a call: at most one wave of blocks when it splits (a block holds most of an SM's
     shared memory: one block an SM, and a second wave of a few blocks would double the time), at least MIN_CHUNK
@@ -150,8 +165,10 @@ def mla_attention(call) -> None:
                     for q in (call.q_nope, call.q_pe))
     sinks = None if call.sinks is None else call.sinks.contiguous()
     index = device.index if device.index is not None else torch.cuda.current_device()
+    group = tokens_per_block(num_heads, call.cu_seqlens_q is not None)
     splits, chunk = (invariance.fixed_splits(call.case.max_kv_len, invariant_chunk()) if invariance.enabled() else
-                     plan(num_tokens, num_heads, call.case.max_kv_len, sm_count(index), call.sinks is not None))
+                     plan(math.ceil(num_tokens / group), num_heads, call.case.max_kv_len, sm_count(index),
+                          call.sinks is not None))
     part_out = part_lse = out  # (unused with one split: the kernel writes out and lse)
     if splits > 1:
         part_out = torch.empty(num_tokens * num_heads * splits * latent, dtype=torch.float32, device=device)
@@ -159,8 +176,9 @@ def mla_attention(call) -> None:
     torch.ops.attnops.mla_decode_sm90(q_nope, q_pe, call.kv_cache, call.kv_scale, call.block_table.contiguous(),
                                       call.seq_lens.contiguous(), sinks, out, lse, part_out, part_lse,
                                       errors.buffer(device), float(call.scale), splits, chunk, 0,
-                                      kernel_variant(call.case.kv_format, call.kv_cache.shape[1], num_heads, chunk),
-                                      None if call.cu_seqlens_q is None else call.cu_seqlens_q.contiguous())
+                                      kernel_variant(call.case.kv_format, call.kv_cache.shape[1], num_heads, chunk,
+                                                     packed=group > 1),
+                                      None if call.cu_seqlens_q is None else call.cu_seqlens_q.contiguous(), group)
 
 
 def invariant_chunk() -> int:

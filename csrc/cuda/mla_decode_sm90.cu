@@ -64,20 +64,26 @@ static void encode_kv_map(CUtensorMap* map, const at::Tensor& kv_cache, bool fp8
 // [T, H, 512] bf16 (unit inner stride, value pairs aligned), lse float32 [T, H] contiguous or none; with
 // splits > 1, part_out float32 [T, H, splits, 512] and part_lse [T, H, splits] are the splits' partials, merged
 // into out and lse (sinks, float32 [H], need splits > 1); cu_seqlens_q int32 [B + 1] (several query tokens a
-// sequence) or none (decode: B == T). Validated by the backend.
+// sequence) or none (decode: B == T); tokens_per_block: with cu_seqlens_q and at most 32 heads, the query tokens
+// of a sequence a block takes as its rows (tokens_per_block x H <= 64: Args.group), else 1. Validated by the
+// backend.
 void mla_decode_sm90(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& kv_cache,
                      const std::optional<at::Tensor>& kv_scale, const at::Tensor& block_table,
                      const at::Tensor& seq_lens, const std::optional<at::Tensor>& sinks,
                      const at::Tensor& out, const std::optional<at::Tensor>& lse, const at::Tensor& part_out,
                      const at::Tensor& part_lse, const at::Tensor& errors, double scale, int64_t splits,
                      int64_t chunk, int64_t stages, int64_t variant,
-                     const std::optional<at::Tensor>& cu_seqlens_q) {
+                     const std::optional<at::Tensor>& cu_seqlens_q, int64_t tokens_per_block) {
   const int64_t T = q_nope.size(0), H = q_nope.size(1);
   TORCH_CHECK(q_nope.size(2) == kR && q_pe.size(2) == kP, "mla_decode_sm90: latent 512 and rotary 64 only");
   TORCH_CHECK(splits >= 1 && chunk % kKeys == 0 && chunk > 0, "mla_decode_sm90: chunk a multiple of 64");
   TORCH_CHECK(cu_seqlens_q ? cu_seqlens_q->size(0) == seq_lens.size(0) + 1 : seq_lens.size(0) == T,
               "mla_decode_sm90: one query token a sequence, or cu_seqlens_q of the sequences + 1 entries");
   TORCH_CHECK(!sinks || splits > 1, "mla_decode_sm90: sinks are added by the merge (splits > 1)");
+  TORCH_CHECK(tokens_per_block == 1 || (tokens_per_block > 1 && cu_seqlens_q && tokens_per_block * H <= kRows &&
+                                        variant <= 1),
+              "mla_decode_sm90: several query tokens a block need cu_seqlens_q, at most 64 rows (tokens x heads) "
+              "and the cp.async or tma form");
   if (T == 0) return;
   TORCH_CHECK(seq_lens.size(0) > 0, "mla_decode_sm90: at least one sequence");
   c10::cuda::CUDAGuard guard(q_nope.device());
@@ -100,6 +106,7 @@ void mla_decode_sm90(const at::Tensor& q_nope, const at::Tensor& q_pe, const at:
   }
   a.num_tokens = static_cast<int>(T);
   a.batch = static_cast<int>(seq_lens.size(0));
+  a.group = static_cast<int>(tokens_per_block);
   a.out = reinterpret_cast<__nv_bfloat16*>(out.data_ptr());
   a.lse = lse ? lse->data_ptr<float>() : nullptr;  // (with splits, the merge writes it)
   a.part_out = splits > 1 ? part_out.data_ptr<float>() : nullptr;
@@ -165,7 +172,7 @@ TORCH_LIBRARY_FRAGMENT(attnops, m) {
       "mla_decode_sm90(Tensor q_nope, Tensor q_pe, Tensor kv_cache, Tensor? kv_scale, Tensor block_table, "
       "Tensor seq_lens, Tensor? sinks, Tensor(a!) out, Tensor(b!)? lse, Tensor(c!) part_out, Tensor(d!) part_lse, "
       "Tensor(e!) errors, float scale, int splits, int chunk, int stages=0, int variant=0, "
-      "Tensor? cu_seqlens_q=None) -> ()");
+      "Tensor? cu_seqlens_q=None, int tokens_per_block=1) -> ()");
   m.def("mla_sm90a_built(int device) -> int", &attnops::mla_sm90::mla_sm90a_built);
 }
 

@@ -29,6 +29,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
+#include <climits>
 #include <cstdint>
 
 namespace attnops::mla_sm90 {
@@ -68,6 +69,7 @@ struct Args {
   int64_t kv_page, kv_token;  // bytes
   int table_stride, num_pages, page_size, capacity, num_heads, head_blocks, chunk, splits;
   int num_tokens, batch;  // T, and the sequences (seq_lens' length)
+  int group;  // query tokens of a sequence a block takes (verify, at most 32 heads: group x heads <= 64 rows), or 1
   float qk_scale_log2;  // softmax scale x log2(e)
   int stages;           // kAllStages; benchmarks/cuda_mla_stages.py times the kernel with a stage left out
 };
@@ -222,12 +224,17 @@ __device__ __forceinline__ void wgmma_m64n256k16_ss(float (&d)[128], uint64_t de
 // A block's token, head block and split (blockIdx), and its split's keys [lo, hi) of the token's sequence, `tiles`
 // of 64 (the last maybe partial). Decode: token b is sequence b's one query row. Several query tokens a sequence
 // (verify): mla_rows_kernel has written each token's sequence and how many of the sequence's rows follow it, and
-// the token sees the keys up to its own position, like paged attention's rows (each such row its own block: a
-// sequence's rows read its keys once each, mostly from L2). A sequence length outside [0, capacity] is recorded
-// and read as no key; a bad cu_seqlens_q (sequence -1) too (len_bad: the rows are NaN in the end).
+// the token sees the keys up to its own position, like paged attention's rows. With group 1 each such row is its
+// own block (a sequence's rows read its keys once each, mostly from L2); with a larger group (at most 32 heads) a
+// block takes `tokens` consecutive rows of one sequence, its M rows (token, head) = (row / heads, row % heads), and
+// reads their keys once: the block of the group's first token works, the others leave at once (a grid of shapes
+// only). A sequence length outside [0, capacity] is recorded and read as no key; a bad cu_seqlens_q (sequence -1)
+// too (len_bad: the rows are NaN in the end), each of its tokens a block of its own.
 struct BlockKeys {
   int token, head_block, split, lo, hi, tiles;
-  bool len_bad;
+  int tokens;     // query tokens the block's rows hold (1 but with a group)
+  int first_end;  // the first token's keys end (may be negative: a sequence shorter than its rows)
+  bool len_bad, idle;
   const int* table_row;  // the sequence's block-table row
 };
 __device__ __forceinline__ int sequence_of(const Args& a, int token) {
@@ -238,26 +245,52 @@ __device__ __forceinline__ BlockKeys block_keys(const Args& a, int tid) {
   k.token = blockIdx.x / a.head_blocks, k.head_block = blockIdx.x % a.head_blocks, k.split = blockIdx.y;
   const int seq = sequence_of(a, k.token);
   const int later_rows = a.token_seq != nullptr ? a.token_later[k.token] : 0;
+  k.tokens = 1, k.idle = false;
+  if (a.group > 1 && seq >= 0) {
+    k.idle = (k.token - a.cu_q[seq]) % a.group != 0;
+    k.tokens = min(a.group, later_rows + 1);
+  }
   int seq_len = seq < 0 ? 0 : a.seq_lens[seq];
   const bool len_bad = seq_len < 0 || seq_len > a.capacity;
-  if (len_bad && k.head_block == 0 && k.split == 0 && tid == 0) atomicMin(a.errors + kErrSeqLens, seq);
+  if (len_bad && !k.idle && k.head_block == 0 && k.split == 0 && tid == 0) atomicMin(a.errors + kErrSeqLens, seq);
   k.len_bad = seq < 0 || len_bad;
-  seq_len = k.len_bad ? 0 : min(max(seq_len - later_rows, 0), seq_len);
+  k.first_end = (k.len_bad ? 0 : seq_len) - later_rows;
   k.lo = k.split * a.chunk;
-  k.hi = min(k.lo + a.chunk, seq_len);
+  k.hi = min(k.lo + a.chunk, max(k.first_end + k.tokens - 1, 0));
   k.tiles = k.hi > k.lo ? (k.hi - k.lo + kKeys - 1) / kKeys : 0;
   k.table_row = a.block_table + static_cast<int64_t>(seq < 0 ? 0 : seq) * a.table_stride;
   return k;
 }
 
+// Row `row` of a block's 64: its query token, its head, and whether it is one (rows past the heads, or past the
+// group's tokens, are zero queries, never written)
+struct Row {
+  int token, head;
+  bool valid;
+};
+__device__ __forceinline__ Row row_of(const Args& a, const BlockKeys& k, int row) {
+  if (a.group == 1) {
+    const int head = k.head_block * kRows + row;
+    return {k.token, head, head < a.num_heads};
+  }
+  const int t = row / a.num_heads;
+  return {k.token + t, row - t * a.num_heads, t < k.tokens};
+}
+// The end of the keys row `row` sees in the block's split (its token's own position; with group 1 the split's)
+__device__ __forceinline__ int row_end(const Args& a, const BlockKeys& k, int row) {
+  return a.group == 1 ? k.hi : min(k.hi, max(k.first_end + row / a.num_heads, 0));
+}
+
 // A split that starts at or past its sequence's end (the short sequences of a ragged batch, whose splits cover the
 // table's capacity): nothing to read, so with several splits the block only marks its partials empty (base-2 LSE
-// -inf: the merge skips them) and leaves. With one split, or a bad length, the full path writes the rows.
+// -inf: the merge skips them) and leaves. With one split, or a bad length, the full path writes the rows. A block
+// of a group's later token leaves at once (the group's first writes its rows).
 __device__ __forceinline__ bool empty_split(const Args& a, const BlockKeys& k, int tid) {
+  if (k.idle) return true;
   if (a.splits == 1 || k.tiles > 0 || k.len_bad) return false;
-  const int head = k.head_block * kRows + tid;
-  if (tid < kRows && head < a.num_heads)
-    a.part_lse[(static_cast<int64_t>(k.token) * a.num_heads + head) * a.splits + k.split] = -INFINITY;
+  const Row r = row_of(a, k, tid);
+  if (tid < kRows && r.valid)
+    a.part_lse[(static_cast<int64_t>(r.token) * a.num_heads + r.head) * a.splits + k.split] = -INFINITY;
   return true;
 }
 
@@ -427,16 +460,16 @@ __device__ __forceinline__ void masked_max(float (&s)[32], int start, int end, i
 }
 
 // Warpgroup 0's online softmax of a tile's scores s (base 2; s[4 j + c]: row row0 (c < 2) or row1, key start + 8 j
-// + 2 t4 + c % 2): the rows' running maxima and this thread's sums updated, P to registers (the A fragments of
+// + 2 t4 + c % 2; the keys at or past the row's end, end0 or end1, masked): the rows' running maxima and this thread's sums updated, P to registers (the A fragments of
 // P V) and to shared memory (p_bytes: P [64 x 64] K-major, swizzled), the rows' factors returned and written to
 // s_alpha for warpgroup 1; fenced for the MMAs' reads. s is only read (it may be a wgmma's accumulator, which no
 // other instruction may write while a wgmma is in flight: ptxas would serialise the kernel's wgmmas).
-__device__ __forceinline__ void softmax_tile(const float (&s)[32], int start, int end, int t4, int row0, int row1,
+__device__ __forceinline__ void softmax_tile(const float (&s)[32], int start, int end0, int end1, int t4, int row0, int row1,
                                              float qk_scale_log2, float& m0, float& m1, float& l0, float& l1,
                                              uint32_t (&p_frag)[4][4], uint8_t* p_bytes, float* s_alpha,
                                              float& alpha0, float& alpha1) {
   const auto masked = [&](int j, int c) {  // (-inf past the end)
-    return start + 8 * j + 2 * t4 + (c & 1) < end ? s[4 * j + c] * qk_scale_log2 : -INFINITY;
+    return start + 8 * j + 2 * t4 + (c & 1) < (c < 2 ? end0 : end1) ? s[4 * j + c] * qk_scale_log2 : -INFINITY;
   };
   float max0 = -INFINITY, max1 = -INFINITY;
 #pragma unroll
@@ -505,28 +538,31 @@ __device__ __forceinline__ void pv_ss(float (&o)[128], uint32_t s_p, uint32_t v_
 
 // The end of a block: this thread's rows (row0, row1) of its warpgroup's 256 output columns, normalised by the
 // rows' sums s_l with their maxima s_m (base 2): with one split, out (bf16) and the LSE; with more, the split's
-// partial (fp32) and base-2 LSE for mla_merge_kernel. nan_rows: a bad index made every row NaN.
+// partial (fp32) and base-2 LSE for mla_merge_kernel. A row that sees key `bad_from` (nan_from) is NaN.
 __device__ __forceinline__ void store_rows(const Args& a, const float (&o)[128], int wg, int t4, int row0, int row1,
-                                           int token, int head_block, int split, const float* s_m, const float* s_l,
-                                           bool nan_rows, float kv_scale) {
+                                           const BlockKeys& k, const float* s_m, const float* s_l, int bad_from,
+                                           float kv_scale) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int row = r ? row1 : row0, head = head_block * kRows + row;
-    if (head >= a.num_heads) continue;
+    const int row = r ? row1 : row0;
+    const Row q = row_of(a, k, row);
+    if (!q.valid) continue;
+    const bool nan_row = row_end(a, k, row) > bad_from;
     const float l = s_l[row], m = s_m[row];
     const bool has_keys = l > 0.0f;
-    const float inv = nan_rows ? NAN : (has_keys ? kv_scale / l : 0.0f);
-    const float lse2 = nan_rows ? NAN : (has_keys ? m + log2f(l) : -INFINITY);
+    const float inv = nan_row ? NAN : (has_keys ? kv_scale / l : 0.0f);
+    const float lse2 = nan_row ? NAN : (has_keys ? m + log2f(l) : -INFINITY);
     const int col = wg * 256 + 2 * t4;
+    const int64_t row_index = static_cast<int64_t>(q.token) * a.num_heads + q.head;
     if (a.splits == 1) {
-      __nv_bfloat16* dst = a.out + token * a.out_token + head * a.out_head + col;
+      __nv_bfloat16* dst = a.out + q.token * a.out_token + q.head * a.out_head + col;
 #pragma unroll
       for (int j = 0; j < 32; ++j)
         *reinterpret_cast<__nv_bfloat162*>(dst + 8 * j) =
             __floats2bfloat162_rn(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
-      if (a.lse != nullptr && wg == 0 && t4 == 0) a.lse[static_cast<int64_t>(token) * a.num_heads + head] = lse2 * kLn2;
+      if (a.lse != nullptr && wg == 0 && t4 == 0) a.lse[row_index] = lse2 * kLn2;
     } else {
-      const int64_t part = (static_cast<int64_t>(token) * a.num_heads + head) * a.splits + split;
+      const int64_t part = row_index * a.splits + k.split;
       float* dst = a.part_out + part * kR + col;
 #pragma unroll
       for (int j = 0; j < 32; ++j)
@@ -536,28 +572,51 @@ __device__ __forceinline__ void store_rows(const Args& a, const float (&o)[128],
   }
 }
 
-// Q [64 x 576] of the block's heads into shared memory (swizzled; zeros past num_heads): cp.async, committed by
-// the caller; thread tid: row tid / 4, pieces tid % 4 + 4 j
-__device__ __forceinline__ void load_q(const Args& a, uint32_t s_q, int token, int head_block, int tid) {
-  const int row = tid >> 2, head = head_block * kRows + row;
-  const bool valid = head < a.num_heads;
-  const __nv_bfloat16* nope = a.q_nope + token * a.q_nope_token + (valid ? head : 0) * a.q_nope_head;
-  const __nv_bfloat16* pe = a.q_pe + token * a.q_pe_token + (valid ? head : 0) * a.q_pe_head;
+// The first key whose sight makes a row NaN (store_rows' bad_from): -1 with a bad length (every row); with a bad
+// page seen in the split (`poisoned`, block-uniform), the split's first key where every row sees the whole split
+// (group 1), else the first key of the split in a page outside the cache, looked up in the table by the block's
+// threads through one shared int `scratch` (the rows of a group's earlier tokens may stop before it: exact);
+// none (INT_MAX) otherwise
+__device__ __forceinline__ int nan_from(const Args& a, const BlockKeys& k, bool poisoned, int tid, int* scratch) {
+  if (k.len_bad) return -1;
+  if (!poisoned) return INT_MAX;
+  if (a.group == 1) return k.lo;
+  if (tid == 0) *scratch = INT_MAX;
+  __syncthreads();
+  for (int p = k.lo / a.page_size + tid; p <= (k.hi - 1) / a.page_size; p += kThreads) {
+    const int page = k.table_row[p];
+    if (page < 0 || page >= a.num_pages) atomicMin(scratch, max(p * a.page_size, k.lo));
+  }
+  __syncthreads();
+  const int first = *scratch;
+  __syncthreads();  // (every thread has read it before the scratch is reused)
+  return first;
+}
+
+// Q [64 x 576] of the block's rows into shared memory (swizzled; zeros in rows that are no query: row_of):
+// cp.async, committed by the caller; thread tid: row tid / 4, pieces tid % 4 + 4 j
+__device__ __forceinline__ void load_q(const Args& a, uint32_t s_q, const BlockKeys& k, int tid) {
+  const int row = tid >> 2;
+  const Row q = row_of(a, k, row);
+  const int token = q.valid ? q.token : k.token, head = q.valid ? q.head : 0;
+  const __nv_bfloat16* nope = a.q_nope + token * a.q_nope_token + head * a.q_nope_head;
+  const __nv_bfloat16* pe = a.q_pe + token * a.q_pe_token + head * a.q_pe_head;
 #pragma unroll
   for (int j = 0; j < kPieces / 4; ++j) {
     const int piece = (tid & 3) + 4 * j;
-    cp_async_16(s_q + swizzled(row, piece), piece < kR / 8 ? nope + piece * 8 : pe + (piece - kR / 8) * 8, valid);
+    cp_async_16(s_q + swizzled(row, piece), piece < kR / 8 ? nope + piece * 8 : pe + (piece - kR / 8) * 8, q.valid);
   }
 }
 
-// The end of a heads-as-rows block (both warpgroups): a bad page seen by any thread recorded and the rows made
-// NaN, warpgroup 0's row sums reduced and handed over with the maxima (s_m, s_l), the rows stored (store_rows)
-__device__ __forceinline__ void finish_rows(const Args& a, const float (&o)[128], bool saw_bad, bool len_bad,
-                                            int tid, int wg, int t4, int row0, int row1, int token, int head_block,
-                                            int split, float m0, float m1, float l0, float l1, float* s_m, float* s_l,
-                                            float kv_scale) {
+// The end of a heads-as-rows block (both warpgroups): a bad page seen by any thread recorded and the rows that see
+// it made NaN (nan_from), warpgroup 0's row sums reduced and handed over with the maxima (s_m, s_l), the rows
+// stored (store_rows)
+__device__ __forceinline__ void finish_rows(const Args& a, const float (&o)[128], bool saw_bad, const BlockKeys& k,
+                                            int tid, int wg, int t4, int row0, int row1, float m0, float m1, float l0,
+                                            float l1, float* s_m, float* s_l, float kv_scale) {
   const bool poisoned = __syncthreads_or(saw_bad) != 0;  // a visible key of this split in a bad page
-  if (poisoned && tid == 0) atomicMin(a.errors + kErrBlockTable, sequence_of(a, token));
+  if (poisoned && tid == 0) atomicMin(a.errors + kErrBlockTable, sequence_of(a, k.token));
+  const int bad_from = nan_from(a, k, poisoned, tid, reinterpret_cast<int*>(s_m));  // (before s_m is written)
   if (wg == 0) {
 #pragma unroll
     for (int mask = 1; mask <= 2; mask <<= 1) {
@@ -572,7 +631,7 @@ __device__ __forceinline__ void finish_rows(const Args& a, const float (&o)[128]
     }
   }
   __syncthreads();
-  store_rows(a, o, wg, t4, row0, row1, token, head_block, split, s_m, s_l, len_bad || poisoned, kv_scale);
+  store_rows(a, o, wg, t4, row0, row1, k, s_m, s_l, bad_from, kv_scale);
 }
 
 // kFp8: an fp8 e4m3 cache, staged as bytes (two stages in the second tile's place) and widened to one bf16 tile
@@ -606,14 +665,13 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   const int row0 = warp * 16 + g, row1 = row0 + 8;  // this thread's two rows of the block's 64 (both warpgroups)
   const BlockKeys keys = block_keys(a, tid);
   if (empty_split(a, keys, tid)) return;
-  const int token = keys.token, head_block = keys.head_block, split = keys.split;
   const int lo = keys.lo, hi = keys.hi, tiles = keys.tiles;
-  const bool len_bad = keys.len_bad;
+  const int end0 = row_end(a, keys, row0), end1 = row_end(a, keys, row1);  // (the split's hi but in a group)
   const int* table_row = keys.table_row;
   const float kv_scale = kFp8 ? *a.kv_scale : 1.0f;
   const float qk_scale_log2 = a.qk_scale_log2 * kv_scale;
 
-  load_q(a, s_q, token, head_block, tid);
+  load_q(a, s_q, keys, tid);
   const uint32_t s_bar = smem_u32(s_l + kRows);  // the TMA path: a stage's mbarrier (8 bytes each)
   constexpr int kIssuer = kThreads - 1;           // the TMA path's issuing thread (warpgroup 1's)
   uint32_t phases = 0;                            // bit s: the parity stage s's mbarrier completes next
@@ -677,8 +735,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
       issue_scores(s, s_q, tile);
       wgmma_wait_all();
       pin(s);
-      softmax_tile(s, start, hi, t4, row0, row1, qk_scale_log2, m0, m1, l0, l1, p_frag, p_bytes, s_alpha, alpha0,
-                   alpha1);
+      softmax_tile(s, start, end0, end1, t4, row0, row1, qk_scale_log2, m0, m1, l0, l1, p_frag, p_bytes, s_alpha,
+                   alpha0, alpha1);
     }
     __syncthreads();  // P and the factors in shared memory
     if (wg == 1) {
@@ -700,8 +758,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   }
   cp_async_wait<0>();
 
-  finish_rows(a, o, saw_bad, len_bad, tid, wg, t4, row0, row1, token, head_block, split, m0, m1, l0, l1, s_m, s_l,
-              kv_scale);
+  finish_rows(a, o, saw_bad, keys, tid, wg, t4, row0, row1, m0, m1, l0, l1, s_m, s_l, kv_scale);
 #endif
 }
 

@@ -53,7 +53,6 @@ __global__ void __launch_bounds__(kThreads, 1) mla_overlap_kernel(const __grid_c
   const int row0 = warp * 16 + g, row1 = row0 + 8;
   const BlockKeys keys = block_keys(a, tid);
   if (empty_split(a, keys, tid)) return;
-  const int token = keys.token, head_block = keys.head_block, split = keys.split;
   const int lo = keys.lo, hi = keys.hi, tiles = keys.tiles;
   const int* table_row = keys.table_row;
   const float qk_scale_log2 = a.qk_scale_log2;
@@ -71,7 +70,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_overlap_kernel(const __grid_c
       saw_bad |= tma_chunks(a, table_row, lo + t * kKeys, hi, s_k + t * kTileBytes, s_bar + 8 * t, 0, kChunks - 1,
                             true);
   }
-  load_q(a, s_q, token, head_block, tid);  // (Q after the first tiles' copies)
+  load_q(a, s_q, keys, tid);  // (Q after the first tiles' copies)
   cp_async_commit();
   cp_async_wait<0>();
   fence_proxy_async();
@@ -112,7 +111,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_overlap_kernel(const __grid_c
                               smem + kTileBytes + ((i + 1) & 1) * kTileBytes, min(hi - start - kKeys, kKeys),
                               tid & 127);
       }
-      softmax_tile(cur, start, hi, t4, row0, row1, qk_scale_log2, m0, m1, l0, l1, p_frag, p_bytes, s_alpha, alpha0,
+      softmax_tile(cur, start, hi, hi, t4, row0, row1, qk_scale_log2, m0, m1, l0, l1, p_frag, p_bytes, s_alpha, alpha0,
                    alpha1);
     } else {
       await_tile(i);  // (its P V reads the tile)
@@ -148,8 +147,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_overlap_kernel(const __grid_c
     if (i + 1 < tiles) step(i + 1, s_odd, s_even);
   }
 
-  finish_rows(a, o, saw_bad, keys.len_bad, tid, wg, t4, row0, row1, token, head_block, split, m0, m1, l0, l1, s_m,
-              s_l, 1.0f);
+  finish_rows(a, o, saw_bad, keys, tid, wg, t4, row0, row1, m0, m1, l0, l1, s_m, s_l, 1.0f);
 #endif
 }
 

@@ -176,9 +176,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_seesaw_kernel(const __grid_co
   const int row0 = warp * 16 + g, row1 = row0 + 8;
   const BlockKeys keys = block_keys(a, tid);
   if (empty_split(a, keys, tid)) return;
-  const int token = keys.token, head_block = keys.head_block, split = keys.split;
+  const int token = keys.token, head_block = keys.head_block;
   const int lo = keys.lo, hi = keys.hi, tiles = keys.tiles;
-  const bool len_bad = keys.len_bad;
   const int* table_row = keys.table_row;
   const float qk_scale_log2 = a.qk_scale_log2;
 
@@ -344,6 +343,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_seesaw_kernel(const __grid_co
 
   const bool poisoned = __syncthreads_or(saw_bad) != 0;  // a visible key of this split in a bad page
   if (poisoned && tid == 0) atomicMin(a.errors + kErrBlockTable, sequence_of(a, token));
+  const int bad_from = nan_from(a, keys, poisoned, tid, nullptr);  // (one token a block: no scratch needed)
 #pragma unroll
   for (int mask = 1; mask <= 2; mask <<= 1) {
     l0 += __shfl_xor_sync(0xffffffffu, l0, mask);
@@ -361,7 +361,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_seesaw_kernel(const __grid_co
   __syncthreads();
   if (tid < kRows) s_l0[tid] += s_l1[tid];
   __syncthreads();
-  store_rows(a, o, wg, t4, row0, row1, token, head_block, split, s_m0, s_l0, len_bad || poisoned, 1.0f);
+  store_rows(a, o, wg, t4, row0, row1, keys, s_m0, s_l0, bad_from, 1.0f);
 #endif
 }
 
