@@ -344,22 +344,27 @@ def test_verify_matches_the_reference(cuda_on, monkeypatch, seed):
     """Several query tokens a sequence: each row sees the keys up to its own position;
     sequences with no query row, rows past a short sequence's keys, sinks and the LSE."""
     monkeypatch.delenv(cuda_mla.VERIFY_ENV, raising=False)
-    rng = random.Random(seed)
+    check_verify_batches(random.Random(seed), heads=[1, 16, 128], q_lens=[0, 1, 2, 4, 8])
+
+
+def check_verify_batches(rng: random.Random, heads: list[int], q_lens: list[int]) -> None:
+    """Six random ragged verify batches (heads and each sequence's query tokens drawn from these; 0 to 5000 keys;
+    pages of 8 or 64; bf16 or fp8; sinks or none) on the cuda backend against the float64 reference, LSE too."""
     for _ in range(6):
-        heads = rng.choice([1, 16, 128])
+        num_heads = rng.choice(heads)
         batch = rng.choice([1, 5, 33])
-        q_lens = [rng.choice([0, 1, 2, 4, 8]) for _ in range(batch)]
-        q_lens[0] = max(q_lens[0], 1)
+        rows = [rng.choice(q_lens) for _ in range(batch)]
+        rows[0] = max(rows[0], 1)
         kv_lens = [rng.choice([0, 1, 3, 64, rng.randint(2, 5000)]) for _ in range(batch)]
-        args = deepseek_inputs(kv_lens, heads, page_size=rng.choice([8, 64]), seed=rng.randrange(1 << 30),
-                               kv_format=rng.choice(["auto", "fp8_e4m3"]), q_lens=q_lens)
+        args = deepseek_inputs(kv_lens, num_heads, page_size=rng.choice([8, 64]), seed=rng.randrange(1 << 30),
+                               kv_format=rng.choice(["auto", "fp8_e4m3"]), q_lens=rows)
         if rng.random() < 0.5:
-            args["sinks"] = torch.randn(heads, device="cuda")
+            args["sinks"] = torch.randn(num_heads, device="cuda")
         with attnops.use_backend("cuda"):
             assert attnops.explain(**args).chosen == "cuda"
             out, lse = torch.ops.attnops.mla_attention_with_lse(**args)
         ref, ref_lse = mla_attention_reference(**args, return_lse=True)
-        what = (heads, q_lens[:4], kv_lens[:4], "sinks" in args, args["kv_format"])
+        what = (num_heads, rows[:4], kv_lens[:4], "sinks" in args, args["kv_format"])
         assert relative_error(out, ref) < 1e-2, what
         torch.testing.assert_close(lse, ref_lse.float(), atol=2e-3, rtol=1e-3, equal_nan=True)
 
@@ -402,25 +407,8 @@ def test_packed_verify_matches_the_reference(packed_on, seed):
     """Each block a sequence's tokens x its heads (1 to 32 heads: 64 to 2 tokens a block): groups cut short by a
     sequence's rows, rows past a short sequence's keys, sequences with no query row, one split and many, sinks and
     the LSE, bf16 and fp8."""
-    rng = random.Random(100 + seed)
-    for _ in range(6):
-        heads = rng.choice([1, 3, 8, 16, 32])
-        batch = rng.choice([1, 5, 33])
-        q_lens = [rng.choice([0, 1, 2, 3, 4, 5, 8, 9]) for _ in range(batch)]
-        q_lens[0] = max(q_lens[0], 1)
-        kv_lens = [rng.choice([0, 1, 3, 64, rng.randint(2, 5000)]) for _ in range(batch)]
-        args = deepseek_inputs(kv_lens, heads, page_size=rng.choice([8, 64]), seed=rng.randrange(1 << 30),
-                               kv_format=rng.choice(["auto", "fp8_e4m3"]), q_lens=q_lens)
-        if rng.random() < 0.5:
-            args["sinks"] = torch.randn(heads, device="cuda")
-        assert cuda_mla.tokens_per_block(heads, True) * heads > cuda_mla.ROWS // 2
-        with attnops.use_backend("cuda"):
-            assert attnops.explain(**args).chosen == "cuda"
-            out, lse = torch.ops.attnops.mla_attention_with_lse(**args)
-        ref, ref_lse = mla_attention_reference(**args, return_lse=True)
-        what = (heads, q_lens[:4], kv_lens[:4], "sinks" in args, args["kv_format"])
-        assert relative_error(out, ref) < 1e-2, what
-        torch.testing.assert_close(lse, ref_lse.float(), atol=2e-3, rtol=1e-3, equal_nan=True)
+    assert all(cuda_mla.tokens_per_block(heads, True) >= 2 for heads in (1, 3, 8, 16, 32))
+    check_verify_batches(random.Random(100 + seed), heads=[1, 3, 8, 16, 32], q_lens=[0, 1, 2, 3, 4, 5, 8, 9])
 
 
 @pytest.mark.gpu
