@@ -140,7 +140,7 @@ void mla_decode_sm90(const at::Tensor& q_nope, const at::Tensor& q_pe, const at:
                 "or more");
     encode_kv_map(&a.kv_map, kv_cache, fp8);
   }
-  void (*kernel)(Args) = decode_kernel(fp8, variant == 1);  // (variants 0 and 1)
+  void (*kernel)(Args) = decode_kernel(fp8, variant == 1, tokens_per_block > 1);  // (variants 0 and 1)
   int smem_bytes = kSmemBytes;
   switch (variant) {
     case 2: kernel = seesaw_kernel(), smem_bytes = kSeesawSmemBytes; break;

@@ -240,13 +240,15 @@ struct BlockKeys {
 __device__ __forceinline__ int sequence_of(const Args& a, int token) {
   return a.token_seq != nullptr ? a.token_seq[token] : token;
 }
+// kPacked (the packed decode kernel's; every other kernel takes one token a block): a.group tokens a block.
+template <bool kPacked = false>
 __device__ __forceinline__ BlockKeys block_keys(const Args& a, int tid) {
   BlockKeys k;
   k.token = blockIdx.x / a.head_blocks, k.head_block = blockIdx.x % a.head_blocks, k.split = blockIdx.y;
   const int seq = sequence_of(a, k.token);
   const int later_rows = a.token_seq != nullptr ? a.token_later[k.token] : 0;
   k.tokens = 1, k.idle = false;
-  if (a.group > 1 && seq >= 0) {
+  if (kPacked && seq >= 0) {
     k.idle = (k.token - a.cu_q[seq]) % a.group != 0;
     k.tokens = min(a.group, later_rows + 1);
   }
@@ -268,8 +270,9 @@ struct Row {
   int token, head;
   bool valid;
 };
+template <bool kPacked = false>
 __device__ __forceinline__ Row row_of(const Args& a, const BlockKeys& k, int row) {
-  if (a.group == 1) {
+  if constexpr (!kPacked) {
     const int head = k.head_block * kRows + row;
     return {k.token, head, head < a.num_heads};
   }
@@ -277,18 +280,20 @@ __device__ __forceinline__ Row row_of(const Args& a, const BlockKeys& k, int row
   return {k.token + t, row - t * a.num_heads, t < k.tokens};
 }
 // The end of the keys row `row` sees in the block's split (its token's own position; with group 1 the split's)
+template <bool kPacked = false>
 __device__ __forceinline__ int row_end(const Args& a, const BlockKeys& k, int row) {
-  return a.group == 1 ? k.hi : min(k.hi, max(k.first_end + row / a.num_heads, 0));
+  return kPacked ? min(k.hi, max(k.first_end + row / a.num_heads, 0)) : k.hi;
 }
 
 // A split that starts at or past its sequence's end (the short sequences of a ragged batch, whose splits cover the
 // table's capacity): nothing to read, so with several splits the block only marks its partials empty (base-2 LSE
 // -inf: the merge skips them) and leaves. With one split, or a bad length, the full path writes the rows. A block
 // of a group's later token leaves at once (the group's first writes its rows).
+template <bool kPacked = false>
 __device__ __forceinline__ bool empty_split(const Args& a, const BlockKeys& k, int tid) {
-  if (k.idle) return true;
+  if (kPacked && k.idle) return true;
   if (a.splits == 1 || k.tiles > 0 || k.len_bad) return false;
-  const Row r = row_of(a, k, tid);
+  const Row r = row_of<kPacked>(a, k, tid);
   if (tid < kRows && r.valid)
     a.part_lse[(static_cast<int64_t>(r.token) * a.num_heads + r.head) * a.splits + k.split] = -INFINITY;
   return true;
@@ -539,15 +544,16 @@ __device__ __forceinline__ void pv_ss(float (&o)[128], uint32_t s_p, uint32_t v_
 // The end of a block: this thread's rows (row0, row1) of its warpgroup's 256 output columns, normalised by the
 // rows' sums s_l with their maxima s_m (base 2): with one split, out (bf16) and the LSE; with more, the split's
 // partial (fp32) and base-2 LSE for mla_merge_kernel. A row that sees key `bad_from` (nan_from) is NaN.
+template <bool kPacked = false>
 __device__ __forceinline__ void store_rows(const Args& a, const float (&o)[128], int wg, int t4, int row0, int row1,
                                            const BlockKeys& k, const float* s_m, const float* s_l, int bad_from,
                                            float kv_scale) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = r ? row1 : row0;
-    const Row q = row_of(a, k, row);
+    const Row q = row_of<kPacked>(a, k, row);
     if (!q.valid) continue;
-    const bool nan_row = row_end(a, k, row) > bad_from;
+    const bool nan_row = row_end<kPacked>(a, k, row) > bad_from;
     const float l = s_l[row], m = s_m[row];
     const bool has_keys = l > 0.0f;
     const float inv = nan_row ? NAN : (has_keys ? kv_scale / l : 0.0f);
@@ -577,10 +583,11 @@ __device__ __forceinline__ void store_rows(const Args& a, const float (&o)[128],
 // (group 1), else the first key of the split in a page outside the cache, looked up in the table by the block's
 // threads through one shared int `scratch` (the rows of a group's earlier tokens may stop before it: exact);
 // none (INT_MAX) otherwise
+template <bool kPacked = false>
 __device__ __forceinline__ int nan_from(const Args& a, const BlockKeys& k, bool poisoned, int tid, int* scratch) {
   if (k.len_bad) return -1;
   if (!poisoned) return INT_MAX;
-  if (a.group == 1) return k.lo;
+  if constexpr (!kPacked) return k.lo;
   if (tid == 0) *scratch = INT_MAX;
   __syncthreads();
   for (int p = k.lo / a.page_size + tid; p <= (k.hi - 1) / a.page_size; p += kThreads) {
@@ -595,9 +602,10 @@ __device__ __forceinline__ int nan_from(const Args& a, const BlockKeys& k, bool 
 
 // Q [64 x 576] of the block's rows into shared memory (swizzled; zeros in rows that are no query: row_of):
 // cp.async, committed by the caller; thread tid: row tid / 4, pieces tid % 4 + 4 j
+template <bool kPacked = false>
 __device__ __forceinline__ void load_q(const Args& a, uint32_t s_q, const BlockKeys& k, int tid) {
   const int row = tid >> 2;
-  const Row q = row_of(a, k, row);
+  const Row q = row_of<kPacked>(a, k, row);
   const int token = q.valid ? q.token : k.token, head = q.valid ? q.head : 0;
   const __nv_bfloat16* nope = a.q_nope + token * a.q_nope_token + head * a.q_nope_head;
   const __nv_bfloat16* pe = a.q_pe + token * a.q_pe_token + head * a.q_pe_head;
@@ -611,12 +619,13 @@ __device__ __forceinline__ void load_q(const Args& a, uint32_t s_q, const BlockK
 // The end of a heads-as-rows block (both warpgroups): a bad page seen by any thread recorded and the rows that see
 // it made NaN (nan_from), warpgroup 0's row sums reduced and handed over with the maxima (s_m, s_l), the rows
 // stored (store_rows)
+template <bool kPacked = false>
 __device__ __forceinline__ void finish_rows(const Args& a, const float (&o)[128], bool saw_bad, const BlockKeys& k,
                                             int tid, int wg, int t4, int row0, int row1, float m0, float m1, float l0,
                                             float l1, float* s_m, float* s_l, float kv_scale) {
   const bool poisoned = __syncthreads_or(saw_bad) != 0;  // a visible key of this split in a bad page
   if (poisoned && tid == 0) atomicMin(a.errors + kErrBlockTable, sequence_of(a, k.token));
-  const int bad_from = nan_from(a, k, poisoned, tid, reinterpret_cast<int*>(s_m));  // (before s_m is written)
+  const int bad_from = nan_from<kPacked>(a, k, poisoned, tid, reinterpret_cast<int*>(s_m));  // (before s_m's writes)
   if (wg == 0) {
 #pragma unroll
     for (int mask = 1; mask <= 2; mask <<= 1) {
@@ -631,7 +640,7 @@ __device__ __forceinline__ void finish_rows(const Args& a, const float (&o)[128]
     }
   }
   __syncthreads();
-  store_rows(a, o, wg, t4, row0, row1, k, s_m, s_l, bad_from, kv_scale);
+  store_rows<kPacked>(a, o, wg, t4, row0, row1, k, s_m, s_l, bad_from, kv_scale);
 }
 
 // kFp8: an fp8 e4m3 cache, staged as bytes (two stages in the second tile's place) and widened to one bf16 tile
@@ -641,7 +650,9 @@ __device__ __forceinline__ void finish_rows(const Args& a, const float (&o)[128]
 // threads' cp.async (whose copies held up the MMAs behind them); the last, partial tile of a split still by
 // cp.async, which fills the keys past the end with zeros (rows past a sequence's end may hold anything, NaN
 // included, and P V must not meet them).
-template <bool kFp8, bool kTma>
+// kPacked: a.group query tokens of a sequence a block (verify at up to 32 heads: block_keys), each row masked at its
+// own end (row_end); a separate instantiation, so that the one-token kernels keep their code.
+template <bool kFp8, bool kTma, bool kPacked>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_constant__ Args a) {
   static_assert(!(kFp8 && kTma), "the TMA path copies bf16 tiles");
 #if defined(ATTNOPS_MLA_SM90A)
@@ -663,15 +674,15 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
   const int g = lane >> 2, t4 = lane & 3;
   const int row0 = warp * 16 + g, row1 = row0 + 8;  // this thread's two rows of the block's 64 (both warpgroups)
-  const BlockKeys keys = block_keys(a, tid);
-  if (empty_split(a, keys, tid)) return;
+  const BlockKeys keys = block_keys<kPacked>(a, tid);
+  if (empty_split<kPacked>(a, keys, tid)) return;
   const int lo = keys.lo, hi = keys.hi, tiles = keys.tiles;
-  const int end0 = row_end(a, keys, row0), end1 = row_end(a, keys, row1);  // (the split's hi but in a group)
+  const int end0 = row_end<kPacked>(a, keys, row0), end1 = row_end<kPacked>(a, keys, row1);  // (hi but packed)
   const int* table_row = keys.table_row;
   const float kv_scale = kFp8 ? *a.kv_scale : 1.0f;
   const float qk_scale_log2 = a.qk_scale_log2 * kv_scale;
 
-  load_q(a, s_q, keys, tid);
+  load_q<kPacked>(a, s_q, keys, tid);
   const uint32_t s_bar = smem_u32(s_l + kRows);  // the TMA path: a stage's mbarrier (8 bytes each)
   constexpr int kIssuer = kThreads - 1;           // the TMA path's issuing thread (warpgroup 1's)
   uint32_t phases = 0;                            // bit s: the parity stage s's mbarrier completes next
@@ -758,14 +769,18 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   }
   cp_async_wait<0>();
 
-  finish_rows(a, o, saw_bad, keys, tid, wg, t4, row0, row1, m0, m1, l0, l1, s_m, s_l, kv_scale);
+  finish_rows<kPacked>(a, o, saw_bad, keys, tid, wg, t4, row0, row1, m0, m1, l0, l1, s_m, s_l, kv_scale);
 #endif
 }
 
-// The kernel of a cache format and copy path (a name for each instantiation: any file that includes this compiles
-// them)
-inline void (*decode_kernel(bool fp8, bool tma))(Args) {
-  return fp8 ? mla_decode_kernel<true, false> : tma ? mla_decode_kernel<false, true> : mla_decode_kernel<false, false>;
+// The kernel of a cache format, copy path and rows (one token a block, or packed) (a name for each instantiation:
+// any file that includes this compiles them)
+inline void (*decode_kernel(bool fp8, bool tma, bool packed))(Args) {
+  if (packed)
+    return fp8 ? mla_decode_kernel<true, false, true> : tma ? mla_decode_kernel<false, true, true>
+                                                            : mla_decode_kernel<false, false, true>;
+  return fp8 ? mla_decode_kernel<true, false, false> : tma ? mla_decode_kernel<false, true, false>
+                                                           : mla_decode_kernel<false, false, false>;
 }
 
 // With several query tokens a sequence: one block finds each token's sequence (the last whose rows start at or
