@@ -82,8 +82,9 @@
 #             cuda-mla-variants.txt (each case's best, the speedups). Their GPU tests are the cuda-mla step's
 #   cuda-mla-verify the cuda backend's latent-attention verify (each query row its own block): its GPU tests, then
 #             the mla grid's verify cases against Triton, FlashInfer through the op and FlashInfer's MLA wrapper, same run: $results/cuda-mla-verify.{json,txt}
-#   cuda-mla-pack verify's tokens packed into the cuda latent-attention kernel's rows (ATTNOPS_CUDA_MLA_PACK_VERIFY=1:
-#             tokens x heads fill a block's 64 rows at up to 32 heads): its GPU tests and the kernel's verify tests,
+#   cuda-mla-pack verify's tokens packed into the cuda latent-attention kernel's rows (the default; tokens x heads
+#             fill a block's 64 rows at up to 32 heads; ATTNOPS_CUDA_MLA_PACK_VERIFY=0 turns it off): its GPU tests
+#             and the kernel's verify tests,
 #             the cuda latent-attention invariance test, then the mla grid's verify cases with it off and on
 #             alternating, two rounds, beside FlashInfer's MLA wrapper: $results/cuda-mla-pack-{0,1}-{1,2}.json,
 #             cuda-mla-pack.txt (per case, packed time over one token a block, geometric mean)

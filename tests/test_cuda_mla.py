@@ -314,10 +314,10 @@ def test_the_forms_each_serve_what_they_can_and_the_defaults_are_the_fastest_mea
         assert variant("bf16", 64, 16, long, packed=True) == code("cp.async" if name == "cp.async" else "tma")
 
 
-def test_verify_packs_a_sequences_tokens_into_a_blocks_rows_only_when_asked(monkeypatch):
-    monkeypatch.delenv(cuda_mla.PACK_ENV, raising=False)
-    assert all(cuda_mla.tokens_per_block(heads, True) == 1 for heads in (1, 16, 128))  # (off until timed)
-    monkeypatch.setenv(cuda_mla.PACK_ENV, "1")
+def test_verify_packs_a_sequences_tokens_into_a_blocks_rows_unless_switched_off(monkeypatch):
+    monkeypatch.setenv(cuda_mla.PACK_ENV, "0")
+    assert all(cuda_mla.tokens_per_block(heads, True) == 1 for heads in (1, 16, 128))
+    monkeypatch.delenv(cuda_mla.PACK_ENV)
     assert [cuda_mla.tokens_per_block(heads, True) for heads in (1, 3, 8, 16, 32, 33, 64, 128)] == \
         [64, 21, 8, 4, 2, 1, 1, 1]
     assert cuda_mla.tokens_per_block(16, False) == 1  # (decode: one token a sequence)
@@ -341,9 +341,10 @@ def test_bad_indices_follow_paged_attentions_rules(cuda_on, kv_format):
 @pytest.mark.gpu
 @pytest.mark.parametrize("seed", range(2))
 def test_verify_matches_the_reference(cuda_on, monkeypatch, seed):
-    """Several query tokens a sequence: each row sees the keys up to its own position;
-    sequences with no query row, rows past a short sequence's keys, sinks and the LSE."""
+    """Several query tokens a sequence, each its own block (packed: below): each row sees the keys up to its own
+    position; sequences with no query row, rows past a short sequence's keys, sinks and the LSE."""
     monkeypatch.delenv(cuda_mla.VERIFY_ENV, raising=False)
+    monkeypatch.setenv(cuda_mla.PACK_ENV, "0")
     check_verify_batches(random.Random(seed), heads=[1, 16, 128], q_lens=[0, 1, 2, 4, 8])
 
 
@@ -372,6 +373,7 @@ def check_verify_batches(rng: random.Random, heads: list[int], q_lens: list[int]
 @pytest.mark.gpu
 def test_verify_bad_indices_name_the_sequence(cuda_on, monkeypatch):
     monkeypatch.delenv(cuda_mla.VERIFY_ENV, raising=False)
+    monkeypatch.setenv(cuda_mla.PACK_ENV, "0")  # (each token its own block; packed: below)
     args = deepseek_inputs([100, 70, 1200, 90], 16, page_size=16, q_lens=[2, 3, 4, 1])
     args["seq_lens"][1] = 10_000  # sequence 1 (rows 2-4): NaN, nothing read
     args["block_table"][2, 74] = 99_999  # sequence 2's 75th page (keys 1184-1199): all its rows (1196-1199) see it
@@ -390,13 +392,13 @@ def test_verify_bad_indices_name_the_sequence(cuda_on, monkeypatch):
 
 @pytest.fixture(params=["tma", "cp.async"], ids=["packed_tma", "packed_cpasync"])
 def packed_on(monkeypatch, request):
-    """Verify's tokens packed into a block's rows (ATTNOPS_CUDA_MLA_PACK_VERIFY=1), in the two forms that take them
-    (fp8 by cp.async in both)."""
+    """Verify's tokens packed into a block's rows (the default), in the two forms that take them (fp8 by cp.async
+    in both)."""
     if not sm90():
         pytest.skip("needs an sm_90 GPU")
     monkeypatch.delenv(cuda_mla.ENV, raising=False)
     monkeypatch.delenv(cuda_mla.VERIFY_ENV, raising=False)
-    monkeypatch.setenv(cuda_mla.PACK_ENV, "1")
+    monkeypatch.delenv(cuda_mla.PACK_ENV, raising=False)
     monkeypatch.setenv(cuda_mla.VARIANT_ENV, request.param)
     yield
 

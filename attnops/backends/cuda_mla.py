@@ -14,12 +14,12 @@ tiles a step, each warpgroup the scores and softmax of one, csrc/cuda/mla_seesaw
 heads: the keys as the MMAs' M, csrc/cuda/mla_keys_sm90.cuh) and `overlap` (the next tile's scores computed beside
 this tile's softmax, csrc/cuda/mla_overlap_sm90.cuh).
 
-Verify (a few query tokens a sequence, no tree mask): each query row is its own block of the decode kernel, seeing
-its sequence's keys up to its own position (a sequence's rows read its keys once each). Faster than Triton's verify
-on every measured case, slower than FlashInfer's bf16 (docs/bench.md); sm_90's rule was fitted before it served
-verify, so auto puts it behind FlashInfer and Triton there until the rule is refitted. ATTNOPS_CUDA_MLA_VERIFY=0
-leaves verify to the others. ATTNOPS_CUDA_MLA_PACK_VERIFY=1 packs a sequence's query tokens into a block's 64 rows
-where there are at most 32 heads (tokens_per_block), so that its keys are read once for them; off until timed.
+Verify (a few query tokens a sequence, no tree mask): each query row sees its sequence's keys up to its own
+position. At up to 32 heads a block takes several query tokens of a sequence as its 64 rows (tokens_per_block), so
+that the sequence's keys are read once for them (1.1-2.6x faster at 16 heads than a block a token, H100;
+ATTNOPS_CUDA_MLA_PACK_VERIFY=0 gives each token its own block, as above 32 heads). Faster than Triton's verify on
+every measured case, slower than FlashInfer's bf16 (docs/bench.md): sm_90's rule sends fp8 verify here, bf16 verify
+to FlashInfer, then here (inside a graph nobody replans). ATTNOPS_CUDA_MLA_VERIFY=0 leaves verify to the others.
 
 The split of each sequence's keys comes from shapes only (the table's capacity, the tokens, the heads, the SM
 count), so a CUDA graph replays any lengths; with more than one split, the op's second kernel merges the partials
@@ -38,7 +38,7 @@ from .base import common_reasons, kernel_outputs, rows_without_a_sequence
 
 ENV = "ATTNOPS_CUDA_MLA"
 VERIFY_ENV = "ATTNOPS_CUDA_MLA_VERIFY"  # 0: decode only
-PACK_ENV = "ATTNOPS_CUDA_MLA_PACK_VERIFY"  # 1: verify's tokens packed into a block's rows (tokens_per_block)
+PACK_ENV = "ATTNOPS_CUDA_MLA_PACK_VERIFY"  # 0: each verify token its own block (tokens_per_block)
 VARIANT_ENV = "ATTNOPS_CUDA_MLA_VARIANT"
 VARIANTS = ("cp.async", "tma", "seesaw", "keys", "overlap")  # (the op's `variant` codes 0 to 4)
 KEYS_MAX_HEADS = 16  # the keys form's heads a block (its MMAs' N)
@@ -122,12 +122,12 @@ def reasons(case) -> list[str]:
 
 def tokens_per_block(num_heads: int, verify: bool) -> int:
     """Query tokens of a sequence one block takes as its ROWS rows (token, head): with several query tokens a
-    sequence (verify) and ATTNOPS_CUDA_MLA_PACK_VERIFY=1, ROWS // num_heads where that is 2 or more (at most 32
-    heads), so that a sequence's keys are read once for those tokens, not once a token (at 16 heads, 4 tokens fill
-    the rows one token leaves three-quarters empty); 1 otherwise. A function of shapes: graph-safe, and the same
-    for a sequence whatever the batch (batch-invariant mode keeps its bits). Off by default: not yet timed
-    (`bash benchmarks/gpu_round.sh cuda-mla-pack`)."""
-    if not verify or environ_get(PACK_ENV) != "1":
+    sequence (verify), ROWS // num_heads where that is 2 or more (at most 32 heads), so that a sequence's keys are
+    read once for those tokens, not once a token (at 16 heads, 4 tokens fill the rows one token leaves
+    three-quarters empty); 1 otherwise, or with ATTNOPS_CUDA_MLA_PACK_VERIFY=0. A function of shapes: graph-safe,
+    and the same for a sequence whatever the batch (batch-invariant mode keeps its bits). Measured by
+    `bash benchmarks/gpu_round.sh cuda-mla-pack` (docs/bench.md)."""
+    if not verify or environ_get(PACK_ENV) == "0":
         return 1
     return max(1, ROWS // num_heads)
 
