@@ -132,9 +132,9 @@ def test_kernel_compiles_for_sm90a_without_spills_and_keeps_its_wgmmas_pipelined
     frames = dict(re.findall(r"Function properties for (\w+)\n\s*(\d+ bytes stack frame, \d+ bytes spill stores, "
                              r"\d+ bytes spill loads)", log))
     # (bf16's by cp.async and by the TMA, fp8's, each also packed, the seesaw's, the keys form's two, the overlap
-    # form's, verify's rows, the merge, the probe): none spills but the overlap form, whose warpgroup 0 holds two score tiles beside
-    # its half of O and spills a few registers outside its MMAs' pipeline (at most 64 bytes: more would be a
-    # regression)
+    # form's, verify's rows, the merge, the probe): none spills but the overlap form, whose warpgroup 0 holds two
+    # score tiles beside its half of O and spills a few registers outside its MMAs' pipeline (at most 64 bytes:
+    # more would be a regression)
     assert len(frames) == 13, log
     for name, frame in frames.items():
         stack, stores, loads = map(int, re.findall(r"\d+", frame))
@@ -175,7 +175,8 @@ def test_kernel_compiles_for_sm90a_without_spills_and_keeps_its_wgmmas_pipelined
     assert len(re.findall(r"HGMMA\.64x256x16\.F32\.BF16", overlap[0])) == 8 * 2
     tma = [name for name, body in functions.items() if "UTMALDG" in body]  # (the TMA's copies)
     kinds = sorted(next(k for k in ("keys", "overlap", "seesaw", "ILb0ELb1E") if k in name) for name in tma)
-    assert kinds == ["ILb0ELb1E", "ILb0ELb1E", "keys", "keys", "overlap", "seesaw"], tma  # (tma: one token, packed)
+    # (the tma form's decode kernel, one token a block and packed)
+    assert kinds == ["ILb0ELb1E", "ILb0ELb1E", "keys", "keys", "overlap", "seesaw"], tma
     assert not any(("LDL" in body or "STL" in body) for name, body in functions.items() if "overlap" not in name)
 
 

@@ -464,14 +464,15 @@ __device__ __forceinline__ void masked_max(float (&s)[32], int start, int end, i
   }
 }
 
-// Warpgroup 0's online softmax of a tile's scores s (base 2; s[4 j + c]: row row0 (c < 2) or row1, key start + 8 j
-// + 2 t4 + c % 2; the keys at or past the row's end, end0 or end1, masked): the rows' running maxima and this thread's sums updated, P to registers (the A fragments of
-// P V) and to shared memory (p_bytes: P [64 x 64] K-major, swizzled), the rows' factors returned and written to
-// s_alpha for warpgroup 1; fenced for the MMAs' reads. s is only read (it may be a wgmma's accumulator, which no
-// other instruction may write while a wgmma is in flight: ptxas would serialise the kernel's wgmmas).
-__device__ __forceinline__ void softmax_tile(const float (&s)[32], int start, int end0, int end1, int t4, int row0, int row1,
-                                             float qk_scale_log2, float& m0, float& m1, float& l0, float& l1,
-                                             uint32_t (&p_frag)[4][4], uint8_t* p_bytes, float* s_alpha,
+// Warpgroup 0's online softmax of a tile's scores s (base 2; s[4 j + c]: row row0 (c < 2) or row1, key start + 8 j + 2
+// t4 + c % 2; the keys at or past the row's end, end0 or end1, masked): the rows' running maxima and this thread's sums
+// updated, P to registers (the A fragments of P V) and to shared memory (p_bytes: P [64 x 64] K-major, swizzled), the
+// rows' factors returned and written to s_alpha for warpgroup 1; fenced for the MMAs' reads. s is only read (it may be
+// a wgmma's accumulator, which no other instruction may write while a wgmma is in flight: ptxas would serialise the
+// kernel's wgmmas).
+__device__ __forceinline__ void softmax_tile(const float (&s)[32], int start, int end0, int end1, int t4, int row0,
+                                             int row1, float qk_scale_log2, float& m0, float& m1, float& l0,
+                                             float& l1, uint32_t (&p_frag)[4][4], uint8_t* p_bytes, float* s_alpha,
                                              float& alpha0, float& alpha1) {
   const auto masked = [&](int j, int c) {  // (-inf past the end)
     return start + 8 * j + 2 * t4 + (c & 1) < (c < 2 ? end0 : end1) ? s[4 * j + c] * qk_scale_log2 : -INFINITY;
