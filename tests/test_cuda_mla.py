@@ -437,21 +437,7 @@ def test_packed_verify_makes_nan_only_the_rows_that_see_a_bad_page(packed_on):
 @pytest.mark.gpu
 def test_packed_verify_in_a_user_cuda_graph_and_compiled(packed_on):
     check_user_graph_replays("cuda", deepseek_inputs([300, 40, 1000], 16, page_size=16, q_lens=[3, 4, 2]))
-    torch._dynamo.reset()
-    args = deepseek_inputs([300, 40], 8, page_size=16, q_lens=[5, 2])
-    scale = args["scale"]
-
-    def step(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q):
-        return torch.ops.attnops.mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q,
-                                               scale=scale)
-
-    compiled = torch.compile(step, fullgraph=True, mode="reduce-overhead")
-    with attnops.use_backend("cuda"):
-        for lengths in ([300, 40], [12, 25], [299, 2]):
-            args["seq_lens"].copy_(torch.tensor(lengths))
-            got = compiled(*(args[name] for name in ("q_nope", "q_pe", "kv_cache", "block_table", "seq_lens",
-                                                     "cu_seqlens_q")))
-            assert relative_error(got, mla_attention_reference(**args)) < 1e-2, lengths
+    check_reduce_overhead("cuda", deepseek_inputs([300, 40], 8, page_size=16, q_lens=[5, 2]))
 
 
 @pytest.mark.gpu

@@ -667,18 +667,22 @@ def check_user_graph_replays(backend: str, args: dict) -> None:
 
 def check_reduce_overhead(backend: str, args: dict) -> None:
     """A step calling mla_attention under torch.compile(mode="reduce-overhead") with `backend` pinned, on args of
-    two sequences (300 and 40 keys), over new lengths, against the reference."""
+    two sequences (300 and 40 keys; with cu_seqlens_q, several query tokens a sequence), over new lengths, against
+    the reference."""
     torch._dynamo.reset()
     scale = args["scale"]
+    names = ["q_nope", "q_pe", "kv_cache", "block_table", "seq_lens"]
+    if args.get("cu_seqlens_q") is not None:
+        names.append("cu_seqlens_q")
 
-    def step(q_nope, q_pe, kv_cache, block_table, seq_lens):
-        return torch.ops.attnops.mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, scale=scale)
+    def step(*tensors):  # (mla_attention's positional order: names')
+        return torch.ops.attnops.mla_attention(*tensors, scale=scale)
 
     compiled = torch.compile(step, fullgraph=True, mode="reduce-overhead")
     with attnops.use_backend(backend):
         for lengths in ([300, 40], [12, 25], [299, 1]):
             args["seq_lens"].copy_(torch.tensor(lengths))
-            got = compiled(args["q_nope"], args["q_pe"], args["kv_cache"], args["block_table"], args["seq_lens"])
+            got = compiled(*(args[name] for name in names))
             assert relative_error(got, mla_attention_reference(**args)) < 1e-2, lengths
 
 
