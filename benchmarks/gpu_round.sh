@@ -114,6 +114,19 @@
 set -uo pipefail
 results=${ATTNOPS_OUT:-gpu-out}; mkdir -p "$results"; results=$(cd "$results" && pwd)  # (steps that cd elsewhere)
 t0=$(date +%s); stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
+# A same-run A/B: `python -m attnops bench ARGS` once per setting a round, the settings alternating, ROUNDS rounds,
+# each run under LIMIT seconds. A setting is TAG:VAR=VALUE[,VAR=VALUE...] (the environment of its runs); its runs
+# go to $results/NAME-TAG-ROUND.json, and the last line each prints is shown.
+#   bench_settings NAME ROUNDS LIMIT "SETTING ..." ARGS...
+bench_settings() {
+  local name=$1 rounds=$2 limit=$3 settings=$4 round setting tag vars; shift 4
+  for round in $(seq 1 "$rounds"); do for setting in $settings; do
+    tag=${setting%%:*} vars=${setting#*:}
+    env ${vars//,/ } timeout "$limit" python3 -m attnops bench "$@" \
+      --json "$results/$name-$tag-$round.json" > "/tmp/$name-$tag-$round.txt" 2>&1
+    tail -1 "/tmp/$name-$tag-$round.txt"
+  done; done
+}
 # the fuzz steps' cases and seed; one CPU thread a process: the workers' float64 references on the CPU would
 # otherwise each start a thread per core and contend
 fuzz_env() { export ATTNOPS_FUZZ_CASES=${FUZZ_CASES:-1000} ATTNOPS_FUZZ_SEED=${FUZZ_SEED:-20} OMP_NUM_THREADS=1; }
@@ -155,23 +168,20 @@ for step in "$@"; do
     invariance)
       # the cost of batch-invariant mode: a backend's cases of the bench grid (INVARIANCE_ARGS narrows them) in the default
       # mode and inside the mode, alternating, same run; then each case's ratio and their geometric mean
-      for round in $(seq 1 ${INVARIANCE_ROUNDS:-2}); do for mode in 0 1; do
-        ATTNOPS_BATCH_INVARIANT=$mode timeout ${BENCH_TIMEOUT:-300} python3 -m attnops bench \
-          --backends ${INVARIANCE_BACKEND:-triton} \
-          --peers --graph-only ${INVARIANCE_ARGS:-} --json "$results/invariance-$mode-$round.json" \
-          > /tmp/invariance-$mode-$round.txt 2>&1; tail -1 /tmp/invariance-$mode-$round.txt
-      done; done
+      bench_settings invariance ${INVARIANCE_ROUNDS:-2} ${BENCH_TIMEOUT:-300} \
+        "0:ATTNOPS_BATCH_INVARIANT=0 1:ATTNOPS_BATCH_INVARIANT=1" \
+        --backends ${INVARIANCE_BACKEND:-triton} --peers --graph-only ${INVARIANCE_ARGS:-}
       python3 benchmarks/invariance_cost.py "$results"/invariance-0-*.json -- "$results"/invariance-1-*.json \
         | tee "$results/invariance.txt"; stamp invariance ;;
     invariance-mla)
       # the mode's cost on the cuda latent-attention kernel at each split size of $MLA_CHUNKS (default 512 1024 2048):
       # the mla grid (INVARIANCE_ARGS narrows it), the default mode and each size alternating, same run
-      for round in $(seq 1 ${INVARIANCE_ROUNDS:-1}); do for chunk in 0 ${MLA_CHUNKS:-512 1024 2048}; do
-        ATTNOPS_BATCH_INVARIANT=$(( chunk > 0 )) ATTNOPS_CUDA_MLA_INVARIANT_CHUNK=${chunk#0} timeout ${BENCH_TIMEOUT:-150} \
-          python3 -m attnops bench --grid mla --backends cuda --peers --graph-only --rep-ms ${REP_MS:-20} \
-          ${INVARIANCE_ARGS:-} --json "$results/invariance-mla-$chunk-$round.json" > /tmp/inv-mla.txt 2>&1
-        tail -1 /tmp/inv-mla.txt
-      done; done
+      settings="0:ATTNOPS_BATCH_INVARIANT=0,ATTNOPS_CUDA_MLA_INVARIANT_CHUNK="
+      for chunk in ${MLA_CHUNKS:-512 1024 2048}; do
+        settings="$settings $chunk:ATTNOPS_BATCH_INVARIANT=1,ATTNOPS_CUDA_MLA_INVARIANT_CHUNK=$chunk"
+      done
+      bench_settings invariance-mla ${INVARIANCE_ROUNDS:-1} ${BENCH_TIMEOUT:-150} "$settings" \
+        --grid mla --backends cuda --peers --graph-only --rep-ms ${REP_MS:-20} ${INVARIANCE_ARGS:-}
       for chunk in ${MLA_CHUNKS:-512 1024 2048}; do
         echo "== $chunk keys a split"; python3 benchmarks/invariance_cost.py "$results"/invariance-mla-0-*.json -- \
           "$results"/invariance-mla-$chunk-*.json
@@ -352,12 +362,10 @@ PY
       timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -m gpu -k cuda_latent \
         tests/test_batch_invariance.py >> "$results/cuda-mla-pack-tests.log" 2>&1
       tail -1 "$results/cuda-mla-pack-tests.log"
-      for round in 1 2; do for pack in 0 1; do
-        ATTNOPS_CUDA_MLA_PACK_VERIFY=$pack timeout ${MLA_TIMEOUT:-150} python3 -m attnops bench --grid mla \
-          --cases verify --backends cuda --peers fi-mla --graph-only --rep-ms ${REP_MS:-20} \
-          --json "$results/cuda-mla-pack-$pack-$round.json" > /tmp/pack-$pack-$round.txt 2>&1; tail -1 /tmp/pack-$pack-$round.txt
-      done; done
-      grep -E "verify" /tmp/pack-1-1.txt | grep -v unsupported | cut -c1-130
+      bench_settings cuda-mla-pack 2 ${MLA_TIMEOUT:-150} \
+        "0:ATTNOPS_CUDA_MLA_PACK_VERIFY=0 1:ATTNOPS_CUDA_MLA_PACK_VERIFY=1" \
+        --grid mla --cases verify --backends cuda --peers fi-mla --graph-only --rep-ms ${REP_MS:-20}
+      grep -E "verify" /tmp/cuda-mla-pack-1-1.txt | grep -v unsupported | cut -c1-130
       python3 benchmarks/invariance_cost.py --labels one-token-a-block packed "$results"/cuda-mla-pack-0-*.json -- \
         "$results"/cuda-mla-pack-1-*.json | tee "$results/cuda-mla-pack.txt"; stamp cuda-mla-pack ;;
     tests)
