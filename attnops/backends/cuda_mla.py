@@ -50,7 +50,7 @@ TILE = 64  # keys a step; splits are whole tiles
 MIN_CHUNK = 256  # keys a split at least (a block loads its 64 heads' queries first: 72 KB)
 MAX_CHUNK = 4096  # keys a split at most: a ragged batch's long sequences spread over the SMs
 MAX_SPLITS = 65535  # a grid dimension
-INVARIANT_CHUNK = 2048  # batch-invariant mode: keys a split, from each sequence's start (a multiple of TILE)
+INVARIANT_CHUNK = 1024  # batch-invariant mode: keys a split, from each sequence's start (a multiple of TILE)
 INVARIANT_CHUNK_ENV = "ATTNOPS_CUDA_MLA_INVARIANT_CHUNK"  # another split size in the mode, to time it
 
 
