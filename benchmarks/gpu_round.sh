@@ -95,6 +95,10 @@
 #   invariance-mla the mode's cost on the cuda latent-attention kernel (the mla grid) at each split size of
 #             MLA_CHUNKS (ATTNOPS_CUDA_MLA_INVARIANT_CHUNK; default 512 1024 2048) against the default mode, same run:
 #             $results/invariance-mla-{0,chunk}-{round}.json, invariance-mla.txt (INVARIANCE_ROUNDS: 1)
+#   head-parts Triton's head dims between powers of two in two tiles (the power of two below, then the rest:
+#             ATTNOPS_TRITON_TUNABLES=HEAD_PARTS=1) against one padded tile: tests/test_head_dims.py's GPU tests (both
+#             ways), then the head-dims grid with each, alternating, HEAD_PARTS_ROUNDS rounds (2), same run:
+#             $results/head-parts-{0,1}-{round}.json, head-parts.txt (per case, two tiles' time over the padded tile's)
 #   fp4       python -m attnops bench --grid fp4 (4-bit decode and verify against FlashInfer's bf16, same run):
 #             $results/fp4.{json,png,txt}
 #   fp8       the fp8 bar (docs/bench.md): the models grid's fp8 e4m3 decode at 32 x 8192 and 128 x 4096 on every head shape
@@ -368,6 +372,17 @@ PY
       grep -E "verify" /tmp/cuda-mla-pack-1-1.txt | grep -v unsupported | cut -c1-130
       python3 benchmarks/invariance_cost.py --labels one-token-a-block packed "$results"/cuda-mla-pack-0-*.json -- \
         "$results"/cuda-mla-pack-1-*.json | tee "$results/cuda-mla-pack.txt"; stamp cuda-mla-pack ;;
+    head-parts)
+      # Triton's head dims between powers of two in two tiles (HEAD_PARTS) against one padded tile: the head dims
+      # GPU tests (both ways), then the head-dims grid with each, alternating, two rounds, same run
+      timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 tests/test_head_dims.py \
+        > "$results/head-parts-tests.log" 2>&1; tail -1 "$results/head-parts-tests.log"
+      grep -E "^FAILED" "$results/head-parts-tests.log" | head -8
+      bench_settings head-parts ${HEAD_PARTS_ROUNDS:-2} ${BENCH_TIMEOUT:-150} \
+        "0:ATTNOPS_TRITON_TUNABLES=HEAD_PARTS=0 1:ATTNOPS_TRITON_TUNABLES=HEAD_PARTS=1" \
+        --grid head-dims --backends triton --peers --graph-only
+      python3 benchmarks/invariance_cost.py --labels padded two-tiles "$results"/head-parts-0-*.json -- \
+        "$results"/head-parts-1-*.json | tee "$results/head-parts.txt"; stamp head-parts ;;
     tests)
       limit=${TESTS_TIMEOUT:-240}
       suites=${TEST_SUITES:-capture triton flashinfer e2e}

@@ -102,11 +102,38 @@ def test_random_batches_match_the_reference(backend, head_dim):
                                      f"heads={args['q'].shape[1]}/{args['k_cache'].shape[2]} {options}: {e}") from None
 
 
+@pytest.fixture
+def head_parts(request, monkeypatch):
+    """Triton's kernels with a head dim between powers of two in two tiles (HEAD_PARTS forced on every call) if
+    the parameter is true, else as the heuristic chooses."""
+    from attnops.backends.triton import heuristics
+    if request.param:
+        monkeypatch.setenv("ATTNOPS_TRITON_TUNABLES", "HEAD_PARTS=1")
+    heuristics.forced_tunables.cache_clear()
+    yield request.param
+    heuristics.forced_tunables.cache_clear()
+
+
+def test_head_parts_widths():
+    """Two tiles: the power of two below the head dim, then the rest as a power of two of at least 32 columns (64
+    for 4-bit), only where both are narrower than the one padded tile."""
+    pytest.importorskip("triton")
+    from attnops.backends.triton.heuristics import head_parts
+    assert [head_parts(d, "bf16") for d in (48, 80, 96, 112, 160, 192, 320, 128, 512)] == [0, 32, 32, 0, 32, 64, 64,
+                                                                                             0, 0]
+    assert [head_parts(d, "fp8_e4m3") for d in (80, 96, 160)] == [32, 32, 32]
+    assert [head_parts(d, "nvfp4") for d in (80, 96, 160, 192)] == [0, 0, 64, 64]
+
+
 @pytest.mark.skipif(not TRITON_INTERPRETED, reason="the interpreter's run (no GPU); the GPU's: gpu_round.sh")
+@pytest.mark.parametrize("head_parts", [False, True], indirect=True, ids=["padded", "two-tiles"])
 @pytest.mark.parametrize("head_dim", list(TRITON_HEAD_DIMS))
-def test_triton_padded_tiles_match_the_reference(head_dim):
+def test_triton_padded_tiles_match_the_reference(head_dim, head_parts):
     """Random ragged batches (decode and extend, windows, soft caps, sinks, LSE) through Triton's kernels in
-    padded tiles, against the float64 reference; long sequences split and merged; reshape_and_cache's writes."""
+    padded tiles (or two tiles, with HEAD_PARTS), against the float64 reference; long sequences split and merged."""
+    from attnops.backends.triton.heuristics import head_parts as second_tile
+    if head_parts and not any(second_tile(head_dim, f) for f in TRITON_HEAD_DIMS[head_dim]):
+        pytest.skip(f"head dim {head_dim} is one tile in every format tested")
     rng = random.Random(f"triton:{head_dim}")
     for kv_format in TRITON_HEAD_DIMS[head_dim]:
         for mode in ("decode", "extend"):
@@ -125,18 +152,22 @@ def test_triton_padded_tiles_match_the_reference(head_dim):
 
 
 @pytest.mark.skipif(not TRITON_INTERPRETED, reason="the interpreter's run (no GPU)")
-@pytest.mark.parametrize("kv_format, pairs", [("nvfp4", False), ("mxfp4", False), ("fp8_e4m3", False),
-                                              ("fp8_e4m3", True)])
-def test_triton_padded_tiles_read_nothing_past_the_head_dim(kv_format, pairs, monkeypatch):
+@pytest.mark.parametrize("kv_format, pairs, parts, head_dim", [
+    ("nvfp4", False, False, 96), ("mxfp4", False, False, 96), ("fp8_e4m3", False, False, 96),
+    ("fp8_e4m3", True, False, 96), ("fp8_e4m3", True, True, 80), ("fp16", False, True, 80),
+    ("nvfp4", False, True, 160)])
+def test_triton_padded_tiles_read_nothing_past_the_head_dim(kv_format, pairs, parts, head_dim, monkeypatch):
     """Caches (and 4-bit block scales) as views into rows wider than the head dim, the columns past it NaN bytes:
     a padded tile that read them (its tile's width, 128 for 96) would put NaN into every score (0 x NaN); the
-    result must be the reference's. `pairs`: fp8 read as 16-bit words (FP8_V_PAIRS/FP8_K_PAIRS, forced)."""
+    result must be the reference's. `pairs`: fp8 read as 16-bit words (FP8_V_PAIRS/FP8_K_PAIRS, forced); `parts`:
+    two tiles (HEAD_PARTS, forced), whose second one is padded too at 80 (64 + 32)."""
     from attnops.backends.triton import heuristics
-    if pairs:
-        monkeypatch.setenv("ATTNOPS_TRITON_TUNABLES", "FP8_V_PAIRS=1,FP8_K_PAIRS=1")
+    forced = (["FP8_V_PAIRS=1", "FP8_K_PAIRS=1"] if pairs else []) + (["HEAD_PARTS=1"] if parts else [])
+    if forced:
+        monkeypatch.setenv("ATTNOPS_TRITON_TUNABLES", ",".join(forced))
     heuristics.forced_tunables.cache_clear()
     try:
-        args = random_paged_inputs([70, 9, 130], [3, 1, 2], num_q_heads=8, num_kv_heads=2, head_dim=96,
+        args = random_paged_inputs([70, 9, 130], [3, 1, 2], num_q_heads=8, num_kv_heads=2, head_dim=head_dim,
                                    page_size=16, kv_format=kv_format, q_dtype=torch.float16, seed=11)
         for name in ("k_cache", "v_cache") + (("k_scale", "v_scale") if kv_format in ("nvfp4", "mxfp4") else ()):
             t = args[name]
@@ -178,11 +209,14 @@ def test_triton_cache_write_in_padded_tiles(head_dim):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("head_parts", [False, True], indirect=True, ids=["padded", "two-tiles"])
 @pytest.mark.parametrize("head_dim", [48, 80, 96, 160, 192, 512])
-def test_triton_padded_tiles_on_the_gpu(head_dim, monkeypatch):
-    """bf16, fp16, fp8 and the 4-bit formats whose block divides the head dim through Triton's padded tiles on
-    the GPU, decode and verify with splits, windows and sinks, against the float64 reference; and
-    under a CUDA graph the user captured."""
+def test_triton_padded_tiles_on_the_gpu(head_dim, head_parts, monkeypatch):
+    """bf16, fp16, fp8 and the 4-bit formats whose block divides the head dim through Triton's padded tiles (or
+    two tiles, HEAD_PARTS) on the GPU, decode and verify with splits, windows and sinks, against the float64
+    reference; and under a CUDA graph the user captured."""
+    if head_parts and head_dim in (48, 512):
+        pytest.skip(f"head dim {head_dim} is one tile")
     monkeypatch.delenv("ATTNOPS_TRITON_PADDED_HEADS", raising=False)
     dispatch._select_cached.cache_clear()
     rng = random.Random(head_dim)

@@ -619,7 +619,9 @@ picked += [v for v in variants if v.get("lse") and v["sinks"]][:1]  # each row's
 picked += [v for v in variants if v.get("valid_dim") == 96][:1]
 picked += [v for v in variants if v.get("valid_dim") == 512 and not v["decode"]][:1]
 picked += [v for v in variants if v.get("valid_dim") == 96 and v["fmt"] in ("nvfp4", "mxfp4")][:2]  # 4-bit padded
-assert len(picked) == 12
+# two tiles (HEAD_PARTS): 96 as 64 + 32 in bf16, decode and verify; 80 of fp8 pairs, its second tile as bytes
+picked += [v for v in variants if v.get("dim_b")][:3]
+assert len(picked) == 15 and {v["fmt"] for v in picked[-3:]} == {"bf16", "fp8_e4m3"}
 for v in picked:
     compiled, _ = cc.compile_attention(v, target)
     if v is picked[0]:  # --sass's reading of the SASS: the decode loop, with its mma, inside the kernel

@@ -178,6 +178,18 @@ def attention_variants(quick: bool, arch: int = 90):
         yield {**dict(fmt=fmt, q_dtype="bf16", decode=decode, head_dim=128, valid_dim=valid, group=4, page=16,
                       block_q=1 if decode else 32, block_n=64, warps=4 if decode else 8, window=not decode,
                       soft_cap=decode, scale_bcast=True), **extra}
+    # a head dim between powers of two in two tiles (HEAD_PARTS: heuristics.head_parts), decode and verify: 16-bit,
+    # fp8 as bytes and as pairs (the second tile as bytes), 4-bit (both tiles in halves)
+    for (valid, tile, fmt, extra), decode in itertools.product(
+            ((96, 128, "bf16", {}), (80, 128, "fp8_e4m3", dict(q_dtype="fp16", fp8_v_pairs=True, fp8_k_pairs=True)),
+             (96, 128, "fp8_e5m2", {}), (160, 256, "nvfp4", dict(scale_bcast=True, fp4_asm=True)),
+             (192, 256, "mxfp4", dict(scale_bcast=True))), (True, False)):
+        if quick and fmt not in ("bf16", "fp8_e4m3"):
+            continue
+        yield {**dict(fmt=fmt, q_dtype="bf16", decode=decode, head_dim=tile, valid_dim=valid,
+                      dim_b=heuristics.head_parts(valid, fmt), group=4, page=16, block_q=1 if decode else 16,
+                      block_n=128 if decode and tile <= 128 else 64 if tile <= 128 else 32, warps=4 if decode else 8,
+                      window=not decode, soft_cap=decode, scale_bcast=False, sinks=decode, lse=not decode), **extra}
 
 
 def attention_types(fmt: str, q_dtype: str, lse: bool = False) -> dict:
@@ -267,7 +279,7 @@ def compile_attention(v, target):
                       FP8_V_PAIRS=v.get("fp8_v_pairs", False), FP8_K_PAIRS=v.get("fp8_k_pairs", False),
                       BOUNDS=v.get("bounds", True), PAGE_CLAMP=v.get("page_clamp", False),
                       FULL_TILES=v.get("full_tiles", False), OFFSETS_32=v.get("offsets_32", False),
-                      VALID_DIM=v.get("valid_dim", v["head_dim"]))
+                      VALID_DIM=v.get("valid_dim", v["head_dim"]), DIM_B=v.get("dim_b", 0))
     stages = 2 if v["head_dim"] >= 256 else 3
     compiled = compile_one(paged_attention_kernel, types, constexprs, target, v["warps"], stages)
     merge = compile_one(merge_splits_kernel, dict(out_ptr=qp, lse_ptr=types["lse_ptr"], part_out_ptr="*fp32",

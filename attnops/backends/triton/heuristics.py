@@ -22,7 +22,7 @@ WORKSPACE_BYTES = 64 * 2 ** 20  # the most split partials one call may allocate 
 # Tunables a caller (benchmarks/triton_tuning.py, tests) may force; None entries fall back to the heuristic.
 CONFIG_KEYS = ("BLOCK_N", "num_warps", "num_stages", "CHUNK", "MAX_SPLITS", "BLOCK_Q", "SCALE_BCAST", "FP4_ASM",
                "maxnreg", "HEADS_INNER", "V_DEQUANT_FIRST", "PDL", "FP8_V_PAIRS", "FP8_K_PAIRS", "BOUNDS",
-               "PAGE_CLAMP", "FULL_TILES", "OFFSETS_32")
+               "PAGE_CLAMP", "FULL_TILES", "OFFSETS_32", "HEAD_PARTS")
 
 
 @functools.lru_cache(maxsize=None)
@@ -189,7 +189,7 @@ def _heuristic_config(case: AttentionCase, num_tokens: int, device: torch.device
                 HEADS_INNER=decode_like,
                 V_DEQUANT_FIRST=kv_format == "mxfp4" and decode_like and device.type == "cuda",
                 PDL=_capability(device) >= 9, FP8_V_PAIRS=fp8_pairs, FP8_K_PAIRS=fp8_pairs, BOUNDS=True,
-                PAGE_CLAMP=decode, FULL_TILES=verify_64, OFFSETS_32=verify_64)
+                PAGE_CLAMP=decode, FULL_TILES=verify_64, OFFSETS_32=verify_64, HEAD_PARTS=False)
 
 
 heuristic_config.cache_clear = _heuristic_config.cache_clear  # (tests and compile_check clear the choices)
@@ -206,6 +206,19 @@ def smaller_tile(cfg: dict) -> dict | None:
     if cfg["num_stages"] > 1:
         return dict(cfg, num_stages=1)
     return None
+
+
+def head_parts(head_dim: int, kv_format: str) -> int:
+    """The second tile's width when a head dim between powers of two runs in two tiles (HEAD_PARTS): the power of
+    two below it, then the rest rounded up to a power of two of at least 32 columns (64 for 4-bit, whose tiles are
+    its even and odd halves; fp8 reads its second tile as plain bytes), so 96 is 64 + 32 and 80 is 64 + 32 (Triton
+    3.6 lays a 16-column dot operand out so that the whole loop takes 2-3x the instructions, and spills: sm_90
+    SASS); 0 where that is no narrower than the one padded tile (a power of two; 112 = 64 + 64)."""
+    low = 1 << (head_dim.bit_length() - 1)
+    if low == head_dim:
+        return 0
+    rest = max(64 if formats.is_fp4(kv_format) else 32, 1 << (head_dim - low - 1).bit_length())
+    return rest if low + rest < head_tile(head_dim) else 0
 
 
 def kernel_constexprs(cfg: dict, case: AttentionCase, *, on_gpu: bool, lse: bool = False,
@@ -245,8 +258,12 @@ def kernel_constexprs(cfg: dict, case: AttentionCase, *, on_gpu: bool, lse: bool
         # the tiles that end by their split's last key loaded without masks
         FULL_TILES=bool(cfg["FULL_TILES"]),
         # element offsets into the caches in int32 where they fit (launch checks; int64 otherwise)
-        OFFSETS_32=bool(cfg["OFFSETS_32"]) and offsets_fit_32)
+        OFFSETS_32=bool(cfg["OFFSETS_32"]) and offsets_fit_32,
+        # a head dim between powers of two in two tiles (its power of two below, then the rest), not one padded one
+        DIM_B=head_parts(case.head_dim, kv_format) if cfg.get("HEAD_PARTS") else 0)
     options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    if cfg["maxnreg"] and on_gpu:  # a register cap: more resident programs per SM at the price of spills
+    # a register cap: more resident programs per SM at the price of spills; not on two tiles (fp8's loop then needs
+    # 142 registers uncapped and spills under 168: sm_90 SASS)
+    if cfg["maxnreg"] and on_gpu and not constexprs["DIM_B"]:
         options["maxnreg"] = cfg["maxnreg"]
     return constexprs, options

@@ -14,7 +14,9 @@ One program handles (query block, KV head, split):
   into the score scale and the output, 4-bit with per-block scales applied per element): there is no
   dequantized copy of the cache anywhere.
 A head dim between powers of two (80, 96, 160 ...) runs in the next power of two's tile (HEAD_DIM) with the columns
-from VALID_DIM on masked: loaded as 0 (so they add nothing to q.k or to the output) and never stored.
+from VALID_DIM on masked: loaded as 0 (so they add nothing to q.k or to the output) and never stored; or, with
+DIM_B (heuristics.head_parts), in two tiles: the power of two below it (HEAD_DIM / 2) and DIM_B columns after
+those, two dots for q.k and two accumulators for the output, so that 96 computes on 64 + 32 columns, not 128.
 A program whose sequence needs only one split writes the normalized output directly; otherwise it writes its
 partial output and LSE to a workspace of [T, Hq, MAX_SPLITS] rows and the merge kernel combines them. With
 WRITE_LSE (paged_attention_with_lse) whichever writes a row's output also writes its LSE, as a natural log.
@@ -355,20 +357,23 @@ def _tile_pv(p, alpha, acc, acc_o, v_ptr, vs_ptr, tok_off, page_v, in_page, kvh,
 
 
 @triton.jit
-def _kv_tiles(lo, hi, split_hi, acc, acc_o, m_i, l_i, qa, qb, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, tm_ptr, num_pages,
-              fallback, head_off, kvh, stride_kp, stride_kt, stride_ksp, stride_kst, stride_ksh, stride_vsp,
-              stride_vst, stride_vsh, qk_scale, sm_scale, soft_cap, full_lo, full_hi, block_start, window_left, tok,
-              q_pos, row_valid, stride_tm, tm_cols,
+def _kv_tiles(lo, hi, split_hi, acc, acc_o, acc2, acc2_o, m_i, l_i, qa, qb, qa2, qb2, k_ptr, v_ptr, ks_ptr, vs_ptr,
+              bt_row, tm_ptr, num_pages, fallback, head_off, kvh, stride_kp, stride_kt, stride_ksp, stride_kst,
+              stride_ksh, stride_vsp, stride_vst, stride_vsh, qk_scale, sm_scale, soft_cap, full_lo, full_hi,
+              block_start, window_left, tok, q_pos, row_valid, stride_tm, tm_cols,
               EDGE: tl.constexpr, HAS_TREE: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr, FMT: tl.constexpr, DOT_DTYPE: tl.constexpr,
               DOT_PRECISION: tl.constexpr, FP8_DTYPE: tl.constexpr, SCALE_BCAST: tl.constexpr,
               FP4_ASM: tl.constexpr, SOFT_FP8: tl.constexpr, V_DEQUANT_FIRST: tl.constexpr,
               HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, BOUNDS: tl.constexpr, PAIRED_K: tl.constexpr,
               PAIRED_V: tl.constexpr, PAGE_CLAMP: tl.constexpr, MASK_LOADS: tl.constexpr,
-              OFFSETS_32: tl.constexpr, VALID_DIM: tl.constexpr):
+              OFFSETS_32: tl.constexpr, VALID_DIM: tl.constexpr, DIM_B: tl.constexpr, PAIRED_K2: tl.constexpr,
+              PAIRED_V2: tl.constexpr):
     """The key loop over the tiles [lo, hi) of a split (split_hi: where the split's keys end): the online softmax
-    of the rows' scores into (acc, acc_o, m_i, l_i), returned updated. q is (qa, qb): q's even and odd elements
-    with PAIRED_K, else q twice; acc_o is V's odd half with PAIRED_V, else unused. EDGE: every tile gets the masks
+    of the rows' scores into (acc, acc_o, acc2, acc2_o, m_i, l_i), returned updated. q is (qa, qb): q's even and
+    odd elements with PAIRED_K, else q twice; acc_o is V's odd half with PAIRED_V, else unused. HEAD_DIM is the
+    first tile's width; with DIM_B the head's columns from HEAD_DIM on are a second tile, (qa2, qb2) and
+    (acc2, acc2_o) (else unused), in halves with PAIRED_K2 and PAIRED_V2. EDGE: every tile gets the masks
     (the tiles at a query block's keys), else only those a runtime check finds at an edge. PAGE_CLAMP: page indices
     are clamped into [0, num_pages) (the caller checks them after the loop and discards what a bad one gave).
     MASK_LOADS: the loads skip keys at or past split_hi; off only where every tile ends by split_hi (FULL_TILES),
@@ -377,6 +382,15 @@ def _kv_tiles(lo, hi, split_hi, acc, acc_o, m_i, l_i, qa, qb, k_ptr, v_ptr, ks_p
     OFF_T: tl.constexpr = tl.int32 if OFFSETS_32 else tl.int64
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM // 2) if PAIRED_K else tl.arange(0, HEAD_DIM)
+    VALID_A: tl.constexpr = min(VALID_DIM, HEAD_DIM)
+    # the second tile's K/V bytes and 4-bit block scales start HEAD_DIM values into a head's row
+    IS_FP4: tl.constexpr = FMT == FMT_NVFP4 or FMT == FMT_MXFP4
+    # fp8's second V tile (plain bytes) converted in its load's layout (V_DEQUANT_FIRST): fewer instructions there
+    V2_DEQUANT_FIRST: tl.constexpr = FMT == FMT_FP8 and not SOFT_FP8
+    DIM_B_P: tl.constexpr = max(DIM_B, 2)  # (an unused tile's width, so that the aranges below stay valid)
+    offs_d2 = tl.arange(0, DIM_B_P // 2) if PAIRED_K2 else tl.arange(0, DIM_B_P)
+    B_BYTES: tl.constexpr = HEAD_DIM // 2 if IS_FP4 else HEAD_DIM
+    B_SCALES: tl.constexpr = HEAD_DIM // (16 if FMT == FMT_NVFP4 else 32) if IS_FP4 else 0
     for start in range(lo, hi, BLOCK_N):
         kpos = start + offs_n
         if MASK_LOADS:
@@ -406,7 +420,11 @@ def _kv_tiles(lo, hi, split_hi, acc, acc_o, m_i, l_i, qa, qb, k_ptr, v_ptr, ks_p
 
         qk = _tile_qk(qa, qb, k_ptr, ks_ptr, tok_off, page_v, in_page, kvh, stride_ksp, stride_kst, stride_ksh, offs_d,
                       kvalid, FMT, DOT_DTYPE, DOT_PRECISION, FP8_DTYPE, SCALE_BCAST, FP4_ASM, SOFT_FP8, PAIRED_K,
-                      VALID_DIM)
+                      VALID_A)
+        if DIM_B > 0:
+            qk += _tile_qk(qa2, qb2, k_ptr + B_BYTES, ks_ptr + B_SCALES, tok_off, page_v, in_page, kvh, stride_ksp,
+                           stride_kst, stride_ksh, offs_d2, kvalid, FMT, DOT_DTYPE, DOT_PRECISION, FP8_DTYPE,
+                           SCALE_BCAST, FP4_ASM, SOFT_FP8, PAIRED_K2, VALID_DIM - HEAD_DIM)
         qk = qk * qk_scale
         if HAS_SOFTCAP:
             # soft_cap * tanh(s / soft_cap), tanh through exp2 (stable: exp2 -> inf gives 1, -> 0 gives -1)
@@ -428,8 +446,13 @@ def _kv_tiles(lo, hi, split_hi, acc, acc_o, m_i, l_i, qa, qb, k_ptr, v_ptr, ks_p
         acc, acc_o = _tile_pv(p, alpha, acc, acc_o, v_ptr, vs_ptr, tok_off, page_v, in_page, kvh, stride_vsp,
                               stride_vst, stride_vsh, offs_d, kvalid, sm_scale, HEAD_DIM, FMT, DOT_DTYPE,
                               DOT_PRECISION, FP8_DTYPE, SCALE_BCAST, FP4_ASM, SOFT_FP8, V_DEQUANT_FIRST, PAIRED_V,
-                              VALID_DIM)
-    return acc, acc_o, m_i, l_i
+                              VALID_A)
+        if DIM_B > 0:
+            acc2, acc2_o = _tile_pv(p, alpha, acc2, acc2_o, v_ptr + B_BYTES, vs_ptr + B_SCALES, tok_off, page_v,
+                                    in_page, kvh, stride_vsp, stride_vst, stride_vsh, offs_d2, kvalid, sm_scale, DIM_B,
+                                    FMT, DOT_DTYPE, DOT_PRECISION, FP8_DTYPE, SCALE_BCAST, FP4_ASM, SOFT_FP8,
+                                    V_DEQUANT_FIRST or V2_DEQUANT_FIRST, PAIRED_V2, VALID_DIM - HEAD_DIM)
+    return acc, acc_o, acc2, acc2_o, m_i, l_i
 
 
 # Runtime values that change from call to call (batch size, window, split plan, the sizes the bounds checks compare
@@ -498,24 +521,41 @@ def _load_q(q_ptr, q_row_off, row_valid, HEAD_DIM: tl.constexpr, VALID_DIM: tl.c
 
 
 @triton.jit
-def _write_rows(acc, acc_o, m_i, l_i, v_mul, seq_bad, row_bad, n_splits, split, MAX_SPLITS, tok, row_head, row_valid,
-                sinks_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, stride_ot, stride_oh,
+def _store_cols(row_ptr, acc, acc_o, factor, row_valid, COLS: tl.constexpr, PAIRED_V: tl.constexpr,
+                VALID: tl.constexpr):
+    """acc times each row's factor, in row_ptr's dtype, at row_ptr[row] + column for the columns below VALID of a
+    tile of COLS; with PAIRED_V acc holds the even columns and acc_o the odd ones (VALID is even)."""
+    if PAIRED_V:
+        col = 2 * tl.arange(0, COLS // 2)
+    else:
+        col = tl.arange(0, COLS)
+    ptr = row_ptr[:, None] + col[None, :]
+    mask = row_valid[:, None]
+    if VALID < COLS:  # (a padded tile: its columns from VALID on are not the output's)
+        mask = mask & (col < VALID)[None, :]
+    tl.store(ptr, (acc * factor[:, None]).to(row_ptr.dtype.element_ty), mask=mask)
+    if PAIRED_V:
+        tl.store(ptr + 1, (acc_o * factor[:, None]).to(row_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _write_rows(acc, acc_o, acc2, acc2_o, m_i, l_i, v_mul, seq_bad, row_bad, n_splits, split, MAX_SPLITS, tok,
+                row_head, row_valid, sinks_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, stride_ot, stride_oh,
                 NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAIRED_V: tl.constexpr, HAS_SINKS: tl.constexpr,
-                WRITE_LSE: tl.constexpr, BOUNDS: tl.constexpr, VALID_DIM: tl.constexpr):
+                WRITE_LSE: tl.constexpr, BOUNDS: tl.constexpr, VALID_DIM: tl.constexpr, DIM_B: tl.constexpr,
+                PAIRED_V2: tl.constexpr):
     """A program's rows after its key loop: normalized (v_mul: the V scale folded out of the dots), NaN (with
     BOUNDS) where the sequence's length is bad, the row saw a bad page's key or its sum is NaN, written to out (and
     lse) when its sequence has one split, else as this split's partial (normalized output, base-2 LSE) for
-    merge_splits_kernel."""
+    merge_splits_kernel. HEAD_DIM: the workspace's row width; with DIM_B the output is two tiles, (acc, acc_o) of
+    HEAD_DIM / 2 columns and (acc2, acc2_o) of DIM_B after them (halves with PAIRED_V2)."""
     has_keys = l_i > 0.0
     inv_l = tl.where(has_keys, v_mul / tl.where(has_keys, l_i, 1.0), 0.0)  # no key seen: the row is 0
     if BOUNDS:
         # (a NaN sum: it read a NaN; has_keys is false there, and 0 x a NaN accumulator would depend on the hardware)
         poison = (l_i != l_i) | seq_bad | row_bad
         inv_l = tl.where(poison, float("nan"), inv_l)
-    if PAIRED_V:
-        col = 2 * tl.arange(0, HEAD_DIM // 2)
-    else:
-        col = tl.arange(0, HEAD_DIM)
+    DIM_A: tl.constexpr = HEAD_DIM if DIM_B == 0 else HEAD_DIM // 2
     if n_splits == 1:
         if HAS_SINKS:
             # the sink joins the denominator: out = acc e^(m-M) / (l e^(m-M) + e^(s-M)), M = max(m, s) (base 2)
@@ -526,13 +566,10 @@ def _write_rows(acc, acc_o, m_i, l_i, v_mul, seq_bad, row_bad, n_splits, split, 
             big = tl.where(big == float("-inf"), 0.0, big)
             keep = tl.exp2(m_i - big) * l_i
             inv_l = inv_l * tl.where(has_keys, keep / tl.where(has_keys, keep + tl.exp2(sink - big), 1.0), 1.0)
-        o_ptr = out_ptr + tok[:, None] * stride_ot + row_head.to(tl.int64)[:, None] * stride_oh + col[None, :]
-        o_mask = row_valid[:, None]
-        if VALID_DIM < HEAD_DIM:  # (a padded tile: its columns from VALID_DIM on are not the output's)
-            o_mask = o_mask & (col < VALID_DIM)[None, :]
-        tl.store(o_ptr, (acc * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=o_mask)
-        if PAIRED_V:  # (col + 1 < VALID_DIM where col is: the head dim is even)
-            tl.store(o_ptr + 1, (acc_o * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=o_mask)
+        o_row = out_ptr + tok * stride_ot + row_head.to(tl.int64) * stride_oh
+        _store_cols(o_row, acc, acc_o, inv_l, row_valid, DIM_A, PAIRED_V, min(VALID_DIM, DIM_A))
+        if DIM_B > 0:
+            _store_cols(o_row + DIM_A, acc2, acc2_o, inv_l, row_valid, DIM_B, PAIRED_V2, VALID_DIM - DIM_A)
         if WRITE_LSE:
             # base 2 like the scores; no key: -inf, or with a sink its term alone (a merge stays exact)
             row_lse = m_i + _log2_or_neg_inf(l_i)
@@ -543,10 +580,11 @@ def _write_rows(acc, acc_o, m_i, l_i, v_mul, seq_bad, row_bad, n_splits, split, 
             tl.store(lse_ptr + tok * NUM_Q_HEADS + row_head, row_lse * LN2, mask=row_valid)
     else:
         part_row = (tok * NUM_Q_HEADS + row_head) * MAX_SPLITS + split  # int64
-        p_ptr = part_out_ptr + part_row[:, None] * HEAD_DIM + col[None, :]
-        tl.store(p_ptr, acc * inv_l[:, None], mask=row_valid[:, None])
-        if PAIRED_V:
-            tl.store(p_ptr + 1, acc_o * inv_l[:, None], mask=row_valid[:, None])
+        # (whole tiles: the merge stores only the head dim's columns of what it sums)
+        _store_cols(part_out_ptr + part_row * HEAD_DIM, acc, acc_o, inv_l, row_valid, DIM_A, PAIRED_V, DIM_A)
+        if DIM_B > 0:
+            _store_cols(part_out_ptr + part_row * HEAD_DIM + DIM_A, acc2, acc2_o, inv_l, row_valid, DIM_B, PAIRED_V2,
+                        DIM_B)
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         if BOUNDS:  # NaN weighs every split of the row NaN in the merge, whatever the other splits' LSEs
             lse = tl.where(poison, float("nan"), lse)
@@ -674,7 +712,7 @@ def paged_attention_kernel(
     FP4_ASM: tl.constexpr, SOFT_FP8: tl.constexpr,
     V_DEQUANT_FIRST: tl.constexpr, HEADS_INNER: tl.constexpr, PDL: tl.constexpr, FP8_V_PAIRS: tl.constexpr,
     FP8_K_PAIRS: tl.constexpr, BOUNDS: tl.constexpr, PAGE_CLAMP: tl.constexpr, FULL_TILES: tl.constexpr,
-    OFFSETS_32: tl.constexpr, VALID_DIM: tl.constexpr,
+    OFFSETS_32: tl.constexpr, VALID_DIM: tl.constexpr, DIM_B: tl.constexpr = 0,
 ):
     if PDL:  # the merge kernel may start now: its programs wait (griddepcontrol.wait) before reading partials
         gdc_launch_dependents()
@@ -751,8 +789,19 @@ def paged_attention_kernel(
     # V's even and odd elements in two tiles and two accumulators (output columns interleaved at the end): 4-bit
     # (_load_fp4_tile) and, with FP8_V_PAIRS, fp8 (_load_fp8_pairs)
     PAIRED_V: tl.constexpr = IS_FP4 or (FMT == FMT_FP8 and FP8_V_PAIRS)
-    qa, qb = _load_q(q_ptr, q_row_off, row_valid, HEAD_DIM, VALID_DIM, PAIRED_K, DOT_DTYPE)
-    acc, acc_o, m_i, l_i = _init_acc(BLOCK_M, HEAD_DIM, PAIRED_V)
+    # DIM_B: the head in two tiles, its first DIM_A columns and DIM_B after them (else one tile of HEAD_DIM)
+    DIM_A: tl.constexpr = HEAD_DIM if DIM_B == 0 else HEAD_DIM // 2
+    # the second tile in halves for 4-bit only: fp8's as plain bytes (halves of a narrow tile made Triton 3.6's
+    # loop 3x longer, sm_90 SASS)
+    PAIRED_K2: tl.constexpr = PAIRED_K and IS_FP4
+    PAIRED_V2: tl.constexpr = PAIRED_V and IS_FP4
+    qa, qb = _load_q(q_ptr, q_row_off, row_valid, DIM_A, min(VALID_DIM, DIM_A), PAIRED_K, DOT_DTYPE)
+    acc, acc_o, m_i, l_i = _init_acc(BLOCK_M, DIM_A, PAIRED_V)
+    if DIM_B > 0:
+        qa2, qb2 = _load_q(q_ptr + DIM_A, q_row_off, row_valid, DIM_B, VALID_DIM - DIM_A, PAIRED_K2, DOT_DTYPE)
+        acc2, acc2_o, _, _ = _init_acc(BLOCK_M, DIM_B, PAIRED_V2)
+    else:
+        qa2, qb2, acc2, acc2_o = qa, qb, acc, acc  # (unused)
 
     head_off = kvh.to(tl.int32 if OFFSETS_32 else tl.int64) * stride_kh
     block_start, full_lo, full_hi, tree_lo, full_end = _loop_bounds(seq_len, q_len, first_pos, last_pos, window_left,
@@ -760,19 +809,20 @@ def paged_attention_kernel(
     NUM_PARTS: tl.constexpr = 1 + FULL_TILES + HAS_TREE
     for part in tl.static_range(NUM_PARTS):
         # part: the full tiles (with FULL_TILES), the rest before tree_lo, the query block's tiles (with a tree)
-        acc, acc_o, m_i, l_i = _kv_tiles(
+        acc, acc_o, acc2, acc2_o, m_i, l_i = _kv_tiles(
             split_lo if part == 0 else full_end if FULL_TILES and part == 1 else tree_lo,
             full_end if part == 0 else tree_lo if FULL_TILES and part == 1 else split_hi, split_hi, acc, acc_o,
-            m_i, l_i,
-            qa, qb, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, tm_ptr, num_pages, fallback, head_off, kvh, stride_kp,
-            stride_kt, stride_ksp, stride_kst, stride_ksh, stride_vsp, stride_vst, stride_vsh, qk_scale, sm_scale,
-            soft_cap, full_lo, full_hi, block_start, window_left, tok, q_pos, row_valid, stride_tm, tm_cols,
-            EDGE=HAS_TREE and part == NUM_PARTS - 1, HAS_TREE=HAS_TREE and part == NUM_PARTS - 1, HEAD_DIM=HEAD_DIM,
+            acc2, acc2_o, m_i, l_i, qa, qb, qa2, qb2, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, tm_ptr, num_pages, fallback,
+            head_off, kvh, stride_kp, stride_kt, stride_ksp, stride_kst, stride_ksh, stride_vsp, stride_vst, stride_vsh,
+            qk_scale, sm_scale, soft_cap, full_lo, full_hi, block_start, window_left, tok, q_pos, row_valid, stride_tm,
+            tm_cols,
+            EDGE=HAS_TREE and part == NUM_PARTS - 1, HAS_TREE=HAS_TREE and part == NUM_PARTS - 1, HEAD_DIM=DIM_A,
             PAGE=PAGE, BLOCK_N=BLOCK_N, BLOCK_Q=BLOCK_Q,
             FMT=FMT, DOT_DTYPE=DOT_DTYPE, DOT_PRECISION=DOT_PRECISION, FP8_DTYPE=FP8_DTYPE, SCALE_BCAST=SCALE_BCAST,
             FP4_ASM=FP4_ASM, SOFT_FP8=SOFT_FP8, V_DEQUANT_FIRST=V_DEQUANT_FIRST, HAS_SOFTCAP=HAS_SOFTCAP,
             HAS_WINDOW=HAS_WINDOW, BOUNDS=BOUNDS, PAIRED_K=PAIRED_K, PAIRED_V=PAIRED_V, PAGE_CLAMP=CLAMP,
-            MASK_LOADS=not (FULL_TILES and part == 0), OFFSETS_32=OFFSETS_32, VALID_DIM=VALID_DIM)
+            MASK_LOADS=not (FULL_TILES and part == 0), OFFSETS_32=OFFSETS_32, VALID_DIM=VALID_DIM, DIM_B=DIM_B,
+            PAIRED_K2=PAIRED_K2, PAIRED_V2=PAIRED_V2)
 
     if CLAMP:
         split_bad = check_pages(bt_row, split_lo, split_end, num_pages, PAGE, not SOFT_FP8)
@@ -784,10 +834,10 @@ def paged_attention_kernel(
     if not BOUNDS:
         seq_bad = False  # (unused)
         row_bad = False
-    _write_rows(acc, acc_o, m_i, l_i, v_mul, seq_bad, row_bad, n_splits, split, MAX_SPLITS, tok, row_head, row_valid,
-                sinks_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, stride_ot, stride_oh,
+    _write_rows(acc, acc_o, acc2, acc2_o, m_i, l_i, v_mul, seq_bad, row_bad, n_splits, split, MAX_SPLITS, tok,
+                row_head, row_valid, sinks_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, stride_ot, stride_oh,
                 NUM_Q_HEADS=NUM_Q_HEADS, HEAD_DIM=HEAD_DIM, PAIRED_V=PAIRED_V, HAS_SINKS=HAS_SINKS,
-                WRITE_LSE=WRITE_LSE, BOUNDS=BOUNDS, VALID_DIM=VALID_DIM)
+                WRITE_LSE=WRITE_LSE, BOUNDS=BOUNDS, VALID_DIM=VALID_DIM, DIM_B=DIM_B, PAIRED_V2=PAIRED_V2)
 
 
 @triton.jit(do_not_specialize=["num_seqs", "window_left", "MAX_SPLITS", "CHUNK", "capacity"])
