@@ -16,10 +16,11 @@ from ..base import AttentionCase, Backend, MLACase, MLAWriteCase, common_reasons
 
 # the kernels' tiles span the head dim with tl.arange, whose lengths are powers of two: a head dim between (80, 96,
 # 192 ...) runs in the next power of two's tile with the columns past it masked (head_tile, below), every format
-# (4-bit: the bytes and block scales past it too). Those padded tiles and 512 pass the GPU tests and, at 80, 96 and
-# 512, read 87-98% of head dim 128's bytes/s in bf16 (docs/bench.md, "Every head dim"); no other GPU kernel serves
-# those sizes, so they are served by default, and ATTNOPS_TRITON_PADDED_HEADS=0 leaves them to the reference on a
-# GPU. TUNED_HEAD_DIMS: the sizes whose tiles were tuned.
+# (4-bit: the bytes and block scales past it too), or in two tiles (heuristics.head_parts: decode at 160 and 192).
+# Those tiles and 512 pass the GPU tests and, at 80, 96 and 512, read 87-97% of head dim 128's bytes/s in bf16
+# (docs/bench.md, "Every head dim"); no other GPU kernel serves those sizes, so they are served by default, and
+# ATTNOPS_TRITON_PADDED_HEADS=0 leaves them to the reference on a GPU. TUNED_HEAD_DIMS: the sizes whose tiles were
+# tuned.
 HEAD_DIMS = checks.HEAD_DIMS
 TUNED_HEAD_DIMS = (32, 64, 128, 256)
 # the formats the kernels read in place and write (kernel.py and common.py decode each by its FMT code,

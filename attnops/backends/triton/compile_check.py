@@ -221,7 +221,7 @@ def heuristic_configurations(arch: int, sms: int, shared_per_block: int, quick: 
         fmts = list(KV_FORMATS)
         for fmt, q_dtype, head_dim, group, (name, is_decode, batch, q_len, capacity) in itertools.product(
                 fmts if not quick else ["bf16", "fp8_e4m3", "nvfp4"], ["bf16", "fp16", "fp32"],
-                (64, 128, 256) if not quick else (128,), (1, 4, 16) if not quick else (4,), HEURISTIC_SHAPES):
+                (64, 96, 128, 160, 256) if not quick else (128,), (1, 4, 16) if not quick else (4,), HEURISTIC_SHAPES):
             num_kv_heads = 8 if group < 16 else 2
             case = target_case(arch, q_dtype, fmt, is_decode, batch, batch * q_len, num_kv_heads * group,
                                num_kv_heads, head_dim, capacity)
