@@ -125,6 +125,11 @@ TRITON_GPU_FAMILIES = [
     ("extend", "fp8_e4m3", "per_tensor", 64, (4, 2), 4, False, False, 16),
     ("extend", "mxfp4", "per_tensor", 128, (8, 2), 16, False, False, 32),
     ("decode", "fp32", "per_tensor", 64, (4, 2), 16, True, True, 1),  # fp32 q
+    # head dims between powers of two: decode in two tiles (160, 192), verify in a padded one (96)
+    ("decode", "bf16", "per_tensor", 160, (8, 2), 16, False, False, 1),
+    ("decode", "fp8_e4m3", "per_head", 192, (4, 2), 16, True, False, 1),
+    ("decode", "nvfp4", "per_tensor", 160, (8, 2), 16, False, True, 1),
+    ("verify", "bf16", "per_tensor", 96, (8, 2), 16, False, False, 4),
 ]
 FLASHINFER_FAMILIES = [
     ("decode", "bf16", "per_tensor", 128, (8, 2), 16, False, False, 1),
@@ -161,7 +166,8 @@ CPU_SIDE = {
     "cpu": (("fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2"), (torch.float32, torch.float16, torch.bfloat16),
             (32, 64)),
     # the interpreter cannot load bf16
-    "triton": (("fp32", "fp16", "fp8_e4m3", "fp8_e5m2", "nvfp4", "mxfp4"), (torch.float32, torch.float16), (32, 64)),
+    "triton": (("fp32", "fp16", "fp8_e4m3", "fp8_e5m2", "nvfp4", "mxfp4"), (torch.float32, torch.float16),
+               (32, 64, 96)),
 }
 
 
