@@ -214,9 +214,9 @@ def smaller_tile(cfg: dict) -> dict | None:
 def head_parts(head_dim: int, kv_format: str) -> int:
     """The second tile's width when a head dim between powers of two runs in two tiles (HEAD_PARTS): the power of
     two below it, then the rest rounded up to a power of two of at least 32 columns (64 for 4-bit, whose tiles are
-    its even and odd halves; fp8 reads its second tile as plain bytes), so 96 is 64 + 32 and 80 is 64 + 32 (Triton
-    3.6 lays a 16-column dot operand out so that the whole loop takes 2-3x the instructions, and spills: sm_90
-    SASS); 0 where that is no narrower than the one padded tile (a power of two; 112 = 64 + 64)."""
+    its even and odd halves; fp8 reads its second tile as plain bytes), so 96 is 64 + 32 and 80 is 64 + 32 (with a
+    16-column dot operand the whole loop took 2-3x the instructions, and spilled: sm_90 SASS, Triton 3.9); 0 where
+    that is no narrower than the one padded tile (a power of two; 112 = 64 + 64)."""
     low = 1 << (head_dim.bit_length() - 1)
     if low == head_dim:
         return 0

@@ -383,12 +383,12 @@ def _kv_tiles(lo, hi, split_hi, acc, acc_o, acc2, acc2_o, m_i, l_i, qa, qb, qa2,
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM // 2) if PAIRED_K else tl.arange(0, HEAD_DIM)
     VALID_A: tl.constexpr = min(VALID_DIM, HEAD_DIM)
-    # the second tile's K/V bytes and 4-bit block scales start HEAD_DIM values into a head's row
     IS_FP4: tl.constexpr = FMT == FMT_NVFP4 or FMT == FMT_MXFP4
     # fp8's second V tile (plain bytes) converted in its load's layout (V_DEQUANT_FIRST): fewer instructions there
     V2_DEQUANT_FIRST: tl.constexpr = FMT == FMT_FP8 and not SOFT_FP8
     DIM_B_P: tl.constexpr = max(DIM_B, 2)  # (an unused tile's width, so that the aranges below stay valid)
     offs_d2 = tl.arange(0, DIM_B_P // 2) if PAIRED_K2 else tl.arange(0, DIM_B_P)
+    # the second tile's K/V bytes and 4-bit block scales start HEAD_DIM values into a head's row
     B_BYTES: tl.constexpr = HEAD_DIM // 2 if IS_FP4 else HEAD_DIM
     B_SCALES: tl.constexpr = HEAD_DIM // (16 if FMT == FMT_NVFP4 else 32) if IS_FP4 else 0
     for start in range(lo, hi, BLOCK_N):
@@ -791,8 +791,8 @@ def paged_attention_kernel(
     PAIRED_V: tl.constexpr = IS_FP4 or (FMT == FMT_FP8 and FP8_V_PAIRS)
     # DIM_B: the head in two tiles, its first DIM_A columns and DIM_B after them (else one tile of HEAD_DIM)
     DIM_A: tl.constexpr = HEAD_DIM if DIM_B == 0 else HEAD_DIM // 2
-    # the second tile in halves for 4-bit only: fp8's as plain bytes (halves of a narrow tile made Triton 3.6's
-    # loop 3x longer, sm_90 SASS)
+    # the second tile in halves for 4-bit only: fp8's as plain bytes (halves of a narrow tile made the loop 3x
+    # longer: sm_90 SASS, Triton 3.9)
     PAIRED_K2: tl.constexpr = PAIRED_K and IS_FP4
     PAIRED_V2: tl.constexpr = PAIRED_V and IS_FP4
     qa, qb = _load_q(q_ptr, q_row_off, row_valid, DIM_A, min(VALID_DIM, DIM_A), PAIRED_K, DOT_DTYPE)
