@@ -95,6 +95,11 @@
 #   invariance-mla the mode's cost on the cuda latent-attention kernel (the mla grid) at each split size of
 #             MLA_CHUNKS (ATTNOPS_CUDA_MLA_INVARIANT_CHUNK; default 512 1024 2048) against the default mode, same run:
 #             $results/invariance-mla-{0,chunk}-{round}.json, invariance-mla.txt (INVARIANCE_ROUNDS: 1)
+#   cuda-skip-empty the cuda 4-bit kernels with a split past its sequence's end skipped (only its partials' LSE
+#             marked empty; the merge reads no partial of weight 0: ATTNOPS_CUDA_SKIP_EMPTY_SPLITS=1) against not:
+#             tests/test_cuda_backend.py's GPU tests, then the fp4 grid with each, in the default mode and in
+#             batch-invariant mode, alternating, SKIP_EMPTY_ROUNDS rounds (2): $results/cuda-skip-empty-*.json,
+#             cuda-skip-empty.txt (each mode's A/B, and the mode's cost with them skipped)
 #   head-parts Triton's head dims between powers of two in two tiles (the power of two below, then the rest:
 #             ATTNOPS_TRITON_TUNABLES=HEAD_PARTS=1) against one padded tile: tests/test_head_dims.py's GPU tests (both
 #             ways), then the head-dims grid with each, alternating, HEAD_PARTS_ROUNDS rounds (2), same run:
@@ -372,6 +377,26 @@ PY
       grep -E "verify" /tmp/cuda-mla-pack-1-1.txt | grep -v unsupported | cut -c1-130
       python3 benchmarks/invariance_cost.py --labels one-token-a-block packed "$results"/cuda-mla-pack-0-*.json -- \
         "$results"/cuda-mla-pack-1-*.json | tee "$results/cuda-mla-pack.txt"; stamp cuda-mla-pack ;;
+    cuda-skip-empty)
+      # the cuda 4-bit kernels with empty splits skipped (ATTNOPS_CUDA_SKIP_EMPTY_SPLITS=1) against not: the tests,
+      # then the fp4 grid in the default mode and in batch-invariant mode, each setting alternating, same run
+      timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 tests/test_cuda_backend.py \
+        > "$results/cuda-skip-empty-tests.log" 2>&1; tail -1 "$results/cuda-skip-empty-tests.log"
+      grep -E "^FAILED" "$results/cuda-skip-empty-tests.log" | head -8
+      skip=ATTNOPS_CUDA_SKIP_EMPTY_SPLITS
+      bench_settings cuda-skip-empty ${SKIP_EMPTY_ROUNDS:-2} ${FP4_TIMEOUT:-120} \
+        "0:$skip=0 1:$skip=1 i0:ATTNOPS_BATCH_INVARIANT=1,$skip=0 i1:ATTNOPS_BATCH_INVARIANT=1,$skip=1" \
+        --grid fp4 --formats nvfp4 mxfp4 --backends cuda --peers --graph-only
+      { echo "== default mode: skipped over run"
+        python3 benchmarks/invariance_cost.py --labels run skipped "$results"/cuda-skip-empty-0-*.json -- \
+          "$results"/cuda-skip-empty-1-*.json
+        echo "== batch-invariant mode: skipped over run"
+        python3 benchmarks/invariance_cost.py --labels run skipped "$results"/cuda-skip-empty-i0-*.json -- \
+          "$results"/cuda-skip-empty-i1-*.json
+        echo "== the mode's cost with empty splits skipped"
+        python3 benchmarks/invariance_cost.py "$results"/cuda-skip-empty-1-*.json -- \
+          "$results"/cuda-skip-empty-i1-*.json
+      } | tee "$results/cuda-skip-empty.txt" | grep -E "==|geometric"; stamp cuda-skip-empty ;;
     head-parts)
       # Triton's head dims between powers of two in two tiles (HEAD_PARTS) against one padded tile: the head dims
       # GPU tests (both ways), then the head-dims grid with each, alternating, two rounds, same run

@@ -9,7 +9,11 @@ user captures replayed with new lengths, torch.compile, and opcheck.
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
+import re
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -92,6 +96,34 @@ def test_rule_orders_a_backend_that_declines_some_cases_last_there():
     assert leaf_fp4["order"][:2] == ["cuda", "triton"]
     assert "flashinfer declines these cases" in rules.describe_leaf(leaf_fp4)
     assert leaf_fp4["slower"][0] == pytest.approx(100 / 60, rel=1e-3)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_kernels_compile_for_sm90(tmp_path):
+    """nvcc + ptxas for sm_90 (no GPU needed) against this torch's headers: every instantiation of the attention
+    kernel and the merge compiles, within its registers (the wide-row 128 tiles spill at most 64 bytes; the rest
+    and the merge none). A CPU torch lacks the header CUDA builds generate: an empty one stands in."""
+    from torch.utils import cpp_extension
+    generated = tmp_path / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
+    generated.parent.mkdir(parents=True)
+    generated.write_text("#pragma once\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run(["nvcc", "-std=c++17", "-O3", "-gencode=arch=compute_90,code=sm_90", "-c",
+                           os.path.join(root, "csrc", "cuda", "fp4_paged_attention.cu"), "-o",
+                           str(tmp_path / "fp4.o"), "-Xptxas", "-v",
+                           "-DTORCH_EXTENSION_NAME=_C", f"-I{tmp_path}"]
+                          + [f"-I{path}" for path in cpp_extension.include_paths()],
+                          capture_output=True, text=True, timeout=600)
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log[-4000:]
+    frames = dict(re.findall(r"Function properties for (\w+)\n\s*(\d+ bytes stack frame, \d+ bytes spill stores, "
+                             r"\d+ bytes spill loads)", log))
+    attention = {name: frame for name, frame in frames.items() if "fp4_attention_kernel" in name}
+    assert len(attention) == 20 and any("merge_kernel" in name for name in frames), log[-4000:]
+    for name, frame in frames.items():
+        stack, stores, loads = map(int, re.findall(r"\d+", frame))
+        limit = 64 if "fp4_attention_kernelILi128" in name and "Li2ELb" in name else 0
+        assert stack <= limit and stores <= limit and loads <= limit, (name, frame)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -180,10 +212,15 @@ def test_lse_matches_the_reference(splits, monkeypatch):
 
 
 @gpu
-def test_bad_indices_follow_the_rules():
+@pytest.mark.parametrize("skip_empty", ["0", "1"], ids=["empty-splits-run", "empty-splits-skipped"])
+def test_bad_indices_follow_the_rules(skip_empty, monkeypatch):
     """A length past the capacity: its rows NaN; a page outside the cache: the rows that see it NaN, the others
-    exact; cu_seqlens_q not running from 0 to T: every row NaN. Each recorded."""
+    exact; cu_seqlens_q not running from 0 to T: every row NaN. Each recorded. The same with empty splits skipped
+    (ATTNOPS_CUDA_SKIP_EMPTY_SPLITS=1, splits of 128 keys: the shorter sequences have splits past their ends)."""
     needs_kernels()
+    monkeypatch.setenv(cuda_backend.SKIP_EMPTY_SPLITS_ENV, skip_empty)
+    if skip_empty == "1":
+        monkeypatch.setattr(cuda_backend, "plan_splits", lambda d, b, h, cap: (-(-cap // 128), 128))
     args = random_paged_inputs([289, 300, 50], [2, 2, 2], num_q_heads=8, num_kv_heads=2, head_dim=128,
                                kv_format="nvfp4", q_dtype=torch.bfloat16, device="cuda", seed=5, table_padding=0)
     ref = paged_attention_reference(**args, compute_dtype=torch.float64)
@@ -202,6 +239,31 @@ def test_bad_indices_follow_the_rules():
     out = run_cuda(dict(args, cu_seqlens_q=cu))
     assert out.isnan().all()
     assert attnops.take_errors() == {"cu_seqlens_q": 2}
+
+
+@gpu
+@pytest.mark.parametrize("kv_format", ["nvfp4", "mxfp4"])
+def test_skipping_empty_splits_changes_no_bit(kv_format, monkeypatch):
+    """ATTNOPS_CUDA_SKIP_EMPTY_SPLITS=1 (a split past its sequence's end only marks its partials empty; the merge
+    reads no partial of weight 0): random ragged decode and verify batches (empty and one-key sequences among them,
+    GQA groups 1-16, windows, soft caps, splits of 128 keys, so that most splits of a batch are past their
+    sequence's end) give the same bits as without it, output and LSE, and the reference's values."""
+    needs_kernels()
+    monkeypatch.setattr(cuda_backend, "plan_splits", lambda d, b, h, cap: (-(-cap // 128), 128))
+    rng = random.Random(31 + (kv_format == "mxfp4"))
+    for i in range(40):
+        inputs = random_case(rng, kv_format, multi_token=i % 2 == 1)
+        options = dict(window_left=rng.choice([-1, -1, 15, 300]), soft_cap=rng.choice([0.0, 0.0, 5.0]))
+        args = random_paged_inputs(**inputs, device="cuda", seed=200 + i)
+        results = []
+        for skip in ("0", "1"):
+            monkeypatch.setenv(cuda_backend.SKIP_EMPTY_SPLITS_ENV, skip)
+            with attnops.use_backend("cuda"):
+                results.append(attnops.paged_attention_with_lse(**args, **options))
+        (out0, lse0), (out1, lse1) = results
+        assert torch.equal(out0.view(torch.int16), out1.view(torch.int16)), (i, inputs, options)
+        assert torch.equal(lse0.view(torch.int32), lse1.view(torch.int32)), (i, inputs, options)
+        check(args, **options)
 
 
 @gpu

@@ -19,7 +19,7 @@ import torch
 
 from .. import _C  # noqa: F401  (registers the C++ and CUDA ops)
 from .. import errors, invariance
-from ..env import sm_count
+from ..env import environ_get, sm_count
 from . import cuda_mla
 from .base import AttentionCase, Backend, MLACase, common_reasons, kernel_outputs, rows_without_a_sequence
 
@@ -32,6 +32,10 @@ MAX_SPLITS = 64
 MAX_BATCH = 65535
 SPLIT_KEYS = 8192  # a split takes at most this many keys (a long sequence next to short ones is not one block's tail)
 INVARIANT_CHUNK = 2048  # batch-invariant mode: keys a split, whatever the call (a multiple of TILE)
+# ATTNOPS_CUDA_SKIP_EMPTY_SPLITS=1: a split that holds no key of its sequence (the short sequences of a ragged batch,
+# whose splits cover the table's capacity) only marks its partials empty, and the merge reads no partial of weight
+# 0; the same bits either way. Off until a GPU has run its tests and timed it (gpu_round.sh's cuda-skip-empty).
+SKIP_EMPTY_SPLITS_ENV = "ATTNOPS_CUDA_SKIP_EMPTY_SPLITS"
 
 
 def built() -> bool:
@@ -124,4 +128,4 @@ class CudaBackend(Backend):
             q, call.k_cache, call.v_cache, call.k_scale.view(torch.uint8), call.v_scale.view(torch.uint8), block_table,
             seq_lens, cu_seqlens_q, out, lse, workspace, errors.buffer(q.device), float(call.scale),
             float(call.soft_cap) if math.isfinite(call.soft_cap) else 0.0, int(call.window_left),
-            call.kv_format == "mxfp4", splits, chunk)
+            call.kv_format == "mxfp4", splits, chunk, environ_get(SKIP_EMPTY_SPLITS_ENV) == "1")

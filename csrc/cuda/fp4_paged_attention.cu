@@ -81,6 +81,7 @@ struct Args {
   float soft_cap;             // 0: none
   int window_left;            // -1: none (a row at position p sees keys p - window_left .. p)
   bool q_bf16;
+  bool skip_empty;            // a split with no key of its sequence only marks its partials empty (split_is_empty)
 };
 
 __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
@@ -846,6 +847,19 @@ __device__ __forceinline__ void write_pass_rows(const Args& a, const BlockRows& 
   }
 }
 
+// With skip_empty and several splits, a split that holds no key of its sequence (the short sequences of a ragged
+// batch, whose splits cover the table's capacity) marks its rows' partials empty (base-2 LSE -inf: weight 0, which
+// merge_kernel then does not read) and the block leaves, reading and writing nothing else; without it the block
+// runs its (empty) key loop and writes zero partials. A bad length takes the full path: its rows are NaN.
+__device__ __forceinline__ bool split_is_empty(const Args& a, const BlockRows& br, bool len_bad) {
+  if (!a.skip_empty || a.splits == 1 || br.split * a.chunk < br.seq_len || len_bad) return false;
+  for (int row = threadIdx.x; row < br.rows; row += blockDim.x) {
+    const int token = br.t0 + row / br.group, head = br.kvh * br.group + row % br.group;
+    a.part_lse[((long long)token * a.num_q_heads + head) * a.splits + br.split] = -INFINITY;
+  }
+  return true;
+}
+
 // Grid (Hkv, B, splits), 4 warps. Block (kvh, b, split) serves every query row of sequence b and KV head kvh: the
 // rows (token i, head h of the group) in passes of 8 kHB, over the split's keys.
 // kPageShift: log2 of the page size when known at compile time (address arithmetic folds), -1 to read it from a.
@@ -881,6 +895,7 @@ __global__ void __launch_bounds__(kWarps * 32, D == 256 ? 2 : kHB == 1 ? 4 : 3) 
   if (len_bad && kvh == 0 && split == 0 && threadIdx.x == 0) atomicMin(a.errors + kErrSeqLens, b);
   const int seq_len = len_bad ? 0 : seq_len_raw;
   const BlockRows br{b, kvh, split, t0, q_len, group, rows, seq_len};
+  if (split_is_empty(a, br, len_bad)) return;
   // this block's keys: split `split` of `chunk` (each pass narrows it to its rows' windows)
   const int split_lo = min(split * a.chunk, seq_len), split_hi = min(split_lo + a.chunk, seq_len);
   // a cache of no pages is read not at all (every page index is bad)
@@ -989,7 +1004,8 @@ __global__ void merge_kernel(Args a, int D) {
     for (int s = 0; s < a.splits; ++s) {
       const float w = exp2f(lse[s] - m);
       total += w;
-      o += w * a.part_out[(row * a.splits + s) * D + d];
+      // (with skip_empty an empty split's partial is never written: a weight of 0 reads nothing)
+      if (!a.skip_empty || w > 0.f) o += w * a.part_out[(row * a.splits + s) * D + d];
     }
   }
   const float value = nan ? NAN : total > 0.f ? o / total : 0.f;
@@ -1040,7 +1056,7 @@ void fp4_paged_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache, co
                               const at::Tensor& seq_lens, const std::optional<at::Tensor>& cu_seqlens_q,
                               const at::Tensor& out, const std::optional<at::Tensor>& lse, const at::Tensor& workspace,
                               const at::Tensor& errors, double scale, double soft_cap, int64_t window_left,
-                              bool mxfp4, int64_t splits, int64_t chunk) {
+                              bool mxfp4, int64_t splits, int64_t chunk, bool skip_empty_splits) {
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t page_size = k_cache.size(1), Hkv = k_cache.size(2), B = seq_lens.size(0);
   TORCH_CHECK(D == 64 || D == 128 || D == 256, "fp4_paged_attention_cuda: head_dim 64, 128 or 256");
@@ -1080,6 +1096,7 @@ void fp4_paged_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache, co
   a.sm_scale = (float)scale;
   a.soft_cap = (float)soft_cap;
   a.window_left = (int)window_left;
+  a.skip_empty = skip_empty_splits;
   if (splits > 1) {
     a.part_out = workspace.data_ptr<float>();
     a.part_lse = a.part_out + T * Hq * splits * D;
@@ -1115,7 +1132,7 @@ TORCH_LIBRARY_FRAGMENT(attnops, m) {
       "fp4_paged_attention_cuda(Tensor q, Tensor k_cache, Tensor v_cache, Tensor k_scale, Tensor v_scale, "
       "Tensor block_table, Tensor seq_lens, Tensor? cu_seqlens_q, Tensor(a!) out, Tensor(b!)? lse, "
       "Tensor(c!) workspace, Tensor(d!) errors, float scale, float soft_cap, int window_left, bool mxfp4, int splits, "
-      "int chunk) -> ()");
+      "int chunk, bool skip_empty_splits=False) -> ()");
   m.def("fp4_cuda_built_arch(int device) -> int", &attnops::fp4_cuda::built_arch);
 }
 
