@@ -668,19 +668,21 @@ def check_user_graph_replays(backend: str, args: dict) -> None:
 def check_reduce_overhead(backend: str, args: dict) -> None:
     """A step calling mla_attention under torch.compile(mode="reduce-overhead") with `backend` pinned, on args of
     two sequences (300 and 40 keys; with cu_seqlens_q, several query tokens a sequence), over new lengths, against
-    the reference."""
+    the reference; the last makes the second sequence as short as its query tokens allow (1 key in decode)."""
     torch._dynamo.reset()
     scale = args["scale"]
     names = ["q_nope", "q_pe", "kv_cache", "block_table", "seq_lens"]
+    shortest = 1
     if args.get("cu_seqlens_q") is not None:
         names.append("cu_seqlens_q")
+        shortest = max(1, int(args["cu_seqlens_q"][2] - args["cu_seqlens_q"][1]))
 
     def step(*tensors):  # (mla_attention's positional order: names')
         return torch.ops.attnops.mla_attention(*tensors, scale=scale)
 
     compiled = torch.compile(step, fullgraph=True, mode="reduce-overhead")
     with attnops.use_backend(backend):
-        for lengths in ([300, 40], [12, 25], [299, 1]):
+        for lengths in ([300, 40], [12, 25], [299, shortest]):
             args["seq_lens"].copy_(torch.tensor(lengths))
             got = compiled(*(args[name] for name in names))
             assert relative_error(got, mla_attention_reference(**args)) < 1e-2, lengths
