@@ -630,6 +630,8 @@ for v in picked:
         assert prof["registers"] > 0, prof
 # --sass at a head shape of its own (--heads): the heuristic's tile for it, its loop counted a K/V value at D = 64
 cc.print_sass(["fp8_e4m3"], "bf16", target, 132, 232448, {}, "decode 128 x 4096", (32, 8, 64))
+# its resident programs an SM: registers (168 a thread: 3 programs of 4 warps), shared memory (74 KB: 3), both
+assert [cc.programs_per_sm(r, 4, s, 232448) for r, s in ((168, 0), (128, 0), (128, 74240), (255, 8192))] == [3, 4, 3, 2]
 cc.compile_cache_write("nvfp4", "bf16", 64, target)
 cc.compile_cache_write("fp8_e4m3", "fp32", 128, target)
 cc.compile_cache_write("fp8_e4m3", "bf16", 128, target, valid_dim=96)

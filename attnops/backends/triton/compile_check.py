@@ -395,6 +395,15 @@ def sass_profile(cubin: bytes) -> dict:
     return dict(registers=regs, stack=stack, instructions=len(code), loop=last - first + 1, ops=ops, loops=big)
 
 
+def programs_per_sm(registers: int, num_warps: int, shared: int, shared_per_block: int) -> int:
+    """Programs of a kernel resident on one SM at once (sm_80+: 64K registers, allocated 256 a warp, at most 64
+    warps; shared memory: an SM has 1 KB more than a block may take, and each block reserves 1 KB of it). Decode
+    is bound by the bytes in flight, so this and the split plan's programs decide how full the chip is."""
+    by_registers = 65536 // (num_warps * -(-registers * 32 // 256) * 256)
+    by_shared = (shared_per_block + 1024) // (shared + 1024) if shared else 32
+    return min(by_registers, by_shared, 64 // num_warps)
+
+
 def print_sass(formats_: list, q_dtype: str, target, sms: int, shared_per_block: int, overrides: dict,
                case: str = "decode 128 x 4096", heads: tuple = (32, 8, 128)) -> None:
     """For each format, the heuristic's tile for `case` (one of HEURISTIC_SHAPES; `heads` = (q heads, KV heads,
@@ -415,12 +424,15 @@ def print_sass(formats_: list, q_dtype: str, target, sms: int, shared_per_block:
         compiled = compile_one(paged_attention_kernel, attention_types(fmt, q_dtype, lse), constexprs, target,
                                **options)
         prof = sass_profile(compiled.asm["cubin"])
+        shared = compiled.metadata.shared
+        resident = programs_per_sm(prof["registers"], options["num_warps"], shared, shared_per_block)
         values = constexprs["BLOCK_N"] * head_dim * 2 / (32 * options["num_warps"])  # K and V values a thread, a step
         top = ", ".join(f"{op} {n}" for op, n in prof["ops"].most_common(12))
         print(f"{case}, {num_q_heads}/{num_kv_heads}/{head_dim}, {fmt} ({q_dtype} q): BLOCK_Q {constexprs['BLOCK_Q']}, "
               f"BLOCK_N {constexprs['BLOCK_N']}, {options['num_warps']} warps, "
               f"{options['num_stages']} stages{', maxnreg ' + str(options['maxnreg']) if 'maxnreg' in options else ''}"
-              f": {prof['registers']} registers, {prof['stack']} stack bytes; main loop {prof['loop']} instructions a "
+              f": {prof['registers']} registers, {prof['stack']} stack bytes, {shared} B shared ({resident} programs an "
+              f"SM); main loop {prof['loop']} instructions a "
               f"thread a step ({prof['loop'] / values:.1f} per K/V value): {top}"
               + (f"; loops of {', '.join(map(str, prof['loops']))} instructions" if len(prof['loops']) > 1 else ""),
               flush=True)
