@@ -235,6 +235,33 @@ def test_prefill_pipeline_depth_follows_shared_memory(monkeypatch):
     assert stages == {(232448, "bf16"): 3, (232448, "fp8_e4m3"): 2, (166912, "bf16"): 2, (166912, "fp8_e4m3"): 2}
 
 
+def test_decode_tiles_of_wide_heads(monkeypatch):
+    """GPU decode tiles by head dim (what the H100 measured): 512 columns (head dims 320-512) take 32 keys in 8 warps
+    with a 16-bit or fp8 cache (16 in 4 for 4-bit caches and verify blocks); fp8 at 256 columns is capped at 128
+    registers (168 elsewhere, none for bf16)."""
+    from attnops.backends.triton import heuristics as theur
+    from attnops.cases import AttentionCase
+    monkeypatch.setattr(theur, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(theur, "_capability", lambda device: 9)
+    monkeypatch.setattr(theur, "_shared_memory_per_block", lambda device: 232448)
+    theur.heuristic_config.cache_clear()
+
+    def tile(head_dim, kv_format, q_len=1):
+        case = AttentionCase.of_shapes(device_type="cuda", arch=(9, 0), q_dtype=torch.bfloat16, kv_format=kv_format,
+                                       head_dim=head_dim, page_size=16, num_q_heads=32, num_kv_heads=8, batch=32,
+                                       num_tokens=32 * q_len, max_kv_len=8192, decode=q_len == 1)
+        config = theur.heuristic_config(case, 32 * q_len, torch.device("cuda"))
+        return config["BLOCK_N"], config["num_warps"], config["maxnreg"]
+    try:
+        assert tile(512, "bf16") == tile(320, "bf16") == (32, 8, None)
+        assert tile(512, "fp8_e4m3") == (32, 8, 168)
+        assert tile(512, "nvfp4") == (16, 4, None) and tile(512, "bf16", q_len=4) == (16, 4, None)
+        assert tile(256, "fp8_e4m3") == (32, 4, 128) and tile(256, "bf16") == (32, 4, None)
+        assert tile(128, "fp8_e4m3") == (128, 4, 168) and tile(128, "bf16") == (128, 4, None)
+    finally:
+        theur.heuristic_config.cache_clear()
+
+
 def test_a_tile_too_large_for_the_gpu_steps_down(monkeypatch):
     """A tile that does not fit the GPU (Triton raises OutOfResources when it loads the kernel, before anything
     runs, as on GPUs with less shared memory than the heuristic was measured on) is stepped down (stages, then

@@ -32,9 +32,9 @@ MAX_SPLITS = 64
 MAX_BATCH = 65535
 SPLIT_KEYS = 8192  # a split takes at most this many keys (a long sequence next to short ones is not one block's tail)
 INVARIANT_CHUNK = 2048  # batch-invariant mode: keys a split, whatever the call (a multiple of TILE)
-# ATTNOPS_CUDA_SKIP_EMPTY_SPLITS=1: a split that holds no key of its sequence (the short sequences of a ragged batch,
-# whose splits cover the table's capacity) only marks its partials empty, and the merge reads no partial of weight
-# 0; the same bits either way. Off until a GPU has run its tests and timed it (gpu_round.sh's cuda-skip-empty).
+# A split that holds no key of its sequence (the short sequences of a ragged batch, whose splits cover the table's
+# capacity) only marks its partials empty, and the merge reads no partial of weight 0: the same bits either way,
+# ragged batches faster (docs/bench.md). ATTNOPS_CUDA_SKIP_EMPTY_SPLITS=0 runs them instead (an A/B).
 SKIP_EMPTY_SPLITS_ENV = "ATTNOPS_CUDA_SKIP_EMPTY_SPLITS"
 
 
@@ -128,4 +128,4 @@ class CudaBackend(Backend):
             q, call.k_cache, call.v_cache, call.k_scale.view(torch.uint8), call.v_scale.view(torch.uint8), block_table,
             seq_lens, cu_seqlens_q, out, lse, workspace, errors.buffer(q.device), float(call.scale),
             float(call.soft_cap) if math.isfinite(call.soft_cap) else 0.0, int(call.window_left),
-            call.kv_format == "mxfp4", splits, chunk, environ_get(SKIP_EMPTY_SPLITS_ENV) == "1")
+            call.kv_format == "mxfp4", splits, chunk, environ_get(SKIP_EMPTY_SPLITS_ENV) != "0")

@@ -126,10 +126,16 @@ def _heuristic_config(case: AttentionCase, num_tokens: int, device: torch.device
                  and (kv_format in ("bf16", "fp16") or formats.is_fp8(kv_format)))
     prefill_128 = (device.type == "cuda" and not decode_like and block_m >= 64 and head_dim == 128
                    and dot_dtype(q_dtype, kv_format) != torch.float32 and not verify_64)
+    # Decode tiles of 512 columns with a 16-bit dot: 32 keys in 8 warps, faster than 16 keys in 4 (4-bit
+    # caches and verify blocks keep those: not measured)
+    wide_decode = decode and head_dim >= 512 and dot_dtype(q_dtype, kv_format) != torch.float32 and not (
+        formats.is_fp4(kv_format))
     if device.type != "cuda":
         block_n = 32 if head_dim >= 256 else 64
     elif decode_like and head_dim <= 128 or prefill_128:
         block_n = 128
+    elif wide_decode:
+        block_n = 32
     elif verify_64:
         block_n = 64
     else:
@@ -162,7 +168,7 @@ def _heuristic_config(case: AttentionCase, num_tokens: int, device: torch.device
         # a bounded workspace ([T, Hq, MAX_SPLITS, D] fp32); past the cap the device lengthens the splits
         per_split = num_tokens * num_q_heads * head_dim * 4
         max_splits = max(1, min(max_splits, WORKSPACE_BYTES // per_split))
-    num_warps = 8 if block_m >= 64 and not verify_64 else 4
+    num_warps = 8 if block_m >= 64 and not verify_64 or wide_decode and device.type == "cuda" else 4
     # 128-key prefill tiles of a 16-bit cache pipeline 3 stages deep where a block may take 227 KB of shared
     # memory (sm_90), 2 elsewhere
     deep_prefill = (prefill_128 and kv_format in ("bf16", "fp16")
@@ -171,8 +177,11 @@ def _heuristic_config(case: AttentionCase, num_tokens: int, device: torch.device
         prefill_128 and not deep_prefill) or (verify_64 and formats.is_fp8(kv_format)) else 3
     # fp8 decode tiles: capping registers at 168 (from 198) fits 3 programs per SM instead of 2, worth its spills;
     # mxfp4 decode with PAGE_CLAMP (below) takes 180 without the cap, an SM's program fewer
+    # fp8 decode tiles of 256 columns (32 keys) capped at 128 registers: 4 programs an SM, faster than 3
     capped = formats.is_fp8(kv_format) and decode_like or kv_format == "mxfp4" and decode
-    maxnreg = 168 if capped and device.type == "cuda" else None
+    maxnreg = None
+    if capped and device.type == "cuda":
+        maxnreg = 128 if formats.is_fp8(kv_format) and decode and head_dim == 256 else 168
     # SCALE_BCAST: one load per 4-bit block scale, not one per value. FP4_ASM: the inline-PTX nibble decode (4 values
     # a register). HEADS_INNER for decode-like tiles: neighbouring programs read every head of the same pages.
     # V_DEQUANT_FIRST for mxfp4 decode-like tiles only (slower for fp8 and nvfp4 despite fewer instructions).
