@@ -130,6 +130,10 @@ TRITON_GPU_FAMILIES = [
     ("decode", "fp8_e4m3", "per_head", 192, (4, 2), 16, True, False, 1),
     ("decode", "nvfp4", "per_tensor", 160, (8, 2), 16, False, True, 1),
     ("verify", "bf16", "per_tensor", 96, (8, 2), 16, False, False, 4),
+    # wide heads' decode tiles: 512's 32 keys in 8 warps (bf16, fp8 with a window), fp8 at 256 under 128 registers
+    ("decode", "bf16", "per_tensor", 512, (8, 2), 16, False, False, 1),
+    ("decode", "fp8_e4m3", "per_head", 512, (4, 1), 16, True, True, 1),
+    ("decode", "fp8_e4m3", "per_tensor", 256, (8, 4), 16, False, False, 1),
 ]
 FLASHINFER_FAMILIES = [
     ("decode", "bf16", "per_tensor", 128, (8, 2), 16, False, False, 1),
