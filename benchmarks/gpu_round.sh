@@ -17,6 +17,10 @@
 #             cuda backend's decode
 #   splits    benchmarks/cuda_splits.py $SPLITS_ARGS (the cuda backend's decode at every split count beside its
 #             plan's: $results/cuda-splits.json)
+#   triton-splits Triton's decode at every CHUNK (benchmarks/triton_tuning.py's stage 2, the heuristic's tile),
+#             uniform and ragged batches, bf16 and fp8, at each head shape of TRITON_SPLITS_SHAPES (default
+#             "32/8/128"; head dims up to 128, whose tile is 128 keys): $results/triton-splits-HQ-HKV-D.{json,log},
+#             each case's best CHUNK beside the heuristic's
 #   bench     python -m attnops bench $BENCH_ARGS (JSON + PNG), on a quiet GPU
 #   jit       FlashInfer's kernels for every head dim (64, 128, 256) x KV type (bf16, fp8) of the models grid,
 #             JIT-built in parallel processes (`python -m attnops warmup` with FlashInfer pinned); jit-start ...
@@ -170,6 +174,14 @@ for step in "$@"; do
     splits)
       timeout ${SPLITS_TIMEOUT:-300} python3 benchmarks/cuda_splits.py ${SPLITS_ARGS:-} --json "$results/cuda-splits.json" \
         > "$results/cuda-splits.log" 2>&1; cut -c1-200 "$results/cuda-splits.log" | tail -40; stamp splits ;;
+    triton-splits)
+      for shape in ${TRITON_SPLITS_SHAPES:-32/8/128}; do
+        IFS=/ read -r hq hkv d <<< "$shape"; name=triton-splits-$hq-$hkv-$d
+        timeout ${SPLITS_TIMEOUT:-150} python3 benchmarks/triton_tuning.py --shape $hq $hkv $d --formats bf16 fp8_e4m3 \
+          --cases 32x8192 128x4096 ragged64 ragged256 64x2048 1x32768 --tile-cases 32x8192 --no-extend --exact \
+          --tiles 128,4,3 --budget $(( ${SPLITS_TIMEOUT:-150} - 20 )) --json "$results/$name.json" > "$results/$name.log" 2>&1
+        echo "== $shape"; grep -E "best CHUNK|fail|wrong" "$results/$name.log" | cut -c1-220
+      done; stamp triton-splits ;;
     bench)
       timeout ${BENCH_TIMEOUT:-300} python3 -m attnops bench ${BENCH_ARGS:-} --json "$results/bench.json" \
         --plot "$results/bench.png" > "$results/bench.txt" 2> /tmp/bench.err; tail -3 /tmp/bench.err
@@ -422,7 +434,7 @@ PY
           hf) files="-m gpu tests/test_hf.py" ;;
           cuda) files="-m gpu tests/test_cuda_backend.py" ;;
           mla) files="-m gpu tests/test_mla.py tests/test_hf_mla.py" ;;
-          modes) files="-m gpu tests/test_batch_invariance.py tests/test_merge.py tests/test_head_dims.py" ;;
+          modes) files="-m gpu -n 4 tests/test_batch_invariance.py tests/test_merge.py tests/test_head_dims.py" ;;
           *) echo "unknown suite $suite"; exit 2 ;;
         esac
         timeout $limit python3 -m pytest -q -rA -p no:cacheprovider $files > "/tmp/tests-$suite.log" 2>&1 &
