@@ -108,6 +108,9 @@
 #             ATTNOPS_TRITON_TUNABLES=HEAD_PARTS=1) against one padded tile: tests/test_head_dims.py's GPU tests (both
 #             ways), then the head-dims grid with each, alternating, HEAD_PARTS_ROUNDS rounds (2), same run:
 #             $results/head-parts-{0,1}-{round}.json, head-parts.txt (per case, two tiles' time over the padded tile's)
+#   pad-wrap  the same for PAD_WRAP (a padded tile's columns past the head dim read as copies of its first ones, not
+#             masked: no column predicates in the loop, bf16 at 80 and 96 in 128's registers): $results/pad-wrap-*.json,
+#             pad-wrap.txt (per case, wrapped time over masked)
 #   fp4       python -m attnops bench --grid fp4 (4-bit decode and verify against FlashInfer's bf16, same run):
 #             $results/fp4.{json,png,txt}
 #   fp8       the fp8 bar (docs/bench.md): the models grid's fp8 e4m3 decode at 32 x 8192 and 128 x 4096 on every head shape
@@ -179,7 +182,8 @@ for step in "$@"; do
         IFS=/ read -r hq hkv d <<< "$shape"; name=triton-splits-$hq-$hkv-$d
         timeout ${SPLITS_TIMEOUT:-150} python3 benchmarks/triton_tuning.py --shape $hq $hkv $d --formats bf16 fp8_e4m3 \
           --cases 32x8192 128x4096 ragged64 ragged256 64x2048 1x32768 --tile-cases 32x8192 --no-extend --exact \
-          --tiles 128,4,3 --budget $(( ${SPLITS_TIMEOUT:-150} - 20 )) --json "$results/$name.json" > "$results/$name.log" 2>&1
+          --tiles 128,4,3 --budget $(( ${SPLITS_TIMEOUT:-150} - 20 )) --json "$results/$name.json" \
+          > "$results/$name.log" 2>&1
         echo "== $shape"; grep -E "best CHUNK|fail|wrong" "$results/$name.log" | cut -c1-220
       done; stamp triton-splits ;;
     bench)
@@ -409,17 +413,20 @@ PY
         python3 benchmarks/invariance_cost.py "$results"/cuda-skip-empty-1-*.json -- \
           "$results"/cuda-skip-empty-i1-*.json
       } | tee "$results/cuda-skip-empty.txt" | grep -E "==|geometric"; stamp cuda-skip-empty ;;
-    head-parts)
-      # Triton's head dims between powers of two in two tiles (HEAD_PARTS) against one padded tile: the head dims
-      # GPU tests (both ways), then the head-dims grid with each, alternating, two rounds, same run
+    head-parts|pad-wrap)
+      # a Triton tunable of the padded tiles off and on (HEAD_PARTS: two tiles; PAD_WRAP: the columns past the head
+      # dim read as copies): the head dims GPU tests (every way), then the head-dims grid with each, alternating,
+      # two rounds, same run
+      key=$( [ "$step" = head-parts ] && echo HEAD_PARTS || echo PAD_WRAP )
+      labels=$( [ "$step" = head-parts ] && echo "padded two-tiles" || echo "masked wrapped" )
       timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 tests/test_head_dims.py \
-        > "$results/head-parts-tests.log" 2>&1; tail -1 "$results/head-parts-tests.log"
-      grep -E "^FAILED" "$results/head-parts-tests.log" | head -8
-      bench_settings head-parts ${HEAD_PARTS_ROUNDS:-2} ${BENCH_TIMEOUT:-150} \
-        "0:ATTNOPS_TRITON_TUNABLES=HEAD_PARTS=0 1:ATTNOPS_TRITON_TUNABLES=HEAD_PARTS=1" \
+        > "$results/$step-tests.log" 2>&1; tail -1 "$results/$step-tests.log"
+      grep -E "^FAILED" "$results/$step-tests.log" | head -8
+      bench_settings $step ${HEAD_PARTS_ROUNDS:-2} ${BENCH_TIMEOUT:-150} \
+        "0:ATTNOPS_TRITON_TUNABLES=$key=0 1:ATTNOPS_TRITON_TUNABLES=$key=1" \
         --grid head-dims --backends triton --peers --graph-only
-      python3 benchmarks/invariance_cost.py --labels padded two-tiles "$results"/head-parts-0-*.json -- \
-        "$results"/head-parts-1-*.json | tee "$results/head-parts.txt"; stamp head-parts ;;
+      python3 benchmarks/invariance_cost.py --labels $labels "$results"/$step-0-*.json -- \
+        "$results"/$step-1-*.json | tee "$results/$step.txt"; stamp $step ;;
     tests)
       limit=${TESTS_TIMEOUT:-240}
       suites=${TEST_SUITES:-capture triton flashinfer e2e}

@@ -15,6 +15,7 @@ reference, the C++ CPU kernels and Triton's padded tiles (its interpreter here; 
 from __future__ import annotations
 
 import inspect
+import itertools
 import random
 import textwrap
 
@@ -105,12 +106,14 @@ def test_random_batches_match_the_reference(backend, head_dim):
 @pytest.fixture
 def head_parts(request, monkeypatch):
     """Triton's kernels with a head dim between powers of two in two tiles (HEAD_PARTS forced on every call) if
-    the parameter is true, else in one padded tile (forced off: the heuristic takes two tiles for decode at 160
-    and 192)."""
+    the parameter is "two-tiles", else in one padded tile (forced off: the heuristic takes two tiles for decode at
+    160 and 192), its columns past the head dim masked, or read as copies of its first ones ("wrapped": PAD_WRAP).
+    Yields whether two tiles run."""
     from attnops.backends.triton import heuristics
-    monkeypatch.setenv("ATTNOPS_TRITON_TUNABLES", f"HEAD_PARTS={int(request.param)}")
+    forced = {"one-tile": "HEAD_PARTS=0", "two-tiles": "HEAD_PARTS=1", "wrapped": "HEAD_PARTS=0,PAD_WRAP=1"}
+    monkeypatch.setenv("ATTNOPS_TRITON_TUNABLES", forced[request.param])
     heuristics.forced_tunables.cache_clear()
-    yield request.param
+    yield request.param == "two-tiles"
     heuristics.forced_tunables.cache_clear()
 
 
@@ -126,7 +129,7 @@ def test_head_parts_widths():
 
 
 @pytest.mark.skipif(not TRITON_INTERPRETED, reason="the interpreter's run (no GPU); the GPU's: gpu_round.sh")
-@pytest.mark.parametrize("head_parts", [False, True], indirect=True, ids=["one-tile", "two-tiles"])
+@pytest.mark.parametrize("head_parts", ["one-tile", "two-tiles"], indirect=True)
 @pytest.mark.parametrize("head_dim", list(TRITON_HEAD_DIMS))
 def test_triton_padded_tiles_match_the_reference(head_dim, head_parts):
     """Random ragged batches (decode and extend, windows, soft caps, sinks, LSE) through Triton's kernels in
@@ -152,17 +155,19 @@ def test_triton_padded_tiles_match_the_reference(head_dim, head_parts):
 
 
 @pytest.mark.skipif(not TRITON_INTERPRETED, reason="the interpreter's run (no GPU)")
-@pytest.mark.parametrize("kv_format, pairs, parts, head_dim", [
-    ("nvfp4", False, False, 96), ("mxfp4", False, False, 96), ("fp8_e4m3", False, False, 96),
-    ("fp8_e4m3", True, False, 96), ("fp8_e4m3", True, True, 80), ("fp16", False, True, 80),
-    ("nvfp4", False, True, 160)])
-def test_triton_padded_tiles_read_nothing_past_the_head_dim(kv_format, pairs, parts, head_dim, monkeypatch):
+@pytest.mark.parametrize("kv_format, pairs, parts, head_dim, wrap", [
+    ("nvfp4", False, False, 96, False), ("mxfp4", False, False, 96, False), ("fp8_e4m3", False, False, 96, False),
+    ("fp8_e4m3", True, False, 96, False), ("fp8_e4m3", True, True, 80, False), ("fp16", False, True, 80, False),
+    ("nvfp4", False, True, 160, False), ("fp16", False, False, 96, True), ("fp8_e4m3", False, True, 80, True)])
+def test_triton_padded_tiles_read_nothing_past_the_head_dim(kv_format, pairs, parts, head_dim, wrap, monkeypatch):
     """Caches (and 4-bit block scales) as views into rows wider than the head dim, the columns past it NaN bytes:
     a padded tile that read them (its tile's width, 128 for 96) would put NaN into every score (0 x NaN); the
     result must be the reference's. `pairs`: fp8 read as 16-bit words (FP8_V_PAIRS/FP8_K_PAIRS, forced); `parts`:
-    two tiles (HEAD_PARTS, forced), whose second one is padded too at 80 (64 + 32)."""
+    two tiles (HEAD_PARTS, forced), whose second one is padded too at 80 (64 + 32); `wrap`: the columns past the
+    head dim read as copies of the first ones (PAD_WRAP, forced)."""
     from attnops.backends.triton import heuristics
-    forced = (["FP8_V_PAIRS=1", "FP8_K_PAIRS=1"] if pairs else []) + (["HEAD_PARTS=1"] if parts else [])
+    forced = (["FP8_V_PAIRS=1", "FP8_K_PAIRS=1"] if pairs else []) + (["HEAD_PARTS=1"] if parts else []) + (
+        ["PAD_WRAP=1"] if wrap else [])
     if forced:
         monkeypatch.setenv("ATTNOPS_TRITON_TUNABLES", ",".join(forced))
     heuristics.forced_tunables.cache_clear()
@@ -181,6 +186,34 @@ def test_triton_padded_tiles_read_nothing_past_the_head_dim(kv_format, pairs, pa
         check_against_reference("triton", args, dict(window_left=-1, soft_cap=0.0))
     finally:
         heuristics.forced_tunables.cache_clear()
+
+
+@pytest.mark.skipif(not TRITON_INTERPRETED, reason="the interpreter's run (no GPU)")
+@pytest.mark.parametrize("head_dim", [48, 80, 96, 160])
+def test_wrapped_padded_columns_change_no_bit(head_dim, monkeypatch):
+    """PAD_WRAP (a padded tile's columns past the head dim read as copies of its first ones, not masked to 0) gives
+    the masked tile's bits, output and LSE: the copies meet q's zero columns in q.k (adding exact zeros) and fill
+    output columns that are never stored. Random ragged decode and extend batches with splits, windows and sinks,
+    one tile and two (HEAD_PARTS, whose second tile is padded at 80 and 160)."""
+    from attnops.backends.triton import heuristics
+    rng = random.Random(f"wrap:{head_dim}")
+    for i, (kv_format, parts) in enumerate(itertools.product(("fp16", "fp8_e5m2", "fp32"), (0, 1))):
+        q_lens = None if i % 2 == 0 else [rng.randint(1, 4) for _ in range(3)]
+        kv_lens = [rng.randint(5, 300), rng.randint(1, 70), rng.randint(30, 200)]
+        args = random_paged_inputs(kv_lens, q_lens, num_q_heads=8, num_kv_heads=2, head_dim=head_dim, page_size=16,
+                                   kv_format=kv_format, q_dtype=torch.float32 if kv_format == "fp32" else
+                                   torch.float16, seed=rng.randrange(1 << 30))
+        options = dict(window_left=rng.choice([-1, 40]), sinks=torch.randn(8))
+        results = []
+        for wrap in (0, 1):
+            monkeypatch.setenv("ATTNOPS_TRITON_TUNABLES", f"HEAD_PARTS={parts},PAD_WRAP={wrap}")
+            heuristics.forced_tunables.cache_clear()
+            with attnops.use_backend("triton"):
+                results.append(attnops.paged_attention_with_lse(**args, **options))
+        heuristics.forced_tunables.cache_clear()
+        (out0, lse0), (out1, lse1) = results
+        assert torch.equal(out0, out1) and torch.equal(lse0, lse1), (kv_format, parts, kv_lens, q_lens, options)
+        assert not out0.isnan().any()
 
 
 @pytest.mark.skipif(not TRITON_INTERPRETED, reason="the interpreter's run (no GPU)")
@@ -209,14 +242,16 @@ def test_triton_cache_write_in_padded_tiles(head_dim):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_parts", [False, True], indirect=True, ids=["one-tile", "two-tiles"])
+@pytest.mark.parametrize("head_parts", ["one-tile", "two-tiles", "wrapped"], indirect=True)
 @pytest.mark.parametrize("head_dim", [48, 80, 96, 160, 192, 512])
-def test_triton_padded_tiles_on_the_gpu(head_dim, head_parts, monkeypatch):
+def test_triton_padded_tiles_on_the_gpu(head_dim, head_parts, request, monkeypatch):
     """bf16, fp16, fp8 and the 4-bit formats whose block divides the head dim through Triton's padded tiles (or
-    two tiles, HEAD_PARTS) on the GPU, decode and verify with splits, windows and sinks, against the float64
-    reference; and under a CUDA graph the user captured."""
+    two tiles, HEAD_PARTS; or columns past the head dim read as copies, PAD_WRAP) on the GPU, decode and verify with
+    splits, windows and sinks, against the float64 reference; and under a CUDA graph the user captured."""
     if head_parts and head_dim in (48, 512):
         pytest.skip(f"head dim {head_dim} is one tile")
+    if "wrapped" in request.node.callspec.id and head_dim == 512:
+        pytest.skip("head dim 512 fills its tile")
     monkeypatch.delenv("ATTNOPS_TRITON_PADDED_HEADS", raising=False)
     dispatch._select_cached.cache_clear()
     rng = random.Random(head_dim)

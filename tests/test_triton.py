@@ -649,6 +649,9 @@ picked += [v for v in variants if v.get("valid_dim") == 96 and v["fmt"] in ("nvf
 # two tiles (HEAD_PARTS): 96 as 64 + 32 in bf16, decode and verify; 80 of fp8 pairs, its second tile as bytes
 picked += [v for v in variants if v.get("dim_b")][:3]
 assert len(picked) == 15 and {v["fmt"] for v in picked[-3:]} == {"bf16", "fp8_e4m3"}
+# columns past the head dim read as copies of the first ones (PAD_WRAP): 96 in bf16, decode
+picked += [v for v in variants if v.get("pad_wrap") and v["decode"]][:1]
+assert len(picked) == 16 and picked[-1]["valid_dim"] == 96
 for v in picked:
     compiled, _ = cc.compile_attention(v, target)
     if v is picked[0]:  # --sass's reading of the SASS: the decode loop, with its mma, inside the kernel

@@ -190,6 +190,15 @@ def attention_variants(quick: bool, arch: int = 90):
                       dim_b=heuristics.head_parts(valid, fmt), group=4, page=16, block_q=1 if decode else 16,
                       block_n=128 if decode and tile <= 128 else 64 if tile <= 128 else 32, warps=4 if decode else 8,
                       window=not decode, soft_cap=decode, scale_bcast=False, sinks=decode, lse=not decode), **extra}
+    # padded tiles whose columns past the head dim read as copies of the first ones (PAD_WRAP), one tile and two
+    for (valid, tile, fmt, extra), decode in itertools.product(
+            ((96, 128, "bf16", {}), (80, 128, "fp8_e5m2", {}), (80, 128, "bf16", dict(dim_b=32))), (True, False)):
+        if quick and valid != 96:
+            continue
+        yield {**dict(fmt=fmt, q_dtype="bf16", decode=decode, head_dim=tile,
+                      valid_dim=valid, pad_wrap=True, group=4, page=16, block_q=1 if decode else 16,
+                      block_n=128 if decode else 64, warps=4 if decode else 8, window=not decode, soft_cap=decode,
+                      scale_bcast=False, sinks=decode, lse=not decode), **extra}
 
 
 def attention_types(fmt: str, q_dtype: str, lse: bool = False) -> dict:
@@ -279,7 +288,8 @@ def compile_attention(v, target):
                       FP8_V_PAIRS=v.get("fp8_v_pairs", False), FP8_K_PAIRS=v.get("fp8_k_pairs", False),
                       BOUNDS=v.get("bounds", True), PAGE_CLAMP=v.get("page_clamp", False),
                       FULL_TILES=v.get("full_tiles", False), OFFSETS_32=v.get("offsets_32", False),
-                      VALID_DIM=v.get("valid_dim", v["head_dim"]), DIM_B=v.get("dim_b", 0))
+                      VALID_DIM=v.get("valid_dim", v["head_dim"]), DIM_B=v.get("dim_b", 0),
+                      PAD_WRAP=v.get("pad_wrap", False))
     stages = 2 if v["head_dim"] >= 256 else 3
     compiled = compile_one(paged_attention_kernel, types, constexprs, target, v["warps"], stages)
     merge = compile_one(merge_splits_kernel, dict(out_ptr=qp, lse_ptr=types["lse_ptr"], part_out_ptr="*fp32",
@@ -431,9 +441,8 @@ def print_sass(formats_: list, q_dtype: str, target, sms: int, shared_per_block:
         print(f"{case}, {num_q_heads}/{num_kv_heads}/{head_dim}, {fmt} ({q_dtype} q): BLOCK_Q {constexprs['BLOCK_Q']}, "
               f"BLOCK_N {constexprs['BLOCK_N']}, {options['num_warps']} warps, "
               f"{options['num_stages']} stages{', maxnreg ' + str(options['maxnreg']) if 'maxnreg' in options else ''}"
-              f": {prof['registers']} registers, {prof['stack']} stack bytes, {shared} B shared ({resident} programs an "
-              f"SM); main loop {prof['loop']} instructions a "
-              f"thread a step ({prof['loop'] / values:.1f} per K/V value): {top}"
+              f": {prof['registers']} registers, {prof['stack']} stack bytes, {shared} B shared "
+              f"({resident} programs an SM); main loop {prof['loop']} instructions a thread a step ({prof['loop'] / values:.1f} per K/V value): {top}"
               + (f"; loops of {', '.join(map(str, prof['loops']))} instructions" if len(prof['loops']) > 1 else ""),
               flush=True)
 

@@ -22,7 +22,7 @@ WORKSPACE_BYTES = 64 * 2 ** 20  # the most split partials one call may allocate 
 # Tunables a caller (benchmarks/triton_tuning.py, tests) may force; None entries fall back to the heuristic.
 CONFIG_KEYS = ("BLOCK_N", "num_warps", "num_stages", "CHUNK", "MAX_SPLITS", "BLOCK_Q", "SCALE_BCAST", "FP4_ASM",
                "maxnreg", "HEADS_INNER", "V_DEQUANT_FIRST", "PDL", "FP8_V_PAIRS", "FP8_K_PAIRS", "BOUNDS",
-               "PAGE_CLAMP", "FULL_TILES", "OFFSETS_32", "HEAD_PARTS")
+               "PAGE_CLAMP", "FULL_TILES", "OFFSETS_32", "HEAD_PARTS", "PAD_WRAP")
 
 
 @functools.lru_cache(maxsize=None)
@@ -191,6 +191,8 @@ def _heuristic_config(case: AttentionCase, num_tokens: int, device: torch.device
     # PAGE_CLAMP for decode: the pages checked after the loop, not before it (faster or equal in every format).
     # HEAD_PARTS for decode-like tiles of 256 columns: a head dim between 128 and 256 (160, 192) in two tiles (128 and
     # the rest), not one padded one, 1.03-1.33x faster in bf16 and fp8; at 80 and 96 (128's tile) 1.04-1.26x slower.
+    # PAD_WRAP (a padded tile's columns past the head dim read as copies of its first ones, not masked): off, not
+    # yet timed.
     # FULL_TILES and OFFSETS_32 for the 64-row verify tile (unmasked full tiles, int32 cache offsets): faster there
     # (bf16 1.18-1.19x); in decode tiles neutral (bf16) to slower (fp8, and nvfp4 by a third: registers).
     # The measurements behind each choice: this package's README.
@@ -201,7 +203,7 @@ def _heuristic_config(case: AttentionCase, num_tokens: int, device: torch.device
                 V_DEQUANT_FIRST=kv_format == "mxfp4" and decode_like and device.type == "cuda",
                 PDL=_capability(device) >= 9, FP8_V_PAIRS=fp8_pairs, FP8_K_PAIRS=fp8_pairs, BOUNDS=True,
                 PAGE_CLAMP=decode, FULL_TILES=verify_64, OFFSETS_32=verify_64,
-                HEAD_PARTS=decode_like and head_dim == 256)
+                HEAD_PARTS=decode_like and head_dim == 256, PAD_WRAP=False)
 
 
 heuristic_config.cache_clear = _heuristic_config.cache_clear  # (tests and compile_check clear the choices)
@@ -272,7 +274,9 @@ def kernel_constexprs(cfg: dict, case: AttentionCase, *, on_gpu: bool, lse: bool
         # element offsets into the caches in int32 where they fit (launch checks; int64 otherwise)
         OFFSETS_32=bool(cfg["OFFSETS_32"]) and offsets_fit_32,
         # a head dim between powers of two in two tiles (its power of two below, then the rest), not one padded one
-        DIM_B=head_parts(case.head_dim, kv_format) if cfg.get("HEAD_PARTS") else 0)
+        DIM_B=head_parts(case.head_dim, kv_format) if cfg.get("HEAD_PARTS") else 0,
+        # a padded tile's columns past the head dim read as copies of its first ones, not masked (off: not yet timed)
+        PAD_WRAP=bool(cfg.get("PAD_WRAP")) and case.head_dim < head_tile(case.head_dim))
     options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     # a register cap: more resident programs per SM at the price of spills; not on two tiles (fp8's loop then needs
     # 142 registers uncapped and spills under 168: sm_90 SASS)

@@ -266,9 +266,12 @@ def _mask_scores(s, kpos, kvalid, block_start, tm_ptr, tok, stride_tm, tm_cols, 
 def _tile_qk(qa, qb, k_ptr, ks_ptr, tok_off, page_v, in_page, kvh, stride_ksp, stride_kst, stride_ksh, offs_d, kvalid,
              FMT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8_DTYPE: tl.constexpr,
              SCALE_BCAST: tl.constexpr, FP4_ASM: tl.constexpr, SOFT_FP8: tl.constexpr, PAIRED_K: tl.constexpr,
-             VALID_DIM: tl.constexpr):
+             VALID_DIM: tl.constexpr, PAD_WRAP: tl.constexpr):
     """q K^T of one tile, unscaled: K loaded at tok_off and decoded to the dot dtype, one dot, or (PAIRED_K) two
-    over q's and K's even and odd elements (qa, qb)."""
+    over q's and K's even and odd elements (qa, qb). PAD_WRAP: a padded tile's columns past the head dim read the
+    row's first columns again (offsets modulo the head dim), which meet q's zeros, instead of a masked load: the
+    same scores, and the loads carry no column mask (its predicates held a padded bf16 tile at 206 registers,
+    sm_90, Triton 3.6, where 128's own takes 168)."""
     IS_FP4: tl.constexpr = FMT == FMT_NVFP4 or FMT == FMT_MXFP4
     if PAIRED_K:
         if IS_FP4:
@@ -280,9 +283,12 @@ def _tile_qk(qa, qb, k_ptr, ks_ptr, tok_off, page_v, in_page, kvh, stride_ksp, s
         qk = tl.dot(qa, k_e, input_precision=DOT_PRECISION)
         qk = tl.dot(qb, k_o, acc=qk, input_precision=DOT_PRECISION)
     else:
-        # (a padded tile: K's columns past the head dim are 0, as q's)
-        mask = _head_part(kvalid[None, :], offs_d, VALID_DIM, True)
-        k = tl.load(k_ptr + tok_off[None, :] + offs_d[:, None], mask=mask, other=0.0)
+        # (a padded tile: K's columns past the head dim are 0, as q's; or, PAD_WRAP, copies of its first ones)
+        if PAD_WRAP and VALID_DIM < offs_d.shape[0]:
+            k = tl.load(k_ptr + tok_off[None, :] + (offs_d % VALID_DIM)[:, None], mask=kvalid[None, :], other=0.0)
+        else:
+            mask = _head_part(kvalid[None, :], offs_d, VALID_DIM, True)
+            k = tl.load(k_ptr + tok_off[None, :] + offs_d[:, None], mask=mask, other=0.0)
         if FMT == FMT_FP8:
             k = _fp8_to_dot(k, FP8_DTYPE, DOT_DTYPE)
         else:
@@ -316,9 +322,10 @@ def _tile_pv(p, alpha, acc, acc_o, v_ptr, vs_ptr, tok_off, page_v, in_page, kvh,
              offs_d, kvalid, sm_scale, HEAD_DIM: tl.constexpr, FMT: tl.constexpr, DOT_DTYPE: tl.constexpr,
              DOT_PRECISION: tl.constexpr, FP8_DTYPE: tl.constexpr, SCALE_BCAST: tl.constexpr,
              FP4_ASM: tl.constexpr, SOFT_FP8: tl.constexpr, V_DEQUANT_FIRST: tl.constexpr, PAIRED_V: tl.constexpr,
-             VALID_DIM: tl.constexpr):
+             VALID_DIM: tl.constexpr, PAD_WRAP: tl.constexpr):
     """(acc, acc_o) rescaled by alpha plus the tile's weights p times V (loaded at tok_off, decoded to the dot
-    dtype): one dot, or (PAIRED_V) two into V's even and odd halves (acc, acc_o).
+    dtype): one dot, or (PAIRED_V) two into V's even and odd halves (acc, acc_o). PAD_WRAP (as _tile_qk's): a
+    padded tile's columns past the head dim copy its first ones; their output columns are never stored.
 
     V_DEQUANT_FIRST (fp8, 4-bit): Triton moves V's conversion (a cast, or the 4-bit decode) behind the change to
     the mma operand layout, where V's operand pairs run along tokens, not memory: fp8 V then takes one
@@ -344,8 +351,12 @@ def _tile_pv(p, alpha, acc, acc_o, v_ptr, vs_ptr, tok_off, page_v, in_page, kvh,
         acc = tl.dot(p, v_e, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
         acc_o = tl.dot(p, v_o, acc=acc_o * alpha[:, None], input_precision=DOT_PRECISION)
     else:
-        mask = _head_part(kvalid[:, None], tl.arange(0, HEAD_DIM), VALID_DIM, False)
-        v = tl.load(v_ptr + tok_off[:, None] + tl.arange(0, HEAD_DIM)[None, :], mask=mask, other=0.0)
+        if PAD_WRAP and VALID_DIM < HEAD_DIM:
+            cols = tl.arange(0, HEAD_DIM) % VALID_DIM
+            v = tl.load(v_ptr + tok_off[:, None] + cols[None, :], mask=kvalid[:, None], other=0.0)
+        else:
+            mask = _head_part(kvalid[:, None], tl.arange(0, HEAD_DIM), VALID_DIM, False)
+            v = tl.load(v_ptr + tok_off[:, None] + tl.arange(0, HEAD_DIM)[None, :], mask=mask, other=0.0)
         if FMT == FMT_FP8:
             v = _fp8_to_dot(v, FP8_DTYPE, DOT_DTYPE)
             if V_DEQUANT_FIRST:
@@ -368,7 +379,7 @@ def _kv_tiles(lo, hi, split_hi, acc, acc_o, acc2, acc2_o, m_i, l_i, qa, qb, qa2,
               HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, BOUNDS: tl.constexpr, PAIRED_K: tl.constexpr,
               PAIRED_V: tl.constexpr, PAGE_CLAMP: tl.constexpr, MASK_LOADS: tl.constexpr,
               OFFSETS_32: tl.constexpr, VALID_DIM: tl.constexpr, DIM_B: tl.constexpr, PAIRED_K2: tl.constexpr,
-              PAIRED_V2: tl.constexpr):
+              PAIRED_V2: tl.constexpr, PAD_WRAP: tl.constexpr):
     """The key loop over the tiles [lo, hi) of a split (split_hi: where the split's keys end): the online softmax
     of the rows' scores into (acc, acc_o, acc2, acc2_o, m_i, l_i), returned updated. q is (qa, qb): q's even and
     odd elements with PAIRED_K, else q twice; acc_o is V's odd half with PAIRED_V, else unused. HEAD_DIM is the
@@ -420,11 +431,11 @@ def _kv_tiles(lo, hi, split_hi, acc, acc_o, acc2, acc2_o, m_i, l_i, qa, qb, qa2,
 
         qk = _tile_qk(qa, qb, k_ptr, ks_ptr, tok_off, page_v, in_page, kvh, stride_ksp, stride_kst, stride_ksh, offs_d,
                       kvalid, FMT, DOT_DTYPE, DOT_PRECISION, FP8_DTYPE, SCALE_BCAST, FP4_ASM, SOFT_FP8, PAIRED_K,
-                      VALID_A)
+                      VALID_A, PAD_WRAP)
         if DIM_B > 0:
             qk += _tile_qk(qa2, qb2, k_ptr + B_BYTES, ks_ptr + B_SCALES, tok_off, page_v, in_page, kvh, stride_ksp,
                            stride_kst, stride_ksh, offs_d2, kvalid, FMT, DOT_DTYPE, DOT_PRECISION, FP8_DTYPE,
-                           SCALE_BCAST, FP4_ASM, SOFT_FP8, PAIRED_K2, VALID_DIM - HEAD_DIM)
+                           SCALE_BCAST, FP4_ASM, SOFT_FP8, PAIRED_K2, VALID_DIM - HEAD_DIM, PAD_WRAP)
         qk = qk * qk_scale
         if HAS_SOFTCAP:
             # soft_cap * tanh(s / soft_cap), tanh through exp2 (stable: exp2 -> inf gives 1, -> 0 gives -1)
@@ -446,12 +457,12 @@ def _kv_tiles(lo, hi, split_hi, acc, acc_o, acc2, acc2_o, m_i, l_i, qa, qb, qa2,
         acc, acc_o = _tile_pv(p, alpha, acc, acc_o, v_ptr, vs_ptr, tok_off, page_v, in_page, kvh, stride_vsp,
                               stride_vst, stride_vsh, offs_d, kvalid, sm_scale, HEAD_DIM, FMT, DOT_DTYPE,
                               DOT_PRECISION, FP8_DTYPE, SCALE_BCAST, FP4_ASM, SOFT_FP8, V_DEQUANT_FIRST, PAIRED_V,
-                              VALID_A)
+                              VALID_A, PAD_WRAP)
         if DIM_B > 0:
             acc2, acc2_o = _tile_pv(p, alpha, acc2, acc2_o, v_ptr + B_BYTES, vs_ptr + B_SCALES, tok_off, page_v,
                                     in_page, kvh, stride_vsp, stride_vst, stride_vsh, offs_d2, kvalid, sm_scale, DIM_B,
                                     FMT, DOT_DTYPE, DOT_PRECISION, FP8_DTYPE, SCALE_BCAST, FP4_ASM, SOFT_FP8,
-                                    V_DEQUANT_FIRST or V2_DEQUANT_FIRST, PAIRED_V2, VALID_DIM - HEAD_DIM)
+                                    V_DEQUANT_FIRST or V2_DEQUANT_FIRST, PAIRED_V2, VALID_DIM - HEAD_DIM, PAD_WRAP)
     return acc, acc_o, acc2, acc2_o, m_i, l_i
 
 
@@ -712,7 +723,7 @@ def paged_attention_kernel(
     FP4_ASM: tl.constexpr, SOFT_FP8: tl.constexpr,
     V_DEQUANT_FIRST: tl.constexpr, HEADS_INNER: tl.constexpr, PDL: tl.constexpr, FP8_V_PAIRS: tl.constexpr,
     FP8_K_PAIRS: tl.constexpr, BOUNDS: tl.constexpr, PAGE_CLAMP: tl.constexpr, FULL_TILES: tl.constexpr,
-    OFFSETS_32: tl.constexpr, VALID_DIM: tl.constexpr, DIM_B: tl.constexpr = 0,
+    OFFSETS_32: tl.constexpr, VALID_DIM: tl.constexpr, DIM_B: tl.constexpr = 0, PAD_WRAP: tl.constexpr = False,
 ):
     if PDL:  # the merge kernel may start now: its programs wait (griddepcontrol.wait) before reading partials
         gdc_launch_dependents()
@@ -822,7 +833,7 @@ def paged_attention_kernel(
             FP4_ASM=FP4_ASM, SOFT_FP8=SOFT_FP8, V_DEQUANT_FIRST=V_DEQUANT_FIRST, HAS_SOFTCAP=HAS_SOFTCAP,
             HAS_WINDOW=HAS_WINDOW, BOUNDS=BOUNDS, PAIRED_K=PAIRED_K, PAIRED_V=PAIRED_V, PAGE_CLAMP=CLAMP,
             MASK_LOADS=not (FULL_TILES and part == 0), OFFSETS_32=OFFSETS_32, VALID_DIM=VALID_DIM, DIM_B=DIM_B,
-            PAIRED_K2=PAIRED_K2, PAIRED_V2=PAIRED_V2)
+            PAIRED_K2=PAIRED_K2, PAIRED_V2=PAIRED_V2, PAD_WRAP=PAD_WRAP)
 
     if CLAMP:
         split_bad = check_pages(bt_row, split_lo, split_end, num_pages, PAGE, not SOFT_FP8)
