@@ -270,8 +270,7 @@ def _tile_qk(qa, qb, k_ptr, ks_ptr, tok_off, page_v, in_page, kvh, stride_ksp, s
     """q K^T of one tile, unscaled: K loaded at tok_off and decoded to the dot dtype, one dot, or (PAIRED_K) two
     over q's and K's even and odd elements (qa, qb). PAD_WRAP: a padded tile's columns past the head dim read the
     row's first columns again (offsets modulo the head dim), which meet q's zeros, instead of a masked load: the
-    same scores, and the loads carry no column mask (its predicates held a padded bf16 tile at 206 registers,
-    sm_90, Triton 3.6, where 128's own takes 168)."""
+    same scores, and no column mask whose predicates take registers (docs/bench.md, "Every head dim")."""
     IS_FP4: tl.constexpr = FMT == FMT_NVFP4 or FMT == FMT_MXFP4
     if PAIRED_K:
         if IS_FP4:
