@@ -53,6 +53,20 @@ def _head_part(mask, offs, LIMIT: tl.constexpr, ALONG_ROWS: tl.constexpr):
 
 
 @triton.jit
+def _padded_cols(offs, mask, LIMIT: tl.constexpr, ALONG_ROWS: tl.constexpr, PAD_WRAP: tl.constexpr):
+    """A 16-bit or fp8 tile's head-dim offsets and load mask: `mask` narrowed to the head dim (_head_part), or, with
+    PAD_WRAP, a padded tile's offsets from LIMIT on wrapped onto its first columns (offs % LIMIT) and `mask` kept:
+    copies that meet q's zero columns in q.k and fill output columns never stored, so that the load carries no
+    column mask, whose predicates take registers (docs/bench.md, "Every head dim")."""
+    if PAD_WRAP and LIMIT < offs.shape[0]:
+        cols = offs % LIMIT
+    else:
+        cols = offs
+        mask = _head_part(mask, offs, LIMIT, ALONG_ROWS)
+    return cols, mask
+
+
+@triton.jit
 def _load_fp4_tile(c_ptr, s_ptr, tok_off, s_off, offs_h, kvalid, TRANSPOSED: tl.constexpr, FMT: tl.constexpr,
                    DOT_DTYPE: tl.constexpr, SCALE_BCAST: tl.constexpr, FP4_ASM: tl.constexpr,
                    VALID_DIM: tl.constexpr):
@@ -269,8 +283,7 @@ def _tile_qk(qa, qb, k_ptr, ks_ptr, tok_off, page_v, in_page, kvh, stride_ksp, s
              VALID_DIM: tl.constexpr, PAD_WRAP: tl.constexpr):
     """q K^T of one tile, unscaled: K loaded at tok_off and decoded to the dot dtype, one dot, or (PAIRED_K) two
     over q's and K's even and odd elements (qa, qb). PAD_WRAP: a padded tile's columns past the head dim read the
-    row's first columns again (offsets modulo the head dim), which meet q's zeros, instead of a masked load: the
-    same scores, and no column mask whose predicates take registers (docs/bench.md, "Every head dim")."""
+    row's first columns again, not masked (_padded_cols)."""
     IS_FP4: tl.constexpr = FMT == FMT_NVFP4 or FMT == FMT_MXFP4
     if PAIRED_K:
         if IS_FP4:
@@ -283,11 +296,8 @@ def _tile_qk(qa, qb, k_ptr, ks_ptr, tok_off, page_v, in_page, kvh, stride_ksp, s
         qk = tl.dot(qb, k_o, acc=qk, input_precision=DOT_PRECISION)
     else:
         # (a padded tile: K's columns past the head dim are 0, as q's; or, PAD_WRAP, copies of its first ones)
-        if PAD_WRAP and VALID_DIM < offs_d.shape[0]:
-            k = tl.load(k_ptr + tok_off[None, :] + (offs_d % VALID_DIM)[:, None], mask=kvalid[None, :], other=0.0)
-        else:
-            mask = _head_part(kvalid[None, :], offs_d, VALID_DIM, True)
-            k = tl.load(k_ptr + tok_off[None, :] + offs_d[:, None], mask=mask, other=0.0)
+        cols, mask = _padded_cols(offs_d, kvalid[None, :], VALID_DIM, True, PAD_WRAP)
+        k = tl.load(k_ptr + tok_off[None, :] + cols[:, None], mask=mask, other=0.0)
         if FMT == FMT_FP8:
             k = _fp8_to_dot(k, FP8_DTYPE, DOT_DTYPE)
         else:
@@ -323,8 +333,7 @@ def _tile_pv(p, alpha, acc, acc_o, v_ptr, vs_ptr, tok_off, page_v, in_page, kvh,
              FP4_ASM: tl.constexpr, SOFT_FP8: tl.constexpr, V_DEQUANT_FIRST: tl.constexpr, PAIRED_V: tl.constexpr,
              VALID_DIM: tl.constexpr, PAD_WRAP: tl.constexpr):
     """(acc, acc_o) rescaled by alpha plus the tile's weights p times V (loaded at tok_off, decoded to the dot
-    dtype): one dot, or (PAIRED_V) two into V's even and odd halves (acc, acc_o). PAD_WRAP (as _tile_qk's): a
-    padded tile's columns past the head dim copy its first ones; their output columns are never stored.
+    dtype): one dot, or (PAIRED_V) two into V's even and odd halves (acc, acc_o). PAD_WRAP: as _tile_qk's.
 
     V_DEQUANT_FIRST (fp8, 4-bit): Triton moves V's conversion (a cast, or the 4-bit decode) behind the change to
     the mma operand layout, where V's operand pairs run along tokens, not memory: fp8 V then takes one
@@ -350,12 +359,8 @@ def _tile_pv(p, alpha, acc, acc_o, v_ptr, vs_ptr, tok_off, page_v, in_page, kvh,
         acc = tl.dot(p, v_e, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
         acc_o = tl.dot(p, v_o, acc=acc_o * alpha[:, None], input_precision=DOT_PRECISION)
     else:
-        if PAD_WRAP and VALID_DIM < HEAD_DIM:
-            cols = tl.arange(0, HEAD_DIM) % VALID_DIM
-            v = tl.load(v_ptr + tok_off[:, None] + cols[None, :], mask=kvalid[:, None], other=0.0)
-        else:
-            mask = _head_part(kvalid[:, None], tl.arange(0, HEAD_DIM), VALID_DIM, False)
-            v = tl.load(v_ptr + tok_off[:, None] + tl.arange(0, HEAD_DIM)[None, :], mask=mask, other=0.0)
+        cols, mask = _padded_cols(tl.arange(0, HEAD_DIM), kvalid[:, None], VALID_DIM, False, PAD_WRAP)
+        v = tl.load(v_ptr + tok_off[:, None] + cols[None, :], mask=mask, other=0.0)
         if FMT == FMT_FP8:
             v = _fp8_to_dot(v, FP8_DTYPE, DOT_DTYPE)
             if V_DEQUANT_FIRST:
