@@ -442,7 +442,8 @@ def print_sass(formats_: list, q_dtype: str, target, sms: int, shared_per_block:
               f"BLOCK_N {constexprs['BLOCK_N']}, {options['num_warps']} warps, "
               f"{options['num_stages']} stages{', maxnreg ' + str(options['maxnreg']) if 'maxnreg' in options else ''}"
               f": {prof['registers']} registers, {prof['stack']} stack bytes, {shared} B shared "
-              f"({resident} programs an SM); main loop {prof['loop']} instructions a thread a step ({prof['loop'] / values:.1f} per K/V value): {top}"
+              f"({resident} programs an SM); main loop {prof['loop']} instructions a thread a step "
+              f"({prof['loop'] / values:.1f} per K/V value): {top}"
               + (f"; loops of {', '.join(map(str, prof['loops']))} instructions" if len(prof['loops']) > 1 else ""),
               flush=True)
 
