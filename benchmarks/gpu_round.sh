@@ -86,6 +86,11 @@
 #             cuda-mla-variants.txt (each case's best, the speedups). Their GPU tests are the cuda-mla step's
 #   cuda-mla-verify the cuda backend's latent-attention verify (each query row its own block): its GPU tests, then
 #             the mla grid's verify cases against Triton, FlashInfer through the op and FlashInfer's MLA wrapper, same run: $results/cuda-mla-verify.{json,txt}
+#   cuda-mla-regs the cuda backend's latent-attention regs form (fp8 at up to 16 heads, the cache's bytes widened in
+#             registers: ATTNOPS_CUDA_MLA_VARIANT=regs): its GPU tests, then mla_decode.py at REGS_HEADS (16 8) heads
+#             with it, with the keys form on fp8 and with the tma form on bf16, alternating, two rounds:
+#             $results/cuda-mla-regs-{tma,keys,regs}-{1,2}.json, cuda-mla-regs.txt (each case's best per form;
+#             regs' speedup over keys, and bf16's time over regs': the fp8 bar is 1.7)
 #   cuda-mla-pack verify's tokens packed into the cuda latent-attention kernel's rows (the default; tokens x heads
 #             fill a block's 64 rows at up to 32 heads; ATTNOPS_CUDA_MLA_PACK_VERIFY=0 turns it off): its GPU tests
 #             and the kernel's verify tests,
@@ -372,6 +377,34 @@ for v in variants[1:]:
         print(f"{v}: geometric mean speedup over cp.async {math.exp(sum(map(math.log, ratios)) / len(ratios)):.4f}")
 PY
       stamp cuda-mla-variants ;;
+    cuda-mla-regs)
+      # the regs form (fp8 widened in registers) against the keys form on fp8 and the tma form on bf16, at up to 16
+      # heads: its GPU tests, then mla_decode.py with each, alternating, two rounds
+      timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -rA -p no:cacheprovider -m gpu -k regs_form \
+        tests/test_cuda_mla.py > "$results/cuda-mla-regs-tests.log" 2>&1
+      grep -E "passed|failed|FAILED|Error" "$results/cuda-mla-regs-tests.log" | grep -v "^PASSED" | tail -8
+      for round in 1 2; do for form in tma:bf16 keys:fp8_e4m3 regs:fp8_e4m3; do
+        variant=${form%%:*} fmt=${form#*:}
+        ATTNOPS_CUDA_MLA_VARIANT=$variant timeout ${MLA_TIMEOUT:-120} python3 benchmarks/mla_decode.py --backend cuda \
+          --heads ${REGS_HEADS:-16 8} --cases 1x32768 32x8192 128x4096 --no-flashinfer --kv-format $fmt \
+          --json "$results/cuda-mla-regs-$variant-$round.json" > "/tmp/regs-$variant-$round.txt" 2>&1 \
+          || { echo "$variant: failed"; tail -5 "/tmp/regs-$variant-$round.txt"; }
+      done; done
+      python3 - "$results" <<'PY' | tee "$results/cuda-mla-regs.txt"
+import glob, json, math, sys
+best = {}  # (heads, batch x length) -> form -> best time over the rounds (us)
+for form in ("tma", "keys", "regs"):
+    for path in glob.glob(f"{sys.argv[1]}/cuda-mla-regs-{form}-[12].json"):
+        for r in json.load(open(path))["records"]:
+            cell = best.setdefault((r["heads"], f"{r['batch']}x{r['kv_len']}"), {})
+            cell[form] = min(cell.get(form, math.inf), r["attnops_us"])
+print(f"{'heads, case':<20}{'bf16 tma us':>13}{'fp8 keys us':>13}{'fp8 regs us':>13}{'regs over keys':>16}"
+      f"{'bf16 / regs':>13}")
+for (heads, case), cell in sorted(best.items()):
+    t = [cell.get(f, math.nan) for f in ("tma", "keys", "regs")]
+    print(f"{f'{heads}, {case}':<20}{t[0]:>13.1f}{t[1]:>13.1f}{t[2]:>13.1f}{t[1] / t[2]:>16.3f}{t[0] / t[2]:>13.3f}")
+PY
+      stamp cuda-mla-regs ;;
     cuda-mla-verify)
       timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -m gpu -k \
         "verify or long_sequence" tests/test_cuda_mla.py > "$results/cuda-mla-verify-tests.log" 2>&1

@@ -122,7 +122,8 @@ def test_kernel_compiles_for_sm90a_without_spills_and_keeps_its_wgmmas_pipelined
     each form's kernel (bf16 by cp.async, bf16 by the TMA, fp8; the seesaw schedule: Q K^T and both P V in each
     warpgroup; the keys and overlap forms' own, below); the TMA's copies in the TMA forms' kernels only."""
     source = tmp_path / "kernel.cu"
-    source.write_text('#include "mla_keys_sm90.cuh"\n#include "mla_overlap_sm90.cuh"\n#include "mla_seesaw_sm90.cuh"\n')
+    source.write_text('#include "mla_keys_sm90.cuh"\n#include "mla_overlap_sm90.cuh"\n#include "mla_regs_sm90.cuh"\n'
+                      '#include "mla_seesaw_sm90.cuh"\n')
     cubin = tmp_path / "kernel.cubin"
     done = subprocess.run(["nvcc", "-std=c++17", "-O3", "-arch=sm_90a", "-cubin", "-Xptxas", "-v", "-I",
                            os.path.join(ROOT, "csrc", "cuda"), "-o", str(cubin), str(source)],
@@ -132,10 +133,10 @@ def test_kernel_compiles_for_sm90a_without_spills_and_keeps_its_wgmmas_pipelined
     frames = dict(re.findall(r"Function properties for (\w+)\n\s*(\d+ bytes stack frame, \d+ bytes spill stores, "
                              r"\d+ bytes spill loads)", log))
     # (bf16's by cp.async and by the TMA, fp8's, each also packed, the seesaw's, the keys form's two, the overlap
-    # form's, verify's rows, the merge, the probe): none spills but the overlap form, whose warpgroup 0 holds two
-    # score tiles beside its half of O and spills a few registers outside its MMAs' pipeline (at most 64 bytes:
-    # more would be a regression)
-    assert len(frames) == 13, log
+    # form's, the regs form's, verify's rows, the merge, the probe): none spills but the overlap form, whose
+    # warpgroup 0 holds two score tiles beside its half of O and spills a few registers outside its MMAs' pipeline
+    # (at most 64 bytes: more would be a regression)
+    assert len(frames) == 14, log
     for name, frame in frames.items():
         stack, stores, loads = map(int, re.findall(r"\d+", frame))
         if "overlap" in name:
@@ -163,6 +164,14 @@ def test_kernel_compiles_for_sm90a_without_spills_and_keeps_its_wgmmas_pipelined
     for body in keys_form:
         assert len(re.findall(r"HGMMA\.64x16x16\.F32\.BF16", body)) == 36 + 32
         assert len(re.findall(r"HGMMA\.64x16x16\.F32\.BF16 \S+, gdesc\[\w+\]\.tnspA", body)) == 32
+    # the regs form: the same 36 + 32 MMAs in f16 (F16 is SASS's unnamed input type), A from registers (R, not
+    # gdesc), each thread's fp8 bytes loaded 16 at a time (2 a chunk for the scores, 4 a key step for P V) and
+    # widened by the hardware's e4m3 pairs conversion (144 for the scores, 128 for P V)
+    regs_form = [body for name, body in functions.items() if "regs_kernel" in name]
+    assert len(regs_form) == 1, list(functions)
+    assert len(re.findall(r"HGMMA\.64x16x16\.F32 R\d+, R\d+, gdesc", regs_form[0])) == 36 + 32
+    assert len(re.findall(r"LDS\.128", regs_form[0])) == 2 * 9 + 4 * 4
+    assert len(re.findall(r"F2FP\.F16\.E4M3", regs_form[0])) == 144 + 128
     for name, body in kernels.items():
         per_warpgroup = 2 if "seesaw" in name else 1  # (each warpgroup its scores and its P V of both tiles)
         assert len(re.findall(r"HGMMA\.64x64x16\.F32\.BF16", body)) == 36 * per_warpgroup, name
@@ -174,9 +183,9 @@ def test_kernel_compiles_for_sm90a_without_spills_and_keeps_its_wgmmas_pipelined
     assert len(re.findall(r"HGMMA\.64x64x16\.F32\.BF16", overlap[0])) == 36 * 3
     assert len(re.findall(r"HGMMA\.64x256x16\.F32\.BF16", overlap[0])) == 8 * 2
     tma = [name for name, body in functions.items() if "UTMALDG" in body]  # (the TMA's copies)
-    kinds = sorted(next(k for k in ("keys", "overlap", "seesaw", "ILb0ELb1E") if k in name) for name in tma)
+    kinds = sorted(next(k for k in ("keys", "overlap", "regs", "seesaw", "ILb0ELb1E") if k in name) for name in tma)
     # (the tma form's decode kernel, one token a block and packed)
-    assert kinds == ["ILb0ELb1E", "ILb0ELb1E", "keys", "keys", "overlap", "seesaw"], tma
+    assert kinds == ["ILb0ELb1E", "ILb0ELb1E", "keys", "keys", "overlap", "regs", "seesaw"], tma
     assert not any(("LDL" in body or "STL" in body) for name, body in functions.items() if "overlap" not in name)
 
 
@@ -293,16 +302,21 @@ def test_the_forms_each_serve_what_they_can_and_the_defaults_are_the_fastest_mea
     assert variant("fp8_e4m3", 64, 16, long) == variant("fp8_e4m3", 64, 1, 2 * long) == code("keys")
     assert variant("fp8_e4m3", 64, 16, long - 64) == variant("fp8_e4m3", 64, 17, long) == code("cp.async")
     assert variant("bf16", 4, 16, long) == variant("fp8_e4m3", 4, 16, long) == code("cp.async")
+    assert code("regs") not in {variant(kv, page, heads, chunk) for kv in ("bf16", "fp8_e4m3") for page in (8, 64)
+                                for heads in (1, 16, 128) for chunk in (256, long, 2 * long)}  # (not yet measured)
     for number, name in enumerate(cuda_mla.VARIANTS):
         monkeypatch.setenv(cuda_mla.VARIANT_ENV, name)
-        assert variant("bf16", 8, 16, 256) == variant("bf16", 256, 1, long) == number
+        assert variant("bf16", 8, 16, 256) == variant("bf16", 256, 1, long) == \
+            (code("tma") if name == "regs" else number)  # (regs: fp8 only)
         assert variant("bf16", 4, 16, long) == 0
-        assert variant("fp8_e4m3", 64, 16, 256) == (number if name == "keys" else 0)
-    # the keys form: at most KEYS_MAX_HEADS heads (its MMAs' N), the tma form above (cp.async for fp8)
-    monkeypatch.setenv(cuda_mla.VARIANT_ENV, "keys")
-    assert variant("bf16", 64, cuda_mla.KEYS_MAX_HEADS + 1, long) == code("tma")
-    assert variant("fp8_e4m3", 64, cuda_mla.KEYS_MAX_HEADS + 1, long) == 0
-    assert variant("fp8_e4m3", 4, 16, long) == 0
+        assert variant("fp8_e4m3", 64, 16, 256) == (number if name in ("keys", "regs") else 0)
+    # the keys and regs forms: at most KEYS_MAX_HEADS heads (their MMAs' N), the tma form above (cp.async for fp8)
+    for name in ("keys", "regs"):
+        monkeypatch.setenv(cuda_mla.VARIANT_ENV, name)
+        assert variant("bf16", 64, cuda_mla.KEYS_MAX_HEADS + 1, long) == code("tma")
+        assert variant("fp8_e4m3", 64, cuda_mla.KEYS_MAX_HEADS + 1, long) == 0
+        assert variant("fp8_e4m3", 4, 16, long) == 0
+        assert variant("fp8_e4m3", 8, cuda_mla.KEYS_MAX_HEADS, long) == code(name)
     monkeypatch.setenv(cuda_mla.VARIANT_ENV, "fast")
     with pytest.raises(ValueError, match=cuda_mla.VARIANT_ENV):
         variant("bf16", 64, 16, long)

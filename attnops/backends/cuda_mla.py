@@ -11,8 +11,10 @@ ATTNOPS_CUDA_MLA=0 turns it off, =bf16 keeps it to bf16 caches. `bash benchmarks
 tests and times it. ATTNOPS_CUDA_MLA_VARIANT picks the kernel's form (kernel_variant; the default: the fastest
 measured for the call): `tma` (whole tiles copied by the tensor memory accelerator), `cp.async`, `seesaw` (two
 tiles a step, each warpgroup the scores and softmax of one, csrc/cuda/mla_seesaw_sm90.cuh), `keys` (at most 16
-heads: the keys as the MMAs' M, csrc/cuda/mla_keys_sm90.cuh) and `overlap` (the next tile's scores computed beside
-this tile's softmax, csrc/cuda/mla_overlap_sm90.cuh).
+heads: the keys as the MMAs' M, csrc/cuda/mla_keys_sm90.cuh), `overlap` (the next tile's scores computed beside
+this tile's softmax, csrc/cuda/mla_overlap_sm90.cuh) and `regs` (fp8 at up to 16 heads: the keys form with the
+cache's bytes widened in registers, f16 MMAs, two tiles in flight a warpgroup, csrc/cuda/mla_regs_sm90.cuh; only
+when asked for: not yet measured).
 
 Verify (a few query tokens a sequence, no tree mask): each query row sees its sequence's keys up to its own
 position. At up to 32 heads a block takes several query tokens of a sequence as its 64 rows (tokens_per_block), so
@@ -40,7 +42,7 @@ ENV = "ATTNOPS_CUDA_MLA"
 VERIFY_ENV = "ATTNOPS_CUDA_MLA_VERIFY"  # 0: decode only
 PACK_ENV = "ATTNOPS_CUDA_MLA_PACK_VERIFY"  # 0: each verify token its own block (tokens_per_block)
 VARIANT_ENV = "ATTNOPS_CUDA_MLA_VARIANT"
-VARIANTS = ("cp.async", "tma", "seesaw", "keys", "overlap")  # (the op's `variant` codes 0 to 4)
+VARIANTS = ("cp.async", "tma", "seesaw", "keys", "overlap", "regs")  # (the op's `variant` codes 0 to 5)
 KEYS_MAX_HEADS = 16  # the keys form's heads a block (its MMAs' N)
 KEYS_FP8_MIN_CHUNK = 2048  # fp8: the keys form's splits at least (measured faster at 2048 and 4096, slower at 256)
 SHAPE = (512, 64)  # (R, P) the kernel is built for
@@ -65,16 +67,18 @@ def kernel_variant(kv_format: str, page_size: int, num_heads: int, chunk: int, p
     ATTNOPS_CUDA_MLA_VARIANT's where it serves the call, by default the fastest measured (docs/bench.md: tma for
     bf16; for fp8 keys at most KEYS_MAX_HEADS heads and KEYS_FP8_MIN_CHUNK keys a split, cp.async otherwise). The
     forms other than cp.async copy through the tensor memory accelerator, pages of 8 rows or more (cp.async
-    otherwise), bf16 caches (keys: fp8 too); keys takes at most KEYS_MAX_HEADS heads (tma otherwise); `packed`
-    (several tokens a block: tokens_per_block) only the cp.async and tma forms (tma for the others).
+    otherwise), bf16 caches (keys: fp8 too; regs: fp8 only, tma for bf16); keys and regs take at most
+    KEYS_MAX_HEADS heads (tma otherwise); `packed` (several tokens a block: tokens_per_block) only the cp.async and
+    tma forms (tma for the others).
     `bash benchmarks/gpu_round.sh cuda-mla-variants` times them."""
     name = environ_get(VARIANT_ENV) or \
         ("tma" if kv_format == "bf16" else "keys" if chunk >= KEYS_FP8_MIN_CHUNK and not packed else "cp.async")
     if name not in VARIANTS:
         raise ValueError(f"{VARIANT_ENV} must be one of {', '.join(VARIANTS)} (got {name!r})")
-    if (name == "keys" and num_heads > KEYS_MAX_HEADS) or (packed and name not in ("cp.async", "tma")):
+    if (name in ("keys", "regs") and num_heads > KEYS_MAX_HEADS) or (packed and name not in ("cp.async", "tma")) \
+            or (name == "regs" and kv_format == "bf16"):
         name = "tma"
-    if name != "cp.async" and (page_size < 8 or (kv_format != "bf16" and name != "keys")):
+    if name != "cp.async" and (page_size < 8 or (kv_format != "bf16" and name not in ("keys", "regs"))):
         return 0
     return VARIANTS.index(name)
 

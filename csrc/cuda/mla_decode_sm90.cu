@@ -12,6 +12,7 @@
 
 #include "mla_keys_sm90.cuh"
 #include "mla_overlap_sm90.cuh"
+#include "mla_regs_sm90.cuh"
 #include "mla_seesaw_sm90.cuh"
 
 namespace attnops::mla_sm90 {
@@ -30,8 +31,9 @@ int64_t mla_sm90a_built(int64_t device) {
 
 // The cache as the TMA forms' tensor map: [num_pages][page_size][576] with the cache's strides, boxes of {64 values,
 // min(page_size, 64) rows, 1 page}, coordinates outside it as zeros: bf16 landing in the 128-byte swizzle (the
-// wgmma layout), fp8 bytes unswizzled (the keys form widens them)
-static void encode_kv_map(CUtensorMap* map, const at::Tensor& kv_cache, bool fp8) {
+// wgmma layout), fp8 bytes unswizzled (the keys form widens them in shared memory) or in the 64-byte swizzle (the
+// regs form's loads)
+static void encode_kv_map(CUtensorMap* map, const at::Tensor& kv_cache, bool fp8, bool swizzle64) {
   using Encode = PFN_cuTensorMapEncodeTiled_v12000;
   static const Encode encode = [] {
     void* fn = nullptr;
@@ -54,7 +56,9 @@ static void encode_kv_map(CUtensorMap* map, const at::Tensor& kv_cache, bool fp8
   const cuuint32_t unit[3] = {1, 1, 1};
   const CUresult done = encode(map, fp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3,
                                kv_cache.data_ptr(), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                               fp8 ? CU_TENSOR_MAP_SWIZZLE_NONE : CU_TENSOR_MAP_SWIZZLE_128B,
+                               !fp8        ? CU_TENSOR_MAP_SWIZZLE_128B
+                               : swizzle64 ? CU_TENSOR_MAP_SWIZZLE_64B
+                                           : CU_TENSOR_MAP_SWIZZLE_NONE,
                                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   TORCH_CHECK(done == CUDA_SUCCESS, "mla_decode_sm90: cuTensorMapEncodeTiled failed (", static_cast<int>(done), ")");
 }
@@ -130,15 +134,18 @@ void mla_decode_sm90(const at::Tensor& q_nope, const at::Tensor& q_pe, const at:
   a.stages = static_cast<int>(stages);
   // variant 0: tiles by cp.async; 1: whole tiles by the TMA; 2: the seesaw schedule (mla_seesaw_sm90.cuh); 3: the
   // keys as the MMAs' M, at most 16 heads (mla_keys_sm90.cuh); 4: the next scores beside the softmax
-  // (mla_overlap_sm90.cuh)
-  TORCH_CHECK(variant >= 0 && variant <= 4, "mla_decode_sm90: variant 0 to 4");
+  // (mla_overlap_sm90.cuh); 5: the keys as the MMAs' M, fp8 widened in registers, at most 16 heads
+  // (mla_regs_sm90.cuh)
+  TORCH_CHECK(variant >= 0 && variant <= 5, "mla_decode_sm90: variant 0 to 5");
   TORCH_CHECK(variant < 2 || stages == kAllStages, "mla_decode_sm90: the forms after tma run all their stages");
-  TORCH_CHECK(variant != 3 || H <= kNarrowHeads, "mla_decode_sm90: the keys form takes at most 16 heads");
+  TORCH_CHECK((variant != 3 && variant != 5) || H <= kNarrowHeads,
+              "mla_decode_sm90: the keys and regs forms take at most 16 heads");
+  TORCH_CHECK(variant != 5 || fp8, "mla_decode_sm90: the regs form reads fp8 e4m3 caches");
   if (variant) {  // (pages of 8 rows or more, each a power of two; rows and pages 16-byte aligned: the backend's)
-    TORCH_CHECK((!fp8 || variant == 3) && a.page_size >= 8 && (a.page_size & (a.page_size - 1)) == 0,
-                "mla_decode_sm90: the TMA copies read bf16 caches (fp8 too in the keys form) with pages of 8 rows "
-                "or more");
-    encode_kv_map(&a.kv_map, kv_cache, fp8);
+    TORCH_CHECK((!fp8 || variant == 3 || variant == 5) && a.page_size >= 8 && (a.page_size & (a.page_size - 1)) == 0,
+                "mla_decode_sm90: the TMA copies read bf16 caches (fp8 too in the keys and regs forms) with pages of "
+                "8 rows or more");
+    encode_kv_map(&a.kv_map, kv_cache, fp8, variant == 5);
   }
   void (*kernel)(Args) = decode_kernel(fp8, variant == 1, tokens_per_block > 1);  // (variants 0 and 1)
   int smem_bytes = kSmemBytes;
@@ -146,6 +153,7 @@ void mla_decode_sm90(const at::Tensor& q_nope, const at::Tensor& q_pe, const at:
     case 2: kernel = seesaw_kernel(), smem_bytes = kSeesawSmemBytes; break;
     case 3: kernel = keys_kernel(fp8), smem_bytes = kKeysSmemBytes; break;
     case 4: kernel = overlap_kernel(); break;  // (the decode kernel's shared memory)
+    case 5: kernel = regs_kernel(), smem_bytes = kRegsSmemBytes; break;
   }
   // (a function attribute, not a stream operation: allowed inside a capture)
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
