@@ -163,7 +163,7 @@ void mla_decode_sm90(const at::Tensor& q_nope, const at::Tensor& q_pe, const at:
     mla_rows_kernel<<<1, 1024, 0, stream>>>(a);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  kernel<<<grid, kThreads, smem_bytes, stream>>>(a);
+  kernel<<<grid, variant == 5 ? kRegsThreads : kThreads, smem_bytes, stream>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (splits > 1) {
     mla_merge_kernel<<<dim3(static_cast<unsigned>(T), static_cast<unsigned>(H)), kR / 4, 0, stream>>>(

@@ -26,11 +26,15 @@
 // swizzle (row r's 16-byte piece u at u ^ ((r >> 1) & 3)): with it, and the two row parities of a quarter-warp
 // reading their keys in opposite orders, every 16-byte load of the scores and of P V meets 8 bank groups.
 //
-// A block: one token, one split of its keys, 256 threads = two warpgroups that take the split's tiles in turn
-// (warpgroup w the tiles w, w + 2, ...), each with its own two stages (a tile copied into the stage of the tile two
-// before once every thread has loaded that one's bytes), running maxima, sums and O^T, merged at the end as in the
-// keys form. Rows past the sequence's end: their scores masked, their values zeroed in registers. Pages of 8 rows
-// or more; splits, merge, bad indices and outputs as mla_decode_sm90.cuh.
+// A block: one token, one split of its keys, 384 threads = two warpgroups that take the split's tiles in turn
+// (warpgroup w the tiles w, w + 2, ...), each with its own two stages, running maxima, sums and O^T, merged at the
+// end as in the keys form, and a producer warpgroup (its registers given to the other two by setmaxnreg) whose
+// first warp reads each tile's pages from the block table, prefetches the tile
+// to L2 and, once the warpgroup has loaded the bytes of the stage's tile before (the stage's empty barrier), copies
+// it in (its full barrier). So no table read and no copy's issue sits on the warpgroups' chain (their MMAs wait for
+// all four of their warps). The scores' 36 MMAs go to four accumulators (k-step s % 4), summed after: four chains
+// of 9, not one of 36. Rows past the sequence's end: their scores masked, their values zeroed in registers. Pages of
+// 8 rows or more; splits, merge, bad indices and outputs as mla_decode_sm90.cuh.
 #pragma once
 #include "mla_keys_sm90.cuh"
 
@@ -38,8 +42,11 @@ namespace attnops::mla_sm90 {
 
 constexpr int kRegsTileBytes = kChunks * kFp8ChunkBytes;  // a tile's fp8 bytes (36 KB)
 constexpr int kRegsStages = 2;                            // stages a warpgroup
+constexpr int kRegsThreads = kThreads + 128;              // the two warpgroups and the producer's
+constexpr int kProducerRegisters = 48, kConsumerRegisters = 232;  // setmaxnreg's: 128 x 48 + 256 x 232 = 64K
+constexpr int kScoreChains = 4;                           // accumulators of the scores
 constexpr int kRegsSmemBytes = kQBytes + 2 * kRegsStages * kRegsTileBytes + 2 * kPtBytes +
-                               2 * 4 * kNarrowHeads * 4 + kNarrowHeads * 4 + 2 * kRegsStages * 8 + 1024;
+                               2 * 4 * kNarrowHeads * 4 + kNarrowHeads * 4 + 2 * 2 * kRegsStages * 8 + 1024;
 static_assert(kRegsSmemBytes <= 227 * 1024, "one block must fit an sm_90 SM's 227 KB of shared memory");
 static_assert(kKeysOBytes <= 2 * kRegsStages * kRegsTileBytes, "the hand-over uses the stages' memory");
 constexpr int kQShiftTop = 15;  // Q's largest finite magnitude scaled below 2^15 (f16's largest is 65504)
@@ -74,7 +81,12 @@ __device__ __forceinline__ uint4 lds128(uint32_t addr) {
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
   return v;
 }
-__device__ __forceinline__ uint32_t word(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+__device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
 
 // Byte offset of 16-byte piece `piece` (0 .. 3) of row `row` in a 64-byte-swizzled chunk of a staged tile
 __device__ __forceinline__ uint32_t swizzled64(int row, int piece) {
@@ -84,7 +96,8 @@ __device__ __forceinline__ uint32_t swizzled64(int row, int piece) {
 // Q [16 x 576] into shared memory as f16, K-major in 64-value column chunks (128-byte swizzle), column j of k-step
 // s of chunk c holding value 64 c + 16 t4 + 4 s + 2 hi + h (j = 2 t4 + h + 8 hi: the keys' fragments' order),
 // scaled by 2^shift (returned) so that its largest finite magnitude lies in [2^14, 2^15) (shift 0 where Q holds
-// nothing else but zeros). Rows past num_heads are zeros. All the block's threads.
+// nothing else but zeros). Rows past num_heads are zeros. The two warpgroups' threads (kThreads); a __syncthreads
+// inside (the producer's warpgroup meets it in its own path).
 // Item (head, c, s) of a thread: the 16 values of a k-step, read as four runs of 4 (8 bytes each), kept in registers
 // between the block's maximum and the stores.
 constexpr int kQItems = kNarrowHeads * kChunks * 4;
@@ -163,7 +176,28 @@ __device__ __forceinline__ void pin_words(uint32_t (&r)[kCount]) {
   for (int i = 0; i < kCount; ++i) asm volatile("" : "+r"(r[i])::"memory");
 }
 
-__global__ void __launch_bounds__(kThreads, 1) mla_regs_kernel(const __grid_constant__ Args a) {
+// The producer warp: tiles [first, end) of the split, in order, each into its warpgroup's stage: its pages read
+// and, where the stage holds an earlier tile, the tile prefetched to L2 and the stage's empty barrier awaited (the
+// warpgroup has loaded that tile's bytes), then copied in (its full barrier) by lane 0. The whole warp runs the loop
+// (one control flow); returns whether a visible key's page is outside the cache.
+__device__ __forceinline__ bool produce_tiles(const Args& a, const int* table_row, int lo, int hi, int first, int end,
+                                              uint32_t s_stages, uint32_t full_bars, uint32_t empty_bars, int lane) {
+  bool bad = false;
+  for (int i = first; i < end; ++i) {
+    const int w = i & 1, k = i >> 1, index = kRegsStages * w + k % kRegsStages;
+    const int start = lo + i * kKeys;
+    int pages[kMaxBoxes];
+    box_pages(a, table_row, start, hi, min(a.page_size, kKeys), pages, bad);
+    if (k >= kRegsStages) {
+      if (lane == 0) tma_prefetch(a, pages, start);
+      mbarrier_wait(empty_bars + 8 * index, (k / kRegsStages - 1) & 1);
+    }
+    if (lane == 0) tma_fp8_boxes(a, pages, start, s_stages + index * kRegsTileBytes, full_bars + 8 * index);
+  }
+  return bad;
+}
+
+__global__ void __launch_bounds__(kRegsThreads, 1) mla_regs_kernel(const __grid_constant__ Args a) {
 #if defined(ATTNOPS_MLA_SM90A)
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = aligned_smem(smem_raw);
@@ -172,45 +206,41 @@ __global__ void __launch_bounds__(kThreads, 1) mla_regs_kernel(const __grid_cons
   uint8_t* pt_bytes = smem + kQBytes + 2 * kRegsStages * kRegsTileBytes;  // warpgroup w's P at + w * kPtBytes
   // [warpgroup][warp][head]: the warps' maxima of a tile; at the end the warps' sums
   float* s_colmax = reinterpret_cast<float*>(pt_bytes + 2 * kPtBytes);
-  float* s_m1 = s_colmax + 2 * 4 * kNarrowHeads;         // warpgroup 1's maxima at the end
-  const uint32_t s_bar = smem_u32(s_m1 + kNarrowHeads);  // warpgroup w's stage k: + 8 (kRegsStages w + k)
+  float* s_m1 = s_colmax + 2 * 4 * kNarrowHeads;  // warpgroup 1's maxima at the end
+  // warpgroup w's stage k: its full barrier at + 8 (kRegsStages w + k), its empty barrier 2 kRegsStages later
+  const uint32_t full_bars = smem_u32(s_m1 + kNarrowHeads), empty_bars = full_bars + 8 * 2 * kRegsStages;
 
   const int tid = threadIdx.x, lane = tid & 31;
-  const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);  // (warp-uniform to the compiler: see mla_decode_kernel)
+  const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);  // 2: the producer's (warp-uniform: see mla_decode_kernel)
   const int warp = (tid >> 5) & 3, wg_tid = tid & 127;
   const int g = lane >> 2, t4 = lane & 3;
   const BlockKeys keys = block_keys(a, tid);
   if (empty_split(a, keys, tid)) return;
   const int token = keys.token, split = keys.split, lo = keys.lo, hi = keys.hi, tiles = keys.tiles;
-  const int* table_row = keys.table_row;
-  const uint32_t my_stages = s_stages + kRegsStages * wg * kRegsTileBytes;
-  const uint32_t my_bars = s_bar + 8 * kRegsStages * wg;
-  const uint32_t s_pt = smem_u32(pt_bytes + wg * kPtBytes);
-  uint8_t* my_pt = pt_bytes + wg * kPtBytes;
-  float* my_colmax = s_colmax + wg * 4 * kNarrowHeads;
-  const bool issuer = wg_tid == 0;
 
   if (tid == 0) {
 #pragma unroll
-    for (int b = 0; b < 2 * kRegsStages; ++b) mbarrier_init(s_bar + 8 * b);
+    for (int b = 0; b < 4 * kRegsStages; ++b) mbarrier_init(full_bars + 8 * b);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
-  bool saw_bad = false;
-  if (issuer) {  // the warpgroup's first tiles, one a stage, before Q: all in flight at once
-#pragma unroll
-    for (int k = 0; k < kRegsStages; ++k) {
-      const int i = wg + 2 * k;
-      if (i >= tiles) break;
-      int pages[kMaxBoxes];
-      box_pages(a, table_row, lo + i * kKeys, hi, min(a.page_size, kKeys), pages, saw_bad);
-      tma_fp8_boxes(a, pages, lo + i * kKeys, my_stages + k * kRegsTileBytes, my_bars + 8 * k);
-    }
+  if (wg == 2) {  // the producer: the first tiles (one a stage) before Q is staged, the rest after; then it leaves
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegisters));
+    const int first_tiles = min(tiles, 2 * kRegsStages);
+    bool bad = false;
+    if (warp == 0) bad = produce_tiles(a, keys.table_row, lo, hi, 0, first_tiles, s_stages, full_bars, empty_bars, lane);
+    __syncthreads();  // (stage_q's)
+    __syncthreads();  // (Q in place)
+    if (warp == 0)
+      bad |= produce_tiles(a, keys.table_row, lo, hi, first_tiles, tiles, s_stages, full_bars, empty_bars, lane);
+    __syncthreads_or(bad);  // (the warpgroups' end: below)
+    __syncthreads();
+    return;
   }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegisters));
   const int shift = stage_q(a, token, smem, s_colmax, tid);
   fence_proxy_async();
   __syncthreads();  // (Q in place; the scratch of its maximum read by every thread before the maxima reuse it)
-
   const float kv_scale = *a.kv_scale;
   const float qk_scale_log2 = ldexpf(a.qk_scale_log2 * kv_scale, -shift);
   float o[8][8];  // O^T row block b: o[b][4 j + c] as column_of's layout, rows as the P V permutation says
@@ -225,24 +255,24 @@ __global__ void __launch_bounds__(kThreads, 1) mla_regs_kernel(const __grid_cons
   const int value_chunk = 2 * warp + (g >> 2), value_piece = g & 3;
   const int parity = g & 1;
   const uint32_t lo_selector = parity ? 0x1504u : 0x5140u, hi_selector = parity ? 0x3726u : 0x7362u;
+  const uint32_t s_pt = smem_u32(pt_bytes + (wg & 1) * kPtBytes);
+  uint8_t* my_pt = pt_bytes + (wg & 1) * kPtBytes;
+  float* my_colmax = s_colmax + (wg & 1) * 4 * kNarrowHeads;
 
   for (int k = 0, i = wg; i < tiles; ++k, i += 2) {
     const int start = lo + i * kKeys;
     const int visible = min(hi - start, kKeys);
-    const int stage_index = k % kRegsStages;
-    const uint32_t stage = my_stages + stage_index * kRegsTileBytes, bar = my_bars + 8 * stage_index;
-    mbarrier_wait(bar, (k / kRegsStages) & 1);
-    int next_pages[kMaxBoxes];  // (the issuer's: the stage's next tile, copied once every thread has loaded this)
-    const bool next = i + 2 * kRegsStages < tiles;
-    if (issuer && next) {
-      box_pages(a, table_row, start + 2 * kRegsStages * kKeys, hi, min(a.page_size, kKeys), next_pages, saw_bad);
-      tma_prefetch(a, next_pages, start + 2 * kRegsStages * kKeys);
-    }
-    // S^T = K Q^T: chunk c's 16 bytes of rows 16 warp + g and + 8, widened to four k-steps' A fragments
+    const int index = kRegsStages * wg + k % kRegsStages;
+    const uint32_t stage = s_stages + index * kRegsTileBytes;
+    mbarrier_wait(full_bars + 8 * index, (k / kRegsStages) & 1);
+    // S^T = K Q^T: chunk c's 16 bytes of rows 16 warp + g and + 8, widened to four k-steps' A fragments; k-step st
+    // of each chunk into accumulator st
     const int row0 = 16 * warp + g, row1 = row0 + 8;
-    float s[8];
+    float chains[kScoreChains][8];
 #pragma unroll
-    for (int z = 0; z < 8; ++z) s[z] = 0.0f;
+    for (int n = 0; n < kScoreChains; ++n)
+#pragma unroll
+      for (int z = 0; z < 8; ++z) chains[n][z] = 0.0f;
     uint32_t frag[2][16];
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
@@ -259,19 +289,29 @@ __global__ void __launch_bounds__(kThreads, 1) mla_regs_kernel(const __grid_cons
         frag[c & 1][4 * st + 2] = e4m3x2_to_f16x2(word(x, st) >> 16);
         frag[c & 1][4 * st + 3] = e4m3x2_to_f16x2(word(y, st) >> 16);
       }
-      pin(s);
+#pragma unroll
+      for (int n = 0; n < kScoreChains; ++n) pin(chains[n]);
       wgmma_fence();
 #pragma unroll
       for (int st = 0; st < 4; ++st) {
         const uint32_t(&a4)[4] = *reinterpret_cast<const uint32_t(*)[4]>(&frag[c & 1][4 * st]);
-        wgmma_m64n16k16_rs_f16(s, a4, descriptor(s_q + c * kQChunkBytes + st * 32, 16, 1024), c > 0 || st > 0);
+        wgmma_m64n16k16_rs_f16(chains[st % kScoreChains], a4,
+                               descriptor(s_q + c * kQChunkBytes + st * 32, 16, 1024), c > 0);
       }
       wgmma_commit();
     }
     wgmma_wait_all();
-    pin(s);
+#pragma unroll
+    for (int n = 0; n < kScoreChains; ++n) pin(chains[n]);
     pin_words(frag[0]);
     pin_words(frag[1]);
+    float s[8];
+#pragma unroll
+    for (int z = 0; z < 8; ++z) {
+      s[z] = chains[0][z];
+#pragma unroll
+      for (int n = 1; n < kScoreChains; ++n) s[z] += chains[n][z];
+    }
     // the heads' maxima over the tile's keys: this thread's two rows, the warp's eight row pairs, the four warps
     const int key0 = start + row0, key1 = start + row1;
     float tile_max[4];
@@ -331,9 +371,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_regs_kernel(const __grid_cons
         if (visible < kKeys && key >= visible) v[n] = make_uint4(0, 0, 0, 0);  // (may hold anything, NaN too)
       }
       if (st == kKeys / 16 - 1) {
-        warpgroup_sync(wg);  // every thread's loads of the stage done: its next tile may land
-        if (issuer && next)
-          tma_fp8_boxes(a, next_pages, start + 2 * kRegsStages * kKeys, stage, bar);
+        warpgroup_sync(wg);  // every thread's loads of the stage done: the producer may copy its next tile in
+        if (wg_tid == 0) mbarrier_arrive(empty_bars + 8 * index);
       }
       if (st >= 2) {
         wgmma_wait<1>();
@@ -375,7 +414,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_regs_kernel(const __grid_cons
   for (int q = 0; q < 4; ++q)
 #pragma unroll
     for (int mask = 4; mask <= 16; mask <<= 1) l[q] += __shfl_xor_sync(0xffffffffu, l[q], mask);
-  const bool poisoned = __syncthreads_or(saw_bad) != 0;  // (also: both warpgroups' loops done, the stages free)
+  // (the producer's bad pages; also: both warpgroups' loops done, the stages free)
+  const bool poisoned = __syncthreads_or(false) != 0;
   if (poisoned && tid == 0) atomicMin(a.errors + kErrBlockTable, sequence_of(a, token));
   if (g == 0) {
 #pragma unroll
