@@ -86,6 +86,9 @@
 #             cuda-mla-variants.txt (each case's best, the speedups). Their GPU tests are the cuda-mla step's
 #   cuda-mla-verify the cuda backend's latent-attention verify (each query row its own block): its GPU tests, then
 #             the mla grid's verify cases against Triton, FlashInfer through the op and FlashInfer's MLA wrapper, same run: $results/cuda-mla-verify.{json,txt}
+#   cuda-mla-merge the cuda latent-attention splits' merge by warps (ATTNOPS_CUDA_MLA_MERGE=warps: a row's loads in
+#             flight together) against the default: its GPU tests, then the mla grid with each, alternating, two
+#             rounds: $results/cuda-mla-merge-{0,1}-{1,2}.json, cuda-mla-merge.txt (per case, warps' time over columns')
 #   cuda-mla-regs the cuda backend's latent-attention regs form (fp8 at up to 16 heads, the cache's bytes widened in
 #             registers: ATTNOPS_CUDA_MLA_VARIANT=regs): its GPU tests, then mla_decode.py at REGS_HEADS (16 8) heads
 #             with it, with the keys form on fp8 and with the tma form on bf16, alternating, two rounds:
@@ -405,6 +408,17 @@ for (heads, case), cell in sorted(best.items()):
     print(f"{f'{heads}, {case}':<20}{t[0]:>13.1f}{t[1]:>13.1f}{t[2]:>13.1f}{t[1] / t[2]:>16.3f}{t[0] / t[2]:>13.3f}")
 PY
       stamp cuda-mla-regs ;;
+    cuda-mla-merge)
+      # the splits' merge by warps (ATTNOPS_CUDA_MLA_MERGE=warps) against the default: its GPU tests, then the mla grid
+      # with each, alternating, two rounds, same run
+      timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -rA -p no:cacheprovider -m gpu -k warps_merge \
+        tests/test_cuda_mla.py > "$results/cuda-mla-merge-tests.log" 2>&1
+      grep -E "passed|failed|FAILED|Error" "$results/cuda-mla-merge-tests.log" | grep -v "^PASSED" | tail -8
+      bench_settings cuda-mla-merge 2 ${MLA_TIMEOUT:-150} \
+        "0:ATTNOPS_CUDA_MLA_MERGE=columns 1:ATTNOPS_CUDA_MLA_MERGE=warps" \
+        --grid mla --backends cuda --peers --graph-only --rep-ms ${REP_MS:-20}
+      python3 benchmarks/invariance_cost.py --labels columns warps "$results"/cuda-mla-merge-0-*.json -- \
+        "$results"/cuda-mla-merge-1-*.json | tee "$results/cuda-mla-merge.txt"; stamp cuda-mla-merge ;;
     cuda-mla-verify)
       timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -m gpu -k \
         "verify or long_sequence" tests/test_cuda_mla.py > "$results/cuda-mla-verify-tests.log" 2>&1

@@ -67,6 +67,16 @@ def test_declines_what_its_kernel_is_not_built_for(monkeypatch):
     assert any("9.0a" in r for r in cuda_mla.reasons(CASE))
 
 
+def test_the_merge_is_the_columns_kernel_unless_asked_for_warps(monkeypatch):
+    monkeypatch.delenv(cuda_mla.MERGE_ENV, raising=False)
+    assert cuda_mla.merge_form() == cuda_mla.MERGES.index("columns") == 0
+    monkeypatch.setenv(cuda_mla.MERGE_ENV, "warps")
+    assert cuda_mla.merge_form() == 1
+    monkeypatch.setenv(cuda_mla.MERGE_ENV, "rows")
+    with pytest.raises(ValueError, match=cuda_mla.MERGE_ENV):
+        cuda_mla.merge_form()
+
+
 def test_the_modes_split_size_is_a_whole_number_of_tiles(monkeypatch):
     monkeypatch.delenv(cuda_mla.INVARIANT_CHUNK_ENV, raising=False)
     assert cuda_mla.invariant_chunk() == cuda_mla.INVARIANT_CHUNK
@@ -133,10 +143,10 @@ def test_kernel_compiles_for_sm90a_without_spills_and_keeps_its_wgmmas_pipelined
     frames = dict(re.findall(r"Function properties for (\w+)\n\s*(\d+ bytes stack frame, \d+ bytes spill stores, "
                              r"\d+ bytes spill loads)", log))
     # (bf16's by cp.async and by the TMA, fp8's, each also packed, the seesaw's, the keys form's two, the overlap
-    # form's, the regs form's, verify's rows, the merge, the probe): none spills but the overlap form, whose
+    # form's, the regs form's, verify's rows, the two merges, the probe): none spills but the overlap form, whose
     # warpgroup 0 holds two score tiles beside its half of O and spills a few registers outside its MMAs' pipeline
     # (at most 64 bytes: more would be a regression)
-    assert len(frames) == 14, log
+    assert len(frames) == 15, log
     for name, frame in frames.items():
         stack, stores, loads = map(int, re.findall(r"\d+", frame))
         if "overlap" in name:
@@ -195,13 +205,20 @@ def sm90() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-@pytest.fixture(params=cuda_mla.VARIANTS, ids=lambda variant: variant.replace(".", "") + "_form")  # (-k tma_form ...)
+@pytest.fixture(params=cuda_mla.VARIANTS + ("warps_merge",),  # (-k tma_form ...)
+                ids=lambda variant: variant if variant == "warps_merge" else variant.replace(".", "") + "_form")
 def cuda_on(monkeypatch, request):
-    """The kernel on an sm_90 GPU, both cache formats, in each of its forms (fp8 by the cp.async and keys forms)."""
+    """The kernel on an sm_90 GPU, both cache formats, in each of its forms (fp8 by the cp.async, keys and regs
+    forms), and the default forms with the splits merged by warps (ATTNOPS_CUDA_MLA_MERGE=warps)."""
     if not sm90():
         pytest.skip("needs an sm_90 GPU")
     monkeypatch.delenv(cuda_mla.ENV, raising=False)  # (both formats)
-    monkeypatch.setenv(cuda_mla.VARIANT_ENV, request.param)
+    if request.param == "warps_merge":
+        monkeypatch.delenv(cuda_mla.VARIANT_ENV, raising=False)
+        monkeypatch.setenv(cuda_mla.MERGE_ENV, "warps")
+    else:
+        monkeypatch.setenv(cuda_mla.VARIANT_ENV, request.param)
+        monkeypatch.delenv(cuda_mla.MERGE_ENV, raising=False)
     yield
 
 

@@ -25,7 +25,7 @@ to FlashInfer, then here (inside a graph nobody replans). ATTNOPS_CUDA_MLA_VERIF
 
 The split of each sequence's keys comes from shapes only (the table's capacity, the tokens, the heads, the SM
 count), so a CUDA graph replays any lengths; with more than one split, the op's second kernel merges the partials
-(and adds the sinks).
+(and adds the sinks): ATTNOPS_CUDA_MLA_MERGE=warps picks a merge with a row's loads in flight together (merge_form).
 """
 from __future__ import annotations
 
@@ -42,6 +42,8 @@ ENV = "ATTNOPS_CUDA_MLA"
 VERIFY_ENV = "ATTNOPS_CUDA_MLA_VERIFY"  # 0: decode only
 PACK_ENV = "ATTNOPS_CUDA_MLA_PACK_VERIFY"  # 0: each verify token its own block (tokens_per_block)
 VARIANT_ENV = "ATTNOPS_CUDA_MLA_VARIANT"
+MERGE_ENV = "ATTNOPS_CUDA_MLA_MERGE"  # the splits' merge: columns (the default) or warps (not yet measured)
+MERGES = ("columns", "warps")  # (the op's `merge` codes 0 and 1)
 VARIANTS = ("cp.async", "tma", "seesaw", "keys", "overlap", "regs")  # (the op's `variant` codes 0 to 5)
 KEYS_MAX_HEADS = 16  # the keys form's heads a block (its MMAs' N)
 KEYS_FP8_MIN_CHUNK = 2048  # fp8: the keys form's splits at least (measured faster at 2048 and 4096, slower at 256)
@@ -182,7 +184,19 @@ def mla_attention(call) -> None:
                                       errors.buffer(device), float(call.scale), splits, chunk, 0,
                                       kernel_variant(call.case.kv_format, call.kv_cache.shape[1], num_heads, chunk,
                                                      packed=group > 1),
-                                      None if call.cu_seqlens_q is None else call.cu_seqlens_q.contiguous(), group)
+                                      None if call.cu_seqlens_q is None else call.cu_seqlens_q.contiguous(), group,
+                                      merge_form())
+
+
+def merge_form() -> int:
+    """The merge kernel of a call's splits, as the op's code (MERGES' index): `columns` (each thread four of a row's
+    values over its splits one after another), or with ATTNOPS_CUDA_MLA_MERGE=warps four warps over a row's splits
+    in turn, their loads in flight together (csrc/cuda/mla_decode_sm90.cuh: mla_merge_warps_kernel; only when
+    asked for: not yet measured). `bash benchmarks/gpu_round.sh cuda-mla-merge` times both."""
+    name = environ_get(MERGE_ENV) or "columns"
+    if name not in MERGES:
+        raise ValueError(f"{MERGE_ENV} must be one of {', '.join(MERGES)} (got {name!r})")
+    return MERGES.index(name)
 
 
 def invariant_chunk() -> int:

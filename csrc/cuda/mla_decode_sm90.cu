@@ -69,15 +69,15 @@ static void encode_kv_map(CUtensorMap* map, const at::Tensor& kv_cache, bool fp8
 // splits > 1, part_out float32 [T, H, splits, 512] and part_lse [T, H, splits] are the splits' partials, merged
 // into out and lse (sinks, float32 [H], need splits > 1); cu_seqlens_q int32 [B + 1] (several query tokens a
 // sequence) or none (decode: B == T); tokens_per_block: with cu_seqlens_q and at most 32 heads, the query tokens
-// of a sequence a block takes as its rows (tokens_per_block x H <= 64: Args.group), else 1. Validated by the
-// backend.
+// of a sequence a block takes as its rows (tokens_per_block x H <= 64: Args.group), else 1; merge: the splits'
+// merge kernel, 0 mla_merge_kernel, 1 mla_merge_warps_kernel. Validated by the backend.
 void mla_decode_sm90(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& kv_cache,
                      const std::optional<at::Tensor>& kv_scale, const at::Tensor& block_table,
                      const at::Tensor& seq_lens, const std::optional<at::Tensor>& sinks,
                      const at::Tensor& out, const std::optional<at::Tensor>& lse, const at::Tensor& part_out,
                      const at::Tensor& part_lse, const at::Tensor& errors, double scale, int64_t splits,
                      int64_t chunk, int64_t stages, int64_t variant,
-                     const std::optional<at::Tensor>& cu_seqlens_q, int64_t tokens_per_block) {
+                     const std::optional<at::Tensor>& cu_seqlens_q, int64_t tokens_per_block, int64_t merge) {
   const int64_t T = q_nope.size(0), H = q_nope.size(1);
   TORCH_CHECK(q_nope.size(2) == kR && q_pe.size(2) == kP, "mla_decode_sm90: latent 512 and rotary 64 only");
   TORCH_CHECK(splits >= 1 && chunk % kKeys == 0 && chunk > 0, "mla_decode_sm90: chunk a multiple of 64");
@@ -165,8 +165,9 @@ void mla_decode_sm90(const at::Tensor& q_nope, const at::Tensor& q_pe, const at:
   }
   kernel<<<grid, variant == 5 ? kRegsThreads : kThreads, smem_bytes, stream>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  TORCH_CHECK(merge == 0 || merge == 1, "mla_decode_sm90: merge 0 (a thread a column) or 1 (warps over the splits)");
   if (splits > 1) {
-    mla_merge_kernel<<<dim3(static_cast<unsigned>(T), static_cast<unsigned>(H)), kR / 4, 0, stream>>>(
+    (merge ? mla_merge_warps_kernel : mla_merge_kernel)<<<dim3(static_cast<unsigned>(T), static_cast<unsigned>(H)), kR / 4, 0, stream>>>(
         a, sinks ? sinks->data_ptr<float>() : nullptr);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
@@ -180,7 +181,7 @@ TORCH_LIBRARY_FRAGMENT(attnops, m) {
       "mla_decode_sm90(Tensor q_nope, Tensor q_pe, Tensor kv_cache, Tensor? kv_scale, Tensor block_table, "
       "Tensor seq_lens, Tensor? sinks, Tensor(a!) out, Tensor(b!)? lse, Tensor(c!) part_out, Tensor(d!) part_lse, "
       "Tensor(e!) errors, float scale, int splits, int chunk, int stages=0, int variant=0, "
-      "Tensor? cu_seqlens_q=None, int tokens_per_block=1) -> ()");
+      "Tensor? cu_seqlens_q=None, int tokens_per_block=1, int merge=0) -> ()");
   m.def("mla_sm90a_built(int device) -> int", &attnops::mla_sm90::mla_sm90a_built);
 }
 

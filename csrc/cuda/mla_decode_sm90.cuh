@@ -852,6 +852,81 @@ __global__ void __launch_bounds__(128) mla_merge_kernel(const Args a, const floa
     a.lse[row] = any_nan ? NAN : (total == 0.0f ? -INFINITY : (mx + log2f(total)) * kLn2);
 }
 
+// mla_merge_kernel's work with a row's loads in flight together (ATTNOPS_CUDA_MLA_MERGE=warps; not yet measured).
+// Why: mla_merge_kernel takes a row's splits one after another, each load awaited before the next is issued, so a
+// long sequence alone (one row a head, 128 splits) costs 128 round trips to L2 in 16 blocks.
+// 128 threads: the LSEs' maximum over all of them; then warp w takes the splits w, w + 4, ... (lane l the row's
+// values 16 l .. 16 l + 15, its loads issued before the weights are known), so that 32 splits' loads are in flight,
+// not one; the four warps' sums added in warp order. The order of the sums is a function of the split count alone
+// (batch-invariant mode's bits hold: a split past a sequence's end adds an exact 0). Plain CUDA: any arch runs it.
+constexpr int kMergeWarps = 4;
+__global__ void __launch_bounds__(32 * kMergeWarps) mla_merge_warps_kernel(const Args a, const float* sinks) {
+  __shared__ float s_sums[kMergeWarps][kR];
+  __shared__ float s_scalars[2][kMergeWarps];  // the warps' maxima, then their denominators
+  const int token = blockIdx.x, head = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t row = static_cast<int64_t>(token) * a.num_heads + head;
+  const float* lse = a.part_lse + row * a.splits;
+  float mx = -INFINITY;
+  bool nan_seen = false;
+  for (int s = threadIdx.x; s < a.splits; s += 32 * kMergeWarps) {
+    const float v = lse[s];
+    nan_seen |= v != v;
+    if (v == v) mx = fmaxf(mx, v);
+  }
+#pragma unroll
+  for (int mask = 16; mask >= 1; mask >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, mask));
+  if (lane == 0) s_scalars[0][warp] = mx;
+  const bool any_nan = __syncthreads_or(nan_seen) != 0;
+#pragma unroll
+  for (int w = 0; w < kMergeWarps; ++w) mx = fmaxf(mx, s_scalars[0][w]);
+  const bool keys = mx != -INFINITY;
+  const float sink = sinks != nullptr ? sinks[head] * 1.4426950408889634f : -INFINITY;
+  mx = fmaxf(mx, sink);
+  if (mx == -INFINITY) mx = 0.0f;
+  float denom = 0.0f;
+  float4 o[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) o[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  const float* part = a.part_out + row * a.splits * kR + 16 * lane;
+#pragma unroll 2
+  for (int s = warp; s < a.splits; s += kMergeWarps) {
+    float4 p[4];  // (an empty split's partial was never written: read, weighed 0, never added)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) p[i] = *reinterpret_cast<const float4*>(part + static_cast<int64_t>(s) * kR + 4 * i);
+    const float v = lse[s];
+    const float w = v == v ? exp2f(v - mx) : 0.0f;
+    denom += w;
+    if (w > 0.0f) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        o[i].x += w * p[i].x, o[i].y += w * p[i].y;
+        o[i].z += w * p[i].z, o[i].w += w * p[i].w;
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) *reinterpret_cast<float4*>(&s_sums[warp][16 * lane + 4 * i]) = o[i];
+  if (lane == 0) s_scalars[1][warp] = denom;
+  __syncthreads();
+  denom = 0.0f;
+  float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+  for (int w = 0; w < kMergeWarps; ++w) {
+    denom += s_scalars[1][w];
+    const float4 q = *reinterpret_cast<const float4*>(&s_sums[w][4 * threadIdx.x]);
+    sum.x += q.x, sum.y += q.y, sum.z += q.z, sum.w += q.w;
+  }
+  const float sink_w = sinks != nullptr ? exp2f(sink - mx) : 0.0f;
+  const float total = denom + sink_w;
+  if (keys) denom += sink_w;
+  const float inv = any_nan ? NAN : 1.0f / (denom > 0.0f ? denom : 1.0f);
+  __nv_bfloat16* dst = a.out + token * a.out_token + head * a.out_head + 4 * threadIdx.x;
+  *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(sum.x * inv, sum.y * inv);
+  *reinterpret_cast<__nv_bfloat162*>(dst + 2) = __floats2bfloat162_rn(sum.z * inv, sum.w * inv);
+  if (a.lse != nullptr && threadIdx.x == 0)
+    a.lse[row] = any_nan ? NAN : (total == 0.0f ? -INFINITY : (mx + log2f(total)) * kLn2);
+}
+
 // Which code this device runs, told by the host through cudaFuncGetAttributes (a function attribute, not a stream
 // operation: allowed inside a capture, unlike a copy of a device symbol): the sm_90a variant alone holds static
 // shared memory

@@ -228,7 +228,8 @@ __global__ void __launch_bounds__(kRegsThreads, 1) mla_regs_kernel(const __grid_
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegisters));
     const int first_tiles = min(tiles, 2 * kRegsStages);
     bool bad = false;
-    if (warp == 0) bad = produce_tiles(a, keys.table_row, lo, hi, 0, first_tiles, s_stages, full_bars, empty_bars, lane);
+    if (warp == 0)
+      bad = produce_tiles(a, keys.table_row, lo, hi, 0, first_tiles, s_stages, full_bars, empty_bars, lane);
     __syncthreads();  // (stage_q's)
     __syncthreads();  // (Q in place)
     if (warp == 0)
