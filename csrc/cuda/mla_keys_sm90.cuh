@@ -133,6 +133,150 @@ __device__ __forceinline__ void widen_slot(uint8_t* tile, int wg_tid, int wg) {
   for (int c = 5; c < kChunks; ++c) store_widened(tile, row, c, half, v[c - 5]);
 }
 
+// A tile's online softmax in the keys forms (thread: warp `warp` of warpgroup wg, lane 4 g + t4; s: its S^T
+// accumulators, rows keys start + 16 warp + g and + 8): the scores past `hi` masked, scaled to base 2, the heads'
+// maxima over the tile's keys (this thread's two rows, the warp's eight row pairs, the four warps through
+// `colmax` [4 warps][16 heads] and a named barrier), then P = exp2(S - base) to shared memory as P [16 heads x 64
+// keys] K-major (128-byte swizzle) in T (bf16 or f16), the sums and O^T's rescaling. The caller fences and syncs
+// before P V reads P.
+template <class T>
+__device__ __forceinline__ void keys_softmax(float (&s)[8], int start, int hi, float qk_scale_log2, float (&m)[4],
+                                             float (&l)[4], float (&o)[8][8], float* colmax, uint8_t* pt, int wg) {
+  const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3, g = lane >> 2, t4 = lane & 3;
+  const int row0 = 16 * warp + g, row1 = row0 + 8;
+  const int key0 = start + row0, key1 = start + row1;
+  float tile_max[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const int j = q >> 1, c = q & 1;
+    s[4 * j + c] = key0 < hi ? s[4 * j + c] * qk_scale_log2 : -INFINITY;
+    s[4 * j + 2 + c] = key1 < hi ? s[4 * j + 2 + c] * qk_scale_log2 : -INFINITY;
+    float v = fmaxf(s[4 * j + c], s[4 * j + 2 + c]);
+#pragma unroll
+    for (int mask = 4; mask <= 16; mask <<= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, mask));
+    tile_max[q] = v;
+  }
+  if (g == 0) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) colmax[warp * kNarrowHeads + column_of(q, t4)] = tile_max[q];
+  }
+  warpgroup_sync(wg);
+  float alpha[4], base[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const int col = column_of(q, t4);
+    float v = colmax[col];
+#pragma unroll
+    for (int w = 1; w < 4; ++w) v = fmaxf(v, colmax[w * kNarrowHeads + col]);
+    const float next = fmaxf(m[q], v);
+    base[q] = next == -INFINITY ? 0.0f : next;
+    alpha[q] = exp2f(m[q] - base[q]);
+    m[q] = next;
+  }
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const int j = q >> 1, c = q & 1, col = column_of(q, t4);
+    const float p0 = exp2f(s[4 * j + c] - base[q]), p1 = exp2f(s[4 * j + 2 + c] - base[q]);
+    l[q] = l[q] * alpha[q] + p0 + p1;
+    T* line = reinterpret_cast<T*>(pt + col * 128);
+    line[(((row0 >> 3) ^ (col & 7)) << 3) + (row0 & 7)] = static_cast<T>(p0);
+    line[(((row1 >> 3) ^ (col & 7)) << 3) + (row1 & 7)] = static_cast<T>(p1);
+  }
+#pragma unroll
+  for (int b = 0; b < 8; ++b)
+#pragma unroll
+    for (int z = 0; z < 8; ++z) o[b][z] *= alpha[2 * (z >> 2) + (z & 1)];
+}
+
+// The end of a keys-form block (its two warpgroups' loops done; every thread of the block calls it, and then
+// leaves): the sums over each warpgroup, a bad page recorded, warpgroup 1's maxima, sums and O^T handed to warpgroup
+// 0 through shared memory (colmax [2 warpgroups][4 warps][16 heads] floats, then 16 more; `handover`: 128 threads x
+// 64 values), which merges the two states, normalises (x kv_scale) and stores: with one split out and the LSE, with
+// more the split's partial and base-2 LSE for mla_merge_kernel. o[b][z] is latent value value_of(b, z) of head
+// column_of(2 (z / 4) + z % 2, t4). Threads past the two warpgroups (a producer's) meet the two barriers only.
+template <class ValueOf>
+__device__ __forceinline__ void finish_keys_block(const Args& a, const BlockKeys& keys, int wg, bool saw_bad,
+                                                  float kv_scale, float (&o)[8][8], const float (&m)[4], float (&l)[4],
+                                                  float* s_colmax, float* handover, ValueOf value_of) {
+  const int tid = threadIdx.x, lane = tid & 31, wg_tid = tid & 127;
+  const int warp = (tid >> 5) & 3, g = lane >> 2, t4 = lane & 3;
+  const int token = keys.token, split = keys.split;
+  float* s_m1 = s_colmax + 2 * 4 * kNarrowHeads;  // warpgroup 1's maxima
+  // the sums over the warpgroup (lanes of a column, then its four warps, below)
+#pragma unroll
+  for (int q = 0; q < 4; ++q)
+#pragma unroll
+    for (int mask = 4; mask <= 16; mask <<= 1) l[q] += __shfl_xor_sync(0xffffffffu, l[q], mask);
+  const bool poisoned = __syncthreads_or(saw_bad) != 0;
+  if (poisoned && tid == 0) atomicMin(a.errors + kErrBlockTable, sequence_of(a, token));
+  if (wg < 2 && g == 0) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      s_colmax[(4 * wg + warp) * kNarrowHeads + column_of(q, t4)] = l[q];
+      if (wg == 1 && warp == 0) s_m1[column_of(q, t4)] = m[q];
+    }
+  }
+  if (wg == 1) {
+#pragma unroll
+    for (int b = 0; b < 8; ++b)
+#pragma unroll
+      for (int z = 0; z < 8; ++z) handover[(8 * b + z) * 128 + wg_tid] = o[b][z];
+  }
+  __syncthreads();
+  if (wg != 0) return;
+  // warpgroup 0: the two warpgroups' states merged, normalised, stored (with one split out and the LSE; with more
+  // the split's partial and base-2 LSE for mla_merge_kernel)
+  const bool nan_rows = keys.len_bad || poisoned;
+  float f0[4], f1[4], inv[4], lse2[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const int col = column_of(q, t4);
+    float l0 = 0.0f, l1 = 0.0f;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      l0 += s_colmax[w * kNarrowHeads + col];
+      l1 += s_colmax[(4 + w) * kNarrowHeads + col];
+    }
+    const float m1 = s_m1[col];
+    const float mx = fmaxf(m[q], m1);
+    const float base = mx == -INFINITY ? 0.0f : mx;
+    f0[q] = exp2f(m[q] - base);
+    f1[q] = exp2f(m1 - base);
+    const float total = l0 * f0[q] + l1 * f1[q];
+    const bool has_keys = total > 0.0f;
+    inv[q] = nan_rows ? NAN : (has_keys ? kv_scale / total : 0.0f);
+    lse2[q] = nan_rows ? NAN : (has_keys ? base + log2f(total) : -INFINITY);
+  }
+#pragma unroll
+  for (int b = 0; b < 8; ++b) {
+#pragma unroll
+    for (int z = 0; z < 8; ++z) {
+      const int q = 2 * (z >> 2) + (z & 1), head = column_of(q, t4);
+      if (head >= a.num_heads) continue;
+      const int value = value_of(b, z);
+      const float v = (o[b][z] * f0[q] + handover[(8 * b + z) * 128 + wg_tid] * f1[q]) * inv[q];
+      if (a.splits == 1) {
+        a.out[token * a.out_token + head * a.out_head + value] = __float2bfloat16_rn(v);
+      } else {
+        const int64_t part = (static_cast<int64_t>(token) * a.num_heads + head) * a.splits + split;
+        a.part_out[part * kR + value] = v;
+      }
+    }
+  }
+  if (warp == 0 && g == 0) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int head = column_of(q, t4);
+      if (head >= a.num_heads) continue;
+      if (a.splits == 1) {
+        if (a.lse != nullptr) a.lse[static_cast<int64_t>(token) * a.num_heads + head] = lse2[q] * kLn2;
+      } else {
+        a.part_lse[(static_cast<int64_t>(token) * a.num_heads + head) * a.splits + split] = lse2[q];
+      }
+    }
+  }
+}
+
 template <bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1) mla_keys_kernel(const __grid_constant__ Args a) {
 #if defined(ATTNOPS_MLA_SM90A)
@@ -149,10 +293,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_keys_kernel(const __grid_cons
   const int tid = threadIdx.x, lane = tid & 31;
   const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);  // (warp-uniform to the compiler: see mla_decode_kernel)
   const int warp = (tid >> 5) & 3, wg_tid = tid & 127;
-  const int g = lane >> 2, t4 = lane & 3;
+  const int g = lane >> 2;
   const BlockKeys keys = block_keys(a, tid);
   if (empty_split(a, keys, tid)) return;
-  const int token = keys.token, split = keys.split, lo = keys.lo, hi = keys.hi, tiles = keys.tiles;
+  const int token = keys.token, lo = keys.lo, hi = keys.hi, tiles = keys.tiles;
   const int* table_row = keys.table_row;
   const uint32_t slot = s_slots + wg * kTileBytes, bar = s_bar + 8 * wg;
   uint8_t* slot_bytes = smem + kQBytes + wg * kTileBytes;
@@ -233,51 +377,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_keys_kernel(const __grid_cons
     wgmma_commit();
     wgmma_wait_all();
     pin(s);
-    // the heads' maxima over the tile's keys: this thread's two rows, the warp's eight row pairs, the four warps
-    const int key0 = start + 16 * warp + g, key1 = key0 + 8;
-    float tile_max[4];
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const int j = q >> 1, c = q & 1;
-      s[4 * j + c] = key0 < hi ? s[4 * j + c] * qk_scale_log2 : -INFINITY;
-      s[4 * j + 2 + c] = key1 < hi ? s[4 * j + 2 + c] * qk_scale_log2 : -INFINITY;
-      float v = fmaxf(s[4 * j + c], s[4 * j + 2 + c]);
-#pragma unroll
-      for (int mask = 4; mask <= 16; mask <<= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, mask));
-      tile_max[q] = v;
-    }
-    if (g == 0) {
-#pragma unroll
-      for (int q = 0; q < 4; ++q) my_colmax[warp * kNarrowHeads + column_of(q, t4)] = tile_max[q];
-    }
-    warpgroup_sync(wg);
-    float alpha[4], base[4];
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const int col = column_of(q, t4);
-      float v = my_colmax[col];
-#pragma unroll
-      for (int w = 1; w < 4; ++w) v = fmaxf(v, my_colmax[w * kNarrowHeads + col]);
-      const float next = fmaxf(m[q], v);
-      base[q] = next == -INFINITY ? 0.0f : next;
-      alpha[q] = exp2f(m[q] - base[q]);
-      m[q] = next;
-    }
-    // P = exp2(S - base) to shared memory as P [16 heads x 64 keys] K-major (128-byte swizzle), the sums
-    const int row0 = 16 * warp + g, row1 = row0 + 8;
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const int j = q >> 1, c = q & 1, col = column_of(q, t4);
-      const float p0 = exp2f(s[4 * j + c] - base[q]), p1 = exp2f(s[4 * j + 2 + c] - base[q]);
-      l[q] = l[q] * alpha[q] + p0 + p1;
-      __nv_bfloat16* line = reinterpret_cast<__nv_bfloat16*>(my_pt + col * 128);
-      line[(((row0 >> 3) ^ (col & 7)) << 3) + (row0 & 7)] = __float2bfloat16_rn(p0);
-      line[(((row1 >> 3) ^ (col & 7)) << 3) + (row1 & 7)] = __float2bfloat16_rn(p1);
-    }
-#pragma unroll
-    for (int b = 0; b < 8; ++b)
-#pragma unroll
-      for (int z = 0; z < 8; ++z) o[b][z] *= alpha[2 * (z >> 2) + (z & 1)];
+    keys_softmax<__nv_bfloat16>(s, start, hi, qk_scale_log2, m, l, o, my_colmax, my_pt, wg);
     fence_proxy_async();
     warpgroup_sync(wg);  // P in place (and every read of the maxima done)
     // O^T += V^T P^T: V^T's row block b is the tile's value chunk b read M-major
@@ -298,80 +398,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_keys_kernel(const __grid_cons
     if (issuer && i + 2 < tiles) copy_tile<kFp8>(a, next_pages, start + 2 * kKeys, slot, bar);
   }
 
-  // the sums over the warpgroup (lanes of a column, then its four warps, below)
-#pragma unroll
-  for (int q = 0; q < 4; ++q)
-#pragma unroll
-    for (int mask = 4; mask <= 16; mask <<= 1) l[q] += __shfl_xor_sync(0xffffffffu, l[q], mask);
-  const bool poisoned = __syncthreads_or(saw_bad) != 0;  // (also: both warpgroups' loops done, the slots free)
-  if (poisoned && tid == 0) atomicMin(a.errors + kErrBlockTable, sequence_of(a, token));
-  if (g == 0) {
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      my_colmax[warp * kNarrowHeads + column_of(q, t4)] = l[q];
-      if (wg == 1 && warp == 0) s_m1[column_of(q, t4)] = m[q];
-    }
-  }
-  float* handover = reinterpret_cast<float*>(smem + kQBytes);  // warpgroup 1's O^T, a thread's 64 values
-  if (wg == 1) {
-#pragma unroll
-    for (int b = 0; b < 8; ++b)
-#pragma unroll
-      for (int z = 0; z < 8; ++z) handover[(8 * b + z) * 128 + wg_tid] = o[b][z];
-  }
-  __syncthreads();
-  if (wg == 1) return;
-  // warpgroup 0: the two warpgroups' states merged, normalised, stored (with one split out and the LSE; with more
-  // the split's partial and base-2 LSE for mla_merge_kernel)
-  const bool nan_rows = keys.len_bad || poisoned;
-  float f0[4], f1[4], inv[4], lse2[4];
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const int col = column_of(q, t4);
-    float l0 = 0.0f, l1 = 0.0f;
-#pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      l0 += s_colmax[w * kNarrowHeads + col];
-      l1 += s_colmax[(4 + w) * kNarrowHeads + col];
-    }
-    const float m1 = s_m1[col];
-    const float mx = fmaxf(m[q], m1);
-    const float base = mx == -INFINITY ? 0.0f : mx;
-    f0[q] = exp2f(m[q] - base);
-    f1[q] = exp2f(m1 - base);
-    const float total = l0 * f0[q] + l1 * f1[q];
-    const bool has_keys = total > 0.0f;
-    inv[q] = nan_rows ? NAN : (has_keys ? kv_scale / total : 0.0f);
-    lse2[q] = nan_rows ? NAN : (has_keys ? base + log2f(total) : -INFINITY);
-  }
-#pragma unroll
-  for (int b = 0; b < 8; ++b) {
-#pragma unroll
-    for (int z = 0; z < 8; ++z) {
-      const int q = 2 * (z >> 2) + (z & 1), head = column_of(q, t4);
-      if (head >= a.num_heads) continue;
-      const int value = 64 * b + 16 * warp + g + 8 * ((z >> 1) & 1);
-      const float v = (o[b][z] * f0[q] + handover[(8 * b + z) * 128 + wg_tid] * f1[q]) * inv[q];
-      if (a.splits == 1) {
-        a.out[token * a.out_token + head * a.out_head + value] = __float2bfloat16_rn(v);
-      } else {
-        const int64_t part = (static_cast<int64_t>(token) * a.num_heads + head) * a.splits + split;
-        a.part_out[part * kR + value] = v;
-      }
-    }
-  }
-  if (warp == 0 && g == 0) {
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const int head = column_of(q, t4);
-      if (head >= a.num_heads) continue;
-      if (a.splits == 1) {
-        if (a.lse != nullptr) a.lse[static_cast<int64_t>(token) * a.num_heads + head] = lse2[q] * kLn2;
-      } else {
-        a.part_lse[(static_cast<int64_t>(token) * a.num_heads + head) * a.splits + split] = lse2[q];
-      }
-    }
-  }
+  // (also: both warpgroups' loops done, the slots free)
+  finish_keys_block(a, keys, wg, saw_bad, kv_scale, o, m, l, s_colmax, reinterpret_cast<float*>(smem + kQBytes),
+                    [&](int b, int z) { return 64 * b + 16 * warp + g + 8 * ((z >> 1) & 1); });
 #endif
 }
 

@@ -216,7 +216,7 @@ __global__ void __launch_bounds__(kRegsThreads, 1) mla_regs_kernel(const __grid_
   const int g = lane >> 2, t4 = lane & 3;
   const BlockKeys keys = block_keys(a, tid);
   if (empty_split(a, keys, tid)) return;
-  const int token = keys.token, split = keys.split, lo = keys.lo, hi = keys.hi, tiles = keys.tiles;
+  const int token = keys.token, lo = keys.lo, hi = keys.hi, tiles = keys.tiles;
 
   if (tid == 0) {
 #pragma unroll
@@ -234,7 +234,7 @@ __global__ void __launch_bounds__(kRegsThreads, 1) mla_regs_kernel(const __grid_
     __syncthreads();  // (Q in place)
     if (warp == 0)
       bad |= produce_tiles(a, keys.table_row, lo, hi, first_tiles, tiles, s_stages, full_bars, empty_bars, lane);
-    __syncthreads_or(bad);  // (the warpgroups' end: below)
+    __syncthreads_or(bad);  // (finish_keys_block's two barriers)
     __syncthreads();
     return;
   }
@@ -313,50 +313,7 @@ __global__ void __launch_bounds__(kRegsThreads, 1) mla_regs_kernel(const __grid_
 #pragma unroll
       for (int n = 1; n < kScoreChains; ++n) s[z] += chains[n][z];
     }
-    // the heads' maxima over the tile's keys: this thread's two rows, the warp's eight row pairs, the four warps
-    const int key0 = start + row0, key1 = start + row1;
-    float tile_max[4];
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const int j = q >> 1, c = q & 1;
-      s[4 * j + c] = key0 < hi ? s[4 * j + c] * qk_scale_log2 : -INFINITY;
-      s[4 * j + 2 + c] = key1 < hi ? s[4 * j + 2 + c] * qk_scale_log2 : -INFINITY;
-      float v = fmaxf(s[4 * j + c], s[4 * j + 2 + c]);
-#pragma unroll
-      for (int mask = 4; mask <= 16; mask <<= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, mask));
-      tile_max[q] = v;
-    }
-    if (g == 0) {
-#pragma unroll
-      for (int q = 0; q < 4; ++q) my_colmax[warp * kNarrowHeads + column_of(q, t4)] = tile_max[q];
-    }
-    warpgroup_sync(wg);
-    float alpha[4], base[4];
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const int col = column_of(q, t4);
-      float v = my_colmax[col];
-#pragma unroll
-      for (int w = 1; w < 4; ++w) v = fmaxf(v, my_colmax[w * kNarrowHeads + col]);
-      const float next_max = fmaxf(m[q], v);
-      base[q] = next_max == -INFINITY ? 0.0f : next_max;
-      alpha[q] = exp2f(m[q] - base[q]);
-      m[q] = next_max;
-    }
-    // P = exp2(S - base) to shared memory as P [16 heads x 64 keys] f16, K-major (128-byte swizzle), the sums
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const int j = q >> 1, c = q & 1, col = column_of(q, t4);
-      const float p0 = exp2f(s[4 * j + c] - base[q]), p1 = exp2f(s[4 * j + 2 + c] - base[q]);
-      l[q] = l[q] * alpha[q] + p0 + p1;
-      __half* line = reinterpret_cast<__half*>(my_pt + col * 128);
-      line[(((row0 >> 3) ^ (col & 7)) << 3) + (row0 & 7)] = __float2half_rn(p0);
-      line[(((row1 >> 3) ^ (col & 7)) << 3) + (row1 & 7)] = __float2half_rn(p1);
-    }
-#pragma unroll
-    for (int b = 0; b < 8; ++b)
-#pragma unroll
-      for (int z = 0; z < 8; ++z) o[b][z] *= alpha[2 * (z >> 2) + (z & 1)];
+    keys_softmax<__half>(s, start, hi, qk_scale_log2, m, l, o, my_colmax, my_pt, wg);
     fence_proxy_async();
     warpgroup_sync(wg);  // P in place (and every read of the maxima done)
     // O^T += V^T P^T, k-step st: keys 16 st + 2 t4 + {0, 1, 8, 9}, read in the order {0, 1, 8, 9} ^ parity, so that
@@ -410,81 +367,9 @@ __global__ void __launch_bounds__(kRegsThreads, 1) mla_regs_kernel(const __grid_
     for (int b = 0; b < 8; ++b) pin(o[b]);
   }
 
-  // the sums over the warpgroup (lanes of a column, then its four warps, below)
-#pragma unroll
-  for (int q = 0; q < 4; ++q)
-#pragma unroll
-    for (int mask = 4; mask <= 16; mask <<= 1) l[q] += __shfl_xor_sync(0xffffffffu, l[q], mask);
-  // (the producer's bad pages; also: both warpgroups' loops done, the stages free)
-  const bool poisoned = __syncthreads_or(false) != 0;
-  if (poisoned && tid == 0) atomicMin(a.errors + kErrBlockTable, sequence_of(a, token));
-  if (g == 0) {
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      my_colmax[warp * kNarrowHeads + column_of(q, t4)] = l[q];
-      if (wg == 1 && warp == 0) s_m1[column_of(q, t4)] = m[q];
-    }
-  }
-  float* handover = reinterpret_cast<float*>(smem + kQBytes);  // warpgroup 1's O^T, a thread's 64 values
-  if (wg == 1) {
-#pragma unroll
-    for (int b = 0; b < 8; ++b)
-#pragma unroll
-      for (int z = 0; z < 8; ++z) handover[(8 * b + z) * 128 + wg_tid] = o[b][z];
-  }
-  __syncthreads();
-  if (wg == 1) return;
-  // warpgroup 0: the two warpgroups' states merged, normalised, stored (with one split out and the LSE; with more
-  // the split's partial and base-2 LSE for mla_merge_kernel)
-  const bool nan_rows = keys.len_bad || poisoned;
-  float f0[4], f1[4], inv[4], lse2[4];
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const int col = column_of(q, t4);
-    float l0 = 0.0f, l1 = 0.0f;
-#pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      l0 += s_colmax[w * kNarrowHeads + col];
-      l1 += s_colmax[(4 + w) * kNarrowHeads + col];
-    }
-    const float m1 = s_m1[col];
-    const float mx = fmaxf(m[q], m1);
-    const float base = mx == -INFINITY ? 0.0f : mx;
-    f0[q] = exp2f(m[q] - base);
-    f1[q] = exp2f(m1 - base);
-    const float total = l0 * f0[q] + l1 * f1[q];
-    const bool has_keys = total > 0.0f;
-    inv[q] = nan_rows ? NAN : (has_keys ? kv_scale / total : 0.0f);
-    lse2[q] = nan_rows ? NAN : (has_keys ? base + log2f(total) : -INFINITY);
-  }
-#pragma unroll
-  for (int b = 0; b < 8; ++b) {
-#pragma unroll
-    for (int z = 0; z < 8; ++z) {
-      const int q = 2 * (z >> 2) + (z & 1), head = column_of(q, t4);
-      if (head >= a.num_heads) continue;
-      const int value = 16 * (8 * warp + g) + 2 * b + ((z >> 1) & 1);
-      const float v = (o[b][z] * f0[q] + handover[(8 * b + z) * 128 + wg_tid] * f1[q]) * inv[q];
-      if (a.splits == 1) {
-        a.out[token * a.out_token + head * a.out_head + value] = __float2bfloat16_rn(v);
-      } else {
-        const int64_t part = (static_cast<int64_t>(token) * a.num_heads + head) * a.splits + split;
-        a.part_out[part * kR + value] = v;
-      }
-    }
-  }
-  if (warp == 0 && g == 0) {
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const int head = column_of(q, t4);
-      if (head >= a.num_heads) continue;
-      if (a.splits == 1) {
-        if (a.lse != nullptr) a.lse[static_cast<int64_t>(token) * a.num_heads + head] = lse2[q] * kLn2;
-      } else {
-        a.part_lse[(static_cast<int64_t>(token) * a.num_heads + head) * a.splits + split] = lse2[q];
-      }
-    }
-  }
+  // (both warpgroups' loops done, the stages free; the producer's bad pages come through its own call)
+  finish_keys_block(a, keys, wg, false, kv_scale, o, m, l, s_colmax, reinterpret_cast<float*>(smem + kQBytes),
+                    [&](int b, int z) { return 16 * (8 * warp + g) + 2 * b + ((z >> 1) & 1); });
 #endif
 }
 
