@@ -323,13 +323,13 @@ PY
         2>&1 | tee "$results/${MLA_NAME:-mla}.txt" | tail -40
       stamp mla ;;
     cuda-mla)
-      for variant in cpasync_form tma_form seesaw_form keys_form overlap_form; do  # (each form under its own time limit)
+      for variant in cpasync_form tma_form seesaw_form keys_form overlap_form regs_form warps_merge; do  # (each alone)
         timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -rA -p no:cacheprovider -m gpu \
           -k $variant tests/test_cuda_mla.py > "/tmp/cuda-mla-tests-$variant.log" 2>&1
         echo "== $variant (exit $?)"; grep -E "passed|failed|FAILED|Error" "/tmp/cuda-mla-tests-$variant.log" \
           | grep -v "^PASSED" | tail -8
       done; cat /tmp/cuda-mla-tests-*.log > "$results/cuda-mla-tests.log"
-      timeout 60 python3 -m pytest -q -p no:cacheprovider -m gpu -k "not _form" \
+      timeout 60 python3 -m pytest -q -p no:cacheprovider -m gpu -k "not _form and not warps_merge" \
         tests/test_cuda_mla.py 2>&1 | tail -1
       for fmt in bf16 fp8_e4m3; do
         timeout ${MLA_TIMEOUT:-300} python3 benchmarks/mla_decode.py --backend cuda \
