@@ -1,6 +1,6 @@
 // Latent attention (MLA) decode for sm_90a on an fp8 e4m3 cache at most 16 heads, the keys as the MMAs' M and the
 // cache's bytes widened in registers: the `cuda` backend's latent-attention kernel with
-// ATTNOPS_CUDA_MLA_VARIANT=regs (off unless asked for: not yet measured).
+// ATTNOPS_CUDA_MLA_VARIANT=regs (off unless asked for: not yet measured in this form).
 //
 // Why: the keys form (mla_keys_sm90.cuh) widens a tile's fp8 bytes in shared memory to the bf16 tile its MMAs read,
 // so a tile costs shared memory 36 KB read, 72 KB written and 136 KB read again by the MMAs, and its slot holds
@@ -28,11 +28,11 @@
 //
 // A block: one token, one split of its keys, 384 threads = two warpgroups that take the split's tiles in turn
 // (warpgroup w the tiles w, w + 2, ...), each with its own two stages, running maxima, sums and O^T, merged at the
-// end as in the keys form, and a producer warpgroup (its registers given to the other two by setmaxnreg) whose
-// first warp reads each tile's pages from the block table, prefetches the tile
-// to L2 and, once the warpgroup has loaded the bytes of the stage's tile before (the stage's empty barrier), copies
-// it in (its full barrier). So no table read and no copy's issue sits on the warpgroups' chain (their MMAs wait for
-// all four of their warps). The scores' 36 MMAs go to four accumulators (k-step s % 4), summed after: four chains
+// end as in the keys form (finish_keys_block), and a producer warpgroup (its registers given to the other two by
+// setmaxnreg) whose first warp reads each tile's pages from the block table, prefetches the tile to L2 and, once
+// the warpgroup has loaded the bytes of the stage's tile before (the stage's empty barrier), copies it in (its full
+// barrier). So no table read and no copy's issue sits on the warpgroups' chain (their MMAs wait for all four of
+// their warps). The scores' 36 MMAs go to four accumulators (k-step s % 4), summed after: four chains
 // of 9, not one of 36. Rows past the sequence's end: their scores masked, their values zeroed in registers. Pages of
 // 8 rows or more; splits, merge, bad indices and outputs as mla_decode_sm90.cuh.
 #pragma once
