@@ -811,6 +811,23 @@ __global__ void __launch_bounds__(1024) mla_rows_kernel(const Args a) {
   }
 }
 
+// A merged row's end (thread t: values 4 t .. 4 t + 3 of row `row` = (token, head), `o` their weighted sums over
+// the splits, `denom` the splits' weights, `mx` the base-2 maximum, `sink` the sink's base-2 logit): normalised with
+// the sink in the denominator where the row has keys, stored in bf16, and the LSE (thread 0)
+__device__ __forceinline__ void store_merged_row(const Args& a, const float* sinks, int token, int head, int64_t row,
+                                                 float4 o, float denom, float mx, float sink, bool keys,
+                                                 bool any_nan) {
+  const float sink_w = sinks != nullptr ? exp2f(sink - mx) : 0.0f;
+  const float total = denom + sink_w;
+  if (keys) denom += sink_w;
+  const float inv = any_nan ? NAN : 1.0f / (denom > 0.0f ? denom : 1.0f);
+  __nv_bfloat16* dst = a.out + token * a.out_token + head * a.out_head + 4 * threadIdx.x;
+  *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(o.x * inv, o.y * inv);
+  *reinterpret_cast<__nv_bfloat162*>(dst + 2) = __floats2bfloat162_rn(o.z * inv, o.w * inv);
+  if (a.lse != nullptr && threadIdx.x == 0)
+    a.lse[row] = any_nan ? NAN : (total == 0.0f ? -INFINITY : (mx + log2f(total)) * kLn2);
+}
+
 // Block (token, head): the splits' partials of a row combined by their base-2 LSEs, the sink (if any) in the
 // denominator (a row with no key stays 0 whatever its sink); a NaN partial (a bad index its split met) makes the
 // row and its LSE NaN. 128 threads, four columns each. Plain CUDA: any arch runs it.
@@ -841,15 +858,7 @@ __global__ void __launch_bounds__(128) mla_merge_kernel(const Args a, const floa
       o.x += w * p.x, o.y += w * p.y, o.z += w * p.z, o.w += w * p.w;
     }
   }
-  const float sink_w = sinks != nullptr ? exp2f(sink - mx) : 0.0f;
-  const float total = denom + sink_w;
-  if (keys) denom += sink_w;
-  const float inv = any_nan ? NAN : 1.0f / (denom > 0.0f ? denom : 1.0f);
-  __nv_bfloat16* dst = a.out + token * a.out_token + head * a.out_head + 4 * threadIdx.x;
-  *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(o.x * inv, o.y * inv);
-  *reinterpret_cast<__nv_bfloat162*>(dst + 2) = __floats2bfloat162_rn(o.z * inv, o.w * inv);
-  if (a.lse != nullptr && threadIdx.x == 0)
-    a.lse[row] = any_nan ? NAN : (total == 0.0f ? -INFINITY : (mx + log2f(total)) * kLn2);
+  store_merged_row(a, sinks, token, head, row, o, denom, mx, sink, keys, any_nan);
 }
 
 // mla_merge_kernel's work with a row's loads in flight together (ATTNOPS_CUDA_MLA_MERGE=warps; not yet measured).
@@ -916,16 +925,7 @@ __global__ void __launch_bounds__(32 * kMergeWarps) mla_merge_warps_kernel(const
     const float4 q = *reinterpret_cast<const float4*>(&s_sums[w][4 * threadIdx.x]);
     sum.x += q.x, sum.y += q.y, sum.z += q.z, sum.w += q.w;
   }
-  // (mla_merge_kernel's end)
-  const float sink_w = sinks != nullptr ? exp2f(sink - mx) : 0.0f;
-  const float total = denom + sink_w;
-  if (keys) denom += sink_w;
-  const float inv = any_nan ? NAN : 1.0f / (denom > 0.0f ? denom : 1.0f);
-  __nv_bfloat16* dst = a.out + token * a.out_token + head * a.out_head + 4 * threadIdx.x;
-  *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(sum.x * inv, sum.y * inv);
-  *reinterpret_cast<__nv_bfloat162*>(dst + 2) = __floats2bfloat162_rn(sum.z * inv, sum.w * inv);
-  if (a.lse != nullptr && threadIdx.x == 0)
-    a.lse[row] = any_nan ? NAN : (total == 0.0f ? -INFINITY : (mx + log2f(total)) * kLn2);
+  store_merged_row(a, sinks, token, head, row, sum, denom, mx, sink, keys, any_nan);
 }
 
 // Which code this device runs, told by the host through cudaFuncGetAttributes (a function attribute, not a stream
