@@ -79,13 +79,14 @@
 #             at CUDA_MLA_HEADS heads (default 16 64 128), bf16 against FlashInfer's MLA wrapper where installed,
 #             and fp8: $results/cuda-mla-{bf16,fp8_e4m3}.{json,txt}
 #   cuda-mla-variants the cuda backend's latent-attention kernel in each form (ATTNOPS_CUDA_MLA_VARIANT: cp.async,
-#             tma: whole tiles copied by the tensor memory accelerator, seesaw: two tiles a step, a warpgroup's
-#             softmax beside the other's MMAs, keys: at most 16 heads, the keys as the MMAs' M, overlap: the next
-#             tile's scores beside this tile's softmax), same run: benchmarks/cuda_mla_stages.py with each, then
-#             mla_decode.py (bf16, CUDA_MLA_HEADS; fp8 at 16 heads for cp.async and keys) alternating, two rounds: $results/cuda-mla-{variant}-{1,2}.json,
-#             cuda-mla-variants.txt (each case's best, the speedups). Their GPU tests are the cuda-mla step's
+#             tma: whole tiles copied by the tensor memory accelerator, keys: at most 16 heads, the keys as the
+#             MMAs' M; the regs form has its own step, cuda-mla-regs), same run: benchmarks/cuda_mla_stages.py with
+#             each, then mla_decode.py (bf16, CUDA_MLA_HEADS; fp8 at 16 heads for cp.async and keys) alternating,
+#             two rounds: $results/cuda-mla-{variant}-{1,2}.json, cuda-mla-variants.txt (each case's best, the
+#             speedups). Their GPU tests are the cuda-mla step's
 #   cuda-mla-verify the cuda backend's latent-attention verify (each query row its own block): its GPU tests, then
-#             the mla grid's verify cases against Triton, FlashInfer through the op and FlashInfer's MLA wrapper, same run: $results/cuda-mla-verify.{json,txt}
+#             the mla grid's verify cases against Triton, FlashInfer through the op and FlashInfer's MLA wrapper,
+#             same run: $results/cuda-mla-verify.{json,txt}
 #   cuda-mla-merge the cuda latent-attention splits' merge by warps (ATTNOPS_CUDA_MLA_MERGE=warps: a row's loads in
 #             flight together) against the default: its GPU tests, then the mla grid with each, alternating, two
 #             rounds: $results/cuda-mla-merge-{0,1}-{1,2}.json, cuda-mla-merge.txt (per case, warps' time over columns')
@@ -323,7 +324,7 @@ PY
         2>&1 | tee "$results/${MLA_NAME:-mla}.txt" | tail -40
       stamp mla ;;
     cuda-mla)
-      for variant in cpasync_form tma_form seesaw_form keys_form overlap_form regs_form warps_merge; do  # (each alone)
+      for variant in cpasync_form tma_form keys_form regs_form warps_merge; do  # (each alone)
         timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -rA -p no:cacheprovider -m gpu \
           -k $variant tests/test_cuda_mla.py > "/tmp/cuda-mla-tests-$variant.log" 2>&1
         echo "== $variant (exit $?)"; grep -E "passed|failed|FAILED|Error" "/tmp/cuda-mla-tests-$variant.log" \
@@ -339,7 +340,7 @@ PY
       stamp cuda-mla ;;
     cuda-mla-variants)
       # (a form that fails or hangs once is left out of the rest of the step: a hang costs its timeout only once)
-      variants="cp.async tma seesaw keys overlap"
+      variants="cp.async tma keys"
       for variant in $variants; do  # (where a tile's time goes in each form; keys: the tma form past 16 heads)
         ATTNOPS_CUDA_MLA_VARIANT=$variant timeout 120 python3 benchmarks/cuda_mla_stages.py --tokens 1 66 132 \
           --heads 16 64 128 \
@@ -361,7 +362,7 @@ PY
       done; done
       python3 - "$results" <<'PY' | tee "$results/cuda-mla-variants.txt"
 import glob, json, math, sys
-variants = ["cp.async", "tma", "seesaw", "keys", "overlap"]
+variants = ["cp.async", "tma", "keys"]
 best = {}  # case -> variant -> best time over the rounds (us)
 for variant in variants:
     for path in glob.glob(f"{sys.argv[1]}/cuda-mla-{variant}-[12].json") + \

@@ -129,11 +129,10 @@ def test_kernel_compiles_for_sm90a_without_spills_and_keeps_its_wgmmas_pipelined
     """nvcc + ptxas for sm_90a (no GPU needed): the kernel fits its registers with no spill and no stack, ptxas
     does not serialise its wgmmas (it does when it cannot tell a branch is warp-uniform), and the SASS holds the
     MMAs the design says: 36 of m64n64k16 for Q K^T over 576 values and 4 of m64n256k16 a warpgroup for P V, in
-    each form's kernel (bf16 by cp.async, bf16 by the TMA, fp8; the seesaw schedule: Q K^T and both P V in each
-    warpgroup; the keys and overlap forms' own, below); the TMA's copies in the TMA forms' kernels only."""
+    each form's kernel (bf16 by cp.async, bf16 by the TMA, fp8; the keys and regs forms' own, below); the TMA's
+    copies in the TMA forms' kernels only."""
     source = tmp_path / "kernel.cu"
-    source.write_text('#include "mla_keys_sm90.cuh"\n#include "mla_overlap_sm90.cuh"\n#include "mla_regs_sm90.cuh"\n'
-                      '#include "mla_seesaw_sm90.cuh"\n')
+    source.write_text('#include "mla_keys_sm90.cuh"\n#include "mla_regs_sm90.cuh"\n')
     cubin = tmp_path / "kernel.cubin"
     done = subprocess.run(["nvcc", "-std=c++17", "-O3", "-arch=sm_90a", "-cubin", "-Xptxas", "-v", "-I",
                            os.path.join(ROOT, "csrc", "cuda"), "-o", str(cubin), str(source)],
@@ -142,17 +141,11 @@ def test_kernel_compiles_for_sm90a_without_spills_and_keeps_its_wgmmas_pipelined
     assert done.returncode == 0, log
     frames = dict(re.findall(r"Function properties for (\w+)\n\s*(\d+ bytes stack frame, \d+ bytes spill stores, "
                              r"\d+ bytes spill loads)", log))
-    # (bf16's by cp.async and by the TMA, fp8's, each also packed, the seesaw's, the keys form's two, the overlap
-    # form's, the regs form's, verify's rows, the two merges, the probe): none spills but the overlap form, whose
-    # warpgroup 0 holds two score tiles beside its half of O and spills a few registers outside its MMAs' pipeline
-    # (at most 64 bytes: more would be a regression)
-    assert len(frames) == 15, log
+    # (bf16's by cp.async and by the TMA, fp8's, each also packed, the keys form's two, the regs form's, verify's
+    # rows, the two merges, the probe): none spills
+    assert len(frames) == 13, log
     for name, frame in frames.items():
-        stack, stores, loads = map(int, re.findall(r"\d+", frame))
-        if "overlap" in name:
-            assert stack <= 64 and stores <= 64 and loads <= 64, (name, frame)
-        else:
-            assert stack == stores == loads == 0, (name, frame)
+        assert frame.startswith("0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads"), (name, frame)
     marker = [part for part in log.split("Compiling entry function") if "sm90a_marker" in part]
     assert marker and re.search(r"[1-9]\d* bytes smem", marker[0]), log  # (the probe: static shared memory in sm_90a)
     assert all(int(n) <= 255 for n in re.findall(r"Used (\d+) registers", log)), log
@@ -162,8 +155,8 @@ def test_kernel_compiles_for_sm90a_without_spills_and_keeps_its_wgmmas_pipelined
         pytest.skip("no cuobjdump to read the SASS")
     sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, timeout=120).stdout
     functions = {f.split("\n", 1)[0].strip(): f for f in re.split(r"\n\s*Function : ", sass)[1:]}
-    kernels = {name: body for name, body in functions.items() if "decode_kernel" in name or "seesaw" in name}
-    assert len(kernels) == 7, list(functions)  # (three decode kernels, each also packed; the seesaw's)
+    kernels = {name: body for name, body in functions.items() if "decode_kernel" in name}
+    assert len(kernels) == 6, list(functions)  # (three decode kernels, each also packed)
     keys_form = [body for name, body in functions.items() if "keys_kernel" in name]
     assert len(keys_form) == 2, list(functions)  # (bf16, fp8)
     # the keys form: S^T = K Q^T (36 of m64n16k16 over 576 values), O^T += V^T P^T (8 row blocks x 4 key steps,
@@ -183,20 +176,13 @@ def test_kernel_compiles_for_sm90a_without_spills_and_keeps_its_wgmmas_pipelined
     assert len(re.findall(r"LDS\.128", regs_form[0])) == 2 * 9 + 4 * 4
     assert len(re.findall(r"F2FP\.F16\.E4M3", regs_form[0])) == 144 + 128
     for name, body in kernels.items():
-        per_warpgroup = 2 if "seesaw" in name else 1  # (each warpgroup its scores and its P V of both tiles)
-        assert len(re.findall(r"HGMMA\.64x64x16\.F32\.BF16", body)) == 36 * per_warpgroup, name
-        assert len(re.findall(r"HGMMA\.64x256x16\.F32\.BF16", body)) == 8 * per_warpgroup, name
-    # the overlap form: Q K^T issued in three places (the first tile; the next tile's, in each of the loop's two
-    # unrolled steps), each step's P V in both warpgroups
-    overlap = [body for name, body in functions.items() if "overlap_kernel" in name]
-    assert len(overlap) == 1, list(functions)
-    assert len(re.findall(r"HGMMA\.64x64x16\.F32\.BF16", overlap[0])) == 36 * 3
-    assert len(re.findall(r"HGMMA\.64x256x16\.F32\.BF16", overlap[0])) == 8 * 2
+        assert len(re.findall(r"HGMMA\.64x64x16\.F32\.BF16", body)) == 36, name
+        assert len(re.findall(r"HGMMA\.64x256x16\.F32\.BF16", body)) == 8, name
     tma = [name for name, body in functions.items() if "UTMALDG" in body]  # (the TMA's copies)
-    kinds = sorted(next(k for k in ("keys", "overlap", "regs", "seesaw", "ILb0ELb1E") if k in name) for name in tma)
+    kinds = sorted(next(k for k in ("keys", "regs", "ILb0ELb1E") if k in name) for name in tma)
     # (the tma form's decode kernel, one token a block and packed)
-    assert kinds == ["ILb0ELb1E", "ILb0ELb1E", "keys", "keys", "overlap", "regs", "seesaw"], tma
-    assert not any(("LDL" in body or "STL" in body) for name, body in functions.items() if "overlap" not in name)
+    assert kinds == ["ILb0ELb1E", "ILb0ELb1E", "keys", "keys", "regs"], tma
+    assert not any(("LDL" in body or "STL" in body) for body in functions.values())
 
 
 # ---- on an H100/H200 ----

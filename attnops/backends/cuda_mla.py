@@ -9,12 +9,10 @@ Triton's fp8 on most decode shapes. sm_90's measured rule (attnops/tables/sm_90.
 most decode cases, captured or not (FlashInfer's MLA plans on the host, so a capture passes it over).
 ATTNOPS_CUDA_MLA=0 turns it off, =bf16 keeps it to bf16 caches. `bash benchmarks/gpu_round.sh cuda-mla` runs its GPU
 tests and times it. ATTNOPS_CUDA_MLA_VARIANT picks the kernel's form (kernel_variant; the default: the fastest
-measured for the call): `tma` (whole tiles copied by the tensor memory accelerator), `cp.async`, `seesaw` (two
-tiles a step, each warpgroup the scores and softmax of one, csrc/cuda/mla_seesaw_sm90.cuh), `keys` (at most 16
-heads: the keys as the MMAs' M, csrc/cuda/mla_keys_sm90.cuh), `overlap` (the next tile's scores computed beside
-this tile's softmax, csrc/cuda/mla_overlap_sm90.cuh) and `regs` (fp8 at up to 16 heads: the keys form with the
-cache's bytes widened in registers, f16 MMAs, two tiles in flight a warpgroup, csrc/cuda/mla_regs_sm90.cuh; only
-when asked for: not yet measured).
+measured for the call): `tma` (whole tiles copied by the tensor memory accelerator), `cp.async`, `keys` (at most
+16 heads: the keys as the MMAs' M, csrc/cuda/mla_keys_sm90.cuh) and `regs` (fp8 at up to 16 heads: the keys form
+with the cache's bytes widened in registers, f16 MMAs, a producer warpgroup issuing the copies,
+csrc/cuda/mla_regs_sm90.cuh; only when asked for: its current version not yet measured).
 
 Verify (a few query tokens a sequence, no tree mask): each query row sees its sequence's keys up to its own
 position. At up to 32 heads a block takes several query tokens of a sequence as its 64 rows (tokens_per_block), so
@@ -44,7 +42,7 @@ PACK_ENV = "ATTNOPS_CUDA_MLA_PACK_VERIFY"  # 0: each verify token its own block 
 VARIANT_ENV = "ATTNOPS_CUDA_MLA_VARIANT"
 MERGE_ENV = "ATTNOPS_CUDA_MLA_MERGE"  # the splits' merge: columns (the default) or warps (not yet measured)
 MERGES = ("columns", "warps")  # (the op's `merge` codes 0 and 1)
-VARIANTS = ("cp.async", "tma", "seesaw", "keys", "overlap", "regs")  # (the op's `variant` codes 0 to 5)
+VARIANTS = ("cp.async", "tma", "keys", "regs")  # (the op's `variant` codes 0 to 3)
 KEYS_MAX_HEADS = 16  # the keys form's heads a block (its MMAs' N)
 KEYS_FP8_MIN_CHUNK = 2048  # fp8: the keys form's splits at least (measured faster at 2048 and 4096, slower at 256)
 SHAPE = (512, 64)  # (R, P) the kernel is built for

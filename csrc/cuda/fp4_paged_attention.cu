@@ -207,7 +207,9 @@ struct alignas(16) WarpStage {
 };
 // Where lane (r, c)'s V copy of key 8 nb + r goes in row block nb: key pairs (2i, 2i + 1) share 128 bytes (D = 128),
 // their 8 chunks XOR 2i; the 16 lanes of a V read (4 even or odd keys 2c + b, chunks r / 2) then meet 8 banks each.
-__device__ __forceinline__ int v_slot(int key, int c) { return 8 * (key / 2) + ((4 * (key % 2) + c) ^ (2 * (key / 2))); }
+__device__ __forceinline__ int v_slot(int key, int c) {
+  return 8 * (key / 2) + ((4 * (key % 2) + c) ^ (2 * (key / 2)));
+}
 // The merge of a pass's 4 warp states (in the stages' memory): each warp's running max, sum, P V max (mxfp4) and
 // O^T per query row, the first bad page each warp found, which rows are NaN.
 template <int D>

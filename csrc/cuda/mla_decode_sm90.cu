@@ -11,9 +11,7 @@
 #include <torch/library.h>
 
 #include "mla_keys_sm90.cuh"
-#include "mla_overlap_sm90.cuh"
 #include "mla_regs_sm90.cuh"
-#include "mla_seesaw_sm90.cuh"
 
 namespace attnops::mla_sm90 {
 
@@ -132,29 +130,22 @@ void mla_decode_sm90(const at::Tensor& q_nope, const at::Tensor& q_pe, const at:
   a.qk_scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   TORCH_CHECK(stages >= kAllStages && stages <= kLoadsOnly, "mla_decode_sm90: stages 0, 1 or 2");
   a.stages = static_cast<int>(stages);
-  // variant 0: tiles by cp.async; 1: whole tiles by the TMA; 2: the seesaw schedule (mla_seesaw_sm90.cuh); 3: the
-  // keys as the MMAs' M, at most 16 heads (mla_keys_sm90.cuh); 4: the next scores beside the softmax
-  // (mla_overlap_sm90.cuh); 5: the keys as the MMAs' M, fp8 widened in registers, at most 16 heads
-  // (mla_regs_sm90.cuh)
-  TORCH_CHECK(variant >= 0 && variant <= 5, "mla_decode_sm90: variant 0 to 5");
+  // variant 0: tiles by cp.async; 1: whole tiles by the TMA; 2: the keys as the MMAs' M, at most 16 heads
+  // (mla_keys_sm90.cuh); 3: the keys as the MMAs' M, fp8 widened in registers, at most 16 heads (mla_regs_sm90.cuh)
+  TORCH_CHECK(variant >= 0 && variant <= 3, "mla_decode_sm90: variant 0 to 3");
   TORCH_CHECK(variant < 2 || stages == kAllStages, "mla_decode_sm90: the forms after tma run all their stages");
-  TORCH_CHECK((variant != 3 && variant != 5) || H <= kNarrowHeads,
-              "mla_decode_sm90: the keys and regs forms take at most 16 heads");
-  TORCH_CHECK(variant != 5 || fp8, "mla_decode_sm90: the regs form reads fp8 e4m3 caches");
+  TORCH_CHECK(variant < 2 || H <= kNarrowHeads, "mla_decode_sm90: the keys and regs forms take at most 16 heads");
+  TORCH_CHECK(variant != 3 || fp8, "mla_decode_sm90: the regs form reads fp8 e4m3 caches");
   if (variant) {  // (pages of 8 rows or more, each a power of two; rows and pages 16-byte aligned: the backend's)
-    TORCH_CHECK((!fp8 || variant == 3 || variant == 5) && a.page_size >= 8 && (a.page_size & (a.page_size - 1)) == 0,
+    TORCH_CHECK((!fp8 || variant >= 2) && a.page_size >= 8 && (a.page_size & (a.page_size - 1)) == 0,
                 "mla_decode_sm90: the TMA copies read bf16 caches (fp8 too in the keys and regs forms) with pages of "
                 "8 rows or more");
-    encode_kv_map(&a.kv_map, kv_cache, fp8, variant == 5);
+    encode_kv_map(&a.kv_map, kv_cache, fp8, variant == 3);
   }
   void (*kernel)(Args) = decode_kernel(fp8, variant == 1, tokens_per_block > 1);  // (variants 0 and 1)
   int smem_bytes = kSmemBytes;
-  switch (variant) {
-    case 2: kernel = seesaw_kernel(), smem_bytes = kSeesawSmemBytes; break;
-    case 3: kernel = keys_kernel(fp8), smem_bytes = kKeysSmemBytes; break;
-    case 4: kernel = overlap_kernel(); break;  // (the decode kernel's shared memory)
-    case 5: kernel = regs_kernel(), smem_bytes = kRegsSmemBytes; break;
-  }
+  if (variant == 2) kernel = keys_kernel(fp8), smem_bytes = kKeysSmemBytes;
+  if (variant == 3) kernel = regs_kernel(), smem_bytes = kRegsSmemBytes;
   // (a function attribute, not a stream operation: allowed inside a capture)
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
   const dim3 grid(static_cast<unsigned>(T * a.head_blocks), static_cast<unsigned>(splits));
@@ -163,11 +154,12 @@ void mla_decode_sm90(const at::Tensor& q_nope, const at::Tensor& q_pe, const at:
     mla_rows_kernel<<<1, 1024, 0, stream>>>(a);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  kernel<<<grid, variant == 5 ? kRegsThreads : kThreads, smem_bytes, stream>>>(a);
+  kernel<<<grid, variant == 3 ? kRegsThreads : kThreads, smem_bytes, stream>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   TORCH_CHECK(merge == 0 || merge == 1, "mla_decode_sm90: merge 0 (a thread a column) or 1 (warps over the splits)");
   if (splits > 1) {
-    (merge ? mla_merge_warps_kernel : mla_merge_kernel)<<<dim3(static_cast<unsigned>(T), static_cast<unsigned>(H)), kR / 4, 0, stream>>>(
+    const dim3 rows(static_cast<unsigned>(T), static_cast<unsigned>(H));
+    (merge ? mla_merge_warps_kernel : mla_merge_kernel)<<<rows, kR / 4, 0, stream>>>(
         a, sinks ? sinks->data_ptr<float>() : nullptr);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }

@@ -135,7 +135,9 @@ __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_grou
 __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
 // waits until at most N committed groups of this warpgroup's wgmmas are in flight
 template <int N>
-__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
 // keeps the compiler from moving accumulator reads or writes across a wgmma fence or wait
 template <int N>
 __device__ __forceinline__ void pin(float (&d)[N]) {
@@ -441,29 +443,6 @@ __device__ __forceinline__ void to_bf16_tile(const uint8_t* stage, uint8_t* tile
   }
 }
 
-// Masks the scores of keys at or past `end` (key start + 8 j + 2 t4 + c % 2 of s[4 j + c]), scales them to base 2,
-// and returns the rows' maxima over this tile (row0: c < 2, row1), reduced over the row's four threads
-__device__ __forceinline__ void masked_max(float (&s)[32], int start, int end, int t4, float qk_scale_log2,
-                                           float& max0, float& max1) {
-  max0 = max1 = -INFINITY;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int key = start + 8 * j + 2 * t4 + (c & 1);
-      const float v = key < end ? s[4 * j + c] * qk_scale_log2 : -INFINITY;
-      s[4 * j + c] = v;
-      if (c < 2) max0 = fmaxf(max0, v);
-      else max1 = fmaxf(max1, v);
-    }
-  }
-#pragma unroll
-  for (int mask = 1; mask <= 2; mask <<= 1) {
-    max0 = fmaxf(max0, __shfl_xor_sync(0xffffffffu, max0, mask));
-    max1 = fmaxf(max1, __shfl_xor_sync(0xffffffffu, max1, mask));
-  }
-}
-
 // Warpgroup 0's online softmax of a tile's scores s (base 2; s[4 j + c]: row row0 (c < 2) or row1, key start + 8 j + 2
 // t4 + c % 2; the keys at or past the row's end, end0 or end1, masked): the rows' running maxima and this thread's sums
 // updated, P to registers (the A fragments of P V) and to shared memory (p_bytes: P [64 x 64] K-major, swizzled), the
@@ -646,11 +625,11 @@ __device__ __forceinline__ void finish_rows(const Args& a, const float (&o)[128]
 
 // kFp8: an fp8 e4m3 cache, staged as bytes (two stages in the second tile's place) and widened to one bf16 tile
 // before the MMAs; kv_scale joins the scores' scale and the output, never the MMAs.
-// kTma (bf16, pages of 8 rows or more; off unless asked for: not yet measured): a whole tile is copied by the
-// tensor memory accelerator, issued by one thread of warpgroup 1 and awaited on its stage's mbarrier, not by 256
-// threads' cp.async (whose copies held up the MMAs behind them); the last, partial tile of a split still by
-// cp.async, which fills the keys past the end with zeros (rows past a sequence's end may hold anything, NaN
-// included, and P V must not meet them).
+// kTma (bf16, pages of 8 rows or more; the bf16 default, faster than cp.async: docs/bench.md): a whole tile is copied
+// by the tensor memory accelerator, issued by one thread of warpgroup 1 and awaited on its stage's mbarrier, not by 256
+// threads' cp.async (whose copies held up the MMAs behind them); the last, partial tile of a split still by cp.async,
+// which fills the keys past the end with zeros (rows past a sequence's end may hold anything, NaN included, and P V
+// must not meet them).
 // kPacked: a.group query tokens of a sequence a block (verify at up to 32 heads: block_keys), each row masked at its
 // own end (row_end); a separate instantiation, so that the one-token kernels keep their code.
 template <bool kFp8, bool kTma, bool kPacked>

@@ -1,5 +1,6 @@
 // Latent attention (MLA) decode for sm_90a with the keys as the MMAs' M: the `cuda` backend's latent-attention
-// kernel for at most 16 heads, with ATTNOPS_CUDA_MLA_VARIANT=keys (off unless asked for: not yet measured).
+// kernel for at most 16 heads: fp8 caches' default with splits of 2048 keys or more (attnops/backends/cuda_mla.py's
+// kernel_variant, measured in docs/bench.md), and bf16's with ATTNOPS_CUDA_MLA_VARIANT=keys (slower than tma).
 //
 // Why: mla_decode_sm90.cuh's kernel puts a token's heads on the M of its MMAs, which is 64 rows whatever the heads,
 // so at 16 heads (DeepSeek-V3 over 8 GPUs) three quarters of its MMA work, and of the shared memory the MMAs read,
