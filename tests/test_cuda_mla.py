@@ -16,6 +16,7 @@ import subprocess
 
 import pytest
 import torch
+from torch.utils import cpp_extension
 
 import attnops
 from attnops.backends import cuda_mla
@@ -134,8 +135,10 @@ def test_kernel_compiles_for_sm90a_without_spills_and_keeps_its_wgmmas_pipelined
     source = tmp_path / "kernel.cu"
     source.write_text('#include "mla_keys_sm90.cuh"\n#include "mla_regs_sm90.cuh"\n')
     cubin = tmp_path / "kernel.cubin"
+    # (with the flags torch's extension builds add: they turn off bf16's and f16's implicit conversions)
     done = subprocess.run(["nvcc", "-std=c++17", "-O3", "-arch=sm_90a", "-cubin", "-Xptxas", "-v", "-I",
-                           os.path.join(ROOT, "csrc", "cuda"), "-o", str(cubin), str(source)],
+                           os.path.join(ROOT, "csrc", "cuda"), *cpp_extension.COMMON_NVCC_FLAGS, "-o", str(cubin),
+                           str(source)],
                           capture_output=True, text=True, timeout=300)
     log = done.stdout + done.stderr
     assert done.returncode == 0, log

@@ -134,6 +134,15 @@ __device__ __forceinline__ void widen_slot(uint8_t* tile, int wg_tid, int wg) {
   for (int c = 5; c < kChunks; ++c) store_widened(tile, row, c, half, v[c - 5]);
 }
 
+// v rounded to nearest in T (bf16 or f16): a function, since torch's extension builds turn off the types'
+// implicit conversions
+template <class T>
+__device__ __forceinline__ T round_to(float v);
+template <>
+__device__ __forceinline__ __nv_bfloat16 round_to<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <>
+__device__ __forceinline__ __half round_to<__half>(float v) { return __float2half_rn(v); }
+
 // A tile's online softmax in the keys forms (thread: warp `warp` of warpgroup wg, lane 4 g + t4; s: its S^T
 // accumulators, rows keys start + 16 warp + g and + 8): the scores past `hi` masked, scaled to base 2, the heads'
 // maxima over the tile's keys (this thread's two rows, the warp's eight row pairs, the four warps through
@@ -180,8 +189,8 @@ __device__ __forceinline__ void keys_softmax(float (&s)[8], int start, int hi, f
     const float p0 = exp2f(s[4 * j + c] - base[q]), p1 = exp2f(s[4 * j + 2 + c] - base[q]);
     l[q] = l[q] * alpha[q] + p0 + p1;
     T* line = reinterpret_cast<T*>(pt + col * 128);
-    line[(((row0 >> 3) ^ (col & 7)) << 3) + (row0 & 7)] = static_cast<T>(p0);
-    line[(((row1 >> 3) ^ (col & 7)) << 3) + (row1 & 7)] = static_cast<T>(p1);
+    line[(((row0 >> 3) ^ (col & 7)) << 3) + (row0 & 7)] = round_to<T>(p0);
+    line[(((row1 >> 3) ^ (col & 7)) << 3) + (row1 & 7)] = round_to<T>(p1);
   }
 #pragma unroll
   for (int b = 0; b < 8; ++b)
