@@ -181,6 +181,10 @@ def test_kernel_compiles_for_sm90a_without_spills_and_keeps_its_wgmmas_pipelined
     for name, body in kernels.items():
         assert len(re.findall(r"HGMMA\.64x64x16\.F32\.BF16", body)) == 36, name
         assert len(re.findall(r"HGMMA\.64x256x16\.F32\.BF16", body)) == 8, name
+    # the warps merge: a round's 8 splits x 4 16-byte loads a lane all issued before the first weighted sum
+    merge = [body for name, body in functions.items() if "merge_warps" in name]
+    assert len(merge) == 1, list(functions)
+    assert len(re.findall(r"LDG\.E\.128", merge[0][:merge[0].index("FFMA")])) == 32
     tma = [name for name, body in functions.items() if "UTMALDG" in body]  # (the TMA's copies)
     kinds = sorted(next(k for k in ("keys", "regs", "ILb0ELb1E") if k in name) for name in tma)
     # (the tma form's decode kernel, one token a block and packed)

@@ -843,11 +843,12 @@ __global__ void __launch_bounds__(128) mla_merge_kernel(const Args a, const floa
 // mla_merge_kernel's work with a row's loads in flight together (ATTNOPS_CUDA_MLA_MERGE=warps; not yet measured).
 // Why: mla_merge_kernel takes a row's splits one after another, each load awaited before the next is issued, so a
 // long sequence alone (one row a head, 128 splits) costs 128 round trips to L2 in 16 blocks.
-// 128 threads: the LSEs' maximum over all of them; then warp w takes the splits w, w + 4, ... (lane l the row's
-// values 16 l .. 16 l + 15, its loads issued before the weights are known), so that 32 splits' loads are in flight,
-// not one; the four warps' sums added in warp order. The order of the sums is a function of the split count alone
-// (batch-invariant mode's bits hold: a split past a sequence's end adds an exact 0). Plain CUDA: any arch runs it.
-constexpr int kMergeWarps = 4;
+// 128 threads: the LSEs' maximum over all of them; then warp w takes the splits w, w + 4, ... in rounds of
+// kMergeDepth (lane l the row's values 16 l .. 16 l + 15), each round's loads issued before its weights are known,
+// so that 32 splits' loads are in flight, not one; the four warps' sums added in warp order. The order of the sums
+// is a function of the split count alone (batch-invariant mode's bits hold: a split past a sequence's end adds an
+// exact 0). Plain CUDA: any arch runs it.
+constexpr int kMergeWarps = 4, kMergeDepth = 8;
 __global__ void __launch_bounds__(32 * kMergeWarps) mla_merge_warps_kernel(const Args a, const float* sinks) {
   __shared__ float s_sums[kMergeWarps][kR];
   __shared__ float s_scalars[2][kMergeWarps];  // the warps' maxima, then their denominators
@@ -876,19 +877,30 @@ __global__ void __launch_bounds__(32 * kMergeWarps) mla_merge_warps_kernel(const
 #pragma unroll
   for (int i = 0; i < 4; ++i) o[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   const float* part = a.part_out + row * a.splits * kR + 16 * lane;
-#pragma unroll 2
-  for (int s = warp; s < a.splits; s += kMergeWarps) {
-    float4 p[4];  // (an empty split's partial was never written: read, weighed 0, never added)
+  for (int first = warp; first < a.splits; first += kMergeWarps * kMergeDepth) {
+    // (every load of the round issued before any weight is known; an empty split's partial was never written: read,
+    // weighed 0, never added)
+    float4 p[kMergeDepth][4];
+    float v[kMergeDepth];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) p[i] = *reinterpret_cast<const float4*>(part + static_cast<int64_t>(s) * kR + 4 * i);
-    const float v = lse[s];
-    const float w = v == v ? exp2f(v - mx) : 0.0f;
-    denom += w;
-    if (w > 0.0f) {
+    for (int d = 0; d < kMergeDepth; ++d) {
+      const int s = first + d * kMergeWarps;
+      v[d] = s < a.splits ? lse[s] : -INFINITY;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        o[i].x += w * p[i].x, o[i].y += w * p[i].y;
-        o[i].z += w * p[i].z, o[i].w += w * p[i].w;
+      for (int i = 0; i < 4; ++i)
+        p[d][i] = s < a.splits ? *reinterpret_cast<const float4*>(part + static_cast<int64_t>(s) * kR + 4 * i)
+                               : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+#pragma unroll
+    for (int d = 0; d < kMergeDepth; ++d) {
+      const float w = v[d] == v[d] ? exp2f(v[d] - mx) : 0.0f;
+      denom += w;
+      if (w > 0.0f) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          o[i].x += w * p[d][i].x, o[i].y += w * p[d][i].y;
+          o[i].z += w * p[d][i].z, o[i].w += w * p[d][i].w;
+        }
       }
     }
   }
