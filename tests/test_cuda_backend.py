@@ -100,9 +100,10 @@ def test_rule_orders_a_backend_that_declines_some_cases_last_there():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 def test_kernels_compile_for_sm90(tmp_path):
-    """nvcc + ptxas for sm_90 (no GPU needed) against this torch's headers: every instantiation of the attention
-    kernel and the merge compiles, within its registers (the wide-row 128 tiles spill at most 64 bytes; the rest
-    and the merge none). A CPU torch lacks the header CUDA builds generate: an empty one stands in."""
+    """nvcc + ptxas for sm_90 (no GPU needed) against this torch's headers and with its extension builds' flags:
+    every instantiation of the attention kernel and the merge compiles, within its registers (the wide-row 128
+    tiles spill at most 64 bytes; the rest and the merge none). A CPU torch lacks the header CUDA builds generate:
+    an empty one stands in."""
     from torch.utils import cpp_extension
     generated = tmp_path / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
     generated.parent.mkdir(parents=True)
@@ -111,7 +112,7 @@ def test_kernels_compile_for_sm90(tmp_path):
     done = subprocess.run(["nvcc", "-std=c++17", "-O3", "-gencode=arch=compute_90,code=sm_90", "-c",
                            os.path.join(root, "csrc", "cuda", "fp4_paged_attention.cu"), "-o",
                            str(tmp_path / "fp4.o"), "-Xptxas", "-v",
-                           "-DTORCH_EXTENSION_NAME=_C", f"-I{tmp_path}"]
+                           "-DTORCH_EXTENSION_NAME=_C", f"-I{tmp_path}", *cpp_extension.COMMON_NVCC_FLAGS]
                           + [f"-I{path}" for path in cpp_extension.include_paths()],
                           capture_output=True, text=True, timeout=600)
     log = done.stdout + done.stderr
