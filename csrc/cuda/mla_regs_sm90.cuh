@@ -43,7 +43,15 @@ namespace attnops::mla_sm90 {
 constexpr int kRegsTileBytes = kChunks * kFp8ChunkBytes;  // a tile's fp8 bytes (36 KB)
 constexpr int kRegsStages = 2;                            // stages a warpgroup
 constexpr int kRegsThreads = kThreads + 128;              // the two warpgroups and the producer's
-constexpr int kProducerRegisters = 48, kConsumerRegisters = 232;  // setmaxnreg's: 128 x 48 + 256 x 232 = 64K
+// setmaxnreg's counts a thread. A warp's setmaxnreg.inc takes registers only from those the block's other warps gave
+// back by setmaxnreg.dec, and waits until enough are there: the block holds what it was launched with (kRegsThreads
+// x the registers ptxas gives each thread under __launch_bounds__(kRegsThreads, 1): 65536 / 384 rounded down to 8,
+// 168), so asking for more than that leaves a warpgroup waiting forever (48 and 232 asked for 65536).
+// The producer's path needs about 48 (at 40 ptxas spills), and the computing warpgroups' fits 216 without a spill.
+constexpr int kLaunchRegisters = 65536 / kRegsThreads / 8 * 8;
+constexpr int kProducerRegisters = 56, kConsumerRegisters = 216;
+static_assert(128 * kProducerRegisters + 2 * 128 * kConsumerRegisters <= kRegsThreads * kLaunchRegisters,
+              "setmaxnreg may hand out only the registers the block was launched with");
 constexpr int kScoreChains = 4;                           // accumulators of the scores
 constexpr int kRegsSmemBytes = kQBytes + 2 * kRegsStages * kRegsTileBytes + 2 * kPtBytes +
                                2 * 4 * kNarrowHeads * 4 + kNarrowHeads * 4 + 2 * 2 * kRegsStages * 8 + 1024;
