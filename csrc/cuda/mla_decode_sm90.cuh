@@ -790,6 +790,20 @@ __global__ void __launch_bounds__(1024) mla_rows_kernel(const Args a) {
   }
 }
 
+// The sink's base-2 logit of a head (-inf: no sinks)
+__device__ __forceinline__ float sink_logit2(const float* sinks, int head) {
+  return sinks != nullptr ? sinks[head] * 1.4426950408889634f : -INFINITY;
+}
+
+// A merged row's base-2 maximum `mx` over its splits' LSEs made the weights' base: the sink's logit counted, 0 where
+// the row has neither keys nor a sink (every weight then 0). Returns whether the row has keys.
+__device__ __forceinline__ bool settle_max(float& mx, float sink) {
+  const bool keys = mx != -INFINITY;
+  mx = fmaxf(mx, sink);
+  if (mx == -INFINITY) mx = 0.0f;
+  return keys;
+}
+
 // A merged row's end (thread t: values 4 t .. 4 t + 3 of row `row` = (token, head), `o` their weighted sums over
 // the splits, `denom` the splits' weights, `mx` the base-2 maximum, `sink` the sink's base-2 logit): normalised with
 // the sink in the denominator where the row has keys, stored in bf16, and the LSE (thread 0)
@@ -821,10 +835,8 @@ __global__ void __launch_bounds__(128) mla_merge_kernel(const Args a, const floa
     any_nan |= v != v;
     if (v == v) mx = fmaxf(mx, v);
   }
-  const bool keys = mx != -INFINITY;
-  const float sink = sinks != nullptr ? sinks[head] * 1.4426950408889634f : -INFINITY;
-  mx = fmaxf(mx, sink);
-  if (mx == -INFINITY) mx = 0.0f;
+  const float sink = sink_logit2(sinks, head);
+  const bool keys = settle_max(mx, sink);
   float denom = 0.0f;
   float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   const float* part = a.part_out + row * a.splits * kR + 4 * threadIdx.x;
@@ -868,10 +880,8 @@ __global__ void __launch_bounds__(32 * kMergeWarps) mla_merge_warps_kernel(const
   const bool any_nan = __syncthreads_or(nan_seen) != 0;
 #pragma unroll
   for (int w = 0; w < kMergeWarps; ++w) mx = fmaxf(mx, s_scalars[0][w]);
-  const bool keys = mx != -INFINITY;
-  const float sink = sinks != nullptr ? sinks[head] * 1.4426950408889634f : -INFINITY;
-  mx = fmaxf(mx, sink);
-  if (mx == -INFINITY) mx = 0.0f;
+  const float sink = sink_logit2(sinks, head);
+  const bool keys = settle_max(mx, sink);
   float denom = 0.0f;
   float4 o[4];
 #pragma unroll

@@ -198,6 +198,10 @@ __device__ __forceinline__ void keys_softmax(float (&s)[8], int start, int hi, f
     for (int z = 0; z < 8; ++z) o[b][z] *= alpha[2 * (z >> 2) + (z & 1)];
 }
 
+// Where warpgroup 1's maxima go at a block's end (kNarrowHeads floats): past the [2 warpgroups][4 warps][heads] of
+// `s_colmax`; the kernels put their barriers after them
+__device__ __forceinline__ float* wg1_maxima(float* s_colmax) { return s_colmax + 2 * 4 * kNarrowHeads; }
+
 // The end of a keys-form block (its two warpgroups' loops done; every thread of the block calls it, and then
 // leaves): the sums over each warpgroup, a bad page recorded, warpgroup 1's maxima, sums and O^T handed to warpgroup
 // 0 through shared memory (colmax [2 warpgroups][4 warps][16 heads] floats, then 16 more; `handover`: 128 threads x
@@ -211,7 +215,7 @@ __device__ __forceinline__ void finish_keys_block(const Args& a, const BlockKeys
   const int tid = threadIdx.x, lane = tid & 31, wg_tid = tid & 127;
   const int warp = (tid >> 5) & 3, g = lane >> 2, t4 = lane & 3;
   const int token = keys.token, split = keys.split;
-  float* s_m1 = s_colmax + 2 * 4 * kNarrowHeads;  // warpgroup 1's maxima
+  float* s_m1 = wg1_maxima(s_colmax);
   // the sums over the warpgroup (lanes of a column, then its four warps, below)
 #pragma unroll
   for (int q = 0; q < 4; ++q)
@@ -297,8 +301,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_keys_kernel(const __grid_cons
   uint8_t* pt_bytes = smem + kQBytes + 2 * kTileBytes;  // warpgroup w's P at + w * kPtBytes
   // [warpgroup][warp][head]: the warps' maxima of a tile; at the end the warps' sums
   float* s_colmax = reinterpret_cast<float*>(pt_bytes + 2 * kPtBytes);
-  float* s_m1 = s_colmax + 2 * 4 * kNarrowHeads;             // warpgroup 1's maxima at the end
-  const uint32_t s_bar = smem_u32(s_m1 + kNarrowHeads);      // warpgroup w's slot: + 8 w
+  const uint32_t s_bar = smem_u32(wg1_maxima(s_colmax) + kNarrowHeads);  // warpgroup w's slot: + 8 w
 
   const int tid = threadIdx.x, lane = tid & 31;
   const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);  // (warp-uniform to the compiler: see mla_decode_kernel)
