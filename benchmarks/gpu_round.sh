@@ -88,8 +88,9 @@
 #             the mla grid's verify cases against Triton, FlashInfer through the op and FlashInfer's MLA wrapper,
 #             same run: $results/cuda-mla-verify.{json,txt}
 #   cuda-mla-merge the cuda latent-attention splits' merge by warps (ATTNOPS_CUDA_MLA_MERGE=warps: a row's loads in
-#             flight together) against the default: its GPU tests, then the mla grid with each, alternating, two
-#             rounds: $results/cuda-mla-merge-{0,1}-{1,2}.json, cuda-mla-merge.txt (per case, warps' time over columns')
+#             flight together) against the default: its GPU tests, then mla_decode.py with each at MERGE_HEADS heads
+#             (16 128), bf16 and fp8, alternating, two rounds: $results/cuda-mla-merge-{merge}-{format}-{1,2}.json,
+#             cuda-mla-merge.txt (per case, warps' time over columns')
 #   cuda-mla-regs the cuda backend's latent-attention regs form (fp8 at up to 16 heads, the cache's bytes widened in
 #             registers: ATTNOPS_CUDA_MLA_VARIANT=regs): its GPU tests, then mla_decode.py at REGS_HEADS (16 8) heads
 #             with it, with the keys form on fp8 and with the tma form on bf16, alternating, two rounds:
@@ -413,16 +414,37 @@ for (heads, case), cell in sorted(best.items()):
 PY
       stamp cuda-mla-regs ;;
     cuda-mla-merge)
-      # the splits' merge by warps (ATTNOPS_CUDA_MLA_MERGE=warps) against the default: its GPU tests, then the mla grid
-      # with each, alternating, two rounds, same run
+      # the splits' merge by warps (ATTNOPS_CUDA_MLA_MERGE=warps) against the default: its GPU tests, then
+      # mla_decode.py with each at MERGE_HEADS heads, bf16 and fp8, alternating, two rounds, same run
       timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -rA -p no:cacheprovider -m gpu -k warps_merge \
         tests/test_cuda_mla.py > "$results/cuda-mla-merge-tests.log" 2>&1
       grep -E "passed|failed|FAILED|Error" "$results/cuda-mla-merge-tests.log" | grep -v "^PASSED" | tail -8
-      bench_settings cuda-mla-merge 2 ${MLA_TIMEOUT:-150} \
-        "0:ATTNOPS_CUDA_MLA_MERGE=columns 1:ATTNOPS_CUDA_MLA_MERGE=warps" \
-        --grid mla --backends cuda --peers --graph-only --rep-ms ${REP_MS:-20}
-      python3 benchmarks/invariance_cost.py --labels columns warps "$results"/cuda-mla-merge-0-*.json -- \
-        "$results"/cuda-mla-merge-1-*.json | tee "$results/cuda-mla-merge.txt"; stamp cuda-mla-merge ;;
+      for round in 1 2; do for merge in columns warps; do for fmt in bf16 fp8_e4m3; do
+        ATTNOPS_CUDA_MLA_MERGE=$merge timeout ${MLA_TIMEOUT:-120} python3 benchmarks/mla_decode.py --backend cuda \
+          --heads ${MERGE_HEADS:-16 128} --cases 1x32768 32x8192 128x4096 --no-flashinfer --kv-format $fmt \
+          --json "$results/cuda-mla-merge-$merge-$fmt-$round.json" > "/tmp/merge-$merge-$fmt-$round.txt" 2>&1 \
+          || { echo "$merge $fmt: failed"; tail -5 "/tmp/merge-$merge-$fmt-$round.txt"; }
+      done; done; done
+      python3 - "$results" <<'PY' | tee "$results/cuda-mla-merge.txt"
+import glob, json, math, sys
+best = {}  # (format, heads, batch x length) -> merge -> best time over the rounds (us)
+for merge in ("columns", "warps"):
+    for path in glob.glob(f"{sys.argv[1]}/cuda-mla-merge-{merge}-*-[12].json"):
+        fmt = path.rsplit("-", 2)[-2]
+        for r in json.load(open(path))["records"]:
+            cell = best.setdefault((fmt, r["heads"], f"{r['batch']}x{r['kv_len']}"), {})
+            cell[merge] = min(cell.get(merge, math.inf), r["attnops_us"])
+print(f"{'format, heads, case':<28}{'columns us':>12}{'warps us':>12}{'warps / columns':>17}")
+ratios = []
+for (fmt, heads, case), cell in sorted(best.items()):
+    t = [cell.get(m, math.nan) for m in ("columns", "warps")]
+    ratios.append(t[1] / t[0])
+    print(f"{f'{fmt}, {heads}, {case}':<28}{t[0]:>12.1f}{t[1]:>12.1f}{t[1] / t[0]:>17.3f}")
+finite = [r for r in ratios if r == r]
+if finite:
+    print(f"geometric mean of warps / columns: {math.exp(sum(map(math.log, finite)) / len(finite)):.3f}")
+PY
+      stamp cuda-mla-merge ;;
     cuda-mla-verify)
       timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -m gpu -k \
         "verify or long_sequence" tests/test_cuda_mla.py > "$results/cuda-mla-verify-tests.log" 2>&1
