@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 
 from . import errors
-from .checks import check_cascade_prefix_values
+from .checks import MAX_PAGE_SIZE, check_cascade_prefix_values, is_page_size
 from .env import values_checked
 from .ops import merge_attention_states, paged_attention_with_lse
 
@@ -101,6 +101,16 @@ def cascade_attention(q, k_cache, v_cache, prefix_table, prefix_len, block_table
     by the prefix). prefix: the step's PrefixPass, made once for every layer (then prefix_table and prefix_len
     may be None); by default made here from them. Equal to paged_attention over the concatenated pages, up to
     rounding."""
+    # (what this function reads itself, before the ops' own checks: q's rows and heads, the cache's page size)
+    for name, t in (("q", q), ("k_cache", k_cache)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"attnops.cascade_attention: {name} must be a Tensor (got {type(t).__name__})")
+    if q.dim() != 3:
+        raise ValueError(f"attnops.cascade_attention: q must be [num_tokens, num_q_heads, head_dim] (got "
+                         f"{list(q.shape)})")
+    if k_cache.dim() < 2 or not is_page_size(k_cache.shape[1]):
+        raise ValueError(f"attnops.cascade_attention: k_cache must be [num_pages, page_size, ...] with a page_size "
+                         f"of a power of two from 1 to {MAX_PAGE_SIZE} (got {list(k_cache.shape)})")
     if prefix is None:
         if prefix_table is None or prefix_table.dim() != 1 or prefix_table.dtype != torch.int32:
             raise ValueError("attnops.cascade_attention: prefix_table must be int32 [P] (got "

@@ -140,6 +140,31 @@ def _check_scales(op, fmt, k_cache, num_kv_heads, head_dim, names, k_scale, v_sc
     return f.scale_kind(k_scale, v_scale)  # (an unknown scale: a ValueError naming it)
 
 
+def check_outputs_apart(op: str, outputs: dict, inputs: dict, may_be: tuple = ()) -> None:
+    """What a call writes (`outputs`, name -> tensor or None) shares no memory with itself, with the other
+    outputs or with what the call reads (`inputs`): else a kernel would read values it has already overwritten, or
+    write one address twice, and return a wrong answer with no error. A view that maps two elements to one address
+    (e.g. .expand()) is such an output. `may_be`: (output, input) name pairs whose tensors may be the very same view
+    (merge_attention_states' out=out_a: each element is read before it is written). Addresses: checked every call
+    (never memoized), and only where the caller gave the outputs (the ops' own are fresh)."""
+    given = [(name, t) for name, t in outputs.items() if t is not None]
+    for name, t in given:
+        if torch._debug_has_internal_overlap(t) == 1:
+            _fail(op, ValueError, f"{name} must not overlap itself: its view {list(t.shape)} with strides "
+                                  f"{t.stride()} maps several elements to one address (e.g. .expand())")
+    others = [(name, t) for name, t in inputs.items() if t is not None]
+    for i, (name, t) in enumerate(given):
+        for other, u in given[i + 1:] + others:
+            if torch._C._overlaps(t, u) and not ((name, other) in may_be and _same_view(t, u)):
+                _fail(op, ValueError, f"{name} must not share memory with {other}: an output that overlaps an "
+                                      f"input or another output gives a wrong answer (pass a separate tensor)")
+
+
+def _same_view(t: torch.Tensor, u: torch.Tensor) -> bool:
+    return (t.data_ptr() == u.data_ptr() and t.shape == u.shape and t.stride() == u.stride()
+            and t.dtype == u.dtype)
+
+
 def _address(t: torch.Tensor) -> int:
     """Where t's first element is: its address, or for a tensor without memory (meta; fake, in the fakes at trace
     time) its byte offset in its storage."""

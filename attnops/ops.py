@@ -22,8 +22,9 @@ except ImportError as e:  # a source folder named attnops on the path (the curre
                       f"or build it there: pip install --no-build-isolation -e <checkout> ({e})") from e
 from .backends import flashinfer_replay
 from .backends.reference import merge_attention_states_reference
-from .checks import (attention_call, cache_write_call, check_merge_attention_states, check_paged_attention,
-                     check_paged_attention_values, check_reshape_and_cache, check_reshape_and_cache_values)
+from .checks import (attention_call, cache_write_call, check_merge_attention_states, check_outputs_apart,
+                     check_paged_attention, check_paged_attention_values, check_reshape_and_cache,
+                     check_reshape_and_cache_values)
 from .checks_mla import (check_mla_attention, check_mla_attention_values, check_mla_cache_write,
                          check_mla_cache_write_values, mla_call, mla_write_call)
 from .dispatch import select_backend
@@ -44,11 +45,16 @@ def on_device(device: torch.device):
 
 
 def _run_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left,
-                         kv_format, k_scale, v_scale, sinks, tree_mask, out, lse=None) -> None:
-    """paged_attention into `out`; paged_attention_with_lse with `lse` given. (The C++ CUDA kernel hands calls
-    here with these positional arguments.)"""
+                         kv_format, k_scale, v_scale, sinks, tree_mask, out, lse=None, fresh_outputs=False) -> None:
+    """paged_attention into `out`; paged_attention_with_lse with `lse` given. fresh_outputs: the op allocated
+    them (no overlap to look for). (The C++ CUDA kernel hands calls here with these positional arguments.)"""
     call = attention_call(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left,
                           kv_format, k_scale, v_scale, sinks, tree_mask, out, lse)
+    if not fresh_outputs:
+        check_outputs_apart("paged_attention" if lse is None else "paged_attention_with_lse", dict(out=out, lse=lse),
+                            dict(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, seq_lens=seq_lens,
+                                 cu_seqlens_q=cu_seqlens_q, k_scale=k_scale, v_scale=v_scale, sinks=sinks,
+                                 tree_mask=tree_mask))
     if values_checked():
         check_paged_attention_values(q, k_cache, block_table, seq_lens, cu_seqlens_q, k_scale, v_scale, tree_mask)
     backend = select_backend(call.case, q.device)
@@ -64,7 +70,7 @@ def _paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q=No
                      window_left=-1, kv_format="auto", k_scale=None, v_scale=None, sinks=None, tree_mask=None):
     out = torch.empty_like(q)
     _run_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left,
-                         kv_format, k_scale, v_scale, sinks, tree_mask, out)
+                         kv_format, k_scale, v_scale, sinks, tree_mask, out, fresh_outputs=True)
     return out
 
 
@@ -109,7 +115,7 @@ def _paged_attention_with_lse(q, k_cache, v_cache, block_table, seq_lens, cu_seq
                               tree_mask=None):
     out, lse = torch.empty_like(q), _lse_like(q)
     _run_paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, scale, soft_cap, window_left,
-                         kv_format, k_scale, v_scale, sinks, tree_mask, out, lse)
+                         kv_format, k_scale, v_scale, sinks, tree_mask, out, lse, fresh_outputs=True)
     return out, lse
 
 
@@ -156,8 +162,12 @@ def _reshape_and_cache_fake(key, value, k_cache, v_cache, slot_mapping, *, kv_fo
                             k_block_scale, v_block_scale)
 
 
-def _run_merge_attention_states(out_a, lse_a, out_b, lse_b, out, lse) -> None:
+def _run_merge_attention_states(out_a, lse_a, out_b, lse_b, out, lse, fresh_outputs=False) -> None:
     check_merge_attention_states(out_a, lse_a, out_b, lse_b, out, lse)
+    if not fresh_outputs:  # (out may be out_a or out_b, lse lse_a or lse_b: elementwise, each read before written)
+        check_outputs_apart("merge_attention_states", dict(out=out, lse=lse),
+                            dict(out_a=out_a, lse_a=lse_a, out_b=out_b, lse_b=lse_b),
+                            may_be=(("out", "out_a"), ("out", "out_b"), ("lse", "lse_a"), ("lse", "lse_b")))
     if out_a.is_cuda and out_a.dtype != torch.float64:  # one Triton kernel; elsewhere (and float64) PyTorch
         from .backends.triton.merge_states import merge_states
         with on_device(out_a.device):
@@ -169,7 +179,7 @@ def _run_merge_attention_states(out_a, lse_a, out_b, lse_b, out, lse) -> None:
 @torch.library.impl("attnops::merge_attention_states", DEVICES)
 def _merge_attention_states(out_a, lse_a, out_b, lse_b):
     out, lse = torch.empty_like(out_a), torch.empty_like(lse_a)
-    _run_merge_attention_states(out_a, lse_a, out_b, lse_b, out, lse)
+    _run_merge_attention_states(out_a, lse_a, out_b, lse_b, out, lse, fresh_outputs=True)
     return out, lse
 
 
@@ -254,7 +264,8 @@ def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, *, kv_format="
 def merge_attention_states(out_a, lse_a, out_b, lse_b, *, out=None, lse=None):
     """`torch.ops.attnops.merge_attention_states`: the exact softmax merge of two partial attention results over
     disjoint key sets ([T, H, D] outputs, [T, H] natural-log LSEs, -inf for a side with no key). Returns
-    (out, lse); with `out` and `lse` given, the `.out` overload writes them (`out` may be `out_a`)."""
+    (out, lse); with `out` and `lse` given, the `.out` overload writes them (`out` may be `out_a` or
+    `out_b` itself, `lse` `lse_a` or `lse_b`)."""
     if out is None and lse is None:
         return torch.ops.attnops.merge_attention_states(out_a, lse_a, out_b, lse_b)
     if out is None or lse is None:
@@ -265,9 +276,14 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b, *, out=None, lse=None):
 
 # --- latent attention (MLA): docs/design.md, "mla_attention" ----------------------------------------------------
 def _run_mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, scale, kv_format, kv_scale,
-                       sinks, tree_mask, out, lse=None) -> None:
+                       sinks, tree_mask, out, lse=None, fresh_outputs=False) -> None:
     call = mla_call(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, scale, kv_format, kv_scale, sinks,
                     tree_mask, out, lse)
+    if not fresh_outputs:
+        check_outputs_apart("mla_attention" if lse is None else "mla_attention_with_lse", dict(out=out, lse=lse),
+                            dict(q_nope=q_nope, q_pe=q_pe, kv_cache=kv_cache, block_table=block_table,
+                                 seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q, kv_scale=kv_scale, sinks=sinks,
+                                 tree_mask=tree_mask))
     if values_checked():
         check_mla_attention_values(q_nope, kv_cache, block_table, seq_lens, cu_seqlens_q, kv_scale, tree_mask)
     backend = select_backend(call.case, q_nope.device)
@@ -280,7 +296,7 @@ def _mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q=N
                    kv_scale=None, sinks=None, tree_mask=None):
     out = torch.empty_like(q_nope)
     _run_mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, scale, kv_format, kv_scale, sinks,
-                       tree_mask, out)
+                       tree_mask, out, fresh_outputs=True)
     return out
 
 
@@ -311,7 +327,7 @@ def _mla_attention_with_lse(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_se
                             kv_format="auto", kv_scale=None, sinks=None, tree_mask=None):
     out, lse = torch.empty_like(q_nope), _lse_like(q_nope)
     _run_mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, scale, kv_format, kv_scale, sinks,
-                       tree_mask, out, lse)
+                       tree_mask, out, lse, fresh_outputs=True)
     return out, lse
 
 

@@ -153,6 +153,16 @@ def test_bad_arguments_name_themselves():
         cascade_attention(**{**cascade, "prefix_table": cascade["prefix_table"].long()})
     with pytest.raises(ValueError, match="sinks"):
         cascade_attention(**cascade, sinks=torch.zeros(3))
+    # what cascade_attention reads itself is checked before it is read (was a ZeroDivisionError, AttributeErrors)
+    empty_pages = cascade["k_cache"][:, :0]
+    with pytest.raises(ValueError, match="k_cache.*page_size"):
+        cascade_attention(**{**cascade, "k_cache": empty_pages, "v_cache": empty_pages})
+    with pytest.raises(TypeError, match="k_cache must be a Tensor"):
+        cascade_attention(**{**cascade, "k_cache": None})
+    with pytest.raises(TypeError, match="q must be a Tensor"):
+        cascade_attention(**{**cascade, "q": [[0.0]]})
+    with pytest.raises(ValueError, match="q must be"):
+        cascade_attention(**{**cascade, "q": cascade["q"][0]})
 
 
 BAD_PREFIXES = {  # (prefix_table, prefix_len) of a two-page prefix of 32 tokens -> the argument recorded, position

@@ -560,6 +560,20 @@ def test_cache_write_quantizes_as_formats_does_and_skips_bad_slots(backend, kv_f
     assert relative_error(got[0], probs @ written[:, :latent]) < (1e-5 if kv_format == "auto" else 0.1)
 
 
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_cache_write_into_a_strided_cache(backend):
+    """A page-strided latent cache (every other page of a larger one) and a row-strided one are caches like any
+    other (the reference wrote through a flat view, which they do not have)."""
+    kv_c, k_pe = torch.randn(5, 64), torch.randn(5, 16)
+    slots = torch.tensor([0, 5, 9, -1, 14])
+    for cache in (torch.zeros(8, 4, 80)[::2], torch.zeros(4, 2, 4, 80)[:, 0]):
+        expected = torch.zeros(cache.shape)
+        expected.view(-1, 80)[slots[slots >= 0]] = torch.cat([kv_c, k_pe], -1)[slots >= 0]
+        with attnops.use_backend(backend):
+            torch.ops.attnops.mla_cache_write(kv_c, k_pe, cache, slots)
+        assert torch.equal(cache, expected)
+
+
 BAD = {
     "q_nope int": (TypeError, "q_nope", lambda a: dict(a, q_nope=a["q_nope"].int())),
     "q_pe rows": (ValueError, "q_pe", lambda a: dict(a, q_pe=a["q_pe"][:1])),
@@ -592,6 +606,20 @@ def test_bad_input_is_named_before_any_kernel_runs(name):
         torch.ops.attnops.mla_attention(**args)
     with pytest.raises(error, match=rf"\b{argument}\b"), torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True):
         torch.ops.attnops.mla_attention(**args)
+
+
+def test_outputs_that_overlap_an_input_or_each_other_are_named():
+    args = mla_inputs([10, 7], [3, 2], heads=4)
+    q = args["q_nope"]
+    rows = q.shape[0] * q.shape[1]
+    shared = torch.empty(q.numel(), dtype=q.dtype)  # out, and lse (float32) over its first bytes
+    with pytest.raises(ValueError, match=r"mla_attention_with_lse: out must not share memory with lse"):
+        torch.ops.attnops.mla_attention_with_lse.out(**args, out=shared.view(q.shape),
+                                                     lse=shared.view(torch.float32)[:rows].view(q.shape[:2]))
+    with pytest.raises(ValueError, match=r"mla_attention: out must not share memory with q_nope"):
+        torch.ops.attnops.mla_attention.out(**args, out=q)
+    with pytest.raises(ValueError, match=r"out must not overlap itself"):
+        torch.ops.attnops.mla_attention.out(**args, out=torch.zeros(1, *q.shape[1:], dtype=q.dtype).expand(q.shape))
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton", "cpu"])

@@ -100,6 +100,44 @@ def test_bad_out():
         attnops.paged_attention(**args, out=torch.empty(1, 4, 64))
 
 
+def test_outputs_that_overlap_an_input_or_each_other_are_named():
+    """An out or lse sharing memory with an input or with each other (or with itself, expanded) was written while
+    it was read and gave a wrong answer with no error."""
+    args = good_attention_args()
+    q = args["q"]
+    with pytest.raises(ValueError, match=r"paged_attention: out must not share memory with k_cache"):
+        k_cache = args["k_cache"].clone()
+        torch.ops.attnops.paged_attention.out(**{**args, "k_cache": k_cache,
+                                                 "v_cache": args["v_cache"].clone()},
+                                              out=k_cache.view(-1)[:q.numel()].view(q.shape))
+    with pytest.raises(ValueError, match=r"out must not share memory with q"):
+        torch.ops.attnops.paged_attention.out(**args, out=q)
+    with pytest.raises(ValueError, match=r"out must not overlap itself"):
+        torch.ops.attnops.paged_attention.out(**args, out=torch.zeros(1, *q.shape[1:]).expand(q.shape))
+    out = torch.empty_like(q)
+    with pytest.raises(ValueError, match=r"paged_attention_with_lse: out must not share memory with lse"):
+        torch.ops.attnops.paged_attention_with_lse.out(**args, out=out, lse=out.view(-1)[:q.shape[0] * q.shape[1]]
+                                                       .view(q.shape[:2]))
+    with pytest.raises(ValueError, match=r"lse must not share memory with q"):
+        lse = q.view(-1)[:q.shape[0] * q.shape[1]].view(q.shape[:2])
+        torch.ops.attnops.paged_attention_with_lse.out(**args, out=out, lse=lse)
+    lse = torch.empty(q.shape[:2])
+    torch.ops.attnops.paged_attention_with_lse.out(**args, out=out, lse=lse)  # apart: fine
+    # merge_attention_states: out may be out_a or out_b itself (elementwise), never a part of another
+    out_a, out_b, lse_a, lse_b = out.clone(), torch.randn_like(out), lse.clone(), torch.randn_like(lse)
+    want = attnops.merge_attention_states(out_a, lse_a, out_b, lse_b)
+    got = attnops.merge_attention_states(out_a, lse_a, out_b, lse_b, out=out_a, lse=lse_b)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(ValueError, match=r"merge_attention_states: out must not share memory with lse"):
+        merged = torch.empty_like(out)
+        attnops.merge_attention_states(out_a, lse_a, out_b, lse_b, out=merged,
+                                       lse=merged.view(-1)[:lse.numel()].view(lse.shape))
+    storage = torch.randn(out.numel() + 1)
+    shifted_b, out_b = storage[1:].view(out.shape), storage[:-1].view(out.shape)  # one element apart
+    with pytest.raises(ValueError, match=r"merge_attention_states: out must not share memory with out_b"):
+        attnops.merge_attention_states(out_a, lse_a, out_b, lse_b, out=shifted_b, lse=torch.empty_like(lse))
+
+
 def good_write_args(kv_format="fp32", **overrides):
     cache = attnops.PagedKVCache(1, 4, 16, 2, 64, kv_format=kv_format)
     args = dict(key=torch.randn(6, 2, 64), value=torch.randn(6, 2, 64), slot_mapping=torch.arange(6),

@@ -195,7 +195,8 @@ def mla_cache_write_reference(kv_c, k_pe, kv_cache, slot_mapping, *, kv_format="
     rows = torch.cat([kv_c, k_pe], dim=-1)[keep]
     fmt = formats.resolve_kv_format(kv_format, kv_cache.dtype)
     stored, _ = formats.quantize(rows, fmt, kv_scale, kv_cache.dtype)
-    kv_cache.view(-1, kv_cache.shape[2])[slot_mapping[keep]] = stored
+    slots = slot_mapping[keep]  # (page, offset), not a flat view: a page- or row-strided cache has none
+    kv_cache[slots // kv_cache.shape[1], slots % kv_cache.shape[1]] = stored
 
 
 class ReferenceBackend(Backend):
