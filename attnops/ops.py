@@ -213,11 +213,34 @@ def _scales_are_tensors(op: str, **scales) -> None:
                             f"can change without recompiling a compiled graph)")
 
 
+def _are_tensors(op: str, kv_format="auto", **tensors) -> None:
+    """The wrappers' tensor arguments (None where optional) and kv_format: a TypeError naming the argument (the
+    dispatcher's schema mismatch is a RuntimeError)."""
+    for name, t in tensors.items():
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"attnops.{op}: {name} must be a Tensor (got {type(t).__name__})")
+    if not isinstance(kv_format, str):
+        raise TypeError(f"attnops.{op}: kv_format must be a str such as 'auto' or 'fp8_e4m3' (got "
+                        f"{type(kv_format).__name__})")
+
+
+def _are_numbers(op: str, scale=None, soft_cap=0.0, window_left=-1) -> None:
+    """scale (None: the default) and soft_cap numbers, window_left an int: a TypeError naming them."""
+    for name, x, optional in (("scale", scale, True), ("soft_cap", soft_cap, False)):
+        if not (x is None and optional) and (isinstance(x, bool) or not isinstance(x, (int, float))):
+            raise TypeError(f"attnops.{op}: {name} must be a number (got {type(x).__name__})")
+    if isinstance(window_left, bool) or not isinstance(window_left, int):
+        raise TypeError(f"attnops.{op}: window_left must be an int (got {type(window_left).__name__})")
+
+
 def paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q=None, *, scale=None, soft_cap=0.0,
                     window_left=-1, kv_format="auto", k_scale=None, v_scale=None, sinks=None, tree_mask=None,
                     out=None):
     """`torch.ops.attnops.paged_attention`, or its `.out` overload when `out` is given (then returns `out`)."""
     _scales_are_tensors("paged_attention", k_scale=k_scale, v_scale=v_scale, sinks=sinks)
+    _are_tensors("paged_attention", kv_format, q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table,
+                 seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q, tree_mask=tree_mask, out=out)
+    _are_numbers("paged_attention", scale, soft_cap, window_left)
     if out is None:
         return torch.ops.attnops.paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
                                                  scale=scale, soft_cap=soft_cap, window_left=window_left,
@@ -238,6 +261,10 @@ def paged_attention_with_lse(q, k_cache, v_cache, block_table, seq_lens, cu_seql
     sink's logit with sinks), for merge_attention_states. Returns (out, lse); with `out` and `lse` given, the
     `.out` overload writes them."""
     _scales_are_tensors("paged_attention_with_lse", k_scale=k_scale, v_scale=v_scale, sinks=sinks)
+    _are_tensors("paged_attention_with_lse", kv_format, q=q, k_cache=k_cache, v_cache=v_cache,
+                 block_table=block_table, seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q, tree_mask=tree_mask, out=out,
+                 lse=lse)
+    _are_numbers("paged_attention_with_lse", scale, soft_cap, window_left)
     if out is None and lse is None:
         return torch.ops.attnops.paged_attention_with_lse(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
                                                           scale=scale, soft_cap=soft_cap, window_left=window_left,
@@ -256,6 +283,8 @@ def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, *, kv_format="
                       k_block_scale=None, v_block_scale=None) -> None:
     """`torch.ops.attnops.reshape_and_cache`: writes key/value into the cache slots, quantizing on the way."""
     _scales_are_tensors("reshape_and_cache", k_scale=k_scale, v_scale=v_scale)
+    _are_tensors("reshape_and_cache", kv_format, key=key, value=value, k_cache=k_cache, v_cache=v_cache,
+                 slot_mapping=slot_mapping, k_block_scale=k_block_scale, v_block_scale=v_block_scale)
     torch.ops.attnops.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, kv_format=kv_format,
                                         k_scale=k_scale, v_scale=v_scale, k_block_scale=k_block_scale,
                                         v_block_scale=v_block_scale)
@@ -266,6 +295,7 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b, *, out=None, lse=None):
     disjoint key sets ([T, H, D] outputs, [T, H] natural-log LSEs, -inf for a side with no key). Returns
     (out, lse); with `out` and `lse` given, the `.out` overload writes them (`out` may be `out_a` or
     `out_b` itself, `lse` `lse_a` or `lse_b`)."""
+    _are_tensors("merge_attention_states", out_a=out_a, lse_a=lse_a, out_b=out_b, lse_b=lse_b, out=out, lse=lse)
     if out is None and lse is None:
         return torch.ops.attnops.merge_attention_states(out_a, lse_a, out_b, lse_b)
     if out is None or lse is None:
@@ -372,6 +402,10 @@ def mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q=No
     """`torch.ops.attnops.mla_attention` (latent attention over a paged cache of [c, r] rows; docs/design.md), or
     its `.out` overload when `out` is given (then returns `out`)."""
     _scales_are_tensors("mla_attention", kv_scale=kv_scale, sinks=sinks)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):  # (required here: no default scale)
+        raise TypeError(f"attnops.mla_attention: scale must be a number (got {type(scale).__name__})")
+    _are_tensors("mla_attention", kv_format, q_nope=q_nope, q_pe=q_pe, kv_cache=kv_cache, block_table=block_table,
+                 seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q, tree_mask=tree_mask, out=out)
     args = dict(scale=scale, kv_format=kv_format, kv_scale=kv_scale, sinks=sinks, tree_mask=tree_mask)
     if out is None:
         return torch.ops.attnops.mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, **args)
@@ -382,4 +416,5 @@ def mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q=No
 def mla_cache_write(kv_c, k_pe, kv_cache, slot_mapping, *, kv_format="auto", kv_scale=None) -> None:
     """`torch.ops.attnops.mla_cache_write`: row slot_mapping[i] of the latent cache = [kv_c[i], k_pe[i]]."""
     _scales_are_tensors("mla_cache_write", kv_scale=kv_scale)
+    _are_tensors("mla_cache_write", kv_format, kv_c=kv_c, k_pe=k_pe, kv_cache=kv_cache, slot_mapping=slot_mapping)
     torch.ops.attnops.mla_cache_write(kv_c, k_pe, kv_cache, slot_mapping, kv_format=kv_format, kv_scale=kv_scale)

@@ -138,6 +138,18 @@ def test_outputs_that_overlap_an_input_or_each_other_are_named():
         attnops.merge_attention_states(out_a, lse_a, out_b, lse_b, out=shifted_b, lse=torch.empty_like(lse))
 
 
+@pytest.mark.parametrize("change,argument", [
+    (dict(kv_format=None), "kv_format"), (dict(soft_cap=None), "soft_cap"), (dict(window_left=2.0), "window_left"),
+    (dict(scale="0.1"), "scale"), (dict(block_table=[[0, 1]]), "block_table"), (dict(tree_mask=[[True]]), "tree_mask"),
+    (dict(q=[[0.0]]), "q")])
+def test_the_wrappers_name_an_argument_of_the_wrong_type(change, argument):
+    """(the dispatcher's schema mismatch is a RuntimeError)"""
+    with pytest.raises(TypeError, match=rf"attnops\.paged_attention: {argument} must be"):
+        attnops.paged_attention(**good_attention_args(**change))
+    with pytest.raises(TypeError, match=r"attnops\.merge_attention_states: out_a must be a Tensor"):
+        attnops.merge_attention_states([1.0], torch.zeros(1, 1), torch.zeros(1, 1, 16), torch.zeros(1, 1))
+
+
 def good_write_args(kv_format="fp32", **overrides):
     cache = attnops.PagedKVCache(1, 4, 16, 2, 64, kv_format=kv_format)
     args = dict(key=torch.randn(6, 2, 64), value=torch.randn(6, 2, 64), slot_mapping=torch.arange(6),
