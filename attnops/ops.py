@@ -203,22 +203,18 @@ _EXPECTED = {"k_scale": "float32, 0-d or [num_kv_heads] for fp8", "v_scale": "fl
              "sinks": "float32 [num_q_heads]", "kv_scale": "float32, one element, for an fp8 latent cache"}
 
 
-def _scales_are_tensors(op: str, **scales) -> None:
-    """Python numbers where the schema takes a tensor get a TypeError that says what to pass (the dispatcher's
-    own error names no argument)."""
-    for name, s in scales.items():
-        if s is not None and not isinstance(s, torch.Tensor):
-            raise TypeError(f"attnops.{op}: {name} must be a tensor ({_EXPECTED[name]}), not "
-                            f"{type(s).__name__}: pass torch.tensor({s!r}, device=...) once and reuse it (a tensor "
-                            f"can change without recompiling a compiled graph)")
-
-
 def _are_tensors(op: str, kv_format="auto", **tensors) -> None:
     """The wrappers' tensor arguments (None where optional) and kv_format: a TypeError naming the argument (the
-    dispatcher's schema mismatch is a RuntimeError)."""
+    dispatcher's schema mismatch is a RuntimeError that names none). A Python number where a scale or sinks belong
+    gets a message that says what to pass."""
     for name, t in tensors.items():
-        if t is not None and not isinstance(t, torch.Tensor):
-            raise TypeError(f"attnops.{op}: {name} must be a Tensor (got {type(t).__name__})")
+        if t is None or isinstance(t, torch.Tensor):
+            continue
+        if name in _EXPECTED:
+            raise TypeError(f"attnops.{op}: {name} must be a tensor ({_EXPECTED[name]}), not "
+                            f"{type(t).__name__}: pass torch.tensor({t!r}, device=...) once and reuse it (a tensor "
+                            f"can change without recompiling a compiled graph)")
+        raise TypeError(f"attnops.{op}: {name} must be a Tensor (got {type(t).__name__})")
     if not isinstance(kv_format, str):
         raise TypeError(f"attnops.{op}: kv_format must be a str such as 'auto' or 'fp8_e4m3' (got "
                         f"{type(kv_format).__name__})")
@@ -237,9 +233,9 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q=Non
                     window_left=-1, kv_format="auto", k_scale=None, v_scale=None, sinks=None, tree_mask=None,
                     out=None):
     """`torch.ops.attnops.paged_attention`, or its `.out` overload when `out` is given (then returns `out`)."""
-    _scales_are_tensors("paged_attention", k_scale=k_scale, v_scale=v_scale, sinks=sinks)
-    _are_tensors("paged_attention", kv_format, q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table,
-                 seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q, tree_mask=tree_mask, out=out)
+    _are_tensors("paged_attention", kv_format, k_scale=k_scale, v_scale=v_scale, sinks=sinks, q=q, k_cache=k_cache,
+                 v_cache=v_cache, block_table=block_table, seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q,
+                 tree_mask=tree_mask, out=out)
     _are_numbers("paged_attention", scale, soft_cap, window_left)
     if out is None:
         return torch.ops.attnops.paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
@@ -260,10 +256,9 @@ def paged_attention_with_lse(q, k_cache, v_cache, block_table, seq_lens, cu_seql
     [T, Hq], the natural log of its softmax denominator, sinks included; -inf for a row that sees no key, the
     sink's logit with sinks), for merge_attention_states. Returns (out, lse); with `out` and `lse` given, the
     `.out` overload writes them."""
-    _scales_are_tensors("paged_attention_with_lse", k_scale=k_scale, v_scale=v_scale, sinks=sinks)
-    _are_tensors("paged_attention_with_lse", kv_format, q=q, k_cache=k_cache, v_cache=v_cache,
-                 block_table=block_table, seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q, tree_mask=tree_mask, out=out,
-                 lse=lse)
+    _are_tensors("paged_attention_with_lse", kv_format, k_scale=k_scale, v_scale=v_scale, sinks=sinks, q=q,
+                 k_cache=k_cache, v_cache=v_cache, block_table=block_table, seq_lens=seq_lens,
+                 cu_seqlens_q=cu_seqlens_q, tree_mask=tree_mask, out=out, lse=lse)
     _are_numbers("paged_attention_with_lse", scale, soft_cap, window_left)
     if out is None and lse is None:
         return torch.ops.attnops.paged_attention_with_lse(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q,
@@ -282,9 +277,9 @@ def paged_attention_with_lse(q, k_cache, v_cache, block_table, seq_lens, cu_seql
 def reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, *, kv_format="auto", k_scale=None, v_scale=None,
                       k_block_scale=None, v_block_scale=None) -> None:
     """`torch.ops.attnops.reshape_and_cache`: writes key/value into the cache slots, quantizing on the way."""
-    _scales_are_tensors("reshape_and_cache", k_scale=k_scale, v_scale=v_scale)
-    _are_tensors("reshape_and_cache", kv_format, key=key, value=value, k_cache=k_cache, v_cache=v_cache,
-                 slot_mapping=slot_mapping, k_block_scale=k_block_scale, v_block_scale=v_block_scale)
+    _are_tensors("reshape_and_cache", kv_format, k_scale=k_scale, v_scale=v_scale, key=key, value=value,
+                 k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping, k_block_scale=k_block_scale,
+                 v_block_scale=v_block_scale)
     torch.ops.attnops.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, kv_format=kv_format,
                                         k_scale=k_scale, v_scale=v_scale, k_block_scale=k_block_scale,
                                         v_block_scale=v_block_scale)
@@ -401,11 +396,11 @@ def mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q=No
                   kv_scale=None, sinks=None, tree_mask=None, out=None):
     """`torch.ops.attnops.mla_attention` (latent attention over a paged cache of [c, r] rows; docs/design.md), or
     its `.out` overload when `out` is given (then returns `out`)."""
-    _scales_are_tensors("mla_attention", kv_scale=kv_scale, sinks=sinks)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):  # (required here: no default scale)
         raise TypeError(f"attnops.mla_attention: scale must be a number (got {type(scale).__name__})")
-    _are_tensors("mla_attention", kv_format, q_nope=q_nope, q_pe=q_pe, kv_cache=kv_cache, block_table=block_table,
-                 seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q, tree_mask=tree_mask, out=out)
+    _are_tensors("mla_attention", kv_format, kv_scale=kv_scale, sinks=sinks, q_nope=q_nope, q_pe=q_pe,
+                 kv_cache=kv_cache, block_table=block_table, seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q,
+                 tree_mask=tree_mask, out=out)
     args = dict(scale=scale, kv_format=kv_format, kv_scale=kv_scale, sinks=sinks, tree_mask=tree_mask)
     if out is None:
         return torch.ops.attnops.mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, **args)
@@ -415,6 +410,6 @@ def mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q=No
 
 def mla_cache_write(kv_c, k_pe, kv_cache, slot_mapping, *, kv_format="auto", kv_scale=None) -> None:
     """`torch.ops.attnops.mla_cache_write`: row slot_mapping[i] of the latent cache = [kv_c[i], k_pe[i]]."""
-    _scales_are_tensors("mla_cache_write", kv_scale=kv_scale)
-    _are_tensors("mla_cache_write", kv_format, kv_c=kv_c, k_pe=k_pe, kv_cache=kv_cache, slot_mapping=slot_mapping)
+    _are_tensors("mla_cache_write", kv_format, kv_scale=kv_scale, kv_c=kv_c, k_pe=k_pe, kv_cache=kv_cache,
+                 slot_mapping=slot_mapping)
     torch.ops.attnops.mla_cache_write(kv_c, k_pe, kv_cache, slot_mapping, kv_format=kv_format, kv_scale=kv_scale)

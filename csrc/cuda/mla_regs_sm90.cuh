@@ -215,7 +215,8 @@ __global__ void __launch_bounds__(kRegsThreads, 1) mla_regs_kernel(const __grid_
   // [warpgroup][warp][head]: the warps' maxima of a tile; at the end the warps' sums
   float* s_colmax = reinterpret_cast<float*>(pt_bytes + 2 * kPtBytes);
   // warpgroup w's stage k: its full barrier at + 8 (kRegsStages w + k), its empty barrier 2 kRegsStages later
-  const uint32_t full_bars = smem_u32(wg1_maxima(s_colmax) + kNarrowHeads), empty_bars = full_bars + 8 * 2 * kRegsStages;
+  const uint32_t full_bars = smem_u32(wg1_maxima(s_colmax) + kNarrowHeads);
+  const uint32_t empty_bars = full_bars + 8 * 2 * kRegsStages;
 
   const int tid = threadIdx.x, lane = tid & 31;
   const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);  // 2: the producer's (warp-uniform: see mla_decode_kernel)
