@@ -68,14 +68,20 @@ def test_declines_what_its_kernel_is_not_built_for(monkeypatch):
     assert any("9.0a" in r for r in cuda_mla.reasons(CASE))
 
 
-def test_the_merge_is_the_columns_kernel_unless_asked_for_warps(monkeypatch):
+def test_the_merge_is_by_warps_from_many_splits_unless_asked_or_invariant(monkeypatch):
     monkeypatch.delenv(cuda_mla.MERGE_ENV, raising=False)
-    assert cuda_mla.merge_form() == cuda_mla.MERGES.index("columns") == 0
+    many = cuda_mla.WARPS_MERGE_SPLITS
+    assert cuda_mla.merge_form(many - 1) == cuda_mla.MERGES.index("columns") == 0
+    assert cuda_mla.merge_form(many) == cuda_mla.MERGES.index("warps") == 1
+    with attnops.batch_invariant():  # (the split count follows the table's width there: one merge for all)
+        assert cuda_mla.merge_form(many) == cuda_mla.merge_form(2) == 0
     monkeypatch.setenv(cuda_mla.MERGE_ENV, "warps")
-    assert cuda_mla.merge_form() == 1
+    assert cuda_mla.merge_form(2) == 1
+    monkeypatch.setenv(cuda_mla.MERGE_ENV, "columns")
+    assert cuda_mla.merge_form(many) == 0
     monkeypatch.setenv(cuda_mla.MERGE_ENV, "rows")
     with pytest.raises(ValueError, match=cuda_mla.MERGE_ENV):
-        cuda_mla.merge_form()
+        cuda_mla.merge_form(many)
 
 
 def test_the_modes_split_size_is_a_whole_number_of_tiles(monkeypatch):
@@ -215,7 +221,8 @@ def sm90() -> bool:
                 ids=lambda variant: variant if variant == "warps_merge" else variant.replace(".", "") + "_form")
 def cuda_on(monkeypatch, request):
     """The kernel on an sm_90 GPU, both cache formats, in each of its forms (fp8 by the cp.async, keys and regs
-    forms), and the default forms with the splits merged by warps (ATTNOPS_CUDA_MLA_MERGE=warps)."""
+    forms) with the splits merged by columns, and the default forms with the splits merged by warps (each merge
+    pinned: the default picks by the split count)."""
     if not sm90():
         pytest.skip("needs an sm_90 GPU")
     monkeypatch.delenv(cuda_mla.ENV, raising=False)  # (both formats)
@@ -224,7 +231,7 @@ def cuda_on(monkeypatch, request):
         monkeypatch.setenv(cuda_mla.MERGE_ENV, "warps")
     else:
         monkeypatch.setenv(cuda_mla.VARIANT_ENV, request.param)
-        monkeypatch.delenv(cuda_mla.MERGE_ENV, raising=False)
+        monkeypatch.setenv(cuda_mla.MERGE_ENV, "columns")
     yield
 
 

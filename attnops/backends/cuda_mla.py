@@ -23,7 +23,7 @@ to FlashInfer, then here (inside a graph nobody replans). ATTNOPS_CUDA_MLA_VERIF
 
 The split of each sequence's keys comes from shapes only (the table's capacity, the tokens, the heads, the SM
 count), so a CUDA graph replays any lengths; with more than one split, the op's second kernel merges the partials
-(and adds the sinks): ATTNOPS_CUDA_MLA_MERGE=warps picks a merge with a row's loads in flight together (merge_form).
+(and adds the sinks): by warps with a row's loads in flight together where a row has many splits (merge_form).
 """
 from __future__ import annotations
 
@@ -40,8 +40,9 @@ ENV = "ATTNOPS_CUDA_MLA"
 VERIFY_ENV = "ATTNOPS_CUDA_MLA_VERIFY"  # 0: decode only
 PACK_ENV = "ATTNOPS_CUDA_MLA_PACK_VERIFY"  # 0: each verify token its own block (tokens_per_block)
 VARIANT_ENV = "ATTNOPS_CUDA_MLA_VARIANT"
-MERGE_ENV = "ATTNOPS_CUDA_MLA_MERGE"  # the splits' merge: columns (the default) or warps (not yet measured)
+MERGE_ENV = "ATTNOPS_CUDA_MLA_MERGE"  # the splits' merge: columns or warps (default: merge_form's choice)
 MERGES = ("columns", "warps")  # (the op's `merge` codes 0 and 1)
+WARPS_MERGE_SPLITS = 32  # splits a row from which the warps merge is the default (a round of its loads in flight)
 VARIANTS = ("cp.async", "tma", "keys", "regs")  # (the op's `variant` codes 0 to 3)
 KEYS_MAX_HEADS = 16  # the keys form's heads a block (its MMAs' N)
 KEYS_FP8_MIN_CHUNK = 2048  # fp8: the keys form's splits at least (measured faster at 2048 and 4096, slower at 256)
@@ -183,15 +184,20 @@ def mla_attention(call) -> None:
                                       kernel_variant(call.case.kv_format, call.kv_cache.shape[1], num_heads, chunk,
                                                      packed=group > 1),
                                       None if call.cu_seqlens_q is None else call.cu_seqlens_q.contiguous(), group,
-                                      merge_form())
+                                      merge_form(splits))
 
 
-def merge_form() -> int:
-    """The merge kernel of a call's splits, as the op's code (MERGES' index): `columns` (each thread four of a row's
-    values over its splits one after another), or with ATTNOPS_CUDA_MLA_MERGE=warps four warps over a row's splits
-    in turn, their loads in flight together (csrc/cuda/mla_decode_sm90.cuh: mla_merge_warps_kernel; only when
-    asked for: not yet measured). `bash benchmarks/gpu_round.sh cuda-mla-merge` times both."""
-    name = environ_get(MERGE_ENV) or "columns"
+def merge_form(splits: int) -> int:
+    """The merge kernel of a call's `splits` splits a row, as the op's code (MERGES' index): `columns` (each thread
+    four of a row's values over its splits one after another) or `warps` (four warps over a row's splits in turn,
+    their loads in flight together: csrc/cuda/mla_decode_sm90.cuh, mla_merge_warps_kernel). By default warps from
+    WARPS_MERGE_SPLITS splits on (measured 1.14-1.51x faster at 64 and 128 splits, 1.5-8% slower at 2 and 4:
+    docs/bench.md), columns below and always in batch-invariant mode (there the split count follows the table's
+    width, and the two merges sum in different orders); ATTNOPS_CUDA_MLA_MERGE picks one.
+    `bash benchmarks/gpu_round.sh cuda-mla-merge` times both."""
+    name = environ_get(MERGE_ENV)
+    if not name:
+        name = "warps" if splits >= WARPS_MERGE_SPLITS and not invariance.enabled() else "columns"
     if name not in MERGES:
         raise ValueError(f"{MERGE_ENV} must be one of {', '.join(MERGES)} (got {name!r})")
     return MERGES.index(name)
