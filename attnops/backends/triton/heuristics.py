@@ -190,7 +190,8 @@ def _heuristic_config(case: AttentionCase, num_tokens: int, device: torch.device
     # mma layout by ldmatrix instead of a shared-memory load a byte; prefill tiles are not measured, so off there.
     # PAGE_CLAMP for decode: the pages checked after the loop, not before it (faster or equal in every format).
     # HEAD_PARTS for decode-like tiles of 256 columns: a head dim between 128 and 256 (160, 192) in two tiles (128 and
-    # the rest), not one padded one, 1.03-1.33x faster in bf16 and fp8; at 80 and 96 (128's tile) 1.04-1.26x slower.
+    # the rest), not one padded one, 1.08-1.35x faster in bf16; at 80 and 96 (128's tile) 1.06-1.28x slower; fp8
+    # keeps the padded tile, whose register cap (128, below) two tiles cannot take: 1.06-1.46x faster.
     # PAD_WRAP (a padded tile's columns past the head dim read as copies of its first ones, not masked): off, not
     # yet timed.
     # FULL_TILES and OFFSETS_32 for the 64-row verify tile (unmasked full tiles, int32 cache offsets): faster there
@@ -203,7 +204,7 @@ def _heuristic_config(case: AttentionCase, num_tokens: int, device: torch.device
                 V_DEQUANT_FIRST=kv_format == "mxfp4" and decode_like and device.type == "cuda",
                 PDL=_capability(device) >= 9, FP8_V_PAIRS=fp8_pairs, FP8_K_PAIRS=fp8_pairs, BOUNDS=True,
                 PAGE_CLAMP=decode, FULL_TILES=verify_64, OFFSETS_32=verify_64,
-                HEAD_PARTS=decode_like and head_dim == 256, PAD_WRAP=False)
+                HEAD_PARTS=decode_like and head_dim == 256 and not formats.is_fp8(kv_format), PAD_WRAP=False)
 
 
 heuristic_config.cache_clear = _heuristic_config.cache_clear  # (tests and compile_check clear the choices)
