@@ -191,7 +191,8 @@ for step in "$@"; do
       for shape in ${TRITON_SPLITS_SHAPES:-32/8/128}; do
         IFS=/ read -r hq hkv d <<< "$shape"; name=triton-splits-$hq-$hkv-$d
         timeout ${SPLITS_TIMEOUT:-150} python3 benchmarks/triton_tuning.py --shape $hq $hkv $d --formats bf16 fp8_e4m3 \
-          --cases 32x8192 128x4096 ragged64 ragged256 64x2048 1x32768 --tile-cases 32x8192 --no-extend --exact \
+          --cases ${TRITON_SPLITS_CASES:-32x8192 128x4096 ragged64 ragged256 64x2048 1x32768 ragged32x8k 31x512+8192} \
+          --tile-cases 32x8192 --no-extend --exact \
           --tiles 128,4,3 --budget $(( ${SPLITS_TIMEOUT:-150} - 20 )) --json "$results/$name.json" \
           > "$results/$name.log" 2>&1
         echo "== $shape"; grep -E "best CHUNK|fail|wrong" "$results/$name.log" | cut -c1-220

@@ -53,8 +53,12 @@ DECODE_CASES = {
     "ragged64": ragged_lengths(64, seed=64), "ragged256": ragged_lengths(256, seed=256),
 }
 DEFAULT_CASES = tuple(DECODE_CASES)  # the benchmark grid's decode cases
-DECODE_CASES["64x1024"] = [1024] * 64  # cascade's suffix pass (issue 25): opt in with --cases
-DECODE_CASES["32x8192"] = [8192] * 32  # the fp8 bar's case (issue 24): opt in with --cases
+DECODE_CASES["64x1024"] = [1024] * 64  # cascade's suffix pass: opt in with --cases
+DECODE_CASES["32x8192"] = [8192] * 32  # the fp8 bar's case: opt in with --cases
+# ragged batches whose longest sequence is 8192 keys (a table of that capacity), where one split a sequence leaves
+# the longest alone at the end: opt in with --cases
+DECODE_CASES["ragged32x8k"] = ragged_lengths(32, seed=32, high=8192)
+DECODE_CASES["31x512+8192"] = [512] * 31 + [8192]
 TILE_CASES = ("128x4096", "1x32768")
 # None: one split per sequence. 1536 and 3072 split 4096 and 8192 keys in three and 8192 in six: a split count that
 # is no power of two fills an SM count's waves differently (256 programs x 3 on 132 SMs x 3)
@@ -67,7 +71,7 @@ EXTEND_CASES = {
     "verify8 32x4096": ([4096] * 32, [8] * 32),
     "prefill 8x4096": ([4096] * 8, [4096] * 8),
     "chunked 2048 on 46000": ([48048], [2048]),
-    # draft trees (issue 22: within 1.3x of decode) and cascade's prefix pass (issue 25: 64 rows against a
+    # draft trees (the bar: within 1.3x of decode) and cascade's prefix pass (64 rows against a
     # 32K prefix, seeing none of their own block): opt in with --extend-cases
     "verify16 32x4096": ([4096] * 32, [16] * 32),
     "tree16 32x4096": ([4096] * 32, [16] * 32),
