@@ -12,7 +12,8 @@ tests and times it. ATTNOPS_CUDA_MLA_VARIANT picks the kernel's form (kernel_var
 measured for the call): `tma` (whole tiles copied by the tensor memory accelerator), `cp.async`, `keys` (at most
 16 heads: the keys as the MMAs' M, csrc/cuda/mla_keys_sm90.cuh) and `regs` (fp8 at up to 16 heads: the keys form
 with the cache's bytes widened in registers, f16 MMAs, a producer warpgroup issuing the copies,
-csrc/cuda/mla_regs_sm90.cuh; only when asked for: its current version not yet measured).
+csrc/cuda/mla_regs_sm90.cuh; only when asked for: 0.99-1.11x the keys form on the H100, not yet measured on the
+H200).
 
 Verify (a few query tokens a sequence, no tree mask): each query row sees its sequence's keys up to its own
 position. At up to 32 heads a block takes several query tokens of a sequence as its 64 rows (tokens_per_block), so

@@ -852,7 +852,7 @@ __global__ void __launch_bounds__(128) mla_merge_kernel(const Args a, const floa
   store_merged_row(a, sinks, token, head, row, o, denom, mx, sink, keys, any_nan);
 }
 
-// mla_merge_kernel's work with a row's loads in flight together (ATTNOPS_CUDA_MLA_MERGE=warps; not yet measured).
+// mla_merge_kernel's work with a row's loads in flight together (the default from 32 splits a row: merge_form).
 // Why: mla_merge_kernel takes a row's splits one after another, each load awaited before the next is issued, so a
 // long sequence alone (one row a head, 128 splits) costs 128 round trips to L2 in 16 blocks.
 // 128 threads: the LSEs' maximum over all of them; then warp w takes the splits w, w + 4, ... in rounds of

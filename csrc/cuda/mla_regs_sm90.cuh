@@ -1,6 +1,6 @@
 // Latent attention (MLA) decode for sm_90a on an fp8 e4m3 cache at most 16 heads, the keys as the MMAs' M and the
 // cache's bytes widened in registers: the `cuda` backend's latent-attention kernel with
-// ATTNOPS_CUDA_MLA_VARIANT=regs (off unless asked for: not yet measured in this form).
+// ATTNOPS_CUDA_MLA_VARIANT=regs (off unless asked for: this form not yet measured on the H200).
 //
 // Why: the keys form (mla_keys_sm90.cuh) widens a tile's fp8 bytes in shared memory to the bf16 tile its MMAs read,
 // so a tile costs shared memory 36 KB read, 72 KB written and 136 KB read again by the MMAs, and its slot holds

@@ -192,8 +192,8 @@ def _heuristic_config(case: AttentionCase, num_tokens: int, device: torch.device
     # HEAD_PARTS for decode-like tiles of 256 columns: a head dim between 128 and 256 (160, 192) in two tiles (128 and
     # the rest), not one padded one, 1.08-1.35x faster in bf16; at 80 and 96 (128's tile) 1.06-1.28x slower; fp8
     # keeps the padded tile, whose register cap (128, below) two tiles cannot take: 1.06-1.46x faster.
-    # PAD_WRAP (a padded tile's columns past the head dim read as copies of its first ones, not masked): off, not
-    # yet timed.
+    # PAD_WRAP (a padded tile's columns past the head dim read as copies of its first ones, not masked): off, up to
+    # 1.24x slower (bf16 at 80).
     # FULL_TILES and OFFSETS_32 for the 64-row verify tile (unmasked full tiles, int32 cache offsets): faster there
     # (bf16 1.18-1.19x); in decode tiles neutral (bf16) to slower (fp8, and nvfp4 by a third: registers).
     # The measurements behind each choice: this package's README.
@@ -276,7 +276,7 @@ def kernel_constexprs(cfg: dict, case: AttentionCase, *, on_gpu: bool, lse: bool
         OFFSETS_32=bool(cfg["OFFSETS_32"]) and offsets_fit_32,
         # a head dim between powers of two in two tiles (its power of two below, then the rest), not one padded one
         DIM_B=head_parts(case.head_dim, kv_format) if cfg.get("HEAD_PARTS") else 0,
-        # a padded tile's columns past the head dim read as copies of its first ones, not masked (off: not yet timed)
+        # a padded tile's columns past the head dim read as copies of its first ones, not masked (off: slower)
         PAD_WRAP=bool(cfg.get("PAD_WRAP")) and case.head_dim < head_tile(case.head_dim))
     options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     # a register cap: more resident programs per SM at the price of spills; not on two tiles (fp8's loop then needs
