@@ -21,6 +21,12 @@
 #             uniform and ragged batches, bf16 and fp8, at each head shape of TRITON_SPLITS_SHAPES (default
 #             "32/8/128"; head dims up to 128, whose tile is 128 keys): $results/triton-splits-HQ-HKV-D.{json,log},
 #             each case's best CHUNK beside the heuristic's
+#   wave-plan Triton's decode with the split size chosen on the device from the call's lengths (WAVE_PLAN=n: one
+#             wave of n programs an SM) against the shapes' plan: the GPU tests with it forced (a user's graph
+#             replaying new lengths, the plan against the reference), then triton_tuning.py --compare for each n
+#             of WAVE_PLANS (default "3 2"), uniform and ragged batches (one long sequence among short ones),
+#             bf16 and fp8, at each head shape of WAVE_SHAPES (default "32/8/128 32/4/128"):
+#             $results/wave-plan-N-HQ-HKV-D.{json,log}, wave-plan.txt (each case's time with the plan over without)
 #   bench     python -m attnops bench $BENCH_ARGS (JSON + PNG), on a quiet GPU
 #   jit       FlashInfer's kernels for every head dim (64, 128, 256) x KV type (bf16, fp8) of the models grid,
 #             JIT-built in parallel processes (`python -m attnops warmup` with FlashInfer pinned); jit-start ...
@@ -197,6 +203,18 @@ for step in "$@"; do
           > "$results/$name.log" 2>&1
         echo "== $shape"; grep -E "best CHUNK|fail|wrong" "$results/$name.log" | cut -c1-220
       done; stamp triton-splits ;;
+    wave-plan)
+      ATTNOPS_TRITON_TUNABLES=WAVE_PLAN=3 timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider \
+        -m gpu tests/test_triton.py -k "wave or graph" > "$results/wave-plan-tests.log" 2>&1
+      tail -1 "$results/wave-plan-tests.log"; grep -E "^FAILED" "$results/wave-plan-tests.log" | head -8
+      for plan in ${WAVE_PLANS:-3 2}; do for shape in ${WAVE_SHAPES:-32/8/128 32/4/128}; do
+        IFS=/ read -r hq hkv d <<< "$shape"; name=wave-plan-$plan-$hq-$hkv-$d
+        timeout ${WAVE_TIMEOUT:-120} python3 benchmarks/triton_tuning.py --shape $hq $hkv $d --formats bf16 fp8_e4m3 \
+          --compare WAVE_PLAN=$plan --no-extend --rounds 3 --budget $(( ${WAVE_TIMEOUT:-120} - 20 )) \
+          --cases 32x8192 128x4096 ragged32x8k 31x512+8192 ragged64 64x2048 1x32768 \
+          --json "$results/$name.json" > "$results/$name.log" 2>&1
+        echo "== WAVE_PLAN=$plan $shape"; grep -E "^  |failed|Error" "$results/$name.log" | tail -16
+      done; done 2>&1 | tee "$results/wave-plan.txt"; stamp wave-plan ;;
     bench)
       timeout ${BENCH_TIMEOUT:-300} python3 -m attnops bench ${BENCH_ARGS:-} --json "$results/bench.json" \
         --plot "$results/bench.png" > "$results/bench.txt" 2> /tmp/bench.err; tail -3 /tmp/bench.err

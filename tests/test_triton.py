@@ -12,6 +12,7 @@ device memory of a call does not depend on the cache size).
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import random
@@ -26,7 +27,7 @@ import attnops
 from attnops import formats
 from attnops.backends import BACKENDS
 from attnops.backends.reference import paged_attention_reference, reshape_and_cache_reference
-from attnops.backends.triton.common import FMT_CODE
+from attnops.backends.triton.common import FMT_CODE, wave_chunk
 from attnops.backends.triton.kernel import TL_DTYPE as _TL_DTYPE, _dequant_fp4, _fp4_scale, fp4_fold
 from attnops.testing import extra_call_memory, random_paged_inputs, relative_error
 
@@ -190,6 +191,95 @@ def test_merge_over_several_split_tiles():
                       v_scale=None, out=out, config=dict(MAX_SPLITS=21, CHUNK=32, BLOCK_N=32))
         ref = paged_attention_reference(**args, scale=0.0625, window_left=window_left, compute_dtype=torch.float64)
         assert relative_error(out, ref) < 1e-5, window_left
+
+
+@triton.jit
+def _wave_chunk_of(seq_lens_ptr, out_ptr, num_seqs, capacity, CHUNK, wave_splits, LOG_MIN_CHUNK: tl.constexpr):
+    tl.store(out_ptr, wave_chunk(seq_lens_ptr, num_seqs, capacity, CHUNK, wave_splits, LOG_MIN_CHUNK))
+
+
+def wave_chunk_expected(lens, capacity, chunk, wave_splits, min_chunk):
+    """common.wave_chunk's choice, written out: the smallest min_chunk << k whose splits fit one wave, else chunk."""
+    lens = [n if 0 <= n <= capacity else 0 for n in lens]
+    for k in range(16):
+        candidate = min_chunk << k
+        if sum(-(-n // candidate) for n in lens) <= wave_splits:
+            return candidate
+    return chunk
+
+
+WAVE_CASES = {  # (lengths, capacity, the shapes' CHUNK, splits a wave holds) -> expected keys a split
+    "uniform 32 x 8192, 8 KV heads on 132 SMs: one split each": ([8192] * 32, 8192, 4096, 3 * 132 // 8, 8192),
+    "31 x 512 + 8192: the long one cut in 512s": ([512] * 31 + [8192], 8192, 4096, 3 * 132 // 8, 512),
+    "128 x 4096: no wave holds it, the shapes' plan": ([4096] * 128, 4096, 4096, 3 * 132 // 8, 4096),
+    "bad lengths count as none": ([-5, 10 ** 6, 8192, 0], 8192, 4096, 4, 2048),
+}
+
+
+@pytest.mark.parametrize("case", WAVE_CASES)
+def test_wave_chunk(case):
+    """The device's split size from the call's lengths (WAVE_PLAN) against the same rule in Python: the H100's
+    cases, bad lengths, and random batches longer than its loop's block of 64 sequences."""
+    lens, capacity, chunk, wave_splits, expected = WAVE_CASES[case]
+    assert wave_chunk_expected(lens, capacity, chunk, wave_splits, 512) == expected
+    cases = [(lens, capacity, chunk, wave_splits)]
+    rng = random.Random(len(case))
+    for _ in range(3):
+        batch = rng.choice([1, 63, 64, 65, 150])
+        cases.append(([rng.randint(-2, 9000) for _ in range(batch)], 8192, 1024, rng.randint(1, 400)))
+    for lens, capacity, chunk, wave_splits in cases:
+        got = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+        _wave_chunk_of[(1,)](torch.tensor(lens, dtype=torch.int32, device=DEVICE), got, len(lens), capacity, chunk,
+                             wave_splits, LOG_MIN_CHUNK=9)
+        assert got.item() == wave_chunk_expected(lens, capacity, chunk, wave_splits, 512), (lens, wave_splits)
+
+
+WAVE_PLAN_CASES = [("fp32", [300, 0, 77, 130], {}), ("fp16", [1000, 3, 3, 3, 3, 3], dict(window_left=200)),
+                   ("fp8_e4m3", [257, 0, 640], dict(sinks=True)), ("nvfp4", [450, 90], dict(lse=True))]
+
+
+@pytest.mark.parametrize("kv_format,kv_lens,options", WAVE_PLAN_CASES, ids=[c[0] for c in WAVE_PLAN_CASES])
+def test_wave_plan_against_the_reference(kv_format, kv_lens, options):
+    """Decode with the split size chosen on the device from the lengths (WAVE_PLAN forced; off by default): ragged
+    batches with an empty sequence, a long one among short ones (cut into more splits than the shapes' plan
+    gives), a window, sinks, each row's LSE from the merge kernel; every format's tiles."""
+    from attnops.backends.triton import launch as tlaunch
+    q_dtype = F32 if kv_format == "fp32" else F16
+    args = random_paged_inputs(kv_lens, num_q_heads=6, num_kv_heads=3, kv_format=kv_format, q_dtype=q_dtype,
+                               device=DEVICE, seed=len(kv_lens))
+    sinks = torch.randn(6, device=DEVICE) if options.get("sinks") else None
+    lse = torch.full((len(kv_lens), 6), float("nan"), device=DEVICE) if options.get("lse") else None
+    out = torch.full_like(args["q"], float("nan"))
+    window_left = options.get("window_left", -1)
+    tlaunch.launch(args["q"], args["k_cache"], args["v_cache"], args["block_table"], args["seq_lens"], None,
+                   scale=0.125, soft_cap=0.0, window_left=window_left, kv_format=kv_format,
+                   k_scale=args.get("k_scale"), v_scale=args.get("v_scale"), out=out, lse=lse, sinks=sinks,
+                   config=dict(WAVE_PLAN=3))
+    ref, ref_lse = paged_attention_reference(**args, scale=0.125, window_left=window_left, sinks=sinks,
+                                             return_lse=True, compute_dtype=torch.float64)
+    assert not out.isnan().any(), "a row no program wrote"
+    assert relative_error(out, ref) < TOLERANCE[q_dtype]
+    if lse is not None:
+        assert torch.allclose(lse.double(), ref_lse, atol=1e-3)
+
+
+def test_wave_plan_applies_to_decode_outside_batch_invariant_mode_only():
+    """WAVE_PLAN's chunk depends on the other sequences' lengths: verify and prefill keep the shapes' plan, and so does
+    batch-invariant mode (where a row's splits must not depend on its batch); where it applies, MAX_SPLITS covers
+    the table in the shortest splits it may choose."""
+    from attnops.backends.triton.heuristics import wave_plan
+    from attnops.cases import AttentionCase
+    case = AttentionCase(device_type="cpu", arch=None, q_dtype=F16, kv_format="fp16", head_dim=64, page_size=16,
+                         num_q_heads=8, num_kv_heads=2, decode=True, soft_cap=False, sliding_window=False,
+                         scale_kind="none", batch=4, max_kv_len=4096)
+    cfg = dict(WAVE_PLAN=3, MAX_SPLITS=2, CHUNK=2048, BLOCK_N=128)
+    assert wave_plan(cfg, case, 4, on_gpu=True)["MAX_SPLITS"] == 4096 // 512
+    assert wave_plan(cfg, case, 4, on_gpu=False)["MAX_SPLITS"] == 4096 // 256
+    assert wave_plan(dict(cfg, WAVE_PLAN=0), case, 4, on_gpu=True)["MAX_SPLITS"] == 2
+    verify = dataclasses.replace(case, decode=False, shape_class="verify", q_per_seq=4)
+    assert wave_plan(cfg, verify, 16, on_gpu=True)["WAVE_PLAN"] == 0
+    with attnops.batch_invariant():
+        assert wave_plan(cfg, case, 4, on_gpu=True) == dict(cfg, WAVE_PLAN=0)
 
 
 @pytest.mark.parametrize("kv_format,q_lens,q_dtype", [("nvfp4", None, F16), ("mxfp4", [5, 9], F32),
@@ -652,6 +742,9 @@ assert len(picked) == 15 and {v["fmt"] for v in picked[-3:]} == {"bf16", "fp8_e4
 # columns past the head dim read as copies of the first ones (PAD_WRAP): 96 in bf16, decode
 picked += [v for v in variants if v.get("pad_wrap") and v["decode"]][:1]
 assert len(picked) == 16 and picked[-1]["valid_dim"] == 96
+# decode's split size from the call's lengths (WAVE_PLAN), bf16 and fp8
+picked += [v for v in variants if v.get("wave_plan")][:2]
+assert len(picked) == 18 and {v["fmt"] for v in picked[-2:]} == {"bf16", "fp8_e4m3"}
 for v in picked:
     compiled, _ = cc.compile_attention(v, target)
     if v is picked[0]:  # --sass's reading of the SASS: the decode loop, with its mma, inside the kernel
@@ -995,8 +1088,14 @@ def test_merge_as_programmatic_dependent_launch(q_lens):
 
 
 @gpu
-def test_cuda_graph_capture_and_replay_with_new_lengths():
-    """Captured once, replayed with new seq_lens and block tables: the split count is decided on the device."""
+@pytest.mark.parametrize("wave_plan", [0, 3], ids=["shapes_plan", "wave_plan"])
+def test_cuda_graph_capture_and_replay_with_new_lengths(wave_plan, monkeypatch, request):
+    """Captured once, replayed with new seq_lens and block tables: the split count is decided on the device (and
+    with WAVE_PLAN forced, the split size too, from each replay's lengths)."""
+    from attnops.backends.triton.heuristics import forced_tunables
+    monkeypatch.setenv("ATTNOPS_TRITON_TUNABLES", f"WAVE_PLAN={wave_plan}")
+    forced_tunables.cache_clear()
+    request.addfinalizer(forced_tunables.cache_clear)
     # built for 3000 keys each (every table row has its pages), replayed with any lengths up to that
     args = random_paged_inputs([3000, 3000, 3000, 3000], num_q_heads=32, num_kv_heads=8, head_dim=128, kv_format="bf16",
                                q_dtype=torch.bfloat16, device="cuda", seed=0)

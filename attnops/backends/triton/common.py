@@ -90,6 +90,29 @@ def kv_plan(seq_len, q_len, q_block, window_left, MAX_SPLITS, CHUNK,
 
 
 @triton.jit
+def wave_chunk(seq_lens_ptr, num_seqs, capacity, CHUNK, wave_splits, LOG_MIN_CHUNK: tl.constexpr):
+    """Keys a split of a decode call chosen from its lengths (WAVE_PLAN), on the device, so inside a CUDA graph
+    too: the smallest of MIN_CHUNK = 2^LOG_MIN_CHUNK, 2 MIN_CHUNK, 4 MIN_CHUNK, ... whose splits (the sum over
+    sequences of ceil(length / chunk)) all fit one wave of `wave_splits` (the programs a wave holds over the KV heads); CHUNK
+    (the plan of the call's shapes) where none does. One wave: a uniform batch is not cut into a wave and a bit,
+    and a ragged batch's long sequence is cut into splits as short as the wave allows, not left running alone at
+    the end. Every program of the attention and merge kernels works it out from the same lengths, so their plans
+    agree. Lengths outside [0, capacity] count as 0, as the kernels read them."""
+    NC: tl.constexpr = 16  # candidates MIN_CHUNK << 0..15
+    BLOCK_B: tl.constexpr = 64
+    shifts = LOG_MIN_CHUNK + tl.arange(0, NC)
+    cands = 1 << shifts
+    splits = tl.zeros([NC], tl.int32)
+    for b0 in range(0, num_seqs, BLOCK_B):
+        offs = b0 + tl.arange(0, BLOCK_B)
+        lens = tl.load(seq_lens_ptr + offs, mask=offs < num_seqs, other=0)
+        lens = tl.where((lens < 0) | (lens > capacity), 0, lens)
+        splits += tl.sum((lens[:, None] + (cands[None, :] - 1)) >> shifts[None, :], 0)  # ceil(length / candidate)
+    best = tl.min(tl.where(splits <= wave_splits, cands, 2147483647), 0)
+    return tl.where(best == 2147483647, CHUNK, best)
+
+
+@triton.jit
 def find_sequence(cu_ptr, target, num_seqs, BLOCK_Q: tl.constexpr, BY_BLOCKS: tl.constexpr):
     """The last b in [0, num_seqs) with start(b) <= target (binary search; start is non-decreasing), where
     start(b) = cu[b] (token index) or, BY_BLOCKS, cu[b] // BLOCK_Q + b (index of b's first query block in the

@@ -47,8 +47,8 @@ TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.floa
 
 
 # do_not_specialize in the kernels (int32, no divisibility assumed)
-NOT_DIVISIBLE = ("num_seqs", "window_left", "MAX_SPLITS", "CHUNK", "num_tokens", "num_pages", "capacity", "num_slots",
-                 "batch", "width", "stride_table", "stride_tm", "tm_cols")
+NOT_DIVISIBLE = ("num_seqs", "window_left", "MAX_SPLITS", "CHUNK", "wave_splits", "num_tokens", "num_pages",
+                 "capacity", "num_slots", "batch", "width", "stride_table", "stride_tm", "tm_cols")
 
 
 def signature(fn, types: dict, constexprs: dict) -> dict:
@@ -121,6 +121,11 @@ def attention_variants(quick: bool, arch: int = 90):
     if arch >= 90:
         yield dict(fmt="bf16", q_dtype="bf16", decode=True, head_dim=128, group=4, page=16, block_q=1, block_n=128,
                    warps=4, window=False, soft_cap=False, scale_bcast=False, pdl=True)
+    # decode's split size from the call's lengths (WAVE_PLAN), bf16 and fp8 pairs, the merge a dependent launch
+    for fmt in ("bf16", "fp8_e4m3"):
+        yield dict(fmt=fmt, q_dtype="bf16", decode=True, head_dim=128, group=4, page=16, block_q=1, block_n=128,
+                   warps=4, window=False, soft_cap=False, scale_bcast=False, fp8_v_pairs=fmt != "bf16",
+                   fp8_k_pairs=fmt != "bf16", heads_inner=True, page_clamp=True, pdl=arch >= 90, wave_plan=9)
     # the heads-inner grid order, decode and verify tiles
     for decode in (True, False):
         yield dict(fmt="bf16", q_dtype="bf16", decode=decode, head_dim=128, group=4, page=16,
@@ -289,7 +294,7 @@ def compile_attention(v, target):
                       BOUNDS=v.get("bounds", True), PAGE_CLAMP=v.get("page_clamp", False),
                       FULL_TILES=v.get("full_tiles", False), OFFSETS_32=v.get("offsets_32", False),
                       VALID_DIM=v.get("valid_dim", v["head_dim"]), DIM_B=v.get("dim_b", 0),
-                      PAD_WRAP=v.get("pad_wrap", False))
+                      PAD_WRAP=v.get("pad_wrap", False), WAVE_PLAN=v.get("wave_plan", 0))
     stages = 2 if v["head_dim"] >= 256 else 3
     compiled = compile_one(paged_attention_kernel, types, constexprs, target, v["warps"], stages)
     merge = compile_one(merge_splits_kernel, dict(out_ptr=qp, lse_ptr=types["lse_ptr"], part_out_ptr="*fp32",
@@ -299,7 +304,8 @@ def compile_attention(v, target):
                              SPLITS_P2=64, IS_DECODE=v["decode"], HAS_WINDOW=v["window"],
                              HAS_TREE=v.get("tree", False), HAS_SINKS=v.get("sinks", False),
                              PDL=v.get("pdl", False), BOUNDS=v.get("bounds", True), ALIGN=v["block_n"],
-                             WRITE_LSE=v.get("lse", False), VALID_DIM=v.get("valid_dim", v["head_dim"])),
+                             WRITE_LSE=v.get("lse", False), VALID_DIM=v.get("valid_dim", v["head_dim"]),
+                             WAVE_PLAN=v.get("wave_plan", 0)),
                         target, 4, 2)
     return compiled, merge
 

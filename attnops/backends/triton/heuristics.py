@@ -22,7 +22,7 @@ WORKSPACE_BYTES = 64 * 2 ** 20  # the most split partials one call may allocate 
 # Tunables a caller (benchmarks/triton_tuning.py, tests) may force; None entries fall back to the heuristic.
 CONFIG_KEYS = ("BLOCK_N", "num_warps", "num_stages", "CHUNK", "MAX_SPLITS", "BLOCK_Q", "SCALE_BCAST", "FP4_ASM",
                "maxnreg", "HEADS_INNER", "V_DEQUANT_FIRST", "PDL", "FP8_V_PAIRS", "FP8_K_PAIRS", "BOUNDS",
-               "PAGE_CLAMP", "FULL_TILES", "OFFSETS_32", "HEAD_PARTS", "PAD_WRAP")
+               "PAGE_CLAMP", "FULL_TILES", "OFFSETS_32", "HEAD_PARTS", "PAD_WRAP", "WAVE_PLAN")
 
 
 @functools.lru_cache(maxsize=None)
@@ -80,6 +80,9 @@ def dot_dtype(q_dtype: torch.dtype, kv_format: str) -> torch.dtype:
 
 # batch-invariant mode (attnops.invariance): keys a split, fixed, so that kv_plan cuts a sequence by its own length
 INVARIANT_CHUNK = 2048
+# WAVE_PLAN (decode's keys a split chosen on the device from the call's lengths: common.wave_chunk): the shortest
+# split it may choose on a GPU (the interpreter: two tiles, so that CPU tests split short sequences)
+WAVE_MIN_CHUNK = 512
 
 
 def heuristic_config(case: AttentionCase, num_tokens: int, device: torch.device) -> dict:
@@ -194,6 +197,9 @@ def _heuristic_config(case: AttentionCase, num_tokens: int, device: torch.device
     # keeps the padded tile, whose register cap (128, below) two tiles cannot take: 1.06-1.46x faster.
     # PAD_WRAP (a padded tile's columns past the head dim read as copies of its first ones, not masked): off, up to
     # 1.24x slower (bf16 at 80).
+    # WAVE_PLAN (decode's split size from the call's lengths, on the device: the programs a wave holds an SM; 0 off):
+    # off, not yet timed (the plan of shapes is 2-3.4x slower than the best split on a ragged batch whose longest
+    # sequence fills an 8192-key table, 1.07-1.22x at 32 x 8192, and within 1% at 128 x 4096: docs/bench.md).
     # FULL_TILES and OFFSETS_32 for the 64-row verify tile (unmasked full tiles, int32 cache offsets): faster there
     # (bf16 1.18-1.19x); in decode tiles neutral (bf16) to slower (fp8, and nvfp4 by a third: registers).
     # The measurements behind each choice: this package's README.
@@ -204,10 +210,31 @@ def _heuristic_config(case: AttentionCase, num_tokens: int, device: torch.device
                 V_DEQUANT_FIRST=kv_format == "mxfp4" and decode_like and device.type == "cuda",
                 PDL=_capability(device) >= 9, FP8_V_PAIRS=fp8_pairs, FP8_K_PAIRS=fp8_pairs, BOUNDS=True,
                 PAGE_CLAMP=decode, FULL_TILES=verify_64, OFFSETS_32=verify_64,
-                HEAD_PARTS=decode_like and head_dim == 256 and not formats.is_fp8(kv_format), PAD_WRAP=False)
+                HEAD_PARTS=decode_like and head_dim == 256 and not formats.is_fp8(kv_format), PAD_WRAP=False,
+                WAVE_PLAN=0)
 
 
 heuristic_config.cache_clear = _heuristic_config.cache_clear  # (tests and compile_check clear the choices)
+
+
+def wave_plan(cfg: dict, case: AttentionCase, num_tokens: int, on_gpu: bool) -> dict:
+    """`cfg` with WAVE_PLAN (decode's split size from the call's lengths, on the device) off where it does not apply
+    (verify, prefill, batch-invariant mode: there a row's splits must not depend on the other sequences), and
+    MAX_SPLITS raised where it does, so that a sequence as long as the table can take splits of the shortest size the
+    device may choose (within the workspace's bound). Shapes only: graph-safe."""
+    if not cfg.get("WAVE_PLAN"):
+        return cfg
+    if not case.decode or invariance.enabled():
+        return dict(cfg, WAVE_PLAN=0)
+    per_split = num_tokens * case.num_q_heads * head_tile(case.head_dim) * 4
+    splits = min(-(-case.max_kv_len // wave_min_chunk(cfg, on_gpu)), 256, max(1, WORKSPACE_BYTES // per_split))
+    return dict(cfg, MAX_SPLITS=max(cfg["MAX_SPLITS"], splits))
+
+
+def wave_min_chunk(cfg: dict, on_gpu: bool) -> int:
+    """The shortest split WAVE_PLAN may choose (a power of two): WAVE_MIN_CHUNK on a GPU, two tiles in the
+    interpreter."""
+    return WAVE_MIN_CHUNK if on_gpu else 2 * cfg["BLOCK_N"]
 
 
 def smaller_tile(cfg: dict) -> dict | None:
@@ -277,7 +304,10 @@ def kernel_constexprs(cfg: dict, case: AttentionCase, *, on_gpu: bool, lse: bool
         # a head dim between powers of two in two tiles (its power of two below, then the rest), not one padded one
         DIM_B=head_parts(case.head_dim, kv_format) if cfg.get("HEAD_PARTS") else 0,
         # a padded tile's columns past the head dim read as copies of its first ones, not masked (off: slower)
-        PAD_WRAP=bool(cfg.get("PAD_WRAP")) and case.head_dim < head_tile(case.head_dim))
+        PAD_WRAP=bool(cfg.get("PAD_WRAP")) and case.head_dim < head_tile(case.head_dim),
+        # decode's split size from the call's lengths (wave_plan): the shortest split it may choose, as a power of
+        # two's exponent; 0 off
+        WAVE_PLAN=wave_min_chunk(cfg, on_gpu).bit_length() - 1 if cfg.get("WAVE_PLAN") and case.decode else 0)
     options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     # a register cap: more resident programs per SM at the price of spills; not on two tiles (fp8's loop then needs
     # 142 registers uncapped and spills under 168: sm_90 SASS)

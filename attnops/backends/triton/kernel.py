@@ -34,7 +34,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from .common import (ERR_BLOCK_TABLE, ERR_CU_SEQLENS_Q, ERR_SEQ_LENS, FMT_FP8, FMT_MXFP4, FMT_NVFP4,
                      FP8_PAIR_E4M3_EVEN, FP8_PAIR_E4M3_ODD, FP8_PAIR_E5M2_EVEN, FP8_PAIR_E5M2_ODD, LN2, LOG2E,
                      bad_page_rows, check_pages, cu_seqlens_violation, e2m1_nibbles, e8m0_to_f32, fp8_decoded,
-                     find_sequence, kv_plan, opaque_one)
+                     find_sequence, kv_plan, opaque_one, wave_chunk)
 
 # torch dtypes of tl.dot operands as Triton's
 TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -709,13 +709,13 @@ def _loop_bounds(seq_len, q_len, first_pos, last_pos, window_left, split_lo, spl
     return block_start, full_lo, full_hi, tree_lo, full_end
 
 
-@triton.jit(do_not_specialize=["num_seqs", "window_left", "MAX_SPLITS", "CHUNK", "num_tokens", "num_pages",
-                               "capacity", "stride_table", "stride_tm", "tm_cols"])
+@triton.jit(do_not_specialize=["num_seqs", "window_left", "MAX_SPLITS", "CHUNK", "wave_splits", "num_tokens",
+                               "num_pages", "capacity", "stride_table", "stride_tm", "tm_cols"])
 def paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, seq_lens_ptr, cu_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
     err_ptr,
-    sinks_ptr, tm_ptr, num_seqs, sm_scale, soft_cap, window_left, MAX_SPLITS, CHUNK, num_tokens, num_pages,
-    capacity,
+    sinks_ptr, tm_ptr, num_seqs, sm_scale, soft_cap, window_left, MAX_SPLITS, CHUNK, wave_splits, num_tokens,
+    num_pages, capacity,
     stride_qt, stride_qh, stride_kp, stride_kt, stride_kh,
     stride_ksp, stride_kst, stride_ksh, stride_vsp, stride_vst, stride_vsh,
     stride_table, stride_ot, stride_oh, stride_tm, tm_cols,
@@ -728,6 +728,7 @@ def paged_attention_kernel(
     V_DEQUANT_FIRST: tl.constexpr, HEADS_INNER: tl.constexpr, PDL: tl.constexpr, FP8_V_PAIRS: tl.constexpr,
     FP8_K_PAIRS: tl.constexpr, BOUNDS: tl.constexpr, PAGE_CLAMP: tl.constexpr, FULL_TILES: tl.constexpr,
     OFFSETS_32: tl.constexpr, VALID_DIM: tl.constexpr, DIM_B: tl.constexpr = 0, PAD_WRAP: tl.constexpr = False,
+    WAVE_PLAN: tl.constexpr = 0,
 ):
     if PDL:  # the merge kernel may start now: its programs wait (griddepcontrol.wait) before reading partials
         gdc_launch_dependents()
@@ -763,8 +764,14 @@ def paged_attention_kernel(
         ALIGN: tl.constexpr = BLOCK_N if not HAS_WINDOW else min(PAGE, BLOCK_N)
     else:
         ALIGN: tl.constexpr = BLOCK_N
+    chunk = CHUNK
+    if WAVE_PLAN:  # decode: keys a split from the call's lengths (at least 2^WAVE_PLAN, or CHUNK)
+        # a split past any plan's splits of its sequence reads no length (the plan then gives 2^WAVE_PLAN keys a
+        # split, and the program leaves below)
+        past = (split * tl.minimum(CHUNK, 1 << WAVE_PLAN) >= seq_len) & (split > 0)
+        chunk = wave_chunk(seq_lens_ptr, tl.where(past, 0, num_seqs), capacity, CHUNK, wave_splits, WAVE_PLAN)
     first_pos, last_pos, kv_lo, kv_hi, n_splits, split_len = kv_plan(
-        seq_len, q_len, q_block, window_left, MAX_SPLITS, CHUNK, BLOCK_Q, BLOCK_N, HAS_WINDOW, HAS_TREE, ALIGN)
+        seq_len, q_len, q_block, window_left, MAX_SPLITS, chunk, BLOCK_Q, BLOCK_N, HAS_WINDOW, HAS_TREE, ALIGN)
     if split >= n_splits:
         return
     split_lo = kv_lo + split * split_len
@@ -855,14 +862,14 @@ def paged_attention_kernel(
                 WRITE_LSE=WRITE_LSE, BOUNDS=BOUNDS, VALID_DIM=VALID_DIM, DIM_B=DIM_B, PAIRED_V2=PAIRED_V2)
 
 
-@triton.jit(do_not_specialize=["num_seqs", "window_left", "MAX_SPLITS", "CHUNK", "capacity"])
+@triton.jit(do_not_specialize=["num_seqs", "window_left", "MAX_SPLITS", "CHUNK", "wave_splits", "capacity"])
 def merge_splits_kernel(
     out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, cu_ptr, sinks_ptr, num_seqs, window_left, MAX_SPLITS,
-    CHUNK, capacity, stride_ot, stride_oh,
+    CHUNK, wave_splits, capacity, stride_ot, stride_oh,
     NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLITS_P2: tl.constexpr, IS_DECODE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_TREE: tl.constexpr,
     HAS_SINKS: tl.constexpr, PDL: tl.constexpr, BOUNDS: tl.constexpr, ALIGN: tl.constexpr,
-    WRITE_LSE: tl.constexpr, VALID_DIM: tl.constexpr,
+    WRITE_LSE: tl.constexpr, VALID_DIM: tl.constexpr, WAVE_PLAN: tl.constexpr = 0,
 ):
     """One program per (query token, query head): combines the token's split partials by their LSE (and, with
     WRITE_LSE, writes the merged LSE as a natural log). It
@@ -888,7 +895,10 @@ def merge_splits_kernel(
     if BOUNDS:  # as the attention kernel does: a bad length is one split (written there, NaN)
         seq_len = tl.where((seq_len < 0) | (seq_len > capacity), 0, seq_len)
     q_block = (t - q_start) // BLOCK_Q
-    _, _, _, _, n_splits, _ = kv_plan(seq_len, q_len, q_block, window_left, MAX_SPLITS, CHUNK, BLOCK_Q, BLOCK_N,
+    chunk = CHUNK
+    if WAVE_PLAN:  # (the attention kernel's plan, from the same lengths)
+        chunk = wave_chunk(seq_lens_ptr, num_seqs, capacity, CHUNK, wave_splits, WAVE_PLAN)
+    _, _, _, _, n_splits, _ = kv_plan(seq_len, q_len, q_block, window_left, MAX_SPLITS, chunk, BLOCK_Q, BLOCK_N,
                                       HAS_WINDOW, HAS_TREE, ALIGN)
     if PDL:  # every program waits, so that this grid completes after the attention kernel does
         gdc_wait()

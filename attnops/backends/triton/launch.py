@@ -13,7 +13,8 @@ from ... import errors, formats
 from ...cases import AttentionCall
 from ..base import kernel_outputs, rows_without_a_sequence
 from . import head_tile, interpreting
-from .heuristics import _capability, forced_tunables, heuristic_config, kernel_constexprs, smaller_tile
+from .heuristics import (_capability, _num_sms, forced_tunables, heuristic_config, kernel_constexprs, smaller_tile,
+                         wave_plan)
 from .kernel import merge_splits_kernel, paged_attention_kernel
 
 
@@ -63,7 +64,9 @@ def launch_call(call: AttentionCall, config: dict | None = None) -> None:
         rows_without_a_sequence(call.out, call.lse)
         return
     q = call.q
+    on_gpu = q.is_cuda and not interpreting()
     chosen, cfg = _tunables(case, num_tokens, q.device, config)
+    cfg = wave_plan(cfg, case, num_tokens, on_gpu)
     if call.out.stride(-1) != 1 or (call.lse is not None and not call.lse.is_contiguous()):
         with kernel_outputs(call.out, call.lse) as (out_w, lse_w):
             launch_call(call._replace(out=out_w, lse=lse_w), config)
@@ -89,20 +92,21 @@ def launch_call(call: AttentionCall, config: dict | None = None) -> None:
     decode = case.decode
     cu = seq_lens if decode else cu_seqlens_q
     num_q_blocks = batch if decode else num_tokens // block_q + batch
-    on_gpu = q.is_cuda and not interpreting()
     offsets_fit_32 = bool(cfg["OFFSETS_32"]) and all(
         _largest_offset(t) < 2 ** 31 for t in (k_cache, v_cache, k_scale, v_scale))
     num_q_heads, head_dim = case.num_q_heads, case.head_dim
     tile = head_tile(head_dim)  # (the kernels' padded width: the workspace's rows and the merge's)
     part_out, part_lse = _split_workspace(out, num_tokens, num_q_heads, tile, max_splits, q.device)
     window_left, capacity = int(call.window_left), call.capacity
+    # WAVE_PLAN: the sequences' splits one wave holds (WAVE_PLAN programs an SM, over the KV heads)
+    wave_splits = cfg["WAVE_PLAN"] * _num_sms(q.device) // case.num_kv_heads if cfg.get("WAVE_PLAN") else 0
     # the runtime arguments, by the kernel's names (the constexprs come from kernel_constexprs)
     arguments = dict(
         q_ptr=q, k_ptr=k_cache, v_ptr=v_cache, ks_ptr=k_scale, vs_ptr=v_scale, bt_ptr=block_table,
         seq_lens_ptr=seq_lens, cu_ptr=cu, out_ptr=out, lse_ptr=lse_arg, part_out_ptr=part_out,
         part_lse_ptr=part_lse, err_ptr=errors.buffer(q.device), sinks_ptr=sinks_arg, tm_ptr=tm_arg, num_seqs=batch,
         sm_scale=float(call.scale), soft_cap=float(call.soft_cap), window_left=window_left, MAX_SPLITS=max_splits,
-        CHUNK=chunk, num_tokens=num_tokens, num_pages=call.num_pages, capacity=capacity,
+        CHUNK=chunk, wave_splits=wave_splits, num_tokens=num_tokens, num_pages=call.num_pages, capacity=capacity,
         stride_qt=q.stride(0), stride_qh=q.stride(1),
         stride_kp=k_cache.stride(0), stride_kt=k_cache.stride(1), stride_kh=k_cache.stride(2),
         stride_ksp=ks_strides[0], stride_kst=ks_strides[1], stride_ksh=ks_strides[2],
@@ -115,12 +119,13 @@ def launch_call(call: AttentionCall, config: dict | None = None) -> None:
         merge_splits_kernel[(num_tokens, num_q_heads)](
             out_ptr=out, lse_ptr=lse_arg, part_out_ptr=part_out, part_lse_ptr=part_lse, seq_lens_ptr=seq_lens,
             cu_ptr=cu, sinks_ptr=sinks_arg, num_seqs=batch, window_left=window_left, MAX_SPLITS=max_splits,
-            CHUNK=chunk, capacity=capacity, stride_ot=out.stride(0), stride_oh=out.stride(1),
+            CHUNK=chunk, wave_splits=wave_splits, capacity=capacity, stride_ot=out.stride(0), stride_oh=out.stride(1),
             NUM_Q_HEADS=num_q_heads, HEAD_DIM=tile, VALID_DIM=head_dim, BLOCK_Q=block_q,
             BLOCK_N=cfg["BLOCK_N"],
             SPLITS_P2=max(2, triton.next_power_of_2(max_splits)), IS_DECODE=decode,
             HAS_WINDOW=case.sliding_window, HAS_TREE=case.tree_mask, HAS_SINKS=case.sinks,
             PDL=constexprs["PDL"], BOUNDS=constexprs["BOUNDS"], WRITE_LSE=constexprs["WRITE_LSE"],
+            WAVE_PLAN=constexprs["WAVE_PLAN"],
             # the attention kernel's alignment of a window's first tile (kernel.py), whose split plan this repeats
             ALIGN=min(case.page_size, cfg["BLOCK_N"]) if constexprs["BOUNDS"] and case.sliding_window
             else cfg["BLOCK_N"],
