@@ -8,13 +8,11 @@ reference, the C++ CPU kernels and Triton's padded tiles (its interpreter here; 
 - merge_attention_states (the CPU path, and the GPU's Triton kernel under the interpreter) and cascade_attention;
 - head dims that are not served (72, 528; mxfp4 at 80) are ValueErrors naming head_dim (and kv_format);
 - on a GPU, auto dispatch of head dim 96 takes Triton's padded tile (flashinfer and cuda decline it, saying why),
-  the reference when the padded tiles are switched off;
-- a tiny random Phi-3 (head dim 96) through attn_implementation="attnops": logits as transformers' eager, and
-  greedy generate with a PagedCache token for token.
+  the reference when the padded tiles are switched off.
+A tiny random Phi-3 (head dim 96) through attnops.hf is one of tests/test_hf.py's families (attnops.hf.families).
 """
 from __future__ import annotations
 
-import inspect
 import itertools
 import random
 import textwrap
@@ -501,50 +499,3 @@ def test_gpu_dispatch_of_head_dim_96(monkeypatch):
     with pytest.warns(UserWarning, match="the reference backend"):
         assert dispatch.select_backend(case).name == "reference"
     dispatch._select_cached.cache_clear()
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Phi-3 (head dim 96) through attnops.hf
-
-PHI3 = dict(vocab_size=256, hidden_size=192, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-            num_key_value_heads=1, max_position_embeddings=512, initializer_range=0.2, bos_token_id=None,
-            eos_token_id=None, pad_token_id=0)  # head dim 192 / 2 = 96; wide init, no eos: as conftest's TINY_HF
-PROMPTS = [list(range(40, 57)), [3, 17, 99, 5, 250, 7, 7, 8, 9, 10, 11], [200, 1, 2, 3, 4]]
-
-
-def left_padded(prompts):
-    width = max(map(len, prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    return ids, mask
-
-
-@pytest.mark.parametrize("sliding_window", [None, 8])
-def test_phi3_head_dim_96_matches_eager(sliding_window):
-    transformers = pytest.importorskip("transformers")
-    import attnops.hf
-    from conftest import build
-
-    config = transformers.AutoConfig.for_model("phi3", **PHI3, sliding_window=sliding_window)
-    torch.manual_seed(0)
-    eager = build(config, "eager")
-    ours = build(config, attnops.hf.ATTN_IMPLEMENTATION, eager.state_dict())
-    assert ours.model.layers[0].self_attn.head_dim == 96
-    ids, mask = left_padded(PROMPTS)
-    valid = mask.bool()
-    with torch.no_grad():
-        want = eager(ids, attention_mask=mask).logits
-        got = ours(ids, attention_mask=mask).logits
-    assert relative_error(got[valid], want[valid]) < 1e-4
-
-    def generate(model, cache=None):
-        # (transformers 5.2x names the argument cache; the old name warns)
-        name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        extra = {} if cache is None else {name: cache}
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, **extra)
-        return out[:, ids.shape[1]:].tolist()
-
-    expected = generate(eager)
-    assert len({t for row in expected for t in row}) > 8, "the model repeats itself: a weak check"
-    assert generate(ours, attnops.hf.PagedCache(ours.config, max_cache_len=64, kv_format="fp32")) == expected

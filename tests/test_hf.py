@@ -38,6 +38,7 @@ FEATURES = {
     "gemma2": {"sliding window": dict(sliding_window=4096), "soft cap": dict(attn_logit_softcapping=None),
                "query_pre_attn_scalar": dict(query_pre_attn_scalar=32)},
     "gpt-oss": {"sliding window": dict(sliding_window=4096), "sinks": "no sinks"},
+    "phi3": {"sliding window": dict(sliding_window=None)},
 }
 # fp8 KV against fp32: weights at transformers' default init scale (0.02). At 0.2 a model this small and random
 # is chaotic: fp8's rounding (2^-4 relative) moves its logits by 13%, and its top-2 gaps are 8% (median).

@@ -56,6 +56,13 @@ FAMILIES = {
         num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
         attn_logit_softcapping=50.0, final_logit_softcapping=30.0, rms_norm_eps=1e-6, max_position_embeddings=8192,
         tie_word_embeddings=True), tiny=dict(sliding_window=32, query_pre_attn_scalar=32)),
+    # head dim 96 (3072 / 32 heads), between powers of two; Phi-3-mini-4k slides over 2047 keys in every layer
+    "phi3": Family("phi3", "Phi-3-mini-4k-instruct", dict(
+        vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, head_dim=96, rms_norm_eps=1e-5, sliding_window=2047, max_position_embeddings=4096,
+        tie_word_embeddings=False, rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
+        # (transformers' default pad and eos ids, 32000, are past the tiny vocabulary)
+        tiny=dict(sliding_window=32, head_dim=96, pad_token_id=0, eos_token_id=None)),
     "gpt-oss": Family("gpt_oss", "gpt-oss-20b", dict(
         vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64,
         num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
