@@ -91,13 +91,13 @@ def kv_plan(seq_len, q_len, q_block, window_left, MAX_SPLITS, CHUNK,
 
 @triton.jit
 def wave_chunk(seq_lens_ptr, num_seqs, capacity, CHUNK, wave_splits, LOG_MIN_CHUNK: tl.constexpr):
-    """Keys a split of a decode call chosen from its lengths (WAVE_PLAN), on the device, so inside a CUDA graph
-    too: the smallest of MIN_CHUNK = 2^LOG_MIN_CHUNK, 2 MIN_CHUNK, 4 MIN_CHUNK, ... whose splits (the sum over
-    sequences of ceil(length / chunk)) all fit one wave of `wave_splits` (the programs a wave holds over the KV heads); CHUNK
-    (the plan of the call's shapes) where none does. One wave: a uniform batch is not cut into a wave and a bit,
-    and a ragged batch's long sequence is cut into splits as short as the wave allows, not left running alone at
-    the end. Every program of the attention and merge kernels works it out from the same lengths, so their plans
-    agree. Lengths outside [0, capacity] count as 0, as the kernels read them."""
+    """Keys a split of a decode call chosen from its lengths (WAVE_PLAN), on the device, so inside a CUDA graph too:
+    the smallest of MIN_CHUNK = 2^LOG_MIN_CHUNK, 2 MIN_CHUNK, 4 MIN_CHUNK, ... whose splits (the sum over sequences
+    of ceil(length / chunk)) all fit one wave of `wave_splits` (the programs a wave holds over the KV heads); CHUNK
+    (the plan of the call's shapes) where none does. One wave: a uniform batch is not cut into a wave and a bit, and
+    a ragged batch's long sequence is cut into splits as short as the wave allows, not left running alone at the
+    end. Every program of the attention and merge kernels works it out from the same lengths, so their plans agree.
+    Lengths outside [0, capacity] count as 0, as the kernels read them."""
     NC: tl.constexpr = 16  # candidates MIN_CHUNK << 0..15
     BLOCK_B: tl.constexpr = 64
     shifts = LOG_MIN_CHUNK + tl.arange(0, NC)
