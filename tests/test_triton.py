@@ -27,7 +27,7 @@ import attnops
 from attnops import formats
 from attnops.backends import BACKENDS
 from attnops.backends.reference import paged_attention_reference, reshape_and_cache_reference
-from attnops.backends.triton.common import FMT_CODE, wave_chunk
+from attnops.backends.triton.common import FMT_CODE, WAVE_PROGRAM_KEYS, wave_chunk
 from attnops.backends.triton.kernel import TL_DTYPE as _TL_DTYPE, _dequant_fp4, _fp4_scale, fp4_fold
 from attnops.testing import extra_call_memory, random_paged_inputs, relative_error
 
@@ -194,25 +194,33 @@ def test_merge_over_several_split_tiles():
 
 
 @triton.jit
-def _wave_chunk_of(seq_lens_ptr, out_ptr, num_seqs, capacity, CHUNK, wave_splits, LOG_MIN_CHUNK: tl.constexpr):
-    tl.store(out_ptr, wave_chunk(seq_lens_ptr, num_seqs, capacity, CHUNK, wave_splits, LOG_MIN_CHUNK))
+def _wave_chunk_of(seq_lens_ptr, out_ptr, num_seqs, capacity, wave_splits, LOG_MIN_CHUNK: tl.constexpr):
+    tl.store(out_ptr, wave_chunk(seq_lens_ptr, num_seqs, capacity, wave_splits, LOG_MIN_CHUNK, WAVE_PROGRAM_KEYS))
 
 
-def wave_chunk_expected(lens, capacity, chunk, wave_splits, min_chunk):
-    """common.wave_chunk's choice, written out: the smallest min_chunk << k whose splits fit one wave, else chunk."""
+def wave_chunk_expected(lens, capacity, wave_splits, min_chunk):
+    """common.wave_chunk's choice, written out (in float32, as the kernel estimates, times wave_splits): of
+    min_chunk << 0..15, the first of least estimated keys a program reads."""
+    import numpy as np
     lens = [n if 0 <= n <= capacity else 0 for n in lens]
-    for k in range(16):
-        candidate = min_chunk << k
-        if sum(-(-n // candidate) for n in lens) <= wave_splits:
-            return candidate
-    return chunk
+    chunks = [min_chunk << k for k in range(16)]
+    past_longest = min(c for c in chunks if c >= max(lens))  # (the first candidate no sequence is longer than)
+    f32, best = np.float32, None
+    for chunk in chunks:
+        splits = sum(-(-n // chunk) for n in lens)
+        last = f32(min(chunk, past_longest)) * f32(wave_splits)
+        keys = (last if splits <= wave_splits else f32(sum(lens)) + last) + f32(WAVE_PROGRAM_KEYS) * f32(splits)
+        if best is None or keys < best[0]:
+            best = keys, chunk
+    return best[1]
 
 
-WAVE_CASES = {  # (lengths, capacity, the shapes' CHUNK, splits a wave holds) -> expected keys a split
-    "uniform 32 x 8192, 8 KV heads on 132 SMs: one split each": ([8192] * 32, 8192, 4096, 3 * 132 // 8, 8192),
-    "31 x 512 + 8192: the long one cut in 512s": ([512] * 31 + [8192], 8192, 4096, 3 * 132 // 8, 512),
-    "128 x 4096: no wave holds it, the shapes' plan": ([4096] * 128, 4096, 4096, 3 * 132 // 8, 4096),
-    "bad lengths count as none": ([-5, 10 ** 6, 8192, 0], 8192, 4096, 4, 2048),
+WAVE_CASES = {  # (lengths, capacity, splits a wave holds) -> expected keys a split
+    "uniform 32 x 8192, 8 KV heads on 132 SMs: one split each": ([8192] * 32, 8192, 3 * 132 // 8, 8192),
+    "31 x 512 + 8192: the long one cut in 512s": ([512] * 31 + [8192], 8192, 3 * 132 // 8, 512),
+    "128 x 4096: two waves of halves": ([4096] * 128, 4096, 3 * 132 // 8, 2048),
+    "bad lengths count as none": ([-5, 10 ** 6, 8192, 0], 8192, 4, 2048),
+    "no keys at all": ([0, 0], 8192, 4, 512),
 }
 
 
@@ -220,18 +228,18 @@ WAVE_CASES = {  # (lengths, capacity, the shapes' CHUNK, splits a wave holds) ->
 def test_wave_chunk(case):
     """The device's split size from the call's lengths (WAVE_PLAN) against the same rule in Python: the H100's
     cases, bad lengths, and random batches longer than its loop's block of 64 sequences."""
-    lens, capacity, chunk, wave_splits, expected = WAVE_CASES[case]
-    assert wave_chunk_expected(lens, capacity, chunk, wave_splits, 512) == expected
-    cases = [(lens, capacity, chunk, wave_splits)]
+    lens, capacity, wave_splits, expected = WAVE_CASES[case]
+    assert wave_chunk_expected(lens, capacity, wave_splits, 512) == expected
+    cases = [(lens, capacity, wave_splits)]
     rng = random.Random(len(case))
     for _ in range(3):
         batch = rng.choice([1, 63, 64, 65, 150])
-        cases.append(([rng.randint(-2, 9000) for _ in range(batch)], 8192, 1024, rng.randint(1, 400)))
-    for lens, capacity, chunk, wave_splits in cases:
+        cases.append(([rng.randint(-2, 9000) for _ in range(batch)], 8192, rng.randint(1, 400)))
+    for lens, capacity, wave_splits in cases:
         got = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-        _wave_chunk_of[(1,)](torch.tensor(lens, dtype=torch.int32, device=DEVICE), got, len(lens), capacity, chunk,
+        _wave_chunk_of[(1,)](torch.tensor(lens, dtype=torch.int32, device=DEVICE), got, len(lens), capacity,
                              wave_splits, LOG_MIN_CHUNK=9)
-        assert got.item() == wave_chunk_expected(lens, capacity, chunk, wave_splits, 512), (lens, wave_splits)
+        assert got.item() == wave_chunk_expected(lens, capacity, wave_splits, 512), (lens, wave_splits)
 
 
 WAVE_PLAN_CASES = [("fp32", [300, 0, 77, 130], {}), ("fp16", [1000, 3, 3, 3, 3, 3], dict(window_left=200)),

@@ -18,6 +18,9 @@ from ...formats import FORMATS
 # interpreter accepts them, so only the GPU catches this).
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)  # base-2 logs (the kernels' softmax) to natural ones
+# WAVE_PLAN's estimate of a split's fixed costs, in keys a program reads (wave_chunk): fitted to the H100's timings of
+# every split size on uniform and ragged batches (docs/bench.md)
+WAVE_PROGRAM_KEYS = tl.constexpr(512)
 
 # The interpreter (TRITON_INTERPRET=1, read by Triton at import as here): its fp8 decode has no NaN or Inf (e4m3's
 # 0x7F reads as 480, e5m2's exponent 31 as a number), where the GPU's conversion has them; fp8_decoded restores
@@ -90,26 +93,41 @@ def kv_plan(seq_len, q_len, q_block, window_left, MAX_SPLITS, CHUNK,
 
 
 @triton.jit
-def wave_chunk(seq_lens_ptr, num_seqs, capacity, CHUNK, wave_splits, LOG_MIN_CHUNK: tl.constexpr):
+def wave_chunk(seq_lens_ptr, num_seqs, capacity, wave_splits, LOG_MIN_CHUNK: tl.constexpr,
+               PROGRAM_KEYS: tl.constexpr):
     """Keys a split of a decode call chosen from its lengths (WAVE_PLAN), on the device, so inside a CUDA graph too:
-    the smallest of MIN_CHUNK = 2^LOG_MIN_CHUNK, 2 MIN_CHUNK, 4 MIN_CHUNK, ... whose splits (the sum over sequences
-    of ceil(length / chunk)) all fit one wave of `wave_splits` (the programs a wave holds over the KV heads); CHUNK
-    (the plan of the call's shapes) where none does. One wave: a uniform batch is not cut into a wave and a bit, and
-    a ragged batch's long sequence is cut into splits as short as the wave allows, not left running alone at the
-    end. Every program of the attention and merge kernels works it out from the same lengths, so their plans agree.
-    Lengths outside [0, capacity] count as 0, as the kernels read them."""
+    of MIN_CHUNK = 2^LOG_MIN_CHUNK, 2 MIN_CHUNK, 4 MIN_CHUNK, ..., the one of least estimated time, in keys one
+    program reads: the longest split (min(chunk, the longest sequence)) where all splits (the sum over sequences of
+    ceil(length / chunk)) fit one wave of `wave_splits` (the programs a wave holds over the KV heads), else the keys
+    a wave's program reads on average plus that longest split (the last one started), plus PROGRAM_KEYS for each
+    wave's worth of programs (a split's fixed costs: its query load, epilogue, partial and merge); the first of equal
+    estimates. So a uniform batch is not cut into a wave and a bit, and a ragged batch's long sequence is cut into
+    splits short enough not to run alone at the end. Every program of the attention and merge kernels works it out
+    from the same lengths, so their plans agree. Lengths outside [0, capacity] count as 0, as the kernels read
+    them."""
     NC: tl.constexpr = 16  # candidates MIN_CHUNK << 0..15
     BLOCK_B: tl.constexpr = 64
     shifts = LOG_MIN_CHUNK + tl.arange(0, NC)
     cands = 1 << shifts
+    # per candidate: the splits, the keys (the same sum for every candidate: kept per candidate, as the splits are,
+    # which compiles to fewer registers than a scalar sum beside them), the sequences longer than the candidate
     splits = tl.zeros([NC], tl.int32)
+    total = tl.zeros([NC], tl.int32)  # (exact: the lengths are at most the table's capacity)
+    longer = tl.zeros([NC], tl.int32)
     for b0 in range(0, num_seqs, BLOCK_B):
         offs = b0 + tl.arange(0, BLOCK_B)
         lens = tl.load(seq_lens_ptr + offs, mask=offs < num_seqs, other=0)
-        lens = tl.where((lens < 0) | (lens > capacity), 0, lens)
-        splits += tl.sum((lens[:, None] + (cands[None, :] - 1)) >> shifts[None, :], 0)  # ceil(length / candidate)
-    best = tl.min(tl.where(splits <= wave_splits, cands, 2147483647), 0)
-    return tl.where(best == 2147483647, CHUNK, best)
+        lens = tl.where((lens < 0) | (lens > capacity), 0, lens)[:, None]
+        splits += tl.sum((lens + (cands[None, :] - 1)) >> shifts[None, :], 0)  # ceil(length / candidate)
+        total += tl.sum(lens + 0 * cands[None, :], 0)
+        longer += tl.sum((lens > cands[None, :]).to(tl.int32), 0)
+    # the longest split: the candidate itself, or for candidates past the longest sequence the first of those
+    # (less than twice that sequence: one split each, so all of them estimate the same)
+    last = tl.minimum(cands, tl.min(tl.where(longer == 0, cands, 2147483647), 0))
+    # the estimate times wave_splits (no division: exact in float32 for the lengths a table holds)
+    last = last.to(tl.float32) * wave_splits.to(tl.float32)
+    keys = tl.where(splits <= wave_splits, last, total.to(tl.float32) + last) + PROGRAM_KEYS * splits.to(tl.float32)
+    return tl.min(tl.where(keys == tl.min(keys, 0), cands, 2147483647), 0)
 
 
 @triton.jit

@@ -199,7 +199,8 @@ def _heuristic_config(case: AttentionCase, num_tokens: int, device: torch.device
     # 1.24x slower (bf16 at 80).
     # WAVE_PLAN (decode's split size from the call's lengths, on the device: the programs a wave holds an SM; 0 off):
     # off, not yet timed (the plan of shapes is 2-3.4x slower than the best split on a ragged batch whose longest
-    # sequence fills an 8192-key table, 1.02-1.22x at 32 x 8192, and within 3.5% at 128 x 4096: docs/bench.md).
+    # sequence fills an 8192-key table, 1.02-1.22x at 32 x 8192, and within 3.5% at 128 x 4096; the device's
+    # estimate picks within 5% of the best on those timings: docs/bench.md).
     # FULL_TILES and OFFSETS_32 for the 64-row verify tile (unmasked full tiles, int32 cache offsets): faster there
     # (bf16 1.18-1.19x); in decode tiles neutral (bf16) to slower (fp8, and nvfp4 by a third: registers).
     # The measurements behind each choice: this package's README.

@@ -33,8 +33,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .common import (ERR_BLOCK_TABLE, ERR_CU_SEQLENS_Q, ERR_SEQ_LENS, FMT_FP8, FMT_MXFP4, FMT_NVFP4,
                      FP8_PAIR_E4M3_EVEN, FP8_PAIR_E4M3_ODD, FP8_PAIR_E5M2_EVEN, FP8_PAIR_E5M2_ODD, LN2, LOG2E,
-                     bad_page_rows, check_pages, cu_seqlens_violation, e2m1_nibbles, e8m0_to_f32, fp8_decoded,
-                     find_sequence, kv_plan, opaque_one, wave_chunk)
+                     WAVE_PROGRAM_KEYS, bad_page_rows, check_pages, cu_seqlens_violation, e2m1_nibbles,
+                     e8m0_to_f32, fp8_decoded, find_sequence, kv_plan, opaque_one, wave_chunk)
 
 # torch dtypes of tl.dot operands as Triton's
 TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -765,11 +765,12 @@ def paged_attention_kernel(
     else:
         ALIGN: tl.constexpr = BLOCK_N
     chunk = CHUNK
-    if WAVE_PLAN:  # decode: keys a split from the call's lengths (at least 2^WAVE_PLAN, or CHUNK)
+    if WAVE_PLAN:  # decode: keys a split from the call's lengths (at least 2^WAVE_PLAN)
         # a split past any plan's splits of its sequence reads no length (the plan then gives 2^WAVE_PLAN keys a
         # split, and the program leaves below)
-        past = (split * tl.minimum(CHUNK, 1 << WAVE_PLAN) >= seq_len) & (split > 0)
-        chunk = wave_chunk(seq_lens_ptr, tl.where(past, 0, num_seqs), capacity, CHUNK, wave_splits, WAVE_PLAN)
+        past = (split << WAVE_PLAN >= seq_len) & (split > 0)
+        chunk = wave_chunk(seq_lens_ptr, tl.where(past, 0, num_seqs), capacity, wave_splits, WAVE_PLAN,
+                           WAVE_PROGRAM_KEYS)
     first_pos, last_pos, kv_lo, kv_hi, n_splits, split_len = kv_plan(
         seq_len, q_len, q_block, window_left, MAX_SPLITS, chunk, BLOCK_Q, BLOCK_N, HAS_WINDOW, HAS_TREE, ALIGN)
     if split >= n_splits:
@@ -897,7 +898,7 @@ def merge_splits_kernel(
     q_block = (t - q_start) // BLOCK_Q
     chunk = CHUNK
     if WAVE_PLAN:  # (the attention kernel's plan, from the same lengths)
-        chunk = wave_chunk(seq_lens_ptr, num_seqs, capacity, CHUNK, wave_splits, WAVE_PLAN)
+        chunk = wave_chunk(seq_lens_ptr, num_seqs, capacity, wave_splits, WAVE_PLAN, WAVE_PROGRAM_KEYS)
     _, _, _, _, n_splits, _ = kv_plan(seq_len, q_len, q_block, window_left, MAX_SPLITS, chunk, BLOCK_Q, BLOCK_N,
                                       HAS_WINDOW, HAS_TREE, ALIGN)
     if PDL:  # every program waits, so that this grid completes after the attention kernel does

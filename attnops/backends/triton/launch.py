@@ -99,7 +99,7 @@ def launch_call(call: AttentionCall, config: dict | None = None) -> None:
     part_out, part_lse = _split_workspace(out, num_tokens, num_q_heads, tile, max_splits, q.device)
     window_left, capacity = int(call.window_left), call.capacity
     # WAVE_PLAN: the sequences' splits one wave holds (WAVE_PLAN programs an SM, over the KV heads)
-    wave_splits = cfg["WAVE_PLAN"] * _num_sms(q.device) // case.num_kv_heads if cfg.get("WAVE_PLAN") else 0
+    wave_splits = max(1, cfg["WAVE_PLAN"] * _num_sms(q.device) // case.num_kv_heads) if cfg.get("WAVE_PLAN") else 0
     # the runtime arguments, by the kernel's names (the constexprs come from kernel_constexprs)
     arguments = dict(
         q_ptr=q, k_ptr=k_cache, v_ptr=v_cache, ks_ptr=k_scale, vs_ptr=v_scale, bt_ptr=block_table,
