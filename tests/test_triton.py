@@ -199,17 +199,16 @@ def _wave_chunk_of(seq_lens_ptr, out_ptr, num_seqs, capacity, wave_splits, LOG_M
 
 
 def wave_chunk_expected(lens, capacity, wave_splits, min_chunk):
-    """common.wave_chunk's choice, written out (in float32, as the kernel estimates, times wave_splits): of
+    """common.wave_chunk's choice, written out (its estimate times wave_splits, in integers as the kernel's): of
     min_chunk << 0..15, the first of least estimated keys a program reads."""
-    import numpy as np
     lens = [n if 0 <= n <= capacity else 0 for n in lens]
     chunks = [min_chunk << k for k in range(16)]
     past_longest = min(c for c in chunks if c >= max(lens))  # (the first candidate no sequence is longer than)
-    f32, best = np.float32, None
+    best = None
     for chunk in chunks:
         splits = sum(-(-n // chunk) for n in lens)
-        last = f32(min(chunk, past_longest)) * f32(wave_splits)
-        keys = (last if splits <= wave_splits else f32(sum(lens)) + last) + f32(WAVE_PROGRAM_KEYS) * f32(splits)
+        last = min(chunk, past_longest) * wave_splits
+        keys = (last if splits <= wave_splits else sum(lens) + last) + int(WAVE_PROGRAM_KEYS) * splits
         if best is None or keys < best[0]:
             best = keys, chunk
     return best[1]

@@ -124,9 +124,10 @@ def wave_chunk(seq_lens_ptr, num_seqs, capacity, wave_splits, LOG_MIN_CHUNK: tl.
     # the longest split: the candidate itself, or for candidates past the longest sequence the first of those
     # (less than twice that sequence: one split each, so all of them estimate the same)
     last = tl.minimum(cands, tl.min(tl.where(longer == 0, cands, 2147483647), 0))
-    # the estimate times wave_splits (no division: exact in float32 for the lengths a table holds)
-    last = last.to(tl.float32) * wave_splits.to(tl.float32)
-    keys = tl.where(splits <= wave_splits, last, total.to(tl.float32) + last) + PROGRAM_KEYS * splits.to(tl.float32)
+    # the estimate times wave_splits, in int64: exact, so that the attention and merge kernels (compiled apart, each
+    # free to fuse float operations its own way) cannot choose differently
+    last = last.to(tl.int64) * wave_splits
+    keys = tl.where(splits <= wave_splits, last, total.to(tl.int64) + last) + PROGRAM_KEYS * splits.to(tl.int64)
     return tl.min(tl.where(keys == tl.min(keys, 0), cands, 2147483647), 0)
 
 
