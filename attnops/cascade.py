@@ -99,7 +99,7 @@ def cascade_attention(q, k_cache, v_cache, prefix_table, prefix_len, block_table
     each sequence's own pages and tokens after the prefix (including this step's). The other arguments as
     paged_attention's; sliding windows and tree masks are not offered (their positions would have to be shifted
     by the prefix). prefix: the step's PrefixPass, made once for every layer (then prefix_table and prefix_len
-    may be None); by default made here from them. Equal to paged_attention over the concatenated pages, up to
+    must be None: the pass is the prefix); by default made here from them. Equal to paged_attention over the concatenated pages, up to
     rounding."""
     # (what this function reads itself, before the ops' own checks: q's rows and heads, the cache's page size)
     for name, t in (("q", q), ("k_cache", k_cache)):
@@ -111,10 +111,18 @@ def cascade_attention(q, k_cache, v_cache, prefix_table, prefix_len, block_table
     if k_cache.dim() < 2 or not is_page_size(k_cache.shape[1]):
         raise ValueError(f"attnops.cascade_attention: k_cache must be [num_pages, page_size, ...] with a page_size "
                          f"of a power of two from 1 to {MAX_PAGE_SIZE} (got {list(k_cache.shape)})")
-    if prefix is None:
-        if prefix_table is None or prefix_table.dim() != 1 or prefix_table.dtype != torch.int32:
-            raise ValueError("attnops.cascade_attention: prefix_table must be int32 [P] (got "
-                             f"{None if prefix_table is None else (prefix_table.dtype, list(prefix_table.shape))})")
+    if prefix is not None:
+        if not isinstance(prefix, PrefixPass):
+            raise TypeError(f"attnops.cascade_attention: prefix must be a PrefixPass (prefix_pass or "
+                            f"host_prefix_pass; got {type(prefix).__name__})")
+        if prefix_table is not None or prefix_len is not None:
+            raise ValueError("attnops.cascade_attention: give the prefix as prefix= or as prefix_table and "
+                             "prefix_len, not both (prefix= would be used and the others ignored)")
+    else:
+        if not isinstance(prefix_table, torch.Tensor) or prefix_table.dim() != 1 or prefix_table.dtype != torch.int32:
+            got = (f"{prefix_table.dtype} {list(prefix_table.shape)}" if isinstance(prefix_table, torch.Tensor)
+                   else type(prefix_table).__name__)
+            raise ValueError(f"attnops.cascade_attention: prefix_table must be int32 [P] (got {got})")
         if not isinstance(prefix_len, torch.Tensor) or prefix_len.numel() != 1 or prefix_len.dtype != torch.int32:
             raise ValueError("attnops.cascade_attention: prefix_len must be an int32 tensor of one element (a "
                              "tensor, so that a compiled or captured step takes a new length without recompiling)")

@@ -191,3 +191,41 @@ def test_add_request_names_what_it_refuses(model):
     with pytest.raises(ValueError, match="eos_token_id must be an int or None"):
         gen.add_request("b", [1], 2, eos_token_id=[2])
     assert len(gen.waiting) == 1 and gen.vocab_size == VOCAB
+
+
+def test_the_generator_and_its_decode_step_name_a_bad_size_before_anything_runs(model):
+    """A batch of 0 would admit nothing and spin forever; a float length or bucket would fail every decode step
+    and fall back to recomputing the sequences through prefill, unseen; a missing cache or a seed of the wrong
+    type failed deep inside."""
+    cache = attnops.PagedKVCache(2, 16, 8, 2, 32, kv_format="fp32")
+    for options, error, name in [(dict(max_batch=0), ValueError, "max_batch"),
+                                 (dict(max_batch=-1), ValueError, "max_batch"),
+                                 (dict(max_batch="4"), TypeError, "max_batch"),
+                                 (dict(max_seq_len=64.0), TypeError, "max_seq_len"),
+                                 (dict(max_seq_len=None), TypeError, "max_seq_len"),
+                                 (dict(buckets=(2.0, 4)), TypeError, "buckets"),
+                                 (dict(buckets=()), TypeError, "buckets"),
+                                 (dict(seed=1.5), TypeError, "seed")]:
+        with pytest.raises(error, match=name):
+            Generator(model, cache, **{**dict(max_batch=4, max_seq_len=64), **options})
+    with pytest.raises(TypeError, match="cache must be a PagedKVCache"):
+        Generator(model, None, max_batch=4, max_seq_len=64)
+
+
+def test_a_decode_step_refuses_token_ids_that_are_not_one_integer_a_sequence(model):
+    """A one-token tensor broadcast over the batch (every sequence given the same token) and floats were truncated,
+    with no error; a failed call grew the sequences. Refused before the cache changes."""
+    from attnops.serving.generate import DecodeStep
+    cache = attnops.PagedKVCache(2, 16, 8, 2, 32, kv_format="fp32")
+    step = DecodeStep(model, cache, max_batch=4, max_pages=4, buckets=(4,), cascade=False)
+    for seq, prompt in (("a", [5, 6, 7]), ("b", [8, 9, 10, 11])):
+        cache.allocate(seq)
+        cache.prepare([seq], len(prompt))
+    lengths = [cache.seq_len(s) for s in ("a", "b")]
+    for token_ids in (torch.tensor([9]), torch.tensor(9), torch.tensor([9.9, 12.9]), [9, 12],
+                      torch.tensor([True, False]), torch.tensor([[9], [12]])):
+        with pytest.raises(ValueError, match="token_ids must be an integer tensor \\[2\\]"):
+            step(["a", "b"], token_ids)
+    assert [cache.seq_len(s) for s in ("a", "b")] == lengths
+    assert step(["a", "b"], torch.tensor([9, 12])).shape[0] == 2
+    assert [cache.seq_len(s) for s in ("a", "b")] == [n + 1 for n in lengths]

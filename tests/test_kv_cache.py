@@ -94,3 +94,55 @@ def test_layers_of_their_own_shape_and_shared_layers():
         attnops.PagedKVCache(2, 4, 4, 2, 32, shared_layers={0: 1})
     with pytest.raises(ValueError, match="which reads another"):
         attnops.PagedKVCache(3, 4, 4, 2, 32, shared_layers={1: 0, 2: 1})
+
+
+def test_fp8_scales_must_be_finite_and_positive():
+    """A scale of 0 stored every key as the format's largest value (attention near uniform, a wrong answer); inf
+    or NaN made every output NaN. Refused where the cache is made, naming the scale."""
+    from attnops.hf import PagedCache
+    from attnops.serving.kv_cache import LatentKVCache
+    for bad in (0.0, -1.0, float("inf"), float("nan"), torch.tensor([1.0, 0.0])):
+        with pytest.raises(ValueError, match="k_scale must be finite and > 0"):
+            attnops.PagedKVCache(1, 4, 16, 2, 64, kv_format="fp8_e4m3", k_scale=bad)
+        with pytest.raises(ValueError, match="v_scale must be finite and > 0"):
+            attnops.PagedKVCache(1, 4, 16, 2, 64, kv_format="fp8_e5m2", v_scale=bad)
+        with pytest.raises(ValueError, match="kv_scale must be finite and > 0"):
+            LatentKVCache(1, 4, 16, 64, 16, kv_format="fp8_e4m3", kv_scale=bad)
+    with pytest.raises(TypeError, match="k_scale must be a float"):
+        attnops.PagedKVCache(1, 4, 16, 2, 64, kv_format="fp8_e4m3", k_scale="x")
+    with pytest.raises(ValueError, match="kv_scale must be one value"):
+        LatentKVCache(1, 4, 16, 64, 16, kv_format="fp8_e4m3", kv_scale=torch.ones(2))
+    config = pytest.importorskip("transformers").LlamaConfig(hidden_size=64, num_attention_heads=2,
+                                                               num_key_value_heads=1, num_hidden_layers=1)
+    with pytest.raises(ValueError, match="k_scale must be finite and > 0"):
+        PagedCache(config, max_cache_len=32, kv_format="fp8_e4m3", k_scale=0.0)
+
+
+def test_a_call_that_fails_on_a_bad_argument_changes_nothing():
+    """max_pages of the wrong type failed after pages were taken and the length grown; a path of floats or bools
+    was truncated to indices and the keys and values moved."""
+    cache = attnops.PagedKVCache(1, 8, 4, 1, 32)
+    cache.allocate("a")
+    with pytest.raises(TypeError, match="max_pages"):
+        cache.prepare(["a"], 3, max_pages=2.5)
+    assert cache.seq_len("a") == 0 and cache.free_pages == 8
+    cache.prepare(["a"], 6, decode=False)
+    before = cache.kv[0].clone()
+    for path in ([0.5, 2], [True, 3], torch.tensor([0, 2])):
+        with pytest.raises(TypeError, match="path must be a list of ints"):
+            cache.keep_path("a", 2, path)
+    assert cache.seq_len("a") == 6 and torch.equal(cache.kv[0], before)
+
+
+def test_the_prefix_index_shares_only_pages_of_the_same_tokens():
+    """Page keys are hashes: hash(-1) == hash(-2), and ids 2^61 - 1 apart hash alike. A page is shared only when
+    its tokens (and the page before it) are the ones asked for."""
+    cache = attnops.PagedKVCache(1, 16, 4, 1, 32)
+    for seq, tokens, other in (("a", [-1] * 4, [-2] * 4 + [7]), ("c", [5, 6, 7, 8], [2 ** 61 + 4, 6, 7, 8, 9])):
+        cache.allocate(seq)
+        cache.prepare([seq], len(tokens), decode=False)
+        cache.index_prefix(seq, tokens)
+        cache.allocate(seq + "2")
+        assert cache.share_prefix(seq + "2", other) == 0
+        cache.allocate(seq + "3")
+        assert cache.share_prefix(seq + "3", tokens + [1]) == 4  # the same tokens still share

@@ -85,7 +85,7 @@ def stored_tokens(cache: PagedKVCache, seq) -> list[int]:
 def snapshot(cache: PagedKVCache) -> tuple:
     """Everything a failed call must leave as it was."""
     books = copy.deepcopy((cache._pages, cache._lengths, cache._refs, cache._free_pages, cache._indexed,
-                           cache._key_of, cache._row, cache._free_rows))
+                           cache._key_of, cache._content_of, cache._row, cache._free_rows))
     tensors = [t.clone() for t in cache.kv + (cache.block_scales or [])] + [cache._table.clone()]
     return books, tensors
 
@@ -270,6 +270,7 @@ class CacheModel(RuleBasedStateMachine):
             return
         cache, size = self.cache, self.cache.page_size
         assert {page: key for key, page in cache._indexed.items()} == cache._key_of
+        assert set(cache._content_of) == set(cache._key_of)
         for page in cache._key_of:
             assert cache._refs[page] > 0  # a freed page left the index
             assert read_tokens(cache, [page] * size, list(range(size))) == self.indexed[page], page

@@ -20,7 +20,7 @@ import torch
 from transformers import Cache
 
 from .. import formats
-from ..serving.kv_cache import BatchMetadata, PagedKVCache
+from ..serving.kv_cache import BatchMetadata, PagedKVCache, _fp8_scale
 from .attention import PLAIN_FORMATS, _index, _rows, _unpack, hand_over, padding_rows, unread_hand_over
 from .serving import model_shape
 
@@ -94,7 +94,7 @@ class PagedCache(StepCache):
                  num_pages: int | None = None, k_scale=None, v_scale=None):
         super().__init__(layers=[])
         self.shape = model_shape(config)
-        if not isinstance(max_cache_len, int) or max_cache_len < 1:
+        if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 1:
             raise ValueError(f"PagedCache: max_cache_len must be a positive int (got {max_cache_len!r})")
         if kv_format is not None and kv_format not in formats.KV_FORMATS:
             raise ValueError(f"PagedCache: kv_format must be one of {formats.KV_FORMATS} (got {kv_format!r})")
@@ -104,6 +104,9 @@ class PagedCache(StepCache):
             raise ValueError(f"PagedCache: page_size must be a power of two from 1 to 256 (got {page_size!r})")
         self._max_cache_len = max_cache_len  # (transformers 5.17 has a read-only max_cache_len property)
         self.kv_format, self.page_size, self.num_pages = kv_format, page_size, num_pages
+        if kv_format is not None and formats.is_fp8(kv_format):  # (checked now, not at the first forward)
+            for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+                _fp8_scale("PagedCache", name, scale, "cpu" if not isinstance(scale, torch.Tensor) else scale.device)
         self.k_scale, self.v_scale = k_scale, v_scale
         self.kv: PagedKVCache | None = None  # made at the first forward (its batch, device and dtype)
         self._batch = 0  # rows (sequences) in the cache; 0 until the first forward, and after reset()

@@ -31,7 +31,7 @@ import torch
 from ..cascade import PrefixPass, cascade_min_prefix_tokens
 from ..invariance import batch_invariant as invariant_mode
 from .batching import StaticCascadeInputs, StaticDecodeInputs, default_buckets
-from .kv_cache import BatchMetadata, CascadeSplit, PagedKVCache
+from .kv_cache import BatchMetadata, CascadeSplit, PagedKVCache, _positive_int
 
 
 def _decode_step_fn(model: torch.nn.Module, cache: PagedKVCache) -> Callable[..., torch.Tensor]:
@@ -75,6 +75,15 @@ class DecodeStep:
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, *, max_batch: int, max_pages: int,
                  buckets: tuple[int, ...] | None = None, compile: bool | dict = False, cuda_graphs: bool = False,
                  cascade: bool = True):
+        if not isinstance(cache, PagedKVCache):
+            raise TypeError(f"DecodeStep: cache must be a PagedKVCache (got {type(cache).__name__})")
+        _positive_int("DecodeStep", "max_batch", max_batch, 1)
+        _positive_int("DecodeStep", "max_pages", max_pages, 1)
+        if buckets is not None:
+            if not isinstance(buckets, (list, tuple)) or not buckets:
+                raise TypeError(f"DecodeStep: buckets must be a non-empty tuple of ints (got {buckets!r})")
+            for bucket in buckets:
+                _positive_int("DecodeStep", "buckets", bucket, 1)
         self.model, self.cache, self.max_pages = model, cache, max_pages
         self.cascade_steps = 0
         self.buckets = tuple(sorted(buckets or default_buckets(max_batch)))
@@ -127,6 +136,13 @@ class DecodeStep:
         (a view of the bucket's output, valid until the next call)."""
         batch = len(seq_ids)
         self.bucket_for(batch)  # a batch too large fails before the cache is touched
+        # (before the cache grows: a one-token tensor would broadcast over the batch, floats would be truncated)
+        if not isinstance(token_ids, torch.Tensor) or token_ids.shape != (batch,) or token_ids.is_floating_point() \
+                or token_ids.dtype in (torch.bool, torch.complex64, torch.complex128):
+            got = (f"{str(token_ids.dtype).replace('torch.', '')} {list(token_ids.shape)}"
+                   if isinstance(token_ids, torch.Tensor) else type(token_ids).__name__)
+            raise ValueError(f"DecodeStep: token_ids must be an integer tensor [{batch}] (one token a sequence; got "
+                             f"{got})")
         meta = self.cache.prepare(seq_ids, 1, decode=True, max_pages=self.max_pages)
         positions = meta.seq_lens.long() - 1  # each sequence's new token sits at its old length
         if self.cascade is not None:
@@ -271,6 +287,12 @@ class Generator:
         self.vocab_size = vocab_size if vocab_size is not None else _model_vocab_size(model)
         self.prefix_sharing = prefix_sharing
         self.stats = dict(prompt_tokens=0, prefix_tokens_reused=0, peak_pages_in_use=0, cascade_steps=0)
+        if not isinstance(cache, PagedKVCache):
+            raise TypeError(f"Generator: cache must be a PagedKVCache (got {type(cache).__name__})")
+        _positive_int("Generator", "max_batch", max_batch, 1)
+        _positive_int("Generator", "max_seq_len", max_seq_len, 1)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"Generator: seed must be an int (got {type(seed).__name__})")
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
         max_pages = -(-max_seq_len // cache.page_size)
         self.decode = DecodeStep(model, cache, max_batch=max_batch, max_pages=max_pages, buckets=buckets,

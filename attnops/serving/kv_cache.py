@@ -78,6 +78,19 @@ def _positive_int(owner: str, name: str, value, least: int) -> None:
         raise ValueError(f"{owner}: {name} must be at least {least} (got {value})")
 
 
+def _fp8_scale(owner: str, name: str, value, device) -> torch.Tensor:
+    """An fp8 cache's scale (stored = value / scale) as a float32 tensor on `device`: 1.0 for None; every element
+    finite and > 0 (0 would store every value as the format's largest, inf or NaN make every output NaN)."""
+    if value is None:
+        value = 1.0
+    if isinstance(value, bool) or not isinstance(value, (torch.Tensor, float, int)):
+        raise TypeError(f"{owner}: {name} must be a float or a float32 tensor (got {type(value).__name__})")
+    scale = torch.as_tensor(value, dtype=torch.float32, device=device)
+    if scale.numel() == 0 or not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
+        raise ValueError(f"{owner}: {name} must be finite and > 0 (got {value!r})")
+    return scale
+
+
 def _check_pages(owner: str, num_layers, num_pages, page_size) -> None:
     """A cache's layer and page counts (positive ints) and page size (a power of two the ops take)."""
     for name, value in (("num_layers", num_layers), ("num_pages", num_pages), ("page_size", page_size)):
@@ -165,10 +178,8 @@ class PagedKVCache:
                                                      dtype=fmt.scale_dtype, device=self.device))
         self.k_scale = self.v_scale = None
         if formats.is_fp8(kv_format):
-            self.k_scale = torch.as_tensor(1.0 if k_scale is None else k_scale, dtype=torch.float32,
-                                           device=self.device)
-            self.v_scale = torch.as_tensor(1.0 if v_scale is None else v_scale, dtype=torch.float32,
-                                           device=self.device)
+            self.k_scale = _fp8_scale("PagedKVCache", "k_scale", k_scale, self.device)
+            self.v_scale = _fp8_scale("PagedKVCache", "v_scale", v_scale, self.device)
         self._init_pages(shuffle_pages, seed)
 
     def _init_pages(self, shuffle_pages: bool, seed: int) -> None:
@@ -185,9 +196,12 @@ class PagedKVCache:
         self._row: dict = {}  # seq_id -> its row of _table
         self._free_rows = list(range(7, -1, -1))
         self._refs = [0] * num_pages  # sequences holding each page
-        # the prefix index: key of a full page (its tokens and the key of the page before) -> the page, and back
+        # the prefix index: key of a full page (a hash of its tokens and of the key of the page before) -> the page,
+        # and back; and what the key stands for, compared on every match, so that two contents whose hashes collide
+        # (hash(-1) == hash(-2), or ids 2^61 apart) never share a page: page -> (the page before it, its tokens)
         self._indexed: dict = {}
         self._key_of: dict = {}
+        self._content_of: dict = {}
 
     # --- the tensors the ops take, per layer ---------------------------------------------------------------------
     @property
@@ -253,7 +267,7 @@ class PagedKVCache:
         """The page is about to be written: its tokens will no longer be the ones its index entry names."""
         key = self._key_of.pop(page, None)
         if key is not None:
-            del self._indexed[key]
+            del self._indexed[key], self._content_of[page]
 
     def _take_page(self) -> int:
         if not self._free_pages:
@@ -267,6 +281,7 @@ class PagedKVCache:
             self._refs[page] -= 1
             if self._refs[page] == 0:
                 self._indexed.pop(self._key_of.pop(page, None), None)
+                self._content_of.pop(page, None)
                 self._free_pages.append(page)
 
     def _copy_page(self, src: int, dst: int) -> None:
@@ -303,10 +318,12 @@ class PagedKVCache:
         self._lengths[dst] = n
 
     def _page_keys(self, tokens: list[int]) -> list:
+        """(key, tokens) of each full page of `tokens`."""
         keys, key = [], None
         for start in range(0, len(tokens) - self.page_size + 1, self.page_size):
-            key = hash((key, tuple(tokens[start:start + self.page_size])))
-            keys.append(key)
+            chunk = tuple(tokens[start:start + self.page_size])
+            key = hash((key, chunk))
+            keys.append((key, chunk))
         return keys
 
     def share_prefix(self, seq_id, tokens: list[int]) -> int:
@@ -316,12 +333,13 @@ class PagedKVCache:
         self._known("share_prefix", seq_id)
         if self._lengths[seq_id]:
             raise ValueError(f"PagedKVCache.share_prefix: sequence {seq_id!r} is not empty")
-        pages = []
-        for key in self._page_keys(tokens[:-1]):
+        pages, before = [], None
+        for key, chunk in self._page_keys(tokens[:-1]):
             page = self._indexed.get(key)
-            if page is None:
+            if page is None or self._content_of[page] != (before, chunk):  # (a hash collision: not these tokens)
                 break
             pages.append(page)
+            before = page
         for page in pages:
             self._refs[page] += 1
         self._grow(seq_id, pages)
@@ -332,9 +350,12 @@ class PagedKVCache:
         """Records the sequence's full pages, whose stored tokens are `tokens` (written already), so that later
         sequences starting with the same tokens share them (share_prefix)."""
         self._known("index_prefix", seq_id)
-        for page, key in zip(self._pages[seq_id], self._page_keys(tokens[: self._lengths[seq_id]])):
+        before = None  # the page the index names for the tokens so far (share_prefix matches through it)
+        for page, (key, chunk) in zip(self._pages[seq_id], self._page_keys(tokens[: self._lengths[seq_id]])):
             if key not in self._indexed and page not in self._key_of:
-                self._indexed[key], self._key_of[page] = page, key
+                self._indexed[key], self._key_of[page], self._content_of[page] = page, key, (before, chunk)
+            named = self._indexed.get(key)
+            before = named if named is not None and self._content_of[named] == (before, chunk) else page
 
     def free(self, seq_id) -> None:
         self._known("free", seq_id)
@@ -383,6 +404,8 @@ class PagedKVCache:
         end = self._lengths[seq_id]
         if not 0 <= block_start <= end:
             raise ValueError(f"PagedKVCache.keep_path: block_start must be in [0, {end}] (got {block_start})")
+        if not isinstance(path, (list, tuple)) or any(isinstance(i, bool) or not isinstance(i, int) for i in path):
+            raise TypeError(f"PagedKVCache.keep_path: path must be a list of ints (got {path!r})")
         if any(not 0 <= i < end - block_start for i in path) or any(a >= b for a, b in zip(path, path[1:])):
             raise ValueError(f"PagedKVCache.keep_path: path must be increasing indices into the block's "
                              f"{end - block_start} tokens (got {path})")
@@ -418,9 +441,12 @@ class PagedKVCache:
             raise ValueError(f"PagedKVCache.prepare: seq_ids must be distinct (got {list(seq_ids)})")
         if isinstance(num_new_tokens, int):
             num_new_tokens = [num_new_tokens] * len(seq_ids)
-        if len(num_new_tokens) != len(seq_ids) or any(not isinstance(n, int) or n < 0 for n in num_new_tokens):
+        if not isinstance(num_new_tokens, (list, tuple)) or len(num_new_tokens) != len(seq_ids) or any(
+                isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in num_new_tokens):
             raise ValueError(f"PagedKVCache.prepare: num_new_tokens must be an int >= 0 or one per sequence "
-                             f"(got {num_new_tokens} for {len(seq_ids)} sequences)")
+                             f"(got {num_new_tokens!r} for {len(seq_ids)} sequences)")
+        if max_pages is not None:  # (checked before anything changes)
+            _positive_int("PagedKVCache.prepare", "max_pages", max_pages, 1)
         if decode is None:
             decode = all(n == 1 for n in num_new_tokens)
         if decode and any(n != 1 for n in num_new_tokens):
@@ -541,8 +567,10 @@ class LatentKVCache(PagedKVCache):
         self.block_scales = None
         self.kv_scale = None
         if kv_format == "fp8_e4m3":
-            self.kv_scale = torch.as_tensor(1.0 if kv_scale is None else kv_scale, dtype=torch.float32,
-                                            device=self.device).reshape(1)
+            self.kv_scale = _fp8_scale("LatentKVCache", "kv_scale", kv_scale, self.device)
+            if self.kv_scale.numel() != 1:
+                raise ValueError(f"LatentKVCache: kv_scale must be one value (got {self.kv_scale.numel()})")
+            self.kv_scale = self.kv_scale.reshape(1)
         self._init_pages(shuffle_pages, seed)
 
     def attention_args(self, layer: int) -> dict:
