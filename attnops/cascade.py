@@ -99,8 +99,8 @@ def cascade_attention(q, k_cache, v_cache, prefix_table, prefix_len, block_table
     each sequence's own pages and tokens after the prefix (including this step's). The other arguments as
     paged_attention's; sliding windows and tree masks are not offered (their positions would have to be shifted
     by the prefix). prefix: the step's PrefixPass, made once for every layer (then prefix_table and prefix_len
-    must be None: the pass is the prefix); by default made here from them. Equal to paged_attention over the concatenated pages, up to
-    rounding."""
+    must be None: the pass is the prefix); by default made here from them. Equal to paged_attention over the
+    concatenated pages, up to rounding."""
     # (what this function reads itself, before the ops' own checks: q's rows and heads, the cache's page size)
     for name, t in (("q", q), ("k_cache", k_cache)):
         if not isinstance(t, torch.Tensor):

@@ -6,6 +6,7 @@ latent attention's rows, one [num_pages, page_size, R + P] tensor a layer.
 """
 from __future__ import annotations
 
+import numbers
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -83,7 +84,7 @@ def _fp8_scale(owner: str, name: str, value, device) -> torch.Tensor:
     finite and > 0 (0 would store every value as the format's largest, inf or NaN make every output NaN)."""
     if value is None:
         value = 1.0
-    if isinstance(value, bool) or not isinstance(value, (torch.Tensor, float, int)):
+    if isinstance(value, bool) or not isinstance(value, (torch.Tensor, numbers.Real)):
         raise TypeError(f"{owner}: {name} must be a float or a float32 tensor (got {type(value).__name__})")
     scale = torch.as_tensor(value, dtype=torch.float32, device=device)
     if scale.numel() == 0 or not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
