@@ -40,6 +40,13 @@ class PrefixPass(NamedTuple):
     bad: torch.Tensor | None = None
 
 
+def _check_page_size(function: str, page_size) -> None:
+    # (not isinstance(int): under torch.compile a cache's page size may be a SymInt)
+    if isinstance(page_size, (bool, float)) or not is_page_size(page_size):
+        raise ValueError(f"attnops.cascade.{function}: page_size must be a power of two from 1 to {MAX_PAGE_SIZE} "
+                         f"(got {page_size!r})")
+
+
 def prefix_pass(prefix_table: torch.Tensor, prefix_len: torch.Tensor, page_size: int, num_rows: int,
                 num_pages: int | None = None) -> PrefixPass:
     """The prefix pass's inputs, made on the device from the prefix's pages and length (graph-safe: no host sync).
@@ -50,6 +57,7 @@ def prefix_pass(prefix_table: torch.Tensor, prefix_len: torch.Tensor, page_size:
     [0, P x page_size], or a page of the prefix outside [0, num_pages) (checked when num_pages is given), reads
     no page of the prefix, marks the pass `bad` (cascade_attention makes every row NaN) and is recorded for
     attnops.take_errors() as "prefix_len" (position 0) or "prefix_table" (the first bad entry)."""
+    _check_page_size("prefix_pass", page_size)
     device = prefix_table.device
     extra = -(-num_rows // page_size)
     width = prefix_table.shape[0] + extra
@@ -77,6 +85,7 @@ def host_prefix_pass(prefix_pages: list[int], prefix_tokens: int, page_size: int
                      device) -> PrefixPass:
     """prefix_pass() from the host's list of the prefix's pages: one copy a tensor, no device arithmetic (a
     serving loop that knows its pages)."""
+    _check_page_size("host_prefix_pass", page_size)
     if not 0 <= prefix_tokens <= len(prefix_pages) * page_size:
         raise ValueError(f"attnops.cascade.host_prefix_pass: prefix_tokens must be in [0, {len(prefix_pages)} pages "
                          f"x {page_size}] (got {prefix_tokens})")
@@ -150,6 +159,7 @@ def cascade_attention(q, k_cache, v_cache, prefix_table, prefix_len, block_table
 def shared_prefix_pages(tables: list[list[int]], lengths: list[int], page_size: int) -> int:
     """How many leading full pages every sequence of a batch holds in common (the same page ids), leaving each at
     least one key of its own: what cascade_attention can read once."""
+    _check_page_size("shared_prefix_pages", page_size)
     if not tables:
         return 0
     limit = min((n - 1) // page_size for n in lengths)

@@ -243,3 +243,15 @@ def test_gpu_bf16_in_a_cuda_graph(kv_format):
     graph.replay()
     full["q"] = cascade["q"]
     assert relative_error(static, paged_attention_reference(**full, compute_dtype=torch.float64)) < 2e-2
+
+
+def test_the_prefix_helpers_name_a_bad_page_size():
+    """A page size of 0 was a ZeroDivisionError from inside."""
+    from attnops.cascade import host_prefix_pass, prefix_pass, shared_prefix_pages
+    for bad in (0, 3, 2.0):
+        with pytest.raises(ValueError, match="page_size must be a power of two"):
+            prefix_pass(torch.zeros(2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), bad, 1)
+        with pytest.raises(ValueError, match="page_size must be a power of two"):
+            host_prefix_pass([0, 1], 4, bad, 1, "cpu")
+        with pytest.raises(ValueError, match="page_size must be a power of two"):
+            shared_prefix_pages([[0, 1]], [5], bad)
