@@ -210,6 +210,8 @@ def test_the_generator_and_its_decode_step_name_a_bad_size_before_anything_runs(
             Generator(model, cache, **{**dict(max_batch=4, max_seq_len=64), **options})
     with pytest.raises(TypeError, match="cache must be a PagedKVCache"):
         Generator(model, None, max_batch=4, max_seq_len=64)
+    with pytest.raises(ValueError, match="the model has 2 layers and the cache 1"):
+        Generator(model, attnops.PagedKVCache(1, 16, 8, 2, 32, kv_format="fp32"), max_batch=4, max_seq_len=64)
 
 
 def test_a_decode_step_refuses_token_ids_that_are_not_one_integer_a_sequence(model):
@@ -229,3 +231,15 @@ def test_a_decode_step_refuses_token_ids_that_are_not_one_integer_a_sequence(mod
     assert [cache.seq_len(s) for s in ("a", "b")] == lengths
     assert step(["a", "b"], torch.tensor([9, 12])).shape[0] == 2
     assert [cache.seq_len(s) for s in ("a", "b")] == [n + 1 for n in lengths]
+
+
+def test_add_request_takes_numpy_numbers(model):
+    """numpy integers for the budget and eos and a numpy float temperature (as a prompt of numpy ids already was),
+    and a string temperature is named as such."""
+    import numpy as np
+    gen, _ = make_generator(model)
+    req = gen.add_request("a", [1, 2, 3], np.int64(2), temperature=np.float32(0.5), eos_token_id=np.int32(7))
+    assert (req.max_new_tokens, req.temperature, req.eos_token_id) == (2, 0.5, 7)
+    assert type(req.max_new_tokens) is int and type(req.temperature) is float and type(req.eos_token_id) is int
+    with pytest.raises(ValueError, match="temperature must be a number \\(got str\\)"):
+        gen.add_request("b", [1], 2, temperature="0.5")

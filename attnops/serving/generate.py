@@ -289,6 +289,10 @@ class Generator:
         self.stats = dict(prompt_tokens=0, prefix_tokens_reused=0, peak_pages_in_use=0, cascade_steps=0)
         if not isinstance(cache, PagedKVCache):
             raise TypeError(f"Generator: cache must be a PagedKVCache (got {type(cache).__name__})")
+        layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+        if isinstance(layers, int) and layers > cache.num_layers:  # (else every request failed on an IndexError)
+            raise ValueError(f"Generator: the model has {layers} layers and the cache {cache.num_layers}: make the "
+                             f"cache for the model (attnops.hf.paged_kv_cache)")
         _positive_int("Generator", "max_batch", max_batch, 1)
         _positive_int("Generator", "max_seq_len", max_seq_len, 1)
         if isinstance(seed, bool) or not isinstance(seed, int):
@@ -324,13 +328,18 @@ class Generator:
         if bad is not None:
             raise ValueError(f"Generator.add_request: prompt token {bad} is outside the vocabulary "
                              f"[0, {limit if limit is not None else 'vocab_size'})")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        # (numpy's integers and floats are numbers too: taken as Python's)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
             raise ValueError(f"Generator.add_request: max_new_tokens must be an int >= 1 (got {max_new_tokens!r})")
-        if (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
-                or not 0 <= temperature < float("inf")):
+        if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+            raise ValueError(f"Generator.add_request: temperature must be a number (got {type(temperature).__name__})")
+        if not 0 <= temperature < float("inf"):
             raise ValueError(f"Generator.add_request: temperature must be finite and >= 0 (got {temperature!r})")
-        if eos_token_id is not None and (isinstance(eos_token_id, bool) or not isinstance(eos_token_id, int)):
+        if eos_token_id is not None and (isinstance(eos_token_id, bool)
+                                         or not isinstance(eos_token_id, numbers.Integral)):
             raise ValueError(f"Generator.add_request: eos_token_id must be an int or None (got {eos_token_id!r})")
+        max_new_tokens, temperature = int(max_new_tokens), float(temperature)
+        eos_token_id = None if eos_token_id is None else int(eos_token_id)
         if len(prompt) + max_new_tokens > self.max_seq_len:
             raise ValueError(f"Generator.add_request: prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) "
                              f"exceeds max_seq_len {self.max_seq_len}")
