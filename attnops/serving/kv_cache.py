@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import formats
-from ..checks import MAX_PAGE_SIZE, head_dim_error, is_page_size
+from ..checks import MAX_PAGE_SIZE, check_fp8_scale_values, head_dim_error, is_page_size
 from ..checks_mla import MAX_LATENT_DIM, MAX_ROPE_DIM
 
 
@@ -87,8 +87,9 @@ def _fp8_scale(owner: str, name: str, value, device) -> torch.Tensor:
     if isinstance(value, bool) or not isinstance(value, (torch.Tensor, numbers.Real)):
         raise TypeError(f"{owner}: {name} must be a float or a float32 tensor (got {type(value).__name__})")
     scale = torch.as_tensor(value, dtype=torch.float32, device=device)
-    if scale.numel() == 0 or not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
-        raise ValueError(f"{owner}: {name} must be finite and > 0 (got {value!r})")
+    if scale.numel() == 0:
+        raise ValueError(f"{owner}: {name} must be finite and > 0 (got an empty tensor)")
+    check_fp8_scale_values(owner, scale, None, names=(name,))  # (the ops' own check of scale values)
     return scale
 
 
