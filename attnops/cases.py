@@ -244,6 +244,7 @@ class MLACase:
     sinks: bool = False
     tree_mask: bool = False
     aligned_kv: bool = True  # every latent row starts on a 16-byte boundary (checks_mla.rows_16_byte_aligned)
+    topk: int = 0  # the sparse form's entries a row (topk_indices.shape[1]); 0: every key its rules let it see
 
 
 @dataclass(frozen=True)
@@ -276,6 +277,7 @@ class MLACall(NamedTuple):
     sinks: torch.Tensor | None = None  # float32 [H]
     tree_mask: torch.Tensor | None = None  # bool [T, Q]
     lse: torch.Tensor | None = None  # written when given: float32 [T, H]
+    topk_indices: torch.Tensor | None = None  # int32 [T, K]: each row's key positions (the sparse form); -1 none
 
 
 class MLAWriteCall(NamedTuple):

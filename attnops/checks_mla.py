@@ -68,8 +68,22 @@ def _check_dims(op, latent_dim, rope_dim, what):
         _fail(op, ValueError, f"P ({what}) must be a multiple of 16 from 16 to {MAX_ROPE_DIM} (got {rope_dim})")
 
 
+def _check_topk_indices(op, topk_indices, num_tokens) -> int:
+    """The sparse form's key lists: int32 [T, K], K >= 1, unit stride along K; returns K (0 without them)."""
+    if topk_indices is None:
+        return 0
+    _tensor(op, "topk_indices", topk_indices, (torch.int32,), 2)
+    if topk_indices.shape[0] != num_tokens or topk_indices.shape[1] < 1:
+        _fail(op, ValueError, f"topk_indices must be [num_query_rows, K] = [{num_tokens}, K >= 1] (got "
+                              f"{_describe(topk_indices)})")
+    if topk_indices.stride(1) != 1:
+        _fail(op, ValueError, f"topk_indices must be contiguous in its last dimension (strides "
+                              f"{topk_indices.stride()})")
+    return topk_indices.shape[1]
+
+
 def check_mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, scale, kv_format, kv_scale,
-                        sinks=None, tree_mask=None, out=None, lse=None) -> MLACase:
+                        sinks=None, tree_mask=None, out=None, lse=None, topk_indices=None) -> MLACase:
     op = "mla_attention" if lse is None else "mla_attention_with_lse"
     _tensor(op, "q_nope", q_nope, Q_DTYPES, 3)
     _tensor(op, "q_pe", q_pe, Q_DTYPES, 3)
@@ -89,6 +103,7 @@ def check_mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlen
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale > 0):
         _fail(op, ValueError, f"scale must be a finite float > 0, the model's softmax scale (got {scale!r})")
     check_sinks_and_tree(op, "num_heads", num_heads, num_tokens, cu_seqlens_q, sinks, tree_mask)
+    topk = _check_topk_indices(op, topk_indices, num_tokens)
     if out is not None:
         _tensor(op, "out", out)
         if tuple(out.shape) != (num_tokens, num_heads, latent_dim) or out.dtype != q_nope.dtype:
@@ -101,7 +116,7 @@ def check_mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlen
                                   f"{list(lse.shape)})")
     for name, t in (("q_pe", q_pe), ("kv_cache", kv_cache), ("block_table", block_table), ("seq_lens", seq_lens),
                     ("cu_seqlens_q", cu_seqlens_q), ("kv_scale", kv_scale), ("sinks", sinks),
-                    ("tree_mask", tree_mask), ("out", out), ("lse", lse)):
+                    ("tree_mask", tree_mask), ("topk_indices", topk_indices), ("out", out), ("lse", lse)):
         if t is not None and t.device != q_nope.device:
             _fail(op, ValueError, f"{name} must be on the same device as q_nope ({q_nope.device}), got {t.device}")
     return MLACase(device_type=q_nope.device.type, arch=device_arch(q_nope.device), q_dtype=q_nope.dtype,
@@ -109,7 +124,7 @@ def check_mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlen
                    page_size=kv_cache.shape[1], decode=cu_seqlens_q is None,
                    shape_class=shape_class(cu_seqlens_q is None, num_tokens, batch), batch=batch,
                    max_kv_len=block_table.shape[1] * kv_cache.shape[1], sinks=sinks is not None,
-                   tree_mask=tree_mask is not None, aligned_kv=rows_16_byte_aligned(kv_cache))
+                   tree_mask=tree_mask is not None, aligned_kv=rows_16_byte_aligned(kv_cache), topk=topk)
 
 
 def rows_16_byte_aligned(t: torch.Tensor) -> bool:
@@ -120,10 +135,25 @@ def rows_16_byte_aligned(t: torch.Tensor) -> bool:
     return _address(t) % 16 == 0 and t.stride(0) * size % 16 == 0 and t.stride(1) * size % 16 == 0
 
 
-def check_mla_attention_values(q_nope, kv_cache, block_table, seq_lens, cu_seqlens_q, kv_scale, tree_mask) -> None:
-    """The data checks (ATTNOPS_CHECK=1 only): paged_attention's, under this op's name."""
+def check_mla_attention_values(q_nope, kv_cache, block_table, seq_lens, cu_seqlens_q, kv_scale, tree_mask,
+                               topk_indices=None) -> None:
+    """The data checks (ATTNOPS_CHECK=1 only): paged_attention's, under this op's name; then each row's listed
+    positions inside its sequence (-1: none)."""
     check_paged_attention_values(q_nope, kv_cache, block_table, seq_lens, cu_seqlens_q, kv_scale, None, tree_mask,
                                  op="mla_attention", scale_names=("kv_scale", "kv_scale"))
+    if topk_indices is None or topk_indices.numel() == 0:
+        return
+    lengths = seq_lens.long()
+    if cu_seqlens_q is None:
+        row_len = lengths
+    else:
+        row_len = torch.repeat_interleave(lengths, cu_seqlens_q.long().diff(), output_size=q_nope.shape[0])
+    bad = (topk_indices < -1) | (topk_indices.long() >= row_len[:, None])
+    if bool(bad.any()):
+        t, e = (int(i) for i in bad.nonzero()[0])
+        _fail("mla_attention", ValueError,
+              f"topk_indices[{t}, {e}] = {int(topk_indices[t, e])} is outside its sequence (positions 0 to "
+              f"{int(row_len[t]) - 1}, or -1 for no key)")
 
 
 def check_mla_cache_write(kv_c, k_pe, kv_cache, slot_mapping, kv_format, kv_scale) -> MLAWriteCase:
@@ -151,12 +181,12 @@ def check_mla_cache_write_values(kv_cache, slot_mapping, kv_scale) -> None:
 
 
 def mla_call(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, scale, kv_format, kv_scale, sinks,
-             tree_mask, out, lse=None) -> MLACall:
+             tree_mask, out, lse=None, topk_indices=None) -> MLACall:
     """The validated call the chosen backend runs."""
     case = check_mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, scale, kv_format,
-                               kv_scale, sinks, tree_mask, out, lse)
+                               kv_scale, sinks, tree_mask, out, lse, topk_indices)
     return MLACall(case, q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, out, float(scale), kv_scale,
-                   sinks, tree_mask, lse)
+                   sinks, tree_mask, lse, topk_indices)
 
 
 def mla_write_call(kv_c, k_pe, kv_cache, slot_mapping, kv_format, kv_scale) -> MLAWriteCall:

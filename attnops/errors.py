@@ -8,7 +8,8 @@ C++ CPU kernels, FlashInfer's page metadata) with the same min. Positions:
 - cu_seqlens_q: the first entry i at which cu_seqlens_q stops being non-decreasing from 0 to num_tokens;
 - slot_mapping: the token t;
 - prefix_len, prefix_table (cascade_attention's shared prefix): 0 for a length outside its table, the entry i for
-  a page index outside the cache.
+  a page index outside the cache;
+- topk_indices (mla_attention's sparse form): the query row t that listed a position outside its sequence.
 
 What counts as bad, and what the op returns then, is docs/design.md's "Bad indices".
 """
@@ -18,8 +19,8 @@ import threading
 
 import torch
 
-ARGUMENTS = ("block_table", "seq_lens", "cu_seqlens_q", "slot_mapping", "prefix_len", "prefix_table")
-BLOCK_TABLE, SEQ_LENS, CU_SEQLENS_Q, SLOT_MAPPING, PREFIX_LEN, PREFIX_TABLE = range(len(ARGUMENTS))
+ARGUMENTS = ("block_table", "seq_lens", "cu_seqlens_q", "slot_mapping", "prefix_len", "prefix_table", "topk_indices")
+BLOCK_TABLE, SEQ_LENS, CU_SEQLENS_Q, SLOT_MAPPING, PREFIX_LEN, PREFIX_TABLE, TOPK_INDICES = range(len(ARGUMENTS))
 NONE = 2 ** 31 - 1  # no error: the identity of min
 
 _buffers: dict[torch.device, torch.Tensor] = {}

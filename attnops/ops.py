@@ -301,16 +301,17 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b, *, out=None, lse=None):
 
 # --- latent attention (MLA): docs/design.md, "mla_attention" ----------------------------------------------------
 def _run_mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, scale, kv_format, kv_scale,
-                       sinks, tree_mask, out, lse=None, fresh_outputs=False) -> None:
+                       sinks, tree_mask, topk_indices, out, lse=None, fresh_outputs=False) -> None:
     call = mla_call(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, scale, kv_format, kv_scale, sinks,
-                    tree_mask, out, lse)
+                    tree_mask, out, lse, topk_indices)
     if not fresh_outputs:
         check_outputs_apart("mla_attention" if lse is None else "mla_attention_with_lse", dict(out=out, lse=lse),
                             dict(q_nope=q_nope, q_pe=q_pe, kv_cache=kv_cache, block_table=block_table,
                                  seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q, kv_scale=kv_scale, sinks=sinks,
-                                 tree_mask=tree_mask))
+                                 tree_mask=tree_mask, topk_indices=topk_indices))
     if values_checked():
-        check_mla_attention_values(q_nope, kv_cache, block_table, seq_lens, cu_seqlens_q, kv_scale, tree_mask)
+        check_mla_attention_values(q_nope, kv_cache, block_table, seq_lens, cu_seqlens_q, kv_scale, tree_mask,
+                                   topk_indices)
     backend = select_backend(call.case, q_nope.device)
     with on_device(q_nope.device):
         backend.mla_attention(call)
@@ -318,64 +319,66 @@ def _run_mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens
 
 @torch.library.impl("attnops::mla_attention", DEVICES)
 def _mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q=None, *, scale, kv_format="auto",
-                   kv_scale=None, sinks=None, tree_mask=None):
+                   kv_scale=None, sinks=None, tree_mask=None, topk_indices=None):
     out = torch.empty_like(q_nope)
     _run_mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, scale, kv_format, kv_scale, sinks,
-                       tree_mask, out, fresh_outputs=True)
+                       tree_mask, topk_indices, out, fresh_outputs=True)
     return out
 
 
 @torch.library.register_fake("attnops::mla_attention")
 def _mla_attention_fake(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q=None, *, scale,
-                        kv_format="auto", kv_scale=None, sinks=None, tree_mask=None):
+                        kv_format="auto", kv_scale=None, sinks=None, tree_mask=None, topk_indices=None):
     check_mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, scale, kv_format, kv_scale,
-                        sinks, tree_mask)
+                        sinks, tree_mask, topk_indices=topk_indices)
     return torch.empty_like(q_nope)
 
 
 @torch.library.impl("attnops::mla_attention.out", DEVICES)
 def _mla_attention_out(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q=None, *, scale, kv_format="auto",
-                       kv_scale=None, sinks=None, tree_mask=None, out):
+                       kv_scale=None, sinks=None, tree_mask=None, topk_indices=None, out):
     _run_mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, scale, kv_format, kv_scale, sinks,
-                       tree_mask, out)
+                       tree_mask, topk_indices, out)
 
 
 @torch.library.register_fake("attnops::mla_attention.out")
 def _mla_attention_out_fake(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q=None, *, scale,
-                            kv_format="auto", kv_scale=None, sinks=None, tree_mask=None, out):
+                            kv_format="auto", kv_scale=None, sinks=None, tree_mask=None, topk_indices=None, out):
     check_mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, scale, kv_format, kv_scale,
-                        sinks, tree_mask, out)
+                        sinks, tree_mask, out, topk_indices=topk_indices)
 
 
 @torch.library.impl("attnops::mla_attention_with_lse", DEVICES)
 def _mla_attention_with_lse(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q=None, *, scale,
-                            kv_format="auto", kv_scale=None, sinks=None, tree_mask=None):
+                            kv_format="auto", kv_scale=None, sinks=None, tree_mask=None, topk_indices=None):
     out, lse = torch.empty_like(q_nope), _lse_like(q_nope)
     _run_mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, scale, kv_format, kv_scale, sinks,
-                       tree_mask, out, lse, fresh_outputs=True)
+                       tree_mask, topk_indices, out, lse, fresh_outputs=True)
     return out, lse
 
 
 @torch.library.register_fake("attnops::mla_attention_with_lse")
 def _mla_attention_with_lse_fake(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q=None, *, scale,
-                                 kv_format="auto", kv_scale=None, sinks=None, tree_mask=None):
+                                 kv_format="auto", kv_scale=None, sinks=None, tree_mask=None, topk_indices=None):
     check_mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, scale, kv_format, kv_scale,
-                        sinks, tree_mask)
+                        sinks, tree_mask, topk_indices=topk_indices)
     return torch.empty_like(q_nope), _lse_like(q_nope)
 
 
 @torch.library.impl("attnops::mla_attention_with_lse.out", DEVICES)
 def _mla_attention_with_lse_out(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q=None, *, scale,
-                                kv_format="auto", kv_scale=None, sinks=None, tree_mask=None, out, lse):
+                                kv_format="auto", kv_scale=None, sinks=None, tree_mask=None, topk_indices=None, out,
+                                lse):
     _run_mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, scale, kv_format, kv_scale, sinks,
-                       tree_mask, out, lse)
+                       tree_mask, topk_indices, out, lse)
 
 
 @torch.library.register_fake("attnops::mla_attention_with_lse.out")
 def _mla_attention_with_lse_out_fake(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q=None, *, scale,
-                                     kv_format="auto", kv_scale=None, sinks=None, tree_mask=None, out, lse):
+                                     kv_format="auto", kv_scale=None, sinks=None, tree_mask=None, topk_indices=None,
+                                     out, lse):
     check_mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, scale, kv_format, kv_scale,
-                        sinks, tree_mask, out, lse)
+                        sinks, tree_mask, out, lse, topk_indices)
 
 
 @torch.library.impl("attnops::mla_cache_write", DEVICES)
@@ -393,15 +396,17 @@ def _mla_cache_write_fake(kv_c, k_pe, kv_cache, slot_mapping, *, kv_format="auto
 
 
 def mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q=None, *, scale, kv_format="auto",
-                  kv_scale=None, sinks=None, tree_mask=None, out=None):
+                  kv_scale=None, sinks=None, tree_mask=None, topk_indices=None, out=None):
     """`torch.ops.attnops.mla_attention` (latent attention over a paged cache of [c, r] rows; docs/design.md), or
-    its `.out` overload when `out` is given (then returns `out`)."""
+    its `.out` overload when `out` is given (then returns `out`). topk_indices (int32 [T, K]): the sparse form, each
+    row attending only to the key positions it lists (-1: none), as DeepSeek-V3.2's indexer picks them."""
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):  # (required here: no default scale)
         raise TypeError(f"attnops.mla_attention: scale must be a number (got {type(scale).__name__})")
     _are_tensors("mla_attention", kv_format, kv_scale=kv_scale, sinks=sinks, q_nope=q_nope, q_pe=q_pe,
                  kv_cache=kv_cache, block_table=block_table, seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q,
-                 tree_mask=tree_mask, out=out)
-    args = dict(scale=scale, kv_format=kv_format, kv_scale=kv_scale, sinks=sinks, tree_mask=tree_mask)
+                 tree_mask=tree_mask, topk_indices=topk_indices, out=out)
+    args = dict(scale=scale, kv_format=kv_format, kv_scale=kv_scale, sinks=sinks, tree_mask=tree_mask,
+                topk_indices=topk_indices)
     if out is None:
         return torch.ops.attnops.mla_attention(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, **args)
     torch.ops.attnops.mla_attention.out(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, **args, out=out)

@@ -30,24 +30,25 @@ TORCH_LIBRARY(attnops, m) {
       "str kv_format=\"auto\", Tensor? k_scale=None, Tensor? v_scale=None, "
       "Tensor(c!)? k_block_scale=None, Tensor(d!)? v_block_scale=None) -> ()");
   // Latent attention (MLA, DeepSeek's absorbed form): one latent row a token, [c (R values), r (P values)], shared
-  // by every query head; scores scale * (q_nope . c + q_pe . r), output the weighted sum of the c rows
-  // (docs/design.md, "mla_attention")
+  // by every query head; scores scale * (q_nope . c + q_pe . r), output the weighted sum of the c rows; with
+  // topk_indices (the sparse form) a row sees only the key positions it lists (docs/design.md, "mla_attention")
   m.def(
       "mla_attention(Tensor q_nope, Tensor q_pe, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
       "Tensor? cu_seqlens_q=None, *, float scale, str kv_format=\"auto\", Tensor? kv_scale=None, "
-      "Tensor? sinks=None, Tensor? tree_mask=None) -> Tensor");
+      "Tensor? sinks=None, Tensor? tree_mask=None, Tensor? topk_indices=None) -> Tensor");
   m.def(
       "mla_attention.out(Tensor q_nope, Tensor q_pe, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
       "Tensor? cu_seqlens_q=None, *, float scale, str kv_format=\"auto\", Tensor? kv_scale=None, "
-      "Tensor? sinks=None, Tensor? tree_mask=None, Tensor(a!) out) -> ()");
+      "Tensor? sinks=None, Tensor? tree_mask=None, Tensor? topk_indices=None, Tensor(a!) out) -> ()");
   m.def(
       "mla_attention_with_lse(Tensor q_nope, Tensor q_pe, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
       "Tensor? cu_seqlens_q=None, *, float scale, str kv_format=\"auto\", Tensor? kv_scale=None, "
-      "Tensor? sinks=None, Tensor? tree_mask=None) -> (Tensor, Tensor)");
+      "Tensor? sinks=None, Tensor? tree_mask=None, Tensor? topk_indices=None) -> (Tensor, Tensor)");
   m.def(
       "mla_attention_with_lse.out(Tensor q_nope, Tensor q_pe, Tensor kv_cache, Tensor block_table, "
       "Tensor seq_lens, Tensor? cu_seqlens_q=None, *, float scale, str kv_format=\"auto\", "
-      "Tensor? kv_scale=None, Tensor? sinks=None, Tensor? tree_mask=None, Tensor(a!) out, Tensor(b!) lse) -> ()");
+      "Tensor? kv_scale=None, Tensor? sinks=None, Tensor? tree_mask=None, Tensor? topk_indices=None, "
+      "Tensor(a!) out, Tensor(b!) lse) -> ()");
   m.def(
       "mla_cache_write(Tensor kv_c, Tensor k_pe, Tensor(a!) kv_cache, Tensor slot_mapping, *, "
       "str kv_format=\"auto\", Tensor? kv_scale=None) -> ()");

@@ -28,6 +28,10 @@ FP4_WRITE_REASON = ("4-bit cache writes (nvfp4, mxfp4) are not implemented in th
                     "backend writes them")
 
 
+# the kernels loop over a sequence's keys in order, for a block of query rows at once; the sparse form's rows each
+# list their own keys
+SPARSE_REASON = "the sparse form (topk_indices): the reference backend serves it on the CPU"
+
 OPS = ("cpu_paged_attention", "cpu_reshape_and_cache", "cpu_mla_attention", "cpu_mla_cache_write")
 
 
@@ -59,7 +63,10 @@ class CPUBackend(Backend):
 
     def supports(self, case) -> list[str]:
         if isinstance(case, (MLACase, MLAWriteCase)):  # (checks_mla bounds the latent formats and shapes)
-            return common_reasons(case, devices=DEVICES, q_dtypes=Q_DTYPES, kv_formats=KV_FORMATS)
+            reasons = common_reasons(case, devices=DEVICES, q_dtypes=Q_DTYPES, kv_formats=KV_FORMATS)
+            if getattr(case, "topk", 0):
+                reasons.append(SPARSE_REASON)
+            return reasons
         reasons = common_reasons(case, devices=DEVICES, q_dtypes=Q_DTYPES, kv_formats=KV_FORMATS,
                                  head_dims=HEAD_DIMS)
         if isinstance(case, CacheWriteCase) and case.kv_format in KV_FORMATS and \

@@ -116,6 +116,8 @@ def reasons(case) -> list[str]:
                      "decode and verify only (a few query tokens a sequence)")
     if case.tree_mask:
         found.append("tree_mask not supported")
+    if case.topk:
+        found.append("the sparse form (topk_indices) not supported")
     if not case.aligned_kv:
         found.append("a cache whose latent rows do not all start on a 16-byte boundary (its kernel copies them by "
                      "16-byte words)")

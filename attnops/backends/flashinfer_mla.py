@@ -61,6 +61,8 @@ def reasons(case) -> list[str]:
         found.append("sinks not supported")
     if case.tree_mask:
         found.append("tree_mask not supported")
+    if case.topk:
+        found.append("the sparse form (topk_indices) not supported")
     # (a capture nobody re-plans: dispatch passes every host-planned backend over; attnops' own, which re-plan
     # paged attention, have no re-plan for latent attention)
     if capture.current_capture() is not None:

@@ -28,7 +28,8 @@ def _gather_sequence(cache: torch.Tensor, scale: torch.Tensor | None, pages: tor
 
 def paged_attention_reference(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q=None, *, scale=None,
                               soft_cap=0.0, window_left=-1, kv_format="auto", k_scale=None, v_scale=None,
-                              sinks=None, tree_mask=None, compute_dtype=torch.float64, return_lse=False):
+                              sinks=None, tree_mask=None, topk_indices=None, compute_dtype=torch.float64,
+                              return_lse=False):
     """Paged attention, one sequence at a time, in `compute_dtype`. Returns [T, Hq, D] in q's dtype; with
     `return_lse`, (that, lse [T, Hq] in compute_dtype): each row's log-sum-exp, the natural log of its softmax
     denominator (sink included), -inf for a row that sees no key (with sinks: the sink's logit, its term alone),
@@ -37,6 +38,9 @@ def paged_attention_reference(q, k_cache, v_cache, block_table, seq_lens, cu_seq
     sinks [Hq]: a logit per head that joins every row's softmax denominator (and nothing of V). tree_mask
     [T, Q] bool: inside its query block, row i of a sequence sees block key j iff tree_mask[row, j] (j < Q),
     in place of the causal rule; keys before the block stay visible.
+    topk_indices [T, K] (latent attention's sparse form): row t sees only the key positions it lists (-1: none)
+    that its rules above let it see, each listing one term of its softmax; a listed position outside its sequence
+    makes the row NaN (recorded under topk_indices, at the row).
     Bad indices give docs/design.md's results ("Bad indices") and are recorded in the device's error buffer
     (attnops.errors): nothing outside a tensor is read."""
     fmt = formats.resolve_kv_format(kv_format, k_cache.dtype)
@@ -68,8 +72,16 @@ def paged_attention_reference(q, k_cache, v_cache, block_table, seq_lens, cu_seq
             out[q_start:q_end] = float("nan")
             lse[q_start:q_end] = float("nan")
             continue
-        if kv_len == 0:
-            continue  # an empty sequence's rows stay 0
+        topk_bad = torch.zeros(num_queries, dtype=torch.bool, device=q.device)
+        if topk_indices is not None:
+            listed = topk_indices[q_start:q_end].long()
+            topk_bad = ((listed < -1) | (listed >= kv_len)).any(-1)
+            if bool(topk_bad.any()):
+                errors.record(q.device, errors.TOPK_INDICES, q_start + int(topk_bad.nonzero()[0, 0]))
+        if kv_len == 0:  # an empty sequence's rows stay 0
+            out[q_start:q_end][topk_bad] = float("nan")
+            lse[q_start:q_end][topk_bad] = float("nan")
+            continue
         pages = block_table[b, : (kv_len + page_size - 1) // page_size].long()
         page_ok = (pages >= 0) & (pages < num_pages)
         # a key on a page outside the cache is never read: it is 0 here and a NaN score for the rows that see it
@@ -99,10 +111,18 @@ def paged_attention_reference(q, k_cache, v_cache, block_table, seq_lens, cu_seq
             in_block = torch.zeros(num_queries, num_queries, dtype=torch.bool, device=q.device)
             cols = min(num_queries, tree_mask.shape[1])  # columns past Q: not visible
             in_block[:, :cols] = tree_mask[q_start:q_end, :cols]
-            visible = torch.cat([torch.ones(num_queries, block_start, dtype=torch.bool, device=q.device),
-                                 in_block], dim=1)
+            # (more query rows than keys, which only a bad call has: the block's first columns have no key)
+            visible = torch.cat([torch.ones(num_queries, max(block_start, 0), dtype=torch.bool, device=q.device),
+                                 in_block[:, max(-block_start, 0):]], dim=1)
         if window_left >= 0:
             visible &= query_pos - key_pos <= window_left
+        if topk_indices is not None:  # a key listed n times is n terms: log(n) joins its score
+            counts = torch.zeros(num_queries, kv_len + 1, dtype=compute_dtype, device=q.device)
+            counts.scatter_add_(1, torch.where((listed >= 0) & (listed < kv_len), listed, kv_len),
+                                torch.ones_like(listed, dtype=compute_dtype))
+            counts = counts[:, :kv_len]
+            visible &= counts > 0
+            scores = scores + torch.log(counts)
         if bool((visible & bad_key).any()):
             errors.record(q.device, errors.BLOCK_TABLE, b)
         scores = scores.masked_fill(~visible, float("-inf"))
@@ -123,6 +143,8 @@ def paged_attention_reference(q, k_cache, v_cache, block_table, seq_lens, cu_seq
             rows = torch.stack([torch.einsum("hk,khd->hd", probs[:, i, seen], v[seen])
                                 for i, seen in enumerate(visible)])
         out[q_start:q_end] = torch.where(sees_a_key[:, None, None], rows, 0.0)
+        out[q_start:q_end][topk_bad] = float("nan")
+        lse[q_start:q_end][topk_bad] = float("nan")
     return (out.to(q.dtype), lse) if return_lse else out.to(q.dtype)
 
 
@@ -171,7 +193,7 @@ def merge_attention_states_reference(out_a, lse_a, out_b, lse_b, out, lse) -> No
 # paged_attention's (bad indices and their record, sinks, tree masks, the LSE, NaN) carries over unchanged.
 
 def mla_attention_reference(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q=None, *, scale,
-                            kv_format="auto", kv_scale=None, sinks=None, tree_mask=None,
+                            kv_format="auto", kv_scale=None, sinks=None, tree_mask=None, topk_indices=None,
                             compute_dtype=torch.float64, return_lse=False):
     """[T, H, R] in q_nope's dtype (with `return_lse`, and each row's natural-log LSE [T, H] in compute_dtype)."""
     latent_dim = q_nope.shape[2]
@@ -179,7 +201,8 @@ def mla_attention_reference(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_se
     rows = kv_cache[:, :, None, :]  # [num_pages, page_size, 1 KV head, R + P]
     out, lse = paged_attention_reference(q, rows, rows, block_table, seq_lens, cu_seqlens_q, scale=scale,
                                          kv_format="auto", k_scale=kv_scale, v_scale=kv_scale, sinks=sinks,
-                                         tree_mask=tree_mask, compute_dtype=compute_dtype, return_lse=True)
+                                         tree_mask=tree_mask, topk_indices=topk_indices, compute_dtype=compute_dtype,
+                                         return_lse=True)
     out = out[..., :latent_dim].contiguous()
     return (out, lse) if return_lse else out
 
@@ -216,7 +239,7 @@ class ReferenceBackend(Backend):
         out, lse = mla_attention_reference(
             call.q_nope, call.q_pe, call.kv_cache, call.block_table, call.seq_lens, call.cu_seqlens_q,
             scale=call.scale, kv_scale=call.kv_scale, sinks=call.sinks, tree_mask=call.tree_mask,
-            compute_dtype=torch.float64, return_lse=True)
+            topk_indices=call.topk_indices, compute_dtype=torch.float64, return_lse=True)
         call.out.copy_(out)
         if call.lse is not None:
             call.lse.copy_(lse)

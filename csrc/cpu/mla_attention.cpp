@@ -133,7 +133,10 @@ void cpu_mla_attention(const at::Tensor& q_nope, const at::Tensor& q_pe, const a
 #ifdef ATTNOPS_STANDALONE
 // kv_format of the public op (C++-only build): "auto" (the cache has q's dtype) or "fp8_e4m3" (a float8_e4m3fn
 // cache); the checks of attnops/checks_mla.py that the kernel's own do not make.
-void check_mla_kv_format(c10::string_view kv_format, const at::Tensor& q_nope, const at::Tensor& kv_cache) {
+void check_mla_kv_format(c10::string_view kv_format, const at::Tensor& q_nope, const at::Tensor& kv_cache,
+                         const std::optional<at::Tensor>& topk_indices) {
+  ATTNOPS_ARG_CHECK("mla_attention", !topk_indices.has_value(),
+                    "topk_indices (the sparse form) is served by the Python package, not the C++-only build");
   const std::string fmt(kv_format);
   if (fmt == "fp8_e4m3") {
     ATTNOPS_ARG_CHECK("mla_attention", kv_cache.scalar_type() == at::kFloat8_e4m3fn,
@@ -150,8 +153,9 @@ void mla_attention_out(const at::Tensor& q_nope, const at::Tensor& q_pe, const a
                        const at::Tensor& block_table, const at::Tensor& seq_lens,
                        const std::optional<at::Tensor>& cu_seqlens_q, double scale, c10::string_view kv_format,
                        const std::optional<at::Tensor>& kv_scale, const std::optional<at::Tensor>& sinks,
-                       const std::optional<at::Tensor>& tree_mask, at::Tensor& out) {
-  check_mla_kv_format(kv_format, q_nope, kv_cache);
+                       const std::optional<at::Tensor>& tree_mask, const std::optional<at::Tensor>& topk_indices,
+                       at::Tensor& out) {
+  check_mla_kv_format(kv_format, q_nope, kv_cache, topk_indices);
   mla_attention_cpu(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, scale, kv_scale, sinks, tree_mask,
                     out, std::nullopt, std::nullopt);
 }
@@ -161,8 +165,8 @@ void mla_attention_with_lse_out(const at::Tensor& q_nope, const at::Tensor& q_pe
                                 const std::optional<at::Tensor>& cu_seqlens_q, double scale,
                                 c10::string_view kv_format, const std::optional<at::Tensor>& kv_scale,
                                 const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& tree_mask,
-                                at::Tensor& out, at::Tensor& lse) {
-  check_mla_kv_format(kv_format, q_nope, kv_cache);
+                                const std::optional<at::Tensor>& topk_indices, at::Tensor& out, at::Tensor& lse) {
+  check_mla_kv_format(kv_format, q_nope, kv_cache, topk_indices);
   mla_attention_cpu(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, scale, kv_scale, sinks, tree_mask,
                     out, std::nullopt, lse);
 }
@@ -171,10 +175,10 @@ at::Tensor mla_attention(const at::Tensor& q_nope, const at::Tensor& q_pe, const
                          const at::Tensor& block_table, const at::Tensor& seq_lens,
                          const std::optional<at::Tensor>& cu_seqlens_q, double scale, c10::string_view kv_format,
                          const std::optional<at::Tensor>& kv_scale, const std::optional<at::Tensor>& sinks,
-                         const std::optional<at::Tensor>& tree_mask) {
+                         const std::optional<at::Tensor>& tree_mask, const std::optional<at::Tensor>& topk_indices) {
   at::Tensor out = at::empty_like(q_nope);
   mla_attention_out(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, scale, kv_format, kv_scale, sinks,
-                    tree_mask, out);
+                    tree_mask, topk_indices, out);
   return out;
 }
 
@@ -182,11 +186,11 @@ std::tuple<at::Tensor, at::Tensor> mla_attention_with_lse(
     const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& kv_cache, const at::Tensor& block_table,
     const at::Tensor& seq_lens, const std::optional<at::Tensor>& cu_seqlens_q, double scale,
     c10::string_view kv_format, const std::optional<at::Tensor>& kv_scale, const std::optional<at::Tensor>& sinks,
-    const std::optional<at::Tensor>& tree_mask) {
+    const std::optional<at::Tensor>& tree_mask, const std::optional<at::Tensor>& topk_indices) {
   at::Tensor out = at::empty_like(q_nope);
   at::Tensor lse = at::empty({q_nope.size(0), q_nope.size(1)}, q_nope.options().dtype(at::kFloat));
   mla_attention_with_lse_out(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, scale, kv_format, kv_scale,
-                             sinks, tree_mask, out, lse);
+                             sinks, tree_mask, topk_indices, out, lse);
   return {out, lse};
 }
 #endif  // ATTNOPS_STANDALONE

@@ -102,7 +102,8 @@ class TritonBackend(Backend):
         from .mla_launch import mla_launch
         mla_launch(call.q_nope, call.q_pe, call.kv_cache, call.block_table, call.seq_lens, call.cu_seqlens_q,
                    scale=call.scale, kv_format=call.case.kv_format, kv_scale=call.kv_scale, sinks=call.sinks,
-                   tree_mask=call.tree_mask, out=call.out, lse=call.lse, invariant=invariance.enabled())
+                   tree_mask=call.tree_mask, out=call.out, lse=call.lse, topk_indices=call.topk_indices,
+                   invariant=invariance.enabled())
 
     def mla_cache_write(self, call) -> None:
         from .mla_launch import mla_cache_write

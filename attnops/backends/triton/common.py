@@ -30,6 +30,7 @@ INTERPRETER = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "
 # Entries of the device error buffer (attnops.errors) the kernels record bad indices in.
 ERR_BLOCK_TABLE, ERR_SEQ_LENS = tl.constexpr(errors.BLOCK_TABLE), tl.constexpr(errors.SEQ_LENS)
 ERR_CU_SEQLENS_Q, ERR_SLOT_MAPPING = tl.constexpr(errors.CU_SEQLENS_Q), tl.constexpr(errors.SLOT_MAPPING)
+ERR_TOPK_INDICES = tl.constexpr(errors.TOPK_INDICES)
 
 # Format codes (constexpr in the kernels). Plain formats share one code: the load converts to the dot dtype.
 FMT_PLAIN, FMT_FP8, FMT_NVFP4, FMT_MXFP4 = (tl.constexpr(code) for code in range(4))

@@ -344,7 +344,8 @@ def compile_merge_states(out_dtype: str, target):
 
 
 def compile_mla(q_dtype: str, fp8: bool, num_heads: int, latent: int, rope: int, target, *, tokens: int = 32,
-                capacity: int = 8192, decode: bool = True, sinks: bool = False, tree: bool = False):
+                capacity: int = 8192, decode: bool = True, sinks: bool = False, tree: bool = False,
+                topk: bool = False):
     """Latent attention's kernels (mla_kernel.py) at the tiles mla_launch plans for a GPU: the attention kernel,
     the split merge when it plans splits, and the cache write. Returns the attention kernel."""
     from .mla_kernel import mla_attention_kernel, mla_cache_write_kernel, mla_merge_kernel
@@ -353,11 +354,11 @@ def compile_mla(q_dtype: str, fp8: bool, num_heads: int, latent: int, rope: int,
     r_p2, p_p2 = triton.next_power_of_2(latent), triton.next_power_of_2(rope)
     q = "*" + q_dtype
     types = dict(qn_ptr=q, qp_ptr=q, kv_ptr="*u8" if fp8 else q, bt_ptr="*i32", seq_lens_ptr="*i32", cu_ptr="*i32",
-                 kv_scale_ptr="*fp32", sinks_ptr="*fp32", tm_ptr="*u8", out_ptr=q, lse_ptr="*fp32",
+                 kv_scale_ptr="*fp32", sinks_ptr="*fp32", tm_ptr="*u8", topk_ptr="*i32", out_ptr=q, lse_ptr="*fp32",
                  part_out_ptr="*fp32", part_lse_ptr="*fp32", err_ptr="*i32")
     constexprs = dict(NUM_HEADS=num_heads, R=latent, P=rope, R_P2=r_p2, P_P2=p_p2, PAGE=64, BLOCK_H=plan["BLOCK_H"],
                       BLOCK_N=plan["BLOCK_N"], SPLIT=plan["MAX_SPLITS"] > 1, IS_DECODE=decode, FP8=fp8,
-                      HAS_SINKS=sinks, HAS_TREE=tree, WRITE_LSE=sinks)
+                      HAS_SINKS=sinks, HAS_TREE=tree, HAS_TOPK=topk, WRITE_LSE=sinks)
     kernel = compile_one(mla_attention_kernel, types, constexprs, target, plan["num_warps"], plan["num_stages"])
     if plan["MAX_SPLITS"] > 1:
         compile_one(mla_merge_kernel, dict(out_ptr=q, lse_ptr="*fp32", part_out_ptr="*fp32", part_lse_ptr="*fp32",

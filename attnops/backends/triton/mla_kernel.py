@@ -9,9 +9,14 @@ tile of latent rows once, and uses it as K (both parts) and as V (the c part): t
 split, whatever H. Split-KV as paged_attention's decode: the splits' partials merged by their LSEs in a second
 kernel; a split plan from shapes only, so a CUDA graph replays new lengths.
 
+The sparse form (topk_indices: DeepSeek-V3.2's indexer picks each row's keys) runs the same loop over a row's
+listed positions instead of the positions themselves: a tile gathers the rows of its entries, each entry visible
+where it names a key the row may see (causal, tree mask), and splits divide the entries.
+
 Bad indices follow paged_attention's rules: a bad length makes the token's rows NaN and reads nothing; a page index
 outside the cache is never read and makes NaN the rows that see one of its keys (all heads of a token see the same
-keys, so the check is one vector a tile); bad cu_seqlens_q makes every row NaN. Each is recorded in the error
+keys, so the check is one vector a tile); bad cu_seqlens_q makes every row NaN; a listed position outside its
+sequence makes its row NaN. Each is recorded in the error
 buffer with atomic min.
 """
 from __future__ import annotations
@@ -19,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (ERR_BLOCK_TABLE, ERR_CU_SEQLENS_Q, ERR_SEQ_LENS, ERR_SLOT_MAPPING, LN2, LOG2E,
+from .common import (ERR_BLOCK_TABLE, ERR_CU_SEQLENS_Q, ERR_SEQ_LENS, ERR_SLOT_MAPPING, ERR_TOPK_INDICES, LN2, LOG2E,
                      cu_seqlens_violation, find_sequence, fp8_decoded, to_fp8_bits)
 
 
@@ -44,21 +49,22 @@ def _latent_tile(kv_ptr, bt_row, kpos, vis, num_pages, stride_page, stride_tok, 
 
 # (the split count and length are runtime values: a new batch size or table width compiles nothing new)
 @triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_pages", "capacity", "CHUNK", "tm_cols",
-                               "MAX_SPLITS"])
+                               "MAX_SPLITS", "topk_len"])
 def mla_attention_kernel(
-    qn_ptr, qp_ptr, kv_ptr, bt_ptr, seq_lens_ptr, cu_ptr, kv_scale_ptr, sinks_ptr, tm_ptr, out_ptr, lse_ptr,
+    qn_ptr, qp_ptr, kv_ptr, bt_ptr, seq_lens_ptr, cu_ptr, kv_scale_ptr, sinks_ptr, tm_ptr, topk_ptr, out_ptr, lse_ptr,
     part_out_ptr, part_lse_ptr, err_ptr,
-    num_seqs, num_tokens, num_pages, capacity, sm_scale, CHUNK, tm_cols, MAX_SPLITS,
+    num_seqs, num_tokens, num_pages, capacity, sm_scale, CHUNK, tm_cols, MAX_SPLITS, topk_len,
     stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_page, stride_tok, stride_bt, stride_ot, stride_oh,
-    stride_tm,
+    stride_tm, stride_topk,
     NUM_HEADS: tl.constexpr, R: tl.constexpr, P: tl.constexpr, R_P2: tl.constexpr, P_P2: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     IS_DECODE: tl.constexpr, FP8: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_TREE: tl.constexpr,
-    WRITE_LSE: tl.constexpr,
+    HAS_TOPK: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
     """Program (token t and head block, split): the token's heads of the block against the split's keys of its
     sequence (those at or before its position; a tree mask decides inside its query block). With one split it
-    writes out (and lse); with more (SPLIT), its partial (normalized output, base-2 LSE) for mla_merge_kernel."""
+    writes out (and lse); with more (SPLIT), its partial (normalized output, base-2 LSE) for mla_merge_kernel.
+    HAS_TOPK: the split's entries of the token's topk_indices row (topk_len a row) name its keys instead."""
     # the head blocks of a token are neighbours in launch order: they run together and read the same latent rows,
     # so all but the first find them in L2
     HEAD_BLOCKS: tl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
@@ -92,7 +98,11 @@ def mla_attention_kernel(
     if HAS_TREE:  # every key before the block, and the block's keys as the mask says
         kv_end = seq_len
     lo = split * CHUNK
-    hi = tl.minimum(lo + CHUNK, kv_end)
+    if HAS_TOPK:  # entries [lo, hi) of the row's list
+        hi = tl.minimum(lo + CHUNK, topk_len)
+        topk_row = topk_ptr + t.to(tl.int64) * stride_topk
+    else:  # keys [lo, hi)
+        hi = tl.minimum(lo + CHUNK, kv_end)
 
     offs_r = tl.arange(0, R_P2)
     offs_p = tl.arange(0, P_P2)
@@ -112,9 +122,16 @@ def mla_attention_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, R_P2], dtype=tl.float32)
     saw_bad = tl.zeros([BLOCK_N], dtype=tl.int1)
+    saw_bad_entry = tl.zeros([BLOCK_N], dtype=tl.int1)
     for start in range(lo, hi, BLOCK_N):
-        kpos = start + tl.arange(0, BLOCK_N)
-        vis = kpos < hi
+        if HAS_TOPK:  # each entry a key position (-1: none); one outside the sequence poisons the row
+            entry = start + tl.arange(0, BLOCK_N)
+            kpos = tl.load(topk_row + entry, mask=entry < hi, other=-1)
+            saw_bad_entry = saw_bad_entry | (kpos < -1) | (kpos >= seq_len)
+            vis = (kpos >= 0) & (kpos < kv_end)
+        else:
+            kpos = start + tl.arange(0, BLOCK_N)
+            vis = kpos < hi
         if HAS_TREE:  # inside the block: key j of it iff tree_mask[t, j] (columns past tm_cols: not seen)
             col = kpos - block_start
             in_block = col >= 0
@@ -139,7 +156,11 @@ def mla_attention_kernel(
     row_bad = tl.max(saw_bad.to(tl.int32), 0) > 0
     if row_bad:
         tl.atomic_min(err_ptr + ERR_BLOCK_TABLE, b)
-    poison = cu_bad | len_bad | row_bad | (l_i != l_i)
+    # (a bad length or cu_seqlens_q already poisons the row: its entries are not judged against a length of 0)
+    entry_bad = (tl.max(saw_bad_entry.to(tl.int32), 0) > 0) & ~(cu_bad | len_bad)
+    if entry_bad & (head_block == 0):
+        tl.atomic_min(err_ptr + ERR_TOPK_INDICES, t)
+    poison = cu_bad | len_bad | row_bad | entry_bad | (l_i != l_i)
     has_keys = l_i > 0.0
     inv_l = tl.where(has_keys, v_mul / tl.where(has_keys, l_i, 1.0), 0.0)
     lse2 = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))

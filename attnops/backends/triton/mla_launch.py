@@ -49,8 +49,10 @@ def mla_plan(num_tokens: int, num_heads: int, capacity: int, latent_dim: int, on
 
 
 def mla_launch(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, *, scale: float, kv_format: str,
-               kv_scale, sinks, tree_mask, out, lse=None, config: dict | None = None, invariant: bool = False) -> None:
-    """Latent attention into `out` [T, H, R] (and each row's natural-log LSE into `lse` [T, H]). Inputs are
+               kv_scale, sinks, tree_mask, out, lse=None, topk_indices=None, config: dict | None = None,
+               invariant: bool = False) -> None:
+    """Latent attention into `out` [T, H, R] (and each row's natural-log LSE into `lse` [T, H]); with
+    topk_indices [T, K], each row over the key positions it lists (the splits divide its K entries). Inputs are
     validated by the op."""
     num_tokens, num_heads, latent = q_nope.shape
     rope = q_pe.shape[2]
@@ -64,14 +66,15 @@ def mla_launch(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, *, s
     if out.stride(-1) != 1 or (lse is not None and not lse.is_contiguous()):
         with kernel_outputs(out, lse) as (out_w, lse_w):
             mla_launch(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, scale=scale, kv_format=kv_format,
-                       kv_scale=kv_scale, sinks=sinks, tree_mask=tree_mask, out=out_w, lse=lse_w, config=config,
-                       invariant=invariant)
+                       kv_scale=kv_scale, sinks=sinks, tree_mask=tree_mask, out=out_w, lse=lse_w,
+                       topk_indices=topk_indices, config=config, invariant=invariant)
         return
     block_table = block_table.contiguous()
     seq_lens = seq_lens.contiguous()
     capacity = block_table.shape[1] * page_size
-    plan = mla_plan(num_tokens, num_heads, capacity, latent, q_nope.is_cuda and not interpreting(), config,
-                    invariant)
+    topk_len = topk_indices.shape[1] if topk_indices is not None else 0
+    plan = mla_plan(num_tokens, num_heads, topk_len or capacity, latent, q_nope.is_cuda and not interpreting(),
+                    config, invariant)
     splits = plan["MAX_SPLITS"]
     fp8 = kv_format == "fp8_e4m3"
     kv = kv_cache.view(torch.uint8) if fp8 else kv_cache
@@ -86,18 +89,21 @@ def mla_launch(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, *, s
     mla_attention_kernel[grid](
         qn_ptr=q_nope, qp_ptr=q_pe, kv_ptr=kv, bt_ptr=block_table, seq_lens_ptr=seq_lens, cu_ptr=cu,
         kv_scale_ptr=kv_scale if fp8 else seq_lens, sinks_ptr=sinks if sinks is not None else seq_lens, tm_ptr=tm,
+        topk_ptr=topk_indices if topk_indices is not None else seq_lens,
         out_ptr=out, lse_ptr=lse if lse is not None else seq_lens, part_out_ptr=part_out, part_lse_ptr=part_lse,
         err_ptr=errors.buffer(q_nope.device),
         num_seqs=batch, num_tokens=num_tokens, num_pages=kv_cache.shape[0], capacity=capacity, sm_scale=float(scale),
         CHUNK=plan["CHUNK"], tm_cols=tree_mask.shape[1] if tree_mask is not None else 0, MAX_SPLITS=splits,
+        topk_len=topk_len,
         stride_qn_t=q_nope.stride(0), stride_qn_h=q_nope.stride(1), stride_qp_t=q_pe.stride(0),
         stride_qp_h=q_pe.stride(1), stride_page=kv_cache.stride(0), stride_tok=kv_cache.stride(1),
         stride_bt=block_table.stride(0), stride_ot=out.stride(0), stride_oh=out.stride(1),
         stride_tm=tree_mask.stride(0) if tree_mask is not None else 0,
+        stride_topk=topk_indices.stride(0) if topk_indices is not None else 0,
         NUM_HEADS=num_heads, R=latent, P=rope, R_P2=r_p2, P_P2=p_p2, PAGE=page_size, BLOCK_H=plan["BLOCK_H"],
         BLOCK_N=plan["BLOCK_N"], SPLIT=splits > 1, IS_DECODE=cu_seqlens_q is None, FP8=fp8,
-        HAS_SINKS=sinks is not None, HAS_TREE=tree_mask is not None, WRITE_LSE=lse is not None,
-        num_warps=plan["num_warps"], num_stages=plan["num_stages"])
+        HAS_SINKS=sinks is not None, HAS_TREE=tree_mask is not None, HAS_TOPK=topk_indices is not None,
+        WRITE_LSE=lse is not None, num_warps=plan["num_warps"], num_stages=plan["num_stages"])
     if splits > 1:
         mla_merge_kernel[(num_tokens, num_heads)](
             out_ptr=out, lse_ptr=lse if lse is not None else part_lse, part_out_ptr=part_out, part_lse_ptr=part_lse,
