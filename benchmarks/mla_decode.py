@@ -4,6 +4,7 @@ FlashInfer is installed) and the bandwidth ceiling, same data, same run.
     python benchmarks/mla_decode.py                      # DeepSeek's shape: R 512, P 64, heads 16 and 128
     python benchmarks/mla_decode.py --heads 8 16 32 64 128 --cases 1x32768 32x8192 128x4096 --json mla.json
     python benchmarks/mla_decode.py --sweep --json mla-sweep.json   # Triton's tiles and splits, each case
+    python benchmarks/mla_decode.py --topk 2048 --cases 32x32768     # the sparse form: 2048 keys a row, listed
 
 --sweep times the Triton launcher at every tile (BLOCK_H, BLOCK_N), warp count, stage count and split count of a
 small grid beside the plan's own choice, and prints each case's best: what mla_plan's choices are fitted to.
@@ -11,7 +12,8 @@ small grid beside the plan's own choice, and prints each case's best: what mla_p
 Each case: a paged bf16 (or --kv-format fp8_e4m3) latent cache of random rows in random page order, one query token a
 sequence; the output is checked against the float64 reference before it is timed (CUDA-graph replay, median of
 triton.testing.do_bench). Achieved TB/s counts the latent rows read once (R + P values a token, in the stored
-format) plus q and out; the ceiling is the GPU's datasheet HBM bandwidth (H200: 4.8 TB/s).
+format) plus q and out; with --topk K, each row lists K distinct random positions of its sequence (in random order,
+as an indexer's top-k comes) and the rows read are those K, plus the lists; the ceiling is the GPU's datasheet HBM bandwidth (H200: 4.8 TB/s).
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import torch
 from attnops.bench.run import hbm_tbps
 
 
-def make_case(batch, kv_len, heads, latent, rope, page_size, kv_format, seed=0):
+def make_case(batch, kv_len, heads, latent, rope, page_size, kv_format, seed=0, topk=0):
     gen = torch.Generator("cuda").manual_seed(seed)
     pages_each = -(-kv_len // page_size)
     num_pages = batch * pages_each
@@ -40,7 +42,12 @@ def make_case(batch, kv_len, heads, latent, rope, page_size, kv_format, seed=0):
     q_nope = torch.randn(batch, heads, latent, generator=gen, device="cuda").to(torch.bfloat16)
     q_pe = torch.randn(batch, heads, rope, generator=gen, device="cuda").to(torch.bfloat16)
     seq_lens = torch.full((batch,), kv_len, dtype=torch.int32, device="cuda")
-    return dict(q_nope=q_nope, q_pe=q_pe, kv_cache=kv, block_table=table, seq_lens=seq_lens, kv_scale=kv_scale)
+    topk_indices = None
+    if topk:
+        topk_indices = torch.stack([torch.randperm(kv_len, generator=gen, device="cuda")[:topk]
+                                    for _ in range(batch)]).to(torch.int32)
+    return dict(q_nope=q_nope, q_pe=q_pe, kv_cache=kv, block_table=table, seq_lens=seq_lens, kv_scale=kv_scale,
+                topk_indices=topk_indices)
 
 
 def graph_time_us(fn) -> float:
@@ -71,11 +78,12 @@ def attnops_fn(case, scale, out, use_op, backend):
                 torch.ops.attnops.mla_attention.out(
                     case["q_nope"], case["q_pe"], case["kv_cache"], case["block_table"], case["seq_lens"], None,
                     scale=scale, kv_format="fp8_e4m3" if case["kv_scale"] is not None else "auto",
-                    kv_scale=case["kv_scale"], out=out)
+                    kv_scale=case["kv_scale"], topk_indices=case["topk_indices"], out=out)
         return op
     return lambda: mla_launch(case["q_nope"], case["q_pe"], case["kv_cache"], case["block_table"], case["seq_lens"],
                               None, scale=scale, kv_format="fp8_e4m3" if case["kv_scale"] is not None else "auto",
-                              kv_scale=case["kv_scale"], sinks=None, tree_mask=None, out=out)
+                              kv_scale=case["kv_scale"], sinks=None, tree_mask=None, out=out,
+                              topk_indices=case["topk_indices"])
 
 
 SWEEP = dict(BLOCK_H=(16, 32, 64), BLOCK_N=(16, 32, 64), num_warps=(4, 8), num_stages=(1, 2),
@@ -105,13 +113,16 @@ def sweep_case(case, scale, out, budget_s, grid=SWEEP):
     from attnops.backends.triton.mla_launch import mla_launch, mla_plan
     batch, heads, latent = case["q_nope"].shape
     capacity = case["block_table"].shape[1] * case["kv_cache"].shape[1]
+    if case["topk_indices"] is not None:  # (the sparse form's splits divide a row's entries)
+        capacity = case["topk_indices"].shape[1]
     plan = mla_plan(batch, heads, capacity, latent, True)
     fmt = "fp8_e4m3" if case["kv_scale"] is not None else "auto"
 
     def timed(config):
         fn = lambda: mla_launch(case["q_nope"], case["q_pe"], case["kv_cache"], case["block_table"],  # noqa: E731
                                 case["seq_lens"], None, scale=scale, kv_format=fmt, kv_scale=case["kv_scale"],
-                                sinks=None, tree_mask=None, out=out, config=config)
+                                sinks=None, tree_mask=None, out=out, topk_indices=case["topk_indices"],
+                                config=config)
         return graph_time_us(fn)
 
     rows = [dict(config="plan", us=timed(None), **{k: plan[k] for k in ("BLOCK_H", "BLOCK_N", "num_warps",
@@ -168,39 +179,45 @@ def main(argv=None) -> int:
                                                         "split_factor=1,4)")
     parser.add_argument("--no-flashinfer", action="store_true", help="leave FlashInfer's wrapper out (e.g. under a "
                                                                           "profiler)")
+    parser.add_argument("--topk", type=int, default=0, help="the sparse form: K listed positions a row (default 0: "
+                        "every key)")
     parser.add_argument("--json", help="write the records here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("mla_decode.py needs a CUDA GPU")
     import attnops  # noqa: F401  (registers the ops)
-    from attnops.backends.reference import paged_attention_reference
+    from attnops.backends.reference import mla_attention_reference
     records = []
     print(f"{'case':<28}{'attnops us':>12}{'TB/s':>8}{'of ceil':>9}{'TFLOP/s':>9}{'flashinfer us':>15}{'ratio':>8}")
     for heads in args.heads:
         for spec in args.cases:
             batch, kv_len = (int(x) for x in spec.split("x"))
-            case = make_case(batch, kv_len, heads, args.latent, args.rope, args.page_size, args.kv_format)
+            if args.topk > kv_len:
+                sys.exit(f"--topk {args.topk} is more than {spec}'s {kv_len} keys")
+            case = make_case(batch, kv_len, heads, args.latent, args.rope, args.page_size, args.kv_format,
+                             topk=args.topk)
             scale = 1 / math.sqrt(192)  # DeepSeek's (qk_nope 128 + rope 64)^-0.5: not (R + P)^-0.5
             out = torch.empty_like(case["q_nope"])
             fn = attnops_fn(case, scale, out, not args.launch, args.backend)
             fn()
             # checked on the first two sequences (the float64 reference loops on the host)
             sub = slice(0, min(batch, 2))
-            q = torch.cat([case["q_nope"][sub], case["q_pe"][sub]], -1)
-            k = case["kv_cache"][:, :, None, :]
-            ref = paged_attention_reference(q, k, k, case["block_table"][sub], case["seq_lens"][sub], scale=scale,
-                                            kv_format="auto", k_scale=case["kv_scale"], v_scale=case["kv_scale"],
-                                            compute_dtype=torch.float64)[..., : args.latent]
+            topk = case["topk_indices"]
+            ref = mla_attention_reference(case["q_nope"][sub], case["q_pe"][sub], case["kv_cache"],
+                                          case["block_table"][sub], case["seq_lens"][sub], scale=scale,
+                                          kv_scale=case["kv_scale"], topk_indices=None if topk is None else topk[sub])
             err = ((out[sub].double() - ref).norm() / ref.norm()).item()
             assert err < 2e-2, f"{spec} H{heads}: relative error {err:.3g}"
             timing = args.timing if args.timing != "auto" else "eager" if args.backend == "flashinfer" else "graph"
             ours = (eager_time_us if timing == "eager" else graph_time_us)(fn)
             element = case["kv_cache"].element_size()
-            nbytes = batch * kv_len * (args.latent + args.rope) * element + 2 * out.numel() * 2 + \
-                case["q_pe"].numel() * 2
+            keys = args.topk or kv_len  # (a row's keys read)
+            nbytes = batch * keys * (args.latent + args.rope) * element + 2 * out.numel() * 2 + \
+                case["q_pe"].numel() * 2 + (0 if topk is None else topk.numel() * 4)
             tbs = nbytes / ours / 1e6
-            tflops = 2 * batch * kv_len * heads * (2 * args.latent + args.rope) / ours / 1e6  # Q K^T and P V
-            record = dict(case=f"mla/{heads}/{spec}/{args.kv_format}", backend=args.backend,
+            tflops = 2 * batch * keys * heads * (2 * args.latent + args.rope) / ours / 1e6  # Q K^T and P V
+            name = f"mla/{heads}/{spec}/{args.kv_format}" + (f"/top{args.topk}" if args.topk else "")
+            record = dict(case=name, backend=args.backend, topk=args.topk,
                           timing=timing, heads=heads, batch=batch,
                           kv_len=kv_len, latent=args.latent, rope=args.rope, attnops_us=ours, tbs=tbs, tflops=tflops,
                           rel_error=err,
@@ -215,7 +232,7 @@ def main(argv=None) -> int:
                 for r in timed_rows[1:4]:
                     print(f"         {r['us']:.1f} us at " + ", ".join(f"{k}={v}" for k, v in r.items() if k != "us"))
             fi_text = f"{'-':>15}{'-':>8}"
-            if args.kv_format == "bf16" and not args.no_flashinfer:
+            if args.kv_format == "bf16" and not args.no_flashinfer and not args.topk:
                 try:
                     fi_out = torch.empty_like(out)
                     fi = flashinfer_fn(case, scale, fi_out)
