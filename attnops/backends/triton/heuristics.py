@@ -198,9 +198,8 @@ def _heuristic_config(case: AttentionCase, num_tokens: int, device: torch.device
     # PAD_WRAP (a padded tile's columns past the head dim read as copies of its first ones, not masked): off, up to
     # 1.24x slower (bf16 at 80).
     # WAVE_PLAN (decode's split size from the call's lengths, on the device: the programs a wave holds an SM; 0 off):
-    # off, not yet timed (the plan of shapes is 2-3.4x slower than the best split on a ragged batch whose longest
-    # sequence fills an 8192-key table, 1.02-1.22x at 32 x 8192, and within 3.5% at 128 x 4096; the device's
-    # estimate picks within 5% of the best on those timings: docs/bench.md).
+    # off: 1.8-3.1x faster than the plan of shapes on a long sequence among short ones, but 0.87-0.98x on uniform
+    # batches, where its loop over the lengths and its grid of 512-key splits cost more than its choice saves.
     # FULL_TILES and OFFSETS_32 for the 64-row verify tile (unmasked full tiles, int32 cache offsets): faster there
     # (bf16 1.18-1.19x); in decode tiles neutral (bf16) to slower (fp8, and nvfp4 by a third: registers).
     # The measurements behind each choice: this package's README.
