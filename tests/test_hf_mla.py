@@ -1,10 +1,11 @@
-"""DeepSeek-V2/V3 latent attention (MLA) through attnops.hf.mla: enable_mla and LatentCache.
+"""DeepSeek-V2/V3/V3.2 latent attention (MLA) through attnops.hf.mla: enable_mla and LatentCache.
 
 Tiny random DeepSeek models (fp32, CPU) against the same weights under transformers' "eager" (which up-projects
 the latents into full keys and values): prefill logits within 1e-4, greedy generate of a left-padded batch token
 for token; the latent cache holds R + P values a token, and only the valid tokens; bad inputs are errors that name
 the argument. The tiny config uses YaRN RoPE with mscale_all_dim, so the softmax scale is not (qk_nope + rope)^-0.5:
-a path that ignored the module's own `scaling` could not pass.
+a path that ignored the module's own `scaling` could not pass. DeepSeek-V3.2's indexer picks 8 keys a query of the
+17- and 11-token prompts (mla_attention's sparse form): a path that attended every key could not pass either.
 """
 import copy
 
@@ -31,6 +32,9 @@ VARIANTS = {
     "v3-q_proj-rotate_half": ("deepseek_v3", dict(n_group=1, topk_group=1, q_lora_rank=None, rope_interleave=False)),
     "v2": ("deepseek_v2", {}),  # RoPE as complex frequencies
 }
+SPARSE = dict(n_group=1, topk_group=1, index_topk=8, index_n_heads=2, index_head_dim=32)
+if hasattr(transformers, "DeepseekV32Config"):  # an indexer picks 8 keys a query: the sparse form
+    VARIANTS["v32"] = ("deepseek_v32", SPARSE)
 PROMPTS = [list(range(40, 57)), [3, 17, 99, 5, 250, 7, 7, 8, 9, 10, 11]]  # 17 and 11 tokens: left padding
 NEW_TOKENS = 8
 _MODELS: dict = {}
@@ -122,6 +126,30 @@ def test_generate_matches_eager_greedy(variant):
     assert len({t for row in expected for t in row}) > NEW_TOKENS, "the model repeats itself: a weak check"
     assert generate(ours, latent_cache(ours)) == expected
     assert generate(ours) == expected
+
+
+@pytest.mark.skipif("v32" not in VARIANTS, reason="this transformers has no DeepSeek-V3.2")
+def test_the_indexer_decides_what_deepseek_v32_attends():
+    """What makes the v32 comparisons above check the sparse form: with every key picked, eager's logits move by
+    far more than the 1e-4 those allow; and the latent cache keeps the indexer's keys of every column."""
+    eager, ours = models("v32")
+    dense = build(config("v32", index_topk=1000), state=eager.state_dict())
+    valid = left_padded()[1].bool()
+    assert max_error(prefill(dense)[valid], prefill(eager)[valid]) > 1e-2
+    cache = latent_cache(ours)
+    prefill(ours, cache)
+    columns = left_padded()[0].shape[1]
+    assert sorted(cache._indexer_keys) == [0, 1]
+    assert tuple(cache._indexer_keys[0].shape) == (2, columns, SPARSE["index_head_dim"])
+    cache.reset()
+    assert not cache._indexer_keys
+
+
+@pytest.mark.skipif("v32" not in VARIANTS, reason="this transformers has no DeepSeek-V3.2")
+def test_serving_loop_refuses_deepseek_v32_by_name():
+    _, ours = models("v32")
+    with pytest.raises(ValueError, match="DeepSeek-V3.2's sparse attention"):
+        serve(ours)
 
 
 def test_latent_cache_holds_r_plus_p_values_a_token_and_only_the_valid_ones():

@@ -1,4 +1,4 @@
-"""DeepSeek-V2/V3 latent attention (MLA) through attnops' latent ops, in the absorbed form vLLM and SGLang serve.
+"""DeepSeek-V2/V3/V3.2 latent attention (MLA) through attnops' latent ops, in the absorbed form vLLM and SGLang serve.
 
     import attnops.hf
     model = attnops.hf.enable_mla(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16))
@@ -18,6 +18,9 @@ module of the model with `latent_attention_forward`, which:
   its first qk_nope rows a head, q_latent[h] = W_UK[h]^T q_nope[h], so that q_latent . c_j = q_nope . k_nope_j;
 - writes [c, k_pe] with mla_cache_write and attends with mla_attention at the module's own `scaling` (YaRN's
   mscale included); applies the value up-projection W_UV (the next v_head rows) a head, then o_proj.
+
+DeepSeek-V3.2's attention is V3's with an indexer that picks each query's keys: the forward runs that indexer
+(transformers' own module) and attends with mla_attention's sparse form (`topk_indices`, the picked positions).
 
 The latents reach it as the generic attention function's keys do (attnops/hf/attention.py): from a LatentCache
 (generate's incremental decoding: the new tokens are written to its pages), from a cache of transformers' (a
@@ -54,6 +57,11 @@ def _rotary_v2(module, q_pe, k_pe, position_embeddings, *, apply):
     return apply(q_pe, k_pe, position_embeddings.to(q_pe.device))  # complex freqs_cis
 
 
+def _rotary_v32(module, q_pe, k_pe, position_embeddings, *, interleaved):
+    cos, sin = position_embeddings
+    return interleaved(q_pe, k_pe, cos, sin)  # (DeepSeek-V3.2's attention always interleaves; its indexer does not)
+
+
 @functools.cache
 def latent_attention_classes() -> dict:
     """{transformers' latent-attention module class: its RoPE, as its own forward applies it}. transformers'
@@ -61,9 +69,16 @@ def latent_attention_classes() -> dict:
     transformers' lazy modules)."""
     from transformers.models.deepseek_v2 import modeling_deepseek_v2 as v2
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as v3
-    return {v3.DeepseekV3Attention: functools.partial(_rotary_v3, plain=v3.apply_rotary_pos_emb,
-                                                      interleaved=v3.apply_rotary_pos_emb_interleave),
-            v2.DeepseekV2Attention: functools.partial(_rotary_v2, apply=v2.apply_rotary_emb)}
+    classes = {v3.DeepseekV3Attention: functools.partial(_rotary_v3, plain=v3.apply_rotary_pos_emb,
+                                                         interleaved=v3.apply_rotary_pos_emb_interleave),
+               v2.DeepseekV2Attention: functools.partial(_rotary_v2, apply=v2.apply_rotary_emb)}
+    try:  # DeepSeek-V3.2: latent attention with an indexer that picks each query's keys (the sparse form)
+        from transformers.models.deepseek_v32 import modeling_deepseek_v32 as v32
+        classes[v32.DeepseekV32Attention] = functools.partial(_rotary_v32,
+                                                              interleaved=v32.apply_rotary_pos_emb_interleave)
+    except ImportError:  # (a transformers without it)
+        pass
+    return classes
 
 
 def has_latent_attention(model: torch.nn.Module) -> bool:
@@ -145,10 +160,17 @@ def latent_attention_forward(self, hidden_states: torch.Tensor, position_embeddi
     batch, q_len = hidden_states.shape[:2]
     nope, rope, v_dim, rank = self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim, self.kv_lora_rank
 
+    indexer = getattr(self, "indexer", None)  # DeepSeek-V3.2's: it picks the keys each query attends to
+    if indexer is not None and meta is not None:
+        raise ValueError("attnops latent attention: DeepSeek-V3.2's sparse attention (its indexer keeps a key cache "
+                         "of its own) is served through model.generate with an attnops.hf.LatentCache or "
+                         "transformers' cache, not yet by attnops' serving loop")
+    q_resid = None
     if self.q_lora_rank is None:
         q = self.q_proj(hidden_states)
     else:
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+        q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))
+        q = self.q_b_proj(q_resid)
     q_nope, q_pe = q.view(batch, q_len, -1, nope + rope).transpose(1, 2).split([nope, rope], -1)  # [B, H, S, .]
     kv_c, k_pe = self.kv_a_proj_with_mqa(hidden_states).split([rank, rope], -1)
     kv_c = self.kv_a_layernorm(kv_c)  # [B, S, R]
@@ -161,14 +183,38 @@ def latent_attention_forward(self, hidden_states: torch.Tensor, position_embeddi
     if meta is not None:
         out = _serving_step(cache.attention_args(self.layer_idx), meta, q_latent, q_pe, kv_c, k_pe, self.scaling)
     elif isinstance(cache, LatentCache):
-        out = cache.attend(self.layer_idx, q_latent, q_pe, kv_c, k_pe, attention_mask, self.scaling)
+        topk = None if indexer is None else _listed_keys(self, hidden_states, q_resid, position_embeddings,
+                                                          attention_mask, cache, cache.columns_after(self.layer_idx,
+                                                                                                     q_len))
+        out = cache.attend(self.layer_idx, q_latent, q_pe, kv_c, k_pe, attention_mask, self.scaling, topk)
     else:
         if cache is not None:  # transformers' cache keeps the latents and hands back the whole history
             kv_c, k_pe = cache.update(kv_c[:, None], k_pe[:, None], self.layer_idx)
             kv_c, k_pe = kv_c[:, 0], k_pe[:, 0]
-        out = _scratch_attention(q_latent, q_pe, kv_c, k_pe, attention_mask, self.scaling)
+        topk = None if indexer is None else _listed_keys(self, hidden_states, q_resid, position_embeddings,
+                                                          attention_mask, cache, kv_c.shape[1])
+        out = _scratch_attention(q_latent, q_pe, kv_c, k_pe, attention_mask, self.scaling, topk)
     out = torch.einsum("bshr,hvr->bshv", out, weight[:, nope:])  # [B, S, H, v_head]
     return self.o_proj(out.reshape(batch, q_len, -1)), None
+
+
+def _listed_keys(module, hidden_states, q_resid, position_embeddings, attention_mask, cache,
+                 columns: int) -> torch.Tensor:
+    """The keys DeepSeek-V3.2's indexer picks for each query, as mla_attention's topk_indices: int32 [B, S, k], each
+    a position among its row's valid tokens (the pages hold only those), -1 where the indexer's pick is a padding
+    column (a row with fewer keys than k). The indexer is transformers' own module, scoring the `columns` columns
+    the forward sees (padding included) under the causal padding mask; a cache keeps its keys (update_indexer)."""
+    batch, q_len = hidden_states.shape[:2]
+    valid = (torch.ones(batch, columns, dtype=torch.bool) if attention_mask is None else
+             _padding(attention_mask, batch, columns))
+    causal = torch.arange(columns)[None, :] <= torch.arange(columns - q_len, columns)[:, None]  # [S, T]
+    device = hidden_states.device
+    mask = (valid[:, None, :] & causal[None]).to(device)
+    picked = module.indexer(hidden_states, q_resid, position_embeddings, mask, None, cache).long()  # [B, S, k]
+    valid = valid.to(device)
+    flat = picked.flatten(1)
+    position = (valid.cumsum(-1) - 1).gather(1, flat)  # (the valid tokens before a column: its row's position)
+    return torch.where(valid.gather(1, flat), position, -1).view(picked.shape).to(torch.int32)
 
 
 @dataclass
@@ -201,17 +247,21 @@ def _step(held: list[int], new: list[int], q_counts: list[int] | None, kv_index,
                  kv_index, q_index, batch, q_len)
 
 
-def _attend(pages: torch.Tensor, step: _Step, q_latent, q_pe, kv_c, k_pe, scale, format_args) -> torch.Tensor:
+def _attend(pages: torch.Tensor, step: _Step, q_latent, q_pe, kv_c, k_pe, scale, format_args,
+            topk: torch.Tensor | None = None) -> torch.Tensor:
     """Writes the valid latents (kv_c [B, L, R], k_pe [B, L, P]) at the step's slots and attends the valid
-    queries (q_latent [B, S, H, R], q_pe [B, S, H, P]); returns [B, S, H, R], padding rows 0."""
+    queries (q_latent [B, S, H, R], q_pe [B, S, H, P]; with topk [B, S, k], each to the keys it lists); returns
+    [B, S, H, R], padding rows 0."""
     kv_c, k_pe, q_latent, q_pe = (t.flatten(0, 1) for t in (kv_c, k_pe, q_latent, q_pe))
+    topk = None if topk is None else topk.flatten(0, 1)
     if step.kv_index is not None:
         kv_c, k_pe = kv_c.index_select(0, step.kv_index), k_pe.index_select(0, step.kv_index)
     if step.q_index is not None:
         q_latent, q_pe = q_latent.index_select(0, step.q_index), q_pe.index_select(0, step.q_index)
+        topk = None if topk is None else topk.index_select(0, step.q_index)
     torch.ops.attnops.mla_cache_write(kv_c, k_pe, pages, step.slot_mapping, **format_args)
     out = torch.ops.attnops.mla_attention(q_latent, q_pe, pages, step.block_table, step.seq_lens, step.cu_seqlens_q,
-                                          scale=float(scale), **format_args)
+                                          scale=float(scale), topk_indices=topk, **format_args)
     return _unpack(out, step.q_index, step.batch, step.q_len)
 
 
@@ -226,10 +276,10 @@ def _serving_step(cache_args: dict, meta, q_latent, q_pe, kv_c, k_pe, scale) -> 
     return out[None]
 
 
-def _scratch_attention(q_latent, q_pe, kv_c, k_pe, attention_mask, scale) -> torch.Tensor:
+def _scratch_attention(q_latent, q_pe, kv_c, k_pe, attention_mask, scale, topk=None) -> torch.Tensor:
     """Latents kv_c/k_pe [B, L, R]/[B, L, P] that are the whole history (a plain forward, or a cache of
     transformers'): the valid ones written to a scratch cache of one layer, the valid queries (the last S
-    columns) attended there."""
+    columns) attended there (to the keys topk [B, S, k] lists, where given)."""
     batch, q_len, kv_len = q_latent.shape[0], q_latent.shape[1], kv_c.shape[1]
     if kv_c.dtype not in PLAIN_FORMATS:
         raise TypeError(f"attnops latent attention: the model's activations must be float32, bfloat16 or float16 "
@@ -244,7 +294,7 @@ def _scratch_attention(q_latent, q_pe, kv_c, k_pe, attention_mask, scale) -> tor
     pages = kv_c.new_empty(batch * pages_per_row, SCRATCH_PAGE_SIZE, kv_c.shape[2] + k_pe.shape[2])
     step = _step([0] * batch, kv_counts, q_counts, kv_index, q_index, q_len, pages_per_row, SCRATCH_PAGE_SIZE,
                  kv_c.device)
-    return _attend(pages, step, q_latent, q_pe, kv_c, k_pe, scale, {})
+    return _attend(pages, step, q_latent, q_pe, kv_c, k_pe, scale, {}, topk)
 
 
 def _padding(attention_mask, batch: int, columns: int) -> torch.Tensor:
@@ -301,6 +351,7 @@ class LatentCache(StepCache):
         self._columns = 0  # positions processed per row, padding included
         self._last_layer = None  # the layer of the latest call: a layer at or below it starts a new forward
         self._step: _Step | None = None
+        self._indexer_keys: dict[int, torch.Tensor] = {}  # DeepSeek-V3.2's indexer keys a layer, [B, columns, D]
 
     # --- what transformers asks of a Cache beyond StepCache ------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
@@ -321,6 +372,21 @@ class LatentCache(StepCache):
     def reset(self) -> None:
         """Empties the cache (its pages stay allocated) for a new batch."""
         self._lengths, self._columns, self._last_layer, self._step = [], 0, None, None
+        self._indexer_keys = {}
+
+    def update_indexer(self, indexer_key_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        """DeepSeek-V3.2's indexer keys (transformers' indexer calls this): the forward's [B, S, D] appended to the
+        layer's, every column (padding included, as the indexer scores columns), returned whole. Kept dense: they
+        are the indexer's, which scores every cached key, not the attention's."""
+        held = self._indexer_keys.get(layer_idx)
+        keys = indexer_key_states if held is None else torch.cat([held, indexer_key_states], dim=1)
+        self._indexer_keys[layer_idx] = keys
+        return keys
+
+    def columns_after(self, layer: int, q_len: int) -> int:
+        """The columns a row has processed once layer `layer`'s call of this forward (q_len new columns) is in."""
+        new_forward = self._last_layer is None or layer <= self._last_layer
+        return self._columns + (q_len if new_forward else 0)
 
     # --- attnops ---------------------------------------------------------------------------------------------
     def _format_args(self) -> dict:
@@ -357,13 +423,14 @@ class LatentCache(StepCache):
         self._lengths = [h + n for h, n in zip(held, counts)]
         return step
 
-    def attend(self, layer: int, q_latent, q_pe, kv_c, k_pe, attention_mask, scale) -> torch.Tensor:
+    def attend(self, layer: int, q_latent, q_pe, kv_c, k_pe, attention_mask, scale, topk=None) -> torch.Tensor:
         """Writes the layer's valid new latents (kv_c [B, S, R], k_pe [B, S, P]) into its pages and attends the
-        absorbed queries (q_latent [B, S, H, R], q_pe [B, S, H, P]); returns [B, S, H, R]."""
+        absorbed queries (q_latent [B, S, H, R], q_pe [B, S, H, P]; with topk [B, S, k], each to the key positions
+        it lists); returns [B, S, H, R]."""
         if self._last_layer is None or layer <= self._last_layer:  # a new forward
             self._columns += kv_c.shape[1]
             self._step = None
         self._last_layer = layer
         if self._step is None:
             self._step = self._prepare(kv_c, kv_c.shape[1], attention_mask)
-        return _attend(self.pages[layer], self._step, q_latent, q_pe, kv_c, k_pe, scale, self._format_args())
+        return _attend(self.pages[layer], self._step, q_latent, q_pe, kv_c, k_pe, scale, self._format_args(), topk)

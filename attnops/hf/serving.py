@@ -66,6 +66,10 @@ def model_shape(config) -> ModelShape:
             raise ValueError(f"attnops.hf: config.{name} must be an int (got {getattr(config, name, None)!r})")
     layer_types = getattr(config, "layer_types", None) or ()
     other = sorted(set(layer_types) - set(ATTENTION_LAYER_TYPES))
+    if "indexed_attention" in other:  # (the serving loop's caches have no place for the indexer's keys)
+        raise ValueError("attnops.hf: DeepSeek-V3.2's sparse attention (config.layer_types 'indexed_attention') is "
+                         "served through attnops.hf.enable_mla and model.generate with an attnops.hf.LatentCache, not "
+                         "yet by the serving loop (paged_kv_cache, serving_model)")
     if other:
         raise ValueError(f"attnops.hf: config.layer_types has {other}; attnops serves attention layers only "
                          f"{ATTENTION_LAYER_TYPES}")
