@@ -13,7 +13,8 @@ Each case: a paged bf16 (or --kv-format fp8_e4m3) latent cache of random rows in
 sequence; the output is checked against the float64 reference before it is timed (CUDA-graph replay, median of
 triton.testing.do_bench). Achieved TB/s counts the latent rows read once (R + P values a token, in the stored
 format) plus q and out; with --topk K, each row lists K distinct random positions of its sequence (in random order,
-as an indexer's top-k comes) and the rows read are those K, plus the lists; the ceiling is the GPU's datasheet HBM bandwidth (H200: 4.8 TB/s).
+as an indexer's top-k comes) and the rows read are those K, plus the lists; the ceiling is the GPU's datasheet HBM
+bandwidth (H200: 4.8 TB/s).
 """
 from __future__ import annotations
 
