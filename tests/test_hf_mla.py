@@ -326,12 +326,13 @@ def test_demo_serves_deepseek_compiled_and_eager_with_the_same_tokens(capsys):
 
 
 @pytest.mark.gpu
-def test_bf16_on_cuda_close_to_eager():
-    """bf16 on a GPU (mla_attention's Triton kernels): prefill logits as near float32 eager's as bf16 eager's are, and
-    greedy decoding near eager's. Dense layers only: a routed expert picked differently by a rounding flips a
-    token's logits in either bf16 model."""
+@pytest.mark.parametrize("variant", [v for v in ("v3", "v32") if v in VARIANTS])
+def test_bf16_on_cuda_close_to_eager(variant):
+    """bf16 on a GPU (mla_attention's Triton kernels; V3.2: its sparse form): prefill logits as near float32
+    eager's as bf16 eager's are, and greedy decoding near eager's. Dense layers only: a routed expert picked
+    differently by a rounding flips a token's logits in either bf16 model."""
     torch.manual_seed(0)
-    cfg = config(initializer_range=0.02, first_k_dense_replace=TINY["num_hidden_layers"])
+    cfg = config(variant, initializer_range=0.02, first_k_dense_replace=TINY["num_hidden_layers"])
     exact = build(cfg).to("cuda")
     eager = build(cfg, state=exact.state_dict()).to("cuda", torch.bfloat16)
     ours = attnops.hf.enable_mla(build(cfg, state=exact.state_dict())).to("cuda", torch.bfloat16)

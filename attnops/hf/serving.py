@@ -66,8 +66,8 @@ def model_shape(config) -> ModelShape:
             raise ValueError(f"attnops.hf: config.{name} must be an int (got {getattr(config, name, None)!r})")
     layer_types = getattr(config, "layer_types", None) or ()
     other = sorted(set(layer_types) - set(ATTENTION_LAYER_TYPES))
-    if "indexed_attention" in other:  # (the serving loop's caches have no place for the indexer's keys)
-        raise ValueError("attnops.hf: DeepSeek-V3.2's sparse attention (config.layer_types 'indexed_attention') is "
+    if getattr(config, "index_topk", None):  # (the serving loop's caches have no place for the indexer's keys)
+        raise ValueError("attnops.hf: DeepSeek-V3.2's sparse attention (an indexer of config.index_topk keys) is "
                          "served through attnops.hf.enable_mla and model.generate with an attnops.hf.LatentCache, not "
                          "yet by the serving loop (paged_kv_cache, serving_model)")
     if other:
