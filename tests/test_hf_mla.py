@@ -1,4 +1,4 @@
-"""DeepSeek-V2/V3/V3.2 latent attention (MLA) through attnops.hf.mla: enable_mla and LatentCache.
+"""DeepSeek-V2/V3/V3.2 and GLM-5 latent attention (MLA) through attnops.hf.mla: enable_mla and LatentCache.
 
 Tiny random DeepSeek models (fp32, CPU) against the same weights under transformers' "eager" (which up-projects
 the latents into full keys and values): prefill logits within 1e-4, greedy generate of a left-padded batch token
@@ -35,6 +35,8 @@ VARIANTS = {
 SPARSE = dict(n_group=1, topk_group=1, index_topk=8, index_n_heads=2, index_head_dim=32)
 if hasattr(transformers, "DeepseekV32Config"):  # an indexer picks 8 keys a query: the sparse form
     VARIANTS["v32"] = ("deepseek_v32", SPARSE)
+if hasattr(transformers, "GlmMoeDsaConfig"):  # GLM-5: V3.2's, its second layer sharing the first's picks
+    VARIANTS["glm5"] = ("glm_moe_dsa", dict(SPARSE, num_hidden_layers=3, indexer_types=["full", "shared", "full"]))
 PROMPTS = [list(range(40, 57)), [3, 17, 99, 5, 250, 7, 7, 8, 9, 10, 11]]  # 17 and 11 tokens: left padding
 NEW_TOKENS = 8
 _MODELS: dict = {}
@@ -148,7 +150,7 @@ def test_the_indexer_decides_what_deepseek_v32_attends():
 @pytest.mark.skipif("v32" not in VARIANTS, reason="this transformers has no DeepSeek-V3.2")
 def test_serving_loop_refuses_deepseek_v32_by_name():
     _, ours = models("v32")
-    with pytest.raises(ValueError, match="DeepSeek-V3.2's sparse attention"):
+    with pytest.raises(ValueError, match=r"sparse attention \(DeepSeek-V3.2, GLM-5"):
         serve(ours)
 
 

@@ -1,4 +1,5 @@
-"""DeepSeek-V2/V3/V3.2 latent attention (MLA) through attnops' latent ops, in the absorbed form vLLM and SGLang serve.
+"""DeepSeek-V2/V3/V3.2 and GLM-5 latent attention (MLA) through attnops' latent ops, in the absorbed form vLLM and
+SGLang serve.
 
     import attnops.hf
     model = attnops.hf.enable_mla(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16))
@@ -21,6 +22,7 @@ module of the model with `latent_attention_forward`, which:
 
 DeepSeek-V3.2's attention is V3's with an indexer that picks each query's keys: the forward runs that indexer
 (transformers' own module) and attends with mla_attention's sparse form (`topk_indices`, the picked positions).
+GLM-5's is V3.2's, some of its layers taking the previous layer's picks instead of an indexer of their own.
 
 The latents reach it as the generic attention function's keys do (attnops/hf/attention.py): from a LatentCache
 (generate's incremental decoding: the new tokens are written to its pages), from a cache of transformers' (a
@@ -31,6 +33,7 @@ the padding mask: padded tokens (left padding) are neither written nor attended,
 from __future__ import annotations
 
 import functools
+import inspect
 import types
 from dataclasses import dataclass
 
@@ -78,6 +81,12 @@ def latent_attention_classes() -> dict:
                                                               interleaved=v32.apply_rotary_pos_emb_interleave)
     except ImportError:  # (a transformers without it)
         pass
+    try:  # GLM-5: V3.2's, some layers sharing an earlier layer's picks
+        from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as glm5
+        classes[glm5.GlmMoeDsaAttention] = functools.partial(_rotary_v32,
+                                                             interleaved=glm5.apply_rotary_pos_emb_interleave)
+    except ImportError:
+        pass
     return classes
 
 
@@ -88,9 +97,9 @@ def has_latent_attention(model: torch.nn.Module) -> bool:
 
 
 def enable_mla(model: torch.nn.Module) -> torch.nn.Module:
-    """Serves every latent-attention layer of `model` (a transformers DeepSeek-V2/V3 causal LM) through attnops'
-    latent ops: replaces each layer's forward with `latent_attention_forward` and sets attn_implementation
-    "attnops" (for its padding mask). Returns the model."""
+    """Serves every latent-attention layer of `model` (a transformers DeepSeek-V2/V3/V3.2 or GLM-5 causal LM)
+    through attnops' latent ops: replaces each layer's forward with `latent_attention_forward` and sets
+    attn_implementation "attnops" (for its padding mask). Returns the model."""
     classes = latent_attention_classes()
     layers = [m for m in model.modules() if type(m) in classes]
     if not layers:
@@ -103,6 +112,8 @@ def enable_mla(model: torch.nn.Module) -> torch.nn.Module:
     for m in layers:
         m.forward = types.MethodType(latent_attention_forward, m)
         m.attnops_rotary = classes[type(m)]  # (looked up once: the forward compiles without a cached call)
+        # GLM-5's layers hand the indexer's picks on (their next layer may share them)
+        m.attnops_returns_picks = "prev_topk_indices" in inspect.signature(type(m).forward).parameters
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     return model
 
@@ -112,7 +123,7 @@ def disable_mla(model: torch.nn.Module) -> torch.nn.Module:
     model.set_attn_implementation picks its attention, e.g. "sdpa"). Returns the model."""
     for m in model.modules():
         if type(m) in latent_attention_classes() and "forward" in vars(m):
-            del m.forward, m.attnops_rotary
+            del m.forward, m.attnops_rotary, m.attnops_returns_picks
     return model
 
 
@@ -137,9 +148,10 @@ def _check_layer(m) -> None:
 
 def latent_attention_forward(self, hidden_states: torch.Tensor, position_embeddings=None,
                              attention_mask: torch.Tensor | None = None, cache: Cache | None = None,
-                             past_key_values: Cache | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """DeepseekV3Attention.forward (and V2's) in the absorbed form over attnops' latent ops (bound to the module
-    by enable_mla). transformers 5.2x passes the cache as `cache`, earlier versions as `past_key_values`."""
+                             past_key_values: Cache | None = None, **kwargs) -> tuple:
+    """DeepseekV3Attention.forward (and V2's, V3.2's, GLM-5's) in the absorbed form over attnops' latent ops (bound
+    to the module by enable_mla). transformers 5.2x passes the cache as `cache`, earlier versions as
+    `past_key_values`. GLM-5's returns the indexer's picks as its third value (its next layer may share them)."""
     meta = kwargs.get("attnops_meta")
     if self.training and self.attention_dropout:
         raise ValueError(f"attnops latent attention: dropout must be 0 (inference only; got "
@@ -160,10 +172,10 @@ def latent_attention_forward(self, hidden_states: torch.Tensor, position_embeddi
     batch, q_len = hidden_states.shape[:2]
     nope, rope, v_dim, rank = self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim, self.kv_lora_rank
 
-    indexer = getattr(self, "indexer", None)  # DeepSeek-V3.2's: it picks the keys each query attends to
-    if indexer is not None and meta is not None:
-        raise ValueError("attnops latent attention: DeepSeek-V3.2's sparse attention (its indexer keeps a key cache "
-                         "of its own) is served through model.generate with an attnops.hf.LatentCache or "
+    sparse = hasattr(self, "indexer")  # DeepSeek-V3.2's and GLM-5's: an indexer picks each query's keys
+    if sparse and meta is not None:
+        raise ValueError("attnops latent attention: sparse attention (DeepSeek-V3.2, GLM-5: an indexer with a key "
+                         "cache of its own) is served through model.generate with an attnops.hf.LatentCache or "
                          "transformers' cache, not yet by attnops' serving loop")
     q_resid = None
     if self.q_lora_rank is None:
@@ -180,41 +192,53 @@ def latent_attention_forward(self, hidden_states: torch.Tensor, position_embeddi
 
     weight = self.kv_b_proj.weight.view(-1, nope + v_dim, rank)  # [H, qk_nope + v_head, R]: W_UK over W_UV
     q_latent = torch.einsum("bhsd,hdr->bshr", q_nope, weight[:, :nope])  # [B, S, H, R]
+    picked = topk = None  # the indexer's picks (columns [B, S, k]), and as the op's topk_indices
+    picks = (self, hidden_states, q_resid, position_embeddings, attention_mask)
     if meta is not None:
         out = _serving_step(cache.attention_args(self.layer_idx), meta, q_latent, q_pe, kv_c, k_pe, self.scaling)
     elif isinstance(cache, LatentCache):
-        topk = None if indexer is None else _listed_keys(self, hidden_states, q_resid, position_embeddings,
-                                                          attention_mask, cache, cache.columns_after(self.layer_idx,
-                                                                                                     q_len))
+        if sparse:
+            picked, topk = _listed_keys(*picks, cache, cache.columns_after(self.layer_idx, q_len),
+                                        shared=kwargs.get("prev_topk_indices"))
         out = cache.attend(self.layer_idx, q_latent, q_pe, kv_c, k_pe, attention_mask, self.scaling, topk)
     else:
         if cache is not None:  # transformers' cache keeps the latents and hands back the whole history
             kv_c, k_pe = cache.update(kv_c[:, None], k_pe[:, None], self.layer_idx)
             kv_c, k_pe = kv_c[:, 0], k_pe[:, 0]
-        topk = None if indexer is None else _listed_keys(self, hidden_states, q_resid, position_embeddings,
-                                                          attention_mask, cache, kv_c.shape[1])
+        if sparse:
+            picked, topk = _listed_keys(*picks, cache, kv_c.shape[1], shared=kwargs.get("prev_topk_indices"))
         out = _scratch_attention(q_latent, q_pe, kv_c, k_pe, attention_mask, self.scaling, topk)
     out = torch.einsum("bshr,hvr->bshv", out, weight[:, nope:])  # [B, S, H, v_head]
-    return self.o_proj(out.reshape(batch, q_len, -1)), None
+    out = self.o_proj(out.reshape(batch, q_len, -1))
+    return (out, None, picked) if self.attnops_returns_picks else (out, None)
 
 
-def _listed_keys(module, hidden_states, q_resid, position_embeddings, attention_mask, cache,
-                 columns: int) -> torch.Tensor:
-    """The keys DeepSeek-V3.2's indexer picks for each query, as mla_attention's topk_indices: int32 [B, S, k], each
-    a position among its row's valid tokens (the pages hold only those), -1 where the indexer's pick is a padding
-    column (a row with fewer keys than k). The indexer is transformers' own module, scoring the `columns` columns
-    the forward sees (padding included) under the causal padding mask; a cache keeps its keys (update_indexer)."""
+def _listed_keys(module, hidden_states, q_resid, position_embeddings, attention_mask, cache, columns: int, *,
+                 shared=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the keys the layer's indexer picks for each query, as its columns [B, S, k]; the same as mla_attention's
+    topk_indices: int32, each a position among its row's valid tokens (the pages hold only those), -1 where the pick
+    is a padding column, which the indexer picks only for a row with fewer keys than k). The indexer is
+    transformers' own module, scoring the `columns` columns the forward sees (padding included) under the causal
+    padding mask; a cache keeps its keys (update_indexer). GLM-5's layers without one take the previous layer's
+    picks (`shared`)."""
     batch, q_len = hidden_states.shape[:2]
     valid = (torch.ones(batch, columns, dtype=torch.bool) if attention_mask is None else
              _padding(attention_mask, batch, columns))
-    causal = torch.arange(columns)[None, :] <= torch.arange(columns - q_len, columns)[:, None]  # [S, T]
     device = hidden_states.device
-    mask = (valid[:, None, :] & causal[None]).to(device)
-    picked = module.indexer(hidden_states, q_resid, position_embeddings, mask, None, cache).long()  # [B, S, k]
+    if module.indexer is not None:
+        causal = torch.arange(columns)[None, :] <= torch.arange(columns - q_len, columns)[:, None]  # [S, T]
+        mask = (valid[:, None, :] & causal[None]).to(device)
+        picked = module.indexer(hidden_states, q_resid, position_embeddings, mask, None, cache)  # [B, S, k]
+    elif shared is None:
+        raise ValueError(f"attnops latent attention: layer {module.layer_idx} shares the picks of an earlier layer's "
+                         f"indexer (prev_topk_indices), and none came")
+    else:
+        picked = shared
     valid = valid.to(device)
-    flat = picked.flatten(1)
+    flat = picked.flatten(1).long()
     position = (valid.cumsum(-1) - 1).gather(1, flat)  # (the valid tokens before a column: its row's position)
-    return torch.where(valid.gather(1, flat), position, -1).view(picked.shape).to(torch.int32)
+    positions = torch.where(valid.gather(1, flat), position, -1).view(picked.shape).to(torch.int32)
+    return picked, positions
 
 
 @dataclass

@@ -67,7 +67,7 @@ def model_shape(config) -> ModelShape:
     layer_types = getattr(config, "layer_types", None) or ()
     other = sorted(set(layer_types) - set(ATTENTION_LAYER_TYPES))
     if getattr(config, "index_topk", None):  # (the serving loop's caches have no place for the indexer's keys)
-        raise ValueError("attnops.hf: DeepSeek-V3.2's sparse attention (an indexer of config.index_topk keys) is "
+        raise ValueError("attnops.hf: sparse attention (DeepSeek-V3.2, GLM-5: an indexer of config.index_topk keys) is "
                          "served through attnops.hf.enable_mla and model.generate with an attnops.hf.LatentCache, not "
                          "yet by the serving loop (paged_kv_cache, serving_model)")
     if other:
