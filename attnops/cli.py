@@ -221,7 +221,8 @@ def main(argv=None) -> None:
                    help="the transformers decoder served through attnops: a family, random weights of a real "
                         "model's shape on a GPU, tiny on a CPU (llama: Llama-3.2-1B, the default; qwen2: "
                         "Qwen2.5-7B, qwen3: Qwen3-8B, mistral: Mistral-7B, gemma2: gemma-2-2b, gpt-oss: "
-                        "gpt-oss-20b; deepseek_v3: DeepSeek-V3's latent attention, 4 of its layers), or a "
+                        "gpt-oss-20b, phi3: Phi-3-mini; deepseek_v3: DeepSeek-V3's latent attention, 4 of its "
+                        "layers; deepseek_v32: DeepSeek-V3.2's, its indexer's sparse picks), or a "
                         "checkpoint directory or hub name")
     p.add_argument("--checkpoint", default=None, help="a Hugging Face checkpoint directory: the same as --model DIR")
     p.set_defaults(func=demo)

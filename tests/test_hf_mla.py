@@ -32,7 +32,7 @@ VARIANTS = {
     "v3-q_proj-rotate_half": ("deepseek_v3", dict(n_group=1, topk_group=1, q_lora_rank=None, rope_interleave=False)),
     "v2": ("deepseek_v2", {}),  # RoPE as complex frequencies
 }
-SPARSE = dict(n_group=1, topk_group=1, index_topk=8, index_n_heads=2, index_head_dim=32)
+SPARSE = dict(n_group=1, topk_group=1, index_topk=8, index_n_heads=16, index_head_dim=32)
 if hasattr(transformers, "DeepseekV32Config"):  # an indexer picks 8 keys a query: the sparse form
     VARIANTS["v32"] = ("deepseek_v32", SPARSE)
 if hasattr(transformers, "GlmMoeDsaConfig"):  # GLM-5: V3.2's, its second layer sharing the first's picks
@@ -145,13 +145,6 @@ def test_the_indexer_decides_what_deepseek_v32_attends():
     assert tuple(cache._indexer_keys[0].shape) == (2, columns, SPARSE["index_head_dim"])
     cache.reset()
     assert not cache._indexer_keys
-
-
-@pytest.mark.skipif("v32" not in VARIANTS, reason="this transformers has no DeepSeek-V3.2")
-def test_serving_loop_refuses_deepseek_v32_by_name():
-    _, ours = models("v32")
-    with pytest.raises(ValueError, match=r"sparse attention \(DeepSeek-V3.2, GLM-5"):
-        serve(ours)
 
 
 def test_latent_cache_holds_r_plus_p_values_a_token_and_only_the_valid_ones():
@@ -272,14 +265,30 @@ def serve(model, **options):
     return test_hf.serve(model, schedule=SCHEDULE, **options)
 
 
-@pytest.mark.parametrize("variant", ["v3", "v2"])
+@pytest.mark.parametrize("variant", [v for v in ("v3", "v2", "v32", "glm5") if v in VARIANTS])
 def test_generator_serves_deepseek_like_generate_and_compiles_without_graph_break(variant):
-    """DeepSeek through attnops.hf.serving_model and the Generator (continuous batching, prefix sharing, its latent
-    pages a LatentKVCache): each request's greedy tokens are transformers' eager generate's of it alone; the same
-    under torch.compile(fullgraph=True), one graph per bucket."""
+    """DeepSeek (and GLM-5) through attnops.hf.serving_model and the Generator (continuous batching, prefix sharing,
+    its latent pages a LatentKVCache; V3.2's and GLM-5's indexer keys on the same pages): each request's greedy
+    tokens are transformers' eager generate's of it alone; the same under torch.compile(fullgraph=True), one graph
+    per bucket."""
     eager, ours = models(variant)
     expected = {i: test_hf.generate(eager, [prompt], n=n)[0] for i, (_, prompt, n) in enumerate(SCHEDULE)}
     test_hf.check_serves_like(ours, expected, SCHEDULE)
+
+
+@pytest.mark.skipif("v32" not in VARIANTS, reason="this transformers has no DeepSeek-V3.2")
+def test_a_sparse_model_needs_the_indexers_keys_in_its_cache():
+    from attnops.serving.kv_cache import LatentKVCache
+    _, ours = models("v32")
+    cache = attnops.hf.paged_kv_cache(ours.config, 16, page_size=4, kv_format="fp32")
+    assert cache.index_dim == SPARSE["index_head_dim"]
+    assert tuple(cache.index_keys[0].shape) == (16, 4, SPARSE["index_head_dim"])
+    from attnops.serving.generate import Generator
+    bare = LatentKVCache(cache.num_layers, 16, 4, R, P, kv_format="fp32")
+    gen = Generator(attnops.hf.serving_model(ours), bare, max_batch=2, max_seq_len=48)
+    gen.add_request(0, [5, 6, 7], 2)
+    gen.step()  # (a request whose step fails is taken out, with the reason)
+    assert "ValueError" in gen.failed[0] and "needs a LatentKVCache with its indexer's keys" in gen.failed[0]
 
 
 def test_latent_kv_cache_holds_one_latent_row_a_token_and_names_bad_arguments():
@@ -325,6 +334,17 @@ def test_demo_serves_deepseek_compiled_and_eager_with_the_same_tokens(capsys):
     assert "random tiny deepseek_v3" in out and "latent rows of 64 + 16 (MLA)" in out, out
     assert "backend: prefill -> cpu, decode -> cpu, cache write -> cpu" in out, out
     assert "compiled and eager generated identical tokens" in out, out
+
+
+@pytest.mark.skipif("v32" not in VARIANTS, reason="this transformers has no DeepSeek-V3.2")
+def test_demo_serves_deepseek_v32_through_the_sparse_form(capsys):
+    """python -m attnops demo --model deepseek_v32: the sparse form's backend named (the reference on the CPU)."""
+    from attnops import cli
+    cli.main(["demo", "--model", "deepseek_v32", "--modes", "eager", "--batch", "2", "--prompt-len", "12",
+              "--steps", "3", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert "random tiny deepseek_v32" in out and "latent rows of 64 + 16 (MLA)" in out, out
+    assert "backend: prefill -> reference, decode -> reference, cache write -> cpu" in out, out
 
 
 @pytest.mark.gpu

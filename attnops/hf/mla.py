@@ -173,10 +173,10 @@ def latent_attention_forward(self, hidden_states: torch.Tensor, position_embeddi
     nope, rope, v_dim, rank = self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim, self.kv_lora_rank
 
     sparse = hasattr(self, "indexer")  # DeepSeek-V3.2's and GLM-5's: an indexer picks each query's keys
-    if sparse and meta is not None:
-        raise ValueError("attnops latent attention: sparse attention (DeepSeek-V3.2, GLM-5: an indexer with a key "
-                         "cache of its own) is served through model.generate with an attnops.hf.LatentCache or "
-                         "transformers' cache, not yet by attnops' serving loop")
+    if sparse and meta is not None and cache.index_keys is None:
+        raise ValueError("attnops latent attention: a sparse-attention model (DeepSeek-V3.2, GLM-5) needs a "
+                         "LatentKVCache with its indexer's keys (index_dim): attnops.hf.paged_kv_cache of its config "
+                         "makes one")
     q_resid = None
     if self.q_lora_rank is None:
         q = self.q_proj(hidden_states)
@@ -195,7 +195,10 @@ def latent_attention_forward(self, hidden_states: torch.Tensor, position_embeddi
     picked = topk = None  # the indexer's picks (columns [B, S, k]), and as the op's topk_indices
     picks = (self, hidden_states, q_resid, position_embeddings, attention_mask)
     if meta is not None:
-        out = _serving_step(cache.attention_args(self.layer_idx), meta, q_latent, q_pe, kv_c, k_pe, self.scaling)
+        if sparse:
+            picked, topk = _step_picks(*picks, cache, meta, shared=kwargs.get("prev_topk_indices"))
+        out = _serving_step(cache.attention_args(self.layer_idx), meta, q_latent, q_pe, kv_c, k_pe, self.scaling,
+                            topk)
     elif isinstance(cache, LatentCache):
         if sparse:
             picked, topk = _listed_keys(*picks, cache, cache.columns_after(self.layer_idx, q_len),
@@ -239,6 +242,51 @@ def _listed_keys(module, hidden_states, q_resid, position_embeddings, attention_
     position = (valid.cumsum(-1) - 1).gather(1, flat)  # (the valid tokens before a column: its row's position)
     positions = torch.where(valid.gather(1, flat), position, -1).view(picked.shape).to(torch.int32)
     return picked, positions
+
+
+class _StepIndexerKeys:
+    """transformers' indexer-cache protocol (update_indexer) over a LatentKVCache's paged indexer keys, for one step
+    of attnops' serving loop: the step's keys go to their slots; back comes every sequence's table of keys, in one
+    row of B x (the table's width in tokens) columns, sequence b's position j at column b * width + j."""
+
+    def __init__(self, cache: LatentKVCache, meta):
+        self.cache, self.meta = cache, meta
+
+    def update_indexer(self, keys: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        self.cache.write_index_keys(layer_idx, keys[0], self.meta.slot_mapping)
+        pages = self.cache.index_keys[layer_idx]
+        return pages[self.meta.block_table.clamp(min=0).long()].reshape(1, -1, pages.shape[-1])
+
+
+def _step_picks(module, hidden_states, q_resid, position_embeddings, attention_mask, cache, meta, *,
+                shared=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """_listed_keys for a step of attnops' serving loop (its tokens one row [1, T] of several sequences): the
+    indexer scores each token against its own sequence's keys up to its position (the columns _StepIndexerKeys
+    lays out); returns (its picks [1, T, k], as topk_indices [T, k]). Shapes only (graph-safe)."""
+    num_tokens = hidden_states.shape[1]
+    batch, width = meta.block_table.shape[0], meta.block_table.shape[1] * cache.page_size
+    device = hidden_states.device
+    tokens = torch.arange(num_tokens, device=device)
+    if meta.cu_seqlens_q is None:  # decode: token t is sequence t's
+        seq, first, count = tokens, tokens, torch.ones_like(tokens)
+    else:
+        counts = meta.cu_seqlens_q.diff().long()
+        seq = torch.repeat_interleave(torch.arange(batch, device=device), counts, output_size=num_tokens)
+        first, count = meta.cu_seqlens_q[:-1].long()[seq], counts[seq]
+    position = meta.seq_lens.long()[seq] - count + tokens - first  # [T]
+    columns = torch.arange(batch * width, device=device)
+    visible = (columns[None] // width == seq[:, None]) & (columns[None] % width <= position[:, None])  # [T, B W]
+    if module.indexer is not None:
+        picked = module.indexer(hidden_states, q_resid, position_embeddings, visible[None], None,
+                                _StepIndexerKeys(cache, meta))
+    elif shared is None:
+        raise ValueError(f"attnops latent attention: layer {module.layer_idx} shares the picks of an earlier layer's "
+                         f"indexer (prev_topk_indices), and none came")
+    else:
+        picked = shared
+    flat = picked[0].long()
+    topk = torch.where(visible.gather(1, flat), flat - seq[:, None] * width, -1).to(torch.int32)
+    return picked, topk
 
 
 @dataclass
@@ -289,14 +337,15 @@ def _attend(pages: torch.Tensor, step: _Step, q_latent, q_pe, kv_c, k_pe, scale,
     return _unpack(out, step.q_index, step.batch, step.q_len)
 
 
-def _serving_step(cache_args: dict, meta, q_latent, q_pe, kv_c, k_pe, scale) -> torch.Tensor:
+def _serving_step(cache_args: dict, meta, q_latent, q_pe, kv_c, k_pe, scale, topk=None) -> torch.Tensor:
     """One layer of a step of attnops' serving loop: every sequence's tokens in one row (q_latent [1, T, H, R],
     q_pe [1, T, H, P], kv_c [1, T, R], k_pe [1, T, P]), written at the step's slots of the LatentKVCache and attended
-    through its block table (the whole table: latent attention has no cascade). Returns [1, T, H, R]."""
+    through its block table (the whole table: latent attention has no cascade; with topk [T, k], each token to the
+    positions it lists). Returns [1, T, H, R]."""
     torch.ops.attnops.mla_cache_write(kv_c[0], k_pe[0], slot_mapping=meta.slot_mapping, **cache_args)
     out = torch.ops.attnops.mla_attention(q_latent[0].contiguous(), q_pe[0].contiguous(), block_table=meta.block_table,
                                           seq_lens=meta.seq_lens, cu_seqlens_q=meta.cu_seqlens_q, scale=float(scale),
-                                          **cache_args)
+                                          topk_indices=topk, **cache_args)
     return out[None]
 
 

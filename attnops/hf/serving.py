@@ -40,6 +40,9 @@ class ModelShape:
     # values a token (kv_lora_rank, qk_rope_head_dim), not per-head keys and values; 0: a model of per-head K/V
     latent_dim: int = 0
     rope_dim: int = 0
+    # sparse latent attention (DeepSeek-V3.2, GLM-5): the indexer's key width (config.index_head_dim), kept beside
+    # the latents; 0: none
+    index_dim: int = 0
     # where the layers differ (Gemma-4: sliding layers of head dim 256, full ones of 512 and fewer KV heads): each
     # layer's KV heads and head dim (empty: every layer's are the fields above, which are then layer 0's); and
     # the KV-shared layers (transformers' num_kv_shared_layers: Gemma-3n's, Gemma-4's last layers), as (layer, the
@@ -65,11 +68,10 @@ def model_shape(config) -> ModelShape:
         if not isinstance(getattr(config, name, None), int):
             raise ValueError(f"attnops.hf: config.{name} must be an int (got {getattr(config, name, None)!r})")
     layer_types = getattr(config, "layer_types", None) or ()
-    other = sorted(set(layer_types) - set(ATTENTION_LAYER_TYPES))
-    if getattr(config, "index_topk", None):  # (the serving loop's caches have no place for the indexer's keys)
-        raise ValueError("attnops.hf: sparse attention (DeepSeek-V3.2, GLM-5: an indexer of config.index_topk keys) is "
-                         "served through attnops.hf.enable_mla and model.generate with an attnops.hf.LatentCache, not "
-                         "yet by the serving loop (paged_kv_cache, serving_model)")
+    sparse = is_latent(config) and bool(getattr(config, "index_topk", None))
+    # (a sparse latent model's layers are attention layers under other names: transformers 5.17 and 5.2x's)
+    other = sorted(set(layer_types) - set(ATTENTION_LAYER_TYPES) -
+                   ({"indexed_attention", "deepseek_sparse_attention"} if sparse else set()))
     if other:
         raise ValueError(f"attnops.hf: config.layer_types has {other}; attnops serves attention layers only "
                          f"{ATTENTION_LAYER_TYPES}")
@@ -92,6 +94,8 @@ def model_shape(config) -> ModelShape:
     if layers.get("layer_kv_heads"):  # (the scalar fields: layer 0's)
         kv_heads, head_dim = layers["layer_kv_heads"][0], layers["layer_head_dims"][0]
     latent = dict(latent_dim=config.kv_lora_rank, rope_dim=config.qk_rope_head_dim) if is_latent(config) else {}
+    if sparse:
+        latent["index_dim"] = config.index_head_dim
     return ModelShape(config.num_hidden_layers, heads, kv_heads, head_dim, config.hidden_size, config.vocab_size,
                       getattr(config, "model_type", ""), **latent, **layers)
 
@@ -126,12 +130,12 @@ def is_latent(config) -> bool:
 def paged_kv_cache(config, num_pages: int, *, page_size: int = 16, kv_format: str = "bf16", device="cpu",
                    **kwargs) -> PagedKVCache:
     """A PagedKVCache shaped for `config`'s model (layers, KV heads, head_dim), or for a latent-attention model
-    (DeepSeek-V2/V3) a LatentKVCache (layers, R, P; kv_format bf16, fp16, fp32 or fp8_e4m3 with kv_scale); kwargs go
-    to the cache."""
+    (DeepSeek-V2/V3/V3.2, GLM-5) a LatentKVCache (layers, R, P, the indexer's key width; kv_format bf16, fp16, fp32
+    or fp8_e4m3 with kv_scale); kwargs go to the cache."""
     shape = model_shape(config)
     if shape.latent_dim:
         return LatentKVCache(shape.num_hidden_layers, num_pages, page_size, shape.latent_dim, shape.rope_dim,
-                             kv_format=kv_format, device=device, **kwargs)
+                             kv_format=kv_format, device=device, index_dim=shape.index_dim, **kwargs)
     return PagedKVCache(shape.num_hidden_layers, num_pages, page_size, **shape.cache_layout(), kv_format=kv_format,
                         device=device, **kwargs)
 

@@ -56,13 +56,16 @@ def op_backends(cache: PagedKVCache, config, dtype, batch: int, prompt_len: int,
         q_nope = torch.empty(rows, config.num_attention_heads, cache.latent_dim, dtype=dtype, device=dev)
         q_pe = torch.empty(rows, config.num_attention_heads, cache.rope_dim, dtype=dtype, device=dev)
         args = dict(scale=1.0, **cache.attention_args(0))
+        # a sparse-attention model's (an indexer's keys beside the latents) attends with the sparse form
+        listed = (lambda n: {}) if cache.index_keys is None else \
+            (lambda n: dict(topk_indices=torch.full((n, 1), -1, dtype=torch.int32, device=dev)))
         return {
             "mla_cache_write": explain(kv_c=q_nope[:, 0], k_pe=q_pe[:, 0], slot_mapping=torch.zeros(
                 rows, dtype=torch.int64, device=dev), **cache.write_args(0)).chosen,
             "mla_attention (prefill)": explain(q_nope=q_nope, q_pe=q_pe, block_table=table, seq_lens=lens,
-                                               cu_seqlens_q=cu, **args).chosen,
+                                               cu_seqlens_q=cu, **args, **listed(rows)).chosen,
             "mla_attention (decode)": explain(q_nope=q_nope[:batch], q_pe=q_pe[:batch], block_table=table,
-                                              seq_lens=lens + 1, **args).chosen,
+                                              seq_lens=lens + 1, **args, **listed(batch)).chosen,
         }
     q = torch.empty(rows, config.num_attention_heads, d, dtype=dtype, device=dev)
     kv = torch.empty(rows, config.num_key_value_heads, d, dtype=dtype, device=dev)

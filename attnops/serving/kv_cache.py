@@ -543,15 +543,19 @@ class LatentKVCache(PagedKVCache):
     sharing and step metadata are PagedKVCache's.
 
     kv_format: the cache's dtype, "bf16", "fp16" or "fp32" (the ops' "auto"), or "fp8_e4m3" (kv_scale: a float32
-    tensor of one element or a float, default 1.0; stored = value / kv_scale)."""
+    tensor of one element or a float, default 1.0; stored = value / kv_scale).
+    index_dim: the width of a sparse-attention indexer's key (DeepSeek-V3.2, GLM-5: its indexer scores every cached
+    key to pick each query's), kept a token and layer in `index_keys` ([num_pages, page_size, index_dim] a layer,
+    in the cache's dtype, bf16 for fp8), on the same pages as the latents; 0: none."""
 
     KV_FORMATS = ("bf16", "fp16", "fp32", "fp8_e4m3")
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, latent_dim: int, rope_dim: int, *,
                  kv_format: str = "bf16", device="cpu", kv_scale: torch.Tensor | float | None = None,
-                 shuffle_pages: bool = False, seed: int = 0):
+                 shuffle_pages: bool = False, seed: int = 0, index_dim: int = 0):
         if kv_format not in self.KV_FORMATS:
             raise ValueError(f"LatentKVCache: kv_format must be one of {self.KV_FORMATS} (got {kv_format!r})")
+        _positive_int("LatentKVCache", "index_dim", index_dim, 0)
         _check_pages("LatentKVCache", num_layers, num_pages, page_size)
         for name, value in (("latent_dim", latent_dim), ("rope_dim", rope_dim)):
             _positive_int("LatentKVCache", name, value, 1)
@@ -573,7 +577,24 @@ class LatentKVCache(PagedKVCache):
             if self.kv_scale.numel() != 1:
                 raise ValueError(f"LatentKVCache: kv_scale must be one value (got {self.kv_scale.numel()})")
             self.kv_scale = self.kv_scale.reshape(1)
+        # the indexer's keys: a spare row after the pages takes the writes of padding tokens (slot -1)
+        self.index_dim, self.index_keys, self._index_rows = index_dim, None, None
+        if index_dim:
+            dtype = torch.bfloat16 if kv_format == "fp8_e4m3" else fmt.storage_dtype
+            self._index_rows = [torch.zeros(num_pages * page_size + 1, index_dim, dtype=dtype, device=self.device)
+                                for _ in range(num_layers)]
+            self.index_keys = [rows[:-1].view(num_pages, page_size, index_dim) for rows in self._index_rows]
         self._init_pages(shuffle_pages, seed)
+
+    def write_index_keys(self, layer: int, keys: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """The indexer's keys [T, index_dim] of a step's tokens at their slots (-1: none written)."""
+        rows = self._index_rows[layer]
+        rows.index_copy_(0, torch.where(slot_mapping >= 0, slot_mapping, rows.shape[0] - 1), keys.to(rows.dtype))
+
+    def _copy_page(self, src: int, dst: int) -> None:
+        super()._copy_page(src, dst)
+        for keys in self.index_keys or ():
+            keys[dst] = keys[src]
 
     def attention_args(self, layer: int) -> dict:
         """Keyword arguments of mla_attention (and mla_cache_write) for `layer`: kv_cache, kv_format, kv_scale."""
