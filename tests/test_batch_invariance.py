@@ -383,14 +383,15 @@ def serve_target(model, schedule, threads: int, device: str = "cpu", **options) 
     return gen.finished["target"].output, gen.finished["target"].logprobs
 
 
-@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3", "deepseek_v32"])
 def test_generator_serves_a_request_the_same_whatever_is_beside_it(family):
     """Greedy tokens and their log-probabilities (so the logits' bits) of a request served alone, then among
     random others that arrive before, with and after it (some waiting for a row: max_batch 3), on 1-6 threads
     (alone and among others on the same count: torch's own matrix products need not give the same bits on
     another thread count, on some CPUs). Its prompt is long enough (700 tokens) that the CPU kernels outside the
     mode would split it by the threads. DeepSeek: latent attention on a LatentKVCache, and a mixture of experts
-    (the Generator has it compute a token's experts apart from the others')."""
+    (the Generator has it compute a token's experts apart from the others'); V3.2: its indexer's picks (scored
+    against every sequence's table of keys in the step) and the sparse form."""
     pytest.importorskip("transformers")
     import attnops.hf
     from attnops.hf import families
