@@ -110,7 +110,12 @@ def spec_inputs(spec, device, dtype):
 
 
 def check_triton(spec, device, dtype):
-    args = spec_inputs(spec, device, dtype)
+    check_launch(spec_inputs(spec, device, dtype), spec, device, dtype)
+
+
+def check_launch(args, spec, device, dtype):
+    """mla_launch on mla_attention's arguments `args` (spec["config"]: its tiles and splits) against the float64
+    reference, the output and the LSE."""
     out = torch.full_like(args["q_nope"], float("nan"))
     lse = torch.full(args["q_nope"].shape[:2], float("nan"), device=device)
     launch_args = {k: v for k, v in args.items() if k not in ("sinks", "tree_mask", "kv_scale")}

@@ -14,9 +14,8 @@ import torch
 
 import attnops
 from attnops.backends.reference import mla_attention_reference
-from attnops.backends.triton.mla_launch import mla_launch
 from attnops.testing import relative_error
-from test_mla import mla_inputs
+from test_mla import check_launch, mla_inputs
 
 GPU = torch.cuda.is_available()
 
@@ -151,17 +150,7 @@ def spec_inputs(spec, device, dtype):
 
 
 def check_triton(spec, device, dtype):
-    args = spec_inputs(spec, device, dtype)
-    out = torch.full_like(args["q_nope"], float("nan"))
-    lse = torch.full(args["q_nope"].shape[:2], float("nan"), device=device)
-    launch = {k: v for k, v in args.items() if k not in ("sinks", "tree_mask", "kv_scale")}
-    mla_launch(**launch, kv_scale=args.get("kv_scale"), sinks=args.get("sinks"), tree_mask=args.get("tree_mask"),
-               out=out, lse=lse, config=spec["config"])
-    ref, ref_lse = mla_attention_reference(**args, return_lse=True)
-    if ref.numel():
-        assert relative_error(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2), spec
-        torch.testing.assert_close(lse, ref_lse.float().to(device), atol=2e-3, rtol=1e-3, equal_nan=True,
-                                   msg=lambda m: f"{spec}: {m}")
+    check_launch(spec_inputs(spec, device, dtype), spec, device, dtype)
 
 
 @pytest.mark.skipif(GPU, reason="the interpreter's run; the GPU run is below")
