@@ -232,16 +232,21 @@ def _listed_keys(module, hidden_states, q_resid, position_embeddings, attention_
         causal = torch.arange(columns)[None, :] <= torch.arange(columns - q_len, columns)[:, None]  # [S, T]
         mask = (valid[:, None, :] & causal[None]).to(device)
         picked = module.indexer(hidden_states, q_resid, position_embeddings, mask, None, cache)  # [B, S, k]
-    elif shared is None:
-        raise ValueError(f"attnops latent attention: layer {module.layer_idx} shares the picks of an earlier layer's "
-                         f"indexer (prev_topk_indices), and none came")
     else:
-        picked = shared
+        picked = _shared_picks(module, shared)
     valid = valid.to(device)
     flat = picked.flatten(1).long()
     position = (valid.cumsum(-1) - 1).gather(1, flat)  # (the valid tokens before a column: its row's position)
     positions = torch.where(valid.gather(1, flat), position, -1).view(picked.shape).to(torch.int32)
     return picked, positions
+
+
+def _shared_picks(module, shared) -> torch.Tensor:
+    """The picks a GLM-5 layer without an indexer takes: the previous layer's, which transformers hands it."""
+    if shared is None:
+        raise ValueError(f"attnops latent attention: layer {module.layer_idx} shares the picks of an earlier layer's "
+                         f"indexer (prev_topk_indices), and none came")
+    return shared
 
 
 class _StepIndexerKeys:
@@ -279,11 +284,8 @@ def _step_picks(module, hidden_states, q_resid, position_embeddings, attention_m
     if module.indexer is not None:
         picked = module.indexer(hidden_states, q_resid, position_embeddings, visible[None], None,
                                 _StepIndexerKeys(cache, meta))
-    elif shared is None:
-        raise ValueError(f"attnops latent attention: layer {module.layer_idx} shares the picks of an earlier layer's "
-                         f"indexer (prev_topk_indices), and none came")
     else:
-        picked = shared
+        picked = _shared_picks(module, shared)
     flat = picked[0].long()
     topk = torch.where(visible.gather(1, flat), flat - seq[:, None] * width, -1).to(torch.int32)
     return picked, topk
