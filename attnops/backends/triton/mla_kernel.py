@@ -16,8 +16,7 @@ where it names a key the row may see (causal, tree mask), and splits divide the 
 Bad indices follow paged_attention's rules: a bad length makes the token's rows NaN and reads nothing; a page index
 outside the cache is never read and makes NaN the rows that see one of its keys (all heads of a token see the same
 keys, so the check is one vector a tile); bad cu_seqlens_q makes every row NaN; a listed position outside its
-sequence makes its row NaN. Each is recorded in the error
-buffer with atomic min.
+sequence makes its row NaN. Each is recorded in the error buffer with atomic min.
 """
 from __future__ import annotations
 
