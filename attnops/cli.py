@@ -88,9 +88,9 @@ def warmup_shapes(args) -> list[dict]:
         from .hf import model_shape
         config = transformers.AutoConfig.from_pretrained(path.parent if path.is_file() else path)
         shape = model_shape(config)
-        if shape.latent_dim:
+        if shape.latent_dim:  # (a sparse one's: the keys its indexer picks a query, its own kernel variant)
             return [dict(num_q_heads=shape.num_attention_heads, latent_dim=shape.latent_dim,
-                         rope_dim=shape.rope_dim)]
+                         rope_dim=shape.rope_dim, topk=getattr(config, "index_topk", 0) or 0)]
         layers = zip(shape.layer_kv_heads or [shape.num_key_value_heads],
                      shape.layer_head_dims or [shape.head_dim])
         return [dict(num_q_heads=shape.num_attention_heads, num_kv_heads=h, head_dim=d)
@@ -101,7 +101,7 @@ def warmup_shapes(args) -> list[dict]:
         heads = config["num_attention_heads"]
         if config.get("kv_lora_rank"):
             return [dict(num_q_heads=heads, latent_dim=config["kv_lora_rank"],
-                         rope_dim=config["qk_rope_head_dim"])]
+                         rope_dim=config["qk_rope_head_dim"], topk=config.get("index_topk") or 0)]
         return [dict(num_q_heads=heads, num_kv_heads=config.get("num_key_value_heads", heads),
                      head_dim=config.get("head_dim") or config["hidden_size"] // heads)]
 
@@ -121,6 +121,9 @@ def _warm_step(shape: dict, cache, mode: str, q_len: int, dtype, device) -> dict
                        q_pe=torch.randn(tokens, heads, rope, device=device, dtype=dtype),
                        block_table=meta.block_table, seq_lens=meta.seq_lens, cu_seqlens_q=meta.cu_seqlens_q,
                        scale=(latent + rope) ** -0.5, **cache.attention_args(0))
+        if shape.get("topk"):  # the sparse form: each query's picks (here the first positions, -1 past its own)
+            picks = torch.arange(shape["topk"], dtype=torch.int32, device=device).expand(tokens, -1)
+            op_args["topk_indices"] = torch.where(picks < meta.seq_lens.max(), picks, -1).contiguous()
         torch.ops.attnops.mla_attention(**op_args)
         return op_args
     k = torch.randn(tokens, shape["num_kv_heads"], shape["head_dim"], device=device, dtype=dtype)
@@ -150,7 +153,8 @@ def warmup(args) -> None:
             if "latent_dim" in shape:
                 cache = LatentKVCache(1, 64, args.page_size, shape["latent_dim"], shape["rope_dim"],
                                       kv_format=args.kv_format, device=device)
-                label = f"MLA {shape['num_q_heads']}/{shape['latent_dim']}+{shape['rope_dim']}"
+                label = f"MLA {shape['num_q_heads']}/{shape['latent_dim']}+{shape['rope_dim']}" + \
+                    (f" top-{shape['topk']}" if shape.get("topk") else "")
             else:
                 cache = PagedKVCache(1, 64, args.page_size, shape["num_kv_heads"], shape["head_dim"],
                                      kv_format=args.kv_format, device=device)

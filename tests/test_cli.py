@@ -126,3 +126,17 @@ def test_warmup_of_a_latent_attention_config_warms_mla_attention(tmp_path):
     for mode in ("prefill", "verify", "decode"):
         assert f"MLA 4/64+16 {mode}" in out, out
     assert "4/4/" not in out
+
+
+def test_warmup_of_a_sparse_latent_attention_config_warms_the_sparse_form(tmp_path):
+    """A DeepSeek-V3.2 config: mla_attention's sparse form (its own kernel variant) at the indexer's top-k."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "DeepseekV32Config"):
+        pytest.skip("this transformers has no DeepSeek-V3.2")
+    transformers.AutoConfig.for_model(
+        "deepseek_v32", num_hidden_layers=1, num_attention_heads=4, kv_lora_rank=64, qk_rope_head_dim=16,
+        qk_nope_head_dim=32, v_head_dim=32, hidden_size=64, index_topk=32, index_n_heads=2,
+        index_head_dim=32).save_pretrained(tmp_path)
+    out = run("warmup", "--dtype", "fp32", "--kv-format", "fp32", "--config", str(tmp_path))
+    for mode in ("prefill", "verify", "decode"):
+        assert f"MLA 4/64+16 top-32 {mode:<8} -> reference" in out, out
