@@ -338,13 +338,13 @@ def test_demo_serves_deepseek_compiled_and_eager_with_the_same_tokens(capsys):
 
 @pytest.mark.skipif("v32" not in VARIANTS, reason="this transformers has no DeepSeek-V3.2")
 def test_demo_serves_deepseek_v32_through_the_sparse_form(capsys):
-    """python -m attnops demo --model deepseek_v32: the sparse form's backend named (the reference on the CPU)."""
+    """python -m attnops demo --model deepseek_v32: the sparse form's backend named (the C++ kernels on the CPU)."""
     from attnops import cli
     cli.main(["demo", "--model", "deepseek_v32", "--modes", "eager", "--batch", "2", "--prompt-len", "12",
               "--steps", "3", "--device", "cpu"])
     out = capsys.readouterr().out
     assert "random tiny deepseek_v32" in out and "latent rows of 64 + 16 (MLA)" in out, out
-    assert "backend: prefill -> reference, decode -> reference, cache write -> cpu" in out, out
+    assert "backend: prefill -> cpu, decode -> cpu, cache write -> cpu" in out, out
 
 
 @pytest.mark.gpu

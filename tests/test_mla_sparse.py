@@ -2,8 +2,8 @@
 it lists, as DeepSeek-V3.2's indexer picks them): the reference against an independent computation over each row's
 listed keys, the Triton kernel against the reference on random ragged batches (decode, extend, draft trees, sinks,
 fp8, forced splits, repeated and padded entries; the interpreter here, bf16 on a GPU), the dense form as the sparse
-one listing every key, the bad-index rule, validation, dispatch, opcheck, torch.compile, batch-invariant mode and
-CUDA graphs."""
+one listing every key, the C++ CPU kernels (each row a sequence of its own listed keys), the bad-index rule,
+validation, dispatch, opcheck, torch.compile, batch-invariant mode and CUDA graphs."""
 from __future__ import annotations
 
 import math
@@ -112,7 +112,7 @@ def every_key(args) -> torch.Tensor:
     return torch.stack(rows).to(torch.int32)
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend", ["reference", "triton", "cpu"])
 def test_listing_every_key_is_the_dense_form(backend):
     args = mla_inputs([30, 0, 9, 17], [4, 0, 2, 1], heads=4, dtype=torch.float32, seed=5)
     sinks = torch.randn(4)
@@ -161,6 +161,33 @@ def test_triton_matches_the_reference_in_the_interpreter(seed):
         check_triton(random_spec(rng), "cpu", rng.choice([torch.float16, torch.float32]))
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_cpu_matches_the_float64_reference_on_random_batches(seed):
+    """The C++ CPU kernels (each row a sequence of its own listed keys) against the reference: the random batches
+    above, fp32/bf16/fp16 queries, bad indices among them."""
+    rng = random.Random(50 + seed)
+    for _ in range(8):
+        spec = random_spec(rng)
+        dtype = rng.choice([torch.float32, torch.bfloat16, torch.float16])
+        args = spec_inputs(spec, "cpu", dtype)
+        if rng.random() < 0.3 and args["topk_indices"].numel():  # a bad entry, or a bad page a row sees
+            if rng.random() < 0.5:
+                args["topk_indices"].view(-1)[rng.randrange(args["topk_indices"].numel())] = 10_000
+            else:
+                args["block_table"].view(-1)[rng.randrange(args["block_table"].numel())] = 999
+        attnops.take_errors()
+        with attnops.use_backend("cpu"):
+            out, lse = torch.ops.attnops.mla_attention_with_lse(**args)
+        got_errors = attnops.take_errors()
+        ref, ref_lse = mla_attention_reference(**args, return_lse=True)
+        assert got_errors == attnops.take_errors(), spec
+        if ref.numel():
+            assert torch.equal(out.isnan(), ref.isnan()), spec
+            assert relative_error(out.nan_to_num(), ref.nan_to_num()) < (1e-5 if dtype == torch.float32 else 1e-2)
+            torch.testing.assert_close(lse, ref_lse.float(), atol=2e-3, rtol=1e-3, equal_nan=True,
+                                       msg=lambda m: f"{spec}: {m}")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("seed", range(3))
 def test_triton_matches_the_reference_on_the_gpu(seed):
@@ -184,7 +211,7 @@ def test_gpu_deepseek_shapes_through_the_op():
             assert relative_error(out, mla_attention_reference(**args)) < 1e-2, (heads, q_lens, kv_format)
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend", ["reference", "triton", "cpu"])
 def test_a_listed_position_outside_its_sequence_poisons_its_row(backend, monkeypatch):
     args = mla_inputs([10, 7, 12], [3, 2, 1], heads=4)
     topk = random_topk(args, 5, torch.Generator().manual_seed(0))
@@ -228,11 +255,8 @@ def test_dispatch_sends_the_sparse_form_to_the_backends_that_serve_it():
     args = mla_inputs([10, 7], None, heads=4)
     args["topk_indices"] = random_topk(args, 4, torch.Generator().manual_seed(2))
     explanation = attnops.explain(**args)
-    assert explanation.chosen == "reference"
-    assert "sparse form" in "; ".join(explanation.rejected["cpu"])
+    assert explanation.chosen == "cpu"
     assert explanation.case.topk == 4
-    with attnops.use_backend("cpu"), pytest.raises(ValueError, match="sparse form"):
-        torch.ops.attnops.mla_attention(**args)
     from attnops.backends import cuda_mla, flashinfer_mla
     case = explanation.case
     assert any("sparse form" in r for r in flashinfer_mla.reasons(case))
@@ -263,7 +287,7 @@ def test_opcheck_and_compile():
     assert relative_error(got, want) < 1e-2
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend", ["reference", "triton", "cpu"])
 def test_batch_invariant_a_row_is_the_same_bits_in_any_batch(backend):
     """Inside the mode: a target sequence's row, alone and among others (before and after it), with its list
     padded by -1 entries to a wider K, gives the same bits."""

@@ -6,7 +6,8 @@ The kernels are registered as internal ops, `torch.ops.attnops.cpu_paged_attenti
 `cpu_mla_cache_write`, which take already-validated arguments (attnops/ops.py validates, then dispatches here) and
 the device's error buffer (attnops.errors), where they record bad indices. They run on at::parallel_for's threads
 (torch.get_num_threads()), with inner loops compiled for AVX-512, AVX2 and portable C++ and picked at run time;
-latent attention runs paged attention's, as multi-query attention over the latent rows.
+latent attention runs paged attention's, as multi-query attention over the latent rows, and its sparse form as a
+decode of each query row over the keys it lists (_listed_rows).
 """
 from __future__ import annotations
 
@@ -27,10 +28,6 @@ WRITE_KV_FORMATS = ("fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2")
 FP4_WRITE_REASON = ("4-bit cache writes (nvfp4, mxfp4) are not implemented in the C++ CPU kernels; the reference "
                     "backend writes them")
 
-
-# the kernels loop over a sequence's keys in order, for a block of query rows at once; the sparse form's rows each
-# list their own keys
-SPARSE_REASON = "the sparse form (topk_indices): the reference backend serves it on the CPU"
 
 OPS = ("cpu_paged_attention", "cpu_reshape_and_cache", "cpu_mla_attention", "cpu_mla_cache_write")
 
@@ -63,10 +60,7 @@ class CPUBackend(Backend):
 
     def supports(self, case) -> list[str]:
         if isinstance(case, (MLACase, MLAWriteCase)):  # (checks_mla bounds the latent formats and shapes)
-            reasons = common_reasons(case, devices=DEVICES, q_dtypes=Q_DTYPES, kv_formats=KV_FORMATS)
-            if getattr(case, "topk", 0):
-                reasons.append(SPARSE_REASON)
-            return reasons
+            return common_reasons(case, devices=DEVICES, q_dtypes=Q_DTYPES, kv_formats=KV_FORMATS)
         reasons = common_reasons(case, devices=DEVICES, q_dtypes=Q_DTYPES, kv_formats=KV_FORMATS,
                                  head_dims=HEAD_DIMS)
         if isinstance(case, CacheWriteCase) and case.kv_format in KV_FORMATS and \
@@ -99,11 +93,74 @@ class CPUBackend(Backend):
 
     def mla_attention(self, call) -> None:
         attention = self._ops()[2]
-        attention(call.q_nope, call.q_pe, call.kv_cache, call.block_table, call.seq_lens, call.cu_seqlens_q,
-                  call.scale, call.kv_scale, call.sinks, call.tree_mask, call.out, errors.buffer(call.q_nope.device),
-                  call.lse, invariance.enabled())
+        if call.topk_indices is None:
+            attention(call.q_nope, call.q_pe, call.kv_cache, call.block_table, call.seq_lens, call.cu_seqlens_q,
+                      call.scale, call.kv_scale, call.sinks, call.tree_mask, call.out,
+                      errors.buffer(call.q_nope.device), call.lse, invariance.enabled())
+            return
+        listed = _listed_rows(call)
+        if listed is None:  # bad cu_seqlens_q: which rows are whose is undefined
+            call.out.fill_(float("nan"))
+            if call.lse is not None:
+                call.lse.fill_(float("nan"))
+            return
+        rows, table, lengths, poison = listed
+        attention(call.q_nope, call.q_pe, rows, table, lengths, None, call.scale, call.kv_scale, call.sinks, None,
+                  call.out, errors.buffer(call.q_nope.device), call.lse, invariance.enabled())
+        call.out[poison] = float("nan")
+        if call.lse is not None:
+            call.lse[poison] = float("nan")
 
     def mla_cache_write(self, call) -> None:
         cache_write = self._ops()[3]
         cache_write(call.kv_c, call.k_pe, call.kv_cache, call.slot_mapping, call.kv_scale,
                     errors.buffer(call.kv_c.device))
+
+
+def _listed_rows(call):
+    """The sparse form (topk_indices) as the kernels' dense decode: query row t becomes a sequence of its own whose
+    keys are the rows its list names and lets it see (causal; a tree mask inside its block), in list order, read
+    through a page-size-1 view of the cache whose table holds their slots. Returns (that view, the table, the
+    lengths, the rows to poison with NaN: a bad length, a listed position outside the sequence, a seen key on a
+    page outside the cache; each recorded as the other backends record it), or None for a bad cu_seqlens_q."""
+    q, listed = call.q_nope, call.topk_indices.long()
+    num_tokens = q.shape[0]
+    num_pages, page = call.kv_cache.shape[0], call.kv_cache.shape[1]
+    lengths, width = call.seq_lens.long(), call.block_table.shape[1]
+    tokens = torch.arange(num_tokens)
+    if call.cu_seqlens_q is None:
+        seq, first, count = tokens, tokens, torch.ones(num_tokens, dtype=torch.long)
+    else:
+        bad = errors.cu_seqlens_violation(call.cu_seqlens_q.tolist(), num_tokens)
+        if bad is not None:
+            errors.record(q.device, errors.CU_SEQLENS_Q, bad)
+            return None
+        counts = call.cu_seqlens_q.long().diff()
+        seq = torch.repeat_interleave(torch.arange(lengths.shape[0]), counts, output_size=num_tokens)
+        first, count = call.cu_seqlens_q.long()[:-1][seq], counts[seq]
+    row_len = lengths[seq]
+    len_bad = (row_len < 0) | (row_len > width * page)
+    entry_bad = ((listed < -1) | (listed >= row_len[:, None])).any(1) & ~len_bad
+    block_start = row_len - count  # the query block's first position
+    if call.tree_mask is None:  # each row sees the keys at or before its position
+        seen = listed <= (block_start + tokens - first)[:, None]
+    else:  # every key before the block, and the block's keys its mask row names
+        column = listed - block_start[:, None]
+        inside = (column >= 0) & (column < call.tree_mask.shape[1])
+        named = call.tree_mask.gather(1, torch.where(inside, column, 0).clamp(max=call.tree_mask.shape[1] - 1))
+        seen = (column < 0) | (inside & named)
+    seen &= (listed >= 0) & (listed < row_len[:, None]) & ~len_bad[:, None]
+    table = call.block_table.long() if width else torch.full((lengths.shape[0], 1), -1)  # (an empty table: no page)
+    page_index = table[seq[:, None], (listed.clamp(min=0) // page).clamp(max=table.shape[1] - 1)]
+    page_bad = seen & ((page_index < 0) | (page_index >= num_pages))
+    for argument, rows, position in ((errors.SEQ_LENS, len_bad, seq), (errors.TOPK_INDICES, entry_bad, tokens),
+                                     (errors.BLOCK_TABLE, page_bad.any(1), seq)):
+        if bool(rows.any()):
+            errors.record(q.device, argument, int(position[rows].min()))
+    keep = seen & ~page_bad
+    slots = torch.where(keep, page_index * page + listed % page, 0)
+    order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)  # the kept entries first, in list order
+    table = slots.gather(1, order).to(torch.int32)
+    rows = call.kv_cache.reshape(num_pages * page, 1, call.kv_cache.shape[2])  # (a view where the pages allow)
+    return rows, table, keep.sum(1).to(torch.int32), len_bad | entry_bad | page_bad.any(1)
+
