@@ -771,6 +771,7 @@ cc.compile_merge_states("bf16", target)
 # latent attention at DeepSeek's shape, bf16 and fp8, split (with sinks and the LSE) and a verify with a tree mask
 cc.compile_mla("bf16", False, 16, 512, 64, target, tokens=1, sinks=True)
 cc.compile_mla("bf16", True, 128, 512, 64, target, tokens=128, decode=False, tree=True)
+cc.compile_mla("bf16", False, 16, 512, 64, target, tokens=32, capacity=2048, topk=True)  # the sparse form
 # the heuristic's own prefill tiles for fp32 and bf16 q fit sm_90's 227 KB of shared memory as chosen
 for label, q_dtype, fmt, constexprs, options in cc.heuristic_configurations(90, 132, 232448, quick=True):
     if label.startswith("chunk") and fmt == "bf16" and q_dtype in ("fp32", "bf16"):  # prefill-sized tiles

@@ -48,7 +48,7 @@ TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.floa
 
 # do_not_specialize in the kernels (int32, no divisibility assumed)
 NOT_DIVISIBLE = ("num_seqs", "window_left", "MAX_SPLITS", "CHUNK", "wave_splits", "num_tokens", "num_pages",
-                 "capacity", "num_slots", "batch", "width", "stride_table", "stride_tm", "tm_cols")
+                 "capacity", "num_slots", "batch", "width", "stride_table", "stride_tm", "tm_cols", "topk_len")
 
 
 def signature(fn, types: dict, constexprs: dict) -> dict:
