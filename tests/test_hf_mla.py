@@ -283,6 +283,10 @@ def test_a_sparse_model_needs_the_indexers_keys_in_its_cache():
     cache = attnops.hf.paged_kv_cache(ours.config, 16, page_size=4, kv_format="fp32")
     assert cache.index_dim == SPARSE["index_head_dim"]
     assert tuple(cache.index_keys[0].shape) == (16, 4, SPARSE["index_head_dim"])
+    keys = torch.randn(4, SPARSE["index_head_dim"])
+    cache.write_index_keys(0, keys, torch.tensor([5, -1, 64, 6]))  # padding and a slot past the cache: not written
+    assert torch.equal(cache.index_keys[0].flatten(0, 1)[[5, 6]], keys[[0, 3]])
+    assert cache.index_keys[0].flatten(0, 1).abs().sum(-1).count_nonzero() == 2
     from attnops.serving.generate import Generator
     bare = LatentKVCache(cache.num_layers, 16, 4, R, P, kv_format="fp32")
     gen = Generator(attnops.hf.serving_model(ours), bare, max_batch=2, max_seq_len=48)

@@ -587,9 +587,12 @@ class LatentKVCache(PagedKVCache):
         self._init_pages(shuffle_pages, seed)
 
     def write_index_keys(self, layer: int, keys: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """The indexer's keys [T, index_dim] of a step's tokens at their slots (-1: none written)."""
+        """The indexer's keys [T, index_dim] of a step's tokens at their slots (-1, or a slot outside the cache:
+        none written; mla_cache_write records a bad one)."""
         rows = self._index_rows[layer]
-        rows.index_copy_(0, torch.where(slot_mapping >= 0, slot_mapping, rows.shape[0] - 1), keys.to(rows.dtype))
+        spare = rows.shape[0] - 1
+        inside = (slot_mapping >= 0) & (slot_mapping < spare)
+        rows.index_copy_(0, torch.where(inside, slot_mapping, spare), keys.to(rows.dtype))
 
     def _copy_page(self, src: int, dst: int) -> None:
         super()._copy_page(src, dst)
