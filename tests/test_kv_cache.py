@@ -134,6 +134,31 @@ def test_a_call_that_fails_on_a_bad_argument_changes_nothing():
     assert cache.seq_len("a") == 6 and torch.equal(cache.kv[0], before)
 
 
+@pytest.mark.parametrize("kv_format", ["fp32", "fp8_e4m3"])
+def test_keep_path_moves_a_latent_caches_rows_and_indexer_keys(kv_format):
+    """A latent cache's rows (and a sparse model's indexer keys) are a token a row: keep_path moves them as the
+    per-head caches' keys and values (it indexed them as those, [pages, 2, page_size, ...])."""
+    from attnops.serving.kv_cache import LatentKVCache
+    cache = LatentKVCache(2, 8, 4, 64, 16, kv_format=kv_format, index_dim=32)
+    cache.allocate("a")
+    cache.prepare(["a"], 11, decode=False)
+    for layer in range(2):
+        cache.kv[layer].copy_(torch.randn(cache.kv[layer].shape).to(cache.kv[layer].dtype))
+        cache.index_keys[layer].copy_(torch.randn(cache.index_keys[layer].shape))
+
+    def rows(storage):  # the sequence's tokens in order
+        table = torch.tensor(cache._pages["a"])
+        flat = storage.view(torch.uint8) if storage.element_size() == 1 else storage
+        return flat[table].flatten(0, 1)[:cache.seq_len("a")].clone()
+
+    before = [(rows(cache.kv[i]), rows(cache.index_keys[i])) for i in range(2)]
+    cache.keep_path("a", 3, [1, 4, 6])  # block of 8 tokens from position 3: keep its 2nd, 5th and 7th
+    assert cache.seq_len("a") == 6
+    for i in range(2):
+        for got, old in zip((rows(cache.kv[i]), rows(cache.index_keys[i])), before[i]):
+            assert torch.equal(got, old[[0, 1, 2, 4, 7, 9]])
+
+
 def test_the_prefix_index_shares_only_pages_of_the_same_tokens():
     """Page keys are hashes: hash(-1) == hash(-2), and ids 2^61 - 1 apart hash alike. A page is shared only when
     its tokens (and the page before it) are the ones asked for."""

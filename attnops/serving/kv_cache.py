@@ -425,11 +425,15 @@ class PagedKVCache:
             dst = torch.arange(block_start, block_start + len(path))
             src_page, src_off = pages[src // self.page_size].to(self.device), (src % self.page_size).to(self.device)
             dst_page, dst_off = pages[dst // self.page_size].to(self.device), (dst % self.page_size).to(self.device)
-            for storage in self.kv + (self.block_scales or []):  # [pages, 2 (K, V), page_size, ...]
-                if storage.element_size() == 1:  # as bytes: indexing kernels do not all take float8 dtypes
-                    storage = storage.view(torch.uint8)
-                storage[dst_page, :, dst_off] = storage[src_page, :, src_off]  # the gather copies first
+            self._move_tokens(src_page, src_off, dst_page, dst_off)
         self.truncate(seq_id, block_start + len(path))
+
+    def _move_tokens(self, src_page, src_off, dst_page, dst_off) -> None:
+        """Every layer's tokens at (src_page, src_off) copied to (dst_page, dst_off): keys, values, block scales."""
+        for storage in self.kv + (self.block_scales or []):  # [pages, 2 (K, V), page_size, ...]
+            if storage.element_size() == 1:  # as bytes: indexing kernels do not all take float8 dtypes
+                storage = storage.view(torch.uint8)
+            storage[dst_page, :, dst_off] = storage[src_page, :, src_off]  # the gather copies first
 
     def prepare(self, seq_ids: list, num_new_tokens: list[int] | int = 1, *, decode: bool | None = None,
                 max_pages: int | None = None) -> BatchMetadata:
@@ -598,6 +602,12 @@ class LatentKVCache(PagedKVCache):
         super()._copy_page(src, dst)
         for keys in self.index_keys or ():
             keys[dst] = keys[src]
+
+    def _move_tokens(self, src_page, src_off, dst_page, dst_off) -> None:
+        for storage in self.kv + (self.index_keys or []):  # [pages, page_size, ...]: a row a token
+            if storage.element_size() == 1:
+                storage = storage.view(torch.uint8)
+            storage[dst_page, dst_off] = storage[src_page, src_off]
 
     def attention_args(self, layer: int) -> dict:
         """Keyword arguments of mla_attention (and mla_cache_write) for `layer`: kv_cache, kv_format, kv_scale."""
