@@ -289,3 +289,21 @@ class MLAWriteCall(NamedTuple):
     kv_cache: torch.Tensor  # written
     slot_mapping: torch.Tensor  # int64 [N]
     kv_scale: torch.Tensor | None = None
+
+
+def query_rows(seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
+               num_tokens: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each query row's sequence, position in it and its query block's first position (int64 [T] each, on
+    seq_lens' device): in decode (cu_seqlens_q None; num_tokens unused) row t is sequence t's last position; else
+    the rows cu_seqlens_q[b]:cu_seqlens_q[b+1] are sequence b's last positions, in order. Device ops on shapes only
+    (graph-safe); cu_seqlens_q is taken as valid (from 0 to num_tokens, non-decreasing)."""
+    lengths = seq_lens.long()
+    if cu_seqlens_q is None:
+        return torch.arange(lengths.shape[0], device=seq_lens.device), lengths - 1, lengths - 1
+    tokens = torch.arange(num_tokens, device=seq_lens.device)
+    starts, counts = cu_seqlens_q[:-1].long(), cu_seqlens_q.long().diff()
+    seq = torch.repeat_interleave(torch.arange(lengths.shape[0], device=seq_lens.device), counts,
+                                  output_size=num_tokens)
+    block_start = (lengths - counts)[seq]
+    return seq, block_start + tokens - starts[seq], block_start
+

@@ -9,7 +9,7 @@ import math
 import torch
 
 from . import formats
-from .cases import MLACall, MLACase, MLAWriteCall, MLAWriteCase, shape_class
+from .cases import MLACall, MLACase, MLAWriteCall, MLAWriteCase, query_rows, shape_class
 from .checks import (MAX_PAGE_SIZE, Q_DTYPES, _address, _check_tensor, _describe, _fail, check_batch,
                      check_fp8_scale_values, check_paged_attention_values, check_sinks_and_tree,
                      check_slot_mapping_values, is_page_size)
@@ -143,11 +143,7 @@ def check_mla_attention_values(q_nope, kv_cache, block_table, seq_lens, cu_seqle
                                  op="mla_attention", scale_names=("kv_scale", "kv_scale"))
     if topk_indices is None or topk_indices.numel() == 0:
         return
-    lengths = seq_lens.long()
-    if cu_seqlens_q is None:
-        row_len = lengths
-    else:
-        row_len = torch.repeat_interleave(lengths, cu_seqlens_q.long().diff(), output_size=q_nope.shape[0])
+    row_len = seq_lens.long()[query_rows(seq_lens, cu_seqlens_q, q_nope.shape[0])[0]]
     bad = (topk_indices < -1) | (topk_indices.long() >= row_len[:, None])
     if bool(bad.any()):
         t, e = (int(i) for i in bad.nonzero()[0])

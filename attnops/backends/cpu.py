@@ -15,6 +15,7 @@ import torch
 
 from .. import _C  # noqa: F401  (registers the C++ ops)
 from .. import checks, errors, invariance
+from ..cases import query_rows
 from .base import Backend, CacheWriteCase, MLACase, MLAWriteCase, common_reasons
 
 # What the kernels serve, as data (dispatch and `attnops.explain` read the reasons built from it).
@@ -127,23 +128,17 @@ def _listed_rows(call):
     num_tokens = q.shape[0]
     num_pages, page = call.kv_cache.shape[0], call.kv_cache.shape[1]
     lengths, width = call.seq_lens.long(), call.block_table.shape[1]
-    tokens = torch.arange(num_tokens)
-    if call.cu_seqlens_q is None:
-        seq, first, count = tokens, tokens, torch.ones(num_tokens, dtype=torch.long)
-    else:
+    if call.cu_seqlens_q is not None:
         bad = errors.cu_seqlens_violation(call.cu_seqlens_q.tolist(), num_tokens)
         if bad is not None:
             errors.record(q.device, errors.CU_SEQLENS_Q, bad)
             return None
-        counts = call.cu_seqlens_q.long().diff()
-        seq = torch.repeat_interleave(torch.arange(lengths.shape[0]), counts, output_size=num_tokens)
-        first, count = call.cu_seqlens_q.long()[:-1][seq], counts[seq]
+    seq, position, block_start = query_rows(call.seq_lens, call.cu_seqlens_q, num_tokens)
     row_len = lengths[seq]
     len_bad = (row_len < 0) | (row_len > width * page)
     entry_bad = ((listed < -1) | (listed >= row_len[:, None])).any(1) & ~len_bad
-    block_start = row_len - count  # the query block's first position
     if call.tree_mask is None:  # each row sees the keys at or before its position
-        seen = listed <= (block_start + tokens - first)[:, None]
+        seen = listed <= position[:, None]
     else:  # every key before the block, and the block's keys its mask row names
         column = listed - block_start[:, None]
         inside = (column >= 0) & (column < call.tree_mask.shape[1])
@@ -153,10 +148,11 @@ def _listed_rows(call):
     table = call.block_table.long() if width else torch.full((lengths.shape[0], 1), -1)  # (an empty table: no page)
     page_index = table[seq[:, None], (listed.clamp(min=0) // page).clamp(max=table.shape[1] - 1)]
     page_bad = seen & ((page_index < 0) | (page_index >= num_pages))
-    for argument, rows, position in ((errors.SEQ_LENS, len_bad, seq), (errors.TOPK_INDICES, entry_bad, tokens),
-                                     (errors.BLOCK_TABLE, page_bad.any(1), seq)):
+    for argument, rows, where in ((errors.SEQ_LENS, len_bad, seq), (errors.TOPK_INDICES, entry_bad,
+                                                                     torch.arange(num_tokens)),
+                                  (errors.BLOCK_TABLE, page_bad.any(1), seq)):
         if bool(rows.any()):
-            errors.record(q.device, argument, int(position[rows].min()))
+            errors.record(q.device, argument, int(where[rows].min()))
     keep = seen & ~page_bad
     slots = torch.where(keep, page_index * page + listed % page, 0)
     order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)  # the kept entries first, in list order

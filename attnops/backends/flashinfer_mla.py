@@ -20,6 +20,7 @@ import functools
 import torch
 
 from .. import capture, errors
+from ..cases import query_rows
 from .base import common_reasons
 from .flashinfer_steps import (LN2, Q_DTYPES, checked_pages, fill_nan, page_metadata, same_step, set_rows,
                                step_key, workspace)
@@ -72,14 +73,7 @@ def reasons(case) -> list[str]:
 
 def _rows_without_keys(seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor | None, num_tokens: int) -> torch.Tensor:
     """bool [T]: the query rows that see no key (their position in the sequence is before its first key)."""
-    device = seq_lens.device
-    if cu_seqlens_q is None:
-        return seq_lens <= 0
-    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
-    row_seq = torch.repeat_interleave(torch.arange(seq_lens.shape[0], device=device), q_lens, output_size=num_tokens)
-    first = cu_seqlens_q[:-1].long()[row_seq]
-    position = (seq_lens.long() - q_lens)[row_seq] + torch.arange(num_tokens, device=device) - first
-    return position < 0
+    return query_rows(seq_lens, cu_seqlens_q, num_tokens)[1] < 0
 
 
 def _plan(call):

@@ -10,6 +10,7 @@ import weakref
 import torch
 
 from .. import errors
+from ..cases import query_rows
 
 Q_DTYPES = (torch.bfloat16, torch.float16)
 # One float workspace per device, for split-KV partial outputs and the plan's scheduling data. FlashInfer
@@ -45,15 +46,8 @@ def checked_pages(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: 
     column = torch.arange(width, device=device)
     page_bad = (column[None, :] * page_size < lens[:, None]) & ((block_table < 0) | (block_table >= num_pages))
     bad_before = torch.nn.functional.pad(torch.cumsum(page_bad, 1), (1, 0))  # [B, W + 1]: among the first i pages
-    if cu_seqlens_q is None:
-        row_seq = torch.arange(batch, device=device)
-        row_pos = lens - 1
-        has_rows = torch.ones_like(seq_bad)
-    else:
-        q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
-        row_seq = torch.repeat_interleave(torch.arange(batch, device=device), q_lens, output_size=num_tokens)
-        row_pos = (lens - q_lens)[row_seq] + torch.arange(num_tokens, device=device) - cu_seqlens_q[:-1].long()[row_seq]
-        has_rows = q_lens > 0
+    row_seq, row_pos, _ = query_rows(lens, cu_seqlens_q, num_tokens)
+    has_rows = torch.ones_like(seq_bad) if cu_seqlens_q is None else cu_seqlens_q.diff() > 0
     first_seen = (row_pos - window_left).clamp(min=0) if window_left >= 0 else torch.zeros_like(row_pos)
     last_page = (row_pos.clamp(min=0) // page_size + 1).clamp(max=width)
     row_bad_page = (row_pos >= 0) & (bad_before[row_seq, last_page] > bad_before[row_seq, first_seen // page_size])

@@ -41,6 +41,7 @@ import torch
 from transformers import Cache, DynamicCache
 
 from .. import ops  # noqa: F401  (the op schemas and implementations)
+from ..cases import query_rows
 from ..checks_mla import MAX_HEADS, MAX_LATENT_DIM, MAX_ROPE_DIM
 from ..serving.kv_cache import LatentKVCache
 from .attention import ATTN_IMPLEMENTATION, PLAIN_FORMATS, SCRATCH_PAGE_SIZE, _index, _unpack, padding_rows
@@ -194,22 +195,22 @@ def latent_attention_forward(self, hidden_states: torch.Tensor, position_embeddi
     q_latent = torch.einsum("bhsd,hdr->bshr", q_nope, weight[:, :nope])  # [B, S, H, R]
     picked = topk = None  # the indexer's picks (columns [B, S, k]), and as the op's topk_indices
     picks = (self, hidden_states, q_resid, position_embeddings, attention_mask)
+    shared = kwargs.get("prev_topk_indices")  # (GLM-5: the previous layer's picks, for a layer without an indexer)
     if meta is not None:
         if sparse:
-            picked, topk = _step_picks(*picks, cache, meta, shared=kwargs.get("prev_topk_indices"))
+            picked, topk = _step_picks(*picks, cache, meta, shared=shared)
         out = _serving_step(cache.attention_args(self.layer_idx), meta, q_latent, q_pe, kv_c, k_pe, self.scaling,
                             topk)
     elif isinstance(cache, LatentCache):
         if sparse:
-            picked, topk = _listed_keys(*picks, cache, cache.columns_after(self.layer_idx, q_len),
-                                        shared=kwargs.get("prev_topk_indices"))
+            picked, topk = _listed_keys(*picks, cache, cache.columns_after(self.layer_idx, q_len), shared=shared)
         out = cache.attend(self.layer_idx, q_latent, q_pe, kv_c, k_pe, attention_mask, self.scaling, topk)
     else:
         if cache is not None:  # transformers' cache keeps the latents and hands back the whole history
             kv_c, k_pe = cache.update(kv_c[:, None], k_pe[:, None], self.layer_idx)
             kv_c, k_pe = kv_c[:, 0], k_pe[:, 0]
         if sparse:
-            picked, topk = _listed_keys(*picks, cache, kv_c.shape[1], shared=kwargs.get("prev_topk_indices"))
+            picked, topk = _listed_keys(*picks, cache, kv_c.shape[1], shared=shared)
         out = _scratch_attention(q_latent, q_pe, kv_c, k_pe, attention_mask, self.scaling, topk)
     out = torch.einsum("bshr,hvr->bshv", out, weight[:, nope:])  # [B, S, H, v_head]
     out = self.o_proj(out.reshape(batch, q_len, -1))
@@ -270,16 +271,8 @@ def _step_picks(module, hidden_states, q_resid, position_embeddings, attention_m
     lays out); returns (its picks [1, T, k], as topk_indices [T, k]). Shapes only (graph-safe)."""
     num_tokens = hidden_states.shape[1]
     batch, width = meta.block_table.shape[0], meta.block_table.shape[1] * cache.page_size
-    device = hidden_states.device
-    tokens = torch.arange(num_tokens, device=device)
-    if meta.cu_seqlens_q is None:  # decode: token t is sequence t's
-        seq, first, count = tokens, tokens, torch.ones_like(tokens)
-    else:
-        counts = meta.cu_seqlens_q.diff().long()
-        seq = torch.repeat_interleave(torch.arange(batch, device=device), counts, output_size=num_tokens)
-        first, count = meta.cu_seqlens_q[:-1].long()[seq], counts[seq]
-    position = meta.seq_lens.long()[seq] - count + tokens - first  # [T]
-    columns = torch.arange(batch * width, device=device)
+    seq, position, _ = query_rows(meta.seq_lens, meta.cu_seqlens_q, num_tokens)
+    columns = torch.arange(batch * width, device=hidden_states.device)
     visible = (columns[None] // width == seq[:, None]) & (columns[None] % width <= position[:, None])  # [T, B W]
     if module.indexer is not None:
         picked = module.indexer(hidden_states, q_resid, position_embeddings, visible[None], None,
