@@ -16,7 +16,7 @@ from .checks import (MAX_PAGE_SIZE, Q_DTYPES, _address, _check_tensor, _describe
 from .env import device_arch
 
 MAX_LATENT_DIM, MAX_ROPE_DIM, MAX_HEADS = 512, 64, 128
-KV_FORMATS = ("auto", "fp8_e4m3")
+KV_FORMATS = ("auto", "fp8_e4m3", formats.LATENT_FP8_FORMAT)
 
 
 def _tensor(op, name, t, dtypes=None, dim=None):
@@ -30,9 +30,28 @@ def _tensor(op, name, t, dtypes=None, dim=None):
 
 
 def _check_latent_cache(op, kv_cache, kv_format, kv_scale, latent_dim, rope_dim, value_dtype):
-    """The cache holds rows of latent_dim + rope_dim values in kv_format; returns the resolved format."""
+    """The cache holds rows of latent_dim + rope_dim values in kv_format (for "fp8_ds_mla", their bytes); returns
+    the resolved format."""
     _tensor(op, "kv_cache", kv_cache, dim=3)
-    if kv_cache.shape[2] != latent_dim + rope_dim:
+    if kv_format not in KV_FORMATS:
+        _fail(op, ValueError, f"kv_format must be one of {KV_FORMATS} (got {kv_format!r})")
+    if kv_format == formats.LATENT_FP8_FORMAT:  # DeepSeek's fp8 layout: a row of bytes (attnops.formats)
+        if latent_dim % formats.LATENT_FP8_TILE:
+            _fail(op, ValueError, f"kv_format {kv_format!r} takes R a multiple of {formats.LATENT_FP8_TILE} (one "
+                                  f"scale a {formats.LATENT_FP8_TILE} values; got R = {latent_dim})")
+        if kv_cache.dtype != torch.uint8:
+            _fail(op, TypeError, f"kv_cache of kv_format {kv_format!r} must be uint8 (got {kv_cache.dtype})")
+        row_bytes = formats.latent_fp8_row_bytes(latent_dim, rope_dim)
+        if kv_cache.shape[2] != row_bytes:
+            _fail(op, ValueError, f"kv_cache of kv_format {kv_format!r} must be [num_pages, page_size, R + 4 R/128 + "
+                                  f"2 P] = [.., .., {row_bytes}] bytes (got {_describe(kv_cache)})")
+        if _address(kv_cache) % 4 or kv_cache.stride(0) % 4 or kv_cache.stride(1) % 4:
+            _fail(op, ValueError, f"kv_cache of kv_format {kv_format!r} must start every row on a 4-byte boundary "
+                                  f"(its float32 scales; address and strides {kv_cache.stride()})")
+    elif kv_cache.dtype == torch.uint8:
+        _fail(op, TypeError, f"a uint8 kv_cache holds DeepSeek's fp8 layout: kv_format={formats.LATENT_FP8_FORMAT!r} "
+                             f"(got {kv_format!r})")
+    elif kv_cache.shape[2] != latent_dim + rope_dim:
         _fail(op, ValueError, f"kv_cache must be [num_pages, page_size, R + P] = [.., .., {latent_dim + rope_dim}] "
                               f"(got {_describe(kv_cache)})")
     if kv_cache.stride(-1) != 1:
@@ -41,8 +60,11 @@ def _check_latent_cache(op, kv_cache, kv_format, kv_scale, latent_dim, rope_dim,
     if not is_page_size(page_size):
         _fail(op, ValueError, f"page_size (kv_cache.shape[1]) must be a power of two from 1 to {MAX_PAGE_SIZE} "
                               f"(got {page_size})")
-    if kv_format not in KV_FORMATS:
-        _fail(op, ValueError, f"kv_format must be one of {KV_FORMATS} (got {kv_format!r})")
+    if kv_format == formats.LATENT_FP8_FORMAT:
+        if kv_scale is not None:
+            _fail(op, ValueError, f"kv_scale is only for kv_format 'fp8_e4m3' ({kv_format!r} keeps its scales in "
+                                  f"its rows)")
+        return kv_format
     if kv_format == "fp8_e4m3":
         if kv_cache.dtype != torch.float8_e4m3fn:
             _fail(op, TypeError, f"kv_cache of kv_format 'fp8_e4m3' must be float8_e4m3fn (got {kv_cache.dtype})")
@@ -55,7 +77,8 @@ def _check_latent_cache(op, kv_cache, kv_format, kv_scale, latent_dim, rope_dim,
         return "fp8_e4m3"
     if kv_cache.dtype != value_dtype:
         _fail(op, TypeError, f"kv_cache must have the dtype of the values it takes ({value_dtype}) for kv_format "
-                             f"'auto' (got {kv_cache.dtype}); a float8_e4m3fn cache is kv_format='fp8_e4m3'")
+                             f"'auto' (got {kv_cache.dtype}); a float8_e4m3fn cache is kv_format='fp8_e4m3', a "
+                             f"uint8 one kv_format={formats.LATENT_FP8_FORMAT!r}")
     if kv_scale is not None:
         _fail(op, ValueError, "kv_scale is only for kv_format 'fp8_e4m3'")
     return formats.resolve_kv_format("auto", kv_cache.dtype)

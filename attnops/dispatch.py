@@ -123,7 +123,7 @@ def untimed(order, kv_format: str, table: dict, key: str = "timed_formats") -> l
     another backend of `order` was (its leaf, fitted on other formats, says nothing of them there); none for a
     table without the record."""
     timed = table.get(key)
-    family = formats.FORMATS[kv_format].family
+    family = formats.family(kv_format)
     if not timed or not any(family in timed.get(n, ()) for n in order):
         return []
     return [n for n in order if family not in timed.get(n, ())]
@@ -203,7 +203,7 @@ class Explanation:
         text = (f"auto: rule measured on {where}, attnops/tables: {' and '.join(path) or 'every case'} -> "
                 f"{rules.describe_leaf(leaf)}")
         if late:
-            text += (f"; never timed on {formats.FORMATS[self.case.kv_format].family}, so tried after the timed: "
+            text += (f"; never timed on {formats.family(self.case.kv_format)}, so tried after the timed: "
                      f"{', '.join(late)}")
         return text
 

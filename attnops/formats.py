@@ -98,6 +98,12 @@ def resolve_kv_format(kv_format: str, cache_dtype: torch.dtype) -> str | None:
     return kv_format if fmt is not None and fmt.storage_dtype == cache_dtype else None
 
 
+def family(fmt: str) -> str:
+    """What a timing of format `fmt` stands for (KVFormat.family); latent attention's own layout ("fp8_ds_mla")
+    stands for itself."""
+    return FORMATS[fmt].family if fmt in FORMATS else fmt
+
+
 def is_fp8(fmt: str) -> bool:
     """8-bit float values (fp8_e4m3, fp8_e5m2): the encoding of a value, not how it is scaled (KVFormat.scale)."""
     f = FORMATS[fmt]
@@ -227,3 +233,45 @@ def quantize(x: torch.Tensor, fmt: str, scale: torch.Tensor | None = None, cache
     if is_fp4(fmt):
         return quantize_fp4(x, fmt)
     return x.to(cache_dtype), None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Latent rows in DeepSeek's fp8 layout (mla_attention's kv_format "fp8_ds_mla"; latent attention only)
+#
+# A token's row is uint8 [R + 4 R/128 + 2 P] bytes (656 for R = 512, P = 64): the R latent values as float8_e4m3fn,
+# then one float32 scale per 128 of them, then the P rotary values as bf16. A tile's scale maps its largest
+# magnitude onto 448 (max(amax, 1e-4) / 448): value = stored x scale. A tile holding a NaN or an infinity reads back
+# as NaN (its scale is not finite).
+
+LATENT_FP8_FORMAT = "fp8_ds_mla"
+LATENT_FP8_TILE = 128  # latent values a scale
+_LATENT_FP8_AMAX_FLOOR = 1e-4  # (an all-zero tile gets a scale, not a division by zero)
+
+
+def latent_fp8_row_bytes(latent_dim: int, rope_dim: int) -> int:
+    """Bytes a token's row takes in the "fp8_ds_mla" layout."""
+    return latent_dim + 4 * (latent_dim // LATENT_FP8_TILE) + 2 * rope_dim
+
+
+def quantize_latent_fp8(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+    """kv_c [..., R], k_pe [..., P] -> their rows in the "fp8_ds_mla" layout, uint8 [..., R + 4 R/128 + 2 P]."""
+    tiles = kv_c.float().unflatten(-1, (-1, LATENT_FP8_TILE))
+    scale = tiles.abs().amax(-1).clamp(min=_LATENT_FP8_AMAX_FLOOR) / 448.0
+    scale = torch.where(scale.isnan(), float("nan"), scale)  # (one NaN, 0x7FC00000, whatever the tile's)
+    stored = (tiles / scale[..., None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).flatten(-2)
+    rope = k_pe.to(torch.bfloat16)
+    # a NaN as 0x7FC0 (torch's vectorized CPU conversion writes 0xFFFF, its scalar one and the GPU's 0x7FC0)
+    rope = torch.where(rope.isnan(), torch.tensor(0x7FC0, dtype=torch.int16, device=rope.device),
+                       rope.view(torch.int16))
+    return torch.cat([stored.view(torch.uint8), scale.view(torch.uint8), rope.view(torch.uint8)], dim=-1)
+
+
+def dequantize_latent_fp8(rows: torch.Tensor, latent_dim: int, rope_dim: int,
+                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rows uint8 [..., R + 4 R/128 + 2 P] in the "fp8_ds_mla" layout as `dtype` values [..., R + P]."""
+    tiles = latent_dim // LATENT_FP8_TILE
+    rows = rows.contiguous()
+    stored = rows[..., :latent_dim].view(torch.float8_e4m3fn).to(dtype).unflatten(-1, (tiles, LATENT_FP8_TILE))
+    scale = rows[..., latent_dim:latent_dim + 4 * tiles].contiguous().view(torch.float32).to(dtype)
+    rope = rows[..., latent_dim + 4 * tiles:].contiguous().view(torch.bfloat16).to(dtype)
+    return torch.cat([(stored * scale[..., None]).flatten(-2), rope], dim=-1)

@@ -82,7 +82,7 @@ def random_mla_inputs(kv_lens, q_lens=None, *, num_heads=4, latent_dim=64, rope_
                       q_dtype=torch.float16, kv_format="auto", device="cpu", seed=0, spare_pages=2,
                       table_padding=1, scale=0.13) -> dict:
     """Keyword arguments of mla_attention: a paged latent cache of random rows in random page order (kv_format
-    "auto": q's dtype; "fp8_e4m3": stored / kv_scale), garbage (-1 or a random page) past each sequence's pages,
+    "auto": q's dtype; "fp8_e4m3": stored / kv_scale; "fp8_ds_mla": DeepSeek's layout), garbage (-1 or a random page) past each sequence's pages,
     one query row a sequence (decode) or q_lens rows each."""
     device = torch.device(device)
     gen = torch.Generator(device).manual_seed(seed)  # (made where it is used, as random_paged_inputs)
@@ -94,6 +94,11 @@ def random_mla_inputs(kv_lens, q_lens=None, *, num_heads=4, latent_dim=64, rope_
     if kv_format == "fp8_e4m3":
         args["kv_scale"] = torch.tensor([0.5], device=device)
         kv = (rows / args["kv_scale"]).to(torch.float8_e4m3fn)
+    elif kv_format == formats.LATENT_FP8_FORMAT:  # each row's 128-value tiles of unlike sizes: unlike scales
+        tiles = latent_dim // formats.LATENT_FP8_TILE
+        size = torch.rand(num_pages, page_size, tiles, 1, generator=gen, device=device) * 4 + 0.1
+        latent = (rows[..., :latent_dim].unflatten(-1, (tiles, -1)) * size).flatten(-2)
+        kv = formats.quantize_latent_fp8(latent, rows[..., latent_dim:])
     else:
         kv = rows.to(q_dtype)
     del rows

@@ -26,6 +26,8 @@ KV_FORMATS = ("fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "nvfp4", "mxfp4")
 HEAD_DIMS = checks.HEAD_DIMS
 # 4-bit caches are read (a chunk of rows dequantized at a time), not written
 WRITE_KV_FORMATS = ("fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2")
+# latent attention's caches (read and written): the plain ones, fp8 e4m3 and DeepSeek's fp8 layout
+MLA_KV_FORMATS = ("fp32", "bf16", "fp16", "fp8_e4m3", "fp8_ds_mla")
 FP4_WRITE_REASON = ("4-bit cache writes (nvfp4, mxfp4) are not implemented in the C++ CPU kernels; the reference "
                     "backend writes them")
 
@@ -60,8 +62,8 @@ class CPUBackend(Backend):
         return []  # in the mode the kernels split a sequence's keys by its own length only (batch_invariant=True)
 
     def supports(self, case) -> list[str]:
-        if isinstance(case, (MLACase, MLAWriteCase)):  # (checks_mla bounds the latent formats and shapes)
-            return common_reasons(case, devices=DEVICES, q_dtypes=Q_DTYPES, kv_formats=KV_FORMATS)
+        if isinstance(case, (MLACase, MLAWriteCase)):  # (checks_mla bounds the latent shapes)
+            return common_reasons(case, devices=DEVICES, q_dtypes=Q_DTYPES, kv_formats=MLA_KV_FORMATS)
         reasons = common_reasons(case, devices=DEVICES, q_dtypes=Q_DTYPES, kv_formats=KV_FORMATS,
                                  head_dims=HEAD_DIMS)
         if isinstance(case, CacheWriteCase) and case.kv_format in KV_FORMATS and \

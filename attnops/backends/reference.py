@@ -21,6 +21,8 @@ def _gather_sequence(cache: torch.Tensor, scale: torch.Tensor | None, pages: tor
     """The first `length` tokens of one sequence from its pages (indices inside the cache), dequantized:
     [length, Hkv, D]."""
     stored = cache[pages].flatten(0, 1)[:length]
+    if fmt is None:  # values already: the latent reference's float64 rows of an "fp8_ds_mla" cache
+        return stored.to(dtype)
     if formats.FORMATS[fmt].scale == formats.BLOCK_SCALE:  # paged like the cache
         scale = scale[pages].flatten(0, 1)[:length]
     return formats.dequantize(stored, fmt, scale, dtype)
@@ -196,8 +198,10 @@ def mla_attention_reference(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_se
                             kv_format="auto", kv_scale=None, sinks=None, tree_mask=None, topk_indices=None,
                             compute_dtype=torch.float64, return_lse=False):
     """[T, H, R] in q_nope's dtype (with `return_lse`, and each row's natural-log LSE [T, H] in compute_dtype)."""
-    latent_dim = q_nope.shape[2]
+    latent_dim, rope_dim = q_nope.shape[2], q_pe.shape[2]
     q = torch.cat([q_nope, q_pe], dim=-1)
+    if kv_format == formats.LATENT_FP8_FORMAT:  # its rows as values, exactly (float64)
+        kv_cache = formats.dequantize_latent_fp8(kv_cache, latent_dim, rope_dim, torch.float64)
     rows = kv_cache[:, :, None, :]  # [num_pages, page_size, 1 KV head, R + P]
     out, lse = paged_attention_reference(q, rows, rows, block_table, seq_lens, cu_seqlens_q, scale=scale,
                                          kv_format="auto", k_scale=kv_scale, v_scale=kv_scale, sinks=sinks,
@@ -215,9 +219,12 @@ def mla_cache_write_reference(kv_c, k_pe, kv_cache, slot_mapping, *, kv_format="
     if bool(bad.any()):
         errors.record(kv_c.device, errors.SLOT_MAPPING, int(bad.nonzero()[0, 0]))
     keep = (slot_mapping >= 0) & ~bad
-    rows = torch.cat([kv_c, k_pe], dim=-1)[keep]
-    fmt = formats.resolve_kv_format(kv_format, kv_cache.dtype)
-    stored, _ = formats.quantize(rows, fmt, kv_scale, kv_cache.dtype)
+    if kv_format == formats.LATENT_FP8_FORMAT:
+        stored = formats.quantize_latent_fp8(kv_c[keep], k_pe[keep])
+    else:
+        rows = torch.cat([kv_c, k_pe], dim=-1)[keep]
+        stored, _ = formats.quantize(rows, formats.resolve_kv_format(kv_format, kv_cache.dtype), kv_scale,
+                                     kv_cache.dtype)
     slots = slot_mapping[keep]  # (page, offset), not a flat view: a page- or row-strided cache has none
     kv_cache[slots // kv_cache.shape[1], slots % kv_cache.shape[1]] = stored
 
@@ -238,7 +245,7 @@ class ReferenceBackend(Backend):
     def mla_attention(self, call) -> None:
         out, lse = mla_attention_reference(
             call.q_nope, call.q_pe, call.kv_cache, call.block_table, call.seq_lens, call.cu_seqlens_q,
-            scale=call.scale, kv_scale=call.kv_scale, sinks=call.sinks, tree_mask=call.tree_mask,
+            scale=call.scale, kv_format=call.case.kv_format, kv_scale=call.kv_scale, sinks=call.sinks, tree_mask=call.tree_mask,
             topk_indices=call.topk_indices, compute_dtype=torch.float64, return_lse=True)
         call.out.copy_(out)
         if call.lse is not None:

@@ -40,14 +40,14 @@ from dataclasses import dataclass
 import torch
 from transformers import Cache, DynamicCache
 
-from .. import ops  # noqa: F401  (the op schemas and implementations)
+from .. import formats, ops  # noqa: F401  (ops: the op schemas and implementations)
 from ..cases import query_rows
 from ..checks_mla import MAX_HEADS, MAX_LATENT_DIM, MAX_ROPE_DIM
 from ..serving.kv_cache import LatentKVCache
 from .attention import ATTN_IMPLEMENTATION, PLAIN_FORMATS, SCRATCH_PAGE_SIZE, _index, _unpack, padding_rows
 from .cache import StepCache
 
-KV_FORMATS = ("fp8_e4m3",)  # beside the default, the model's own dtype (fp32, bf16, fp16)
+KV_FORMATS = ("fp8_e4m3", "fp8_ds_mla")  # beside the default, the model's own dtype (fp32, bf16, fp16)
 
 
 def _rotary_v3(module, q_pe, k_pe, position_embeddings, *, plain, interleaved):
@@ -379,9 +379,10 @@ class LatentCache(StepCache):
 
     max_cache_len: the most tokens a row holds (prompt and generated, padding excluded); the pages, batch x
     max_cache_len / page_size a layer, are allocated at the first forward, on its device.
-    kv_format: None (the model's activation dtype) or "fp8_e4m3" (kv_scale: float, stored = value / kv_scale;
-    default 1.0). One batch per cache: `reset()` empties it for the next one. `pages` is the storage,
-    [num_layers, num_pages, page_size, R + P].
+    kv_format: None (the model's activation dtype), "fp8_e4m3" (kv_scale: float, stored = value / kv_scale;
+    default 1.0) or "fp8_ds_mla" (DeepSeek's fp8 layout: a scale a 128 latent values, kept in the row; R a multiple
+    of 128). One batch per cache: `reset()` empties it for the next one. `pages` is the storage,
+    [num_layers, num_pages, page_size, R + P] (uint8 [.., R + 4 R/128 + 2 P] bytes for "fp8_ds_mla").
 
     Lengths follow transformers' convention, as PagedCache's: `get_seq_length()` counts the columns processed,
     padding included; the pages hold only the valid tokens.
@@ -405,11 +406,14 @@ class LatentCache(StepCache):
         if kv_format is not None and kv_format not in KV_FORMATS:
             raise ValueError(f"LatentCache: kv_format must be None (the model's dtype) or one of {KV_FORMATS} (got "
                              f"{kv_format!r})")
-        if kv_scale is not None and (kv_format is None or isinstance(kv_scale, bool) or
+        if kv_scale is not None and (kv_format != "fp8_e4m3" or isinstance(kv_scale, bool) or
                                      not isinstance(kv_scale, (int, float)) or not 0 < kv_scale < float("inf")):
             raise ValueError(f"LatentCache: kv_scale must be a finite float > 0, with kv_format 'fp8_e4m3' (got "
                              f"{kv_scale!r} with kv_format {kv_format!r})")
         self.num_layers, self.latent_dim, self.rope_dim = dims.values()
+        if kv_format == formats.LATENT_FP8_FORMAT and self.latent_dim % formats.LATENT_FP8_TILE:
+            raise ValueError(f"LatentCache: kv_format {kv_format!r} takes kv_lora_rank a multiple of "
+                             f"{formats.LATENT_FP8_TILE} (got {self.latent_dim})")
         self._max_cache_len, self.kv_format, self.page_size = max_cache_len, kv_format, page_size
         self.kv_scale = 1.0 if kv_scale is None else float(kv_scale)
         self.pages_per_row = -(-max_cache_len // page_size)
@@ -458,7 +462,9 @@ class LatentCache(StepCache):
 
     # --- attnops ---------------------------------------------------------------------------------------------
     def _format_args(self) -> dict:
-        return dict(kv_format="fp8_e4m3", kv_scale=self._scale) if self.kv_format else {}
+        if self.kv_format == "fp8_e4m3":
+            return dict(kv_format="fp8_e4m3", kv_scale=self._scale)
+        return dict(kv_format=self.kv_format) if self.kv_format else {}
 
     def _prepare(self, kv_c: torch.Tensor, q_len: int, attention_mask) -> _Step:
         batch = kv_c.shape[0]
@@ -478,12 +484,15 @@ class LatentCache(StepCache):
             if held[b] + n > self._max_cache_len:
                 raise ValueError(f"LatentCache: row {b} would hold {held[b] + n} tokens, over "
                                  f"max_cache_len={self._max_cache_len}")
-        dtype = torch.float8_e4m3fn if self.kv_format else kv_c.dtype
+        dtype, row = {None: kv_c.dtype, "fp8_e4m3": torch.float8_e4m3fn,
+                      formats.LATENT_FP8_FORMAT: torch.uint8}[self.kv_format], self.latent_dim + self.rope_dim
+        if self.kv_format == formats.LATENT_FP8_FORMAT:
+            row = formats.latent_fp8_row_bytes(self.latent_dim, self.rope_dim)
         num_pages = batch * self.pages_per_row
         if self.pages is None or self.pages.dtype != dtype or self.pages.device != kv_c.device or \
                 self.pages.shape[1] < num_pages:
-            self.pages = torch.zeros(self.num_layers, num_pages, self.page_size, self.latent_dim + self.rope_dim,
-                                     dtype=dtype, device=kv_c.device)
+            self.pages = torch.zeros(self.num_layers, num_pages, self.page_size, row, dtype=dtype,
+                                     device=kv_c.device)
             self._scale = torch.tensor([self.kv_scale], dtype=torch.float32, device=kv_c.device)
         decode = q_len == 1 and index is None  # one valid token a row: cu_seqlens_q None
         step = _step(held, counts, None if decode else counts, index, index, q_len, self.pages_per_row,

@@ -546,13 +546,15 @@ class LatentKVCache(PagedKVCache):
     head; each layer's rows are one [num_pages, page_size, latent_dim + rope_dim] tensor. The allocator, prefix
     sharing and step metadata are PagedKVCache's.
 
-    kv_format: the cache's dtype, "bf16", "fp16" or "fp32" (the ops' "auto"), or "fp8_e4m3" (kv_scale: a float32
-    tensor of one element or a float, default 1.0; stored = value / kv_scale).
+    kv_format: the cache's dtype, "bf16", "fp16" or "fp32" (the ops' "auto"), "fp8_e4m3" (kv_scale: a float32
+    tensor of one element or a float, default 1.0; stored = value / kv_scale) or "fp8_ds_mla" (DeepSeek's fp8
+    layout, a scale a 128 latent values kept in the row: uint8 rows of latent_dim + 4 latent_dim/128 + 2 rope_dim
+    bytes; latent_dim a multiple of 128).
     index_dim: the width of a sparse-attention indexer's key (DeepSeek-V3.2, GLM-5: its indexer scores every cached
     key to pick each query's), kept a token and layer in `index_keys` ([num_pages, page_size, index_dim] a layer,
     in the cache's dtype, bf16 for fp8), on the same pages as the latents; 0: none."""
 
-    KV_FORMATS = ("bf16", "fp16", "fp32", "fp8_e4m3")
+    KV_FORMATS = ("bf16", "fp16", "fp32", "fp8_e4m3", formats.LATENT_FP8_FORMAT)
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, latent_dim: int, rope_dim: int, *,
                  kv_format: str = "bf16", device="cpu", kv_scale: torch.Tensor | float | None = None,
@@ -567,13 +569,20 @@ class LatentKVCache(PagedKVCache):
             raise ValueError(f"LatentKVCache: latent_dim must be a multiple of 64 up to {MAX_LATENT_DIM} and rope_dim "
                              f"a multiple of 16 up to {MAX_ROPE_DIM}, as mla_attention takes (got {latent_dim}, "
                              f"{rope_dim})")
+        latent_fp8 = kv_format == formats.LATENT_FP8_FORMAT
+        if latent_fp8 and latent_dim % formats.LATENT_FP8_TILE:
+            raise ValueError(f"LatentKVCache: kv_format {kv_format!r} takes latent_dim a multiple of "
+                             f"{formats.LATENT_FP8_TILE} (got {latent_dim})")
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.latent_dim, self.rope_dim, self.kv_format = latent_dim, rope_dim, kv_format
         self.shared_layers = {}
         self.device = torch.device(device)
-        fmt = formats.FORMATS[kv_format]
-        self.kv = [torch.zeros(num_pages, page_size, latent_dim + rope_dim, dtype=fmt.storage_dtype,
-                               device=self.device) for _ in range(num_layers)]
+        if latent_fp8:
+            row, dtype = formats.latent_fp8_row_bytes(latent_dim, rope_dim), torch.uint8
+        else:
+            row, dtype = latent_dim + rope_dim, formats.FORMATS[kv_format].storage_dtype
+        self.kv = [torch.zeros(num_pages, page_size, row, dtype=dtype, device=self.device)
+                   for _ in range(num_layers)]
         self.block_scales = None
         self.kv_scale = None
         if kv_format == "fp8_e4m3":
@@ -584,7 +593,7 @@ class LatentKVCache(PagedKVCache):
         # the indexer's keys: a spare row after the pages takes the writes of padding tokens (slot -1)
         self.index_dim, self.index_keys, self._index_rows = index_dim, None, None
         if index_dim:
-            dtype = torch.bfloat16 if kv_format == "fp8_e4m3" else fmt.storage_dtype
+            dtype = torch.bfloat16 if dtype.itemsize == 1 else dtype  # (fp8: the indexer's keys in bf16)
             self._index_rows = [torch.zeros(num_pages * page_size + 1, index_dim, dtype=dtype, device=self.device)
                                 for _ in range(num_layers)]
             self.index_keys = [rows[:-1].view(num_pages, page_size, index_dim) for rows in self._index_rows]
@@ -611,7 +620,8 @@ class LatentKVCache(PagedKVCache):
 
     def attention_args(self, layer: int) -> dict:
         """Keyword arguments of mla_attention (and mla_cache_write) for `layer`: kv_cache, kv_format, kv_scale."""
-        args = dict(kv_cache=self.kv[layer], kv_format="fp8_e4m3" if self.kv_scale is not None else "auto")
+        kv_format = "auto" if self.kv_format in ("bf16", "fp16", "fp32") else self.kv_format
+        args = dict(kv_cache=self.kv[layer], kv_format=kv_format)
         if self.kv_scale is not None:
             args["kv_scale"] = self.kv_scale
         return args

@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <utility>
@@ -114,6 +115,9 @@ struct Fp8Loader {
 // into scratch memory (dequantize_fp4_row) and runs the fp32 loops on them. This marks that path.
 struct Fp4Loader : FloatLoader {};
 
+// Latent rows in DeepSeek's fp8 layout (MLA's "fp8_ds_mla") are dequantized the same way (dequantize_latent_row).
+struct LatentFp8Loader : FloatLoader {};
+
 // e2m1 codes (bit 3: the sign) as values
 alignas(64) inline constexpr float kE2m1[16] = {0.f,  0.5f,  1.f,  1.5f,  2.f,  3.f,  4.f,  6.f,
                                                 -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
@@ -135,6 +139,28 @@ inline void dequantize_fp4_row(const AttentionParams& p, const uint8_t* packed, 
       dst[i] = kE2m1[byte & 15] * scale;
       dst[i + 1] = kE2m1[byte >> 4] * scale;
     }
+  }
+}
+
+// A latent row in DeepSeek's fp8 layout as fp32 (R + P values): its R e4m3 values (through fp8_lut) times their
+// 128's float32 scale (at byte R + 4 i), then its P bf16 values (from byte R + R/32). A null row reads zeros.
+inline void dequantize_latent_row(const AttentionParams& p, const uint8_t* row, float* dst) {
+  const int64_t R = p.q_nope_dim, D = p.head_dim;
+  if (row == nullptr) {
+    std::fill(dst, dst + D, 0.f);
+    return;
+  }
+  for (int64_t t0 = 0; t0 < R; t0 += 128) {
+    float scale;
+    std::memcpy(&scale, row + R + t0 / 32, sizeof(float));
+    for (int64_t i = t0; i < t0 + 128; ++i) dst[i] = p.fp8_lut[row[i]] * scale;
+  }
+  const uint8_t* rope = row + R + R / 32;
+  for (int64_t i = R; i < D; ++i) {
+    uint16_t bits;
+    std::memcpy(&bits, rope + 2 * (i - R), sizeof(bits));
+    const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+    std::memcpy(dst + i, &wide, sizeof(float));
   }
 }
 
@@ -455,7 +481,9 @@ template <typename QT, typename Loader>
 void attend_impl(const AttentionParams& p, const Loader& ld, const Tile& tile, const WorkItem& item,
                  const Partials& partials, float* scratch) {
   using KT = typename Loader::T;
-  constexpr bool kFp4 = std::is_same_v<Loader, Fp4Loader>;  // (KT float: the rows are dequantized into k_fp4/v_fp4)
+  // (KT float: the rows are dequantized into k_fp4/v_fp4; a latent fp8 row's V is its K row's first values)
+  constexpr bool kLatentFp8 = std::is_same_v<Loader, LatentFp8Loader>;
+  constexpr bool kFp4 = std::is_same_v<Loader, Fp4Loader> || kLatentFp8;
   const int64_t D = p.head_dim, Dv = p.value_dim;
   const TileRows rows(p, tile);
   float* qf = scratch;                               // [rows][D]
@@ -536,8 +564,11 @@ void attend_impl(const AttentionParams& p, const Loader& ld, const Tile& tile, c
     const uint8_t* head_scales = block_scales + kv_head * p.scale_stride_head;
     for (int64_t j = 0; j < n; ++j) {
       const bool bad_page = offsets[j] < 0;  // (read as zeros, as the other formats read kZeroRow)
-      dequantize_fp4_row(p, bad_page ? nullptr : bytes + offsets[j],
-                         bad_page ? nullptr : head_scales + scale_offsets[j], D, dst + j * D);
+      if constexpr (kLatentFp8)
+        dequantize_latent_row(p, bad_page ? nullptr : bytes + offsets[j], dst + j * D);
+      else
+        dequantize_fp4_row(p, bad_page ? nullptr : bytes + offsets[j],
+                           bad_page ? nullptr : head_scales + scale_offsets[j], D, dst + j * D);
       ptrs[j] = reinterpret_cast<const KT*>(dst + j * D);
     }
   };
@@ -635,7 +666,9 @@ void attend_impl(const AttentionParams& p, const Loader& ld, const Tile& tile, c
 
     for (int64_t hi = 0; hi < tile.num_heads; ++hi) {
       const int64_t head = (tile.kv_head + hi) * p.cache_stride_head;
-      if constexpr (kFp4) {
+      if constexpr (kLatentFp8) {  // (one KV head: the K rows just dequantized)
+        std::copy(k_rows, k_rows + n, v_rows);
+      } else if constexpr (kFp4) {
         fp4_rows(p.v_cache, p.v_block_scale, tile.kv_head + hi, n, v_fp4, v_rows);
       } else {
         for (int64_t j = 0; j < n; ++j) v_rows[j] = row(v_cache, head, offsets[j]);
@@ -708,6 +741,7 @@ void attend_q(const AttentionParams& p, const Tile& tile, const WorkItem& item, 
     case DType::Half: return attend_impl<QT>(p, ReducedLoader<c10::Half>{}, tile, item, partials, scratch);
     case DType::Fp8: return attend_impl<QT>(p, Fp8Loader{p.fp8_lut}, tile, item, partials, scratch);
     case DType::Fp4: return attend_impl<QT>(p, Fp4Loader{}, tile, item, partials, scratch);
+    case DType::LatentFp8: return attend_impl<QT>(p, LatentFp8Loader{}, tile, item, partials, scratch);
   }
 }
 
@@ -718,7 +752,8 @@ inline void attend(const AttentionParams& p, const Tile& tile, const WorkItem& i
     case DType::BFloat16: return attend_q<c10::BFloat16>(p, tile, item, partials, scratch);
     case DType::Half: return attend_q<c10::Half>(p, tile, item, partials, scratch);
     case DType::Fp8:
-    case DType::Fp4: return;  // q is never fp8 or 4-bit (the host checks)
+    case DType::Fp4:
+    case DType::LatentFp8: return;  // q is never fp8 or 4-bit (the host checks)
   }
 }
 
@@ -729,7 +764,8 @@ inline void merge(const AttentionParams& p, const Tile& tile, int64_t first_slot
     case DType::BFloat16: return merge_impl<c10::BFloat16>(p, tile, first_slot, num_slots, partials);
     case DType::Half: return merge_impl<c10::Half>(p, tile, first_slot, num_slots, partials);
     case DType::Fp8:
-    case DType::Fp4: return;
+    case DType::Fp4:
+    case DType::LatentFp8: return;
   }
 }
 

@@ -12,8 +12,10 @@
 namespace attnops::cpu {
 
 // Element types of q, out and the caches. fp8 caches are read through a 256-entry table (Fp8 below); 4-bit caches
-// (nvfp4, mxfp4: Fp4) are dequantized a chunk of rows at a time into scratch memory.
-enum class DType : int8_t { Float, BFloat16, Half, Fp8, Fp4 };
+// (nvfp4, mxfp4: Fp4) and latent rows in DeepSeek's fp8 layout (LatentFp8: MLA's "fp8_ds_mla", a row of bytes: R
+// e4m3 values, a float32 scale a 128 of them, P bf16 values) are dequantized a chunk of rows at a time into scratch
+// memory.
+enum class DType : int8_t { Float, BFloat16, Half, Fp8, Fp4, LatentFp8 };
 
 struct AttentionParams {
   // q [T, Hq, D] and out [T, Hq, D]: any strides (q's last dim is contiguous; out's need not be).
@@ -119,10 +121,11 @@ constexpr int64_t kMaxHeadDim = 576, kMaxValueDim = 512;
 
 // Floats of scratch memory one worker needs: the tile's q rows in fp32 ([rows][head_dim]) and its accumulators
 // ([rows][value_dim]), the chunk's scores ([rows][kKeyChunk]), and the running max and sum ([rows] each); for a
-// 4-bit cache also a chunk's K and V rows dequantized ([kKeyChunk][head_dim] each).
+// 4-bit cache also a chunk's K and V rows dequantized ([kKeyChunk][head_dim] each; a LatentFp8 cache's V rows are
+// its K rows).
 inline int64_t scratch_floats(const AttentionParams& p) {
   return p.max_tile_rows * (p.head_dim + p.value_dim + kKeyChunk + 2) +
-         (p.kv_dtype == DType::Fp4 ? 2 * kKeyChunk * p.head_dim : 0);
+         (p.kv_dtype == DType::Fp4 || p.kv_dtype == DType::LatentFp8 ? 2 * kKeyChunk * p.head_dim : 0);
 }
 
 // The inner loops for one instruction set.

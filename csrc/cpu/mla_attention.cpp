@@ -55,13 +55,18 @@ void mla_attention_cpu(const at::Tensor& q_nope, const at::Tensor& q_pe, const a
                     out.device().is_cpu() && out.sizes() == q_nope.sizes() &&
                         out.scalar_type() == q_nope.scalar_type(),
                     "out must be a CPU tensor of q_nope's shape and dtype");
-  ATTNOPS_ARG_CHECK(op, kv_cache.dim() == 3 && kv_cache.size(2) == latent_dim + rope_dim,
-                    "kv_cache must be [num_pages, page_size, R + P] = [.., .., ", latent_dim + rope_dim, "] (got ",
+  // a uint8 cache holds DeepSeek's fp8 layout ("fp8_ds_mla"): R e4m3 bytes, R/128 float32 scales, P bf16 values
+  const bool latent_fp8 = kv_cache.scalar_type() == at::kByte;
+  const int64_t row_size = latent_fp8 ? latent_dim + latent_dim / 32 + 2 * rope_dim : latent_dim + rope_dim;
+  ATTNOPS_ARG_CHECK(op, kv_cache.dim() == 3 && kv_cache.size(2) == row_size, "kv_cache must be [num_pages, page_size, ",
+                    latent_fp8 ? "R + 4 R/128 + 2 P] = [.., .., " : "R + P] = [.., .., ", row_size, "] (got ",
                     kv_cache.sizes(), ")");
   ATTNOPS_ARG_CHECK(op, kv_cache.stride(2) == 1, "kv_cache must be contiguous in its last dimension");
+  ATTNOPS_ARG_CHECK(op, !latent_fp8 || latent_dim % 128 == 0,
+                    "a uint8 cache (DeepSeek's fp8 layout) takes R a multiple of 128 (got ", latent_dim, ")");
   // as paged attention's caches: one KV head, the row as both K and V
   const at::Tensor rows = kv_cache.unsqueeze(2);
-  const int page_shift = check_caches(op, rows, rows);
+  const int page_shift = check_caches(op, rows, rows, /*fp4_ok=*/latent_fp8);
   check_rows(op, num_tokens, num_heads, block_table, seq_lens, cu_seqlens_q, sinks, tree_mask, lse);
   ATTNOPS_ARG_CHECK(op, scale > 0, "need scale > 0");
   const bool fp8 = is_fp8(kv_cache.scalar_type());
@@ -88,8 +93,8 @@ void mla_attention_cpu(const at::Tensor& q_nope, const at::Tensor& q_pe, const a
   p.cache_stride_page = kv_cache.stride(0);
   p.cache_stride_slot = kv_cache.stride(1);
   p.cache_stride_head = 0;  // the one KV head
-  p.kv_dtype = dtype_of(kv_cache.scalar_type());
-  p.fp8_lut = fp8 ? fp8_table_for(kv_cache.scalar_type()) : nullptr;
+  p.kv_dtype = latent_fp8 ? DType::LatentFp8 : dtype_of(kv_cache.scalar_type());
+  p.fp8_lut = fp8 || latent_fp8 ? fp8_table_for(latent_fp8 ? at::kFloat8_e4m3fn : kv_cache.scalar_type()) : nullptr;
   p.block_table = block_table.const_data_ptr<int32_t>();
   p.bt_stride_seq = block_table.stride(0);
   p.bt_stride_page = block_table.stride(1);
@@ -131,19 +136,25 @@ void cpu_mla_attention(const at::Tensor& q_nope, const at::Tensor& q_pe, const a
 }
 
 #ifdef ATTNOPS_STANDALONE
-// kv_format of the public op (C++-only build): "auto" (the cache has q's dtype) or "fp8_e4m3" (a float8_e4m3fn
-// cache); the checks of attnops/checks_mla.py that the kernel's own do not make.
+// kv_format of the public op (C++-only build): "auto" (the cache has q's dtype), "fp8_e4m3" (a float8_e4m3fn
+// cache) or "fp8_ds_mla" (a uint8 one); the checks of attnops/checks_mla.py that the kernel's own do not make.
 void check_mla_kv_format(c10::string_view kv_format, const at::Tensor& q_nope, const at::Tensor& kv_cache,
                          const std::optional<at::Tensor>& topk_indices) {
   ATTNOPS_ARG_CHECK("mla_attention", !topk_indices.has_value(),
                     "topk_indices (the sparse form) is served by the Python package, not the C++-only build");
   const std::string fmt(kv_format);
+  if (fmt == "fp8_ds_mla") {
+    ATTNOPS_ARG_CHECK("mla_attention", kv_cache.scalar_type() == at::kByte,
+                      "kv_cache of kv_format 'fp8_ds_mla' must be uint8 (got ", kv_cache.scalar_type(), ")");
+    return;
+  }
   if (fmt == "fp8_e4m3") {
     ATTNOPS_ARG_CHECK("mla_attention", kv_cache.scalar_type() == at::kFloat8_e4m3fn,
                       "kv_cache of kv_format 'fp8_e4m3' must be float8_e4m3fn (got ", kv_cache.scalar_type(), ")");
     return;
   }
-  ATTNOPS_ARG_CHECK("mla_attention", fmt == "auto", "kv_format must be 'auto' or 'fp8_e4m3' (got '", fmt, "')");
+  ATTNOPS_ARG_CHECK("mla_attention", fmt == "auto",
+                    "kv_format must be 'auto', 'fp8_e4m3' or 'fp8_ds_mla' (got '", fmt, "')");
   ATTNOPS_ARG_CHECK("mla_attention", kv_cache.scalar_type() == q_nope.scalar_type(),
                     "kv_cache must have q_nope's dtype for kv_format 'auto' (got ", kv_cache.scalar_type(), ")");
 }

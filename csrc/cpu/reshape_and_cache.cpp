@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <string>
@@ -143,6 +144,48 @@ void write_latent(const at::Tensor& kv_c, const at::Tensor& k_pe, const at::Tens
   });
 }
 
+// The latent rows in DeepSeek's fp8 layout ("fp8_ds_mla", a uint8 cache [.., R + 4 R/128 + 2 P]), exactly as
+// attnops/formats.py's quantize_latent_fp8 writes them: each 128 values over their scale max(amax, 1e-4) / 448
+// (a NaN among them: the NaN 0x7FC00000 as scale) as e4m3, saturated; the scales as float32; k_pe as bf16.
+template <typename Src>
+void write_latent_fp8(const at::Tensor& kv_c, const at::Tensor& k_pe, const at::Tensor& kv_cache,
+                      const int64_t* slots, int64_t slot_stride) {
+  const int64_t num_tokens = kv_c.size(0), latent_dim = kv_c.size(1), rope_dim = k_pe.size(1);
+  const int64_t page_size = kv_cache.size(1), num_slots = kv_cache.size(0) * page_size;
+  const Src* c_data = kv_c.const_data_ptr<Src>();
+  const Src* pe_data = k_pe.const_data_ptr<Src>();
+  uint8_t* cache = kv_cache.data_ptr<uint8_t>();
+  at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t slot = slots[t * slot_stride];
+      if (slot < 0 || slot >= num_slots) continue;  // padding, or a bad index (recorded by the caller)
+      uint8_t* row = cache + (slot / page_size) * kv_cache.stride(0) + (slot % page_size) * kv_cache.stride(1);
+      const Src* c = c_data + t * kv_c.stride(0);
+      for (int64_t t0 = 0; t0 < latent_dim; t0 += 128) {
+        float amax = 0.f;
+        for (int64_t d = t0; d < t0 + 128; ++d) {
+          const float x = std::fabs(static_cast<float>(c[d * kv_c.stride(1)]));
+          amax = std::isnan(x) ? x : std::max(amax, x);  // (a NaN stays: std::max(NaN, x) is NaN)
+        }
+        const float scale =
+            std::isnan(amax) ? std::numeric_limits<float>::quiet_NaN() : std::max(amax, 1e-4f) / 448.f;
+        std::memcpy(row + latent_dim + t0 / 32, &scale, sizeof(float));
+        for (int64_t d = t0; d < t0 + 128; ++d) {
+          const c10::Float8_e4m3fn y = Store<c10::Float8_e4m3fn>::convert(static_cast<float>(c[d * kv_c.stride(1)]),
+                                                                          scale);
+          std::memcpy(row + d, &y, 1);
+        }
+      }
+      uint8_t* rope = row + latent_dim + latent_dim / 32;
+      const Src* pe = pe_data + t * k_pe.stride(0);
+      for (int64_t d = 0; d < rope_dim; ++d) {
+        const c10::BFloat16 y(static_cast<float>(pe[d * k_pe.stride(1)]));
+        std::memcpy(rope + 2 * d, &y, 2);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache,
@@ -189,13 +232,18 @@ void mla_cache_write_cpu(const at::Tensor& kv_c, const at::Tensor& k_pe, const a
                     "kv_c [N, R] and k_pe [N, P] must be CPU tensors of one dtype and N");
   ATTNOPS_ARG_CHECK(op, is_plain(kv_c.scalar_type()), "kv_c must be float32, bfloat16 or float16 (got ",
                     kv_c.scalar_type(), ")");
+  // a uint8 cache holds DeepSeek's fp8 layout ("fp8_ds_mla"): R e4m3 bytes, R/128 float32 scales, P bf16 values
+  const bool latent_fp8 = kv_cache.scalar_type() == at::kByte;
+  const int64_t latent_dim = kv_c.size(1), rope_dim = k_pe.size(1);
   ATTNOPS_ARG_CHECK(op,
                     kv_cache.device().is_cpu() && kv_cache.dim() == 3 &&
-                        kv_cache.size(2) == kv_c.size(1) + k_pe.size(1) && kv_cache.stride(2) == 1,
-                    "kv_cache must be a CPU tensor [num_pages, page_size, R + P], contiguous in its last dimension "
-                    "(got ", kv_cache.sizes(), ")");
-  ATTNOPS_ARG_CHECK(op, is_plain(kv_cache.scalar_type()) || is_fp8(kv_cache.scalar_type()),
-                    "kv_cache must be float32, bfloat16, float16 or fp8 (got ", kv_cache.scalar_type(), ")");
+                        kv_cache.size(2) ==
+                            (latent_fp8 ? latent_dim + latent_dim / 32 + 2 * rope_dim : latent_dim + rope_dim) &&
+                        kv_cache.stride(2) == 1 && (!latent_fp8 || latent_dim % 128 == 0),
+                    "kv_cache must be a CPU tensor [num_pages, page_size, R + P] (uint8: [.., .., R + 4 R/128 + 2 P] "
+                    "with R a multiple of 128), contiguous in its last dimension (got ", kv_cache.sizes(), ")");
+  ATTNOPS_ARG_CHECK(op, is_plain(kv_cache.scalar_type()) || is_fp8(kv_cache.scalar_type()) || latent_fp8,
+                    "kv_cache must be float32, bfloat16, float16, fp8 or uint8 (got ", kv_cache.scalar_type(), ")");
   ATTNOPS_ARG_CHECK(op,
                     slot_mapping.device().is_cpu() && slot_mapping.scalar_type() == at::kLong &&
                         slot_mapping.dim() == 1 && slot_mapping.size(0) == kv_c.size(0),
@@ -204,6 +252,12 @@ void mla_cache_write_cpu(const at::Tensor& kv_c, const at::Tensor& k_pe, const a
   const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
   const int64_t slot_stride = slot_mapping.stride(0), num_slots = kv_cache.size(0) * kv_cache.size(1);
   record_bad_slot(op, slots, slot_stride, kv_c.size(0), num_slots, errors);
+  if (latent_fp8) {
+    with_types(op, kv_c.scalar_type(), at::kFloat, [&](auto src, auto /*dst*/) {
+      write_latent_fp8<decltype(src)>(kv_c, k_pe, kv_cache, slots, slot_stride);
+    });
+    return;
+  }
   with_types(op, kv_c.scalar_type(), kv_cache.scalar_type(), [&](auto src, auto dst) {
     write_latent<decltype(src), decltype(dst)>(kv_c, k_pe, kv_cache, slots, slot_stride, scale);
   });
@@ -241,10 +295,11 @@ void mla_cache_write(const at::Tensor& kv_c, const at::Tensor& k_pe, at::Tensor&
                      const std::optional<at::Tensor>& kv_scale) {
   const std::string fmt(kv_format);
   ATTNOPS_ARG_CHECK("mla_cache_write",
-                    fmt == "fp8_e4m3" ? kv_cache.scalar_type() == at::kFloat8_e4m3fn
-                                      : fmt == "auto" && kv_cache.scalar_type() == kv_c.scalar_type(),
-                    "kv_format must be 'auto' (a cache of kv_c's dtype) or 'fp8_e4m3' (a float8_e4m3fn cache); got '",
-                    fmt, "' with a ", kv_cache.scalar_type(), " cache");
+                    fmt == "fp8_e4m3"     ? kv_cache.scalar_type() == at::kFloat8_e4m3fn
+                    : fmt == "fp8_ds_mla" ? kv_cache.scalar_type() == at::kByte
+                                          : fmt == "auto" && kv_cache.scalar_type() == kv_c.scalar_type(),
+                    "kv_format must be 'auto' (a cache of kv_c's dtype), 'fp8_e4m3' (a float8_e4m3fn cache) or "
+                    "'fp8_ds_mla' (a uint8 one); got '", fmt, "' with a ", kv_cache.scalar_type(), " cache");
   mla_cache_write_cpu(kv_c, k_pe, kv_cache, slot_mapping, kv_scale, std::nullopt);
 }
 #endif  // ATTNOPS_STANDALONE

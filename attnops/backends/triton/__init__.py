@@ -85,7 +85,7 @@ class TritonBackend(Backend):
         src_dtype = case.q_dtype if isinstance(case, (AttentionCase, MLACase)) else case.src_dtype
         if case.device_type == "cpu" and (src_dtype == torch.bfloat16 or case.kv_format == "bf16"):
             reasons.append("bf16 is not supported by the Triton interpreter (CPU)")
-        if case.kv_format in ("fp8_e4m3", "nvfp4") and case.arch is not None and case.arch < (8, 9):
+        if case.kv_format in ("fp8_e4m3", "nvfp4", "fp8_ds_mla") and case.arch is not None and case.arch < (8, 9):
             # Triton has no fp8e4nv (e4m3: the fp8 format, and nvfp4's block scales) before sm_89
             reasons.append(f"{case.kv_format} needs e4m3 conversions, which Triton supports from sm_89 "
                            f"(this GPU is sm_{case.arch[0]}{case.arch[1]})")

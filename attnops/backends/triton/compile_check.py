@@ -343,21 +343,23 @@ def compile_merge_states(out_dtype: str, target):
                        4, 1)
 
 
-def compile_mla(q_dtype: str, fp8: bool, num_heads: int, latent: int, rope: int, target, *, tokens: int = 32,
+def compile_mla(q_dtype: str, kv_format: str, num_heads: int, latent: int, rope: int, target, *, tokens: int = 32,
                 capacity: int = 8192, decode: bool = True, sinks: bool = False, tree: bool = False,
                 topk: bool = False):
-    """Latent attention's kernels (mla_kernel.py) at the tiles mla_launch plans for a GPU: the attention kernel,
-    the split merge when it plans splits, and the cache write. Returns the attention kernel."""
+    """Latent attention's kernels (mla_kernel.py) at the tiles mla_launch plans for a GPU over a cache of
+    `kv_format` ("auto": q's dtype; "fp8_e4m3"; "fp8_ds_mla"): the attention kernel, the split merge when it plans
+    splits, and the cache write. Returns the attention kernel."""
     from .mla_kernel import mla_attention_kernel, mla_cache_write_kernel, mla_merge_kernel
-    from .mla_launch import mla_plan
+    from .mla_launch import _FMT, mla_plan
     plan = mla_plan(tokens, num_heads, capacity, latent, on_gpu=True)
     r_p2, p_p2 = triton.next_power_of_2(latent), triton.next_power_of_2(rope)
     q = "*" + q_dtype
-    types = dict(qn_ptr=q, qp_ptr=q, kv_ptr="*u8" if fp8 else q, bt_ptr="*i32", seq_lens_ptr="*i32", cu_ptr="*i32",
+    fmt = _FMT[kv_format]
+    types = dict(qn_ptr=q, qp_ptr=q, kv_ptr="*u8" if fmt else q, bt_ptr="*i32", seq_lens_ptr="*i32", cu_ptr="*i32",
                  kv_scale_ptr="*fp32", sinks_ptr="*fp32", tm_ptr="*u8", topk_ptr="*i32", out_ptr=q, lse_ptr="*fp32",
                  part_out_ptr="*fp32", part_lse_ptr="*fp32", err_ptr="*i32")
     constexprs = dict(NUM_HEADS=num_heads, R=latent, P=rope, R_P2=r_p2, P_P2=p_p2, PAGE=64, BLOCK_H=plan["BLOCK_H"],
-                      BLOCK_N=plan["BLOCK_N"], SPLIT=plan["MAX_SPLITS"] > 1, IS_DECODE=decode, FP8=fp8,
+                      BLOCK_N=plan["BLOCK_N"], SPLIT=plan["MAX_SPLITS"] > 1, IS_DECODE=decode, FMT=fmt,
                       HAS_SINKS=sinks, HAS_TREE=tree, HAS_TOPK=topk, WRITE_LSE=sinks)
     kernel = compile_one(mla_attention_kernel, types, constexprs, target, plan["num_warps"], plan["num_stages"])
     if plan["MAX_SPLITS"] > 1:
@@ -368,9 +370,9 @@ def compile_mla(q_dtype: str, fp8: bool, num_heads: int, latent: int, rope: int,
                          SPLIT_BLOCK=min(8, triton.next_power_of_2(plan["MAX_SPLITS"])), HAS_SINKS=sinks,
                          WRITE_LSE=sinks),
                     target, 4, 1)
-    compile_one(mla_cache_write_kernel, dict(kv_c_ptr=q, k_pe_ptr=q, kv_ptr="*u8" if fp8 else q, slot_ptr="*i64",
+    compile_one(mla_cache_write_kernel, dict(kv_c_ptr=q, k_pe_ptr=q, kv_ptr="*u8" if fmt else q, slot_ptr="*i64",
                                              kv_scale_ptr="*fp32", err_ptr="*i32"),
-                dict(R=latent, P=rope, R_P2=r_p2, P_P2=p_p2, PAGE=64, FP8=fp8, SOFT_FP8=False), target, 4, 1)
+                dict(R=latent, P=rope, R_P2=r_p2, P_P2=p_p2, PAGE=64, FMT=fmt, SOFT_FP8=False), target, 4, 1)
     return kernel
 
 
@@ -547,11 +549,12 @@ def main():
                for window in (False, True)]
     others += [(f"merge_attention_states, {out_dtype}", functools.partial(compile_merge_states, out_dtype, target))
                for out_dtype in ("bf16", "fp32")]
-    others += [(f"latent attention, {'fp8' if fp8 else 'bf16'} cache, {heads} heads, {shape}",
-                functools.partial(compile_mla, "bf16", fp8, heads, 512, 64, target, tokens=tokens,
-                                  decode=tokens <= 128, sinks=not fp8, tree=tokens > 128))
-               for fp8, heads, (shape, tokens) in itertools.product(
-                   (False, True), (16, 128), (("decode 1", 1), ("decode 128", 128), ("verify 4 x 64", 256)))]
+    others += [(f"latent attention, {kv_format} cache, {heads} heads, {shape}",
+                functools.partial(compile_mla, "bf16", kv_format, heads, 512, 64, target, tokens=tokens,
+                                  decode=tokens <= 128, sinks=kv_format == "auto", tree=tokens > 128))
+               for kv_format, heads, (shape, tokens) in itertools.product(
+                   ("auto", "fp8_e4m3", "fp8_ds_mla"), (16, 128),
+                   (("decode 1", 1), ("decode 128", 128), ("verify 4 x 64", 256)))]
     for label, compile_it in others:
         try:
             compile_it()

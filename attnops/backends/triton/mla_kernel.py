@@ -29,17 +29,31 @@ from .common import (ERR_BLOCK_TABLE, ERR_CU_SEQLENS_Q, ERR_SEQ_LENS, ERR_SLOT_M
 
 @triton.jit
 def _latent_tile(kv_ptr, bt_row, kpos, vis, num_pages, stride_page, stride_tok, offs, width,
-                 PAGE: tl.constexpr, FP8: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """The latent values `offs` (< width) of the keys kpos, [BLOCK_N, len(offs)] in DOT_DTYPE (0 where a key is not
-    visible or its page is bad), and which visible keys sit in a bad page."""
+                 PAGE: tl.constexpr, FMT: tl.constexpr, ROPE: tl.constexpr, R: tl.constexpr,
+                 DOT_DTYPE: tl.constexpr):
+    """The latent values `offs` (< width) of the keys kpos (ROPE: their rotary values), [BLOCK_N, len(offs)] in
+    DOT_DTYPE (0 where a key is not visible or its page is bad), and which visible keys sit in a bad page.
+    FMT: 0 values as stored, 1 fp8 e4m3 (the call's scale applied by the caller), 2 "fp8_ds_mla" (a row of bytes:
+    R e4m3 values, a float32 scale a 128 of them, then the rotary values as bf16; R, len(offs) multiples of 128)."""
     page = tl.load(bt_row + kpos // PAGE, mask=vis, other=0)
     bad = vis & (page.to(tl.uint32, bitcast=True) >= num_pages.to(tl.uint32))  # (a negative index too)
     ok = vis & ~bad
     row = page.to(tl.int64) * stride_page + (kpos % PAGE) * stride_tok
     mask = ok[:, None] & (offs[None, :] < width)
-    if FP8:
+    if FMT == 2 and ROPE:  # bf16 bits widened by a shift (exact; the interpreter reads no bf16)
+        bits = tl.load((kv_ptr + row[:, None] + (R + R // 32) + 2 * offs[None, :]).to(tl.pointer_type(tl.int16)),
+                       mask=mask, other=0)
+        value = (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True).to(DOT_DTYPE)
+    elif FMT >= 1:
         bits = tl.load(kv_ptr + row[:, None] + offs[None, :], mask=mask, other=0)
         value = fp8_decoded(bits.to(tl.int32), bits.to(tl.float8e4nv, bitcast=True).to(tl.float32), tl.float8e4nv)
+        if FMT == 2:  # times each 128 values' scale, read once a tile of them
+            TILES: tl.constexpr = offs.shape[0] // 128
+            tiles = tl.arange(0, TILES)
+            scale = tl.load((kv_ptr + row[:, None] + R + 4 * tiles[None, :]).to(tl.pointer_type(tl.float32)),
+                            mask=ok[:, None] & (tiles[None, :] < width // 128), other=0.0)
+            value = tl.reshape(tl.reshape(value, (value.shape[0], TILES, 128)) * scale[:, :, None],
+                               (value.shape[0], offs.shape[0]))
         value = value.to(DOT_DTYPE)
     else:
         value = tl.load(kv_ptr + row[:, None] + offs[None, :], mask=mask, other=0.0).to(DOT_DTYPE)
@@ -57,7 +71,7 @@ def mla_attention_kernel(
     stride_tm, stride_topk,
     NUM_HEADS: tl.constexpr, R: tl.constexpr, P: tl.constexpr, R_P2: tl.constexpr, P_P2: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    IS_DECODE: tl.constexpr, FP8: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_TREE: tl.constexpr,
+    IS_DECODE: tl.constexpr, FMT: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_TREE: tl.constexpr,
     HAS_TOPK: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
     """Program (token t and head block, split): the token's heads of the block against the split's keys of its
@@ -111,7 +125,7 @@ def mla_attention_kernel(
                  mask=hvalid[:, None] & (offs_p[None, :] < P), other=0.0)
     qk_scale = sm_scale * LOG2E
     v_mul = 1.0
-    if FP8:  # stored = value / kv_scale: the scale joins the scores and the output, never the dots
+    if FMT == 1:  # stored = value / kv_scale: the scale joins the scores and the output, never the dots
         kv_scale = tl.load(kv_scale_ptr)
         qk_scale = qk_scale * kv_scale
         v_mul = kv_scale
@@ -137,10 +151,10 @@ def mla_attention_kernel(
             seen = tl.load(tm_ptr + t.to(tl.int64) * stride_tm + col, mask=vis & in_block & (col < tm_cols),
                            other=0)
             vis = vis & (~in_block | (seen != 0))
-        c, bad = _latent_tile(kv_ptr, bt_row, kpos, vis, num_pages, stride_page, stride_tok, offs_r, R, PAGE, FP8,
-                              DOT_DTYPE)
-        rp, _ = _latent_tile(kv_ptr + R, bt_row, kpos, vis, num_pages, stride_page, stride_tok, offs_p, P, PAGE,
-                             FP8, DOT_DTYPE)
+        c, bad = _latent_tile(kv_ptr, bt_row, kpos, vis, num_pages, stride_page, stride_tok, offs_r, R, PAGE, FMT,
+                              False, R, DOT_DTYPE)
+        rp, _ = _latent_tile(kv_ptr if FMT == 2 else kv_ptr + R, bt_row, kpos, vis, num_pages, stride_page,
+                             stride_tok, offs_p, P, PAGE, FMT, True, R, DOT_DTYPE)
         saw_bad = saw_bad | bad
         s = tl.dot(qn, tl.trans(c)) + tl.dot(qp, tl.trans(rp))
         s = tl.where(vis[None, :], s * qk_scale, float("-inf"))
@@ -239,9 +253,10 @@ def mla_merge_kernel(out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, sinks_ptr, st
 def mla_cache_write_kernel(kv_c_ptr, k_pe_ptr, kv_ptr, slot_ptr, kv_scale_ptr, err_ptr, num_slots, stride_c,
                            stride_pe, stride_page, stride_tok,
                            R: tl.constexpr, P: tl.constexpr, R_P2: tl.constexpr, P_P2: tl.constexpr,
-                           PAGE: tl.constexpr, FP8: tl.constexpr, SOFT_FP8: tl.constexpr):
-    """Program i: row slot_mapping[i] = [kv_c[i], k_pe[i]] (fp8: value / kv_scale, saturated); slot -1 is
-    padding, any other slot outside the cache writes nothing and is recorded."""
+                           PAGE: tl.constexpr, FMT: tl.constexpr, SOFT_FP8: tl.constexpr):
+    """Program i: row slot_mapping[i] = [kv_c[i], k_pe[i]] (FMT 1, fp8: value / kv_scale, saturated; FMT 2,
+    "fp8_ds_mla": each 128 latent values over their own scale, the rotary values as bf16, as attnops.formats
+    writes them); slot -1 is padding, any other slot outside the cache writes nothing and is recorded."""
     i = tl.program_id(0)
     slot = tl.load(slot_ptr + i)
     if (slot < -1) | (slot >= num_slots):
@@ -252,7 +267,21 @@ def mla_cache_write_kernel(kv_c_ptr, k_pe_ptr, kv_ptr, slot_ptr, kv_scale_ptr, e
         offs_p = tl.arange(0, P_P2)
         c = tl.load(kv_c_ptr + i.to(tl.int64) * stride_c + offs_r, mask=offs_r < R, other=0.0).to(tl.float32)
         pe = tl.load(k_pe_ptr + i.to(tl.int64) * stride_pe + offs_p, mask=offs_p < P, other=0.0).to(tl.float32)
-        if FP8:  # as attnops.formats quantizes: a rounded division, saturated at 448, NaN kept
+        if FMT == 2:
+            TILES: tl.constexpr = R_P2 // 128
+            tiles = tl.reshape(c, (TILES, 128))
+            amax = tl.max(tl.abs(tiles), 1)
+            has_nan = tl.max((tiles != tiles).to(tl.int32), 1) > 0
+            scale = tl.math.div_rn(tl.maximum(amax, 1e-4), 448.0 + tl.zeros([TILES], tl.float32))
+            scale = tl.where(has_nan, float("nan"), scale)
+            y = tl.reshape(tl.math.div_rn(tiles, scale[:, None] + tl.zeros([TILES, 128], tl.float32)), (R_P2,))
+            y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -448.0), 448.0))
+            tl.store(row + offs_r, to_fp8_bits(y, tl.float8e4nv, SOFT_FP8), mask=offs_r < R)
+            offs_t = tl.arange(0, TILES)
+            tl.store((row + R + 4 * offs_t).to(tl.pointer_type(tl.float32)), scale, mask=offs_t < R // 128)
+            tl.store((row + R + R // 32 + 2 * offs_p).to(tl.pointer_type(tl.int16)), to_bf16_bits(pe),
+                     mask=offs_p < P)
+        elif FMT == 1:  # as attnops.formats quantizes: a rounded division, saturated at 448, NaN kept
             scale = tl.load(kv_scale_ptr)
             y = tl.math.div_rn(c, scale + tl.zeros([R_P2], tl.float32))
             y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -448.0), 448.0))
@@ -263,3 +292,12 @@ def mla_cache_write_kernel(kv_c_ptr, k_pe_ptr, kv_ptr, slot_ptr, kv_scale_ptr, e
         else:
             tl.store(row + offs_r, c.to(kv_ptr.dtype.element_ty), mask=offs_r < R)
             tl.store(row + R + offs_p, pe.to(kv_ptr.dtype.element_ty), mask=offs_p < P)
+
+
+@triton.jit
+def to_bf16_bits(x):
+    """fp32 -> bf16 bits (int16), rounded to nearest even as torch rounds (a NaN: 0x7FC0), in integer code: the
+    interpreter has no bf16."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return tl.where(x != x, 0x7FC0, rounded).to(tl.uint16).to(tl.int16, bitcast=True)

@@ -5,11 +5,14 @@ from __future__ import annotations
 import torch
 import triton
 
-from ... import errors
+from ... import errors, formats
 from ..base import kernel_outputs, rows_without_a_sequence
 from . import interpreting
 from .mla_kernel import mla_attention_kernel, mla_cache_write_kernel, mla_merge_kernel
 
+
+# the kernels' FMT for each latent cache format (mla_kernel._latent_tile)
+_FMT = {"auto": 0, "bf16": 0, "fp16": 0, "fp32": 0, "fp8_e4m3": 1, formats.LATENT_FP8_FORMAT: 2}
 
 # batch-invariant mode (attnops.invariance): keys a split, fixed, so that a sequence's splits (and the order of its
 # sums) follow from its own length only; the interpreter's is small, so that CPU tests cover several splits
@@ -76,7 +79,8 @@ def mla_launch(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, *, s
     plan = mla_plan(num_tokens, num_heads, topk_len or capacity, latent, q_nope.is_cuda and not interpreting(),
                     config, invariant)
     splits = plan["MAX_SPLITS"]
-    fp8 = kv_format == "fp8_e4m3"
+    fmt = _FMT[kv_format]
+    fp8 = fmt == 1
     kv = kv_cache.view(torch.uint8) if fp8 else kv_cache
     r_p2, p_p2 = triton.next_power_of_2(latent), triton.next_power_of_2(rope)
     part_out = part_lse = out  # (placeholders: one split writes out directly)
@@ -101,7 +105,7 @@ def mla_launch(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, *, s
         stride_tm=tree_mask.stride(0) if tree_mask is not None else 0,
         stride_topk=topk_indices.stride(0) if topk_indices is not None else 0,
         NUM_HEADS=num_heads, R=latent, P=rope, R_P2=r_p2, P_P2=p_p2, PAGE=page_size, BLOCK_H=plan["BLOCK_H"],
-        BLOCK_N=plan["BLOCK_N"], SPLIT=splits > 1, IS_DECODE=cu_seqlens_q is None, FP8=fp8,
+        BLOCK_N=plan["BLOCK_N"], SPLIT=splits > 1, IS_DECODE=cu_seqlens_q is None, FMT=fmt,
         HAS_SINKS=sinks is not None, HAS_TREE=tree_mask is not None, HAS_TOPK=topk_indices is not None,
         WRITE_LSE=lse is not None, num_warps=plan["num_warps"], num_stages=plan["num_stages"])
     if splits > 1:
@@ -119,12 +123,13 @@ def mla_cache_write(kv_c, k_pe, kv_cache, slot_mapping, *, kv_format: str, kv_sc
     if num_tokens == 0:
         return
     rope = k_pe.shape[1]
-    fp8 = kv_format == "fp8_e4m3"
+    fmt = _FMT[kv_format]
+    fp8 = fmt == 1
     kv = kv_cache.view(torch.uint8) if fp8 else kv_cache
     mla_cache_write_kernel[(num_tokens,)](
         kv_c_ptr=kv_c, k_pe_ptr=k_pe, kv_ptr=kv, slot_ptr=slot_mapping.contiguous(),
         kv_scale_ptr=kv_scale if fp8 else slot_mapping, err_ptr=errors.buffer(kv_c.device),
         num_slots=kv_cache.shape[0] * kv_cache.shape[1], stride_c=kv_c.stride(0), stride_pe=k_pe.stride(0),
         stride_page=kv_cache.stride(0), stride_tok=kv_cache.stride(1), R=latent, P=rope,
-        R_P2=triton.next_power_of_2(latent), P_P2=triton.next_power_of_2(rope), PAGE=kv_cache.shape[1], FP8=fp8,
+        R_P2=triton.next_power_of_2(latent), P_P2=triton.next_power_of_2(rope), PAGE=kv_cache.shape[1], FMT=fmt,
         SOFT_FP8=interpreting() or not kv_c.is_cuda, num_warps=4)
