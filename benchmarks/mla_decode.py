@@ -9,10 +9,10 @@ FlashInfer is installed) and the bandwidth ceiling, same data, same run.
 --sweep times the Triton launcher at every tile (BLOCK_H, BLOCK_N), warp count, stage count and split count of a
 small grid beside the plan's own choice, and prints each case's best: what mla_plan's choices are fitted to.
 
-Each case: a paged bf16 (or --kv-format fp8_e4m3) latent cache of random rows in random page order, one query token a
-sequence; the output is checked against the float64 reference before it is timed (CUDA-graph replay, median of
+Each case: a paged bf16 (or --kv-format fp8_e4m3, or fp8_ds_mla: DeepSeek's 656-byte rows) latent cache of random
+rows in random page order, one query token a sequence; the output is checked against the float64 reference before it is timed (CUDA-graph replay, median of
 triton.testing.do_bench). Achieved TB/s counts the latent rows read once (R + P values a token, in the stored
-format) plus q and out; with --topk K, each row lists K distinct random positions of its sequence (in random order,
+format, the fp8_ds_mla rows' scales and bf16 rotary part included) plus q and out; with --topk K, each row lists K distinct random positions of its sequence (in random order,
 as an indexer's top-k comes) and the rows read are those K, plus the lists; the ceiling is the GPU's datasheet HBM
 bandwidth (H200: 4.8 TB/s).
 """
@@ -25,6 +25,7 @@ import sys
 
 import torch
 
+from attnops import formats
 from attnops.bench.run import hbm_tbps
 
 
@@ -38,6 +39,8 @@ def make_case(batch, kv_len, heads, latent, rope, page_size, kv_format, seed=0, 
     if kv_format == "fp8_e4m3":
         kv_scale = torch.tensor([0.25], device="cuda")
         kv = (rows / kv_scale).to(torch.float8_e4m3fn)
+    elif kv_format == "fp8_ds_mla":
+        kv = formats.quantize_latent_fp8(rows[..., :latent], rows[..., latent:])
     else:
         kv = rows.to(torch.bfloat16)
     q_nope = torch.randn(batch, heads, latent, generator=gen, device="cuda").to(torch.bfloat16)
@@ -48,7 +51,7 @@ def make_case(batch, kv_len, heads, latent, rope, page_size, kv_format, seed=0, 
         topk_indices = torch.stack([torch.randperm(kv_len, generator=gen, device="cuda")[:topk]
                                     for _ in range(batch)]).to(torch.int32)
     return dict(q_nope=q_nope, q_pe=q_pe, kv_cache=kv, block_table=table, seq_lens=seq_lens, kv_scale=kv_scale,
-                topk_indices=topk_indices)
+                topk_indices=topk_indices, kv_format="auto" if kv_format == "bf16" else kv_format)
 
 
 def graph_time_us(fn) -> float:
@@ -78,12 +81,12 @@ def attnops_fn(case, scale, out, use_op, backend):
             with attnops.use_backend(None if backend == "auto" else backend):
                 torch.ops.attnops.mla_attention.out(
                     case["q_nope"], case["q_pe"], case["kv_cache"], case["block_table"], case["seq_lens"], None,
-                    scale=scale, kv_format="fp8_e4m3" if case["kv_scale"] is not None else "auto",
-                    kv_scale=case["kv_scale"], topk_indices=case["topk_indices"], out=out)
+                    scale=scale, kv_format=case["kv_format"], kv_scale=case["kv_scale"],
+                    topk_indices=case["topk_indices"], out=out)
         return op
     return lambda: mla_launch(case["q_nope"], case["q_pe"], case["kv_cache"], case["block_table"], case["seq_lens"],
-                              None, scale=scale, kv_format="fp8_e4m3" if case["kv_scale"] is not None else "auto",
-                              kv_scale=case["kv_scale"], sinks=None, tree_mask=None, out=out,
+                              None, scale=scale, kv_format=case["kv_format"], kv_scale=case["kv_scale"], sinks=None,
+                              tree_mask=None, out=out,
                               topk_indices=case["topk_indices"])
 
 
@@ -117,7 +120,7 @@ def sweep_case(case, scale, out, budget_s, grid=SWEEP):
     if case["topk_indices"] is not None:  # (the sparse form's splits divide a row's entries)
         capacity = case["topk_indices"].shape[1]
     plan = mla_plan(batch, heads, capacity, latent, True)
-    fmt = "fp8_e4m3" if case["kv_scale"] is not None else "auto"
+    fmt = case["kv_format"]
 
     def timed(config):
         fn = lambda: mla_launch(case["q_nope"], case["q_pe"], case["kv_cache"], case["block_table"],  # noqa: E731
@@ -164,7 +167,7 @@ def main(argv=None) -> int:
     parser.add_argument("--latent", type=int, default=512, help="R, the latent (compressed KV) width")
     parser.add_argument("--rope", type=int, default=64, help="P, the rotary part's width")
     parser.add_argument("--page-size", type=int, default=64)
-    parser.add_argument("--kv-format", default="bf16", choices=["bf16", "fp8_e4m3"])
+    parser.add_argument("--kv-format", default="bf16", choices=["bf16", "fp8_e4m3", "fp8_ds_mla"])
     parser.add_argument("--backend", default="triton",
                         help="the attnops backend the op is pinned to (default triton; auto: dispatch's choice; "
                              "flashinfer: timed eagerly, a layer's call reusing its step's plan)")
@@ -206,14 +209,15 @@ def main(argv=None) -> int:
             topk = case["topk_indices"]
             ref = mla_attention_reference(case["q_nope"][sub], case["q_pe"][sub], case["kv_cache"],
                                           case["block_table"][sub], case["seq_lens"][sub], scale=scale,
-                                          kv_scale=case["kv_scale"], topk_indices=None if topk is None else topk[sub])
+                                          kv_format=case["kv_format"], kv_scale=case["kv_scale"],
+                                          topk_indices=None if topk is None else topk[sub])
             err = ((out[sub].double() - ref).norm() / ref.norm()).item()
             assert err < 2e-2, f"{spec} H{heads}: relative error {err:.3g}"
             timing = args.timing if args.timing != "auto" else "eager" if args.backend == "flashinfer" else "graph"
             ours = (eager_time_us if timing == "eager" else graph_time_us)(fn)
-            element = case["kv_cache"].element_size()
+            row_bytes = case["kv_cache"].shape[-1] * case["kv_cache"].element_size()
             keys = args.topk or kv_len  # (a row's keys read)
-            nbytes = batch * keys * (args.latent + args.rope) * element + 2 * out.numel() * 2 + \
+            nbytes = batch * keys * row_bytes + 2 * out.numel() * 2 + \
                 case["q_pe"].numel() * 2 + (0 if topk is None else topk.numel() * 4)
             tbs = nbytes / ours / 1e6
             tflops = 2 * batch * keys * heads * (2 * args.latent + args.rope) / ours / 1e6  # Q K^T and P V
