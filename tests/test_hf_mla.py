@@ -15,6 +15,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import attnops.hf  # noqa: E402
+from attnops import formats  # noqa: E402
 import test_hf  # noqa: E402
 from attnops.hf import families  # noqa: E402
 
@@ -252,6 +253,41 @@ def test_bad_inputs():
 
 
 # (step at which a request is queued, prompt, max_new_tokens): the decode batch runs at 1 and 2 rows, requests wait,
+class DsRoundedCache(transformers.DynamicCache):
+    """transformers' cache holding the latents as DeepSeek's fp8 layout ("fp8_ds_mla") stores them: each 128 latent
+    values rounded to e4m3 over their own scale, the rotary values to bf16 (attnops.formats)."""
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):  # (kv_c [B, 1, S, R], k_pe)
+        latent, rope = key_states.shape[-1], value_states.shape[-1]
+        rows = formats.dequantize_latent_fp8(formats.quantize_latent_fp8(key_states, value_states), latent, rope,
+                                             key_states.dtype)
+        return super().update(rows[..., :latent], rows[..., latent:], layer_idx, *args, **kwargs)
+
+
+def test_deepseeks_fp8_layout_is_the_format_and_nothing_more():
+    """kv_format fp8_ds_mla (DeepSeek's 656-byte rows at R 512; here R 128): LatentCache and the serving loop's
+    LatentKVCache hold uint8 rows of R + 4 R/128 + 2 P bytes, and the logits and each request's tokens are those of
+    the same model over latents rounded as the layout rounds them (and not fp32's)."""
+    torch.manual_seed(1)
+    cfg = config(kv_lora_rank=128)
+    ours = attnops.hf.enable_mla(build(cfg))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        latent_cache(models()[1], kv_format="fp8_ds_mla")
+    with pytest.raises(ValueError, match="kv_scale"):
+        latent_cache(ours, kv_format="fp8_ds_mla", kv_scale=0.5)
+    cache = latent_cache(ours, kv_format="fp8_ds_mla")
+    logits, reference = prefill(ours, cache), prefill(ours, DsRoundedCache())
+    assert cache.pages.dtype == torch.uint8 and cache.pages.shape[-1] == 128 + 4 + 2 * P
+    valid = left_padded()[1].bool()
+    assert max_error(logits[valid], reference[valid]) < 1e-4
+    assert max_error(logits[valid], prefill(ours)[valid]) > 1e-3  # the rounding shows
+    kv = attnops.hf.paged_kv_cache(ours.config, num_pages=4, page_size=8, kv_format="fp8_ds_mla")
+    assert kv.kv[0].dtype == torch.uint8 and kv.kv[0].shape == (4, 8, 128 + 4 + 2 * P)
+    served = serve(ours, kv_format="fp8_ds_mla")
+    assert served == {i: test_hf.generate(ours, [prompt], cache=DsRoundedCache(), n=n)[0]
+                      for i, (_, prompt, n) in enumerate(SCHEDULE)}
+
+
 # finish and free pages later ones reuse; requests 2 and 3 start with the two full pages (of 8) of request 0's prompt,
 # which they share (the Generator's prefix sharing) and do not prefill
 LONG = list(range(40, 60))
