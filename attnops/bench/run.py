@@ -63,7 +63,10 @@ def case_bytes(case, q_dtype) -> int:
     q_bytes = torch.finfo(q_dtype).bits // 8
     if case.latent:
         width = case.latent_dim + case.rope_dim
-        kv = tokens * width * formats.FORMATS[case.kv_format].bytes_per_value()
+        if case.kv_format == formats.LATENT_FP8_FORMAT:  # (its scales and bf16 rotary part included)
+            kv = tokens * formats.latent_fp8_row_bytes(case.latent_dim, case.rope_dim)
+        else:
+            kv = tokens * width * formats.FORMATS[case.kv_format].bytes_per_value()
         return int(kv + q_tokens * case.num_q_heads * (width + case.latent_dim) * q_bytes)
     kv = 2 * tokens * case.num_kv_heads * case.head_dim * formats.FORMATS[case.kv_format].bytes_per_value()
     qo = 2 * q_tokens * case.num_q_heads * case.head_dim * q_bytes
@@ -133,7 +136,8 @@ def make_args(case, device, q_dtype):
     if case.latent:  # (a model's true scale is not (R + P)^-0.5; any fixed one times the same work)
         return random_mla_inputs(case.kv_lens, case.q_lens, num_heads=case.num_q_heads, latent_dim=case.latent_dim,
                                  rope_dim=case.rope_dim, page_size=case.page_size, q_dtype=q_dtype,
-                                 kv_format="fp8_e4m3" if case.kv_format == "fp8_e4m3" else "auto", device=device,
+                                 kv_format=case.kv_format if case.kv_format in ("fp8_e4m3", "fp8_ds_mla") else "auto",
+                                 device=device,
                                  seed=sum(case.kv_lens) % 9973, spare_pages=0, table_padding=0,
                                  scale=(case.latent_dim + case.rope_dim) ** -0.5)
     args = random_paged_inputs(case.kv_lens, case.q_lens, num_q_heads=case.num_q_heads,
