@@ -62,7 +62,8 @@ def info(args) -> None:
                     print(f"  {label:<28} -> {e.chosen or 'NONE':<10} {('(passed over ' + why + ')') if why else ''}")
         from .cases import MLACase
         from .dispatch import explain_case
-        for kv_format in ("fp32" if device == "cpu" else "bf16", "fp8_e4m3"):  # DeepSeek's 512 + 64, 16 heads
+        for kv_format in ("fp32" if device == "cpu" else "bf16", "fp8_e4m3", "fp8_ds_mla"):  # DeepSeek's R 512,
+            # P 64, 16 heads
             case = MLACase(device_type=device, arch=device_arch(torch.device(device)), q_dtype=q_dtype,
                            kv_format=kv_format, latent_dim=512, rope_dim=64, num_heads=16, page_size=64, decode=True)
             e = explain_case(case)

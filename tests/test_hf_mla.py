@@ -377,13 +377,16 @@ def test_demo_serves_deepseek_compiled_and_eager_with_the_same_tokens(capsys):
 
 
 @pytest.mark.skipif("v32" not in VARIANTS, reason="this transformers has no DeepSeek-V3.2")
-def test_demo_serves_deepseek_v32_through_the_sparse_form(capsys):
-    """python -m attnops demo --model deepseek_v32: the sparse form's backend named (the C++ kernels on the CPU)."""
+@pytest.mark.parametrize("kv_format", ["fp32", "fp8_ds_mla"])
+def test_demo_serves_deepseek_v32_through_the_sparse_form(capsys, kv_format):
+    """python -m attnops demo --model deepseek_v32: the sparse form's backend named (the C++ kernels on the CPU),
+    over the model's own dtype and DeepSeek's fp8 layout."""
     from attnops import cli
     cli.main(["demo", "--model", "deepseek_v32", "--modes", "eager", "--batch", "2", "--prompt-len", "12",
-              "--steps", "3", "--device", "cpu"])
+              "--steps", "3", "--device", "cpu", "--kv-format", kv_format])
     out = capsys.readouterr().out
-    assert "random tiny deepseek_v32" in out and "latent rows of 64 + 16 (MLA)" in out, out
+    assert "random tiny deepseek_v32" in out and "latent rows of 128 + 16 (MLA)" in out, out
+    assert f"KV {kv_format}" in out, out
     assert "backend: prefill -> cpu, decode -> cpu, cache write -> cpu" in out, out
 
 

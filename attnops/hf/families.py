@@ -102,7 +102,7 @@ MLA_FAMILIES = {
                   qk_rope_head_dim=16, v_head_dim=32, moe_intermediate_size=64, n_routed_experts=4,
                   num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1, first_k_dense_replace=1)),
     # DeepSeek-V3.2: V3's attention with an indexer picking 2048 keys a query (the sparse form); tiny: 8 of 16
-    # heads' picks
+    # heads' picks, and a latent of 128 (DeepSeek's fp8 layout, --kv-format fp8_ds_mla, takes multiples of 128)
     "deepseek_v32": Family("deepseek_v32", "DeepSeek-V3.2 (4 of 61 layers, 8 of 256 routed experts)", dict(
         vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=4,
         first_k_dense_replace=1, num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536,
@@ -112,7 +112,7 @@ MLA_FAMILIES = {
         index_n_heads=64, index_head_dim=128,
         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=4096,
                              beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)),
-        tiny=dict(num_key_value_heads=4, head_dim=16, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32,
+        tiny=dict(num_key_value_heads=4, head_dim=16, q_lora_rank=64, kv_lora_rank=128, qk_nope_head_dim=32,
                   qk_rope_head_dim=16, v_head_dim=32, moe_intermediate_size=64, n_routed_experts=4,
                   num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
                   index_topk=8, index_n_heads=16, index_head_dim=32)),
