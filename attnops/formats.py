@@ -258,12 +258,14 @@ def quantize_latent_fp8(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
     tiles = kv_c.float().unflatten(-1, (-1, LATENT_FP8_TILE))
     scale = tiles.abs().amax(-1).clamp(min=_LATENT_FP8_AMAX_FLOOR) / 448.0
     scale = torch.where(scale.isnan(), float("nan"), scale)  # (one NaN, 0x7FC00000, whatever the tile's)
-    stored = (tiles / scale[..., None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).flatten(-2)
+    stored = (tiles / scale[..., None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).flatten(-2).view(torch.uint8)
+    # one NaN, whatever the sign a platform's division gives it: 0x7F (e4m3), 0x7FC0 (bf16; torch's vectorized CPU
+    # conversion writes 0xFFFF, its scalar one and the GPU's 0x7FC0)
+    stored = torch.where((stored & 0x7F) == 0x7F, 0x7F, stored).to(torch.uint8)
     rope = k_pe.to(torch.bfloat16)
-    # a NaN as 0x7FC0 (torch's vectorized CPU conversion writes 0xFFFF, its scalar one and the GPU's 0x7FC0)
     rope = torch.where(rope.isnan(), torch.tensor(0x7FC0, dtype=torch.int16, device=rope.device),
                        rope.view(torch.int16))
-    return torch.cat([stored.view(torch.uint8), scale.view(torch.uint8), rope.view(torch.uint8)], dim=-1)
+    return torch.cat([stored, scale.view(torch.uint8), rope.view(torch.uint8)], dim=-1)
 
 
 def dequantize_latent_fp8(rows: torch.Tensor, latent_dim: int, rope_dim: int,

@@ -716,8 +716,10 @@ def check_reduce_overhead(backend: str, args: dict) -> None:
         names.append("cu_seqlens_q")
         shortest = max(1, int(args["cu_seqlens_q"][2] - args["cu_seqlens_q"][1]))
 
+    formats_ = dict(kv_format=args.get("kv_format", "auto"), kv_scale=args.get("kv_scale"))
+
     def step(*tensors):  # (mla_attention's positional order: names')
-        return torch.ops.attnops.mla_attention(*tensors, scale=scale)
+        return torch.ops.attnops.mla_attention(*tensors, scale=scale, **formats_)
 
     compiled = torch.compile(step, fullgraph=True, mode="reduce-overhead")
     with attnops.use_backend(backend):

@@ -109,14 +109,16 @@ def test_reference_matches_an_independent_dense_computation(case):
     assert relative_error(got, dense) < 1e-6
 
 
-def random_batch(rng: random.Random, cpu: bool) -> tuple[dict, torch.dtype]:
+def random_batch(rng: random.Random, cpu: bool, dtypes=(torch.float32, torch.float16)) -> tuple[dict, torch.dtype]:
+    """A random ragged batch over an fp8_ds_mla cache (cpu: up to 128 heads and R 512) in one of `dtypes` (cpu: bf16
+    too)."""
     batch = rng.randint(1, 4)
     decode = rng.random() < 0.4
     kv_lens = [rng.choice([0, 1, rng.randint(2, 90)]) for _ in range(batch)]
     q_lens = None if decode else [rng.randint(0, min(n, 6)) if n else rng.randint(0, 2) for n in kv_lens]
     heads = rng.choice([1, 4, 16, 20] + [128] * cpu)
     latent = rng.choice([128, 256] + [512] * cpu)
-    dtype = rng.choice([torch.float32, torch.float16] + [torch.bfloat16] * cpu)
+    dtype = rng.choice(list(dtypes) + [torch.bfloat16] * cpu)
     args = mla_inputs(kv_lens, q_lens, heads=heads, latent=latent, rope=rng.choice([16, 64]),
                       page_size=rng.choice([1, 4, 16]), dtype=dtype, kv_format=FMT, seed=rng.randrange(1 << 30))
     if rng.random() < 0.4:
@@ -256,7 +258,7 @@ def test_latent_kv_cache_keeps_the_layout():
 def test_gpu_triton_matches_the_reference():
     rng = random.Random(7)
     for _ in range(12):
-        args, dtype = random_batch(rng, cpu=False)
+        args, dtype = random_batch(rng, cpu=False, dtypes=(torch.bfloat16, torch.float16))  # (fp32: tf32 products)
         args = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
         check_launch(args, dict(config=rng.choice([None, dict(CHUNK=64, BLOCK_N=32)])), "cuda", dtype,
                      LSE_ATOL[dtype])

@@ -146,7 +146,8 @@ void write_latent(const at::Tensor& kv_c, const at::Tensor& k_pe, const at::Tens
 
 // The latent rows in DeepSeek's fp8 layout ("fp8_ds_mla", a uint8 cache [.., R + 4 R/128 + 2 P]), exactly as
 // attnops/formats.py's quantize_latent_fp8 writes them: each 128 values over their scale max(amax, 1e-4) / 448
-// (a NaN among them: the NaN 0x7FC00000 as scale) as e4m3, saturated; the scales as float32; k_pe as bf16.
+// (a NaN among them: the NaN 0x7FC00000 as scale) as e4m3, saturated, a NaN as 0x7F; the scales as float32; k_pe
+// as bf16.
 template <typename Src>
 void write_latent_fp8(const at::Tensor& kv_c, const at::Tensor& k_pe, const at::Tensor& kv_cache,
                       const int64_t* slots, int64_t slot_stride) {
@@ -173,7 +174,7 @@ void write_latent_fp8(const at::Tensor& kv_c, const at::Tensor& k_pe, const at::
         for (int64_t d = t0; d < t0 + 128; ++d) {
           const c10::Float8_e4m3fn y = Store<c10::Float8_e4m3fn>::convert(static_cast<float>(c[d * kv_c.stride(1)]),
                                                                           scale);
-          std::memcpy(row + d, &y, 1);
+          row[d] = (y.x & 0x7F) == 0x7F ? 0x7F : y.x;  // (one NaN: 0x7F, whatever its sign)
         }
       }
       uint8_t* rope = row + latent_dim + latent_dim / 32;

@@ -275,8 +275,10 @@ def mla_cache_write_kernel(kv_c_ptr, k_pe_ptr, kv_ptr, slot_ptr, kv_scale_ptr, e
             scale = tl.math.div_rn(tl.maximum(amax, 1e-4), 448.0 + tl.zeros([TILES], tl.float32))
             scale = tl.where(has_nan, float("nan"), scale)
             y = tl.reshape(tl.math.div_rn(tiles, scale[:, None] + tl.zeros([TILES, 128], tl.float32)), (R_P2,))
-            y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -448.0), 448.0))
-            tl.store(row + offs_r, to_fp8_bits(y, tl.float8e4nv, SOFT_FP8), mask=offs_r < R)
+            nan = y != y
+            y = tl.where(nan, 0.0, tl.minimum(tl.maximum(y, -448.0), 448.0))
+            bits = tl.where(nan, 0x7F, to_fp8_bits(y, tl.float8e4nv, SOFT_FP8))  # (one NaN, unsigned)
+            tl.store(row + offs_r, bits.to(tl.uint8), mask=offs_r < R)
             offs_t = tl.arange(0, TILES)
             tl.store((row + R + 4 * offs_t).to(tl.pointer_type(tl.float32)), scale, mask=offs_t < R // 128)
             tl.store((row + R + R // 32 + 2 * offs_p).to(tl.pointer_type(tl.int16)), to_bf16_bits(pe),
