@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import attnops
-from attnops import dispatch, invariance
+from attnops import dispatch, formats, invariance
 from attnops.testing import random_paged_inputs
 
 GPU = torch.cuda.is_available()
@@ -23,13 +23,15 @@ DEFAULT_THREADS = torch.get_num_threads()
 def sequence(rng: random.Random, gen: torch.Generator, *, decode: bool, page_size: int, latent: bool,
              heads: int, dim: int, rope: int, dtype, kv_format: str | None = None) -> dict:
     """One sequence's own data: its pages (random values; kv_format nvfp4 or mxfp4: random packed values and block
-    scales), its query rows and its length."""
+    scales; fp8_ds_mla: latent rows in DeepSeek's fp8 layout), its query rows and its length."""
     # (over 1024 keys: more splits than the default plan's cap in the interpreter, where it lengthens them)
     kv_len = rng.choice([1, rng.randint(2, 40), rng.randint(40, 200), rng.randint(1025, 1500)])
     q_len = 1 if decode else rng.randint(1, min(kv_len, 5))
     pages = -(-kv_len // page_size)
     if latent:
-        cache = {"kv_cache": torch.randn(pages, page_size, dim + rope, generator=gen).to(dtype)}
+        rows = torch.randn(pages, page_size, dim + rope, generator=gen)
+        cache = {"kv_cache": formats.quantize_latent_fp8(rows[..., :dim], rows[..., dim:])
+                 if kv_format == formats.LATENT_FP8_FORMAT else rows.to(dtype)}
         q = {"q_nope": torch.randn(q_len, heads, dim, generator=gen).to(dtype),
              "q_pe": torch.randn(q_len, heads, rope, generator=gen).to(dtype)}
     else:
@@ -84,8 +86,9 @@ def check_invariant(backend: str, *, latent: bool, device: str, dtype, trials: i
                     heads: tuple[int, ...] = (1, 4, 8), page_sizes: tuple[int, ...] = (1, 4, 16),
                     decode_only: bool = False) -> None:
     """`threads`: torch's thread counts to draw from for each call (the C++ CPU kernels' work follows them).
-    kv_format: a 4-bit cache ("nvfp4", "mxfp4"; the cache's dtype otherwise). latent_row: (R, P) of latent rows
-    (default: R 64 or 128, P 16); heads, page_sizes: what each trial draws from; decode_only: no query blocks."""
+    kv_format: a 4-bit cache ("nvfp4", "mxfp4"), DeepSeek's fp8 latent layout ("fp8_ds_mla"; R 128 unless
+    latent_row says), else the cache's dtype. latent_row: (R, P) of latent rows (default: R 64 or 128, P 16);
+    heads, page_sizes: what each trial draws from; decode_only: no query blocks."""
     rng = random.Random(seed)
     default_threads = torch.get_num_threads()
     gen = torch.Generator().manual_seed(seed)
@@ -93,6 +96,7 @@ def check_invariant(backend: str, *, latent: bool, device: str, dtype, trials: i
     for trial in range(trials):
         decode = decode_only or rng.random() < 0.5
         dim, rope = latent_row or (rng.choice([64, 128]) if latent or kv_format else rng.choice([32, 64]), 16)
+        dim = 128 if kv_format == formats.LATENT_FP8_FORMAT and latent_row is None else dim
         shape = dict(decode=decode, page_size=rng.choice(page_sizes), latent=latent, heads=rng.choice(heads),
                      dim=dim, rope=rope, dtype=dtype, kv_format=kv_format)
         target = sequence(rng, gen, **shape)
@@ -152,6 +156,15 @@ def test_triton_is_invariant_in_the_interpreter(latent):
     check_invariant("triton", latent=latent, device="cpu", dtype=torch.float16, trials=3 if latent else 5, seed=2)
 
 
+def test_latent_fp8_layout_is_invariant_on_the_cpu_and_in_the_interpreter():
+    """DeepSeek's fp8 latent layout (fp8_ds_mla): the C++ kernels on 1 to 6 threads, and Triton's interpreter."""
+    check_invariant("cpu", latent=True, device="cpu", dtype=torch.bfloat16, trials=5, seed=6, threads=(1, 2, 3, 6),
+                    kv_format="fp8_ds_mla")
+    if not GPU:
+        check_invariant("triton", latent=True, device="cpu", dtype=torch.float16, trials=2, seed=7,
+                        kv_format="fp8_ds_mla")
+
+
 @pytest.mark.skipif(GPU, reason="the interpreter's run; the GPU run is below")
 @pytest.mark.parametrize("kv_format", ["nvfp4", "mxfp4"])
 def test_triton_4bit_is_invariant_in_the_interpreter(kv_format):
@@ -164,6 +177,12 @@ def test_triton_4bit_is_invariant_in_the_interpreter(kv_format):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_triton_is_invariant_on_the_gpu(dtype, latent):
     check_invariant("triton", latent=latent, device="cuda", dtype=dtype, trials=20, seed=3)
+
+
+@pytest.mark.gpu
+def test_triton_latent_fp8_layout_is_invariant_on_the_gpu():
+    check_invariant("triton", latent=True, device="cuda", dtype=torch.bfloat16, trials=10, seed=8,
+                    kv_format="fp8_ds_mla", latent_row=(512, 64), heads=(16, 128))
 
 
 @pytest.mark.gpu
