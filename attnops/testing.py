@@ -82,8 +82,9 @@ def random_mla_inputs(kv_lens, q_lens=None, *, num_heads=4, latent_dim=64, rope_
                       q_dtype=torch.float16, kv_format="auto", device="cpu", seed=0, spare_pages=2,
                       table_padding=1, scale=0.13) -> dict:
     """Keyword arguments of mla_attention: a paged latent cache of random rows in random page order (kv_format
-    "auto": q's dtype; "fp8_e4m3": stored / kv_scale; "fp8_ds_mla": DeepSeek's layout), garbage (-1 or a random page) past each sequence's pages,
-    one query row a sequence (decode) or q_lens rows each."""
+    "auto": q's dtype; "fp8_e4m3": stored / kv_scale; "fp8_ds_mla": DeepSeek's layout, each 128 latent values of
+    their own size), garbage (-1 or a random page) past each sequence's pages, one query row a sequence (decode) or
+    q_lens rows each."""
     device = torch.device(device)
     gen = torch.Generator(device).manual_seed(seed)  # (made where it is used, as random_paged_inputs)
     batch = len(kv_lens)

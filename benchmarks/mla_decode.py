@@ -10,10 +10,11 @@ FlashInfer is installed) and the bandwidth ceiling, same data, same run.
 small grid beside the plan's own choice, and prints each case's best: what mla_plan's choices are fitted to.
 
 Each case: a paged bf16 (or --kv-format fp8_e4m3, or fp8_ds_mla: DeepSeek's 656-byte rows) latent cache of random
-rows in random page order, one query token a sequence; the output is checked against the float64 reference before it is timed (CUDA-graph replay, median of
-triton.testing.do_bench). Achieved TB/s counts the latent rows read once (R + P values a token, in the stored
-format, the fp8_ds_mla rows' scales and bf16 rotary part included) plus q and out; with --topk K, each row lists K distinct random positions of its sequence (in random order,
-as an indexer's top-k comes) and the rows read are those K, plus the lists; the ceiling is the GPU's datasheet HBM
+rows in random page order, one query token a sequence; the output is checked against the float64 reference before
+it is timed (CUDA-graph replay, median of triton.testing.do_bench). Achieved TB/s counts the latent rows read once
+(R + P values a token in the stored format; fp8_ds_mla's rows whole, scales and bf16 rotary part included) plus q
+and out; with --topk K, each row lists K distinct random positions of its sequence (in random order, as an
+indexer's top-k comes) and the rows read are those K, plus the lists; the ceiling is the GPU's datasheet HBM
 bandwidth (H200: 4.8 TB/s).
 """
 from __future__ import annotations

@@ -245,8 +245,8 @@ class ReferenceBackend(Backend):
     def mla_attention(self, call) -> None:
         out, lse = mla_attention_reference(
             call.q_nope, call.q_pe, call.kv_cache, call.block_table, call.seq_lens, call.cu_seqlens_q,
-            scale=call.scale, kv_format=call.case.kv_format, kv_scale=call.kv_scale, sinks=call.sinks, tree_mask=call.tree_mask,
-            topk_indices=call.topk_indices, compute_dtype=torch.float64, return_lse=True)
+            scale=call.scale, kv_format=call.case.kv_format, kv_scale=call.kv_scale, sinks=call.sinks,
+            tree_mask=call.tree_mask, topk_indices=call.topk_indices, compute_dtype=torch.float64, return_lse=True)
         call.out.copy_(out)
         if call.lse is not None:
             call.lse.copy_(lse)
