@@ -111,8 +111,15 @@ def spec_inputs(spec, device, dtype):
     return args
 
 
+# the LSE's tolerance over DeepSeek's fp8 layout (fp8_ds_mla): Triton widens its values to q's dtype before the
+# products (as FlashMLA's kernels do), each rounded to fp16's 11 or bf16's 8 significant bits; that rounding alone
+# moves an LSE of these random batches by up to 0.025 in bf16
+DS_LSE_ATOL = {torch.float32: 2e-3, torch.float16: 1e-2, torch.bfloat16: 4e-2}
+
+
 def check_triton(spec, device, dtype):
-    check_launch(spec_inputs(spec, device, dtype), spec, device, dtype)
+    check_launch(spec_inputs(spec, device, dtype), spec, device, dtype,
+                 DS_LSE_ATOL[dtype] if spec["kv_format"] == "fp8_ds_mla" else 2e-3)
 
 
 def check_launch(args, spec, device, dtype, lse_atol=2e-3):

@@ -16,13 +16,11 @@ import attnops
 from attnops import formats
 from attnops.backends.reference import mla_attention_reference, mla_cache_write_reference
 from attnops.testing import relative_error
-from test_mla import (GPU, check_cpu, check_launch, check_reduce_overhead, check_user_graph_replays, dense_mla,
-                      mla_inputs)
+from test_mla import (DS_LSE_ATOL, GPU, check_cpu, check_launch, check_reduce_overhead, check_user_graph_replays,
+                      dense_mla, mla_inputs)
 
 FMT = "fp8_ds_mla"
-# the LSE's tolerance of the Triton kernel, which widens the latent values to q's dtype before its products (as
-# FlashMLA's kernels do): each value rounded to fp16's 11 or bf16's 8 significant bits
-LSE_ATOL = {torch.float32: 2e-3, torch.float16: 1e-2, torch.bfloat16: 4e-2}
+LSE_ATOL = DS_LSE_ATOL  # (Triton's products over the layout's values widened to q's dtype)
 
 
 def test_the_layout_is_deepseeks_byte_for_byte():
