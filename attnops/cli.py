@@ -240,7 +240,8 @@ def main(argv=None) -> None:
     p.add_argument("--num-kv-heads", type=int, default=8, help="KV heads (default 8; or from --config)")
     p.add_argument("--head-dim", type=int, default=128, help="head dim (default 128; or from --config)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="q, key and value dtype")
-    p.add_argument("--kv-format", default="bf16", help="the cache's format: " + ", ".join(KV_FORMATS))
+    p.add_argument("--kv-format", default="bf16", help="the cache's format: " + ", ".join(KV_FORMATS) +
+                   " (latent attention: bf16, fp16, fp32, fp8_e4m3, fp8_ds_mla)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.set_defaults(func=warmup)
