@@ -135,8 +135,11 @@ def test_cpu_matches_the_float64_reference_on_random_batches(seed):
 
 
 @pytest.mark.skipif(GPU, reason="the interpreter's run; the GPU's is test_gpu_triton_matches_the_reference")
+@pytest.mark.parametrize("form", ["reshape", "select"])
 @pytest.mark.parametrize("seed", range(2))
-def test_triton_matches_the_reference_in_the_interpreter(seed):
+def test_triton_matches_the_reference_in_the_interpreter(seed, form, monkeypatch):
+    """Each form of the scales' product (ATTNOPS_TRITON_MLA_DS_SCALES) on random batches."""
+    monkeypatch.setenv("ATTNOPS_TRITON_MLA_DS_SCALES", form)
     rng = random.Random(100 + seed)
     for _ in range(5):
         args, dtype = random_batch(rng, cpu=False)
@@ -266,6 +269,26 @@ def test_gpu_triton_matches_the_reference():
         with attnops.use_backend("triton"):
             got = torch.ops.attnops.mla_attention(**args)
         assert relative_error(got, mla_attention_reference(**args)) < 1e-2, heads
+
+
+def test_an_unknown_scales_form_is_named(monkeypatch):
+    monkeypatch.setenv("ATTNOPS_TRITON_MLA_DS_SCALES", "gather")
+    args = mla_inputs([10], None, heads=4, latent=128, rope=16, kv_format=FMT)
+    from attnops.backends.triton.mla_launch import mla_launch
+    with pytest.raises(ValueError, match="ATTNOPS_TRITON_MLA_DS_SCALES"):
+        mla_launch(**args, kv_scale=None, sinks=None, tree_mask=None, out=torch.empty_like(args["q_nope"]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ["reshape", "select"])
+def test_gpu_scales_forms_match_the_reference(form, monkeypatch):
+    monkeypatch.setenv("ATTNOPS_TRITON_MLA_DS_SCALES", form)
+    rng = random.Random(9)
+    for _ in range(6):
+        args, dtype = random_batch(rng, cpu=False, dtypes=(torch.bfloat16, torch.float16))
+        args = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+        check_launch(args, dict(config=rng.choice([None, dict(CHUNK=64, BLOCK_N=32)])), "cuda", dtype,
+                     LSE_ATOL[dtype])
 
 
 @pytest.mark.gpu

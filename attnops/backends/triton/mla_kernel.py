@@ -30,11 +30,13 @@ from .common import (ERR_BLOCK_TABLE, ERR_CU_SEQLENS_Q, ERR_SEQ_LENS, ERR_SLOT_M
 @triton.jit
 def _latent_tile(kv_ptr, bt_row, kpos, vis, num_pages, stride_page, stride_tok, offs, width,
                  PAGE: tl.constexpr, FMT: tl.constexpr, ROPE: tl.constexpr, R: tl.constexpr,
-                 DOT_DTYPE: tl.constexpr):
+                 DOT_DTYPE: tl.constexpr, DS_SELECT: tl.constexpr = False):
     """The latent values `offs` (< width) of the keys kpos (ROPE: their rotary values), [BLOCK_N, len(offs)] in
     DOT_DTYPE (0 where a key is not visible or its page is bad), and which visible keys sit in a bad page.
     FMT: 0 values as stored, 1 fp8 e4m3 (the call's scale applied by the caller), 2 "fp8_ds_mla" (a row of bytes:
-    R e4m3 values, a float32 scale a 128 of them, then the rotary values as bf16; R, len(offs) multiples of 128)."""
+    R e4m3 values, a float32 scale a 128 of them, then the rotary values as bf16; R, len(offs) multiples of 128).
+    DS_SELECT: each 128's scale loaded as a vector of the keys and chosen per column (no reshape of the tile;
+    mla_launch.DS_SCALES_ENV), not yet timed."""
     page = tl.load(bt_row + kpos // PAGE, mask=vis, other=0)
     bad = vis & (page.to(tl.uint32, bitcast=True) >= num_pages.to(tl.uint32))  # (a negative index too)
     ok = vis & ~bad
@@ -47,7 +49,14 @@ def _latent_tile(kv_ptr, bt_row, kpos, vis, num_pages, stride_page, stride_tok, 
     elif FMT >= 1:
         bits = tl.load(kv_ptr + row[:, None] + offs[None, :], mask=mask, other=0)
         value = fp8_decoded(bits.to(tl.int32), bits.to(tl.float8e4nv, bitcast=True).to(tl.float32), tl.float8e4nv)
-        if FMT == 2:  # times each 128 values' scale, read once a tile of them
+        if FMT == 2 and DS_SELECT:  # times each 128 values' scale: a key's scales as vectors, one a 128
+            scale = tl.zeros(value.shape, tl.float32)
+            for part in tl.static_range(offs.shape[0] // 128):
+                part_scale = tl.load((kv_ptr + row + R + 4 * part).to(tl.pointer_type(tl.float32)),
+                                     mask=ok & (part < width // 128), other=0.0)
+                scale = tl.where((offs // 128 == part)[None, :], part_scale[:, None], scale)
+            value = value * scale
+        elif FMT == 2:  # times each 128 values' scale, read once a tile of them
             TILES: tl.constexpr = offs.shape[0] // 128
             tiles = tl.arange(0, TILES)
             scale = tl.load((kv_ptr + row[:, None] + R + 4 * tiles[None, :]).to(tl.pointer_type(tl.float32)),
@@ -72,7 +81,7 @@ def mla_attention_kernel(
     NUM_HEADS: tl.constexpr, R: tl.constexpr, P: tl.constexpr, R_P2: tl.constexpr, P_P2: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     IS_DECODE: tl.constexpr, FMT: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_TREE: tl.constexpr,
-    HAS_TOPK: tl.constexpr, WRITE_LSE: tl.constexpr,
+    HAS_TOPK: tl.constexpr, WRITE_LSE: tl.constexpr, DS_SELECT: tl.constexpr = False,
 ):
     """Program (token t and head block, split): the token's heads of the block against the split's keys of its
     sequence (those at or before its position; a tree mask decides inside its query block). With one split it
@@ -152,7 +161,7 @@ def mla_attention_kernel(
                            other=0)
             vis = vis & (~in_block | (seen != 0))
         c, bad = _latent_tile(kv_ptr, bt_row, kpos, vis, num_pages, stride_page, stride_tok, offs_r, R, PAGE, FMT,
-                              False, R, DOT_DTYPE)
+                              False, R, DOT_DTYPE, DS_SELECT)
         rp, _ = _latent_tile(kv_ptr if FMT == 2 else kv_ptr + R, bt_row, kpos, vis, num_pages, stride_page,
                              stride_tok, offs_p, P, PAGE, FMT, True, R, DOT_DTYPE)
         saw_bad = saw_bad | bad
