@@ -233,8 +233,9 @@ def cpu_grid() -> list:
     cases = [Case(c.name, c.group, c.kv_lens, c.q_lens, num_q_heads=8, num_kv_heads=2, head_dim=64,
                   kv_format=c.kv_format) for c in cases]
     latent = dict(num_q_heads=16, num_kv_heads=1, head_dim=128, latent_dim=128, rope_dim=32, page_size=64)
-    return cases + [Case("cpu-mla-decode/4x512/fp32", "cpu-mla", [512] * 4, kv_format="fp32", **latent),
-                    Case("cpu-mla-verify/2x512/q2/fp32", "cpu-mla", [512] * 2, [2] * 2, kv_format="fp32", **latent)]
+    return cases + [Case(f"cpu-mla-decode/4x512/{fmt}", "cpu-mla", [512] * 4, kv_format=fmt, **latent)
+                    for fmt in ("fp32", "fp8_e4m3", "fp8_ds_mla")] + \
+        [Case("cpu-mla-verify/2x512/q2/fp32", "cpu-mla", [512] * 2, [2] * 2, kv_format="fp32", **latent)]
 
 
 def cpu_bar_grid() -> list:

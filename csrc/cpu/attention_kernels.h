@@ -115,8 +115,12 @@ struct Fp8Loader {
 // into scratch memory (dequantize_fp4_row) and runs the fp32 loops on them. This marks that path.
 struct Fp4Loader : FloatLoader {};
 
-// Latent rows in DeepSeek's fp8 layout (MLA's "fp8_ds_mla") are dequantized the same way (dequantize_latent_row).
+// Latent rows in DeepSeek's fp8 layout (MLA's "fp8_ds_mla") are dequantized the same way (dequantize_latent_row),
+// and so are fp8 rows that many query rows share (dequantize_fp8_row: a tile whose rows a K row serves number
+// kFp8RowsMinShare or more, as latent attention's heads): widened once a chunk rather than once a query row, the same
+// values into the same loops, so the same bits as Fp8Loader's.
 struct LatentFp8Loader : FloatLoader {};
+struct Fp8RowsLoader : FloatLoader {};
 
 // e2m1 codes (bit 3: the sign) as values
 alignas(64) inline constexpr float kE2m1[16] = {0.f,  0.5f,  1.f,  1.5f,  2.f,  3.f,  4.f,  6.f,
@@ -142,6 +146,17 @@ inline void dequantize_fp4_row(const AttentionParams& p, const uint8_t* packed, 
   }
 }
 
+// An fp8 row of D values as fp32, through fp8_lut (before the scale, which q and the output norm carry). A null row
+// reads zeros.
+inline void dequantize_fp8_row(const AttentionParams& p, const uint8_t* row, int64_t D, float* dst) {
+  if (row == nullptr) {
+    std::fill(dst, dst + D, 0.f);
+    return;
+  }
+  const Fp8Loader ld{p.fp8_lut};
+  for (int64_t i = 0; i < D; i += kVec) ld.load(row + i).store(dst + i);  // (D: whole vectors, as the loops take)
+}
+
 // A latent row in DeepSeek's fp8 layout as fp32 (R + P values): its R e4m3 values (through fp8_lut) times their
 // 128's float32 scale (at byte R + 4 i), then its P bf16 values (from byte R + R/32). A null row reads zeros.
 inline void dequantize_latent_row(const AttentionParams& p, const uint8_t* row, float* dst) {
@@ -150,10 +165,12 @@ inline void dequantize_latent_row(const AttentionParams& p, const uint8_t* row, 
     std::fill(dst, dst + D, 0.f);
     return;
   }
+  const Fp8Loader ld{p.fp8_lut};
   for (int64_t t0 = 0; t0 < R; t0 += 128) {
     float scale;
     std::memcpy(&scale, row + R + t0 / 32, sizeof(float));
-    for (int64_t i = t0; i < t0 + 128; ++i) dst[i] = p.fp8_lut[row[i]] * scale;
+    const Vec vscale(scale);
+    for (int64_t i = t0; i < t0 + 128; i += kVec) (ld.load(row + i) * vscale).store(dst + i);
   }
   const uint8_t* rope = row + R + R / 32;
   for (int64_t i = R; i < D; ++i) {
@@ -481,9 +498,12 @@ template <typename QT, typename Loader>
 void attend_impl(const AttentionParams& p, const Loader& ld, const Tile& tile, const WorkItem& item,
                  const Partials& partials, float* scratch) {
   using KT = typename Loader::T;
-  // (KT float: the rows are dequantized into k_fp4/v_fp4; a latent fp8 row's V is its K row's first values)
+  // kDequantized: KT float, the chunk's rows widened into k_dq/v_dq (4-bit, latent fp8, shared fp8 rows); where
+  // v_cache is k_cache (latent attention) the V rows are the K rows just widened
+  constexpr bool kFp4 = std::is_same_v<Loader, Fp4Loader>;
   constexpr bool kLatentFp8 = std::is_same_v<Loader, LatentFp8Loader>;
-  constexpr bool kFp4 = std::is_same_v<Loader, Fp4Loader> || kLatentFp8;
+  constexpr bool kFp8Rows = std::is_same_v<Loader, Fp8RowsLoader>;
+  constexpr bool kDequantized = kFp4 || kLatentFp8 || kFp8Rows;
   const int64_t D = p.head_dim, Dv = p.value_dim;
   const TileRows rows(p, tile);
   float* qf = scratch;                               // [rows][D]
@@ -491,8 +511,8 @@ void attend_impl(const AttentionParams& p, const Loader& ld, const Tile& tile, c
   float* S = acc + p.max_tile_rows * Dv;             // [rows][kKeyChunk]
   float* row_max = S + p.max_tile_rows * kKeyChunk;  // [rows]
   float* row_sum = row_max + p.max_tile_rows;        // [rows]
-  float* k_fp4 = row_sum + p.max_tile_rows;          // 4-bit caches: [kKeyChunk][D], then V's
-  float* v_fp4 = k_fp4 + kKeyChunk * D;
+  float* k_dq = row_sum + p.max_tile_rows;           // kDequantized: [kKeyChunk][D], then V's
+  float* v_dq = k_dq + kKeyChunk * D;
 
   // q rows in fp32, times the softmax scale and the head's key scale (so that stored fp8 keys are used as stored)
   // (MLA: the values from q_nope_dim on come from q_pe)
@@ -550,25 +570,27 @@ void attend_impl(const AttentionParams& p, const Loader& ld, const Tile& tile, c
       bad_keys[j] = page < 0 || page >= p.num_pages;
       any_bad |= bad_keys[j];
       off[j] = bad_keys[j] ? -1 : page * p.cache_stride_page + (pos & slot_mask) * p.cache_stride_slot;
-      if constexpr (kFp4)
+      if constexpr (kFp4)  // (4-bit: the rows' block scales)
         scale_off[j] = bad_keys[j] ? -1 : page * p.scale_stride_page + (pos & slot_mask) * p.scale_stride_slot;
     }
     return n;
   };
   const KT* zeros = reinterpret_cast<const KT*>(kZeroRow);
   auto row = [&](const KT* cache, int64_t head, int64_t offset) { return offset < 0 ? zeros : cache + head + offset; };
-  // 4-bit: the chunk's rows of KV head `kv_head`, dequantized into `dst` ([kKeyChunk][D]), pointed to by `ptrs`
-  auto fp4_rows = [&](const void* cache, const uint8_t* block_scales, int64_t kv_head, int64_t n, float* dst,
-                      const KT** ptrs) {
+  // kDequantized: the chunk's rows of KV head `kv_head`, widened into `dst` ([kKeyChunk][D]), pointed to by `ptrs`
+  auto dequantized_rows = [&](const void* cache, const uint8_t* block_scales, int64_t kv_head, int64_t n, float* dst,
+                              const KT** ptrs) {
     const uint8_t* bytes = static_cast<const uint8_t*>(cache) + kv_head * p.cache_stride_head;
-    const uint8_t* head_scales = block_scales + kv_head * p.scale_stride_head;
     for (int64_t j = 0; j < n; ++j) {
-      const bool bad_page = offsets[j] < 0;  // (read as zeros, as the other formats read kZeroRow)
-      if constexpr (kLatentFp8)
-        dequantize_latent_row(p, bad_page ? nullptr : bytes + offsets[j], dst + j * D);
-      else
-        dequantize_fp4_row(p, bad_page ? nullptr : bytes + offsets[j],
-                           bad_page ? nullptr : head_scales + scale_offsets[j], D, dst + j * D);
+      const uint8_t* src = offsets[j] < 0 ? nullptr : bytes + offsets[j];  // (a bad page reads zeros, as kZeroRow)
+      if constexpr (kLatentFp8) {
+        dequantize_latent_row(p, src, dst + j * D);
+      } else if constexpr (kFp8Rows) {
+        dequantize_fp8_row(p, src, D, dst + j * D);
+      } else {
+        const uint8_t* scales = block_scales + kv_head * p.scale_stride_head + scale_offsets[j];
+        dequantize_fp4_row(p, src, src == nullptr ? nullptr : scales, D, dst + j * D);
+      }
       ptrs[j] = reinterpret_cast<const KT*>(dst + j * D);
     }
   };
@@ -579,7 +601,7 @@ void attend_impl(const AttentionParams& p, const Loader& ld, const Tile& tile, c
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(KT));
   if (item.kv_begin < item.kv_end) {  // the first chunk has nothing before it to hide its loads behind
     const int64_t n = locate(item.kv_begin, offsets, scale_offsets, bad, chunk_bad);
-    for (int64_t hi = 0; hi < tile.num_heads && !kFp4; ++hi) {
+    for (int64_t hi = 0; hi < tile.num_heads && !kDequantized; ++hi) {
       const int64_t head = (tile.kv_head + hi) * p.cache_stride_head;
       for (int64_t j = 0; j < n; ++j) {
         k_next[j] = row(k_cache, head, offsets[j]);
@@ -597,8 +619,8 @@ void attend_impl(const AttentionParams& p, const Loader& ld, const Tile& tile, c
 
     for (int64_t hi = 0; hi < tile.num_heads; ++hi) {
       const int64_t head = (tile.kv_head + hi) * p.cache_stride_head;
-      if constexpr (kFp4) {  // (no prefetch: a packed row is a few cache lines, read once into the scratch rows)
-        fp4_rows(p.k_cache, p.k_block_scale, tile.kv_head + hi, n, k_fp4, k_rows);
+      if constexpr (kDequantized) {  // (no prefetch: the rows are read once, into the scratch rows)
+        dequantized_rows(p.k_cache, p.k_block_scale, tile.kv_head + hi, n, k_dq, k_rows);
         qk(ld, qf + hi * rows.per_head * D, rows.per_head, D, k_rows, n, S + hi * rows.per_head * kKeyChunk,
            Ahead<KT>{k_next, v_next, 0, row_bytes});
         continue;
@@ -666,10 +688,11 @@ void attend_impl(const AttentionParams& p, const Loader& ld, const Tile& tile, c
 
     for (int64_t hi = 0; hi < tile.num_heads; ++hi) {
       const int64_t head = (tile.kv_head + hi) * p.cache_stride_head;
-      if constexpr (kLatentFp8) {  // (one KV head: the K rows just dequantized)
-        std::copy(k_rows, k_rows + n, v_rows);
-      } else if constexpr (kFp4) {
-        fp4_rows(p.v_cache, p.v_block_scale, tile.kv_head + hi, n, v_fp4, v_rows);
+      if constexpr (kDequantized) {
+        if (p.v_cache == p.k_cache && tile.num_heads == 1)  // (latent attention: the K rows just widened)
+          std::copy(k_rows, k_rows + n, v_rows);
+        else
+          dequantized_rows(p.v_cache, p.v_block_scale, tile.kv_head + hi, n, v_dq, v_rows);
       } else {
         for (int64_t j = 0; j < n; ++j) v_rows[j] = row(v_cache, head, offsets[j]);
       }
@@ -739,7 +762,10 @@ void attend_q(const AttentionParams& p, const Tile& tile, const WorkItem& item, 
     case DType::Float: return attend_impl<QT>(p, FloatLoader{}, tile, item, partials, scratch);
     case DType::BFloat16: return attend_impl<QT>(p, ReducedLoader<c10::BFloat16>{}, tile, item, partials, scratch);
     case DType::Half: return attend_impl<QT>(p, ReducedLoader<c10::Half>{}, tile, item, partials, scratch);
-    case DType::Fp8: return attend_impl<QT>(p, Fp8Loader{p.fp8_lut}, tile, item, partials, scratch);
+    case DType::Fp8:
+      if (TileRows(p, tile).per_head >= kFp8RowsMinShare)
+        return attend_impl<QT>(p, Fp8RowsLoader{}, tile, item, partials, scratch);
+      return attend_impl<QT>(p, Fp8Loader{p.fp8_lut}, tile, item, partials, scratch);
     case DType::Fp4: return attend_impl<QT>(p, Fp4Loader{}, tile, item, partials, scratch);
     case DType::LatentFp8: return attend_impl<QT>(p, LatentFp8Loader{}, tile, item, partials, scratch);
   }

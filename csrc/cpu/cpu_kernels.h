@@ -121,12 +121,19 @@ constexpr int64_t kMaxHeadDim = 576, kMaxValueDim = 512;
 
 // Floats of scratch memory one worker needs: the tile's q rows in fp32 ([rows][head_dim]) and its accumulators
 // ([rows][value_dim]), the chunk's scores ([rows][kKeyChunk]), and the running max and sum ([rows] each); for a
-// 4-bit cache also a chunk's K and V rows dequantized ([kKeyChunk][head_dim] each; a LatentFp8 cache's V rows are
-// its K rows).
+// 4-bit, latent fp8 or fp8 cache also a chunk's K and V rows widened ([kKeyChunk][head_dim] each; latent
+// attention's V rows are its K rows).
 inline int64_t scratch_floats(const AttentionParams& p) {
   return p.max_tile_rows * (p.head_dim + p.value_dim + kKeyChunk + 2) +
-         (p.kv_dtype == DType::Fp4 || p.kv_dtype == DType::LatentFp8 ? 2 * kKeyChunk * p.head_dim : 0);
+         (p.kv_dtype == DType::Fp4 || p.kv_dtype == DType::LatentFp8 || p.kv_dtype == DType::Fp8
+              ? 2 * kKeyChunk * p.head_dim
+              : 0);
 }
+
+// An fp8 tile whose K rows each serve this many query rows (tokens x its group's heads) or more widens a chunk's
+// rows once into scratch memory and runs the fp32 loops on them, instead of looking each value up once a row
+// (attention_kernels.h, Fp8RowsLoader): the same bits, fewer lookups.
+constexpr int64_t kFp8RowsMinShare = 8;
 
 // The inner loops for one instruction set.
 struct KernelTable {
