@@ -8,6 +8,8 @@ tested against it, and `reshape_and_cache`'s reference path quantizes through it
 - "nvfp4": uint8 [..., D/2], two e2m1 values a byte (element 2i in the low nibble), one float8_e4m3fn scale per
   16 values, [..., D/16].
 - "mxfp4": the same packing, one e8m0 scale per 32 values (uint8 s, value 2^(s-127)), [..., D/32].
+- "fp8_ds_mla" (latent attention's alone, DeepSeek's layout): a token's whole latent row in bytes, its scales inside
+  (the last section below).
 """
 from __future__ import annotations
 
