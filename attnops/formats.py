@@ -255,6 +255,14 @@ def latent_fp8_row_bytes(latent_dim: int, rope_dim: int) -> int:
     return latent_dim + 4 * (latent_dim // LATENT_FP8_TILE) + 2 * rope_dim
 
 
+def latent_row(kv_format: str, latent_dim: int, rope_dim: int) -> tuple[int, torch.dtype]:
+    """A latent cache's row in `kv_format` (a plain or fp8 format's name, or "fp8_ds_mla"): its last dimension and
+    the cache's dtype."""
+    if kv_format == LATENT_FP8_FORMAT:
+        return latent_fp8_row_bytes(latent_dim, rope_dim), torch.uint8
+    return latent_dim + rope_dim, FORMATS[kv_format].storage_dtype
+
+
 def quantize_latent_fp8(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
     """kv_c [..., R], k_pe [..., P] -> their rows in the "fp8_ds_mla" layout, uint8 [..., R + 4 R/128 + 2 P]."""
     tiles = kv_c.float().unflatten(-1, (-1, LATENT_FP8_TILE))

@@ -20,7 +20,6 @@ from test_mla import (DS_LSE_ATOL, GPU, check_cpu, check_launch, check_reduce_ov
                       dense_mla, mla_inputs)
 
 FMT = "fp8_ds_mla"
-LSE_ATOL = DS_LSE_ATOL  # (Triton's products over the layout's values widened to q's dtype)
 
 
 def test_the_layout_is_deepseeks_byte_for_byte():
@@ -144,7 +143,7 @@ def test_triton_matches_the_reference_in_the_interpreter(seed, form, monkeypatch
     for _ in range(5):
         args, dtype = random_batch(rng, cpu=False)
         check_launch(args, dict(config=rng.choice([None, dict(CHUNK=16, BLOCK_N=16)])), "cpu", dtype,
-                     LSE_ATOL[dtype])
+                     DS_LSE_ATOL[dtype])
 
 
 @pytest.mark.parametrize("backend", ["cpu", "triton", "reference"])
@@ -262,7 +261,7 @@ def test_gpu_triton_matches_the_reference():
         args, dtype = random_batch(rng, cpu=False, dtypes=(torch.bfloat16, torch.float16))  # (fp32: tf32 products)
         args = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
         check_launch(args, dict(config=rng.choice([None, dict(CHUNK=64, BLOCK_N=32)])), "cuda", dtype,
-                     LSE_ATOL[dtype])
+                     DS_LSE_ATOL[dtype])
     for heads in (16, 128):  # DeepSeek's shapes, bf16, through the op
         args = mla_inputs([3000, 17, 1200], None, heads=heads, latent=512, rope=64, page_size=64,
                           dtype=torch.bfloat16, kv_format=FMT, device="cuda", seed=heads)
@@ -288,7 +287,7 @@ def test_gpu_scales_forms_match_the_reference(form, monkeypatch):
         args, dtype = random_batch(rng, cpu=False, dtypes=(torch.bfloat16, torch.float16))
         args = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
         check_launch(args, dict(config=rng.choice([None, dict(CHUNK=64, BLOCK_N=32)])), "cuda", dtype,
-                     LSE_ATOL[dtype])
+                     DS_LSE_ATOL[dtype])
 
 
 @pytest.mark.gpu

@@ -484,10 +484,7 @@ class LatentCache(StepCache):
             if held[b] + n > self._max_cache_len:
                 raise ValueError(f"LatentCache: row {b} would hold {held[b] + n} tokens, over "
                                  f"max_cache_len={self._max_cache_len}")
-        dtype, row = {None: kv_c.dtype, "fp8_e4m3": torch.float8_e4m3fn,
-                      formats.LATENT_FP8_FORMAT: torch.uint8}[self.kv_format], self.latent_dim + self.rope_dim
-        if self.kv_format == formats.LATENT_FP8_FORMAT:
-            row = formats.latent_fp8_row_bytes(self.latent_dim, self.rope_dim)
+        row, dtype = formats.latent_row(self.kv_format or PLAIN_FORMATS[kv_c.dtype], self.latent_dim, self.rope_dim)
         num_pages = batch * self.pages_per_row
         if self.pages is None or self.pages.dtype != dtype or self.pages.device != kv_c.device or \
                 self.pages.shape[1] < num_pages:

@@ -569,18 +569,14 @@ class LatentKVCache(PagedKVCache):
             raise ValueError(f"LatentKVCache: latent_dim must be a multiple of 64 up to {MAX_LATENT_DIM} and rope_dim "
                              f"a multiple of 16 up to {MAX_ROPE_DIM}, as mla_attention takes (got {latent_dim}, "
                              f"{rope_dim})")
-        latent_fp8 = kv_format == formats.LATENT_FP8_FORMAT
-        if latent_fp8 and latent_dim % formats.LATENT_FP8_TILE:
+        if kv_format == formats.LATENT_FP8_FORMAT and latent_dim % formats.LATENT_FP8_TILE:
             raise ValueError(f"LatentKVCache: kv_format {kv_format!r} takes latent_dim a multiple of "
                              f"{formats.LATENT_FP8_TILE} (got {latent_dim})")
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.latent_dim, self.rope_dim, self.kv_format = latent_dim, rope_dim, kv_format
         self.shared_layers = {}
         self.device = torch.device(device)
-        if latent_fp8:
-            row, dtype = formats.latent_fp8_row_bytes(latent_dim, rope_dim), torch.uint8
-        else:
-            row, dtype = latent_dim + rope_dim, formats.FORMATS[kv_format].storage_dtype
+        row, dtype = formats.latent_row(kv_format, latent_dim, rope_dim)
         self.kv = [torch.zeros(num_pages, page_size, row, dtype=dtype, device=self.device)
                    for _ in range(num_layers)]
         self.block_scales = None
