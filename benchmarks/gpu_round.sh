@@ -102,10 +102,11 @@
 #             with it, with the keys form on fp8 and with the tma form on bf16, alternating, two rounds:
 #             $results/cuda-mla-regs-{tma,keys,regs}-{1,2}.json, cuda-mla-regs.txt (each case's best per form;
 #             regs' speedup over keys, and bf16's time over regs': the fp8 bar is 1.7)
-#   mla-ds-scales DeepSeek's fp8 latent layout in Triton: its scales' select form (ATTNOPS_TRITON_MLA_DS_SCALES=select:
-#             each 128's scale a vector of the keys, chosen per column) against the reshape form (the default): the
-#             layout's GPU tests with each, then mla_decode.py --kv-format fp8_ds_mla at 16 and 128 heads with
-#             each, alternating, two rounds: $results/mla-ds-scales-{reshape,select}-{1,2}.json, mla-ds-scales.txt
+#   mla-ds-scales DeepSeek's fp8 latent layout in Triton: each form of its scales (ATTNOPS_TRITON_MLA_DS_SCALES=
+#             reshape, the default; select: each 128's scale a vector of the keys, chosen per column; fold: the scales
+#             applied to each 128's products) and a bf16 cache beside them: the layout's GPU tests with each, then
+#             mla_decode.py at 16 and 128 heads with each, alternating, DS_ROUNDS rounds (2):
+#             $results/mla-ds-scales-{bf16,reshape,select,fold}-{round}.json, mla-ds-scales.txt
 #   cuda-mla-pack verify's tokens packed into the cuda latent-attention kernel's rows (the default; tokens x heads
 #             fill a block's 64 rows at up to 32 heads; ATTNOPS_CUDA_MLA_PACK_VERIFY=0 turns it off): its GPU tests
 #             and the kernel's verify tests,
@@ -469,29 +470,32 @@ if finite:
 PY
       stamp cuda-mla-merge ;;
     mla-ds-scales)
-      # DeepSeek's fp8 layout in Triton: its scales' select form (ATTNOPS_TRITON_MLA_DS_SCALES=select) against the
-      # reshape form (the default): the GPU tests of both, then mla_decode.py with each, alternating, two rounds
+      # DeepSeek's fp8 layout in Triton: each form of its scales, and bf16 beside them; the GPU tests of every form,
+      # then mla_decode.py with each, alternating
       timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mla_fp8_ds.py \
         > "$results/mla-ds-scales-tests.log" 2>&1
       tail -1 "$results/mla-ds-scales-tests.log"; grep -E "^FAILED" "$results/mla-ds-scales-tests.log" | head -8
-      for round in 1 2; do for form in reshape select; do
-        ATTNOPS_TRITON_MLA_DS_SCALES=$form timeout ${MLA_TIMEOUT:-120} python3 benchmarks/mla_decode.py \
-          --kv-format fp8_ds_mla --heads 16 128 --cases 1x32768 32x8192 128x4096 --no-flashinfer \
+      for round in $(seq 1 ${DS_ROUNDS:-2}); do for form in bf16 reshape select fold; do
+        format=fp8_ds_mla; [ $form = bf16 ] && format=bf16
+        ATTNOPS_TRITON_MLA_DS_SCALES=${form/bf16/reshape} timeout ${MLA_TIMEOUT:-120} python3 benchmarks/mla_decode.py \
+          --kv-format $format --heads 16 128 --cases 1x32768 32x8192 128x4096 --no-flashinfer \
           --json "$results/mla-ds-scales-$form-$round.json" > "/tmp/ds-$form-$round.txt" 2>&1 \
           || { echo "$form: failed"; tail -5 "/tmp/ds-$form-$round.txt"; }
       done; done
       python3 - "$results" <<'PY' | tee "$results/mla-ds-scales.txt"
 import glob, json, math, sys
+forms = ("bf16", "reshape", "select", "fold")
 best = {}  # (heads, batch x length) -> form -> best time over the rounds (us)
-for form in ("reshape", "select"):
-    for path in glob.glob(f"{sys.argv[1]}/mla-ds-scales-{form}-[12].json"):
+for form in forms:
+    for path in glob.glob(f"{sys.argv[1]}/mla-ds-scales-{form}-*.json"):
         for r in json.load(open(path))["records"]:
             cell = best.setdefault((r["heads"], f"{r['batch']}x{r['kv_len']}"), {})
             cell[form] = min(cell.get(form, math.inf), r["attnops_us"])
-print(f"{'heads, case':<20}{'reshape us':>12}{'select us':>12}{'select / reshape':>18}")
+print(f"{'heads, case':<20}" + "".join(f"{f + ' us':>12}" for f in forms)
+      + f"{'select/reshape':>16}{'fold/reshape':>14}")
 for (heads, case), cell in sorted(best.items()):
-    t = [cell.get(f, math.nan) for f in ("reshape", "select")]
-    print(f"{f'{heads}, {case}':<20}{t[0]:>12.1f}{t[1]:>12.1f}{t[1] / t[0]:>18.3f}")
+    t = [cell.get(f, math.nan) for f in forms]
+    print(f"{f'{heads}, {case}':<20}" + "".join(f"{x:>12.1f}" for x in t) + f"{t[2] / t[1]:>16.3f}{t[3] / t[1]:>14.3f}")
 PY
       stamp mla-ds-scales ;;
     cuda-mla-verify)

@@ -134,7 +134,7 @@ def test_cpu_matches_the_float64_reference_on_random_batches(seed):
 
 
 @pytest.mark.skipif(GPU, reason="the interpreter's run; the GPU's is test_gpu_triton_matches_the_reference")
-@pytest.mark.parametrize("form", ["reshape", "select"])
+@pytest.mark.parametrize("form", ["reshape", "select", "fold"])
 @pytest.mark.parametrize("seed", range(2))
 def test_triton_matches_the_reference_in_the_interpreter(seed, form, monkeypatch):
     """Each form of the scales' product (ATTNOPS_TRITON_MLA_DS_SCALES) on random batches."""
@@ -144,6 +144,22 @@ def test_triton_matches_the_reference_in_the_interpreter(seed, form, monkeypatch
         args, dtype = random_batch(rng, cpu=False)
         check_launch(args, dict(config=rng.choice([None, dict(CHUNK=16, BLOCK_N=16)])), "cpu", dtype,
                      DS_LSE_ATOL[dtype])
+
+
+@pytest.mark.skipif(GPU, reason="the interpreter's run; the GPU's is test_gpu_scales_forms_match_the_reference")
+@pytest.mark.parametrize("latent", [384, 512])
+@pytest.mark.parametrize("magnitude", [1.0, 1e-6])
+def test_the_fold_form_at_every_part_and_tiny_scales(latent, magnitude, monkeypatch):
+    """The fold form's four parts of 128 (384: the fourth past R, read as zeros), and latents so small that a key's
+    P times its scale lies below fp16's range (each tile's scales taken relative to their largest)."""
+    monkeypatch.setenv("ATTNOPS_TRITON_MLA_DS_SCALES", "fold")
+    for dtype in (torch.float16, torch.float32):
+        args = mla_inputs([70, 1, 33], [1, 1, 3], heads=16, latent=latent, rope=16, page_size=16, dtype=dtype,
+                          kv_format=FMT, seed=latent)
+        values = formats.dequantize_latent_fp8(args["kv_cache"], latent, 16)
+        args["kv_cache"] = formats.quantize_latent_fp8(values[..., :latent] * magnitude, values[..., latent:])
+        args["q_nope"] = args["q_nope"] / magnitude if dtype == torch.float32 else args["q_nope"]
+        check_launch(args, dict(config=dict(CHUNK=32, BLOCK_N=16)), "cpu", dtype, DS_LSE_ATOL[dtype])
 
 
 @pytest.mark.parametrize("backend", ["cpu", "triton", "reference"])
@@ -279,7 +295,7 @@ def test_an_unknown_scales_form_is_named(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", ["reshape", "select"])
+@pytest.mark.parametrize("form", ["reshape", "select", "fold"])
 def test_gpu_scales_forms_match_the_reference(form, monkeypatch):
     monkeypatch.setenv("ATTNOPS_TRITON_MLA_DS_SCALES", form)
     rng = random.Random(9)
