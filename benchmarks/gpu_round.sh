@@ -107,6 +107,11 @@
 #             applied to each 128's products) and a bf16 cache beside them: the layout's GPU tests with each, then
 #             mla_decode.py at 16 and 128 heads with each, alternating, DS_ROUNDS rounds (2):
 #             $results/mla-ds-scales-{bf16,reshape,select,fold}-{round}.json, mla-ds-scales.txt
+#   cuda-mla-ds DeepSeek's fp8 latent layout in the cuda backend's keys form (ATTNOPS_CUDA_MLA_DS=1, off until
+#             measured): its GPU tests (tests/test_cuda_mla.py -k deepseeks_layout), then mla_decode.py at DS_HEADS
+#             (16 8) beside the cuda backend's bf16 (tma) and fp8 e4m3 (keys) and Triton over the same layout,
+#             alternating, two rounds: $results/cuda-mla-ds-{cuda-ds,cuda-bf16,cuda-fp8,triton-ds}-{1,2}.json,
+#             cuda-mla-ds.txt (each case's best per kernel; bf16's time over the layout's, Triton's over cuda's)
 #   cuda-mla-pack verify's tokens packed into the cuda latent-attention kernel's rows (the default; tokens x heads
 #             fill a block's 64 rows at up to 32 heads; ATTNOPS_CUDA_MLA_PACK_VERIFY=0 turns it off): its GPU tests
 #             and the kernel's verify tests,
@@ -437,6 +442,36 @@ for (heads, case), cell in sorted(best.items()):
     print(f"{f'{heads}, {case}':<20}{t[0]:>13.1f}{t[1]:>13.1f}{t[2]:>13.1f}{t[1] / t[2]:>16.3f}{t[0] / t[2]:>13.3f}")
 PY
       stamp cuda-mla-regs ;;
+    cuda-mla-ds)
+      # (a hang in the tests costs their limit once: the layout's kernel is then not timed)
+      forms="cuda-ds:fp8_ds_mla cuda-bf16:bf16 cuda-fp8:fp8_e4m3 triton-ds:fp8_ds_mla"
+      timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -rA -p no:cacheprovider -m gpu -k deepseeks_layout \
+        tests/test_cuda_mla.py > "$results/cuda-mla-ds-tests.log" 2>&1 \
+        || { [ $? = 124 ] && echo "cuda-ds: its tests ran out of time (a hang?): not timed" && forms=${forms#* }; }
+      grep -E "passed|failed|FAILED|Error" "$results/cuda-mla-ds-tests.log" | grep -v "^PASSED" | tail -8
+      for round in 1 2; do for form in $forms; do
+        name=${form%%:*} fmt=${form#*:}
+        variant=; [ $name = cuda-fp8 ] && variant=keys
+        ATTNOPS_CUDA_MLA_DS=1 ATTNOPS_CUDA_MLA_VARIANT=$variant timeout ${MLA_TIMEOUT:-120} python3 \
+          benchmarks/mla_decode.py --backend ${name%%-*} --heads ${DS_HEADS:-16 8} --cases 1x32768 32x8192 128x4096 \
+          --no-flashinfer --kv-format $fmt --json "$results/cuda-mla-ds-$name-$round.json" \
+          > "/tmp/cuda-ds-$name-$round.txt" 2>&1 || { echo "$name: failed"; tail -5 "/tmp/cuda-ds-$name-$round.txt"; }
+      done; done
+      python3 - "$results" <<'PY' | tee "$results/cuda-mla-ds.txt"
+import glob, json, math, sys
+names = ("cuda-ds", "cuda-fp8", "cuda-bf16", "triton-ds")
+best = {}  # (heads, batch x length) -> kernel -> best time over the rounds (us)
+for name in names:
+    for path in glob.glob(f"{sys.argv[1]}/cuda-mla-ds-{name}-[12].json"):
+        for r in json.load(open(path))["records"]:
+            cell = best.setdefault((r["heads"], f"{r['batch']}x{r['kv_len']}"), {})
+            cell[name] = min(cell.get(name, math.inf), r["attnops_us"])
+print(f"{'heads, case':<20}" + "".join(f"{n + ' us':>14}" for n in names) + f"{'bf16 / ds':>11}{'triton / ds':>13}")
+for (heads, case), cell in sorted(best.items()):
+    t = [cell.get(n, math.nan) for n in names]
+    print(f"{f'{heads}, {case}':<20}" + "".join(f"{x:>14.1f}" for x in t) + f"{t[2] / t[0]:>11.3f}{t[3] / t[0]:>13.3f}")
+PY
+      stamp cuda-mla-ds ;;
     cuda-mla-merge)
       # the splits' merge by warps (ATTNOPS_CUDA_MLA_MERGE=warps) against the default: its GPU tests, then
       # mla_decode.py with each at MERGE_HEADS heads, bf16 and fp8, alternating, two rounds, same run

@@ -19,6 +19,7 @@ import torch
 from torch.utils import cpp_extension
 
 import attnops
+from attnops import formats
 from attnops.backends import cuda_mla
 from attnops.backends.reference import mla_attention_reference
 from attnops.cases import MLACase
@@ -66,6 +67,27 @@ def test_declines_what_its_kernel_is_not_built_for(monkeypatch):
     monkeypatch.delenv(cuda_mla.VERIFY_ENV)
     monkeypatch.setattr(cuda_mla, "sm90a_built", lambda device: False)
     assert any("9.0a" in r for r in cuda_mla.reasons(CASE))
+
+
+def test_deepseeks_fp8_layout_is_served_by_the_keys_form_only_when_switched_on(monkeypatch):
+    monkeypatch.delenv(cuda_mla.ENV, raising=False)
+    monkeypatch.setattr(cuda_mla, "sm90a_built", lambda device: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    ds = MLACase(**{**CASE.__dict__, "kv_format": "fp8_ds_mla", "num_heads": 16})
+    monkeypatch.delenv(cuda_mla.DS_ENV, raising=False)
+    assert any(f"{cuda_mla.DS_ENV}=1" in r for r in cuda_mla.reasons(ds))
+    monkeypatch.setenv(cuda_mla.DS_ENV, "1")
+    assert cuda_mla.reasons(ds) == []
+    assert cuda_mla.reasons(MLACase(**{**ds.__dict__, "decode": False, "shape_class": "verify"})) == []
+    for change, words in [(dict(num_heads=17), "at most 16 heads"), (dict(page_size=4), "pages of 8"),
+                          (dict(latent_dim=256), "R 256"), (dict(decode=False, tree_mask=True), "tree_mask")]:
+        found = cuda_mla.reasons(MLACase(**{**ds.__dict__, **change}))
+        assert any(words in r for r in found), (change, found)
+    monkeypatch.setenv(cuda_mla.ENV, "bf16")
+    assert any(f"{cuda_mla.ENV}=bf16" in r for r in cuda_mla.reasons(ds))
+    for name in cuda_mla.VARIANTS:  # (whatever form is asked for: the keys form is the one that reads it)
+        monkeypatch.setenv(cuda_mla.VARIANT_ENV, name)
+        assert cuda_mla.kernel_variant("fp8_ds_mla", 64, 16, 256) == cuda_mla.VARIANTS.index("keys")
 
 
 def test_the_merge_is_by_warps_from_many_splits_unless_asked_or_invariant(monkeypatch):
@@ -154,9 +176,9 @@ def test_kernel_compiles_for_sm90a_without_spills_and_keeps_its_wgmmas_pipelined
     assert done.returncode == 0, log
     frames = dict(re.findall(r"Function properties for (\w+)\n\s*(\d+ bytes stack frame, \d+ bytes spill stores, "
                              r"\d+ bytes spill loads)", log))
-    # (bf16's by cp.async and by the TMA, fp8's, each also packed, the keys form's two, the regs form's, verify's
+    # (bf16's by cp.async and by the TMA, fp8's, each also packed, the keys form's three, the regs form's, verify's
     # rows, the two merges, the probe): none spills
-    assert len(frames) == 13, log
+    assert len(frames) == 14, log
     for name, frame in frames.items():
         assert frame.startswith("0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads"), (name, frame)
     marker = [part for part in log.split("Compiling entry function") if "sm90a_marker" in part]
@@ -180,9 +202,10 @@ def test_kernel_compiles_for_sm90a_without_spills_and_keeps_its_wgmmas_pipelined
     kernels = {name: body for name, body in functions.items() if "decode_kernel" in name}
     assert len(kernels) == 6, list(functions)  # (three decode kernels, each also packed)
     keys_form = [body for name, body in functions.items() if "keys_kernel" in name]
-    assert len(keys_form) == 2, list(functions)  # (bf16, fp8)
+    assert len(keys_form) == 3, list(functions)  # (bf16, fp8, DeepSeek's fp8 layout)
     # the keys form: S^T = K Q^T (36 of m64n16k16 over 576 values), O^T += V^T P^T (8 row blocks x 4 key steps,
-    # V^T read M-major: transposed A), each warpgroup all of them for its own tiles
+    # V^T read M-major: transposed A), each warpgroup all of them for its own tiles (DeepSeek's layout: the same
+    # MMAs, the scores' into five accumulators)
     for name, body in functions.items():
         if "keys_kernel" in name:  # (fp8: the staged bytes widened in the kernel; bf16: none)
             assert ("E4M3" in body) == ("ILb1E" in name), name
@@ -207,7 +230,7 @@ def test_kernel_compiles_for_sm90a_without_spills_and_keeps_its_wgmmas_pipelined
     tma = [name for name, body in functions.items() if "UTMALDG" in body]  # (the TMA's copies)
     kinds = sorted(next(k for k in ("keys", "regs", "ILb0ELb1E") if k in name) for name in tma)
     # (the tma form's decode kernel, one token a block and packed)
-    assert kinds == ["ILb0ELb1E", "ILb0ELb1E", "keys", "keys", "regs"], tma
+    assert kinds == ["ILb0ELb1E", "ILb0ELb1E", "keys", "keys", "keys", "regs"], tma
     assert not any(("LDL" in body or "STL" in body) for body in functions.values())
 
 
@@ -551,3 +574,105 @@ def rows_of(args, b):
     pages = args["block_table"][b, :-(-n // args["kv_cache"].shape[1])].long()
     rows = args["kv_cache"][pages].flatten(0, 1)[:n].float()
     return rows * args["kv_scale"] if "kv_scale" in args else rows
+
+
+# ---- DeepSeek's fp8 layout (kv_format "fp8_ds_mla") in the keys form, on an H100/H200 ----
+
+@pytest.fixture(params=cuda_mla.MERGES)
+def ds_on(monkeypatch, request):
+    """The keys form over DeepSeek's fp8 layout (ATTNOPS_CUDA_MLA_DS=1), the splits merged each way."""
+    if not sm90():
+        pytest.skip("needs an sm_90 GPU")
+    monkeypatch.delenv(cuda_mla.ENV, raising=False)
+    monkeypatch.delenv(cuda_mla.VARIANT_ENV, raising=False)
+    monkeypatch.setenv(cuda_mla.DS_ENV, "1")
+    monkeypatch.setenv(cuda_mla.MERGE_ENV, request.param)
+    yield
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(3))
+def test_deepseeks_layout_matches_the_reference_on_random_batches(ds_on, seed):
+    """Random ragged decode and verify batches of 1-16 heads, pages of 8-128 rows, one split and many, sinks, the
+    LSE: the scores within fp32 rounding of the float64 reference over the layout's exact values (the values are
+    widened exactly and their scales join the products), the output within P's bf16 rounding."""
+    rng = random.Random(seed)
+    for _ in range(10):
+        heads = rng.choice([1, 5, 16])
+        batch = rng.choice([1, 3, 17, 150])
+        kv_lens = [rng.choice([0, 1, 63, 64, 65, 128, rng.randint(2, 5000)]) for _ in range(batch)]
+        q_lens = None if rng.random() < 0.6 else [rng.randint(1, min(4, n)) if n else 0 for n in kv_lens]
+        args = deepseek_inputs(kv_lens, heads, page_size=rng.choice([8, 16, 64, 128]), seed=rng.randrange(1 << 30),
+                               kv_format="fp8_ds_mla", q_lens=q_lens)
+        if rng.random() < 0.3:
+            args["sinks"] = torch.randn(heads, device="cuda") * 2
+        with attnops.use_backend("cuda"):
+            assert attnops.explain(**args).chosen == "cuda"
+            out, lse = torch.ops.attnops.mla_attention_with_lse(**args)
+            plain = torch.ops.attnops.mla_attention(**args)
+        ref, ref_lse = mla_attention_reference(**args, return_lse=True)
+        what = (heads, batch, kv_lens[:4], q_lens is not None, "sinks" in args)
+        assert relative_error(out, ref) < 1e-2, what
+        assert torch.equal(out, plain), what
+        torch.testing.assert_close(lse, ref_lse.float(), atol=2e-3, rtol=1e-3, equal_nan=True, msg=str(what))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [8, 64])
+def test_deepseeks_layout_rows_past_a_sequences_end_are_never_met(ds_on, page_size):
+    """Every byte of every row no sequence holds set to 0x7F (NaN values, NaN scales, NaN rotary values): P V must
+    never multiply them (nor P's scaled copies their scales), not even by zero."""
+    args = deepseek_inputs([1, 63, 65, 128, 700, 1000], 16, page_size=page_size, kv_format="fp8_ds_mla")
+    held = torch.zeros(args["kv_cache"].shape[:2], dtype=torch.bool, device="cuda")
+    for b, n in enumerate(args["seq_lens"].tolist()):
+        keys = torch.arange(n, device="cuda")
+        held[args["block_table"][b, keys // page_size].long(), keys % page_size] = True
+    args["kv_cache"][~held] = 0x7F
+    with attnops.use_backend("cuda"):
+        out = torch.ops.attnops.mla_attention(**args)
+    assert not out.isnan().any()
+    assert relative_error(out, mla_attention_reference(**args)) < 1e-2
+
+
+@pytest.mark.gpu
+def test_deepseeks_layout_scales_reach_every_128_and_the_rotary_part(ds_on):
+    """Each 128 of the values its own scale (a row's four 128s scaled 1, 1e-3, 1e3 and 1e-6 apart by the write), and
+    scores made only by the rotary part (zero q_nope), only by one 128 (q_nope zero elsewhere): each against the
+    reference."""
+    args = deepseek_inputs([1000, 70, 1], 16, page_size=64, kv_format="fp8_ds_mla", seed=4)
+    rows = formats.dequantize_latent_fp8(args["kv_cache"], 512, 64)
+    spread = torch.tensor([1.0, 1e-3, 1e3, 1e-6], device="cuda").repeat_interleave(128)
+    args["kv_cache"] = formats.quantize_latent_fp8(rows[..., :512] * spread, rows[..., 512:])
+    for keep in ("rotary", 0, 1, 2, 3, "all"):
+        case = dict(args, q_nope=args["q_nope"].clone())
+        if keep == "rotary":
+            case["q_nope"].zero_()
+        elif keep != "all":
+            mask = torch.zeros(512, dtype=torch.bool, device="cuda")
+            mask[128 * keep:128 * keep + 128] = True
+            case["q_nope"][..., ~mask] = 0
+        with attnops.use_backend("cuda"):
+            out, lse = torch.ops.attnops.mla_attention_with_lse(**case)
+        ref, ref_lse = mla_attention_reference(**case, return_lse=True)
+        for part in range(4):  # each 128 of the output on its own scale
+            chunk = slice(128 * part, 128 * part + 128)
+            assert relative_error(out[..., chunk], ref[..., chunk]) < 1e-2, (keep, part)
+        torch.testing.assert_close(lse, ref_lse.float(), atol=2e-3, rtol=1e-3, msg=str(keep))
+
+
+@pytest.mark.gpu
+def test_deepseeks_layout_bad_indices_follow_paged_attentions_rules(ds_on):
+    args = deepseek_inputs([100, 70, 1200], 16, page_size=16, kv_format="fp8_ds_mla")
+    args["seq_lens"][1] = 10_000  # sequence 1: NaN, nothing read
+    args["block_table"][2, 40] = 99_999  # sequence 2's 41st page: its row sees it
+    attnops.take_errors()
+    with attnops.use_backend("cuda"):
+        out = torch.ops.attnops.mla_attention(**args)
+    assert attnops.take_errors() == {"seq_lens": 1, "block_table": 2}
+    assert out[1:].isnan().all() and not out[0].isnan().any()
+
+
+@pytest.mark.gpu
+def test_deepseeks_layout_in_a_user_cuda_graph_and_compiled(ds_on):
+    check_user_graph_replays("cuda", deepseek_inputs([300, 40, 1000], 16, page_size=16, kv_format="fp8_ds_mla"))
+    check_reduce_overhead("cuda", deepseek_inputs([300, 40], 16, page_size=16, kv_format="fp8_ds_mla"))

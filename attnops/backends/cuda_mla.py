@@ -15,6 +15,10 @@ with the cache's bytes widened in registers, f16 MMAs, a producer warpgroup issu
 csrc/cuda/mla_regs_sm90.cuh; only when asked for: 0.99-1.11x the keys form on the H100, not yet measured on the
 H200).
 
+DeepSeek's fp8 layout (kv_format "fp8_ds_mla"): the keys form reads it at up to 16 heads (the values widened
+exactly, each 128's scale applied to its products), only with ATTNOPS_CUDA_MLA_DS=1 until it is measured on a GPU
+(`bash benchmarks/gpu_round.sh build cuda-mla-ds`); Triton serves it otherwise.
+
 Verify (a few query tokens a sequence, no tree mask): each query row sees its sequence's keys up to its own
 position. At up to 32 heads a block takes several query tokens of a sequence as its 64 rows (tokens_per_block), so
 that the sequence's keys are read once for them (1.1-2.6x faster at 16 heads than a block a token, H100;
@@ -32,7 +36,7 @@ import math
 
 import torch
 
-from .. import errors, invariance
+from .. import errors, formats, invariance
 from ..checks_mla import rows_16_byte_aligned
 from ..env import environ_get, sm_count
 from .base import common_reasons, kernel_outputs, rows_without_a_sequence
@@ -49,6 +53,7 @@ KEYS_MAX_HEADS = 16  # the keys form's heads a block (its MMAs' N)
 KEYS_FP8_MIN_CHUNK = 2048  # fp8: the keys form's splits at least (measured faster at 2048 and 4096, slower at 256)
 SHAPE = (512, 64)  # (R, P) the kernel is built for
 KV_FORMATS = ("bf16", "fp8_e4m3")  # (fp8: widened to bf16 in shared memory; q is bf16)
+DS_ENV = "ATTNOPS_CUDA_MLA_DS"  # 1: DeepSeek's fp8 layout served too (the keys form; off until measured)
 ROWS = 64  # heads a block
 TILE = 64  # keys a step; splits are whole tiles
 MIN_CHUNK = 256  # keys a split at least (a block loads its 64 heads' queries first: 72 KB)
@@ -59,9 +64,11 @@ INVARIANT_CHUNK_ENV = "ATTNOPS_CUDA_MLA_INVARIANT_CHUNK"  # another split size i
 
 
 def served_formats() -> tuple[str, ...]:
-    """The cache formats it serves: ATTNOPS_CUDA_MLA unset or 1: bf16 and fp8 e4m3; bf16: bf16; 0: none."""
+    """The cache formats it serves: ATTNOPS_CUDA_MLA unset or 1: bf16 and fp8 e4m3 (and DeepSeek's fp8 layout with
+    ATTNOPS_CUDA_MLA_DS=1); bf16: bf16; 0: none."""
     switch = environ_get(ENV) or "1"
-    return {"0": (), "bf16": ("bf16",)}.get(switch, KV_FORMATS)
+    ds = (formats.LATENT_FP8_FORMAT,) if environ_get(DS_ENV) == "1" else ()
+    return {"0": (), "bf16": ("bf16",)}.get(switch, KV_FORMATS + ds)
 
 
 def kernel_variant(kv_format: str, page_size: int, num_heads: int, chunk: int, packed: bool = False) -> int:
@@ -71,8 +78,11 @@ def kernel_variant(kv_format: str, page_size: int, num_heads: int, chunk: int, p
     forms other than cp.async copy through the tensor memory accelerator, pages of 8 rows or more (cp.async
     otherwise), bf16 caches (keys: fp8 too; regs: fp8 only, tma for bf16); keys and regs take at most
     KEYS_MAX_HEADS heads (tma otherwise); `packed` (several tokens a block: tokens_per_block) only the cp.async and
-    tma forms (tma for the others).
+    tma forms (tma for the others). DeepSeek's fp8 layout: keys, the only form that reads it (reasons() declines
+    what it cannot take).
     `bash benchmarks/gpu_round.sh cuda-mla-variants` times them."""
+    if kv_format == formats.LATENT_FP8_FORMAT:
+        return VARIANTS.index("keys")
     name = environ_get(VARIANT_ENV) or \
         ("tma" if kv_format == "bf16" else "keys" if chunk >= KEYS_FP8_MIN_CHUNK and not packed else "cp.async")
     if name not in VARIANTS:
@@ -105,7 +115,16 @@ def reasons(case) -> list[str]:
     if not served:
         return [f"latent attention: turned off ({ENV}=0)"]
     found = common_reasons(case, devices=("cuda",), q_dtypes=(torch.bfloat16,), archs=lambda arch: arch == (9, 0))
-    if case.kv_format not in served:
+    if case.kv_format == formats.LATENT_FP8_FORMAT:
+        if case.kv_format not in served:
+            found.append(f"kv_format {case.kv_format}: its kernel is off until measured on a GPU ({DS_ENV}=1 turns "
+                         f"it on)" if environ_get(DS_ENV) != "1" else
+                         f"kv_format {case.kv_format}: turned off ({ENV}={environ_get(ENV)})")
+        if case.num_heads > KEYS_MAX_HEADS:
+            found.append(f"kv_format {case.kv_format}: at most {KEYS_MAX_HEADS} heads (the keys form reads it)")
+        if case.page_size < 8:
+            found.append(f"kv_format {case.kv_format}: pages of 8 rows or more (the keys form's copies)")
+    elif case.kv_format not in served:
         found.append(f"kv_format {case.kv_format} not supported" if case.kv_format not in KV_FORMATS else
                      f"kv_format {case.kv_format}: turned off ({ENV}={environ_get(ENV)})")
     if (case.latent_dim, case.rope_dim) != SHAPE:
@@ -173,7 +192,7 @@ def mla_attention(call) -> None:
                     for q in (call.q_nope, call.q_pe))
     sinks = None if call.sinks is None else call.sinks.contiguous()
     index = device.index if device.index is not None else torch.cuda.current_device()
-    group = tokens_per_block(num_heads, call.cu_seqlens_q is not None)
+    group = tokens_per_block(num_heads, call.cu_seqlens_q is not None and call.case.kv_format in KV_FORMATS)
     splits, chunk = (invariance.fixed_splits(call.case.max_kv_len, invariant_chunk()) if invariance.enabled() else
                      plan(math.ceil(num_tokens / group), num_heads, call.case.max_kv_len, sm_count(index),
                           call.sinks is not None))

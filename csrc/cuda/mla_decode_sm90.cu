@@ -27,11 +27,11 @@ int64_t mla_sm90a_built(int64_t device) {
   return attributes.sharedSizeBytes >= kMarkerInts * sizeof(int) ? 1 : 0;
 }
 
-// The cache as the TMA forms' tensor map: [num_pages][page_size][576] with the cache's strides, boxes of {64 values,
-// min(page_size, 64) rows, 1 page}, coordinates outside it as zeros: bf16 landing in the 128-byte swizzle (the
-// wgmma layout), fp8 bytes unswizzled (the keys form widens them in shared memory) or in the 64-byte swizzle (the
-// regs form's loads)
-static void encode_kv_map(CUtensorMap* map, const at::Tensor& kv_cache, bool fp8, bool swizzle64) {
+// The cache as the TMA forms' tensor map: [num_pages][page_size][row] with the cache's strides (row: 576 values, or
+// DeepSeek's fp8 layout's 656 bytes), boxes of {64 values, min(page_size, 64) rows, 1 page}, coordinates outside it
+// as zeros: bf16 landing in the 128-byte swizzle (the wgmma layout), fp8 bytes unswizzled (the keys form widens them
+// in shared memory) or in the 64-byte swizzle (the regs form's loads)
+static void encode_kv_map(CUtensorMap* map, const at::Tensor& kv_cache, bool fp8, bool swizzle64, int64_t row) {
   using Encode = PFN_cuTensorMapEncodeTiled_v12000;
   static const Encode encode = [] {
     void* fn = nullptr;
@@ -46,7 +46,7 @@ static void encode_kv_map(CUtensorMap* map, const at::Tensor& kv_cache, bool fp8
   }();
   TORCH_CHECK(encode != nullptr, "mla_decode_sm90: the CUDA driver has no cuTensorMapEncodeTiled");
   const int64_t page_size = kv_cache.size(1), element = kv_cache.element_size();
-  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(kD), static_cast<cuuint64_t>(page_size),
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(row), static_cast<cuuint64_t>(page_size),
                               static_cast<cuuint64_t>(kv_cache.size(0))};
   const cuuint64_t strides[2] = {static_cast<cuuint64_t>(kv_cache.stride(1) * element),
                                  static_cast<cuuint64_t>(kv_cache.stride(0) * element)};
@@ -62,7 +62,8 @@ static void encode_kv_map(CUtensorMap* map, const at::Tensor& kv_cache, bool fp8
 }
 
 // q_nope [T, H, 512] and q_pe [T, H, 64] bf16 with unit inner stride and 16-byte aligned rows; kv_cache
-// [num_pages, page_size, 576] bf16 or float8_e4m3fn (with kv_scale, float32 of one element), the same; out
+// [num_pages, page_size, 576] bf16 or float8_e4m3fn (with kv_scale, float32 of one element), or uint8 [num_pages,
+// page_size, 656] in DeepSeek's fp8 layout (kv_format "fp8_ds_mla"; the keys form only), the same; out
 // [T, H, 512] bf16 (unit inner stride, value pairs aligned), lse float32 [T, H] contiguous or none; with
 // splits > 1, part_out float32 [T, H, splits, 512] and part_lse [T, H, splits] are the splits' partials, merged
 // into out and lse (sinks, float32 [H], need splits > 1); cu_seqlens_q int32 [B + 1] (several query tokens a
@@ -92,11 +93,15 @@ void mla_decode_sm90(const at::Tensor& q_nope, const at::Tensor& q_pe, const at:
   Args a{};
   a.q_nope = reinterpret_cast<const __nv_bfloat16*>(q_nope.data_ptr());
   a.q_pe = reinterpret_cast<const __nv_bfloat16*>(q_pe.data_ptr());
-  const bool fp8 = kv_cache.scalar_type() == at::kFloat8_e4m3fn;
-  TORCH_CHECK(fp8 || kv_cache.scalar_type() == at::kBFloat16, "mla_decode_sm90: a bf16 or float8_e4m3fn cache");
-  TORCH_CHECK(fp8 == kv_scale.has_value(), "mla_decode_sm90: kv_scale with an fp8 e4m3 cache, and only then");
+  const bool e4m3 = kv_cache.scalar_type() == at::kFloat8_e4m3fn, ds = kv_cache.scalar_type() == at::kByte;
+  const bool fp8 = e4m3 || ds;
+  TORCH_CHECK(fp8 || kv_cache.scalar_type() == at::kBFloat16,
+              "mla_decode_sm90: a bf16, float8_e4m3fn or uint8 (DeepSeek's fp8 layout) cache");
+  TORCH_CHECK(kv_cache.size(2) == (ds ? kDsRowBytes : kD), "mla_decode_sm90: rows of 576 values, or 656 bytes in "
+              "DeepSeek's fp8 layout");
+  TORCH_CHECK(e4m3 == kv_scale.has_value(), "mla_decode_sm90: kv_scale with an fp8 e4m3 cache, and only then");
   a.kv = reinterpret_cast<const uint8_t*>(kv_cache.data_ptr());
-  a.kv_scale = fp8 ? kv_scale->data_ptr<float>() : nullptr;
+  a.kv_scale = e4m3 ? kv_scale->data_ptr<float>() : nullptr;
   a.block_table = block_table.data_ptr<int>();
   a.seq_lens = seq_lens.data_ptr<int>();
   a.cu_q = cu_seqlens_q ? cu_seqlens_q->data_ptr<int>() : nullptr;
@@ -135,16 +140,17 @@ void mla_decode_sm90(const at::Tensor& q_nope, const at::Tensor& q_pe, const at:
   TORCH_CHECK(variant >= 0 && variant <= 3, "mla_decode_sm90: variant 0 to 3");
   TORCH_CHECK(variant < 2 || stages == kAllStages, "mla_decode_sm90: the forms after tma run all their stages");
   TORCH_CHECK(variant < 2 || H <= kNarrowHeads, "mla_decode_sm90: the keys and regs forms take at most 16 heads");
-  TORCH_CHECK(variant != 3 || fp8, "mla_decode_sm90: the regs form reads fp8 e4m3 caches");
+  TORCH_CHECK(variant != 3 || e4m3, "mla_decode_sm90: the regs form reads fp8 e4m3 caches");
+  TORCH_CHECK(!ds || variant == 2, "mla_decode_sm90: DeepSeek's fp8 layout is read by the keys form only");
   if (variant) {  // (pages of 8 rows or more, each a power of two; rows and pages 16-byte aligned: the backend's)
     TORCH_CHECK((!fp8 || variant >= 2) && a.page_size >= 8 && (a.page_size & (a.page_size - 1)) == 0,
                 "mla_decode_sm90: the TMA copies read bf16 caches (fp8 too in the keys and regs forms) with pages of "
                 "8 rows or more");
-    encode_kv_map(&a.kv_map, kv_cache, fp8, variant == 3);
+    encode_kv_map(&a.kv_map, kv_cache, fp8, variant == 3, ds ? kDsRowBytes : kD);
   }
   void (*kernel)(Args) = decode_kernel(fp8, variant == 1, tokens_per_block > 1);  // (variants 0 and 1)
   int smem_bytes = kSmemBytes;
-  if (variant == 2) kernel = keys_kernel(fp8), smem_bytes = kKeysSmemBytes;
+  if (variant == 2) kernel = keys_kernel(fp8, ds), smem_bytes = ds ? kKeysDsSmemBytes : kKeysSmemBytes;
   if (variant == 3) kernel = regs_kernel(), smem_bytes = kRegsSmemBytes;
   // (a function attribute, not a stream operation: allowed inside a capture)
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));

@@ -372,10 +372,12 @@ __device__ __forceinline__ void tma_boxes(const Args& a, const int (&pages)[kMax
 }
 // An L2 prefetch of the boxes tma_boxes copies (the same coordinates, no shared memory, no mbarrier): a tile whose
 // stage is not yet free starts its way from memory, and the copy issued once it is lands from L2
+// (kBoxes: the 64-value boxes of a row, from its start; DeepSeek's fp8 layout's 656-byte rows are 11 of 64 bytes)
+template <int kBoxes = kChunks>
 __device__ __forceinline__ void tma_prefetch(const Args& a, const int (&pages)[kMaxBoxes], int start) {
   for_each_box(a, start, [&](int r, int, int row) {
 #pragma unroll
-    for (int c = 0; c < kChunks; ++c)
+    for (int c = 0; c < kBoxes; ++c)
       asm volatile("cp.async.bulk.prefetch.tensor.3d.L2.global.tile [%0, {%1, %2, %3}];\n" ::"l"(
                        reinterpret_cast<uint64_t>(&a.kv_map)),
                    "r"(c * 64), "r"(row), "r"(pages[r])

@@ -24,6 +24,14 @@
 // fp8 e4m3 caches (stored = value / kv_scale): a tile's bytes land in the upper half of its slot (a copy of 64-byte
 // boxes, unswizzled) and the warpgroup widens them in place to the bf16 tile, exactly; kv_scale joins the scores'
 // scale and the output. So the fp8 form reads half the bytes and keeps the bf16 form's shared memory.
+// DeepSeek's fp8 layout (kv_format "fp8_ds_mla", attnops/formats.py: a 656-byte row of the 512 values as e4m3, a
+// float32 scale for each 128 of them, the 64 rotary values as bf16; ATTNOPS_CUDA_MLA_DS=1, off until measured): the
+// row's bytes land as eleven 64-byte chunks (the last one's 48 bytes past the row, zeros), lower in the slot than
+// fp8's nine, and are widened in place the same way, values exactly (not yet times their scale), the rotary values
+// copied, the scales kept aside. The scales join the products, not the values: the scores' MMAs go to one
+// accumulator for each 128 of the values and one for the rotary part, summed with each key's scales; P is written
+// four times, each 128's copy times its keys' scale for that 128, and V^T's row blocks (64 values each) read their
+// 128's copy. So the tile's widening stays exact and multiplies nothing.
 // Pages of 8 rows or more; splits, merge, bad indices and outputs as mla_decode_sm90.cuh.
 #pragma once
 #include "mla_decode_sm90.cuh"
@@ -41,6 +49,16 @@ constexpr int kKeysSmemBytes = kQBytes + 2 * kTileBytes + 2 * kPtBytes + 2 * 4 *
 static_assert(kKeysSmemBytes <= 227 * 1024, "one block must fit an sm_90 SM's 227 KB of shared memory");
 constexpr int kFp8ChunkBytes = kKeys * 64;              // fp8: one 64-value column chunk of a tile, unswizzled
 constexpr int kFp8StageOffset = kTileBytes - kChunks * kFp8ChunkBytes;  // fp8: the staged bytes in a slot
+constexpr int kDsRowBytes = kR + 4 * (kR / 128) + 2 * kP;  // DeepSeek's fp8 layout: a row's bytes (656)
+constexpr int kDsParts = kR / 128;                        // its scales a row
+constexpr int kDsChunks = (kDsRowBytes + 63) / 64;        // its staged 64-byte chunks a row (11)
+constexpr int kDsStageOffset = kTileBytes - kDsChunks * kFp8ChunkBytes;
+static_assert(kDsStageOffset == 28 * 1024, "widen_ds_slot's order of reads and writes assumes the staging at 28 KB");
+constexpr int kKeysTailBytes = (2 * 4 * kNarrowHeads + kNarrowHeads) * 4 + 2 * 8;  // maxima, sums, two mbarriers
+constexpr int kDsScaleBytes = kKeys * kDsParts * 4;       // a warpgroup's tile's scales [64 keys][4]
+constexpr int kKeysDsSmemBytes = kKeysSmemBytes + 2 * (kDsParts - 1) * kPtBytes + 2 * kDsScaleBytes;
+static_assert(kKeysDsSmemBytes <= 227 * 1024, "one block must fit an sm_90 SM's 227 KB of shared memory");
+static_assert(kKeysTailBytes % 16 == 0, "the scales after the tail are read 16 bytes at a time");
 constexpr int kBarWarpgroup = 1;  // named barriers 1 and 2: warpgroup 0's and 1's own (0 is __syncthreads')
 
 __device__ __forceinline__ void warpgroup_sync(int wg) {
@@ -64,23 +82,28 @@ __device__ __forceinline__ void wgmma_m64n16k16_ss(float (&d)[8], uint64_t desc_
 // a thread's four columns (q = 2 j + c % 2) are the same in both.
 __device__ __forceinline__ int column_of(int q, int t4) { return 8 * (q >> 1) + 2 * t4 + (q & 1); }
 
-// fp8: the keys [start, start + 64) copied as bytes to `stage` ([9 chunks][64 rows][64 bytes]) by the tensor memory
-// accelerator from one thread, awaited on `bar`; boxes of {64 values, min(page_size, 64) rows} as tma_boxes'
+// fp8: the keys [start, start + 64) copied as bytes to `stage` ([kStaged chunks][64 rows][64 bytes]: 9 for fp8 e4m3,
+// kDsChunks for DeepSeek's layout) by the tensor memory accelerator from one thread, awaited on `bar`; boxes of {64
+// values, min(page_size, 64) rows} as tma_boxes'
+template <int kStaged = kChunks>
 __device__ __forceinline__ void tma_fp8_boxes(const Args& a, const int (&pages)[kMaxBoxes], int start, uint32_t stage,
                                               uint32_t bar) {
-  mbarrier_expect_bytes(bar, kChunks * kFp8ChunkBytes);
+  mbarrier_expect_bytes(bar, kStaged * kFp8ChunkBytes);
   for_each_box(a, start, [&](int r, int tile_row, int row) {
 #pragma unroll
-    for (int c = 0; c < kChunks; ++c)
+    for (int c = 0; c < kStaged; ++c)
       tma_box(stage + c * kFp8ChunkBytes + tile_row * 64, &a.kv_map, bar, c * 64, row, pages[r]);
   });
 }
 
-// A tile's copy into a slot: bf16 swizzled, or fp8 bytes to the slot's upper half
-template <bool kFp8>
+// A tile's copy into a slot: bf16 swizzled, or fp8 bytes to the slot's upper half (kDs: DeepSeek's layout's, from
+// kDsStageOffset)
+template <bool kFp8, bool kDs>
 __device__ __forceinline__ void copy_tile(const Args& a, const int (&pages)[kMaxBoxes], int start, uint32_t slot,
                                           uint32_t bar) {
-  if constexpr (kFp8) {
+  if constexpr (kDs) {
+    tma_fp8_boxes<kDsChunks>(a, pages, start, slot + kDsStageOffset, bar);
+  } else if constexpr (kFp8) {
     tma_fp8_boxes(a, pages, start, slot + kFp8StageOffset, bar);
   } else {
     tma_boxes(a, pages, start, slot, bar, 0, kChunks - 1, true);
@@ -134,6 +157,44 @@ __device__ __forceinline__ void widen_slot(uint8_t* tile, int wg_tid, int wg) {
   for (int c = 5; c < kChunks; ++c) store_widened(tile, row, c, half, v[c - 5]);
 }
 
+// DeepSeek's layout: the slot's staged chunks (from kDsStageOffset: [11][64 rows][64 bytes]) as its bf16 tile, by
+// the warpgroup (thread t: row t / 2, bytes 32 (t % 2) .. of each chunk): chunks 0-7 the e4m3 values widened
+// exactly, the rotary values (bytes 528-655 of the row: 16-byte pieces of chunks 8-10) copied to the tile's chunk
+// 8, the row's four scales (chunk 8's first 16 bytes) to `scales` [64 rows][4]. bf16 chunk c covers bytes [8c, 8c +
+// 8) KB of the slot, staged chunk c' [28 + 4c', 32 + 4c') KB: chunks 0-2 cover no staged byte, 3 and 4 staged 0-2,
+// 5-8 staged 3-10. So: staged 0-4 read, chunks 0-2 written, a barrier, 3 and 4 written; staged 5-10 read, a
+// barrier, 5-8 written.
+__device__ __forceinline__ void widen_ds_slot(uint8_t* tile, int wg_tid, int wg, float* scales) {
+  const int row = wg_tid >> 1, half = wg_tid & 1;
+  const uint8_t* staged = tile + kDsStageOffset + row * 64 + half * 32;
+  uint4 v[6][2];
+#pragma unroll
+  for (int c = 0; c < 5; ++c) load_staged(staged + c * kFp8ChunkBytes, row, v[c]);
+#pragma unroll
+  for (int c = 0; c < 3; ++c) store_widened(tile, row, c, half, v[c]);
+  warpgroup_sync(wg);
+  store_widened(tile, row, 3, half, v[3]);
+  store_widened(tile, row, 4, half, v[4]);
+#pragma unroll
+  for (int c = 5; c < kDsChunks; ++c) load_staged(staged + c * kFp8ChunkBytes, row, v[c - 5]);
+  warpgroup_sync(wg);
+#pragma unroll
+  for (int c = 5; c < 8; ++c) store_widened(tile, row, c, half, v[c - 5]);
+  // chunks 8-10's bytes [32 half, 32 half + 32) each, as 16-byte words: word w of chunk 8 + k is the row's bytes
+  // 512 + 64 k + 32 half + 16 w, i.e. scales for (k, half, w) = (0, 0, 0), else rotary piece 4 k + 2 half + w - 1
+#pragma unroll
+  for (int k = 0; k < 3; ++k)
+#pragma unroll
+    for (int w = 0; w < 2; ++w) {
+      const int piece = 4 * k + 2 * half + w - 1;
+      if (piece < 0) {
+        *reinterpret_cast<uint4*>(scales + row * kDsParts) = v[3 + k][w];
+      } else if (piece < 8) {
+        *reinterpret_cast<uint4*>(tile + swizzled(row, 8 * 8 + piece)) = v[3 + k][w];
+      }
+    }
+}
+
 // v rounded to nearest in T (bf16 or f16): a function, since torch's extension builds turn off the types'
 // implicit conversions
 template <class T>
@@ -148,10 +209,12 @@ __device__ __forceinline__ __half round_to<__half>(float v) { return __float2hal
 // maxima over the tile's keys (this thread's two rows, the warp's eight row pairs, the four warps through
 // `colmax` [4 warps][16 heads] and a named barrier), then P = exp2(S - base) to shared memory as P [16 heads x 64
 // keys] K-major (128-byte swizzle) in T (bf16 or f16), the sums and O^T's rescaling. The caller fences and syncs
-// before P V reads P.
-template <class T>
+// before P V reads P. kParts 4 (DeepSeek's layout): P four times, copy b at pt + b kPtBytes times each key's scale b
+// (scale0: this thread's first row's four, scale1: its second's)
+template <class T, int kParts = 1>
 __device__ __forceinline__ void keys_softmax(float (&s)[8], int start, int hi, float qk_scale_log2, float (&m)[4],
-                                             float (&l)[4], float (&o)[8][8], float* colmax, uint8_t* pt, int wg) {
+                                             float (&l)[4], float (&o)[8][8], float* colmax, uint8_t* pt, int wg,
+                                             const float (&scale0)[kParts] = {}, const float (&scale1)[kParts] = {}) {
   const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3, g = lane >> 2, t4 = lane & 3;
   const int row0 = 16 * warp + g, row1 = row0 + 8;
   const int key0 = start + row0, key1 = start + row1;
@@ -188,9 +251,12 @@ __device__ __forceinline__ void keys_softmax(float (&s)[8], int start, int hi, f
     const int j = q >> 1, c = q & 1, col = column_of(q, t4);
     const float p0 = exp2f(s[4 * j + c] - base[q]), p1 = exp2f(s[4 * j + 2 + c] - base[q]);
     l[q] = l[q] * alpha[q] + p0 + p1;
-    T* line = reinterpret_cast<T*>(pt + col * 128);
-    line[(((row0 >> 3) ^ (col & 7)) << 3) + (row0 & 7)] = round_to<T>(p0);
-    line[(((row1 >> 3) ^ (col & 7)) << 3) + (row1 & 7)] = round_to<T>(p1);
+#pragma unroll
+    for (int b = 0; b < kParts; ++b) {
+      T* line = reinterpret_cast<T*>(pt + b * kPtBytes + col * 128);
+      line[(((row0 >> 3) ^ (col & 7)) << 3) + (row0 & 7)] = round_to<T>(kParts > 1 ? p0 * scale0[b] : p0);
+      line[(((row1 >> 3) ^ (col & 7)) << 3) + (row1 & 7)] = round_to<T>(kParts > 1 ? p1 * scale1[b] : p1);
+    }
   }
 #pragma unroll
   for (int b = 0; b < 8; ++b)
@@ -291,17 +357,23 @@ __device__ __forceinline__ void finish_keys_block(const Args& a, const BlockKeys
   }
 }
 
-template <bool kFp8>
+// kFp8: an fp8 e4m3 cache; kDs (with kFp8): DeepSeek's fp8 layout
+template <bool kFp8, bool kDs>
 __global__ void __launch_bounds__(kThreads, 1) mla_keys_kernel(const __grid_constant__ Args a) {
 #if defined(ATTNOPS_MLA_SM90A)
+  static_assert(kFp8 || !kDs, "DeepSeek's layout is staged as fp8 bytes");
+  constexpr int kParts = kDs ? kDsParts : 1;  // P's copies (DeepSeek's layout: one for each 128's scales)
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = aligned_smem(smem_raw);
   const uint32_t s_q = smem_u32(smem);
   const uint32_t s_slots = s_q + kQBytes;  // slot w at s_slots + w * kTileBytes
-  uint8_t* pt_bytes = smem + kQBytes + 2 * kTileBytes;  // warpgroup w's P at + w * kPtBytes
+  uint8_t* pt_bytes = smem + kQBytes + 2 * kTileBytes;  // warpgroup w's P at + w * kParts * kPtBytes
   // [warpgroup][warp][head]: the warps' maxima of a tile; at the end the warps' sums
-  float* s_colmax = reinterpret_cast<float*>(pt_bytes + 2 * kPtBytes);
+  float* s_colmax = reinterpret_cast<float*>(pt_bytes + 2 * kParts * kPtBytes);
   const uint32_t s_bar = smem_u32(wg1_maxima(s_colmax) + kNarrowHeads);  // warpgroup w's slot: + 8 w
+  // DeepSeek's layout: warpgroup w's tile's scales [64 keys][4], after the mbarriers
+  float* my_scales = reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(s_colmax) + kKeysTailBytes) +
+                     (threadIdx.x >> 7) * kKeys * kDsParts;
 
   const int tid = threadIdx.x, lane = tid & 31;
   const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);  // (warp-uniform to the compiler: see mla_decode_kernel)
@@ -313,8 +385,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_keys_kernel(const __grid_cons
   const int* table_row = keys.table_row;
   const uint32_t slot = s_slots + wg * kTileBytes, bar = s_bar + 8 * wg;
   uint8_t* slot_bytes = smem + kQBytes + wg * kTileBytes;
-  const uint32_t s_pt = smem_u32(pt_bytes + wg * kPtBytes);
-  uint8_t* my_pt = pt_bytes + wg * kPtBytes;
+  const uint32_t s_pt = smem_u32(pt_bytes + wg * kParts * kPtBytes);
+  uint8_t* my_pt = pt_bytes + wg * kParts * kPtBytes;
   float* my_colmax = s_colmax + wg * 4 * kNarrowHeads;
   const bool issuer = wg_tid == 0;
 
@@ -328,9 +400,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_keys_kernel(const __grid_cons
   if (issuer && wg < tiles) {  // (the first tile of each warpgroup, before Q: both copies in flight at once)
     int pages[kMaxBoxes];
     box_pages(a, table_row, lo + wg * kKeys, hi, min(a.page_size, kKeys), pages, saw_bad);
-    copy_tile<kFp8>(a, pages, lo + wg * kKeys, slot, bar);
+    copy_tile<kFp8, kDs>(a, pages, lo + wg * kKeys, slot, bar);
   }
-  const float kv_scale = kFp8 ? *a.kv_scale : 1.0f;
+  const float kv_scale = kFp8 && !kDs ? *a.kv_scale : 1.0f;
   const float qk_scale_log2 = a.qk_scale_log2 * kv_scale;
   // Q [16 x 576]: q_nope's 512 values then q_pe's 64 a row (zeros past num_heads), K-major in 64-value chunks
   for (int i = tid; i < kNarrowHeads * kPieces; i += kThreads) {
@@ -364,9 +436,13 @@ __global__ void __launch_bounds__(kThreads, 1) mla_keys_kernel(const __grid_cons
     int next_pages[kMaxBoxes];  // (the issuer's: the slot's next tile, copied once this one is done)
     if (issuer && i + 2 < tiles) {
       box_pages(a, table_row, start + 2 * kKeys, hi, min(a.page_size, kKeys), next_pages, saw_bad);
-      tma_prefetch(a, next_pages, start + 2 * kKeys);
+      tma_prefetch<kDs ? kDsChunks : kChunks>(a, next_pages, start + 2 * kKeys);
     }
-    if constexpr (kFp8) widen_slot(slot_bytes, wg_tid, wg);
+    if constexpr (kDs) {
+      widen_ds_slot(slot_bytes, wg_tid, wg, my_scales);
+    } else if constexpr (kFp8) {
+      widen_slot(slot_bytes, wg_tid, wg);
+    }
     if (visible < kKeys) {  // the value chunks' rows past the end zeroed (their scores are masked below)
       if constexpr (kFp8) warpgroup_sync(wg);  // (every row widened)
       zero_rows_past(slot_bytes, visible, wg_tid);
@@ -375,25 +451,58 @@ __global__ void __launch_bounds__(kThreads, 1) mla_keys_kernel(const __grid_cons
       fence_proxy_async();
       warpgroup_sync(wg);
     }
-    // S^T = K Q^T
-    float s[8];
+    // S^T = K Q^T (DeepSeek's layout: each 128 of the values into its own accumulator, the rotary part into s)
+    float s[8], parts[kDs ? kDsParts : 1][8];
 #pragma unroll
-    for (int z = 0; z < 8; ++z) s[z] = 0.0f;
+    for (int z = 0; z < 8; ++z) {
+      s[z] = 0.0f;
+#pragma unroll
+      for (int b = 0; b < (kDs ? kDsParts : 1); ++b) parts[b][z] = 0.0f;
+    }
     pin(s);
+    if constexpr (kDs) {
+#pragma unroll
+      for (int b = 0; b < kDsParts; ++b) pin(parts[b]);
+    }
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kD / 16; ++kk) {
       const uint32_t k_offset = (kk >> 2) * kChunkBytes + (kk & 3) * 32;
       const uint32_t q_offset = (kk >> 2) * kQChunkBytes + (kk & 3) * 32;
-      wgmma_m64n16k16_ss<0>(s, descriptor(slot + k_offset, 16, 1024), descriptor(s_q + q_offset, 16, 1024), kk > 0);
+      const uint64_t k_desc = descriptor(slot + k_offset, 16, 1024), q_desc = descriptor(s_q + q_offset, 16, 1024);
+      if (kDs && kk < kR / 16) {
+        wgmma_m64n16k16_ss<0>(parts[kDs ? kk / 8 : 0], k_desc, q_desc, kk % 8 > 0);
+      } else {
+        wgmma_m64n16k16_ss<0>(s, k_desc, q_desc, kk > (kDs ? kR / 16 : 0));
+      }
     }
     wgmma_commit();
     wgmma_wait_all();
     pin(s);
-    keys_softmax<__nv_bfloat16>(s, start, hi, qk_scale_log2, m, l, o, my_colmax, my_pt, wg);
+    if constexpr (kDs) {
+      // each key's four scales (0 past the split's end: those rows may hold anything, and P's copies multiply them)
+#pragma unroll
+      for (int b = 0; b < kDsParts; ++b) pin(parts[b]);
+      const int row0 = 16 * warp + g;
+      const float4 w0 = *reinterpret_cast<const float4*>(my_scales + row0 * kDsParts);
+      const float4 w1 = *reinterpret_cast<const float4*>(my_scales + (row0 + 8) * kDsParts);
+      const bool in0 = start + row0 < hi, in1 = start + row0 + 8 < hi;
+      const float scale0[kDsParts] = {in0 ? w0.x : 0.0f, in0 ? w0.y : 0.0f, in0 ? w0.z : 0.0f, in0 ? w0.w : 0.0f};
+      const float scale1[kDsParts] = {in1 ? w1.x : 0.0f, in1 ? w1.y : 0.0f, in1 ? w1.z : 0.0f, in1 ? w1.w : 0.0f};
+#pragma unroll
+      for (int z = 0; z < 8; ++z) {  // (z = 4 j + c: row 16 warp + g + 8 (c / 2))
+        const float* scale = (z >> 1) & 1 ? scale1 : scale0;
+#pragma unroll
+        for (int b = 0; b < kDsParts; ++b) s[z] += scale[b] * parts[b][z];
+      }
+      keys_softmax<__nv_bfloat16, kParts>(s, start, hi, qk_scale_log2, m, l, o, my_colmax, my_pt, wg, scale0, scale1);
+    } else {
+      keys_softmax<__nv_bfloat16>(s, start, hi, qk_scale_log2, m, l, o, my_colmax, my_pt, wg);
+    }
     fence_proxy_async();
     warpgroup_sync(wg);  // P in place (and every read of the maxima done)
-    // O^T += V^T P^T: V^T's row block b is the tile's value chunk b read M-major
+    // O^T += V^T P^T: V^T's row block b is the tile's value chunk b read M-major (DeepSeek's layout: with P's copy
+    // for its 128, b / 2)
 #pragma unroll
     for (int b = 0; b < 8; ++b) pin(o[b]);
     wgmma_fence();
@@ -402,13 +511,13 @@ __global__ void __launch_bounds__(kThreads, 1) mla_keys_kernel(const __grid_cons
 #pragma unroll
       for (int kk = 0; kk < kKeys / 16; ++kk)
         wgmma_m64n16k16_ss<1>(o[b], descriptor(slot + b * kChunkBytes + kk * 2048, kChunkBytes, 1024),
-                              descriptor(s_pt + kk * 32, 16, 1024), 1);
+                              descriptor(s_pt + (kDs ? b / 2 : 0) * kPtBytes + kk * 32, 16, 1024), 1);
     wgmma_commit();
     wgmma_wait_all();
 #pragma unroll
     for (int b = 0; b < 8; ++b) pin(o[b]);
     warpgroup_sync(wg);  // every warp's P V done: the slot and P free
-    if (issuer && i + 2 < tiles) copy_tile<kFp8>(a, next_pages, start + 2 * kKeys, slot, bar);
+    if (issuer && i + 2 < tiles) copy_tile<kFp8, kDs>(a, next_pages, start + 2 * kKeys, slot, bar);
   }
 
   // (also: both warpgroups' loops done, the slots free)
@@ -417,6 +526,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_keys_kernel(const __grid_cons
 #endif
 }
 
-inline void (*keys_kernel(bool fp8))(Args) { return fp8 ? mla_keys_kernel<true> : mla_keys_kernel<false>; }
+inline void (*keys_kernel(bool fp8, bool ds))(Args) {
+  return ds ? mla_keys_kernel<true, true> : fp8 ? mla_keys_kernel<true, false> : mla_keys_kernel<false, false>;
+}
 
 }  // namespace attnops::mla_sm90
