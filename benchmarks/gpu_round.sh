@@ -102,11 +102,6 @@
 #             with it, with the keys form on fp8 and with the tma form on bf16, alternating, two rounds:
 #             $results/cuda-mla-regs-{tma,keys,regs}-{1,2}.json, cuda-mla-regs.txt (each case's best per form;
 #             regs' speedup over keys, and bf16's time over regs': the fp8 bar is 1.7)
-#   mla-ds-scales DeepSeek's fp8 latent layout in Triton: each form of its scales (ATTNOPS_TRITON_MLA_DS_SCALES=
-#             reshape, the default; select: each 128's scale a vector of the keys, chosen per column; fold: the scales
-#             applied to each 128's products) and a bf16 cache beside them: the layout's GPU tests with each, then
-#             mla_decode.py at 16 and 128 heads with each, alternating, DS_ROUNDS rounds (2):
-#             $results/mla-ds-scales-{bf16,reshape,select,fold}-{round}.json, mla-ds-scales.txt
 #   cuda-mla-ds DeepSeek's fp8 latent layout in the cuda backend's keys form (ATTNOPS_CUDA_MLA_DS=1, off until
 #             measured): its GPU tests (tests/test_cuda_mla.py -k deepseeks_layout), then mla_decode.py at DS_HEADS
 #             (16 8) beside the cuda backend's bf16 (tma) and fp8 e4m3 (keys) and Triton over the same layout,
@@ -504,35 +499,6 @@ if finite:
     print(f"geometric mean of warps / columns: {math.exp(sum(map(math.log, finite)) / len(finite)):.3f}")
 PY
       stamp cuda-mla-merge ;;
-    mla-ds-scales)
-      # DeepSeek's fp8 layout in Triton: each form of its scales, and bf16 beside them; the GPU tests of every form,
-      # then mla_decode.py with each, alternating
-      timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mla_fp8_ds.py \
-        > "$results/mla-ds-scales-tests.log" 2>&1
-      tail -1 "$results/mla-ds-scales-tests.log"; grep -E "^FAILED" "$results/mla-ds-scales-tests.log" | head -8
-      for round in $(seq 1 ${DS_ROUNDS:-2}); do for form in bf16 reshape select fold; do
-        format=fp8_ds_mla; [ $form = bf16 ] && format=bf16
-        ATTNOPS_TRITON_MLA_DS_SCALES=${form/bf16/reshape} timeout ${MLA_TIMEOUT:-120} python3 benchmarks/mla_decode.py \
-          --kv-format $format --heads 16 128 --cases 1x32768 32x8192 128x4096 --no-flashinfer \
-          --json "$results/mla-ds-scales-$form-$round.json" > "/tmp/ds-$form-$round.txt" 2>&1 \
-          || { echo "$form: failed"; tail -5 "/tmp/ds-$form-$round.txt"; }
-      done; done
-      python3 - "$results" <<'PY' | tee "$results/mla-ds-scales.txt"
-import glob, json, math, sys
-forms = ("bf16", "reshape", "select", "fold")
-best = {}  # (heads, batch x length) -> form -> best time over the rounds (us)
-for form in forms:
-    for path in glob.glob(f"{sys.argv[1]}/mla-ds-scales-{form}-*.json"):
-        for r in json.load(open(path))["records"]:
-            cell = best.setdefault((r["heads"], f"{r['batch']}x{r['kv_len']}"), {})
-            cell[form] = min(cell.get(form, math.inf), r["attnops_us"])
-print(f"{'heads, case':<20}" + "".join(f"{f + ' us':>12}" for f in forms)
-      + f"{'select/reshape':>16}{'fold/reshape':>14}")
-for (heads, case), cell in sorted(best.items()):
-    t = [cell.get(f, math.nan) for f in forms]
-    print(f"{f'{heads}, {case}':<20}" + "".join(f"{x:>12.1f}" for x in t) + f"{t[2] / t[1]:>16.3f}{t[3] / t[1]:>14.3f}")
-PY
-      stamp mla-ds-scales ;;
     cuda-mla-verify)
       timeout ${TESTS_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -m gpu -k \
         "verify or long_sequence" tests/test_cuda_mla.py > "$results/cuda-mla-verify-tests.log" 2>&1

@@ -69,20 +69,32 @@ def test_declines_what_its_kernel_is_not_built_for(monkeypatch):
     assert any("9.0a" in r for r in cuda_mla.reasons(CASE))
 
 
-def test_deepseeks_fp8_layout_is_served_by_the_keys_form_only_when_switched_on(monkeypatch):
-    monkeypatch.delenv(cuda_mla.ENV, raising=False)
+def test_deepseeks_fp8_layout_is_served_by_the_keys_form_where_its_splits_are_long(monkeypatch):
+    """By default where the plan gives splits of 2048 keys or more (measured faster than Triton there, slower
+    below), at up to 16 heads; ATTNOPS_CUDA_MLA_DS=1 at any split, =0 never."""
+    for name in (cuda_mla.ENV, cuda_mla.DS_ENV, cuda_mla.VARIANT_ENV):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(cuda_mla, "sm90a_built", lambda device: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    ds = MLACase(**{**CASE.__dict__, "kv_format": "fp8_ds_mla", "num_heads": 16})
-    monkeypatch.delenv(cuda_mla.DS_ENV, raising=False)
-    assert any(f"{cuda_mla.DS_ENV}=1" in r for r in cuda_mla.reasons(ds))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda_mla, "sm_count", lambda device: 132)
+    ds = MLACase(**{**CASE.__dict__, "kv_format": "fp8_ds_mla", "num_heads": 16, "batch": 32, "max_kv_len": 8192})
+    assert cuda_mla.plan(32, 16, 8192, 132, False)[1] == 2048 and cuda_mla.reasons(ds) == []
+    assert cuda_mla.reasons(MLACase(**{**ds.__dict__, "batch": 128, "max_kv_len": 4096})) == []
+    single = MLACase(**{**ds.__dict__, "batch": 1, "max_kv_len": 32768})  # (splits of 256 keys)
+    assert any("splits of 256 keys" in r and cuda_mla.DS_ENV in r for r in cuda_mla.reasons(single))
+    with attnops.batch_invariant():  # (the mode's fixed splits: 1024 keys)
+        assert any("splits of 1024 keys" in r for r in cuda_mla.reasons(ds))
     monkeypatch.setenv(cuda_mla.DS_ENV, "1")
-    assert cuda_mla.reasons(ds) == []
-    assert cuda_mla.reasons(MLACase(**{**ds.__dict__, "decode": False, "shape_class": "verify"})) == []
+    assert cuda_mla.reasons(single) == []
+    assert cuda_mla.reasons(MLACase(**{**single.__dict__, "decode": False, "shape_class": "verify"})) == []
     for change, words in [(dict(num_heads=17), "at most 16 heads"), (dict(page_size=4), "pages of 8"),
                           (dict(latent_dim=256), "R 256"), (dict(decode=False, tree_mask=True), "tree_mask")]:
         found = cuda_mla.reasons(MLACase(**{**ds.__dict__, **change}))
         assert any(words in r for r in found), (change, found)
+    monkeypatch.setenv(cuda_mla.DS_ENV, "0")
+    assert any(f"{cuda_mla.DS_ENV}=0" in r for r in cuda_mla.reasons(ds))
+    monkeypatch.delenv(cuda_mla.DS_ENV)
     monkeypatch.setenv(cuda_mla.ENV, "bf16")
     assert any(f"{cuda_mla.ENV}=bf16" in r for r in cuda_mla.reasons(ds))
     for name in cuda_mla.VARIANTS:  # (whatever form is asked for: the keys form is the one that reads it)
@@ -676,3 +688,18 @@ def test_deepseeks_layout_bad_indices_follow_paged_attentions_rules(ds_on):
 def test_deepseeks_layout_in_a_user_cuda_graph_and_compiled(ds_on):
     check_user_graph_replays("cuda", deepseek_inputs([300, 40, 1000], 16, page_size=16, kv_format="fp8_ds_mla"))
     check_reduce_overhead("cuda", deepseek_inputs([300, 40], 16, page_size=16, kv_format="fp8_ds_mla"))
+
+
+@pytest.mark.gpu
+def test_deepseeks_layout_goes_to_cuda_where_its_splits_are_long(monkeypatch):
+    """By default auto sends a batch whose splits are long to the keys form and a single long sequence (splits of
+    256 keys) to Triton; both against the reference."""
+    if not sm90():
+        pytest.skip("needs an sm_90 GPU")
+    for name in (cuda_mla.ENV, cuda_mla.DS_ENV, cuda_mla.VARIANT_ENV):
+        monkeypatch.delenv(name, raising=False)
+    for kv_lens, chosen in (([4096] * 128, "cuda"), ([32768], "triton")):
+        args = deepseek_inputs(kv_lens, 16, kv_format="fp8_ds_mla", seed=len(kv_lens))
+        assert attnops.explain(**args).chosen == chosen, kv_lens[:1]
+        out = torch.ops.attnops.mla_attention(**args)
+        assert relative_error(out, mla_attention_reference(**args)) < 1e-2

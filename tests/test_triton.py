@@ -774,7 +774,6 @@ cc.compile_mla("bf16", "fp8_e4m3", 128, 512, 64, target, tokens=128, decode=Fals
 cc.compile_mla("bf16", "auto", 16, 512, 64, target, tokens=32, capacity=2048, topk=True)  # the sparse form
 cc.compile_mla("bf16", "fp8_ds_mla", 16, 512, 64, target, tokens=1)  # DeepSeek's fp8 layout
 cc.compile_mla("bf16", "fp8_ds_mla", 128, 512, 64, target, tokens=64, capacity=2048, topk=True)
-cc.compile_mla("bf16", "fp8_ds_mla", 16, 512, 64, target, tokens=128, ds_select=True)  # (its scales' select form)
 # the heuristic's own prefill tiles for fp32 and bf16 q fit sm_90's 227 KB of shared memory as chosen
 for label, q_dtype, fmt, constexprs, options in cc.heuristic_configurations(90, 132, 232448, quick=True):
     if label.startswith("chunk") and fmt == "bf16" and q_dtype in ("fp32", "bf16"):  # prefill-sized tiles

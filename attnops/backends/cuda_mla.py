@@ -1,7 +1,7 @@
 """The CUDA backend's latent attention (MLA): decode through attnops' own sm_90a kernel
 (csrc/cuda/mla_decode_sm90.cuh: 64 heads a block as the M of Hopper's warpgroup MMAs, each latent row read once
-for all of them, the 64 x 512 accumulator over two warpgroups), for DeepSeek's shape (R 512, P 64) with a bf16 or
-fp8 e4m3 cache under bf16 q.
+for all of them, the 64 x 512 accumulator over two warpgroups), for DeepSeek's shape (R 512, P 64) with a bf16,
+fp8 e4m3 or DeepSeek-layout fp8 cache under bf16 q.
 
 bf16 caches: 0.8-1.1x FlashInfer's MLA speed, much faster than Triton's at many heads (docs/bench.md, "Latent
 attention"); fp8 caches: slower than its bf16 (the widening to bf16 sits on its chain of work) but faster than
@@ -16,8 +16,10 @@ csrc/cuda/mla_regs_sm90.cuh; only when asked for: 0.99-1.11x the keys form on th
 H200).
 
 DeepSeek's fp8 layout (kv_format "fp8_ds_mla"): the keys form reads it at up to 16 heads (the values widened
-exactly, each 128's scale applied to its products), only with ATTNOPS_CUDA_MLA_DS=1 until it is measured on a GPU
-(`bash benchmarks/gpu_round.sh build cuda-mla-ds`); Triton serves it otherwise.
+exactly, each 128's scale applied to its products), where its splits are of KEYS_FP8_MIN_CHUNK keys or more: there
+1.38-1.49x faster than Triton's over the layout, below it 0.92-0.94x (H100, docs/bench.md), so Triton serves those.
+ATTNOPS_CUDA_MLA_DS=1 serves it at any split, =0 never. `bash benchmarks/gpu_round.sh build cuda-mla-ds` tests and
+times it.
 
 Verify (a few query tokens a sequence, no tree mask): each query row sees its sequence's keys up to its own
 position. At up to 32 heads a block takes several query tokens of a sequence as its 64 rows (tokens_per_block), so
@@ -53,7 +55,7 @@ KEYS_MAX_HEADS = 16  # the keys form's heads a block (its MMAs' N)
 KEYS_FP8_MIN_CHUNK = 2048  # fp8: the keys form's splits at least (measured faster at 2048 and 4096, slower at 256)
 SHAPE = (512, 64)  # (R, P) the kernel is built for
 KV_FORMATS = ("bf16", "fp8_e4m3")  # (fp8: widened to bf16 in shared memory; q is bf16)
-DS_ENV = "ATTNOPS_CUDA_MLA_DS"  # 1: DeepSeek's fp8 layout served too (the keys form; off until measured)
+DS_ENV = "ATTNOPS_CUDA_MLA_DS"  # DeepSeek's fp8 layout: 1 at any split, 0 never (default: long splits only)
 ROWS = 64  # heads a block
 TILE = 64  # keys a step; splits are whole tiles
 MIN_CHUNK = 256  # keys a split at least (a block loads its 64 heads' queries first: 72 KB)
@@ -64,10 +66,10 @@ INVARIANT_CHUNK_ENV = "ATTNOPS_CUDA_MLA_INVARIANT_CHUNK"  # another split size i
 
 
 def served_formats() -> tuple[str, ...]:
-    """The cache formats it serves: ATTNOPS_CUDA_MLA unset or 1: bf16 and fp8 e4m3 (and DeepSeek's fp8 layout with
-    ATTNOPS_CUDA_MLA_DS=1); bf16: bf16; 0: none."""
+    """The cache formats it serves: ATTNOPS_CUDA_MLA unset or 1: bf16, fp8 e4m3 and DeepSeek's fp8 layout (not with
+    ATTNOPS_CUDA_MLA_DS=0); bf16: bf16; 0: none."""
     switch = environ_get(ENV) or "1"
-    ds = (formats.LATENT_FP8_FORMAT,) if environ_get(DS_ENV) == "1" else ()
+    ds = (formats.LATENT_FP8_FORMAT,) if environ_get(DS_ENV) != "0" else ()
     return {"0": (), "bf16": ("bf16",)}.get(switch, KV_FORMATS + ds)
 
 
@@ -117,13 +119,17 @@ def reasons(case) -> list[str]:
     found = common_reasons(case, devices=("cuda",), q_dtypes=(torch.bfloat16,), archs=lambda arch: arch == (9, 0))
     if case.kv_format == formats.LATENT_FP8_FORMAT:
         if case.kv_format not in served:
-            found.append(f"kv_format {case.kv_format}: its kernel is off until measured on a GPU ({DS_ENV}=1 turns "
-                         f"it on)" if environ_get(DS_ENV) != "1" else
+            found.append(f"kv_format {case.kv_format}: turned off ({DS_ENV}=0)" if environ_get(DS_ENV) == "0" else
                          f"kv_format {case.kv_format}: turned off ({ENV}={environ_get(ENV)})")
         if case.num_heads > KEYS_MAX_HEADS:
             found.append(f"kv_format {case.kv_format}: at most {KEYS_MAX_HEADS} heads (the keys form reads it)")
         if case.page_size < 8:
             found.append(f"kv_format {case.kv_format}: pages of 8 rows or more (the keys form's copies)")
+        if not found and environ_get(DS_ENV) != "1" and torch.cuda.is_available():  # (else: unavailable)
+            chunk = ds_split_keys(case)
+            if chunk < KEYS_FP8_MIN_CHUNK:
+                found.append(f"kv_format {case.kv_format}: splits of {chunk} keys (its keys form is slower than "
+                             f"Triton below {KEYS_FP8_MIN_CHUNK}: docs/bench.md; {DS_ENV}=1 serves it anyway)")
     elif case.kv_format not in served:
         found.append(f"kv_format {case.kv_format} not supported" if case.kv_format not in KV_FORMATS else
                      f"kv_format {case.kv_format}: turned off ({ENV}={environ_get(ENV)})")
@@ -145,6 +151,14 @@ def reasons(case) -> list[str]:
             found.append("attnops was built without sm_90a code (TORCH_CUDA_ARCH_LIST=9.0a; setup.py asks for it "
                          "on an sm_90 GPU)")
     return found
+
+
+def ds_split_keys(case) -> int:
+    """Keys a split of a call over DeepSeek's fp8 layout as mla_attention plans it, with the case's batch as its
+    query tokens (a verify call's are more: its splits only longer)."""
+    if invariance.enabled():
+        return invariant_chunk()
+    return plan(case.batch, case.num_heads, case.max_kv_len, sm_count(torch.cuda.current_device()), case.sinks)[1]
 
 
 def tokens_per_block(num_heads: int, verify: bool) -> int:

@@ -345,12 +345,12 @@ def compile_merge_states(out_dtype: str, target):
 
 def compile_mla(q_dtype: str, kv_format: str, num_heads: int, latent: int, rope: int, target, *, tokens: int = 32,
                 capacity: int = 8192, decode: bool = True, sinks: bool = False, tree: bool = False,
-                topk: bool = False, ds_form: str = "reshape"):
+                topk: bool = False):
     """Latent attention's kernels (mla_kernel.py) at the tiles mla_launch plans for a GPU over a cache of
-    `kv_format` ("auto": q's dtype; "fp8_e4m3"; "fp8_ds_mla", ds_form: its scales' form, mla_launch.DS_FORMS): the
-    attention kernel, the split merge when it plans splits, and the cache write. Returns the attention kernel."""
+    `kv_format` ("auto": q's dtype; "fp8_e4m3"; "fp8_ds_mla"): the attention kernel, the split merge when it plans
+    splits, and the cache write. Returns the attention kernel."""
     from .mla_kernel import mla_attention_kernel, mla_cache_write_kernel, mla_merge_kernel
-    from .mla_launch import _FMT, DS_FORMS, mla_plan
+    from .mla_launch import _FMT, mla_plan
     plan = mla_plan(tokens, num_heads, capacity, latent, on_gpu=True)
     r_p2, p_p2 = triton.next_power_of_2(latent), triton.next_power_of_2(rope)
     q = "*" + q_dtype
@@ -360,8 +360,7 @@ def compile_mla(q_dtype: str, kv_format: str, num_heads: int, latent: int, rope:
                  part_out_ptr="*fp32", part_lse_ptr="*fp32", err_ptr="*i32")
     constexprs = dict(NUM_HEADS=num_heads, R=latent, P=rope, R_P2=r_p2, P_P2=p_p2, PAGE=64, BLOCK_H=plan["BLOCK_H"],
                       BLOCK_N=plan["BLOCK_N"], SPLIT=plan["MAX_SPLITS"] > 1, IS_DECODE=decode, FMT=fmt,
-                      HAS_SINKS=sinks, HAS_TREE=tree, HAS_TOPK=topk, WRITE_LSE=sinks,
-                      DS_FORM=DS_FORMS.index(ds_form))
+                      HAS_SINKS=sinks, HAS_TREE=tree, HAS_TOPK=topk, WRITE_LSE=sinks)
     kernel = compile_one(mla_attention_kernel, types, constexprs, target, plan["num_warps"], plan["num_stages"])
     if plan["MAX_SPLITS"] > 1:
         compile_one(mla_merge_kernel, dict(out_ptr=q, lse_ptr="*fp32", part_out_ptr="*fp32", part_lse_ptr="*fp32",
@@ -556,9 +555,6 @@ def main():
                for kv_format, heads, (shape, tokens) in itertools.product(
                    ("auto", "fp8_e4m3", "fp8_ds_mla"), (16, 128),
                    (("decode 1", 1), ("decode 128", 128), ("verify 4 x 64", 256)))]
-    others += [(f"latent attention, fp8_ds_mla cache (its scales' {form} form), {heads} heads, decode 128",
-                functools.partial(compile_mla, "bf16", "fp8_ds_mla", heads, 512, 64, target, tokens=128,
-                                  ds_form=form)) for form in ("select", "fold") for heads in (16, 128)]
     for label, compile_it in others:
         try:
             compile_it()

@@ -39,13 +39,13 @@ def _latent_rows(bt_row, kpos, vis, num_pages, stride_page, stride_tok, PAGE: tl
 
 @triton.jit
 def _latent_tile(kv_ptr, row, ok, offs, width, FMT: tl.constexpr, ROPE: tl.constexpr, R: tl.constexpr,
-                 DOT_DTYPE: tl.constexpr, DS_FORM: tl.constexpr = 0):
+                 DOT_DTYPE: tl.constexpr):
     """The latent values `offs` (< width) of the rows (ROPE: their rotary values), [BLOCK_N, len(offs)] in
     DOT_DTYPE (0 where a row is not read).
     FMT: 0 values as stored, 1 fp8 e4m3 (the call's scale applied by the caller), 2 "fp8_ds_mla" (a row of bytes:
     R e4m3 values, a float32 scale a 128 of them, then the rotary values as bf16; R, len(offs) multiples of 128),
-    each value times its 128's scale: DS_FORM 0 reshapes the tile to meet a tile of scales, 1 takes each scale as a
-    vector of the keys chosen per column (mla_launch.DS_SCALES_ENV; 2 is _ds_part's form, not this)."""
+    each value times its 128's scale: the tile reshaped to meet a tile of the scales (measured faster than a scale
+    vector chosen per column, and than the scales applied to each 128's products: docs/bench.md)."""
     mask = ok[:, None] & (offs[None, :] < width)
     if FMT == 2 and ROPE:  # bf16 bits widened by a shift (exact; the interpreter reads no bf16)
         bits = tl.load((kv_ptr + row[:, None] + (R + R // 32) + 2 * offs[None, :]).to(tl.pointer_type(tl.int16)),
@@ -54,14 +54,7 @@ def _latent_tile(kv_ptr, row, ok, offs, width, FMT: tl.constexpr, ROPE: tl.const
     elif FMT >= 1:
         bits = tl.load(kv_ptr + row[:, None] + offs[None, :], mask=mask, other=0)
         value = fp8_decoded(bits.to(tl.int32), bits.to(tl.float8e4nv, bitcast=True).to(tl.float32), tl.float8e4nv)
-        if FMT == 2 and DS_FORM == 1:  # a key's scales as vectors, one a 128
-            scale = tl.zeros(value.shape, tl.float32)
-            for part in tl.static_range(offs.shape[0] // 128):
-                part_scale = tl.load((kv_ptr + row + R + 4 * part).to(tl.pointer_type(tl.float32)),
-                                     mask=ok & (part < width // 128), other=0.0)
-                scale = tl.where((offs // 128 == part)[None, :], part_scale[:, None], scale)
-            value = value * scale
-        elif FMT == 2:  # a tile of scales, read once
+        if FMT == 2:  # times each 128 values' scale, read once a tile of them
             TILES: tl.constexpr = offs.shape[0] // 128
             tiles = tl.arange(0, TILES)
             scale = tl.load((kv_ptr + row[:, None] + R + 4 * tiles[None, :]).to(tl.pointer_type(tl.float32)),
@@ -72,40 +65,6 @@ def _latent_tile(kv_ptr, row, ok, offs, width, FMT: tl.constexpr, ROPE: tl.const
     else:
         value = tl.load(kv_ptr + row[:, None] + offs[None, :], mask=mask, other=0.0).to(DOT_DTYPE)
     return value
-
-
-@triton.jit
-def _ds_part(kv_ptr, row, ok, PART: tl.constexpr, R: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """DeepSeek fp8 rows' values 128 PART .. 128 PART + 127 as stored (e4m3, exact in DOT_DTYPE, not yet times their
-    scale: DS_FORM 2 applies it to the products) and that 128's scale of each row, 0 where a row is not read or the
-    part lies past R."""
-    offs = PART * 128 + tl.arange(0, 128)
-    bits = tl.load(kv_ptr + row[:, None] + offs[None, :], mask=ok[:, None] & (offs[None, :] < R), other=0)
-    value = fp8_decoded(bits.to(tl.int32), bits.to(tl.float8e4nv, bitcast=True).to(tl.float32), tl.float8e4nv)
-    scale = tl.load((kv_ptr + row + R + 4 * PART).to(tl.pointer_type(tl.float32)), mask=ok & (PART < R // 128),
-                    other=0.0)
-    return value.to(DOT_DTYPE), scale
-
-
-@triton.jit
-def _q_part(qn_row, heads, hvalid, stride_qn_h, PART: tl.constexpr, R: tl.constexpr):
-    """Query values 128 PART .. 128 PART + 127 of the heads (0 past R)"""
-    offs = PART * 128 + tl.arange(0, 128)
-    return tl.load(qn_row + heads[:, None] * stride_qn_h + offs[None, :], mask=hvalid[:, None] & (offs[None, :] < R),
-                   other=0.0)
-
-
-@triton.jit
-def _ds_pv(acc, p, alpha, c, scale, PV_DTYPE: tl.constexpr):
-    """acc rescaled by alpha plus P V for one 128 of the values, each key's P times its scale for that 128. In fp16,
-    P times the scale could fall below fp16's range (a scale is as small as 1e-4 / 448): it is taken relative to the
-    tile's largest scale, and that scale joins the product after."""
-    if PV_DTYPE == tl.float16:
-        top = tl.max(scale, 0)
-        top = tl.where(top > 0.0, top, 1.0)
-        return acc * alpha[:, None] + tl.dot((p * (scale / top)[None, :]).to(PV_DTYPE), c) * top
-    else:
-        return acc * alpha[:, None] + tl.dot((p * scale[None, :]).to(PV_DTYPE), c)
 
 
 # (the split count and length are runtime values: a new batch size or table width compiles nothing new)
@@ -120,15 +79,12 @@ def mla_attention_kernel(
     NUM_HEADS: tl.constexpr, R: tl.constexpr, P: tl.constexpr, R_P2: tl.constexpr, P_P2: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     IS_DECODE: tl.constexpr, FMT: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_TREE: tl.constexpr,
-    HAS_TOPK: tl.constexpr, WRITE_LSE: tl.constexpr, DS_FORM: tl.constexpr = 0,
+    HAS_TOPK: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
     """Program (token t and head block, split): the token's heads of the block against the split's keys of its
     sequence (those at or before its position; a tree mask decides inside its query block). With one split it
     writes out (and lse); with more (SPLIT), its partial (normalized output, base-2 LSE) for mla_merge_kernel.
-    HAS_TOPK: the split's entries of the token's topk_indices row (topk_len a row) name its keys instead.
-    DS_FORM (FMT 2): how each 128 values' scale is applied: 0 and 1 to the tile's values before its products
-    (_latent_tile), 2 to the products (each 128 of the values its own dot; a key's score part and its P times the
-    key's scale: fewer multiplies than the tile's values at up to 64 heads, and the dots over exact values)."""
+    HAS_TOPK: the split's entries of the token's topk_indices row (topk_len a row) name its keys instead."""
     # the head blocks of a token are neighbours in launch order: they run together and read the same latent rows,
     # so all but the first find them in L2
     HEAD_BLOCKS: tl.constexpr = (NUM_HEADS + BLOCK_H - 1) // BLOCK_H
@@ -170,22 +126,8 @@ def mla_attention_kernel(
 
     offs_r = tl.arange(0, R_P2)
     offs_p = tl.arange(0, P_P2)
-    FOLD: tl.constexpr = FMT == 2 and DS_FORM == 2
-    PARTS: tl.constexpr = R_P2 // 128 if FOLD else 1  # (parts past R // 128 stay zero)
-    qn_row = qn_ptr + t.to(tl.int64) * stride_qn_t
-    if FOLD:  # four parts of 128 at most (R <= 512), each its own dot and accumulator
-        qn0 = _q_part(qn_row, heads, hvalid, stride_qn_h, 0, R)
-        qn1 = qn0
-        qn2 = qn0
-        qn3 = qn0
-        if PARTS > 1:
-            qn1 = _q_part(qn_row, heads, hvalid, stride_qn_h, 1, R)
-        if PARTS > 2:
-            qn2 = _q_part(qn_row, heads, hvalid, stride_qn_h, 2, R)
-            qn3 = _q_part(qn_row, heads, hvalid, stride_qn_h, 3, R)
-    else:
-        qn = tl.load(qn_row + heads[:, None] * stride_qn_h + offs_r[None, :],
-                     mask=hvalid[:, None] & (offs_r[None, :] < R), other=0.0)
+    qn = tl.load(qn_ptr + t.to(tl.int64) * stride_qn_t + heads[:, None] * stride_qn_h + offs_r[None, :],
+                 mask=hvalid[:, None] & (offs_r[None, :] < R), other=0.0)
     qp = tl.load(qp_ptr + t.to(tl.int64) * stride_qp_t + heads[:, None] * stride_qp_h + offs_p[None, :],
                  mask=hvalid[:, None] & (offs_p[None, :] < P), other=0.0)
     qk_scale = sm_scale * LOG2E
@@ -198,10 +140,7 @@ def mla_attention_kernel(
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, R_P2 // PARTS], dtype=tl.float32)
-    acc1 = acc
-    acc2 = acc
-    acc3 = acc
+    acc = tl.zeros([BLOCK_H, R_P2], dtype=tl.float32)
     saw_bad = tl.zeros([BLOCK_N], dtype=tl.int1)
     saw_bad_entry = tl.zeros([BLOCK_N], dtype=tl.int1)
     for start in range(lo, hi, BLOCK_N):
@@ -221,50 +160,17 @@ def mla_attention_kernel(
             vis = vis & (~in_block | (seen != 0))
         row, ok, bad = _latent_rows(bt_row, kpos, vis, num_pages, stride_page, stride_tok, PAGE)
         saw_bad = saw_bad | bad
+        c = _latent_tile(kv_ptr, row, ok, offs_r, R, FMT, False, R, DOT_DTYPE)
         rp = _latent_tile(kv_ptr if FMT == 2 else kv_ptr + R, row, ok, offs_p, P, FMT, True, R, DOT_DTYPE)
-        s = tl.dot(qp, tl.trans(rp))
-        if FOLD:
-            c, k0 = _ds_part(kv_ptr, row, ok, 0, R, DOT_DTYPE)
-            s += tl.dot(qn0, tl.trans(c)) * k0[None, :]
-            c1 = c
-            c2 = c
-            c3 = c
-            k1 = k0
-            k2 = k0
-            k3 = k0
-            if PARTS > 1:
-                c1, k1 = _ds_part(kv_ptr, row, ok, 1, R, DOT_DTYPE)
-                s += tl.dot(qn1, tl.trans(c1)) * k1[None, :]
-            if PARTS > 2:
-                c2, k2 = _ds_part(kv_ptr, row, ok, 2, R, DOT_DTYPE)
-                s += tl.dot(qn2, tl.trans(c2)) * k2[None, :]
-                c3, k3 = _ds_part(kv_ptr, row, ok, 3, R, DOT_DTYPE)  # (zeros where R is 384)
-                s += tl.dot(qn3, tl.trans(c3)) * k3[None, :]
-        else:
-            c = _latent_tile(kv_ptr, row, ok, offs_r, R, FMT, False, R, DOT_DTYPE, DS_FORM)
-            s += tl.dot(qn, tl.trans(c))
+        s = tl.dot(qn, tl.trans(c)) + tl.dot(qp, tl.trans(rp))
         s = tl.where(vis[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if FOLD:
-            acc = _ds_pv(acc, p, alpha, c, k0, DOT_DTYPE)
-            if PARTS > 1:
-                acc1 = _ds_pv(acc1, p, alpha, c1, k1, DOT_DTYPE)
-            if PARTS > 2:
-                acc2 = _ds_pv(acc2, p, alpha, c2, k2, DOT_DTYPE)
-                acc3 = _ds_pv(acc3, p, alpha, c3, k3, DOT_DTYPE)
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), c)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), c)
         m_i = m_new
-    if FOLD:  # the parts side by side: [BLOCK_H, R_P2]
-        if PARTS > 1:
-            acc = tl.reshape(tl.permute(tl.join(acc, acc1), (0, 2, 1)), (BLOCK_H, 256))
-        if PARTS > 2:
-            acc = tl.join(acc, tl.reshape(tl.permute(tl.join(acc2, acc3), (0, 2, 1)), (BLOCK_H, 256)))
-            acc = tl.reshape(tl.permute(acc, (0, 2, 1)), (BLOCK_H, 512))
 
     row_bad = tl.max(saw_bad.to(tl.int32), 0) > 0
     if row_bad:

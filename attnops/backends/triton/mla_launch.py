@@ -6,7 +6,6 @@ import torch
 import triton
 
 from ... import errors, formats
-from ...env import environ_get
 from ..base import kernel_outputs, rows_without_a_sequence
 from . import interpreting
 from .mla_kernel import mla_attention_kernel, mla_cache_write_kernel, mla_merge_kernel
@@ -14,12 +13,6 @@ from .mla_kernel import mla_attention_kernel, mla_cache_write_kernel, mla_merge_
 
 # the kernels' FMT for each latent cache format (mla_kernel._latent_tile)
 _FMT = {"auto": 0, "bf16": 0, "fp16": 0, "fp32": 0, "fp8_e4m3": 1, formats.LATENT_FP8_FORMAT: 2}
-
-# DeepSeek's fp8 layout: how a tile's values meet their 128's scales (mla_kernel's DS_FORM): "reshape" (the default,
-# timed: docs/bench.md), "select" (each scale a vector of the keys, chosen per column: no reshape of the tile) or
-# "fold" (the scales applied to each 128's products, not to the values); the last two not yet timed
-DS_SCALES_ENV = "ATTNOPS_TRITON_MLA_DS_SCALES"
-DS_FORMS = ("reshape", "select", "fold")
 
 # batch-invariant mode (attnops.invariance): keys a split, fixed, so that a sequence's splits (and the order of its
 # sums) follow from its own length only; the interpreter's is small, so that CPU tests cover several splits
@@ -90,7 +83,6 @@ def mla_launch(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, *, s
     fp8 = fmt == 1
     kv = kv_cache.view(torch.uint8) if fp8 else kv_cache
     r_p2, p_p2 = triton.next_power_of_2(latent), triton.next_power_of_2(rope)
-    ds_form = DS_FORMS.index(ds_scales_form()) if fmt == 2 else 0
     part_out = part_lse = out  # (placeholders: one split writes out directly)
     if splits > 1:
         part_out = torch.empty(num_tokens * num_heads * splits * r_p2, dtype=torch.float32, device=q_nope.device)
@@ -115,7 +107,7 @@ def mla_launch(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, *, s
         NUM_HEADS=num_heads, R=latent, P=rope, R_P2=r_p2, P_P2=p_p2, PAGE=page_size, BLOCK_H=plan["BLOCK_H"],
         BLOCK_N=plan["BLOCK_N"], SPLIT=splits > 1, IS_DECODE=cu_seqlens_q is None, FMT=fmt,
         HAS_SINKS=sinks is not None, HAS_TREE=tree_mask is not None, HAS_TOPK=topk_indices is not None,
-        WRITE_LSE=lse is not None, DS_FORM=ds_form, num_warps=plan["num_warps"], num_stages=plan["num_stages"])
+        WRITE_LSE=lse is not None, num_warps=plan["num_warps"], num_stages=plan["num_stages"])
     if splits > 1:
         mla_merge_kernel[(num_tokens, num_heads)](
             out_ptr=out, lse_ptr=lse if lse is not None else part_lse, part_out_ptr=part_out, part_lse_ptr=part_lse,
@@ -123,14 +115,6 @@ def mla_launch(q_nope, q_pe, kv_cache, block_table, seq_lens, cu_seqlens_q, *, s
             MAX_SPLITS=splits, NUM_HEADS=num_heads, R=latent, R_P2=r_p2, SPLITS_P2=triton.next_power_of_2(splits),
             SPLIT_BLOCK=min(8, triton.next_power_of_2(splits)), HAS_SINKS=sinks is not None,
             WRITE_LSE=lse is not None, num_warps=4)
-
-
-def ds_scales_form() -> str:
-    """DS_SCALES_ENV's form, one of DS_FORMS ("reshape" when unset); anything else is a ValueError naming it."""
-    form = environ_get(DS_SCALES_ENV) or "reshape"
-    if form not in DS_FORMS:
-        raise ValueError(f"{DS_SCALES_ENV} must be one of {DS_FORMS} (got {form!r})")
-    return form
 
 
 def mla_cache_write(kv_c, k_pe, kv_cache, slot_mapping, *, kv_format: str, kv_scale) -> None:
