@@ -102,10 +102,11 @@
 #             with it, with the keys form on fp8 and with the tma form on bf16, alternating, two rounds:
 #             $results/cuda-mla-regs-{tma,keys,regs}-{1,2}.json, cuda-mla-regs.txt (each case's best per form;
 #             regs' speedup over keys, and bf16's time over regs': the fp8 bar is 1.7)
-#   cuda-mla-ds DeepSeek's fp8 latent layout in the cuda backend's keys form (ATTNOPS_CUDA_MLA_DS=1, off until
-#             measured): its GPU tests (tests/test_cuda_mla.py -k deepseeks_layout), then mla_decode.py at DS_HEADS
-#             (16 8) beside the cuda backend's bf16 (tma) and fp8 e4m3 (keys) and Triton over the same layout,
-#             alternating, two rounds: $results/cuda-mla-ds-{cuda-ds,cuda-bf16,cuda-fp8,triton-ds}-{1,2}.json,
+#   cuda-mla-ds DeepSeek's fp8 latent layout in the cuda backend (ATTNOPS_CUDA_MLA_DS=1: the keys form at up to 16
+#             heads, the cp.async form above): its GPU tests (tests/test_cuda_mla.py -k deepseeks_layout), then
+#             mla_decode.py at DS_HEADS (16 128) beside the cuda backend's bf16 and fp8 e4m3 (keys where it serves)
+#             and Triton over the same layout, alternating, DS_ROUNDS rounds (2):
+#             $results/cuda-mla-ds-{cuda-ds,cuda-bf16,cuda-fp8,triton-ds}-{round}.json,
 #             cuda-mla-ds.txt (each case's best per kernel; bf16's time over the layout's, Triton's over cuda's)
 #   cuda-mla-pack verify's tokens packed into the cuda latent-attention kernel's rows (the default; tokens x heads
 #             fill a block's 64 rows at up to 32 heads; ATTNOPS_CUDA_MLA_PACK_VERIFY=0 turns it off): its GPU tests
@@ -444,11 +445,11 @@ PY
         tests/test_cuda_mla.py > "$results/cuda-mla-ds-tests.log" 2>&1 \
         || { [ $? = 124 ] && echo "cuda-ds: its tests ran out of time (a hang?): not timed" && forms=${forms#* }; }
       grep -E "passed|failed|FAILED|Error" "$results/cuda-mla-ds-tests.log" | grep -v "^PASSED" | tail -8
-      for round in 1 2; do for form in $forms; do
+      for round in $(seq 1 ${DS_ROUNDS:-2}); do for form in $forms; do
         name=${form%%:*} fmt=${form#*:}
         variant=; [ $name = cuda-fp8 ] && variant=keys
         ATTNOPS_CUDA_MLA_DS=1 ATTNOPS_CUDA_MLA_VARIANT=$variant timeout ${MLA_TIMEOUT:-120} python3 \
-          benchmarks/mla_decode.py --backend ${name%%-*} --heads ${DS_HEADS:-16 8} --cases 1x32768 32x8192 128x4096 \
+          benchmarks/mla_decode.py --backend ${name%%-*} --heads ${DS_HEADS:-16 128} --cases 1x32768 32x8192 128x4096 \
           --no-flashinfer --kv-format $fmt --json "$results/cuda-mla-ds-$name-$round.json" \
           > "/tmp/cuda-ds-$name-$round.txt" 2>&1 || { echo "$name: failed"; tail -5 "/tmp/cuda-ds-$name-$round.txt"; }
       done; done
@@ -457,7 +458,7 @@ import glob, json, math, sys
 names = ("cuda-ds", "cuda-fp8", "cuda-bf16", "triton-ds")
 best = {}  # (heads, batch x length) -> kernel -> best time over the rounds (us)
 for name in names:
-    for path in glob.glob(f"{sys.argv[1]}/cuda-mla-ds-{name}-[12].json"):
+    for path in glob.glob(f"{sys.argv[1]}/cuda-mla-ds-{name}-*.json"):
         for r in json.load(open(path))["records"]:
             cell = best.setdefault((r["heads"], f"{r['batch']}x{r['kv_len']}"), {})
             cell[name] = min(cell.get(name, math.inf), r["attnops_us"])

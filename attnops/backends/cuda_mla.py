@@ -16,10 +16,11 @@ csrc/cuda/mla_regs_sm90.cuh; only when asked for: 0.99-1.11x the keys form on th
 H200).
 
 DeepSeek's fp8 layout (kv_format "fp8_ds_mla"): the keys form reads it at up to 16 heads (the values widened
-exactly, each 128's scale applied to its products), where its splits are of KEYS_FP8_MIN_CHUNK keys or more: there
-1.38-1.49x faster than Triton's over the layout, below it 0.92-0.94x (H100, docs/bench.md), so Triton serves those.
-ATTNOPS_CUDA_MLA_DS=1 serves it at any split, =0 never. `bash benchmarks/gpu_round.sh build cuda-mla-ds` tests and
-times it.
+exactly, each 128's scale applied to its products), by default where its splits are of KEYS_FP8_MIN_CHUNK keys or
+more: there 1.38-1.50x faster than Triton's over the layout, below it 0.92-0.95x (H100, docs/bench.md), so Triton
+serves those. Above 16 heads (and with pages of fewer than 8 rows) the cp.async form reads it (the values times
+their scales rounded once to bf16, as FlashMLA's), not yet measured: only with ATTNOPS_CUDA_MLA_DS=1, which also
+serves any split; =0 never. `bash benchmarks/gpu_round.sh build cuda-mla-ds` tests and times it.
 
 Verify (a few query tokens a sequence, no tree mask): each query row sees its sequence's keys up to its own
 position. At up to 32 heads a block takes several query tokens of a sequence as its 64 rows (tokens_per_block), so
@@ -55,7 +56,7 @@ KEYS_MAX_HEADS = 16  # the keys form's heads a block (its MMAs' N)
 KEYS_FP8_MIN_CHUNK = 2048  # fp8: the keys form's splits at least (measured faster at 2048 and 4096, slower at 256)
 SHAPE = (512, 64)  # (R, P) the kernel is built for
 KV_FORMATS = ("bf16", "fp8_e4m3")  # (fp8: widened to bf16 in shared memory; q is bf16)
-DS_ENV = "ATTNOPS_CUDA_MLA_DS"  # DeepSeek's fp8 layout: 1 at any split, 0 never (default: long splits only)
+DS_ENV = "ATTNOPS_CUDA_MLA_DS"  # DeepSeek's fp8 layout: 1 everywhere, 0 never (default: the keys form's long splits)
 ROWS = 64  # heads a block
 TILE = 64  # keys a step; splits are whole tiles
 MIN_CHUNK = 256  # keys a split at least (a block loads its 64 heads' queries first: 72 KB)
@@ -80,11 +81,11 @@ def kernel_variant(kv_format: str, page_size: int, num_heads: int, chunk: int, p
     forms other than cp.async copy through the tensor memory accelerator, pages of 8 rows or more (cp.async
     otherwise), bf16 caches (keys: fp8 too; regs: fp8 only, tma for bf16); keys and regs take at most
     KEYS_MAX_HEADS heads (tma otherwise); `packed` (several tokens a block: tokens_per_block) only the cp.async and
-    tma forms (tma for the others). DeepSeek's fp8 layout: keys, the only form that reads it (reasons() declines
-    what it cannot take).
+    tma forms (tma for the others). DeepSeek's fp8 layout: keys at up to KEYS_MAX_HEADS heads and pages of 8 rows
+    or more, cp.async otherwise (the forms that read it).
     `bash benchmarks/gpu_round.sh cuda-mla-variants` times them."""
     if kv_format == formats.LATENT_FP8_FORMAT:
-        return VARIANTS.index("keys")
+        return VARIANTS.index("keys" if num_heads <= KEYS_MAX_HEADS and page_size >= 8 and not packed else "cp.async")
     name = environ_get(VARIANT_ENV) or \
         ("tma" if kv_format == "bf16" else "keys" if chunk >= KEYS_FP8_MIN_CHUNK and not packed else "cp.async")
     if name not in VARIANTS:
@@ -121,15 +122,15 @@ def reasons(case) -> list[str]:
         if case.kv_format not in served:
             found.append(f"kv_format {case.kv_format}: turned off ({DS_ENV}=0)" if environ_get(DS_ENV) == "0" else
                          f"kv_format {case.kv_format}: turned off ({ENV}={environ_get(ENV)})")
-        if case.num_heads > KEYS_MAX_HEADS:
-            found.append(f"kv_format {case.kv_format}: at most {KEYS_MAX_HEADS} heads (the keys form reads it)")
-        if case.page_size < 8:
-            found.append(f"kv_format {case.kv_format}: pages of 8 rows or more (the keys form's copies)")
-        if not found and environ_get(DS_ENV) != "1" and torch.cuda.is_available():  # (else: unavailable)
-            chunk = ds_split_keys(case)
-            if chunk < KEYS_FP8_MIN_CHUNK:
-                found.append(f"kv_format {case.kv_format}: splits of {chunk} keys (its keys form is slower than "
-                             f"Triton below {KEYS_FP8_MIN_CHUNK}: docs/bench.md; {DS_ENV}=1 serves it anyway)")
+        elif environ_get(DS_ENV) != "1":  # (by default: where the keys form is measured faster than Triton)
+            if case.num_heads > KEYS_MAX_HEADS or case.page_size < 8:
+                found.append(f"kv_format {case.kv_format}: above {KEYS_MAX_HEADS} heads or with pages of fewer than 8 "
+                             f"rows its cp.async form reads it, not yet measured ({DS_ENV}=1 serves it)")
+            elif torch.cuda.is_available():  # (else the backend is unavailable)
+                chunk = ds_split_keys(case)
+                if chunk < KEYS_FP8_MIN_CHUNK:
+                    found.append(f"kv_format {case.kv_format}: splits of {chunk} keys (its keys form is slower than "
+                                 f"Triton below {KEYS_FP8_MIN_CHUNK}: docs/bench.md; {DS_ENV}=1 serves it anyway)")
     elif case.kv_format not in served:
         found.append(f"kv_format {case.kv_format} not supported" if case.kv_format not in KV_FORMATS else
                      f"kv_format {case.kv_format}: turned off ({ENV}={environ_get(ENV)})")

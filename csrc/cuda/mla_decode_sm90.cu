@@ -63,7 +63,7 @@ static void encode_kv_map(CUtensorMap* map, const at::Tensor& kv_cache, bool fp8
 
 // q_nope [T, H, 512] and q_pe [T, H, 64] bf16 with unit inner stride and 16-byte aligned rows; kv_cache
 // [num_pages, page_size, 576] bf16 or float8_e4m3fn (with kv_scale, float32 of one element), or uint8 [num_pages,
-// page_size, 656] in DeepSeek's fp8 layout (kv_format "fp8_ds_mla"; the keys form only), the same; out
+// page_size, 656] in DeepSeek's fp8 layout (kv_format "fp8_ds_mla"; the cp.async and keys forms), the same; out
 // [T, H, 512] bf16 (unit inner stride, value pairs aligned), lse float32 [T, H] contiguous or none; with
 // splits > 1, part_out float32 [T, H, splits, 512] and part_lse [T, H, splits] are the splits' partials, merged
 // into out and lse (sinks, float32 [H], need splits > 1); cu_seqlens_q int32 [B + 1] (several query tokens a
@@ -141,14 +141,15 @@ void mla_decode_sm90(const at::Tensor& q_nope, const at::Tensor& q_pe, const at:
   TORCH_CHECK(variant < 2 || stages == kAllStages, "mla_decode_sm90: the forms after tma run all their stages");
   TORCH_CHECK(variant < 2 || H <= kNarrowHeads, "mla_decode_sm90: the keys and regs forms take at most 16 heads");
   TORCH_CHECK(variant != 3 || e4m3, "mla_decode_sm90: the regs form reads fp8 e4m3 caches");
-  TORCH_CHECK(!ds || variant == 2, "mla_decode_sm90: DeepSeek's fp8 layout is read by the keys form only");
+  TORCH_CHECK(!ds || variant == 0 || variant == 2,
+              "mla_decode_sm90: DeepSeek's fp8 layout is read by the cp.async and keys forms only");
   if (variant) {  // (pages of 8 rows or more, each a power of two; rows and pages 16-byte aligned: the backend's)
     TORCH_CHECK((!fp8 || variant >= 2) && a.page_size >= 8 && (a.page_size & (a.page_size - 1)) == 0,
                 "mla_decode_sm90: the TMA copies read bf16 caches (fp8 too in the keys and regs forms) with pages of "
                 "8 rows or more");
     encode_kv_map(&a.kv_map, kv_cache, fp8, variant == 3, ds ? kDsRowBytes : kD);
   }
-  void (*kernel)(Args) = decode_kernel(fp8, variant == 1, tokens_per_block > 1);  // (variants 0 and 1)
+  void (*kernel)(Args) = decode_kernel(fp8, variant == 1, tokens_per_block > 1, ds);  // (variants 0 and 1)
   int smem_bytes = kSmemBytes;
   if (variant == 2) kernel = keys_kernel(fp8, ds), smem_bytes = ds ? kKeysDsSmemBytes : kKeysSmemBytes;
   if (variant == 3) kernel = regs_kernel(), smem_bytes = kRegsSmemBytes;

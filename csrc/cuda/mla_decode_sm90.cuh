@@ -18,6 +18,10 @@
 // - An fp8 e4m3 cache (stored = value / kv_scale) is copied as bytes into two staging stages (where bf16's second
 //   tile stage is) and widened to the one bf16 tile before the MMAs, exactly; kv_scale joins the scores' scale and
 //   the output.
+// - DeepSeek's fp8 layout (kv_format "fp8_ds_mla": 656-byte rows, 512 e4m3 values, a float32 scale a 128 of them,
+//   64 bf16 rotary values) the same way through one staging stage (two would not fit beside Q and the tile): a
+//   tile's values times their 128's scale rounded once to bf16 (as FlashMLA's), its rotary values copied; the next
+//   tile's copy is issued once the stage is widened, not before.
 // With one split the block writes out (bf16) and the LSE; with more, its normalised partial (fp32) and base-2 LSE
 // for mla_merge_kernel (below), which also adds the sinks.
 //
@@ -44,6 +48,8 @@ constexpr int kChunkBytes = kKeys * 128;         // one column chunk of a tile (
 constexpr int kTileBytes = kChunks * kChunkBytes;
 constexpr int kPBytes = kRows * kKeys * 2;
 constexpr int kSmemBytes = 3 * kTileBytes + kPBytes + 3 * kRows * 4 + 2 * 8 + 1024;  // + 2 mbarriers, alignment
+constexpr int kDsRowBytes = kR + 4 * (kR / 128) + 2 * kP;  // DeepSeek's fp8 layout: a row's bytes (656)
+constexpr int kDsParts = kR / 128;                        // its scales a row
 constexpr int kMarkerInts = 4;                    // the sm_90a marker's static shared memory (the probe)
 static_assert(kSmemBytes <= 227 * 1024, "one block must fit an sm_90 SM's 227 KB of shared memory");
 constexpr float kLn2 = 0.6931471805599453f;
@@ -312,7 +318,8 @@ __device__ __forceinline__ int page_of(const Args& a, const int* table_row, int 
 // nowhere): thread tid takes row tid / 4 (its key's page: page_of), pieces tid % 4 + 4 j. bf16: straight into the
 // swizzled tile; fp8: into a staging area of plain [64 x 576]-byte rows, for to_bf16_tile. Returns whether its key
 // is visible and sits in a page outside the cache (never read).
-template <bool kFp8>
+// kDs: DeepSeek's fp8 layout's rows (kDsRowBytes each) staged the same way.
+template <bool kFp8, bool kDs = false>
 __device__ __forceinline__ bool load_tile(const Args& a, int page, int start, int end, uint32_t dst, int tid) {
   const int row = tid >> 2;
   const int key = start + row;
@@ -321,11 +328,14 @@ __device__ __forceinline__ bool load_tile(const Args& a, int page, int start, in
   const bool ok = visible && !bad;
   const uint8_t* src =
       ok ? a.kv + static_cast<int64_t>(page) * a.kv_page + static_cast<int64_t>(key % a.page_size) * a.kv_token : a.kv;
-  constexpr int kRowPieces = kFp8 ? kD / 16 : kPieces;
+  constexpr int kRowPieces = kDs ? kDsRowBytes / 16 : kFp8 ? kD / 16 : kPieces;
+  constexpr int kRowBytes = kDs ? kDsRowBytes : kD;
 #pragma unroll
-  for (int j = 0; j < kRowPieces / 4; ++j) {
+  for (int j = 0; j < (kRowPieces + 3) / 4; ++j) {
     const int piece = (tid & 3) + 4 * j;
-    cp_async_16(dst + (kFp8 ? row * kD + piece * 16 : swizzled(row, piece)), src + (ok ? piece * 16 : 0), ok);
+    if (kRowPieces % 4 == 0 || piece < kRowPieces)
+      cp_async_16(dst + (kFp8 ? row * kRowBytes + piece * 16 : swizzled(row, piece)), src + (ok ? piece * 16 : 0),
+                  ok);
   }
   return bad;
 }
@@ -443,6 +453,37 @@ __device__ __forceinline__ void to_bf16_tile(const uint8_t* stage, uint8_t* tile
     *reinterpret_cast<uint4*>(tile + swizzled(row, 2 * piece)) = make_uint4(out[0], out[1], out[2], out[3]);
     *reinterpret_cast<uint4*>(tile + swizzled(row, 2 * piece + 1)) = make_uint4(out[4], out[5], out[6], out[7]);
   }
+}
+
+// DeepSeek's fp8 layout: a staged tile's rows [64 x 656 bytes] as the bf16 tile (thread tid: row tid / 4, its
+// 16-byte pieces of e4m3 values tid % 4 + 4 j, each value times its 128's scale in fp32 and rounded once, and rotary
+// pieces tid % 4 and + 4 copied). Rows the copy zero-filled (past the end, bad pages) read as zeros, scales too.
+__device__ __forceinline__ void ds_to_bf16_tile(const uint8_t* stage, uint8_t* tile, int tid) {
+  const int row = tid >> 2;
+  const uint8_t* src = stage + row * kDsRowBytes;
+  const float4 scale4 = *reinterpret_cast<const float4*>(src + kR);
+  const float scales[kDsParts] = {scale4.x, scale4.y, scale4.z, scale4.w};
+#pragma unroll
+  for (int j = 0; j < kR / 16 / 4; ++j) {
+    const int piece = (tid & 3) + 4 * j;  // (values 16 piece ..: the 128 j / 2)
+    const float scale = scales[j / 2];
+    const uint4 v = *reinterpret_cast<const uint4*>(src + piece * 16);
+    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+    uint32_t out[8];
+#pragma unroll
+    for (int w = 0; w < 8; ++w) {
+      const __half2_raw raw =
+          __nv_cvt_fp8x2_to_halfraw2(static_cast<uint16_t>(words[w / 2] >> (16 * (w % 2))), __NV_E4M3);
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&raw));
+      out[w] = pack_bf16(f.x * scale, f.y * scale);
+    }
+    *reinterpret_cast<uint4*>(tile + swizzled(row, 2 * piece)) = make_uint4(out[0], out[1], out[2], out[3]);
+    *reinterpret_cast<uint4*>(tile + swizzled(row, 2 * piece + 1)) = make_uint4(out[4], out[5], out[6], out[7]);
+  }
+#pragma unroll
+  for (int k = tid & 3; k < kP / 8; k += 4)
+    *reinterpret_cast<uint4*>(tile + swizzled(row, kR / 8 + k)) =
+        *reinterpret_cast<const uint4*>(src + kR + 4 * kDsParts + 16 * k);
 }
 
 // Warpgroup 0's online softmax of a tile's scores s (base 2; s[4 j + c]: row row0 (c < 2) or row1, key start + 8 j + 2
@@ -634,15 +675,17 @@ __device__ __forceinline__ void finish_rows(const Args& a, const float (&o)[128]
 // must not meet them).
 // kPacked: a.group query tokens of a sequence a block (verify at up to 32 heads: block_keys), each row masked at its
 // own end (row_end); a separate instantiation, so that the one-token kernels keep their code.
-template <bool kFp8, bool kTma, bool kPacked>
+// kDs (with kFp8): DeepSeek's fp8 layout, one byte stage.
+template <bool kFp8, bool kTma, bool kPacked, bool kDs = false>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_constant__ Args a) {
   static_assert(!(kFp8 && kTma), "the TMA path copies bf16 tiles");
+  static_assert(kFp8 || !kDs, "DeepSeek's layout is staged as fp8 bytes");
 #if defined(ATTNOPS_MLA_SM90A)
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = aligned_smem(smem_raw);
   const uint32_t s_q = smem_u32(smem);
   const uint32_t s_k = s_q + kTileBytes;  // bf16: two stages of kTileBytes; fp8: the tile, then two byte stages
-  constexpr int kStageBytes = kFp8 ? kKeys * kD : kTileBytes;
+  constexpr int kStageBytes = kFp8 ? kKeys * kD : kTileBytes;  // (kDs: one stage of kKeys * kDsRowBytes)
   const uint32_t s_stage = kFp8 ? s_k + kTileBytes : s_k;
   const uint32_t s_p = s_q + 3 * kTileBytes;
   uint8_t* p_bytes = smem + 3 * kTileBytes;
@@ -661,7 +704,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
   const int lo = keys.lo, hi = keys.hi, tiles = keys.tiles;
   const int end0 = row_end<kPacked>(a, keys, row0), end1 = row_end<kPacked>(a, keys, row1);  // (hi but packed)
   const int* table_row = keys.table_row;
-  const float kv_scale = kFp8 ? *a.kv_scale : 1.0f;
+  const float kv_scale = kFp8 && !kDs ? *a.kv_scale : 1.0f;
   const float qk_scale_log2 = a.qk_scale_log2 * kv_scale;
 
   load_q<kPacked>(a, s_q, keys, tid);
@@ -682,7 +725,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
     if (by_tma(lo)) {
       if (tid == kIssuer) saw_bad = tma_chunks(a, table_row, lo, hi, s_stage, s_bar, 0, kChunks - 1, true);
     } else {
-      saw_bad = load_tile<kFp8>(a, page_of(a, table_row, lo, hi, tid), lo, hi, s_stage, tid);
+      saw_bad = load_tile<kFp8, kDs>(a, page_of(a, table_row, lo, hi, tid), lo, hi, s_stage, tid);
     }
   }
   int next_page = by_tma(lo + kKeys) ? 0 : page_of(a, table_row, lo + kKeys, hi, tid);  // (tile 1's)
@@ -703,7 +746,15 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
     }
     fence_proxy_async();
     __syncthreads();  // stage i in place; every use of the other stage (and fp8: of the tile) done
-    if (i + 1 < tiles && (a.stages != kNoLoadsAfterFirst || i == 0)) {
+    if constexpr (kDs) {  // one stage: widened first, then the next tile's copy into it
+      ds_to_bf16_tile(smem + (s_stage - s_q), smem + (s_k - s_q), tid);
+      fence_proxy_async();
+      __syncthreads();  // the widened tile in place, the stage read
+      if (i + 1 < tiles && (a.stages != kNoLoadsAfterFirst || i == 0))
+        saw_bad |= load_tile<true, true>(a, next_page, start + kKeys, hi, s_stage, tid);
+      cp_async_commit();
+      next_page = page_of(a, table_row, start + 2 * kKeys, hi, tid);
+    } else if (i + 1 < tiles && (a.stages != kNoLoadsAfterFirst || i == 0)) {
       const uint32_t next = s_stage + ((i + 1) & 1) * kStageBytes;
       if (by_tma(start + kKeys)) {
         if (tid == kIssuer)
@@ -712,9 +763,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
         saw_bad |= load_tile<kFp8>(a, next_page, start + kKeys, hi, next, tid);
       }
     }
-    cp_async_commit();
-    next_page = by_tma(start + 2 * kKeys) ? 0 : page_of(a, table_row, start + 2 * kKeys, hi, tid);
-    if constexpr (kFp8) {
+    if constexpr (!kDs) {
+      cp_async_commit();
+      next_page = by_tma(start + 2 * kKeys) ? 0 : page_of(a, table_row, start + 2 * kKeys, hi, tid);
+    }
+    if constexpr (kFp8 && !kDs) {
       to_bf16_tile(smem + (s_stage - s_q) + (i & 1) * kStageBytes, smem + (s_k - s_q), tid);
       fence_proxy_async();
       __syncthreads();  // the widened tile in place
@@ -757,7 +810,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_kernel(const __grid_co
 
 // The kernel of a cache format, copy path and rows (one token a block, or packed) (a name for each instantiation:
 // any file that includes this compiles them)
-inline void (*decode_kernel(bool fp8, bool tma, bool packed))(Args) {
+inline void (*decode_kernel(bool fp8, bool tma, bool packed, bool ds))(Args) {
+  if (ds) return packed ? mla_decode_kernel<true, false, true, true> : mla_decode_kernel<true, false, false, true>;
   if (packed)
     return fp8 ? mla_decode_kernel<true, false, true> : tma ? mla_decode_kernel<false, true, true>
                                                             : mla_decode_kernel<false, false, true>;

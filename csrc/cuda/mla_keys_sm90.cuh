@@ -49,8 +49,6 @@ constexpr int kKeysSmemBytes = kQBytes + 2 * kTileBytes + 2 * kPtBytes + 2 * 4 *
 static_assert(kKeysSmemBytes <= 227 * 1024, "one block must fit an sm_90 SM's 227 KB of shared memory");
 constexpr int kFp8ChunkBytes = kKeys * 64;              // fp8: one 64-value column chunk of a tile, unswizzled
 constexpr int kFp8StageOffset = kTileBytes - kChunks * kFp8ChunkBytes;  // fp8: the staged bytes in a slot
-constexpr int kDsRowBytes = kR + 4 * (kR / 128) + 2 * kP;  // DeepSeek's fp8 layout: a row's bytes (656)
-constexpr int kDsParts = kR / 128;                        // its scales a row
 constexpr int kDsChunks = (kDsRowBytes + 63) / 64;        // its staged 64-byte chunks a row (11)
 constexpr int kDsStageOffset = kTileBytes - kDsChunks * kFp8ChunkBytes;
 static_assert(kDsStageOffset == 28 * 1024, "widen_ds_slot's order of reads and writes assumes the staging at 28 KB");
