@@ -296,14 +296,14 @@ def test_matches_the_reference_on_random_decode_batches(cuda_on, seed):
         check_pinned(args, (heads, batch, kv_lens[:4], "sinks" in args, args["kv_format"]))
 
 
-def check_pinned(args: dict, what) -> None:
-    """The op pinned to cuda (explain agrees) against the float64 reference: the output within 1e-2, the LSE within
-    2e-3, and mla_attention's output equal to mla_attention_with_lse's."""
+def check_pinned(args: dict, what, reference_args: dict | None = None) -> None:
+    """The op pinned to cuda (explain agrees) against the float64 reference (over reference_args where given): the
+    output within 1e-2, the LSE within 2e-3, and mla_attention's output equal to mla_attention_with_lse's."""
     with attnops.use_backend("cuda"):
         assert attnops.explain(**args).chosen == "cuda"
         out, lse = torch.ops.attnops.mla_attention_with_lse(**args)
         plain = torch.ops.attnops.mla_attention(**args)
-    ref, ref_lse = mla_attention_reference(**args, return_lse=True)
+    ref, ref_lse = mla_attention_reference(**(reference_args or args), return_lse=True)
     assert relative_error(out, ref) < 1e-2, what
     assert torch.equal(out, plain), what
     torch.testing.assert_close(lse, ref_lse.float(), atol=2e-3, rtol=1e-3, equal_nan=True, msg=str(what))
@@ -618,13 +618,23 @@ def ds_on(monkeypatch, request):
     yield
 
 
+def ds_reference_args(args: dict) -> dict:
+    """What the float64 reference reads to check the cuda form that serves `args` over DeepSeek's fp8 layout: the
+    layout itself for the keys form (it widens the values exactly and applies the scales to its products); for the
+    cp.async form (above 16 heads, pages of fewer than 8 rows), a bf16 cache of the layout's values rounded as that
+    form rounds them (each value times its scale in fp32, rounded once: the same bits)."""
+    if args["q_nope"].shape[1] <= cuda_mla.KEYS_MAX_HEADS and args["kv_cache"].shape[1] >= 8:
+        return args
+    values = formats.dequantize_latent_fp8(args["kv_cache"], 512, 64).to(torch.bfloat16)
+    return dict(args, kv_cache=values, kv_format="auto")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("seed", range(3))
 def test_deepseeks_layout_matches_the_reference_on_random_batches(ds_on, seed):
     """Random ragged decode and verify batches of 1-128 heads, pages of 4-128 rows, one split and many, sinks, the
-    LSE: within 1e-2 (output) and 2e-3 (LSE) of the float64 reference over the layout's exact values (the keys form
-    widens them exactly and applies the scales to its products; the cp.async form rounds each value times its
-    scale to bf16, as FlashMLA's)."""
+    LSE: within 1e-2 (output) and 2e-3 (LSE) of the float64 reference (ds_reference_args: over the layout's exact
+    values for the keys form, over them rounded to bf16 as the cp.async form rounds them)."""
     rng = random.Random(seed)
     for _ in range(12):
         heads = rng.choice([1, 5, 16, 64, 100, 128])
@@ -635,7 +645,8 @@ def test_deepseeks_layout_matches_the_reference_on_random_batches(ds_on, seed):
                                seed=rng.randrange(1 << 30), kv_format="fp8_ds_mla", q_lens=q_lens)
         if rng.random() < 0.3:
             args["sinks"] = torch.randn(heads, device="cuda") * 2
-        check_pinned(args, (heads, batch, kv_lens[:4], q_lens is not None, "sinks" in args))
+        check_pinned(args, (heads, batch, kv_lens[:4], q_lens is not None, "sinks" in args),
+                     ds_reference_args(args))
 
 
 @pytest.mark.gpu
@@ -653,7 +664,7 @@ def test_deepseeks_layout_rows_past_a_sequences_end_are_never_met(ds_on, page_si
     with attnops.use_backend("cuda"):
         out = torch.ops.attnops.mla_attention(**args)
     assert not out.isnan().any()
-    assert relative_error(out, mla_attention_reference(**args)) < 1e-2
+    assert relative_error(out, mla_attention_reference(**ds_reference_args(args))) < 1e-2
 
 
 @pytest.mark.gpu
@@ -676,7 +687,7 @@ def test_deepseeks_layout_scales_reach_every_128_and_the_rotary_part(ds_on, head
             case["q_nope"][..., ~mask] = 0
         with attnops.use_backend("cuda"):
             out, lse = torch.ops.attnops.mla_attention_with_lse(**case)
-        ref, ref_lse = mla_attention_reference(**case, return_lse=True)
+        ref, ref_lse = mla_attention_reference(**ds_reference_args(case), return_lse=True)
         for part in range(4):  # each 128 of the output on its own scale
             chunk = slice(128 * part, 128 * part + 128)
             assert relative_error(out[..., chunk], ref[..., chunk]) < 1e-2, (keep, part)
