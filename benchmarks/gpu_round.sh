@@ -568,7 +568,7 @@ PY
           spec) files="-m gpu -n 8 tests/test_sinks_tree.py tests/test_merge.py tests/test_prefix_sharing.py tests/test_cascade.py tests/test_lse.py" ;;
           hf) files="-m gpu tests/test_hf.py" ;;
           cuda) files="-m gpu tests/test_cuda_backend.py" ;;
-          mla) files="-m gpu tests/test_mla.py tests/test_mla_sparse.py tests/test_mla_fp8_ds.py tests/test_hf_mla.py" ;;
+          mla) files="-m gpu -n 4 tests/test_mla.py tests/test_mla_sparse.py tests/test_mla_fp8_ds.py tests/test_hf_mla.py" ;;
           modes) files="-m gpu -n 4 tests/test_batch_invariance.py tests/test_merge.py tests/test_head_dims.py" ;;
           *) echo "unknown suite $suite"; exit 2 ;;
         esac
