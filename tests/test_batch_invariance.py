@@ -196,7 +196,7 @@ def test_4bit_caches_are_invariant_on_the_gpu(backend, kv_format):
 @pytest.mark.gpu
 def test_cuda_latent_attention_is_invariant_on_the_gpu(monkeypatch):
     """The cuda backend's latent-attention kernel in the mode (splits of cuda_mla.INVARIANT_CHUNK keys), DeepSeek's
-    rows, in each of its forms; verify too, its tokens packed into a block's rows or not."""
+    rows, in each of its forms; verify too, its tokens packed into a block's rows or not; DeepSeek's fp8 layout."""
     from attnops.backends import cuda_mla
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
         pytest.skip("needs an sm_90 GPU")
@@ -210,6 +210,10 @@ def test_cuda_latent_attention_is_invariant_on_the_gpu(monkeypatch):
         monkeypatch.setenv(cuda_mla.PACK_ENV, pack)
         check_invariant("cuda", latent=True, device="cuda", dtype=torch.bfloat16, trials=6, seed=8,
                         latent_row=(512, 64), heads=(1, 8, 16, 32), page_sizes=(16, 64))
+    # DeepSeek's fp8 layout, everywhere the kernel reads it (the keys form at up to 16 heads, cp.async above)
+    monkeypatch.setenv(cuda_mla.DS_ENV, "1")
+    check_invariant("cuda", latent=True, device="cuda", dtype=torch.bfloat16, trials=6, seed=9,
+                    kv_format="fp8_ds_mla", latent_row=(512, 64), heads=(1, 16, 128), page_sizes=(16, 64))
 
 
 def test_cuda_latent_attention_plan_in_the_mode_depends_on_no_batch():
