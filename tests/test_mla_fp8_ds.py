@@ -198,9 +198,9 @@ def test_bad_input_is_named_before_any_kernel_runs(name):
 
 
 def test_dispatch_names_who_serves_it():
-    """On the CPU the C++ kernels; on a GPU Triton, flashinfer declining it by name, cuda past 16 heads (its keys
-    form reads it: tests/test_cuda_mla.py), and the measured rule, fitted without this format, still gives an
-    order."""
+    """On the CPU the C++ kernels; on a GPU Triton, flashinfer declining it by name, cuda too past 16 heads (its
+    form there not yet measured; up to 16, its keys form: tests/test_cuda_mla.py), and the measured rule, fitted
+    without this format, still gives an order."""
     from attnops.backends import BACKENDS
     from attnops.cases import MLACase
     from attnops.dispatch import policy, reasons_against
