@@ -7,6 +7,8 @@ this rank's heads from the config; counts that do not divide and plans that leav
 
 transformers' tensor-parallel load needs `accelerate` (its device-map check, on CPUs too): the 2-rank tests skip
 without it."""
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -148,3 +150,16 @@ def test_shard_refuses_counts_that_do_not_divide_and_models_it_cannot_split():
         shard(build(make_config("gpt-oss"), "eager"), 0, 2)                     # splits the embeddings only
     with pytest.raises(ValueError, match="no process group"):
         shard(full_model(), 0, 2)
+
+
+def test_the_tp_demo_runs_under_torchrun():
+    """The README's command, `torchrun --nproc-per-node 2 -m attnops.hf.tp_demo`, on the CPU: the tiny Llama
+    sharded over 2 gloo ranks decodes and reports its tokens/s."""
+    pytest.importorskip("accelerate", reason="transformers' tensor-parallel load needs accelerate")
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "attnops.hf.tp_demo", "--batch", "2", "--prompt-len", "8", "--steps", "4"],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert "TP=2 batch 2:" in done.stdout and "tokens/s" in done.stdout, done.stdout[-2000:]
