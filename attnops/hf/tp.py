@@ -29,7 +29,6 @@ from __future__ import annotations
 import copy
 import os
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
