@@ -428,11 +428,26 @@ __device__ __forceinline__ bool tma_chunks(const Args& a, const int* table_row, 
   return bad;
 }
 
-// Two e4m3 values as a bf16 pair, exactly (every e4m3 value is a bf16 value)
-__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint16_t pair) {
+// Two e4m3 values as a bf16 pair, times `scale` in fp32 and rounded once (scale 1: exactly, every e4m3 value is a
+// bf16 value)
+__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint16_t pair, float scale = 1.0f) {
   const __half2_raw raw = __nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3);
   const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&raw));
-  return pack_bf16(f.x, f.y);
+  return pack_bf16(f.x * scale, f.y * scale);
+}
+
+// 16 staged e4m3 values (one 16-byte word, in order) times `scale` as the bf16 pieces 2 piece and 2 piece + 1 of
+// the tile's row `row` (swizzled)
+__device__ __forceinline__ void widen_piece(uint8_t* tile, int row, int piece, const uint4& v, float scale) {
+  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+  uint32_t out[8];
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    out[2 * w] = e4m3x2_to_bf16x2(static_cast<uint16_t>(words[w] & 0xffff), scale);
+    out[2 * w + 1] = e4m3x2_to_bf16x2(static_cast<uint16_t>(words[w] >> 16), scale);
+  }
+  *reinterpret_cast<uint4*>(tile + swizzled(row, 2 * piece)) = make_uint4(out[0], out[1], out[2], out[3]);
+  *reinterpret_cast<uint4*>(tile + swizzled(row, 2 * piece + 1)) = make_uint4(out[4], out[5], out[6], out[7]);
 }
 
 // fp8: a staged tile's rows [64 x 576 bytes] as the bf16 tile QK and PV read (thread tid: row tid / 4, 16-byte
@@ -442,16 +457,7 @@ __device__ __forceinline__ void to_bf16_tile(const uint8_t* stage, uint8_t* tile
 #pragma unroll
   for (int j = 0; j < kD / 16 / 4; ++j) {
     const int piece = (tid & 3) + 4 * j;
-    const uint4 v = *reinterpret_cast<const uint4*>(stage + row * kD + piece * 16);
-    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
-    uint32_t out[8];
-#pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      out[2 * w] = e4m3x2_to_bf16x2(static_cast<uint16_t>(words[w] & 0xffff));
-      out[2 * w + 1] = e4m3x2_to_bf16x2(static_cast<uint16_t>(words[w] >> 16));
-    }
-    *reinterpret_cast<uint4*>(tile + swizzled(row, 2 * piece)) = make_uint4(out[0], out[1], out[2], out[3]);
-    *reinterpret_cast<uint4*>(tile + swizzled(row, 2 * piece + 1)) = make_uint4(out[4], out[5], out[6], out[7]);
+    widen_piece(tile, row, piece, *reinterpret_cast<const uint4*>(stage + row * kD + piece * 16), 1.0f);
   }
 }
 
@@ -466,19 +472,7 @@ __device__ __forceinline__ void ds_to_bf16_tile(const uint8_t* stage, uint8_t* t
 #pragma unroll
   for (int j = 0; j < kR / 16 / 4; ++j) {
     const int piece = (tid & 3) + 4 * j;  // (values 16 piece ..: the 128 j / 2)
-    const float scale = scales[j / 2];
-    const uint4 v = *reinterpret_cast<const uint4*>(src + piece * 16);
-    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
-    uint32_t out[8];
-#pragma unroll
-    for (int w = 0; w < 8; ++w) {
-      const __half2_raw raw =
-          __nv_cvt_fp8x2_to_halfraw2(static_cast<uint16_t>(words[w / 2] >> (16 * (w % 2))), __NV_E4M3);
-      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&raw));
-      out[w] = pack_bf16(f.x * scale, f.y * scale);
-    }
-    *reinterpret_cast<uint4*>(tile + swizzled(row, 2 * piece)) = make_uint4(out[0], out[1], out[2], out[3]);
-    *reinterpret_cast<uint4*>(tile + swizzled(row, 2 * piece + 1)) = make_uint4(out[4], out[5], out[6], out[7]);
+    widen_piece(tile, row, piece, *reinterpret_cast<const uint4*>(src + piece * 16), scales[j / 2]);
   }
 #pragma unroll
   for (int k = tid & 3; k < kP / 8; k += 4)
