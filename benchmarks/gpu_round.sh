@@ -102,11 +102,11 @@
 #             with it, with the keys form on fp8 and with the tma form on bf16, alternating, two rounds:
 #             $results/cuda-mla-regs-{tma,keys,regs}-{1,2}.json, cuda-mla-regs.txt (each case's best per form;
 #             regs' speedup over keys, and bf16's time over regs': the fp8 bar is 1.7)
-#   cuda-mla-ds DeepSeek's fp8 latent layout in the cuda backend (ATTNOPS_CUDA_MLA_DS=1: the keys form at up to 16
-#             heads, the cp.async form above): its GPU tests (tests/test_cuda_mla.py -k deepseeks_layout), then
-#             mla_decode.py at DS_HEADS (16 128) beside the cuda backend's bf16 and fp8 e4m3 (keys where it serves)
-#             and Triton over the same layout, alternating, DS_ROUNDS rounds (2):
-#             $results/cuda-mla-ds-{cuda-ds,cuda-bf16,cuda-fp8,triton-ds}-{round}.json,
+#   cuda-mla-ds DeepSeek's fp8 latent layout in the cuda backend (its keys form at up to 16 heads where its splits are
+#             long, the cp.async form elsewhere): its GPU tests (tests/test_cuda_mla.py -k deepseeks_layout: each
+#             form), then mla_decode.py at DS_HEADS (16 128) beside the cuda backend's bf16 and fp8 e4m3 (keys where
+#             it serves) and Triton over the same layout, alternating, DS_ROUNDS rounds (2), pages of DS_PAGE rows
+#             (64): $results/cuda-mla-ds-{cuda-ds,cuda-bf16,cuda-fp8,triton-ds}-{round}.json,
 #             cuda-mla-ds.txt (each case's best per kernel; bf16's time over the layout's, Triton's over cuda's)
 #   cuda-mla-pack verify's tokens packed into the cuda latent-attention kernel's rows (the default; tokens x heads
 #             fill a block's 64 rows at up to 32 heads; ATTNOPS_CUDA_MLA_PACK_VERIFY=0 turns it off): its GPU tests
@@ -448,9 +448,9 @@ PY
       for round in $(seq 1 ${DS_ROUNDS:-2}); do for form in $forms; do
         name=${form%%:*} fmt=${form#*:}
         variant=; [ $name = cuda-fp8 ] && variant=keys
-        ATTNOPS_CUDA_MLA_DS=1 ATTNOPS_CUDA_MLA_VARIANT=$variant timeout ${MLA_TIMEOUT:-120} python3 \
-          benchmarks/mla_decode.py --backend ${name%%-*} --heads ${DS_HEADS:-16 128} --cases 1x32768 32x8192 128x4096 \
-          --no-flashinfer --kv-format $fmt --json "$results/cuda-mla-ds-$name-$round.json" \
+        ATTNOPS_CUDA_MLA_VARIANT=$variant timeout ${MLA_TIMEOUT:-120} python3 benchmarks/mla_decode.py \
+          --backend ${name%%-*} --heads ${DS_HEADS:-16 128} --cases 1x32768 32x8192 128x4096 \
+          --page-size ${DS_PAGE:-64} --no-flashinfer --kv-format $fmt --json "$results/cuda-mla-ds-$name-$round.json" \
           > "/tmp/cuda-ds-$name-$round.txt" 2>&1 || { echo "$name: failed"; tail -5 "/tmp/cuda-ds-$name-$round.txt"; }
       done; done
       python3 - "$results" <<'PY' | tee "$results/cuda-mla-ds.txt"

@@ -66,32 +66,24 @@ def test_declines_what_its_kernel_is_not_built_for(monkeypatch):
     assert any(f"{cuda_mla.VERIFY_ENV}=0" in r for r in cuda_mla.reasons(verify))
     monkeypatch.delenv(cuda_mla.VERIFY_ENV)
     monkeypatch.setattr(cuda_mla, "sm90a_built", lambda device: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert any("9.0a" in r for r in cuda_mla.reasons(CASE))
 
 
-def test_deepseeks_fp8_layout_is_served_by_the_keys_form_where_its_splits_are_long(monkeypatch):
-    """By default the keys form where the plan gives splits of 2048 keys or more (measured faster than Triton
-    there, slower below), at up to 16 heads; ATTNOPS_CUDA_MLA_DS=1 everywhere (the cp.async form above 16 heads and
-    with small pages), =0 never."""
+def test_deepseeks_fp8_layout_is_served_everywhere_by_the_keys_form_or_the_cp_async_form(monkeypatch):
+    """The layout is served at any head count, page size and split (measured faster than Triton's everywhere):
+    the keys form at up to 16 heads, pages of 8 rows or more and splits of 2048 keys or more, the cp.async form
+    otherwise; ATTNOPS_CUDA_MLA_DS=0 leaves it to the others."""
     for name in (cuda_mla.ENV, cuda_mla.DS_ENV, cuda_mla.VARIANT_ENV):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(cuda_mla, "sm90a_built", lambda device: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(cuda_mla, "sm_count", lambda device: 132)
     ds = MLACase(**{**CASE.__dict__, "kv_format": "fp8_ds_mla", "num_heads": 16, "batch": 32, "max_kv_len": 8192})
-    assert cuda_mla.plan(32, 16, 8192, 132, False)[1] == 2048 and cuda_mla.reasons(ds) == []
-    assert cuda_mla.reasons(MLACase(**{**ds.__dict__, "batch": 128, "max_kv_len": 4096})) == []
-    single = MLACase(**{**ds.__dict__, "batch": 1, "max_kv_len": 32768})  # (splits of 256 keys)
-    assert any("splits of 256 keys" in r and cuda_mla.DS_ENV in r for r in cuda_mla.reasons(single))
-    with attnops.batch_invariant():  # (the mode's fixed splits: 1024 keys)
-        assert any("splits of 1024 keys" in r for r in cuda_mla.reasons(ds))
-    for change in (dict(num_heads=17), dict(page_size=4)):
-        assert any("cp.async form" in r and cuda_mla.DS_ENV in r
-                   for r in cuda_mla.reasons(MLACase(**{**ds.__dict__, **change}))), change
-    monkeypatch.setenv(cuda_mla.DS_ENV, "1")
-    for change in (dict(), dict(decode=False, shape_class="verify"), dict(num_heads=128), dict(page_size=4)):
-        assert cuda_mla.reasons(MLACase(**{**single.__dict__, **change})) == [], change
+    for change in (dict(), dict(batch=1, max_kv_len=32768), dict(decode=False, shape_class="verify"),
+                   dict(num_heads=17), dict(num_heads=128), dict(page_size=4), dict(page_size=1)):
+        assert cuda_mla.reasons(MLACase(**{**ds.__dict__, **change})) == [], change
+    with attnops.batch_invariant():
+        assert cuda_mla.reasons(ds) == []
     for change, words in [(dict(latent_dim=256), "R 256"), (dict(decode=False, tree_mask=True), "tree_mask")]:
         found = cuda_mla.reasons(MLACase(**{**ds.__dict__, **change}))
         assert any(words in r for r in found), (change, found)
@@ -101,11 +93,17 @@ def test_deepseeks_fp8_layout_is_served_by_the_keys_form_where_its_splits_are_lo
     monkeypatch.setenv(cuda_mla.ENV, "bf16")
     assert any(f"{cuda_mla.ENV}=bf16" in r for r in cuda_mla.reasons(ds))
     keys, cp_async = cuda_mla.VARIANTS.index("keys"), cuda_mla.VARIANTS.index("cp.async")
-    for name in cuda_mla.VARIANTS:  # (whatever form is asked for: the two that read it)
+    long = cuda_mla.KEYS_FP8_MIN_CHUNK
+    assert cuda_mla.kernel_variant("fp8_ds_mla", 64, 16, long) == cuda_mla.kernel_variant("fp8_ds_mla", 8, 1, long) \
+        == keys
+    for page, heads, chunk, packed in [(64, 16, long - 64, False), (64, 17, long, False), (4, 16, long, False),
+                                       (64, 128, 256, False), (64, 16, long, True)]:
+        assert cuda_mla.kernel_variant("fp8_ds_mla", page, heads, chunk, packed) == cp_async, (page, heads, chunk)
+    for name in cuda_mla.VARIANTS:  # (whatever form is asked for: one of the two that read it)
         monkeypatch.setenv(cuda_mla.VARIANT_ENV, name)
-        assert cuda_mla.kernel_variant("fp8_ds_mla", 64, 16, 256) == keys
-        assert cuda_mla.kernel_variant("fp8_ds_mla", 64, 17, 256) == cuda_mla.kernel_variant("fp8_ds_mla", 4, 16, 256)
-        assert cuda_mla.kernel_variant("fp8_ds_mla", 64, 128, 256) == cp_async
+        assert cuda_mla.kernel_variant("fp8_ds_mla", 64, 16, 256) == (keys if name in ("keys", "regs") else cp_async)
+        assert cuda_mla.kernel_variant("fp8_ds_mla", 64, 17, long) == cp_async
+        assert cuda_mla.kernel_variant("fp8_ds_mla", 4, 16, long) == cp_async
 
 
 def test_the_merge_is_by_warps_from_many_splits_unless_asked_or_invariant(monkeypatch):
@@ -605,25 +603,27 @@ def rows_of(args, b):
 
 # ---- DeepSeek's fp8 layout (kv_format "fp8_ds_mla") in the keys form, on an H100/H200 ----
 
-@pytest.fixture(params=cuda_mla.MERGES)
+@pytest.fixture(params=[(form, merge) for form in ("keys", "cp.async") for merge in cuda_mla.MERGES],
+                ids=lambda p: "-".join(p))
 def ds_on(monkeypatch, request):
-    """DeepSeek's fp8 layout served everywhere (ATTNOPS_CUDA_MLA_DS=1: the keys form at up to 16 heads, the
-    cp.async form above and with pages of 4), the splits merged each way."""
+    """DeepSeek's fp8 layout through each form that reads it (the keys form where it serves the call: at up to 16
+    heads and pages of 8 rows or more, at any split; the cp.async form everywhere), the splits merged each way."""
     if not sm90():
         pytest.skip("needs an sm_90 GPU")
     monkeypatch.delenv(cuda_mla.ENV, raising=False)
-    monkeypatch.delenv(cuda_mla.VARIANT_ENV, raising=False)
-    monkeypatch.setenv(cuda_mla.DS_ENV, "1")
-    monkeypatch.setenv(cuda_mla.MERGE_ENV, request.param)
+    monkeypatch.delenv(cuda_mla.DS_ENV, raising=False)
+    monkeypatch.setenv(cuda_mla.VARIANT_ENV, request.param[0])
+    monkeypatch.setenv(cuda_mla.MERGE_ENV, request.param[1])
     yield
 
 
-def ds_reference_args(args: dict) -> dict:
-    """What the float64 reference reads to check the cuda form that serves `args` over DeepSeek's fp8 layout: the
-    layout itself for the keys form (it widens the values exactly and applies the scales to its products); for the
-    cp.async form (above 16 heads, pages of fewer than 8 rows), a bf16 cache of the layout's values rounded as that
-    form rounds them (each value times its scale in fp32, rounded once: the same bits)."""
-    if args["q_nope"].shape[1] <= cuda_mla.KEYS_MAX_HEADS and args["kv_cache"].shape[1] >= 8:
+def ds_reference_args(args: dict, form: str | None = None) -> dict:
+    """What the float64 reference reads to check the cuda form that serves `args` over DeepSeek's fp8 layout (by
+    default the one ATTNOPS_CUDA_MLA_VARIANT asks for): the layout itself for the keys form (it widens the values
+    exactly and applies the scales to its products); for the cp.async form, a bf16 cache of the layout's values
+    rounded as that form rounds them (each value times its scale in fp32, rounded once: the same bits)."""
+    code = cuda_mla.kernel_variant("fp8_ds_mla", args["kv_cache"].shape[1], args["q_nope"].shape[1], 0)
+    if (form or cuda_mla.VARIANTS[code]) == "keys":
         return args
     values = formats.dequantize_latent_fp8(args["kv_cache"], 512, 64).to(torch.bfloat16)
     return dict(args, kv_cache=values, kv_format="auto")
@@ -707,15 +707,15 @@ def test_deepseeks_layout_in_a_user_cuda_graph_and_compiled(ds_on, heads):
 
 
 @pytest.mark.gpu
-def test_deepseeks_layout_goes_to_cuda_where_its_splits_are_long(monkeypatch):
-    """By default auto sends a batch whose splits are long to the keys form and a single long sequence (splits of
-    256 keys) to Triton; both against the reference."""
+def test_deepseeks_layout_goes_to_cuda(monkeypatch):
+    """By default auto sends the layout to the cuda backend: a batch whose splits are long to the keys form, a
+    single long sequence (splits of 256 keys) and 128 heads to the cp.async form; each against the reference."""
     if not sm90():
         pytest.skip("needs an sm_90 GPU")
     for name in (cuda_mla.ENV, cuda_mla.DS_ENV, cuda_mla.VARIANT_ENV):
         monkeypatch.delenv(name, raising=False)
-    for kv_lens, chosen in (([4096] * 128, "cuda"), ([32768], "triton")):
-        args = deepseek_inputs(kv_lens, 16, kv_format="fp8_ds_mla", seed=len(kv_lens))
-        assert attnops.explain(**args).chosen == chosen, kv_lens[:1]
+    for kv_lens, heads, form in (([4096] * 128, 16, "keys"), ([32768], 16, "cp.async"), ([4096] * 8, 128, "cp.async")):
+        args = deepseek_inputs(kv_lens, heads, kv_format="fp8_ds_mla", seed=len(kv_lens))
+        assert attnops.explain(**args).chosen == "cuda", (kv_lens[:1], heads)
         out = torch.ops.attnops.mla_attention(**args)
-        assert relative_error(out, mla_attention_reference(**args)) < 1e-2
+        assert relative_error(out, mla_attention_reference(**ds_reference_args(args, form))) < 1e-2

@@ -15,12 +15,12 @@ with the cache's bytes widened in registers, f16 MMAs, a producer warpgroup issu
 csrc/cuda/mla_regs_sm90.cuh; only when asked for: 0.99-1.11x the keys form on the H100, not yet measured on the
 H200).
 
-DeepSeek's fp8 layout (kv_format "fp8_ds_mla"): the keys form reads it at up to 16 heads (the values widened
-exactly, each 128's scale applied to its products), by default where its splits are of KEYS_FP8_MIN_CHUNK keys or
-more: there 1.38-1.50x faster than Triton's over the layout, below it 0.92-0.95x (H100, docs/bench.md), so Triton
-serves those. Above 16 heads (and with pages of fewer than 8 rows) the cp.async form reads it (the values times
-their scales rounded once to bf16, as FlashMLA's), not yet measured: only with ATTNOPS_CUDA_MLA_DS=1, which also
-serves any split; =0 never. `bash benchmarks/gpu_round.sh build cuda-mla-ds` tests and times it.
+DeepSeek's fp8 layout (kv_format "fp8_ds_mla"): the keys form reads it at up to 16 heads where its splits are of
+KEYS_FP8_MIN_CHUNK keys or more (the values widened exactly, each 128's scale applied to its products), the
+cp.async form everywhere else (each value times its scale in fp32 rounded once to bf16, as FlashMLA's): 1.3-2.7x
+faster than Triton's over the layout on every measured decode shape (H100, docs/bench.md).
+ATTNOPS_CUDA_MLA_DS=0 leaves the layout to Triton. `bash benchmarks/gpu_round.sh build cuda-mla-ds` tests and times
+it.
 
 Verify (a few query tokens a sequence, no tree mask): each query row sees its sequence's keys up to its own
 position. At up to 32 heads a block takes several query tokens of a sequence as its 64 rows (tokens_per_block), so
@@ -56,7 +56,7 @@ KEYS_MAX_HEADS = 16  # the keys form's heads a block (its MMAs' N)
 KEYS_FP8_MIN_CHUNK = 2048  # fp8: the keys form's splits at least (measured faster at 2048 and 4096, slower at 256)
 SHAPE = (512, 64)  # (R, P) the kernel is built for
 KV_FORMATS = ("bf16", "fp8_e4m3")  # (fp8: widened to bf16 in shared memory; q is bf16)
-DS_ENV = "ATTNOPS_CUDA_MLA_DS"  # DeepSeek's fp8 layout: 1 everywhere, 0 never (default: the keys form's long splits)
+DS_ENV = "ATTNOPS_CUDA_MLA_DS"  # 0: DeepSeek's fp8 layout left to the others
 ROWS = 64  # heads a block
 TILE = 64  # keys a step; splits are whole tiles
 MIN_CHUNK = 256  # keys a split at least (a block loads its 64 heads' queries first: 72 KB)
@@ -82,14 +82,15 @@ def kernel_variant(kv_format: str, page_size: int, num_heads: int, chunk: int, p
     otherwise), bf16 caches (keys: fp8 too; regs: fp8 only, tma for bf16); keys and regs take at most
     KEYS_MAX_HEADS heads (tma otherwise); `packed` (several tokens a block: tokens_per_block) only the cp.async and
     tma forms (tma for the others). DeepSeek's fp8 layout: keys at up to KEYS_MAX_HEADS heads and pages of 8 rows
-    or more, cp.async otherwise (the forms that read it).
-    `bash benchmarks/gpu_round.sh cuda-mla-variants` times them."""
-    if kv_format == formats.LATENT_FP8_FORMAT:
-        return VARIANTS.index("keys" if num_heads <= KEYS_MAX_HEADS and page_size >= 8 and not packed else "cp.async")
+    or more where its splits are long, cp.async otherwise (the forms that read it; regs asks for keys, tma for
+    cp.async). `bash benchmarks/gpu_round.sh cuda-mla-variants` times them."""
     name = environ_get(VARIANT_ENV) or \
         ("tma" if kv_format == "bf16" else "keys" if chunk >= KEYS_FP8_MIN_CHUNK and not packed else "cp.async")
     if name not in VARIANTS:
         raise ValueError(f"{VARIANT_ENV} must be one of {', '.join(VARIANTS)} (got {name!r})")
+    if kv_format == formats.LATENT_FP8_FORMAT:
+        keys = name in ("keys", "regs") and num_heads <= KEYS_MAX_HEADS and page_size >= 8 and not packed
+        return VARIANTS.index("keys" if keys else "cp.async")
     if (name in ("keys", "regs") and num_heads > KEYS_MAX_HEADS) or (packed and name not in ("cp.async", "tma")) \
             or (name == "regs" and kv_format == "bf16"):
         name = "tma"
@@ -122,15 +123,6 @@ def reasons(case) -> list[str]:
         if case.kv_format not in served:
             found.append(f"kv_format {case.kv_format}: turned off ({DS_ENV}=0)" if environ_get(DS_ENV) == "0" else
                          f"kv_format {case.kv_format}: turned off ({ENV}={environ_get(ENV)})")
-        elif environ_get(DS_ENV) != "1":  # (by default: where the keys form is measured faster than Triton)
-            if case.num_heads > KEYS_MAX_HEADS or case.page_size < 8:
-                found.append(f"kv_format {case.kv_format}: above {KEYS_MAX_HEADS} heads or with pages of fewer than 8 "
-                             f"rows its cp.async form reads it, not yet measured ({DS_ENV}=1 serves it)")
-            elif torch.cuda.is_available():  # (else the backend is unavailable)
-                chunk = ds_split_keys(case)
-                if chunk < KEYS_FP8_MIN_CHUNK:
-                    found.append(f"kv_format {case.kv_format}: splits of {chunk} keys (its keys form is slower than "
-                                 f"Triton below {KEYS_FP8_MIN_CHUNK}: docs/bench.md; {DS_ENV}=1 serves it anyway)")
     elif case.kv_format not in served:
         found.append(f"kv_format {case.kv_format} not supported" if case.kv_format not in KV_FORMATS else
                      f"kv_format {case.kv_format}: turned off ({ENV}={environ_get(ENV)})")
@@ -147,19 +139,11 @@ def reasons(case) -> list[str]:
     if not case.aligned_kv:
         found.append("a cache whose latent rows do not all start on a 16-byte boundary (its kernel copies them by "
                      "16-byte words)")
-    if not found:
+    if not found and torch.cuda.is_available():  # (without a GPU the backend's own `unavailable` says so)
         if not sm90a_built(torch.cuda.current_device()):
             found.append("attnops was built without sm_90a code (TORCH_CUDA_ARCH_LIST=9.0a; setup.py asks for it "
                          "on an sm_90 GPU)")
     return found
-
-
-def ds_split_keys(case) -> int:
-    """Keys a split of a call over DeepSeek's fp8 layout as mla_attention plans it, with the case's batch as its
-    query tokens (a verify call's are more: its splits only longer)."""
-    if invariance.enabled():
-        return invariant_chunk()
-    return plan(case.batch, case.num_heads, case.max_kv_len, sm_count(torch.cuda.current_device()), case.sinks)[1]
 
 
 def tokens_per_block(num_heads: int, verify: bool) -> int:

@@ -103,7 +103,7 @@ VERIFY_FORMATS = TWO_BACKEND_FORMATS + ("nvfp4", "mxfp4")  # verify: also 4-bit 
 # 64 tokens (FlashMLA's and the DeepSeek serving stacks')
 MLA_MODELS = {"deepseek-v3": (128, 512, 64)}
 MLA_SHARDS = (1, 2, 4, 8, 16)
-MLA_FORMATS = ("bf16", "fp8_e4m3")
+MLA_FORMATS = ("bf16", "fp8_e4m3", "fp8_ds_mla")  # (DeepSeek's fp8 layout: not FlashInfer's)
 
 
 def mla_cases(group: str) -> list:
@@ -128,16 +128,15 @@ def mla_cases(group: str) -> list:
 MLA_GRID_HEADS = (16, 128)
 MLA_GRID_DECODE = [(1, 32768), (64, 8192), (128, 4096)]
 MLA_GRID_VERIFY = (2, 4)  # query tokens a sequence, on 32 x 4096
-MLA_GRID_FORMATS = MLA_FORMATS + ("fp8_ds_mla",)  # (DeepSeek's fp8 layout: Triton's alone on a GPU)
 
 
 def mla_grid() -> list:
-    """MLA_GRID_HEADS x MLA_GRID_FORMATS: decode at MLA_GRID_DECODE and a ragged batch of 64, verify of
+    """MLA_GRID_HEADS x MLA_FORMATS: decode at MLA_GRID_DECODE and a ragged batch of 64, verify of
     MLA_GRID_VERIFY tokens on 32 x 4096."""
     cases = []
     for heads in MLA_GRID_HEADS:
         shape = dict(num_q_heads=heads, num_kv_heads=1, head_dim=512, latent_dim=512, rope_dim=64, page_size=64)
-        for fmt in MLA_GRID_FORMATS:
+        for fmt in MLA_FORMATS:
             shapes = [(f"{b}x{n}", [n] * b, None) for b, n in MLA_GRID_DECODE]
             shapes += [("ragged64", ragged_lengths(64, seed=64), None)]
             shapes += [(f"verify32x4096q{q}", [4096] * 32, [q] * 32) for q in MLA_GRID_VERIFY]
