@@ -117,7 +117,8 @@
 #   invariance the cost of batch-invariant mode (ATTNOPS_BATCH_INVARIANT=1) on the bench grid's Triton cases, same
 #             run, two rounds alternating: $results/invariance-{0,1}-{1,2}.json, invariance.txt (per case and the
 #             geometric mean; INVARIANCE_ARGS narrows the grid, e.g. "--groups decode-large verify";
-#             INVARIANCE_BACKEND=cuda INVARIANCE_ARGS="--grid fp4" for the CUDA kernels; INVARIANCE_ROUNDS: 2)
+#             INVARIANCE_BACKEND=cuda INVARIANCE_ARGS="--grid fp4" for the CUDA kernels; INVARIANCE_ROUNDS: 2;
+#             INVARIANCE_CHUNKS="1024 4096": Triton's split size in the mode, each: invariance-{chunk}-{round}.json)
 #   invariance-mla the mode's cost on the cuda latent-attention kernel (the mla grid) at each split size of
 #             MLA_CHUNKS (ATTNOPS_CUDA_MLA_INVARIANT_CHUNK; default 512 1024 2048) against the default mode, same run:
 #             $results/invariance-mla-{0,chunk}-{round}.json, invariance-mla.txt (INVARIANCE_ROUNDS: 1)
@@ -228,11 +229,18 @@ for step in "$@"; do
     invariance)
       # the cost of batch-invariant mode: a backend's cases of the bench grid (INVARIANCE_ARGS narrows them) in the default
       # mode and inside the mode, alternating, same run; then each case's ratio and their geometric mean
-      bench_settings invariance ${INVARIANCE_ROUNDS:-2} ${BENCH_TIMEOUT:-300} \
-        "0:ATTNOPS_BATCH_INVARIANT=0 1:ATTNOPS_BATCH_INVARIANT=1" \
+      # (INVARIANCE_CHUNKS: Triton's split size in the mode, each beside the default mode: ATTNOPS_TRITON_INVARIANT_CHUNK)
+      settings="0:ATTNOPS_BATCH_INVARIANT=0" tags=
+      for chunk in ${INVARIANCE_CHUNKS:-""}; do
+        settings="$settings $chunk:ATTNOPS_BATCH_INVARIANT=1,ATTNOPS_TRITON_INVARIANT_CHUNK=$chunk" tags="$tags $chunk"
+      done
+      [ -z "$tags" ] && settings="$settings 1:ATTNOPS_BATCH_INVARIANT=1" tags=1
+      bench_settings invariance ${INVARIANCE_ROUNDS:-2} ${BENCH_TIMEOUT:-300} "$settings" \
         --backends ${INVARIANCE_BACKEND:-triton} --peers --graph-only ${INVARIANCE_ARGS:-}
-      python3 benchmarks/invariance_cost.py "$results"/invariance-0-*.json -- "$results"/invariance-1-*.json \
-        | tee "$results/invariance.txt"; stamp invariance ;;
+      for tag in $tags; do
+        [ "$tag" = 1 ] || echo "== $tag keys a split"
+        python3 benchmarks/invariance_cost.py "$results"/invariance-0-*.json -- "$results"/invariance-$tag-*.json
+      done | tee "$results/invariance.txt"; stamp invariance ;;
     invariance-mla)
       # the mode's cost on the cuda latent-attention kernel at each split size of $MLA_CHUNKS (default 512 1024 2048):
       # the mla grid (INVARIANCE_ARGS narrows it), the default mode and each size alternating, same run

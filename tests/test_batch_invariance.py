@@ -216,6 +216,20 @@ def test_cuda_latent_attention_is_invariant_on_the_gpu(monkeypatch):
                     kv_format="fp8_ds_mla", latent_row=(512, 64), heads=(1, 16, 128), page_sizes=(16, 64))
 
 
+def test_triton_split_size_in_the_mode_is_fixed_or_the_one_asked_for(monkeypatch):
+    """Triton's keys a split in the mode on a GPU: INVARIANT_CHUNK, or ATTNOPS_TRITON_INVARIANT_CHUNK's (to time
+    another), a multiple of 128 else a ValueError naming it."""
+    from attnops.backends.triton import heuristics
+    monkeypatch.delenv(heuristics.INVARIANT_CHUNK_ENV, raising=False)
+    assert heuristics.invariant_chunk() == heuristics.INVARIANT_CHUNK
+    monkeypatch.setenv(heuristics.INVARIANT_CHUNK_ENV, "1024")
+    assert heuristics.invariant_chunk() == 1024
+    for bad in ("0", "100", "1000", "x", "-128"):
+        monkeypatch.setenv(heuristics.INVARIANT_CHUNK_ENV, bad)
+        with pytest.raises(ValueError, match=heuristics.INVARIANT_CHUNK_ENV):
+            heuristics.invariant_chunk()
+
+
 def test_cuda_latent_attention_plan_in_the_mode_depends_on_no_batch():
     """Its invariant plan: a fixed key count a split from each sequence's start, the splits covering the table, at
     least two; the default plan follows the batch; the backend serves latent attention in the mode."""

@@ -87,7 +87,7 @@ def collect(records, backends):
 def timed_formats(cases, names) -> dict:
     """{backend: the format families (formats.KVFormat.family) it has a time for}: dispatch puts a backend behind
     the timed ones on a format it was never timed on, whatever the rule's leaf says."""
-    return {n: sorted({formats.FORMATS[f["kv_format"]].family for f, t, _, _ in cases.values() if n in t})
+    return {n: sorted({formats.family(f["kv_format"]) for f, t, _, _ in cases.values() if n in t})
             for n in names}
 
 

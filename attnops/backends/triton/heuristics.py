@@ -80,6 +80,7 @@ def dot_dtype(q_dtype: torch.dtype, kv_format: str) -> torch.dtype:
 
 # batch-invariant mode (attnops.invariance): keys a split, fixed, so that kv_plan cuts a sequence by its own length
 INVARIANT_CHUNK = 2048
+INVARIANT_CHUNK_ENV = "ATTNOPS_TRITON_INVARIANT_CHUNK"  # another split size in the mode on a GPU, to time it
 # WAVE_PLAN (decode's keys a split chosen on the device from the call's lengths: common.wave_chunk): the shortest
 # split it may choose on a GPU (the interpreter: two tiles, so that CPU tests split short sequences)
 WAVE_MIN_CHUNK = 512
@@ -147,7 +148,7 @@ def _heuristic_config(case: AttentionCase, num_tokens: int, device: torch.device
     num_q_blocks = batch if decode else max(batch, -(-num_tokens // block_q))
     base = num_q_blocks * num_kv_heads
     if invariant:
-        chunk = 2 * block_n if device.type != "cuda" else INVARIANT_CHUNK
+        chunk = 2 * block_n if device.type != "cuda" else invariant_chunk()
         max_splits = max(2, -(-capacity // chunk))
     elif device.type != "cuda":
         chunk, max_splits = 2 * block_n, 8  # CPU (interpreter): exercise the split + merge path
@@ -215,6 +216,18 @@ def _heuristic_config(case: AttentionCase, num_tokens: int, device: torch.device
 
 
 heuristic_config.cache_clear = _heuristic_config.cache_clear  # (tests and compile_check clear the choices)
+
+
+def invariant_chunk() -> int:
+    """Keys a split in batch-invariant mode on a GPU: INVARIANT_CHUNK, or ATTNOPS_TRITON_INVARIANT_CHUNK's (a
+    multiple of 128, every tile's keys; a fixed number for a process, so the mode's bits hold;
+    benchmarks/gpu_round.sh's invariance step times several with INVARIANCE_CHUNKS)."""
+    value = os.environ.get(INVARIANT_CHUNK_ENV)
+    if not value:
+        return INVARIANT_CHUNK
+    if not value.isdigit() or int(value) < 128 or int(value) % 128:
+        raise ValueError(f"{INVARIANT_CHUNK_ENV} must be a positive multiple of 128 (got {value!r})")
+    return int(value)
 
 
 def wave_plan(cfg: dict, case: AttentionCase, num_tokens: int, on_gpu: bool) -> dict:
