@@ -93,14 +93,15 @@ def _fill(features: dict, times: dict, names) -> tuple[dict, dict]:
             {n: times[n] if n in times else UNSERVED * slowest for n in names})
 
 
-def fit(samples, names, max_depth: int = 9, min_gain: float = 0.01) -> dict:
+def fit(samples, names, max_depth: int = 9, min_gain: float = 0.01, lookahead: int = 1) -> dict:
     """A tree from `samples` [(features dict, {backend: us})], each timed on some backends of `names` (one with
     no time declines the case: UNSERVED). A split is kept only if it saves at least `min_gain` (log units, summed
-    over cases: 0.01 is 1% of one case)."""
+    over cases: 0.01 is 1% of one case). `lookahead`: the further splits a question is judged with (its cost grows
+    as the partitions to that power: 2 for a few hundred cases, such as latent attention's)."""
     samples = [_fill(f, t, names) for f, t in samples if any(n in t for n in names)]
     if not samples:
         raise ValueError("attnops.rules.fit: no case was timed on any backend of " + ", ".join(names))
-    return _fit(samples, list(names), max_depth, min_gain)
+    return _fit(samples, list(names), max_depth, min_gain, lookahead)
 
 
 def _partitions(samples):
@@ -110,29 +111,33 @@ def _partitions(samples):
             yield feature, op, value, yes, [s for s in samples if not _goes_yes(s[0][feature], op, value)]
 
 
-def _best_one_split_cost(samples, names) -> float:
-    costs = [_node_cost(samples, names)]
-    costs += [_node_cost(yes, names) + _node_cost(no, names) for *_, yes, no in _partitions(samples)]
-    return min(costs)
+def _best_cost(samples, names, splits: int) -> float:
+    """The least cost `samples` reach with at most `splits` more levels of questions."""
+    cost = _node_cost(samples, names)
+    if splits > 0 and cost > 0:
+        for *_, yes, no in _partitions(samples):
+            cost = min(cost, _best_cost(yes, names, splits - 1) + _best_cost(no, names, splits - 1))
+    return cost
 
 
-def _fit(samples, names, depth, min_gain) -> dict:
-    """Greedy, with one split of look-ahead: a question that only pays with a second one (bf16 splits by batch,
-    fp8 does not) is still asked."""
+def _fit(samples, names, depth, min_gain, lookahead) -> dict:
+    """Greedy, with `lookahead` splits of look-ahead: a question that only pays with a further one (bf16 splits by
+    batch, fp8 does not) is still asked."""
     here = _node_cost(samples, names)
     best = None
     if depth > 0 and here > 0:
+        ahead_splits = min(lookahead, depth - 1)
         for feature, op, value, yes, no in _partitions(samples):
             gain = here - _node_cost(yes, names) - _node_cost(no, names)
-            ahead = here - _best_one_split_cost(yes, names) - _best_one_split_cost(no, names) if depth > 1 else gain
+            ahead = here - _best_cost(yes, names, ahead_splits) - _best_cost(no, names, ahead_splits)
             score = (round(max(gain, ahead), 9), round(gain, 9))
             if max(gain, ahead) >= min_gain and (best is None or score > best[0]):
                 best = (score, feature, op, value, yes, no)
     if best is None:
         return _leaf(samples, names)
     _, feature, op, value, yes, no = best
-    return dict(feature=feature, op=op, value=value, yes=_fit(yes, names, depth - 1, min_gain),
-                no=_fit(no, names, depth - 1, min_gain))
+    return dict(feature=feature, op=op, value=value, yes=_fit(yes, names, depth - 1, min_gain, lookahead),
+                no=_fit(no, names, depth - 1, min_gain, lookahead))
 
 
 def decide(rule: dict, f: dict) -> tuple[dict, list[str]]:

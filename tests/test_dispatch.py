@@ -1,6 +1,7 @@
 """Dispatch: explain names the chosen backend and every passed-over one with reasons; ATTNOPS_BACKEND and
 use_backend pin a backend, and a pinned backend that cannot serve a case is an error naming why."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +12,8 @@ from attnops import capture, dispatch
 from attnops.backends import BACKENDS
 from attnops.backends.base import Backend
 from attnops.testing import random_paged_inputs
+
+ROOT = Path(__file__).resolve().parents[1]  # (the table's sources are paths from here)
 
 
 class DeclinesEverything(Backend):
@@ -319,6 +322,25 @@ def test_tune_ships_the_rule_and_writes_its_checks_beside_it(tmp_path):
     assert {"per_case", "held_out_head_shapes", "auto_measured"} <= set(json.loads(checks.read_text()))
     # the shipped sm_90 table: the same keys, and latent attention's (its records had latent cases)
     assert set(dispatch.arch_table((9, 0))) == set(shipped) | {"mla_rule", "mla_timed_formats", "mla_backends"}
+
+
+def test_latent_rule_with_two_splits_of_look_ahead_fits_every_shipped_case():
+    """The shipped table's latent-attention records (bf16, fp8 e4m3 and DeepSeek's layout, where Triton wins only
+    fp8 e4m3's single sequences at 8-16 heads: a batch, a format and a head-count question deep) are fitted within
+    3% of the fastest in every case with two splits of look-ahead; one split's greedy tree leaves that leaf to
+    cuda, which is 1.09-1.12x slower there. The shipped rule is the two-split one."""
+    tune = _tune()
+    table = dispatch.arch_table((9, 0))
+    records = [r for path in table["sources"] for r in json.loads((ROOT / path).read_text())["records"]
+               if r.get("latent_dim")]
+    names = table["mla_backends"]
+    cases = tune.collect(records, set(names))
+    samples = [(f, t) for f, t, _, _ in cases.values()]
+    assert any(f["kv_format"] == "fp8_ds_mla" for f, _ in samples)
+    worst = {look: max(r["slowdown"] for r in tune.check(attnops.rules.fit(samples, names, lookahead=look), cases,
+                                                          names)) for look in (1, 2)}
+    assert worst[2] <= attnops.rules.TOLERANCE < worst[1], worst
+    assert attnops.rules.fit(samples, names, lookahead=2) == table["mla_rule"]
 
 
 def test_tune_fits_latent_attention_its_own_rule_and_dispatch_follows_it(tmp_path, monkeypatch):
