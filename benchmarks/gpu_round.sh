@@ -229,7 +229,7 @@ for step in "$@"; do
     invariance)
       # the cost of batch-invariant mode: a backend's cases of the bench grid (INVARIANCE_ARGS narrows them) in the default
       # mode and inside the mode, alternating, same run; then each case's ratio and their geometric mean
-      # (INVARIANCE_CHUNKS: Triton's split size in the mode, each beside the default mode: ATTNOPS_TRITON_INVARIANT_CHUNK)
+      # (INVARIANCE_CHUNKS: Triton's split sizes in the mode, each beside the default: ATTNOPS_TRITON_INVARIANT_CHUNK)
       settings="0:ATTNOPS_BATCH_INVARIANT=0" tags=
       for chunk in ${INVARIANCE_CHUNKS:-}; do
         settings="$settings $chunk:ATTNOPS_BATCH_INVARIANT=1,ATTNOPS_TRITON_INVARIANT_CHUNK=$chunk" tags="$tags $chunk"

@@ -601,7 +601,7 @@ def rows_of(args, b):
     return rows * args["kv_scale"] if "kv_scale" in args else rows
 
 
-# ---- DeepSeek's fp8 layout (kv_format "fp8_ds_mla") in the keys form, on an H100/H200 ----
+# ---- DeepSeek's fp8 layout (kv_format "fp8_ds_mla") in the keys and cp.async forms, on an H100/H200 ----
 
 @pytest.fixture(params=[(form, merge) for form in ("keys", "cp.async") for merge in cuda_mla.MERGES],
                 ids=lambda p: "-".join(p))

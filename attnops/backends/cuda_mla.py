@@ -17,8 +17,8 @@ H200).
 
 DeepSeek's fp8 layout (kv_format "fp8_ds_mla"): the keys form reads it at up to 16 heads where its splits are of
 KEYS_FP8_MIN_CHUNK keys or more (the values widened exactly, each 128's scale applied to its products), the
-cp.async form everywhere else (each value times its scale in fp32 rounded once to bf16, as FlashMLA's): 1.3-2.7x
-faster than Triton's over the layout on every measured decode shape (H100, docs/bench.md).
+cp.async form everywhere else (each value times its scale in fp32 rounded once to bf16, as FlashMLA's): faster
+than Triton's over the layout on every measured case (1.4-9.0x on DeepSeek-V3's shards, H200; docs/bench.md).
 ATTNOPS_CUDA_MLA_DS=0 leaves the layout to Triton. `bash benchmarks/gpu_round.sh build cuda-mla-ds` tests and times
 it.
 
