@@ -43,6 +43,18 @@ def fixed_splits(capacity: int, chunk: int) -> tuple[int, int]:
     return max(2, -(-capacity // chunk)), chunk
 
 
+def chunk_setting(env: str, default: int, multiple: int) -> int:
+    """A kernel's keys a split in the mode: `default`, or the environment variable `env`'s (a positive multiple of
+    `multiple`, its tile; anything else is a ValueError naming `env`), to time another size. A fixed number for a
+    process, so the mode's bits hold."""
+    value = environ_get(env)
+    if not value:
+        return default
+    if not value.isdigit() or int(value) < multiple or int(value) % multiple:
+        raise ValueError(f"{env} must be a positive multiple of {multiple} (got {value!r})")
+    return int(value)
+
+
 def enabled() -> bool:
     """Whether the calls made now are in batch-invariant mode (the innermost batch_invariant block, else
     ATTNOPS_BATCH_INVARIANT=1)."""

@@ -226,14 +226,8 @@ def merge_form(splits: int) -> int:
 
 def invariant_chunk() -> int:
     """Keys a split in batch-invariant mode: INVARIANT_CHUNK, or ATTNOPS_CUDA_MLA_INVARIANT_CHUNK's (a multiple of
-    TILE; a fixed number for a process, so the mode's bits hold; benchmarks/gpu_round.sh's invariance-mla step
-    times several)."""
-    value = environ_get(INVARIANT_CHUNK_ENV)
-    if not value:
-        return INVARIANT_CHUNK
-    if not value.isdigit() or int(value) < TILE or int(value) % TILE:
-        raise ValueError(f"{INVARIANT_CHUNK_ENV} must be a positive multiple of {TILE} (got {value!r})")
-    return int(value)
+    TILE; benchmarks/gpu_round.sh's invariance-mla step times several)."""
+    return invariance.chunk_setting(INVARIANT_CHUNK_ENV, INVARIANT_CHUNK, TILE)
 
 
 def _pairs_aligned(out: torch.Tensor) -> bool:

@@ -220,14 +220,9 @@ heuristic_config.cache_clear = _heuristic_config.cache_clear  # (tests and compi
 
 def invariant_chunk() -> int:
     """Keys a split in batch-invariant mode on a GPU: INVARIANT_CHUNK, or ATTNOPS_TRITON_INVARIANT_CHUNK's (a
-    multiple of 128, every tile's keys; a fixed number for a process, so the mode's bits hold;
-    benchmarks/gpu_round.sh's invariance step times several with INVARIANCE_CHUNKS)."""
-    value = os.environ.get(INVARIANT_CHUNK_ENV)
-    if not value:
-        return INVARIANT_CHUNK
-    if not value.isdigit() or int(value) < 128 or int(value) % 128:
-        raise ValueError(f"{INVARIANT_CHUNK_ENV} must be a positive multiple of 128 (got {value!r})")
-    return int(value)
+    multiple of 128, every tile's keys; benchmarks/gpu_round.sh's invariance step times several with
+    INVARIANCE_CHUNKS)."""
+    return invariance.chunk_setting(INVARIANT_CHUNK_ENV, INVARIANT_CHUNK, 128)
 
 
 def wave_plan(cfg: dict, case: AttentionCase, num_tokens: int, on_gpu: bool) -> dict:
