@@ -217,17 +217,20 @@ def test_cuda_latent_attention_is_invariant_on_the_gpu(monkeypatch):
 
 
 def test_triton_split_size_in_the_mode_is_fixed_or_the_one_asked_for(monkeypatch):
-    """Triton's keys a split in the mode on a GPU: INVARIANT_CHUNK, or ATTNOPS_TRITON_INVARIANT_CHUNK's (to time
-    another), a multiple of 128 else a ValueError naming it."""
+    """Triton's keys a split in the mode on a GPU: one size for decode and one for calls of query blocks, or
+    ATTNOPS_TRITON_INVARIANT_CHUNK's for both (to time another), a multiple of 128 else a ValueError naming it."""
     from attnops.backends.triton import heuristics
     monkeypatch.delenv(heuristics.INVARIANT_CHUNK_ENV, raising=False)
-    assert heuristics.invariant_chunk() == heuristics.INVARIANT_CHUNK
-    monkeypatch.setenv(heuristics.INVARIANT_CHUNK_ENV, "1024")
-    assert heuristics.invariant_chunk() == 1024
+    assert heuristics.invariant_chunk(True) == heuristics.INVARIANT_DECODE_CHUNK
+    assert heuristics.invariant_chunk(False) == heuristics.INVARIANT_BLOCK_CHUNK
+    for chunk in (heuristics.INVARIANT_DECODE_CHUNK, heuristics.INVARIANT_BLOCK_CHUNK):
+        assert chunk % 128 == 0
+    monkeypatch.setenv(heuristics.INVARIANT_CHUNK_ENV, "1536")
+    assert heuristics.invariant_chunk(True) == heuristics.invariant_chunk(False) == 1536
     for bad in ("0", "100", "1000", "x", "-128"):
         monkeypatch.setenv(heuristics.INVARIANT_CHUNK_ENV, bad)
         with pytest.raises(ValueError, match=heuristics.INVARIANT_CHUNK_ENV):
-            heuristics.invariant_chunk()
+            heuristics.invariant_chunk(True)
 
 
 def test_cuda_latent_attention_plan_in_the_mode_depends_on_no_batch():

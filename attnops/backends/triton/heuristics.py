@@ -78,9 +78,12 @@ def dot_dtype(q_dtype: torch.dtype, kv_format: str) -> torch.dtype:
     return q_dtype
 
 
-# batch-invariant mode (attnops.invariance): keys a split, fixed, so that kv_plan cuts a sequence by its own length
-INVARIANT_CHUNK = 2048
-INVARIANT_CHUNK_ENV = "ATTNOPS_TRITON_INVARIANT_CHUNK"  # another split size in the mode on a GPU, to time it
+# batch-invariant mode (attnops.invariance): keys a split, fixed per form of call (decode or query blocks), so that
+# kv_plan cuts a sequence by its own length. Decode takes short splits (one sequence must still fill the chip); query
+# blocks long ones (a block's rows already give the programs; each split more costs its q load and its merge)
+INVARIANT_DECODE_CHUNK = 1024
+INVARIANT_BLOCK_CHUNK = 4096
+INVARIANT_CHUNK_ENV = "ATTNOPS_TRITON_INVARIANT_CHUNK"  # one split size for both forms on a GPU, to time it
 # WAVE_PLAN (decode's keys a split chosen on the device from the call's lengths: common.wave_chunk): the shortest
 # split it may choose on a GPU (the interpreter: two tiles, so that CPU tests split short sequences)
 WAVE_MIN_CHUNK = 512
@@ -93,7 +96,7 @@ def heuristic_config(case: AttentionCase, num_tokens: int, device: torch.device)
 
     In batch-invariant mode every choice that shapes a row's sums is made from the head shape, formats and the
     call's form (decode or not) only, never from the batch, its tokens or the table's width: the query tile is
-    fixed, CHUNK is INVARIANT_CHUNK (kv_plan then splits a sequence by its own length), and MAX_SPLITS covers the
+    fixed, CHUNK is invariant_chunk(decode) (kv_plan then splits a sequence by its own length), and MAX_SPLITS covers the
     table whatever the workspace (at least 2, so that one compiled variant serves every call)."""
     return _heuristic_config(case, num_tokens, device, invariance.enabled())
 
@@ -148,7 +151,7 @@ def _heuristic_config(case: AttentionCase, num_tokens: int, device: torch.device
     num_q_blocks = batch if decode else max(batch, -(-num_tokens // block_q))
     base = num_q_blocks * num_kv_heads
     if invariant:
-        chunk = 2 * block_n if device.type != "cuda" else invariant_chunk()
+        chunk = 2 * block_n if device.type != "cuda" else invariant_chunk(decode)
         max_splits = max(2, -(-capacity // chunk))
     elif device.type != "cuda":
         chunk, max_splits = 2 * block_n, 8  # CPU (interpreter): exercise the split + merge path
@@ -218,11 +221,13 @@ def _heuristic_config(case: AttentionCase, num_tokens: int, device: torch.device
 heuristic_config.cache_clear = _heuristic_config.cache_clear  # (tests and compile_check clear the choices)
 
 
-def invariant_chunk() -> int:
-    """Keys a split in batch-invariant mode on a GPU: INVARIANT_CHUNK, or ATTNOPS_TRITON_INVARIANT_CHUNK's (a
+def invariant_chunk(decode: bool) -> int:
+    """Keys a split in batch-invariant mode on a GPU for a decode call or one of query blocks (verify, extend,
+    prefill): INVARIANT_DECODE_CHUNK or INVARIANT_BLOCK_CHUNK, or ATTNOPS_TRITON_INVARIANT_CHUNK's for both (a
     multiple of 128, every tile's keys; benchmarks/gpu_round.sh's invariance step times several with
     INVARIANCE_CHUNKS)."""
-    return invariance.chunk_setting(INVARIANT_CHUNK_ENV, INVARIANT_CHUNK, 128)
+    default = INVARIANT_DECODE_CHUNK if decode else INVARIANT_BLOCK_CHUNK
+    return invariance.chunk_setting(INVARIANT_CHUNK_ENV, default, 128)
 
 
 def wave_plan(cfg: dict, case: AttentionCase, num_tokens: int, on_gpu: bool) -> dict:
