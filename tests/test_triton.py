@@ -332,6 +332,39 @@ def test_prefill_pipeline_depth_follows_shared_memory(monkeypatch):
     assert stages == {(232448, "bf16"): 3, (232448, "fp8_e4m3"): 2, (166912, "bf16"): 2, (166912, "fp8_e4m3"): 2}
 
 
+def test_short_verify_blocks_of_16_bit_caches_take_the_64_row_tile(monkeypatch):
+    """GPU tile choice: verify blocks of 16-32 rows (4 or 8 draft tokens x a group of 4, 2 or 4 x 8) of a bf16 or
+    fp16 cache at D=128 run in the 64-row verify tile, rows padded, one split a sequence at 32 x 4096; fp8, other
+    head dims, 64-row blocks and batch-invariant mode keep their tiles."""
+    from attnops.backends.triton import heuristics as theur
+    from attnops.cases import AttentionCase
+    monkeypatch.setattr(theur, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(theur, "_capability", lambda device: 9)
+    monkeypatch.setattr(theur, "_shared_memory_per_block", lambda device: 227 * 1024)
+
+    def config(tokens, kv_heads=8, kv_format="bf16", head_dim=128, invariant=False):
+        case = AttentionCase.of_shapes(device_type="cuda", arch=(9, 0), q_dtype=torch.bfloat16, kv_format=kv_format,
+                                       head_dim=head_dim, page_size=16, num_q_heads=32, num_kv_heads=kv_heads,
+                                       batch=32, num_tokens=32 * tokens, max_kv_len=4096, decode=False)
+        with attnops.batch_invariant(invariant):
+            return theur.heuristic_config(case, 32 * tokens, torch.device("cuda"))
+
+    theur.heuristic_config.cache_clear()
+    try:
+        for tokens, kv_heads in ((4, 8), (8, 8), (2, 4), (4, 4)):
+            chosen = config(tokens, kv_heads)
+            assert (chosen["BLOCK_Q"] * 32 // kv_heads, chosen["BLOCK_N"], chosen["num_warps"]) == (64, 64, 4)
+            assert chosen["FULL_TILES"] and chosen["OFFSETS_32"] and chosen["MAX_SPLITS"] == 1
+        assert config(8, kv_format="fp16")["BLOCK_Q"] == 16
+        assert config(8, kv_format="fp8_e4m3")["BLOCK_Q"] == 8
+        assert config(8, head_dim=64)["BLOCK_Q"] == 8
+        assert config(2)["BLOCK_Q"] == 2  # 8 rows: not widened
+        assert config(16)["BLOCK_Q"] == 16  # 64 rows already
+        assert config(8, invariant=True) == config(1, invariant=True)  # the mode's fixed tile
+    finally:
+        theur.heuristic_config.cache_clear()
+
+
 def test_decode_tiles_of_wide_heads(monkeypatch):
     """GPU decode tiles by head dim (what the H100 measured): 512 columns (head dims 320-512) take 32 keys in 8 warps
     with a 16-bit or fp8 cache (16 in 4 for 4-bit caches and verify blocks); fp8 at 256 columns is capped at 128
@@ -808,6 +841,25 @@ def test_attention_small_bf16(name, inputs, options, forced, request):
         inputs["kv_format"] = "bf16"
     args = random_paged_inputs(**inputs, device=DEVICE, seed=len(name) + 1)
     check_attention(args, **options)
+
+
+@gpu
+@pytest.mark.parametrize("kv_format", ["bf16", "fp16"])
+@pytest.mark.parametrize("group", [4, 8])
+def test_short_verify_blocks_in_the_64_row_tile(kv_format, group):
+    """Verify blocks of 16-32 rows at D=128 run in the 64-row tile (rows padded): ragged batches of 1-8 draft
+    tokens, a sequence shorter than its block, a draft tree, against the float64 reference."""
+    from attnops.bench.grid import tree_parents
+    from attnops.serving.spec import tree_mask_from_parents
+    q_lens = [8, 1, 4, 8, 5, 2]
+    kv_lens = [4096, 3, 700, 8, 2049, 129]
+    for tree in (False, True):
+        args = random_paged_inputs(kv_lens, q_lens, num_q_heads=8 * group, num_kv_heads=8, head_dim=128,
+                                   kv_format=kv_format, q_dtype=torch.bfloat16 if kv_format == "bf16" else F16,
+                                   device=DEVICE, seed=group + tree)
+        if tree:
+            args["tree_mask"] = tree_mask_from_parents([tree_parents(n, 2) for n in q_lens], width=8, device=DEVICE)
+        check_attention(args)
 
 
 NUM_FAMILIES = 32  # structural combinations per sweep: each compiles once, the 320 cases vary data within them
