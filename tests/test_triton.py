@@ -333,9 +333,9 @@ def test_prefill_pipeline_depth_follows_shared_memory(monkeypatch):
 
 
 def test_short_verify_blocks_of_16_bit_caches_take_the_64_row_tile(monkeypatch):
-    """GPU tile choice: verify blocks of 16-32 rows (4 or 8 draft tokens x a group of 4, 2 or 4 x 8) of a bf16 or
-    fp16 cache at D=128 run in the 64-row verify tile, rows padded, one split a sequence at 32 x 4096; fp8, other
-    head dims, 64-row blocks and batch-invariant mode keep their tiles."""
+    """GPU tile choice: verify blocks of 4 or 8 draft tokens x a group of 4 of a bf16 or fp16 cache at D=128 run in
+    the 64-row verify tile, rows padded, one split a sequence at 32 x 4096; fp8, other head dims and groups, 64-row
+    blocks and batch-invariant mode keep their tiles."""
     from attnops.backends.triton import heuristics as theur
     from attnops.cases import AttentionCase
     monkeypatch.setattr(theur, "_num_sms", lambda device: 132)
@@ -351,14 +351,15 @@ def test_short_verify_blocks_of_16_bit_caches_take_the_64_row_tile(monkeypatch):
 
     theur.heuristic_config.cache_clear()
     try:
-        for tokens, kv_heads in ((4, 8), (8, 8), (2, 4), (4, 4)):
-            chosen = config(tokens, kv_heads)
-            assert (chosen["BLOCK_Q"] * 32 // kv_heads, chosen["BLOCK_N"], chosen["num_warps"]) == (64, 64, 4)
+        for tokens in (4, 8):
+            chosen = config(tokens)
+            assert (chosen["BLOCK_Q"], chosen["BLOCK_N"], chosen["num_warps"]) == (16, 64, 4)
             assert chosen["FULL_TILES"] and chosen["OFFSETS_32"] and chosen["MAX_SPLITS"] == 1
         assert config(8, kv_format="fp16")["BLOCK_Q"] == 16
         assert config(8, kv_format="fp8_e4m3")["BLOCK_Q"] == 8
         assert config(8, head_dim=64)["BLOCK_Q"] == 8
         assert config(2)["BLOCK_Q"] == 2  # 8 rows: not widened
+        assert config(4, kv_heads=4)["BLOCK_Q"] == 4  # a group of 8
         assert config(16)["BLOCK_Q"] == 16  # 64 rows already
         assert config(8, invariant=True) == config(1, invariant=True)  # the mode's fixed tile
     finally:
@@ -847,8 +848,9 @@ def test_attention_small_bf16(name, inputs, options, forced, request):
 @pytest.mark.parametrize("kv_format", ["bf16", "fp16"])
 @pytest.mark.parametrize("group", [4, 8])
 def test_short_verify_blocks_in_the_64_row_tile(kv_format, group):
-    """Verify blocks of 16-32 rows at D=128 run in the 64-row tile (rows padded): ragged batches of 1-8 draft
-    tokens, a sequence shorter than its block, a draft tree, against the float64 reference."""
+    """Verify blocks of 4-8 draft tokens at D=128 (group 4: the 64-row tile, rows padded; group 8: as before):
+    ragged batches of 1-8 draft tokens, a sequence shorter than its block, a draft tree, against the float64
+    reference."""
     from attnops.bench.grid import tree_parents
     from attnops.serving.spec import tree_mask_from_parents
     q_lens = [8, 1, 4, 8, 5, 2]
