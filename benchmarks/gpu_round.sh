@@ -119,6 +119,9 @@
 #             geometric mean; INVARIANCE_ARGS narrows the grid, e.g. "--groups decode-large verify";
 #             INVARIANCE_BACKEND=cuda INVARIANCE_ARGS="--grid fp4" for the CUDA kernels; INVARIANCE_ROUNDS: 2;
 #             INVARIANCE_CHUNKS="1024 4096": Triton's split size in the mode, each: invariance-{chunk}-{round}.json)
+#   verify-tile Triton's verify of 4 and 8 tokens x a group of 4 (bf16) in the padded 64-row tile, the default: its GPU
+#             test, then a same-run A/B at 32 x 4096 against each one's former tile and split plan as B (so "B is x"
+#             below 1 means the padded tile is faster): $results/verify-tile-{4,8}.log
 #   invariance-mla the mode's cost on the cuda latent-attention kernel (the mla grid) at each split size of
 #             MLA_CHUNKS (ATTNOPS_CUDA_MLA_INVARIANT_CHUNK; default 512 1024 2048) against the default mode, same run:
 #             $results/invariance-mla-{0,chunk}-{round}.json, invariance-mla.txt (INVARIANCE_ROUNDS: 1)
@@ -241,6 +244,16 @@ for step in "$@"; do
         [ "$tag" = 1 ] || echo "== $tag keys a split"
         python3 benchmarks/invariance_cost.py "$results"/invariance-0-*.json -- "$results"/invariance-$tag-*.json
       done | tee "$results/invariance.txt"; stamp invariance ;;
+    verify-tile)
+      timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu -n 4 tests/test_triton.py -k short_verify \
+        > "$results/verify-tile-tests.log" 2>&1; tail -1 "$results/verify-tile-tests.log"
+      for former in "4:BLOCK_Q=4 BLOCK_N=128 num_warps=4 FULL_TILES=0 OFFSETS_32=0 HEADS_INNER=1 CHUNK=4096 MAX_SPLITS=1" \
+                    "8:BLOCK_Q=8 BLOCK_N=64 num_warps=4 FULL_TILES=0 OFFSETS_32=0 CHUNK=1024 MAX_SPLITS=3"; do
+        tokens=${former%%:*}
+        timeout 300 python3 benchmarks/triton_tuning.py --budget 240 --formats --rounds 5 \
+          --extend-cases "verify$tokens 32x4096" --compare ${former#*:} > "$results/verify-tile-$tokens.log" 2>&1
+        grep -E "B is|failed|Error" "$results/verify-tile-$tokens.log"
+      done; stamp verify-tile ;;
     invariance-mla)
       # the mode's cost on the cuda latent-attention kernel at each split size of $MLA_CHUNKS (default 512 1024 2048):
       # the mla grid (INVARIANCE_ARGS narrows it), the default mode and each size alternating, same run
