@@ -96,8 +96,8 @@ def heuristic_config(case: AttentionCase, num_tokens: int, device: torch.device)
 
     In batch-invariant mode every choice that shapes a row's sums is made from the head shape, formats and the
     call's form (decode or not) only, never from the batch, its tokens or the table's width: the query tile is
-    fixed, CHUNK is invariant_chunk(decode) (kv_plan then splits a sequence by its own length), and MAX_SPLITS covers the
-    table whatever the workspace (at least 2, so that one compiled variant serves every call)."""
+    fixed, CHUNK is invariant_chunk(decode) (kv_plan then splits a sequence by its own length), and MAX_SPLITS
+    covers the table whatever the workspace (at least 2, so that one compiled variant serves every call)."""
     return _heuristic_config(case, num_tokens, device, invariance.enabled())
 
 
