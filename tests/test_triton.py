@@ -334,20 +334,20 @@ def test_prefill_pipeline_depth_follows_shared_memory(monkeypatch):
 
 def test_short_verify_blocks_of_16_bit_caches_take_the_64_row_tile(monkeypatch):
     """GPU tile choice: verify blocks of 4 or 8 draft tokens x a group of 4 of a bf16 or fp16 cache at D=128 run in
-    the 64-row verify tile, rows padded, one split a sequence at 32 x 4096; fp8, other head dims and groups, 64-row
-    blocks and batch-invariant mode keep their tiles."""
+    the 64-row verify tile, rows padded, one split a sequence at 32 x 4096; batches too few to fill the SMs unsplit,
+    fp8, other head dims and groups, 64-row blocks and batch-invariant mode keep their tiles."""
     from attnops.backends.triton import heuristics as theur
     from attnops.cases import AttentionCase
     monkeypatch.setattr(theur, "_num_sms", lambda device: 132)
     monkeypatch.setattr(theur, "_capability", lambda device: 9)
     monkeypatch.setattr(theur, "_shared_memory_per_block", lambda device: 227 * 1024)
 
-    def config(tokens, kv_heads=8, kv_format="bf16", head_dim=128, invariant=False):
+    def config(tokens, kv_heads=8, kv_format="bf16", head_dim=128, invariant=False, batch=32):
         case = AttentionCase.of_shapes(device_type="cuda", arch=(9, 0), q_dtype=torch.bfloat16, kv_format=kv_format,
                                        head_dim=head_dim, page_size=16, num_q_heads=32, num_kv_heads=kv_heads,
-                                       batch=32, num_tokens=32 * tokens, max_kv_len=4096, decode=False)
+                                       batch=batch, num_tokens=batch * tokens, max_kv_len=4096, decode=False)
         with attnops.batch_invariant(invariant):
-            return theur.heuristic_config(case, 32 * tokens, torch.device("cuda"))
+            return theur.heuristic_config(case, batch * tokens, torch.device("cuda"))
 
     theur.heuristic_config.cache_clear()
     try:
@@ -361,6 +361,8 @@ def test_short_verify_blocks_of_16_bit_caches_take_the_64_row_tile(monkeypatch):
         assert config(2)["BLOCK_Q"] == 2  # 8 rows: not widened
         assert config(4, kv_heads=4)["BLOCK_Q"] == 4  # a group of 8
         assert config(16)["BLOCK_Q"] == 16  # 64 rows already
+        assert config(8, batch=17)["BLOCK_Q"] == 16  # 17 x 8 blocks fill 132 SMs
+        assert config(8, batch=16)["BLOCK_Q"] == 8  # 16 x 8 do not: they split, as before
         assert config(8, invariant=True) == config(1, invariant=True)  # the mode's fixed tile
     finally:
         theur.heuristic_config.cache_clear()
@@ -848,17 +850,26 @@ def test_attention_small_bf16(name, inputs, options, forced, request):
 @pytest.mark.parametrize("kv_format", ["bf16", "fp16"])
 @pytest.mark.parametrize("group", [4, 8])
 def test_short_verify_blocks_in_the_64_row_tile(kv_format, group):
-    """Verify blocks of 4-8 draft tokens at D=128 (group 4: the 64-row tile, rows padded; group 8: as before):
-    ragged batches of 1-8 draft tokens, a sequence shorter than its block, a draft tree, against the float64
-    reference."""
+    """Verify blocks of 4-8 draft tokens at D=128 in the 64-row tile (group 4: rows padded to 16 tokens; group 8: 8):
+    ragged batches of 1-8 draft tokens, sequences shorter than their blocks, a draft tree, against the float64
+    reference; 36 sequences x 8 KV heads, enough blocks to take the padded tile on any GPU of up to 288 SMs."""
+    from attnops.backends.triton import heuristics
     from attnops.bench.grid import tree_parents
+    from attnops.cases import AttentionCase
     from attnops.serving.spec import tree_mask_from_parents
-    q_lens = [8, 1, 4, 8, 5, 2]
-    kv_lens = [4096, 3, 700, 8, 2049, 129]
+    q_lens = [8, 1, 4, 8, 5, 2] * 6
+    kv_lens = [4096, 3, 700, 8, 2049, 129] * 6
+    q_dtype = torch.bfloat16 if kv_format == "bf16" else F16
+    case = AttentionCase.of_shapes(device_type="cuda", arch=torch.cuda.get_device_capability(), q_dtype=q_dtype,
+                                   kv_format=kv_format, head_dim=128, page_size=16, num_q_heads=8 * group,
+                                   num_kv_heads=8, batch=len(kv_lens), num_tokens=sum(q_lens), max_kv_len=4096,
+                                   decode=False)
+    chosen = heuristics.heuristic_config(case, sum(q_lens), torch.device(DEVICE))
+    # (4.7 tokens a sequence on average: blocks of 8, 32 rows at a group of 4, widened; 64 at a group of 8 already)
+    assert chosen["BLOCK_Q"] == (16 if group == 4 and heuristics._num_sms(torch.device(DEVICE)) <= 288 else 8)
     for tree in (False, True):
         args = random_paged_inputs(kv_lens, q_lens, num_q_heads=8 * group, num_kv_heads=8, head_dim=128,
-                                   kv_format=kv_format, q_dtype=torch.bfloat16 if kv_format == "bf16" else F16,
-                                   device=DEVICE, seed=group + tree)
+                                   kv_format=kv_format, q_dtype=q_dtype, device=DEVICE, seed=group + tree)
         if tree:
             args["tree_mask"] = tree_mask_from_parents([tree_parents(n, 2) for n in q_lens], width=8, device=DEVICE)
         check_attention(args)
