@@ -122,7 +122,8 @@
 #   verify-tile Triton's verify of 4 and 8 tokens x a group of 4 (bf16) in the padded 64-row tile, the default: its GPU
 #             test, then a same-run A/B at 32 x 4096 against each one's former tile and split plan as B (so "B is x"
 #             below 1 means the padded tile is faster): $results/verify-tile-{4,8}.log; and fp8 e4m3, which keeps
-#             its tiles, against the padded one as B ("B is x" above 1: the padded tile faster): verify-tile-fp8.log
+#             its tiles, against the padded one as B ("B is x" above 1: the padded tile faster): verify-tile-fp8.log;
+#             the same for 4 long sequences (8 tokens, 4 x 16384), which keep the former tile: verify-tile-few.log
 #   invariance-mla the mode's cost on the cuda latent-attention kernel (the mla grid) at each split size of
 #             MLA_CHUNKS (ATTNOPS_CUDA_MLA_INVARIANT_CHUNK; default 512 1024 2048) against the default mode, same run:
 #             $results/invariance-mla-{0,chunk}-{round}.json, invariance-mla.txt (INVARIANCE_ROUNDS: 1)
@@ -255,6 +256,13 @@ for step in "$@"; do
           --extend-cases "verify$tokens 32x4096" --compare ${former#*:} > "$results/verify-tile-$tokens.log" 2>&1
         grep -E "B is|failed|Error" "$results/verify-tile-$tokens.log"
       done
+      # a few long sequences keep the former tile and its splits (not measured): against the padded tile as B, with
+      # the plan of splits it would take (4 a sequence) and with 16
+      for plan in "CHUNK=2048 MAX_SPLITS=4" "CHUNK=1024 MAX_SPLITS=16"; do
+        timeout 200 python3 benchmarks/triton_tuning.py --budget 150 --formats --rounds 5 --extend-cases \
+          "verify8 4x16384" --compare BLOCK_Q=16 BLOCK_N=64 num_warps=4 FULL_TILES=1 OFFSETS_32=1 $plan 2>&1 \
+          | grep -E "B is|failed|Error"
+      done | tee "$results/verify-tile-few.log"
       # fp8 keeps its tiles (not measured): the heuristic as A against the padded tile (fp8's 64-row settings) as B
       timeout 300 python3 benchmarks/triton_tuning.py --budget 240 --formats --rounds 5 --extend-format fp8_e4m3 \
         --extend-cases "verify4 32x4096" "verify8 32x4096" --compare BLOCK_Q=16 BLOCK_N=64 num_warps=4 num_stages=2 \

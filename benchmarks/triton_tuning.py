@@ -76,6 +76,8 @@ EXTEND_CASES = {
     "verify16 32x4096": ([4096] * 32, [16] * 32),
     "tree16 32x4096": ([4096] * 32, [16] * 32),
     "prefix64 1x32768": ([32768 + 64], [64]),
+    # verify of a few long sequences (their blocks do not fill the SMs unsplit): opt in
+    "verify8 4x16384": ([16384] * 4, [8] * 4),
 }
 DEFAULT_EXTEND_CASES = ("verify4 32x4096", "verify8 32x4096", "prefill 8x4096", "chunked 2048 on 46000")
 
