@@ -335,15 +335,15 @@ def test_prefill_pipeline_depth_follows_shared_memory(monkeypatch):
 def test_short_verify_blocks_of_16_bit_caches_take_the_64_row_tile(monkeypatch):
     """GPU tile choice: verify blocks of 4 or 8 draft tokens x a group of 4 of a bf16 or fp16 cache at D=128 run in
     the 64-row verify tile, rows padded, one split a sequence at 32 x 4096; batches too few to fill the SMs unsplit,
-    fp8, other head dims and groups, 64-row blocks and batch-invariant mode keep their tiles."""
+    fp8, fp32 q, other head dims and groups, 64-row blocks and batch-invariant mode keep their tiles."""
     from attnops.backends.triton import heuristics as theur
     from attnops.cases import AttentionCase
     monkeypatch.setattr(theur, "_num_sms", lambda device: 132)
     monkeypatch.setattr(theur, "_capability", lambda device: 9)
     monkeypatch.setattr(theur, "_shared_memory_per_block", lambda device: 227 * 1024)
 
-    def config(tokens, kv_heads=8, kv_format="bf16", head_dim=128, invariant=False, batch=32):
-        case = AttentionCase.of_shapes(device_type="cuda", arch=(9, 0), q_dtype=torch.bfloat16, kv_format=kv_format,
+    def config(tokens, kv_heads=8, kv_format="bf16", head_dim=128, invariant=False, batch=32, q_dtype=torch.bfloat16):
+        case = AttentionCase.of_shapes(device_type="cuda", arch=(9, 0), q_dtype=q_dtype, kv_format=kv_format,
                                        head_dim=head_dim, page_size=16, num_q_heads=32, num_kv_heads=kv_heads,
                                        batch=batch, num_tokens=batch * tokens, max_kv_len=4096, decode=False)
         with attnops.batch_invariant(invariant):
@@ -357,6 +357,7 @@ def test_short_verify_blocks_of_16_bit_caches_take_the_64_row_tile(monkeypatch):
             assert chosen["FULL_TILES"] and chosen["OFFSETS_32"] and chosen["MAX_SPLITS"] == 1
         assert config(8, kv_format="fp16")["BLOCK_Q"] == 16
         assert config(8, kv_format="fp8_e4m3")["BLOCK_Q"] == 8
+        assert config(8, q_dtype=torch.float32)["BLOCK_Q"] == 8  # fp32 dots
         assert config(8, head_dim=64)["BLOCK_Q"] == 8
         assert config(2)["BLOCK_Q"] == 2  # 8 rows: not widened
         assert config(4, kv_heads=4)["BLOCK_Q"] == 4  # a group of 8

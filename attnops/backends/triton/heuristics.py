@@ -114,12 +114,12 @@ def _heuristic_config(case: AttentionCase, num_tokens: int, device: torch.device
         avg_q = 16 if invariant else -(-num_tokens // max(batch, 1))
         max_rows = 64 if head_dim >= 256 else 128
         block_q = max(1, min(triton.next_power_of_2(avg_q), max(1, max_rows // group)))
-        # verify blocks of 4 or 8 draft tokens x a group of 4 of a 16-bit cache at D=128 in the 64-row verify tile
-        # below, rows padded to 16 tokens, where the sequences' blocks fill the SMs unsplit: one split a sequence,
-        # unmasked full tiles and int32 offsets beat the 16- and 32-row tiles' plans though a block computes rows
-        # nobody asked for (fewer sequences, which need splits, and other groups: not measured)
+        # verify blocks of 4 or 8 draft tokens x a group of 4 of a 16-bit cache and q at D=128 in the 64-row verify
+        # tile below, rows padded to 16 tokens, where the sequences' blocks fill the SMs unsplit: one split a
+        # sequence, unmasked full tiles and int32 offsets beat the 16- and 32-row tiles' plans though a block
+        # computes rows nobody asked for (fewer sequences, which need splits, and other groups: not measured)
         if (device.type == "cuda" and not invariant and head_dim == 128 and kv_format in ("bf16", "fp16")
-                and group == 4 and block_q in (4, 8) and batch * num_kv_heads >= sms):
+                and q_dtype != torch.float32 and group == 4 and block_q in (4, 8) and batch * num_kv_heads >= sms):
             block_q = 16
     block_m = max(16, triton.next_power_of_2(block_q * group))
     # decode, and verify blocks whose tokens x heads fit one 16-row tile: streaming the KV once is the whole job
