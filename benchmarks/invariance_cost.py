@@ -17,6 +17,10 @@ import math
 import sys
 
 
+DEFAULT_LABELS = ["default", "invariant"]
+GEOMEAN_BAR, CASE_BAR = 1.05, 1.10  # the mode's cost: at most 5% geometric mean, 10% on every case
+
+
 def best_times(paths: list[str]) -> dict:
     """(case, impl) -> the best CUDA-graph time (else the eager median) over the files, attnops backends only."""
     best: dict = {}
@@ -36,7 +40,7 @@ def best_times(paths: list[str]) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("files", nargs="+", help="default-mode JSON files, --, invariant-mode JSON files")
-    parser.add_argument("--labels", nargs=2, default=["default", "invariant"], metavar=("A", "B"),
+    parser.add_argument("--labels", nargs=2, default=list(DEFAULT_LABELS), metavar=("A", "B"),
                         help="the two settings' names (default: default invariant)")
     raw = sys.argv[1:] if argv is None else list(argv)
     labels = parser.parse_args(raw).labels  # (--help; argparse drops the --, so the files are split from raw below)
@@ -59,6 +63,10 @@ def main(argv=None) -> int:
     for impl, values in ratios.items():
         geomean = math.exp(sum(math.log(v) for v in values) / len(values))
         print(f"{impl}: {len(values)} cases, geometric mean {geomean:.3f}, worst {max(values):.3f}")
+        if labels == DEFAULT_LABELS:  # batch-invariant mode's cost: say how it stands against its bars
+            past = sum(v > CASE_BAR for v in values)
+            print(f"  bars (geometric mean <= {GEOMEAN_BAR}, every case <= {CASE_BAR}): geometric mean "
+                  f"{'met' if geomean <= GEOMEAN_BAR else 'missed'}, {past} of {len(values)} cases past {CASE_BAR}")
     return 0
 
 

@@ -172,5 +172,9 @@ def test_same_run_ratios_of_two_settings(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "one us" in out and "two us" in out and "flashinfer" not in out
     assert "cuda: 2 cases, geometric mean 1.483, worst 2.000" in out  # (x: 11 / 10, y: 36 / 18)
+    assert "bars" not in out  # (named settings: an A/B, not the mode's cost)
+    assert cost.main([files[0], files[1], "--", files[2]]) == 0
+    assert "bars (geometric mean <= 1.05, every case <= 1.1): geometric mean missed, 1 of 2 cases past 1.1" in (
+        capsys.readouterr().out)
     with pytest.raises(SystemExit):
         cost.main([files[0], files[2]])  # (no --)
