@@ -250,7 +250,8 @@ for step in "$@"; do
       timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu -n 4 tests/test_triton.py -k short_verify \
         > "$results/verify-tile-tests.log" 2>&1; tail -1 "$results/verify-tile-tests.log"
       for former in "4:BLOCK_Q=4 BLOCK_N=128 num_warps=4 FULL_TILES=0 OFFSETS_32=0 HEADS_INNER=1 CHUNK=4096 \
-                       MAX_SPLITS=1" "8:BLOCK_Q=8 BLOCK_N=64 num_warps=4 FULL_TILES=0 OFFSETS_32=0 CHUNK=1024 MAX_SPLITS=3"; do
+                       MAX_SPLITS=1" "8:BLOCK_Q=8 BLOCK_N=64 num_warps=4 FULL_TILES=0 OFFSETS_32=0 CHUNK=1024 \
+                       MAX_SPLITS=3"; do
         tokens=${former%%:*}
         timeout 300 python3 benchmarks/triton_tuning.py --budget 240 --formats --rounds 5 \
           --extend-cases "verify$tokens 32x4096" --compare ${former#*:} > "$results/verify-tile-$tokens.log" 2>&1
