@@ -59,6 +59,9 @@ DECODE_CASES["32x8192"] = [8192] * 32  # the fp8 bar's case: opt in with --cases
 # the longest alone at the end: opt in with --cases
 DECODE_CASES["ragged32x8k"] = ragged_lengths(32, seed=32, high=8192)
 DECODE_CASES["31x512+8192"] = [512] * 31 + [8192]
+# uniform batches whose splits overrun one wave (FILL_WAVES): 64 x 8192 at 4 KV heads, 16 x 65536 at 2
+DECODE_CASES["64x8192"] = [8192] * 64
+DECODE_CASES["16x65536"] = [65536] * 16
 TILE_CASES = ("128x4096", "1x32768")
 # None: one split per sequence. 1536 and 3072 split 4096 and 8192 keys in three and 8192 in six: a split count that
 # is no power of two fills an SM count's waves differently (256 programs x 3 on 132 SMs x 3)

@@ -289,6 +289,65 @@ def test_wave_plan_applies_to_decode_outside_batch_invariant_mode_only():
         assert wave_plan(cfg, case, 4, on_gpu=True) == dict(cfg, WAVE_PLAN=0)
 
 
+def test_fill_waves_plans_two_full_waves_where_one_would_overrun(monkeypatch):
+    """FILL_WAVES (off by default): where a decode plan's programs overrun one wave of the chip (3 programs an SM) by
+    at most half a wave, splits short enough to fill two; elsewhere, and for tiles, formats and modes it was not
+    made for, the plan as it was. Shapes only: the same for any lengths."""
+    from attnops.backends.triton import heuristics as theur
+    from attnops.cases import AttentionCase
+    monkeypatch.setattr(theur, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(theur, "_capability", lambda device: 9)
+    monkeypatch.setattr(theur, "_shared_memory_per_block", lambda device: 227 * 1024)
+    gpu_device = torch.device("cuda")
+
+    def plan(batch, capacity, kv_heads=8, kv_format="bf16", head_dim=128, fill=1, q_heads=32):
+        case = AttentionCase.of_shapes(device_type="cuda", arch=(9, 0), q_dtype=torch.bfloat16, kv_format=kv_format,
+                                       head_dim=head_dim, page_size=16, num_q_heads=q_heads, num_kv_heads=kv_heads,
+                                       batch=batch, num_tokens=batch, max_kv_len=capacity, decode=True)
+        cfg = dict(theur.heuristic_config(case, batch, gpu_device), FILL_WAVES=fill)
+        return theur.fill_waves(cfg, case, batch, gpu_device)
+
+    theur.heuristic_config.cache_clear()
+    try:
+        before = plan(32, 8192, fill=0)
+        assert (before["CHUNK"], before["MAX_SPLITS"]) == (4096, 2)  # 512 programs: 1.29 waves of 396
+        after = plan(32, 8192)
+        assert (after["CHUNK"], after["MAX_SPLITS"]) == (2816, 3)  # 768 programs: 1.94 waves
+        assert plan(32, 8192, kv_format="fp8_e4m3")["CHUNK"] == 2816
+        assert plan(32, 8192, head_dim=96)["CHUNK"] == 2816  # 128's tile
+        long = plan(16, 65536, kv_heads=2, q_heads=16)  # 16 splits of 4096: 512 programs
+        assert (long["CHUNK"], long["MAX_SPLITS"]) == (2816, 24)  # 768
+        # within one wave, past one and a half, or many waves: unchanged
+        for batch, capacity, kv_heads in ((32, 8192, 4), (128, 4096, 8), (64, 2048, 8), (1, 32768, 8)):
+            unchanged = plan(batch, capacity, kv_heads=kv_heads)
+            assert unchanged == dict(plan(batch, capacity, kv_heads=kv_heads, fill=0), FILL_WAVES=1)
+        for other in (dict(kv_format="nvfp4"), dict(head_dim=256)):
+            assert plan(32, 8192, **other)["FILL_WAVES"] == 0
+        with attnops.batch_invariant():
+            assert plan(32, 8192)["FILL_WAVES"] == 0
+    finally:
+        theur.heuristic_config.cache_clear()
+
+
+@pytest.mark.parametrize("kv_format", ["fp16", "fp8_e4m3"])
+def test_splits_of_any_multiple_of_the_tile_against_the_reference(kv_format):
+    """Splits whose length is a multiple of the key tile but no power of two (FILL_WAVES' plans, e.g. 2816 keys on
+    the GPU): ragged lengths, some longer than the splits allow (the device lengthens them), LSE from the merge."""
+    from attnops.backends.triton import launch as tlaunch
+    kv_lens = [700, 0, 191, 1000, 64, 577]
+    args = random_paged_inputs(kv_lens, num_q_heads=8, num_kv_heads=2, kv_format=kv_format, q_dtype=F16,
+                               device=DEVICE, seed=7)
+    lse = torch.full((len(kv_lens), 8), float("nan"), device=DEVICE)
+    out = torch.full_like(args["q"], float("nan"))
+    tlaunch.launch(args["q"], args["k_cache"], args["v_cache"], args["block_table"], args["seq_lens"], None,
+                   scale=0.125, soft_cap=0.0, window_left=-1, kv_format=kv_format, k_scale=args.get("k_scale"),
+                   v_scale=args.get("v_scale"), out=out, lse=lse, config=dict(BLOCK_N=64, CHUNK=192, MAX_SPLITS=4))
+    ref, ref_lse = paged_attention_reference(**args, scale=0.125, return_lse=True, compute_dtype=torch.float64)
+    assert not out.isnan().any(), "a row no program wrote"
+    assert relative_error(out, ref) < TOLERANCE[F16]
+    assert torch.allclose(lse.double(), ref_lse, atol=1e-3)
+
+
 @pytest.mark.parametrize("kv_format,q_lens,q_dtype", [("nvfp4", None, F16), ("mxfp4", [5, 9], F32),
                                                       ("nvfp4", [3, 1], F32)])
 def test_fp4_scales_loaded_per_value(kv_format, q_lens, q_dtype):
@@ -1161,6 +1220,40 @@ def test_merge_as_programmatic_dependent_launch(q_lens):
         graph.replay()
         errors.append(relative_error(out, paged_attention_reference(**args, compute_dtype=torch.float64)))
     assert all(e < 1e-2 for e in errors), errors  # NaN fails too
+
+
+@gpu
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8_e4m3"])
+def test_fill_waves_in_a_user_graph_with_new_lengths(kv_format, monkeypatch, request):
+    """FILL_WAVES forced: 32 sequences x 8 KV heads on a table of 8192 keys (where it shortens the splits on a
+    132-SM GPU), captured once and replayed with ragged, uniform and near-empty lengths, against the reference."""
+    from attnops.backends.triton import heuristics as theur
+    monkeypatch.setenv("ATTNOPS_TRITON_TUNABLES", "FILL_WAVES=1")
+    theur.forced_tunables.cache_clear()
+    request.addfinalizer(theur.forced_tunables.cache_clear)
+    args = random_paged_inputs([8192] * 32, num_q_heads=32, num_kv_heads=8, head_dim=128, kv_format=kv_format,
+                               q_dtype=torch.bfloat16, device="cuda", seed=3)
+    out = torch.empty_like(args["q"])
+    run = lambda: attnops.paged_attention(**args, out=out)  # noqa: E731
+    with attnops.use_backend("triton"):
+        run()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            run()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+    rng = random.Random(5)
+    for lens in ([rng.randint(0, 8192) for _ in range(32)], [8192] * 32, [1] * 31 + [8192]):
+        args["seq_lens"].copy_(torch.tensor(lens, dtype=torch.int32))
+        args["q"].normal_()
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = paged_attention_reference(**args, compute_dtype=torch.float64)
+        assert relative_error(out, ref) < 2e-2, lens[:4]
 
 
 @gpu

@@ -22,7 +22,7 @@ WORKSPACE_BYTES = 64 * 2 ** 20  # the most split partials one call may allocate 
 # Tunables a caller (benchmarks/triton_tuning.py, tests) may force; None entries fall back to the heuristic.
 CONFIG_KEYS = ("BLOCK_N", "num_warps", "num_stages", "CHUNK", "MAX_SPLITS", "BLOCK_Q", "SCALE_BCAST", "FP4_ASM",
                "maxnreg", "HEADS_INNER", "V_DEQUANT_FIRST", "PDL", "FP8_V_PAIRS", "FP8_K_PAIRS", "BOUNDS",
-               "PAGE_CLAMP", "FULL_TILES", "OFFSETS_32", "HEAD_PARTS", "PAD_WRAP", "WAVE_PLAN")
+               "PAGE_CLAMP", "FULL_TILES", "OFFSETS_32", "HEAD_PARTS", "PAD_WRAP", "WAVE_PLAN", "FILL_WAVES")
 
 
 @functools.lru_cache(maxsize=None)
@@ -87,6 +87,8 @@ INVARIANT_CHUNK_ENV = "ATTNOPS_TRITON_INVARIANT_CHUNK"  # one split size for bot
 # WAVE_PLAN (decode's keys a split chosen on the device from the call's lengths: common.wave_chunk): the shortest
 # split it may choose on a GPU (the interpreter: two tiles, so that CPU tests split short sequences)
 WAVE_MIN_CHUNK = 512
+# FILL_WAVES (fill_waves): the programs of a 128-key decode tile an SM holds (168 registers, 4 warps)
+FILL_WAVES_PROGRAMS_PER_SM = 3
 
 
 def heuristic_config(case: AttentionCase, num_tokens: int, device: torch.device) -> dict:
@@ -213,6 +215,8 @@ def _heuristic_config(case: AttentionCase, num_tokens: int, device: torch.device
     # batches, where its loop over the lengths and its grid of 512-key splits cost more than its choice saves.
     # FULL_TILES and OFFSETS_32 for the 64-row verify tile (unmasked full tiles, int32 cache offsets): faster there
     # (bf16 1.18-1.19x); in decode tiles neutral (bf16) to slower (fp8, and nvfp4 by a third: registers).
+    # FILL_WAVES (where the plan's programs overrun a wave by at most half a wave, more and shorter splits that
+    # fill two: fill_waves): off until measured.
     # The measurements behind each choice: this package's README.
     fp8_pairs = formats.is_fp8(kv_format) and decode_like and device.type == "cuda"
     return dict(BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, CHUNK=chunk, MAX_SPLITS=max_splits,
@@ -222,7 +226,7 @@ def _heuristic_config(case: AttentionCase, num_tokens: int, device: torch.device
                 PDL=_capability(device) >= 9, FP8_V_PAIRS=fp8_pairs, FP8_K_PAIRS=fp8_pairs, BOUNDS=True,
                 PAGE_CLAMP=decode, FULL_TILES=verify_64, OFFSETS_32=verify_64,
                 HEAD_PARTS=decode_like and head_dim == 256 and not formats.is_fp8(kv_format), PAD_WRAP=False,
-                WAVE_PLAN=0)
+                WAVE_PLAN=0, FILL_WAVES=0)
 
 
 heuristic_config.cache_clear = _heuristic_config.cache_clear  # (tests and compile_check clear the choices)
@@ -249,6 +253,36 @@ def wave_plan(cfg: dict, case: AttentionCase, num_tokens: int, on_gpu: bool) -> 
     per_split = num_tokens * case.num_q_heads * head_tile(case.head_dim) * 4
     splits = min(-(-case.max_kv_len // wave_min_chunk(cfg, on_gpu)), 256, max(1, WORKSPACE_BYTES // per_split))
     return dict(cfg, MAX_SPLITS=max(cfg["MAX_SPLITS"], splits))
+
+
+def fill_waves(cfg: dict, case: AttentionCase, num_tokens: int, device: torch.device) -> dict:
+    """`cfg` with FILL_WAVES applied: where a decode-like tile's plan (the longest possible sequence's splits,
+    ceil(capacity / CHUNK), x the query blocks x the KV heads) launches more programs than a wave of the chip holds
+    but at most one and a half waves, CHUNK shortened so that the splits fill two whole waves (e.g. 32 sequences x 8
+    KV heads x 8192 keys on 132 SMs: 3 splits of 2816 keys, 768 programs, not 2 of 4096, 512 programs of which 116
+    run as a second wave alone). The splits stay at least 1024 keys. Shapes only (the table's capacity, never the
+    lengths): graph-safe. FILL_WAVES is switched off where it does not apply: other tiles than 128-key ones of
+    16-bit and fp8 caches, batch-invariant mode (the mode's splits are fixed), the interpreter."""
+    if not cfg.get("FILL_WAVES"):
+        return cfg
+    block_m = max(16, triton.next_power_of_2(cfg["BLOCK_Q"] * case.group))
+    if (device.type != "cuda" or invariance.enabled() or block_m > 16 or cfg["BLOCK_N"] != 128
+            or head_tile(case.head_dim) > 128 or formats.is_fp4(case.kv_format)):
+        return dict(cfg, FILL_WAVES=0)
+    blocks = case.batch if case.decode else max(case.batch, -(-num_tokens // cfg["BLOCK_Q"]))
+    base, capacity = blocks * case.num_kv_heads, case.max_kv_len
+    wave = FILL_WAVES_PROGRAMS_PER_SM * _num_sms(device)
+    programs = base * min(-(-capacity // cfg["CHUNK"]), cfg["MAX_SPLITS"])
+    if not wave < programs <= wave + wave // 2:
+        return cfg
+    splits = (2 * wave) // base
+    chunk = -(-capacity // splits)
+    chunk = -(-chunk // cfg["BLOCK_N"]) * cfg["BLOCK_N"]
+    per_split = num_tokens * case.num_q_heads * head_tile(case.head_dim) * 4
+    max_splits = min(-(-capacity // chunk), 256, max(1, WORKSPACE_BYTES // per_split))
+    if chunk < 1024 or max_splits * base <= programs:
+        return cfg
+    return dict(cfg, CHUNK=chunk, MAX_SPLITS=max_splits)
 
 
 def wave_min_chunk(cfg: dict, on_gpu: bool) -> int:

@@ -13,8 +13,8 @@ from ... import errors, formats
 from ...cases import AttentionCall
 from ..base import kernel_outputs, rows_without_a_sequence
 from . import head_tile, interpreting
-from .heuristics import (_capability, _num_sms, forced_tunables, heuristic_config, kernel_constexprs, smaller_tile,
-                         wave_plan)
+from .heuristics import (_capability, _num_sms, fill_waves, forced_tunables, heuristic_config, kernel_constexprs,
+                         smaller_tile, wave_plan)
 from .kernel import merge_splits_kernel, paged_attention_kernel
 
 
@@ -66,7 +66,7 @@ def launch_call(call: AttentionCall, config: dict | None = None) -> None:
     q = call.q
     on_gpu = q.is_cuda and not interpreting()
     chosen, cfg = _tunables(case, num_tokens, q.device, config)
-    cfg = wave_plan(cfg, case, num_tokens, on_gpu)
+    cfg = wave_plan(fill_waves(cfg, case, num_tokens, q.device), case, num_tokens, on_gpu)
     if call.out.stride(-1) != 1 or (call.lse is not None and not call.lse.is_contiguous()):
         with kernel_outputs(call.out, call.lse) as (out_w, lse_w):
             launch_call(call._replace(out=out_w, lse=lse_w), config)
