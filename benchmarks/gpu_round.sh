@@ -203,7 +203,8 @@ for step in "$@"; do
       # FILL_WAVES (heuristics.fill_waves, off): its GPU test, then the heuristic as A against it as B, same run, at
       # each head shape of FILL_SHAPES, bf16 and fp8, on batches it changes and on ragged ones of the same table
       timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/test_triton.py \
-        -k "fill_waves or capture_and_replay" > "$results/fill-waves-tests.log" 2>&1; tail -1 "$results/fill-waves-tests.log"
+        -k "fill_waves or capture_and_replay" > "$results/fill-waves-tests.log" 2>&1
+      tail -1 "$results/fill-waves-tests.log"
       for shape in ${FILL_SHAPES:-32/8/128 32/8/96 32/4/128 16/2/128}; do
         echo "== $shape"; timeout 200 python3 benchmarks/triton_tuning.py --shape ${shape//\// } --budget 150 \
           --formats bf16 fp8_e4m3 --rounds 3 --no-extend --cases ${FILL_CASES:-32x8192 ragged32x8k 31x512+8192 \
