@@ -290,9 +290,10 @@ def test_wave_plan_applies_to_decode_outside_batch_invariant_mode_only():
 
 
 def test_fill_waves_plans_two_full_waves_where_one_would_overrun(monkeypatch):
-    """FILL_WAVES (off by default): where a decode plan's programs overrun one wave of the chip (3 programs an SM) by
-    at most half a wave, splits short enough to fill two; elsewhere, and for tiles, formats and modes it was not
-    made for, the plan as it was. Shapes only: the same for any lengths."""
+    """FILL_WAVES: where a decode plan's programs overrun one wave of the chip (3 programs an SM) by at most half a
+    wave, splits short enough to fill two; elsewhere, and for tiles, formats and modes it was not made for, the
+    plan as it was. Shapes only: the same for any lengths. On by default for fp8 caches and 16-bit ones at 128
+    columns (16-bit at 64 measured slower)."""
     from attnops.backends.triton import heuristics as theur
     from attnops.cases import AttentionCase
     monkeypatch.setattr(theur, "_num_sms", lambda device: 132)
@@ -300,12 +301,12 @@ def test_fill_waves_plans_two_full_waves_where_one_would_overrun(monkeypatch):
     monkeypatch.setattr(theur, "_shared_memory_per_block", lambda device: 227 * 1024)
     gpu_device = torch.device("cuda")
 
-    def plan(batch, capacity, kv_heads=8, kv_format="bf16", head_dim=128, fill=1, q_heads=32):
+    def plan(batch, capacity, kv_heads=8, kv_format="bf16", head_dim=128, fill=1, q_heads=32, default=False):
         case = AttentionCase.of_shapes(device_type="cuda", arch=(9, 0), q_dtype=torch.bfloat16, kv_format=kv_format,
                                        head_dim=head_dim, page_size=16, num_q_heads=q_heads, num_kv_heads=kv_heads,
                                        batch=batch, num_tokens=batch, max_kv_len=capacity, decode=True)
-        cfg = dict(theur.heuristic_config(case, batch, gpu_device), FILL_WAVES=fill)
-        return theur.fill_waves(cfg, case, batch, gpu_device)
+        cfg = theur.heuristic_config(case, batch, gpu_device)
+        return cfg if default else theur.fill_waves(dict(cfg, FILL_WAVES=fill), case, batch, gpu_device)
 
     theur.heuristic_config.cache_clear()
     try:
@@ -325,6 +326,11 @@ def test_fill_waves_plans_two_full_waves_where_one_would_overrun(monkeypatch):
             assert plan(32, 8192, **other)["FILL_WAVES"] == 0
         with attnops.batch_invariant():
             assert plan(32, 8192)["FILL_WAVES"] == 0
+            assert not plan(32, 8192, default=True)["FILL_WAVES"]
+        # the default: fp8 at every head dim up to 128, 16-bit at 128 columns (96 pads to them), not at 64
+        for kv_format, head_dim, on in (("bf16", 128, True), ("fp16", 96, True), ("bf16", 64, False),
+                                        ("fp8_e4m3", 64, True), ("fp8_e5m2", 128, True), ("nvfp4", 128, False)):
+            assert bool(plan(32, 8192, kv_format=kv_format, head_dim=head_dim, default=True)["FILL_WAVES"]) == on
     finally:
         theur.heuristic_config.cache_clear()
 

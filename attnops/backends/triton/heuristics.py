@@ -87,7 +87,7 @@ INVARIANT_CHUNK_ENV = "ATTNOPS_TRITON_INVARIANT_CHUNK"  # one split size for bot
 # WAVE_PLAN (decode's keys a split chosen on the device from the call's lengths: common.wave_chunk): the shortest
 # split it may choose on a GPU (the interpreter: two tiles, so that CPU tests split short sequences)
 WAVE_MIN_CHUNK = 512
-# FILL_WAVES (fill_waves): the programs of a 128-key decode tile an SM holds (168 registers, 4 warps)
+# FILL_WAVES (fill_waves): the programs of a 128-key decode tile an SM holds (about 168 registers, 4 warps)
 FILL_WAVES_PROGRAMS_PER_SM = 3
 
 
@@ -216,9 +216,14 @@ def _heuristic_config(case: AttentionCase, num_tokens: int, device: torch.device
     # FULL_TILES and OFFSETS_32 for the 64-row verify tile (unmasked full tiles, int32 cache offsets): faster there
     # (bf16 1.18-1.19x); in decode tiles neutral (bf16) to slower (fp8, and nvfp4 by a third: registers).
     # FILL_WAVES (where the plan's programs overrun a wave by at most half a wave, more and shorter splits that
-    # fill two: fill_waves): off until measured.
+    # fill two: fill_waves) for 128-key decode-like tiles of fp8 caches and of 16-bit ones at 128 columns (32 x 8192
+    # x 8 KV heads: fp8 1.10-1.17x, bf16 1.05x, ragged tables of 8192 keys up to 1.29x); 16-bit at 64 columns,
+    # whose tile holds more programs an SM, ran 1.04x slower; fp32 dots and 4-bit caches: not measured.
     # The measurements behind each choice: this package's README.
     fp8_pairs = formats.is_fp8(kv_format) and decode_like and device.type == "cuda"
+    fill = (device.type == "cuda" and decode_like and not invariant and block_n == 128 and head_dim <= 128
+            and dot_dtype(q_dtype, kv_format) != torch.float32
+            and (formats.is_fp8(kv_format) or kv_format in ("bf16", "fp16") and head_dim == 128))
     return dict(BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, CHUNK=chunk, MAX_SPLITS=max_splits,
                 BLOCK_Q=block_q, SCALE_BCAST=True, FP4_ASM=device.type == "cuda", maxnreg=maxnreg,
                 HEADS_INNER=decode_like,
@@ -226,7 +231,7 @@ def _heuristic_config(case: AttentionCase, num_tokens: int, device: torch.device
                 PDL=_capability(device) >= 9, FP8_V_PAIRS=fp8_pairs, FP8_K_PAIRS=fp8_pairs, BOUNDS=True,
                 PAGE_CLAMP=decode, FULL_TILES=verify_64, OFFSETS_32=verify_64,
                 HEAD_PARTS=decode_like and head_dim == 256 and not formats.is_fp8(kv_format), PAD_WRAP=False,
-                WAVE_PLAN=0, FILL_WAVES=0)
+                WAVE_PLAN=0, FILL_WAVES=fill)
 
 
 heuristic_config.cache_clear = _heuristic_config.cache_clear  # (tests and compile_check clear the choices)
