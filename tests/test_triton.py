@@ -331,6 +331,10 @@ def test_fill_waves_plans_two_full_waves_where_one_would_overrun(monkeypatch):
         for kv_format, head_dim, on in (("bf16", 128, True), ("fp16", 96, True), ("bf16", 64, False),
                                         ("fp8_e4m3", 64, True), ("fp8_e5m2", 128, True), ("nvfp4", 128, False)):
             assert bool(plan(32, 8192, kv_format=kv_format, head_dim=head_dim, default=True)["FILL_WAVES"]) == on
+        verify = AttentionCase.of_shapes(device_type="cuda", arch=(9, 0), q_dtype=torch.bfloat16, kv_format="bf16",
+                                         head_dim=128, page_size=16, num_q_heads=64, num_kv_heads=8, batch=32,
+                                         num_tokens=64, max_kv_len=8192, decode=False)
+        assert not theur.heuristic_config(verify, 64, gpu_device)["FILL_WAVES"]  # a 16-row verify tile: not timed
     finally:
         theur.heuristic_config.cache_clear()
 

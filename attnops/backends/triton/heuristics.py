@@ -216,12 +216,12 @@ def _heuristic_config(case: AttentionCase, num_tokens: int, device: torch.device
     # FULL_TILES and OFFSETS_32 for the 64-row verify tile (unmasked full tiles, int32 cache offsets): faster there
     # (bf16 1.18-1.19x); in decode tiles neutral (bf16) to slower (fp8, and nvfp4 by a third: registers).
     # FILL_WAVES (where the plan's programs overrun a wave by at most half a wave, more and shorter splits that
-    # fill two: fill_waves) for 128-key decode-like tiles of fp8 caches and of 16-bit ones at 128 columns (32 x 8192
-    # x 8 KV heads: fp8 1.10-1.17x, bf16 1.05x, ragged tables of 8192 keys up to 1.29x); 16-bit at 64 columns,
-    # whose tile holds more programs an SM, ran 1.04x slower; fp32 dots and 4-bit caches: not measured.
+    # fill two: fill_waves) for 128-key decode tiles of fp8 caches and of 16-bit ones at 128 columns (32 x 8192 x 8
+    # KV heads: fp8 1.10-1.17x, bf16 1.05x, ragged tables of 8192 keys up to 1.29x); 16-bit at 64 columns, whose
+    # tile holds more programs an SM, ran 1.04x slower; verify blocks, fp32 dots and 4-bit caches: not measured.
     # The measurements behind each choice: this package's README.
     fp8_pairs = formats.is_fp8(kv_format) and decode_like and device.type == "cuda"
-    fill = (device.type == "cuda" and decode_like and not invariant and block_n == 128 and head_dim <= 128
+    fill = (device.type == "cuda" and decode and not invariant and block_n == 128 and head_dim <= 128
             and dot_dtype(q_dtype, kv_format) != torch.float32
             and (formats.is_fp8(kv_format) or kv_format in ("bf16", "fp16") and head_dim == 128))
     return dict(BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, CHUNK=chunk, MAX_SPLITS=max_splits,
