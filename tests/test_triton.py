@@ -335,6 +335,17 @@ def test_fill_waves_plans_two_full_waves_where_one_would_overrun(monkeypatch):
                                          head_dim=128, page_size=16, num_q_heads=64, num_kv_heads=8, batch=32,
                                          num_tokens=64, max_kv_len=8192, decode=False)
         assert not theur.heuristic_config(verify, 64, gpu_device)["FILL_WAVES"]  # a 16-row verify tile: not timed
+        # a split plan asked for runs as asked, unless FILL_WAVES is asked for too; WAVE_PLAN takes it off
+        from attnops.backends.triton import launch as tlaunch
+        monkeypatch.setattr(tlaunch, "_capability", lambda device: 9)
+        case = AttentionCase.of_shapes(device_type="cuda", arch=(9, 0), q_dtype=torch.bfloat16, kv_format="bf16",
+                                       head_dim=128, page_size=16, num_q_heads=32, num_kv_heads=8, batch=32,
+                                       num_tokens=32, max_kv_len=8192, decode=True)
+        assert tlaunch._tunables(case, 32, gpu_device, None)[1]["FILL_WAVES"]
+        assert not tlaunch._tunables(case, 32, gpu_device, dict(CHUNK=4096))[1]["FILL_WAVES"]
+        assert tlaunch._tunables(case, 32, gpu_device, dict(CHUNK=4096, FILL_WAVES=1))[1]["FILL_WAVES"]
+        waves = dict(theur.heuristic_config(case, 32, gpu_device), WAVE_PLAN=3)
+        assert theur.fill_waves(waves, case, 32, gpu_device)["FILL_WAVES"] == 0
     finally:
         theur.heuristic_config.cache_clear()
 

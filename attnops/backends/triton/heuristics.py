@@ -267,12 +267,13 @@ def fill_waves(cfg: dict, case: AttentionCase, num_tokens: int, device: torch.de
     KV heads x 8192 keys on 132 SMs: 3 splits of 2816 keys, 768 programs, not 2 of 4096, 512 programs of which 116
     run as a second wave alone). The splits stay at least 1024 keys. Shapes only (the table's capacity, never the
     lengths): graph-safe. FILL_WAVES is switched off where it does not apply: other tiles than 128-key ones of
-    16-bit and fp8 caches, batch-invariant mode (the mode's splits are fixed), the interpreter."""
+    16-bit and fp8 caches, batch-invariant mode (the mode's splits are fixed), WAVE_PLAN (the device chooses the
+    split size), the interpreter."""
     if not cfg.get("FILL_WAVES"):
         return cfg
     block_m = max(16, triton.next_power_of_2(cfg["BLOCK_Q"] * case.group))
     if (device.type != "cuda" or invariance.enabled() or block_m > 16 or cfg["BLOCK_N"] != 128
-            or head_tile(case.head_dim) > 128 or formats.is_fp4(case.kv_format)):
+            or head_tile(case.head_dim) > 128 or formats.is_fp4(case.kv_format) or cfg.get("WAVE_PLAN")):
         return dict(cfg, FILL_WAVES=0)
     blocks = case.batch if case.decode else max(case.batch, -(-num_tokens // cfg["BLOCK_Q"]))
     base, capacity = blocks * case.num_kv_heads, case.max_kv_len

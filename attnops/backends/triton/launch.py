@@ -135,11 +135,13 @@ def launch_call(call: AttentionCall, config: dict | None = None) -> None:
 
 def _tunables(case, num_tokens: int, device: torch.device, config: dict | None) -> tuple[dict, dict]:
     """(the heuristic's choice for the case, as cached: a step down to a smaller tile is recorded in it; the tunables
-    to launch: that choice with forced_tunables() and `config` over it, and PDL off below sm_90)."""
+    to launch: that choice with forced_tunables() and `config` over it, PDL off below sm_90, and FILL_WAVES off where
+    CHUNK or MAX_SPLITS is forced but FILL_WAVES is not)."""
     chosen = heuristic_config(case, num_tokens, device)
-    cfg = dict(chosen, **forced_tunables())
-    if config:
-        cfg.update({k: v for k, v in config.items() if v is not None})
+    overrides = dict(forced_tunables(), **{k: v for k, v in (config or {}).items() if v is not None})
+    cfg = dict(chosen, **overrides)
+    if ("CHUNK" in overrides or "MAX_SPLITS" in overrides) and "FILL_WAVES" not in overrides:
+        cfg["FILL_WAVES"] = 0  # a plan asked for runs as asked (FILL_WAVES reshapes the heuristic's own)
     if cfg["PDL"] and _capability(device) < 9:
         cfg["PDL"] = False  # a forced PDL: griddepcontrol (programmatic dependent launch) is sm_90+
     return chosen, cfg
