@@ -10,10 +10,10 @@
 #             the heuristic against the heuristic with those tunables set, every format and case (COMPARE_ARGS
 #             narrows it), no sweep; e.g. COMPARE="V_DEQUANT_FIRST=1;PDL=0"; COMPARE_ARGS keeps shell quotes, e.g.
 #             COMPARE_ARGS="--rounds 5 --extend-cases 'verify16 32x4096' 'tree16 32x4096'"
-#   fill-waves the split plan that fills two waves where one would overrun (FILL_WAVES, off): its GPU test, then the
-#             heuristic against it at each head shape of FILL_SHAPES (default "32/8/128 32/8/96 32/4/128 16/2/128"),
-#             bf16 and fp8, cases FILL_CASES, and the models grid's 32 x 8192 and ragged batches both ways
-#             (FILL_ROUNDS rounds alternating): $results/fill-waves.txt
+#   fill-waves the split plan that fills two waves where one would overrun (FILL_WAVES): its GPU test, then the
+#             former plan (FILL_WAVES=0) as A against FILL_WAVES=1 as B at each head shape of FILL_SHAPES (default
+#             "32/8/128 32/8/96 32/4/128 16/2/128"), bf16 and fp8, cases FILL_CASES, and the models grid's 32 x 8192
+#             and ragged batches both ways (FILL_ROUNDS rounds alternating): $results/fill-waves.txt
 #   overhead  benchmarks/overhead.py --profile (eager per-call cost of the op against the kernels)
 #   breakdown benchmarks/decode_breakdown.py $BREAKDOWN_ARGS (a decode's time by stage: op, attention kernel
 #             alone, merge, plain reads of the same bytes: through the block table as the decode reads them, and
@@ -201,19 +201,22 @@ for step in "$@"; do
         echo "== ${sets[$i]}"; grep -E "^  |failed|Error" "$results/compare-$i.log" | tail -40
       done; stamp compare ;;
     fill-waves)
-      # FILL_WAVES (heuristics.fill_waves, off): its GPU test, then the heuristic as A against it as B, same run, at
-      # each head shape of FILL_SHAPES, bf16 and fp8, on batches it changes and on ragged ones of the same table
+      # FILL_WAVES (heuristics.fill_waves): its GPU test, then the heuristic with it off as A against it on as B
+      # (forced either way, wherever the default takes it), same run, at each head shape of FILL_SHAPES, bf16 and
+      # fp8, on batches it changes and on ragged ones of the same table
       timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/test_triton.py \
         -k "fill_waves or capture_and_replay" > "$results/fill-waves-tests.log" 2>&1
       tail -1 "$results/fill-waves-tests.log"
       for shape in ${FILL_SHAPES:-32/8/128 32/8/96 32/4/128 16/2/128}; do
-        echo "== $shape"; timeout 200 python3 benchmarks/triton_tuning.py --shape ${shape//\// } --budget 150 \
+        echo "== $shape"; ATTNOPS_TRITON_TUNABLES=FILL_WAVES=0 timeout 200 python3 benchmarks/triton_tuning.py \
+          --shape ${shape//\// } --budget 150 \
           --formats bf16 fp8_e4m3 --rounds 3 --no-extend --cases ${FILL_CASES:-32x8192 ragged32x8k 31x512+8192 \
           64x8192 16x65536 128x4096} --compare FILL_WAVES=1 2>&1 | grep -E "^  |failed|Error"
       done | tee "$results/fill-waves.txt"
       # the models grid's batches it changes (32 x 8192 at 8 KV heads) and a ragged one, each setting alternating
       bench_settings fill-waves ${FILL_ROUNDS:-2} ${BENCH_TIMEOUT:-150} \
-        "0:ATTNOPS_TRITON_TUNABLES= 1:ATTNOPS_TRITON_TUNABLES=FILL_WAVES=1" --grid models --backends triton \
+        "0:ATTNOPS_TRITON_TUNABLES=FILL_WAVES=0 1:ATTNOPS_TRITON_TUNABLES=FILL_WAVES=1" --grid models \
+        --backends triton \
         --graph-only --rep-ms ${REP_MS:-20} --cases "*/bf16/32x8192" "*/per_tensor/32x8192" "*/bf16/ragged64" \
         "*/per_tensor/ragged64"
       python3 benchmarks/invariance_cost.py --labels shapes-plan fill-waves "$results"/fill-waves-0-*.json -- \
