@@ -275,11 +275,11 @@ def _heuristic_for(arch: int, sms: int, shared_per_block: int):
 
 
 def compile_attention(v, target):
-    from .heuristics import dot_dtype
+    from .heuristics import dot_dtype, tile_rows
     ddt = TL_DTYPE[dot_dtype(TORCH_DTYPE[v["q_dtype"]], v["fmt"])]
     qp = "*" + v["q_dtype"]
     types = attention_types(v["fmt"], v["q_dtype"], v.get("lse", False))
-    block_m = max(16, triton.next_power_of_2(v["block_q"] * v["group"]))
+    block_m = tile_rows(v["block_q"], v["group"])
     constexprs = dict(NUM_Q_HEADS=8 * v["group"], HEAD_DIM=v["head_dim"], PAGE=v["page"], GROUP=v["group"],
                       BLOCK_Q=v["block_q"], BLOCK_M=block_m, BLOCK_N=v["block_n"], FMT=FMT_CODE[v["fmt"]],
                       IS_DECODE=v["decode"], HAS_WINDOW=v["window"], HAS_SOFTCAP=v["soft_cap"],

@@ -78,6 +78,23 @@ def dot_dtype(q_dtype: torch.dtype, kv_format: str) -> torch.dtype:
     return q_dtype
 
 
+def tile_rows(block_q: int, group: int) -> int:
+    """Rows of a tile (BLOCK_M): BLOCK_Q tokens x the GQA group, a power of two of at least 16 (tl.dot's M)."""
+    return max(16, triton.next_power_of_2(block_q * group))
+
+
+def working_blocks(decode: bool, batch: int, num_tokens: int, block_q: int) -> int:
+    """Query blocks that do work: a sequence each in decode; else the tokens' blocks (the grid's T // BLOCK_Q + B is
+    an upper bound that counts partial blocks), at least one a sequence."""
+    return batch if decode else max(batch, -(-num_tokens // block_q))
+
+
+def workspace_splits(num_tokens: int, num_q_heads: int, head_dim: int) -> int:
+    """The most splits a row may take within WORKSPACE_BYTES ([T, Hq, MAX_SPLITS, D] fp32 partials; head_dim: the
+    tile's padded width)."""
+    return max(1, WORKSPACE_BYTES // (num_tokens * num_q_heads * head_dim * 4))
+
+
 # batch-invariant mode (attnops.invariance): keys a split, fixed per form of call (decode or query blocks), so that
 # kv_plan cuts a sequence by its own length. Decode takes short splits (one sequence must still fill the chip); query
 # blocks long ones (a block's rows already give the programs; each split more costs its q load and its merge)
@@ -123,7 +140,7 @@ def _heuristic_config(case: AttentionCase, num_tokens: int, device: torch.device
         if (device.type == "cuda" and not invariant and head_dim == 128 and kv_format in ("bf16", "fp16")
                 and q_dtype != torch.float32 and group == 4 and block_q in (4, 8) and batch * num_kv_heads >= sms):
             block_q = 16
-    block_m = max(16, triton.next_power_of_2(block_q * group))
+    block_m = tile_rows(block_q, group)
     # decode, and verify blocks whose tokens x heads fit one 16-row tile: streaming the KV once is the whole job
     decode_like = decode or block_m <= 16
     # programs to fill the chip: the decode kernel holds about two programs per SM (registers); 1.5 per SM beat
@@ -156,9 +173,7 @@ def _heuristic_config(case: AttentionCase, num_tokens: int, device: torch.device
         block_n = 64
     else:
         block_n = max(16, min(128, 8192 // head_dim))
-    # query blocks that do work (the grid's T // BLOCK_Q + B is an upper bound that counts partial blocks)
-    num_q_blocks = batch if decode else max(batch, -(-num_tokens // block_q))
-    base = num_q_blocks * num_kv_heads
+    base = working_blocks(decode, batch, num_tokens, block_q) * num_kv_heads
     if invariant:
         chunk = 2 * block_n if device.type != "cuda" else invariant_chunk(decode)
         max_splits = max(2, -(-capacity // chunk))
@@ -182,8 +197,7 @@ def _heuristic_config(case: AttentionCase, num_tokens: int, device: torch.device
         if not decode:  # the workspace is per query token: split only as much as filling the chip needs
             max_splits = min(max_splits, splits_to_fill)
         # a bounded workspace ([T, Hq, MAX_SPLITS, D] fp32); past the cap the device lengthens the splits
-        per_split = num_tokens * num_q_heads * head_dim * 4
-        max_splits = max(1, min(max_splits, WORKSPACE_BYTES // per_split))
+        max_splits = min(max_splits, workspace_splits(num_tokens, num_q_heads, head_dim))
     num_warps = 8 if block_m >= 64 and not verify_64 or wide_decode and device.type == "cuda" else 4
     # 128-key prefill tiles of a 16-bit cache pipeline 3 stages deep where a block may take 227 KB of shared
     # memory (sm_90), 2 elsewhere
@@ -255,8 +269,8 @@ def wave_plan(cfg: dict, case: AttentionCase, num_tokens: int, on_gpu: bool) -> 
         return cfg
     if not case.decode or invariance.enabled():
         return dict(cfg, WAVE_PLAN=0)
-    per_split = num_tokens * case.num_q_heads * head_tile(case.head_dim) * 4
-    splits = min(-(-case.max_kv_len // wave_min_chunk(cfg, on_gpu)), 256, max(1, WORKSPACE_BYTES // per_split))
+    splits = min(-(-case.max_kv_len // wave_min_chunk(cfg, on_gpu)), 256,
+                 workspace_splits(num_tokens, case.num_q_heads, head_tile(case.head_dim)))
     return dict(cfg, MAX_SPLITS=max(cfg["MAX_SPLITS"], splits))
 
 
@@ -271,12 +285,12 @@ def fill_waves(cfg: dict, case: AttentionCase, num_tokens: int, device: torch.de
     split size), the interpreter."""
     if not cfg.get("FILL_WAVES"):
         return cfg
-    block_m = max(16, triton.next_power_of_2(cfg["BLOCK_Q"] * case.group))
-    if (device.type != "cuda" or invariance.enabled() or block_m > 16 or cfg["BLOCK_N"] != 128
-            or head_tile(case.head_dim) > 128 or formats.is_fp4(case.kv_format) or cfg.get("WAVE_PLAN")):
+    if (device.type != "cuda" or invariance.enabled() or tile_rows(cfg["BLOCK_Q"], case.group) > 16
+            or cfg["BLOCK_N"] != 128 or head_tile(case.head_dim) > 128 or formats.is_fp4(case.kv_format)
+            or cfg.get("WAVE_PLAN")):
         return dict(cfg, FILL_WAVES=0)
-    blocks = case.batch if case.decode else max(case.batch, -(-num_tokens // cfg["BLOCK_Q"]))
-    base, capacity = blocks * case.num_kv_heads, case.max_kv_len
+    base = working_blocks(case.decode, case.batch, num_tokens, cfg["BLOCK_Q"]) * case.num_kv_heads
+    capacity = case.max_kv_len
     wave = FILL_WAVES_PROGRAMS_PER_SM * _num_sms(device)
     programs = base * min(-(-capacity // cfg["CHUNK"]), cfg["MAX_SPLITS"])
     if not wave < programs <= wave + wave // 2:
@@ -284,8 +298,8 @@ def fill_waves(cfg: dict, case: AttentionCase, num_tokens: int, device: torch.de
     splits = (2 * wave) // base
     chunk = -(-capacity // splits)
     chunk = -(-chunk // cfg["BLOCK_N"]) * cfg["BLOCK_N"]
-    per_split = num_tokens * case.num_q_heads * head_tile(case.head_dim) * 4
-    max_splits = min(-(-capacity // chunk), 256, max(1, WORKSPACE_BYTES // per_split))
+    max_splits = min(-(-capacity // chunk), 256, workspace_splits(num_tokens, case.num_q_heads,
+                                                                  head_tile(case.head_dim)))
     if chunk < 1024 or max_splits * base <= programs:
         return cfg
     return dict(cfg, CHUNK=chunk, MAX_SPLITS=max_splits)
@@ -338,7 +352,7 @@ def kernel_constexprs(cfg: dict, case: AttentionCase, *, on_gpu: bool, lse: bool
     constexprs = dict(
         NUM_Q_HEADS=case.num_q_heads, HEAD_DIM=head_tile(case.head_dim), VALID_DIM=case.head_dim,
         PAGE=case.page_size, GROUP=group,
-        BLOCK_Q=cfg["BLOCK_Q"], BLOCK_M=max(16, triton.next_power_of_2(cfg["BLOCK_Q"] * group)),
+        BLOCK_Q=cfg["BLOCK_Q"], BLOCK_M=tile_rows(cfg["BLOCK_Q"], group),
         BLOCK_N=cfg["BLOCK_N"], FMT=FMT_CODE[kv_format], IS_DECODE=case.decode, HAS_WINDOW=case.sliding_window,
         HAS_SOFTCAP=case.soft_cap, HAS_SINKS=case.sinks, HAS_TREE=case.tree_mask, WRITE_LSE=lse,
         DOT_DTYPE=TL_DTYPE[ddt], DOT_PRECISION="ieee" if ddt == torch.float32 else "tf32",
