@@ -17,8 +17,8 @@
 #   tiles-256 Triton's decode tile at head dim 256 with a 16-bit cache (64 keys in 8 warps) against the former one
 #             (32 keys in 4 warps) as B, same run, at each head shape of TILES_256_SHAPES (default "16/8/256 8/4/256
 #             32/16/256"), bf16; the same 64-key tile forced at head dims padded to 256 (160, 192: two tiles) as B;
-#             the verify/prefill tiles swept at 16/8/256 (stage 3); then the GPU tests of head dims and Triton:
-#             $results/tiles-256.txt, tiles-256-tests.log
+#             the 64-row query tiles (prefill, chunked extend, 16-token verify) in 4 warps against 8 as B; then the
+#             GPU tests of head dims and Triton: $results/tiles-256.txt, tiles-256-tests.log
 #   overhead  benchmarks/overhead.py --profile (eager per-call cost of the op against the kernels)
 #   breakdown benchmarks/decode_breakdown.py $BREAKDOWN_ARGS (a decode's time by stage: op, attention kernel
 #             alone, merge, plain reads of the same bytes: through the block table as the decode reads them, and
@@ -239,10 +239,12 @@ for step in "$@"; do
           --rounds 3 --no-extend --cases 1x32768 32x8192 128x4096 --compare BLOCK_N=64 num_warps=8 2>&1 \
           | grep -E "^  |failed|Error"
       done | tee -a "$results/tiles-256.txt"
-      echo "== 16/8/256 verify and prefill tiles" | tee -a "$results/tiles-256.txt"
-      timeout 300 python3 benchmarks/triton_tuning.py --shape 16 8 256 --budget 240 --formats --extend-cases \
-        "verify4 32x4096" "verify8 32x4096" "prefill 8x4096" 2>&1 | sed -n '/=== best per case/,$p' \
-        | tee -a "$results/tiles-256.txt"
+      for shape in ${TILES_256_SHAPES:-16/8/256 8/4/256 32/16/256}; do
+        echo "== $shape: 64-row tiles in 4 warps as A, in 8 as B"
+        timeout 250 python3 benchmarks/triton_tuning.py --shape ${shape//\// } --budget 200 --formats --rounds 3 \
+          --extend-cases "prefill 8x4096" "chunked 2048 on 46000" "verify16 32x4096" --compare num_warps=8 2>&1 \
+          | grep -E "^  |failed|Error"
+      done | tee -a "$results/tiles-256.txt"
       timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu -n 6 tests/test_head_dims.py tests/test_triton.py \
         > "$results/tiles-256-tests.log" 2>&1; tail -3 "$results/tiles-256-tests.log"; stamp tiles-256 ;;
     overhead)
