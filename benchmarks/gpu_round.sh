@@ -14,11 +14,11 @@
 #             former plan (FILL_WAVES=0) as A against FILL_WAVES=1 as B at each head shape of FILL_SHAPES (default
 #             "32/8/128 32/8/96 32/4/128 16/2/128"), bf16 and fp8, cases FILL_CASES, and the models grid's 32 x 8192
 #             and ragged batches both ways (FILL_ROUNDS rounds alternating): $results/fill-waves.txt
-#   tiles-256 Triton's decode tile at head dim 256 with a 16-bit cache (64 keys in 8 warps) against the former one
+#   tiles-256 Triton's decode tile of 256 columns with a 16-bit cache (64 keys in 8 warps) against the former one
 #             (32 keys in 4 warps) as B, same run, at each head shape of TILES_256_SHAPES (default "16/8/256 8/4/256
-#             32/16/256"), bf16; the same 64-key tile forced at head dims padded to 256 (160, 192: two tiles) as B;
-#             the 64-row query tiles (prefill, chunked extend, 16-token verify) in 4 warps against 8 as B; then the
-#             GPU tests of head dims and Triton: $results/tiles-256.txt, tiles-256-tests.log
+#             16/8/192 16/8/160"), bf16; at head dim 256 the 64-row query tiles (prefill, chunked extend, 16-token
+#             verify) in 4 warps against 8 as B; then the GPU tests of head dims and Triton: $results/tiles-256.txt,
+#             tiles-256-tests.log
 #   overhead  benchmarks/overhead.py --profile (eager per-call cost of the op against the kernels)
 #   breakdown benchmarks/decode_breakdown.py $BREAKDOWN_ARGS (a decode's time by stage: op, attention kernel
 #             alone, merge, plain reads of the same bytes: through the block table as the decode reads them, and
@@ -227,19 +227,13 @@ for step in "$@"; do
       python3 benchmarks/invariance_cost.py --labels shapes-plan fill-waves "$results"/fill-waves-0-*.json -- \
         "$results"/fill-waves-1-*.json | tee -a "$results/fill-waves.txt"; stamp fill-waves ;;
     tiles-256)
-      for shape in ${TILES_256_SHAPES:-16/8/256 8/4/256 32/16/256}; do
+      for shape in ${TILES_256_SHAPES:-16/8/256 8/4/256 16/8/192 16/8/160}; do
         echo "== $shape: the 64-key tile as A, the former 32-key tile as B"
         timeout 200 python3 benchmarks/triton_tuning.py --shape ${shape//\// } --budget 150 --formats bf16 \
           --rounds 3 --no-extend --cases ${TILES_256_CASES:-1x32768 4x8192 32x4096 64x2048 32x8192 128x4096 \
           ragged64} --compare BLOCK_N=32 num_warps=4 2>&1 | grep -E "^  |failed|Error"
       done | tee "$results/tiles-256.txt"
-      for shape in 16/8/192 16/8/160; do
-        echo "== $shape: the heuristic (two tiles, 32 keys) as A, 64 keys in 8 warps as B"
-        timeout 200 python3 benchmarks/triton_tuning.py --shape ${shape//\// } --budget 150 --formats bf16 \
-          --rounds 3 --no-extend --cases 1x32768 32x8192 128x4096 --compare BLOCK_N=64 num_warps=8 2>&1 \
-          | grep -E "^  |failed|Error"
-      done | tee -a "$results/tiles-256.txt"
-      for shape in ${TILES_256_SHAPES:-16/8/256 8/4/256 32/16/256}; do
+      for shape in ${TILES_256_SHAPES:-16/8/256 8/4/256}; do
         echo "== $shape: 64-row tiles in 4 warps as A, in 8 as B"
         timeout 250 python3 benchmarks/triton_tuning.py --shape ${shape//\// } --budget 200 --formats --rounds 3 \
           --extend-cases "prefill 8x4096" "chunked 2048 on 46000" "verify16 32x4096" --compare num_warps=8 2>&1 \

@@ -163,10 +163,10 @@ def _heuristic_config(case: AttentionCase, num_tokens: int, device: torch.device
     # caches and verify blocks keep those: not measured)
     wide_decode = decode and head_dim >= 512 and dot_dtype(q_dtype, kv_format) != torch.float32 and not (
         formats.is_fp4(kv_format))
-    # Decode tiles of head dim 256 exactly with a 16-bit cache: 64 keys in 8 warps, faster than 32 in 4 (16/8/256
-    # at 32 x 8192 1.16x, 8/4/256 at 1 x 32768 1.14x); head dims padded to 256 keep 32 keys in two tiles (64 keys
-    # there: 1.08-1.11x slower on a single sequence)
-    sixteen_bit_256 = (case.head_dim == 256 and kv_format in ("bf16", "fp16")
+    # Decode tiles of 256 columns (head dims 129-256) with a 16-bit cache: 64 keys in 8 warps, faster than 32 in 4
+    # (16/8/256 at 32 x 8192 1.16x, 8/4/256 at 1 x 32768 1.14x; 160 and 192 in two tiles 1.08-1.11x at 1 x 32768,
+    # within 1.2% elsewhere)
+    sixteen_bit_256 = (head_dim == 256 and kv_format in ("bf16", "fp16")
                        and dot_dtype(q_dtype, kv_format) != torch.float32 and device.type == "cuda")
     decode_256 = decode and sixteen_bit_256
     if device.type != "cuda":
@@ -206,9 +206,9 @@ def _heuristic_config(case: AttentionCase, num_tokens: int, device: torch.device
             max_splits = min(max_splits, splits_to_fill)
         # a bounded workspace ([T, Hq, MAX_SPLITS, D] fp32); past the cap the device lengthens the splits
         max_splits = min(max_splits, workspace_splits(num_tokens, num_q_heads, head_dim))
-    # 64-row tiles at head dim 256 exactly with a 16-bit cache (prefill, extend, long verify blocks): a warp's 16 rows
-    # in 4 warps, not 8 (prefill 8 x 4096 at 16/8/256 1.72x faster)
-    rows_256 = sixteen_bit_256 and block_m == 64
+    # 64-row tiles of 256 columns with a 16-bit cache (prefill, extend, long verify blocks): a warp's 16 rows in 4
+    # warps, not 8 (prefill 8 x 4096 at 16/8/256 1.72x faster; head dims padded to 256: not measured)
+    rows_256 = sixteen_bit_256 and block_m == 64 and case.head_dim == 256
     num_warps = 8 if block_m >= 64 and not (verify_64 or rows_256) or (wide_decode and device.type == "cuda"
                                                                          or decode_256) else 4
     # 128-key prefill tiles of a 16-bit cache pipeline 3 stages deep where a block may take 227 KB of shared
