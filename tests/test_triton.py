@@ -962,6 +962,49 @@ def test_short_verify_blocks_in_the_64_row_tile(kv_format, group):
         check_attention(args)
 
 
+@gpu
+@pytest.mark.parametrize("kv_format", ["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [256, 192])
+def test_tiles_of_256_columns_on_the_gpu(kv_format, head_dim):
+    """Tiles of 256 columns with a 16-bit cache on the GPU: decode in 64-key tiles of 8 warps (splits, a window, a
+    sink, soft cap; 192 in two tiles), prefill and chunked extend in 64-row tiles (4 warps at head dim 256), on random
+    ragged batches against the float64 reference; and decode replayed in a CUDA graph the user captured, with new
+    lengths."""
+    from attnops.backends.triton import heuristics
+    from attnops.cases import AttentionCase
+    q_dtype = torch.bfloat16 if kv_format == "bf16" else F16
+    rng = random.Random(head_dim)
+    for q_lens in (None, [40, 1, 23, 64]):
+        kv_lens = [rng.randint(1, 9000), 1, rng.randint(1, 700), rng.randint(64, 5000)]
+        if q_lens:
+            kv_lens = [max(k, q) for k, q in zip(kv_lens, q_lens)]
+        case = AttentionCase.of_shapes(device_type="cuda", arch=torch.cuda.get_device_capability(), q_dtype=q_dtype,
+                                       kv_format=kv_format, head_dim=head_dim, page_size=16, num_q_heads=8,
+                                       num_kv_heads=2, batch=4, num_tokens=sum(q_lens or [1] * 4),
+                                       max_kv_len=max(kv_lens), decode=q_lens is None)
+        chosen = heuristics.heuristic_config(case, case.num_tokens, torch.device(DEVICE))
+        expected = (64, 8) if q_lens is None else (32, 4 if head_dim == 256 else 8)
+        assert (chosen["BLOCK_N"], chosen["num_warps"]) == expected, chosen
+        args = random_paged_inputs(kv_lens, q_lens, num_q_heads=8, num_kv_heads=2, head_dim=head_dim,
+                                   kv_format=kv_format, q_dtype=q_dtype, device=DEVICE, seed=head_dim + len(kv_format))
+        check_attention(args)
+        check_attention(args, window_left=500, soft_cap=30.0, sinks=torch.randn(8, device=DEVICE))
+    graph, static = torch.cuda.CUDAGraph(), torch.empty_like(args["q"])
+    # built with every table row's pages (8192 keys each), replayed with any lengths up to that
+    decode = random_paged_inputs([8192] * 4, None, num_q_heads=8, num_kv_heads=2, head_dim=head_dim,
+                                 kv_format=kv_format, q_dtype=q_dtype, device=DEVICE, seed=3)
+    with attnops.use_backend("triton"):
+        attnops.paged_attention(**decode, out=static)  # (compiles outside the capture)
+        with torch.cuda.graph(graph):
+            attnops.paged_attention(**decode, out=static)
+    for lens in ([1, 8192, 4000, 17], [8192] * 4, [0, 0, 1, 2]):
+        decode["seq_lens"].copy_(torch.tensor(lens, dtype=decode["seq_lens"].dtype))
+        decode["q"].normal_()
+        graph.replay()
+        ref = paged_attention_reference(**decode, compute_dtype=torch.float64)
+        assert relative_error(static, ref) < TOLERANCE[q_dtype], lens
+
+
 NUM_FAMILIES = 32  # structural combinations per sweep: each compiles once, the 320 cases vary data within them
 # Each sweep runs as SWEEP_PARTS tests (pytest-xdist spreads them over processes: compiles dominate); together
 # they draw every one of the 320 cases, in the same seeded order whatever the split.
