@@ -17,8 +17,9 @@
 #   tiles-256 Triton's decode tile of 256 columns with a 16-bit cache (64 keys in 8 warps) against the former one
 #             (32 keys in 4 warps) as B, same run, at each head shape of TILES_256_SHAPES (default "16/8/256 8/4/256
 #             16/8/192 16/8/160"), bf16; the 64-row query tiles (prefill, chunked extend, 16-token verify) in 4
-#             warps against 8 as B at TILES_256_QUERY_SHAPES (default "16/8/256 32/8/256"); then the GPU tests of
-#             these tiles: $results/tiles-256.txt, tiles-256-tests.log
+#             warps against 8 as B at TILES_256_QUERY_SHAPES (default "16/8/256 32/8/256"); verify of 4 and 8
+#             tokens at 16/8/256 against 64 keys in 3 stages as B; then the GPU tests of these tiles:
+#             $results/tiles-256.txt, tiles-256-tests.log
 #   overhead  benchmarks/overhead.py --profile (eager per-call cost of the op against the kernels)
 #   breakdown benchmarks/decode_breakdown.py $BREAKDOWN_ARGS (a decode's time by stage: op, attention kernel
 #             alone, merge, plain reads of the same bytes: through the block table as the decode reads them, and
@@ -239,6 +240,11 @@ for step in "$@"; do
           --extend-cases "prefill 8x4096" "chunked 2048 on 46000" "verify16 32x4096" --compare num_warps=8 2>&1 \
           | grep -E "^  |failed|Error"
       done | tee -a "$results/tiles-256.txt"
+      echo "== 16/8/256: verify of 4 and 8 tokens, the heuristic's tile as A, 64 keys in 3 stages as B" \
+        | tee -a "$results/tiles-256.txt"
+      timeout 200 python3 benchmarks/triton_tuning.py --shape 16 8 256 --budget 150 --formats --rounds 3 \
+        --extend-cases "verify4 32x4096" "verify8 32x4096" --compare BLOCK_N=64 num_stages=3 2>&1 \
+        | grep -E "^  |failed|Error" | tee -a "$results/tiles-256.txt"
       timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu -n 6 tests/test_head_dims.py tests/test_triton.py \
         -k "256_columns or wide_heads or (padded_tiles_on_the_gpu and (160 or 192))" > "$results/tiles-256-tests.log" \
         2>&1; tail -3 "$results/tiles-256-tests.log"; stamp tiles-256 ;;
