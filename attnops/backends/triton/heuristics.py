@@ -206,9 +206,10 @@ def _heuristic_config(case: AttentionCase, num_tokens: int, device: torch.device
             max_splits = min(max_splits, splits_to_fill)
         # a bounded workspace ([T, Hq, MAX_SPLITS, D] fp32); past the cap the device lengthens the splits
         max_splits = min(max_splits, workspace_splits(num_tokens, num_q_heads, head_dim))
-    # 64-row tiles of 256 columns with a 16-bit cache (prefill, extend, long verify blocks): a warp's 16 rows in 4
-    # warps, not 8 (prefill 8 x 4096 at 16/8/256 1.72x faster; head dims padded to 256: not measured)
-    rows_256 = sixteen_bit_256 and block_m == 64 and case.head_dim == 256
+    # 64-row tiles of 256 columns with a 16-bit cache (prefill, extend, long verify blocks) on sm_90: 4 warps, not 8
+    # (2 programs an SM, not 1: prefill 8 x 4096 at 16/8/256 1.72x faster; head dims padded to 256: not measured;
+    # without warpgroup MMAs, e.g. sm_89, the 64 x 256 accumulator in 4 warps spills)
+    rows_256 = sixteen_bit_256 and block_m == 64 and case.head_dim == 256 and _capability(device) == 9
     num_warps = 8 if block_m >= 64 and not (verify_64 or rows_256) or (wide_decode and device.type == "cuda"
                                                                          or decode_256) else 4
     # 128-key prefill tiles of a 16-bit cache pipeline 3 stages deep where a block may take 227 KB of shared
