@@ -452,8 +452,8 @@ def test_short_verify_blocks_of_16_bit_caches_take_the_64_row_tile(monkeypatch):
 def test_decode_tiles_of_wide_heads(monkeypatch):
     """GPU decode tiles by head dim (what the H100 measured): 512 columns (head dims 320-512) take 32 keys in 8 warps
     with a 16-bit or fp8 cache (16 in 4 for 4-bit caches and verify blocks); head dim 256 with a 16-bit cache 64
-    keys in 8 warps (so do head dims padded to 256; other caches 32 in 4), and its 64-row query tiles 4 warps on
-    sm_90; fp8 at 256 columns is capped at 128 registers (168 elsewhere, none for bf16)."""
+    keys in 8 warps where q has the cache's dtype (so do head dims padded to 256; others 32 in 4), and its 64-row
+    query tiles 4 warps on sm_90; fp8 at 256 columns is capped at 128 registers (168 elsewhere, none for bf16)."""
     from attnops.backends.triton import heuristics as theur
     from attnops.cases import AttentionCase
     monkeypatch.setattr(theur, "_num_sms", lambda device: 132)
@@ -461,8 +461,9 @@ def test_decode_tiles_of_wide_heads(monkeypatch):
     monkeypatch.setattr(theur, "_shared_memory_per_block", lambda device: 232448)
     theur.heuristic_config.cache_clear()
 
-    def tile(head_dim, kv_format, q_len=1):
-        case = AttentionCase.of_shapes(device_type="cuda", arch=(9, 0), q_dtype=torch.bfloat16, kv_format=kv_format,
+    def tile(head_dim, kv_format, q_len=1, q_dtype=None):
+        q_dtype = q_dtype or (torch.float16 if kv_format == "fp16" else torch.bfloat16)
+        case = AttentionCase.of_shapes(device_type="cuda", arch=(9, 0), q_dtype=q_dtype, kv_format=kv_format,
                                        head_dim=head_dim, page_size=16, num_q_heads=32, num_kv_heads=8, batch=32,
                                        num_tokens=32 * q_len, max_kv_len=8192, decode=q_len == 1)
         config = theur.heuristic_config(case, 32 * q_len, torch.device("cuda"))
@@ -472,6 +473,7 @@ def test_decode_tiles_of_wide_heads(monkeypatch):
         assert tile(512, "fp8_e4m3") == (32, 8, 168)
         assert tile(512, "nvfp4") == (16, 4, None) and tile(512, "bf16", q_len=4) == (16, 4, None)
         assert tile(256, "fp8_e4m3") == (32, 4, 128) and tile(256, "bf16") == tile(256, "fp16") == (64, 8, None)
+        assert tile(256, "fp16", q_dtype=torch.bfloat16) == tile(256, "bf16", q_dtype=torch.float32) == (32, 4, None)
         assert tile(192, "bf16") == tile(160, "bf16") == (64, 8, None)  # padded to 256 (two tiles)
         assert tile(256, "bf16", q_len=4) == tile(256, "nvfp4") == (32, 4, None)
         # 64-row tiles (16 tokens x a group of 4): 4 warps at head dim 256 with a 16-bit cache, else 8

@@ -163,11 +163,12 @@ def _heuristic_config(case: AttentionCase, num_tokens: int, device: torch.device
     # caches and verify blocks keep those: not measured)
     wide_decode = decode and head_dim >= 512 and dot_dtype(q_dtype, kv_format) != torch.float32 and not (
         formats.is_fp4(kv_format))
-    # Decode tiles of 256 columns (head dims 129-256) with a 16-bit cache: 64 keys in 8 warps, faster than 32 in 4
-    # (16/8/256 at 32 x 8192 1.16x, 8/4/256 at 1 x 32768 1.14x; 160 and 192 in two tiles 1.08-1.11x at 1 x 32768,
-    # within 1.2% elsewhere)
-    sixteen_bit_256 = (head_dim == 256 and kv_format in ("bf16", "fp16")
-                       and dot_dtype(q_dtype, kv_format) != torch.float32 and device.type == "cuda")
+    # Decode tiles of 256 columns (head dims 129-256) with a 16-bit cache of q's dtype: 64 keys in 8 warps, faster
+    # than 32 in 4 (16/8/256 at 32 x 8192 1.16x, 8/4/256 at 1 x 32768 1.14x; 160 and 192 in two tiles 1.08-1.11x at
+    # 1 x 32768, within 1.2% elsewhere). (A cache of the other 16-bit dtype converts K and V: 142 registers, one
+    # program an SM in 8 warps; not measured, so it keeps 32 keys.)
+    sixteen_bit_256 = (head_dim == 256 and device.type == "cuda"
+                       and kv_format == {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(q_dtype))
     decode_256 = decode and sixteen_bit_256
     if device.type != "cuda":
         block_n = 32 if head_dim >= 256 else 64
