@@ -983,11 +983,12 @@ def test_tiles_of_256_columns_on_the_gpu(kv_format, head_dim):
         kv_lens = [rng.randint(1, 9000), 1, rng.randint(1, 700), rng.randint(64, 5000)]
         if q_lens:
             kv_lens = [max(k, q) for k, q in zip(kv_lens, q_lens)]
+        num_tokens = sum(q_lens or [1] * 4)
         case = AttentionCase.of_shapes(device_type="cuda", arch=torch.cuda.get_device_capability(), q_dtype=q_dtype,
                                        kv_format=kv_format, head_dim=head_dim, page_size=16, num_q_heads=8,
-                                       num_kv_heads=2, batch=4, num_tokens=sum(q_lens or [1] * 4),
-                                       max_kv_len=max(kv_lens), decode=q_lens is None)
-        chosen = heuristics.heuristic_config(case, case.num_tokens, torch.device(DEVICE))
+                                       num_kv_heads=2, batch=4, num_tokens=num_tokens, max_kv_len=max(kv_lens),
+                                       decode=q_lens is None)
+        chosen = heuristics.heuristic_config(case, num_tokens, torch.device(DEVICE))
         hopper = torch.cuda.get_device_capability()[0] == 9
         expected = (64, 8) if q_lens is None else (32, 4 if head_dim == 256 and hopper else 8)
         assert (chosen["BLOCK_N"], chosen["num_warps"]) == expected, chosen
@@ -995,10 +996,10 @@ def test_tiles_of_256_columns_on_the_gpu(kv_format, head_dim):
                                    kv_format=kv_format, q_dtype=q_dtype, device=DEVICE, seed=head_dim + len(kv_format))
         check_attention(args)
         check_attention(args, window_left=500, soft_cap=30.0, sinks=torch.randn(8, device=DEVICE))
-    graph, static = torch.cuda.CUDAGraph(), torch.empty_like(args["q"])
     # built with every table row's pages (8192 keys each), replayed with any lengths up to that
     decode = random_paged_inputs([8192] * 4, None, num_q_heads=8, num_kv_heads=2, head_dim=head_dim,
                                  kv_format=kv_format, q_dtype=q_dtype, device=DEVICE, seed=3)
+    graph, static = torch.cuda.CUDAGraph(), torch.empty_like(decode["q"])
     with attnops.use_backend("triton"):
         attnops.paged_attention(**decode, out=static)  # (compiles outside the capture)
         with torch.cuda.graph(graph):
