@@ -136,7 +136,7 @@ TRITON_GPU_FAMILIES = [
     ("decode", "fp8_e4m3", "per_tensor", 256, (8, 4), 16, False, False, 1),
     # head dim 256 with a 16-bit cache: decode in 64-key tiles of 8 warps, 64-row query tiles in 4 warps
     ("decode", "bf16", "per_tensor", 256, (8, 2), 16, True, True, 1),
-    ("extend", "fp16", "per_tensor", 256, (4, 1), 16, False, False, 32),
+    ("extend", "bf16", "per_tensor", 256, (4, 1), 16, False, False, 32),
 ]
 FLASHINFER_FAMILIES = [
     ("decode", "bf16", "per_tensor", 128, (8, 2), 16, False, False, 1),
