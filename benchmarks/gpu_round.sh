@@ -20,6 +20,9 @@
 #             warps against 8 as B at TILES_256_QUERY_SHAPES (default "16/8/256 32/8/256"); verify of 4 and 8
 #             tokens at 16/8/256 against 64 keys in 3 stages as B; then the GPU tests of these tiles:
 #             $results/tiles-256.txt, tiles-256-tests.log
+#   prefill-tiles Triton's prefill and chunked-extend tiles swept (benchmarks/triton_tuning.py's stage 3: BLOCK_Q,
+#             BLOCK_N, num_warps, num_stages, each checked against the reference, beside the heuristic's) at each head
+#             shape of PREFILL_SHAPES (default "32/8/64 32/8/128 32/8/96 16/8/256"), bf16: $results/prefill-tiles.txt
 #   overhead  benchmarks/overhead.py --profile (eager per-call cost of the op against the kernels)
 #   breakdown benchmarks/decode_breakdown.py $BREAKDOWN_ARGS (a decode's time by stage: op, attention kernel
 #             alone, merge, plain reads of the same bytes: through the block table as the decode reads them, and
@@ -248,6 +251,12 @@ for step in "$@"; do
       timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu -n 6 tests/test_head_dims.py tests/test_triton.py \
         -k "256_columns or wide_heads or (padded_tiles_on_the_gpu and (160 or 192))" > "$results/tiles-256-tests.log" \
         2>&1; tail -3 "$results/tiles-256-tests.log"; stamp tiles-256 ;;
+    prefill-tiles)
+      for shape in ${PREFILL_SHAPES:-32/8/64 32/8/128 32/8/96 16/8/256}; do
+        echo "== $shape"
+        timeout 300 python3 benchmarks/triton_tuning.py --shape ${shape//\// } --budget 240 --formats \
+          --extend-cases "prefill 8x4096" "chunked 2048 on 46000" 2>&1 | grep -E "^  .*best|failed|Error"
+      done | tee "$results/prefill-tiles.txt"; stamp prefill-tiles ;;
     overhead)
       timeout ${OVERHEAD_TIMEOUT:-120} python3 benchmarks/overhead.py --profile --json "$results/overhead.json" \
         > "$results/overhead.log" 2>&1; grep -E "^(flashinfer|triton) " "$results/overhead.log"; stamp overhead ;;
