@@ -167,8 +167,8 @@ def _heuristic_config(case: AttentionCase, num_tokens: int, device: torch.device
     # than 32 in 4 (16/8/256 at 32 x 8192 1.16x, 8/4/256 at 1 x 32768 1.14x; 160 and 192 in two tiles 1.08-1.11x at
     # 1 x 32768, within 1.2% elsewhere). (A cache of the other 16-bit dtype converts K and V: 142 registers, one
     # program an SM in 8 warps; not measured, so it keeps 32 keys.)
-    sixteen_bit_256 = (head_dim == 256 and device.type == "cuda"
-                       and kv_format == {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(q_dtype))
+    sixteen_bit_256 = (head_dim == 256 and device.type == "cuda" and kv_format in ("bf16", "fp16")
+                       and formats.FORMATS[kv_format].storage_dtype == q_dtype)
     decode_256 = decode and sixteen_bit_256
     if device.type != "cuda":
         block_n = 32 if head_dim >= 256 else 64
@@ -211,8 +211,8 @@ def _heuristic_config(case: AttentionCase, num_tokens: int, device: torch.device
     # (2 programs an SM, not 1: prefill 8 x 4096 at 16/8/256 1.72x faster; head dims padded to 256: not measured;
     # without warpgroup MMAs, e.g. sm_89, the 64 x 256 accumulator in 4 warps spills)
     rows_256 = sixteen_bit_256 and block_m == 64 and case.head_dim == 256 and _capability(device) == 9
-    num_warps = 8 if block_m >= 64 and not (verify_64 or rows_256) or (wide_decode and device.type == "cuda"
-                                                                         or decode_256) else 4
+    many_rows = block_m >= 64 and not (verify_64 or rows_256)
+    num_warps = 8 if many_rows or device.type == "cuda" and (wide_decode or decode_256) else 4
     # 128-key prefill tiles of a 16-bit cache pipeline 3 stages deep where a block may take 227 KB of shared
     # memory (sm_90), 2 elsewhere
     deep_prefill = (prefill_128 and kv_format in ("bf16", "fp16")
