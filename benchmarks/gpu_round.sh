@@ -14,6 +14,9 @@
 #             former plan (FILL_WAVES=0) as A against FILL_WAVES=1 as B at each head shape of FILL_SHAPES (default
 #             "32/8/128 32/8/96 32/4/128 16/2/128"), bf16 and fp8, cases FILL_CASES, and the models grid's 32 x 8192
 #             and ragged batches both ways (FILL_ROUNDS rounds alternating): $results/fill-waves.txt
+#   cuda-prefill the cuda backend's prefill over bf16/fp16 caches (off by default: ATTNOPS_CUDA_PREFILL=1): its GPU
+#             tests, then the bench grid's prefill cases (bf16) on it, Triton and FlashInfer's FA3 where installed
+#             (CUDA_PREFILL_ARGS adds bench options): $results/cuda-prefill.{json,txt}, cuda-prefill-tests.log
 #   tiles-256 Triton's decode tile of 256 columns with a 16-bit cache (64 keys in 8 warps) against the former one
 #             (32 keys in 4 warps) as B, same run, at each head shape of TILES_256_SHAPES (default "16/8/256 8/4/256
 #             16/8/192 16/8/160"), bf16; the 64-row query tiles (prefill, chunked extend, 16-token verify) in 4
@@ -230,6 +233,15 @@ for step in "$@"; do
         "*/per_tensor/ragged64"
       python3 benchmarks/invariance_cost.py --labels shapes-plan fill-waves "$results"/fill-waves-0-*.json -- \
         "$results"/fill-waves-1-*.json | tee -a "$results/fill-waves.txt"; stamp fill-waves ;;
+    cuda-prefill)
+      # the cuda backend's prefill over 16-bit caches (csrc/cuda/prefill_sm90.cu; off by default,
+      # ATTNOPS_CUDA_PREFILL=1): its GPU tests, then the bench grid's prefill cases on it, Triton and FlashInfer's FA3
+      # (where installed), same run, CUDA-graph replay: $results/cuda-prefill.{json,txt}, cuda-prefill-tests.log
+      ATTNOPS_CUDA_PREFILL=1 timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/test_cuda_prefill.py \
+        > "$results/cuda-prefill-tests.log" 2>&1; tail -3 "$results/cuda-prefill-tests.log"
+      ATTNOPS_CUDA_PREFILL=1 timeout ${BENCH_TIMEOUT:-300} python3 -m attnops bench --groups prefill --formats bf16 \
+        --backends cuda triton --graph-only ${CUDA_PREFILL_ARGS:-} --json "$results/cuda-prefill.json" \
+        > "$results/cuda-prefill.txt" 2>&1; grep -vE "^\s*$" "$results/cuda-prefill.txt" | tail -12; stamp cuda-prefill ;;
     tiles-256)
       for shape in ${TILES_256_SHAPES:-16/8/256 8/4/256 16/8/192 16/8/160}; do
         echo "== $shape: the 64-key tile as A, the former 32-key tile as B"

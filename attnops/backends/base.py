@@ -112,6 +112,12 @@ def unit_inner_stride(out) -> bool:
     return out.stride(-1) == 1
 
 
+def pairs_aligned(out: torch.Tensor) -> bool:
+    """Whether out [T, H, D] takes a CUDA kernel's stores of two 16-bit values at once: unit inner stride, even outer
+    strides, a 4-byte aligned start."""
+    return out.stride(-1) == 1 and out.data_ptr() % 4 == 0 and all(s % 2 == 0 for s in out.stride()[:2])
+
+
 @contextlib.contextmanager
 def kernel_outputs(out, lse, writable=unit_inner_stride):
     """`out` as the kernels can write it (`writable(out)`; by default unit inner stride) and `lse` contiguous

@@ -42,7 +42,7 @@ import torch
 from .. import errors, formats, invariance
 from ..checks_mla import rows_16_byte_aligned
 from ..env import environ_get, sm_count
-from .base import common_reasons, kernel_outputs, rows_without_a_sequence
+from .base import common_reasons, kernel_outputs, pairs_aligned, rows_without_a_sequence
 
 ENV = "ATTNOPS_CUDA_MLA"
 VERIFY_ENV = "ATTNOPS_CUDA_MLA_VERIFY"  # 0: decode only
@@ -175,8 +175,8 @@ def plan(num_tokens: int, num_heads: int, capacity: int, sm_count: int, sinks: b
 
 def mla_attention(call) -> None:
     out, lse = call.out, call.lse
-    if not _pairs_aligned(out) or (lse is not None and not lse.is_contiguous()):
-        with kernel_outputs(out, lse, writable=_pairs_aligned) as (out_w, lse_w):
+    if not pairs_aligned(out) or (lse is not None and not lse.is_contiguous()):
+        with kernel_outputs(out, lse, writable=pairs_aligned) as (out_w, lse_w):
             mla_attention(call._replace(out=out_w, lse=lse_w))
         return
     num_tokens, num_heads, latent = call.q_nope.shape
@@ -228,9 +228,3 @@ def invariant_chunk() -> int:
     """Keys a split in batch-invariant mode: INVARIANT_CHUNK, or ATTNOPS_CUDA_MLA_INVARIANT_CHUNK's (a multiple of
     TILE; benchmarks/gpu_round.sh's invariance-mla step times several)."""
     return invariance.chunk_setting(INVARIANT_CHUNK_ENV, INVARIANT_CHUNK, TILE)
-
-
-def _pairs_aligned(out: torch.Tensor) -> bool:
-    """Whether out takes the kernel's stores of two values at once: unit inner stride, even outer strides, a 4-byte
-    aligned start."""
-    return out.stride(-1) == 1 and out.data_ptr() % 4 == 0 and all(s % 2 == 0 for s in out.stride()[:2])
