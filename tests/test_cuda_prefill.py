@@ -42,10 +42,13 @@ def prefill_case(**fields):
 # CPU: what it declares
 
 
-def test_off_by_default(monkeypatch):
+def test_off_by_default_saying_so_beside_what_it_would_decline(monkeypatch):
     monkeypatch.delenv(cuda_prefill.ENV, raising=False)
     reasons = BACKEND.supports(prefill_case())
     assert len(reasons) == 1 and cuda_prefill.ENV in reasons[0]
+    reasons = BACKEND.supports(prefill_case(head_dim=96, decode=True))
+    assert any(r.startswith("head_dim 96 not supported") for r in reasons), reasons
+    assert any("prefill and extend only" in r for r in reasons) and any(cuda_prefill.ENV in r for r in reasons)
 
 
 def test_serves_16_bit_prefill_at_head_dim_128_when_on_and_declines_the_rest(monkeypatch):

@@ -36,8 +36,6 @@ def enabled() -> bool:
 def reasons(case) -> list[str]:
     """Why the kernel cannot serve an AttentionCase of a 16-bit cache (empty: it can). The backend's own
     `unavailable` (a CUDA build, a GPU) is asked beside."""
-    if not enabled():
-        return [f"bf16/fp16 caches: its prefill kernel is off until measured ({ENV}=1 turns it on)"]
     found = common_reasons(case, devices=("cuda",), kv_formats=KV_FORMATS, head_dims=HEAD_DIMS, soft_cap=False,
                            sliding_window=False, sinks=False, tree_mask=False, archs=lambda arch: arch == (9, 0))
     if case.kv_format in KV_FORMATS and case.q_dtype != formats.FORMATS[case.kv_format].storage_dtype:
@@ -48,6 +46,8 @@ def reasons(case) -> list[str]:
         found.append(f"a GQA group of more than {ROWS} (a block's rows)")
     if not case.aligned_kv:
         found.append("a cache view it cannot copy by 16-byte words: checks.kv_layout_reasons names why")
+    if not enabled():
+        found.append(f"bf16/fp16 caches: its prefill kernel is off until measured ({ENV}=1 turns it on)")
     if not found and torch.cuda.is_available():  # (without a GPU the backend's own `unavailable` says so)
         if not cuda_mla.sm90a_built(torch.cuda.current_device()):
             found.append("attnops was built without sm_90a code (TORCH_CUDA_ARCH_LIST=9.0a; setup.py asks for it "
