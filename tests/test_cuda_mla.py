@@ -161,12 +161,37 @@ def test_an_unaligned_cache_view_is_named_in_the_case():
     assert not case.aligned_kv
 
 
-def _tool(name: str) -> str | None:
+def cuda_tool(name: str) -> str | None:
     """Triton's bundled CUDA tools (its wheel ships cuobjdump), else one on PATH. (compile_check has the same
     lookup, but importing it turns Triton's interpreter off for the whole test process.)"""
     import triton
     bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
     return bundled if os.path.exists(bundled) else shutil.which(name)
+
+
+def compile_for_sm90a(source: str, tmp_path) -> tuple[str, str]:
+    """nvcc + ptxas -v of csrc/cuda/`source` for sm_90a (no GPU needed): (the log, the cubin's path). The
+    extension's own source, built as torch's extension builds build it (their nvcc flags turn off bf16's and f16's
+    implicit conversions; the host code parsed against this torch's headers); a CPU torch lacks the header CUDA
+    builds generate: an empty one stands in."""
+    generated = tmp_path / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
+    generated.parent.mkdir(parents=True, exist_ok=True)
+    generated.write_text("#pragma once\n")
+    cubin = tmp_path / (os.path.splitext(source)[0] + ".cubin")
+    done = subprocess.run(["nvcc", "-std=c++17", "-O3", "-arch=sm_90a", "-cubin", "-Xptxas", "-v",
+                           *cpp_extension.COMMON_NVCC_FLAGS, "-DTORCH_EXTENSION_NAME=_C", f"-I{tmp_path}",
+                           *[f"-I{path}" for path in cpp_extension.include_paths()], "-o", str(cubin),
+                           os.path.join(ROOT, "csrc", "cuda", source)],
+                          capture_output=True, text=True, timeout=600)
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log[-4000:]
+    return log, str(cubin)
+
+
+def spill_frames(log: str) -> dict:
+    """Each kernel's "N bytes stack frame, N bytes spill stores, N bytes spill loads" from a ptxas -v log."""
+    return dict(re.findall(r"Function properties for (\w+)\n\s*(\d+ bytes stack frame, \d+ bytes spill stores, "
+                           r"\d+ bytes spill loads)", log))
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
@@ -176,22 +201,8 @@ def test_kernel_compiles_for_sm90a_without_spills_and_keeps_its_wgmmas_pipelined
     MMAs the design says: 36 of m64n64k16 for Q K^T over 576 values and 4 of m64n256k16 a warpgroup for P V, in
     each form's kernel (bf16 by cp.async, bf16 by the TMA, fp8; the keys and regs forms' own, below); the TMA's
     copies in the TMA forms' kernels only."""
-    # the extension's own source, built as torch's extension builds build it (their nvcc flags turn off bf16's and
-    # f16's implicit conversions; the host code parsed against this torch's headers); a CPU torch lacks the header
-    # CUDA builds generate: an empty one stands in
-    generated = tmp_path / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
-    generated.parent.mkdir(parents=True)
-    generated.write_text("#pragma once\n")
-    cubin = tmp_path / "kernel.cubin"
-    done = subprocess.run(["nvcc", "-std=c++17", "-O3", "-arch=sm_90a", "-cubin", "-Xptxas", "-v",
-                           *cpp_extension.COMMON_NVCC_FLAGS, "-DTORCH_EXTENSION_NAME=_C", f"-I{tmp_path}",
-                           *[f"-I{path}" for path in cpp_extension.include_paths()], "-o", str(cubin),
-                           os.path.join(ROOT, "csrc", "cuda", "mla_decode_sm90.cu")],
-                          capture_output=True, text=True, timeout=600)
-    log = done.stdout + done.stderr
-    assert done.returncode == 0, log
-    frames = dict(re.findall(r"Function properties for (\w+)\n\s*(\d+ bytes stack frame, \d+ bytes spill stores, "
-                             r"\d+ bytes spill loads)", log))
+    log, cubin = compile_for_sm90a("mla_decode_sm90.cu", tmp_path)
+    frames = spill_frames(log)
     # (bf16's by cp.async and by the TMA, fp8's and DeepSeek's layout's, each also packed, the keys form's three, the
     # regs form's, verify's rows, the two merges, the probe): none spills
     assert len(frames) == 16, log
@@ -210,7 +221,7 @@ def test_kernel_compiles_for_sm90a_without_spills_and_keeps_its_wgmmas_pipelined
     assert len(launched) == 1, log
     registers = int(re.search(r"Used (\d+) registers", launched[0]).group(1))
     assert 128 * producer + 256 * consumer <= 384 * registers, (producer, consumer, registers)
-    cuobjdump = _tool("cuobjdump")
+    cuobjdump = cuda_tool("cuobjdump")
     if cuobjdump is None:
         pytest.skip("no cuobjdump to read the SASS")
     sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, timeout=120).stdout

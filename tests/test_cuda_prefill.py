@@ -10,7 +10,6 @@ torch.compile.
 from __future__ import annotations
 
 import dataclasses
-import os
 import random
 import re
 import shutil
@@ -18,7 +17,6 @@ import subprocess
 
 import pytest
 import torch
-from torch.utils import cpp_extension
 
 import attnops
 from attnops import dispatch
@@ -26,8 +24,8 @@ from attnops.backends import BACKENDS, cuda_mla, cuda_prefill
 from attnops.backends.reference import paged_attention_reference
 from attnops.dispatch import describe_attention
 from attnops.testing import random_paged_inputs, relative_error
+from test_cuda_mla import cuda_tool, compile_for_sm90a, spill_frames
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BACKEND = BACKENDS["cuda"]
 gpu = pytest.mark.gpu
 
@@ -87,30 +85,17 @@ def test_kernel_compiles_for_sm90a_without_spills_and_keeps_its_wgmmas_pipelined
     """nvcc + ptxas for sm_90a (no GPU needed), with torch's extension flags: both kernels (bf16, fp16) fit their
     registers with no spill or stack, ptxas does not serialise their wgmmas, and each issues 8 m64n64k16 MMAs for
     Q K^T over 128 values and 4 m64n128k16 for P V a tile."""
-    generated = tmp_path / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
-    generated.parent.mkdir(parents=True)
-    generated.write_text("#pragma once\n")
-    cubin = tmp_path / "prefill.cubin"
-    done = subprocess.run(["nvcc", "-std=c++17", "-O3", "-arch=sm_90a", "-cubin", "-Xptxas", "-v",
-                           *cpp_extension.COMMON_NVCC_FLAGS, "-DTORCH_EXTENSION_NAME=_C", f"-I{tmp_path}",
-                           *[f"-I{path}" for path in cpp_extension.include_paths()], "-o", str(cubin),
-                           os.path.join(ROOT, "csrc", "cuda", "prefill_sm90.cu")],
-                          capture_output=True, text=True, timeout=600)
-    log = done.stdout + done.stderr
-    assert done.returncode == 0, log[-4000:]
-    frames = dict(re.findall(r"Function properties for (\w+)\n\s*(\d+ bytes stack frame, \d+ bytes spill stores, "
-                             r"\d+ bytes spill loads)", log))
+    log, cubin = compile_for_sm90a("prefill_sm90.cu", tmp_path)
+    frames = spill_frames(log)
     assert len(frames) == 2 and all("prefill_kernel" in name for name in frames), log[-4000:]
     for name, frame in frames.items():
         assert frame.startswith("0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads"), (name, frame)
     assert all(int(n) <= 255 for n in re.findall(r"Used (\d+) registers", log)), log
     assert "serialized" not in log, log
-    import triton
-    bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    cuobjdump = bundled if os.path.exists(bundled) else shutil.which("cuobjdump")
+    cuobjdump = cuda_tool("cuobjdump")
     if cuobjdump is None:
         pytest.skip("no cuobjdump to read the SASS")
-    sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True).stdout
     assert len(re.findall(r"HGMMA\.64x64x16\.F32", sass)) == 2 * 8, "Q K^T: 8 a tile, a kernel"
     assert len(re.findall(r"HGMMA\.64x128x16\.F32", sass)) == 2 * 4, "P V: 4 a tile, a kernel"
 

@@ -441,12 +441,7 @@ __device__ __forceinline__ void softmax_tile(const float (&s)[32], int start, in
     max0 = fmaxf(max0, fmaxf(masked(j, 0), masked(j, 1)));
     max1 = fmaxf(max1, fmaxf(masked(j, 2), masked(j, 3)));
   }
-#pragma unroll
-  for (int mask = 1; mask <= 2; mask <<= 1) {
-    max0 = fmaxf(max0, __shfl_xor_sync(0xffffffffu, max0, mask));
-    max1 = fmaxf(max1, __shfl_xor_sync(0xffffffffu, max1, mask));
-  }
-  const float new0 = fmaxf(m0, max0), new1 = fmaxf(m1, max1);
+  const float new0 = fmaxf(m0, quad_max(max0)), new1 = fmaxf(m1, quad_max(max1));
   const float base0 = new0 == -INFINITY ? 0.0f : new0, base1 = new1 == -INFINITY ? 0.0f : new1;
   alpha0 = exp2f(m0 - base0);
   alpha1 = exp2f(m1 - base1);
@@ -586,11 +581,8 @@ __device__ __forceinline__ void finish_rows(const Args& a, const float (&o)[128]
   if (poisoned && tid == 0) atomicMin(a.errors + kErrBlockTable, sequence_of(a, k.token));
   const int bad_from = nan_from<kPacked>(a, k, poisoned, tid, reinterpret_cast<int*>(s_m));  // (before s_m's writes)
   if (wg == 0) {
-#pragma unroll
-    for (int mask = 1; mask <= 2; mask <<= 1) {
-      l0 += __shfl_xor_sync(0xffffffffu, l0, mask);
-      l1 += __shfl_xor_sync(0xffffffffu, l1, mask);
-    }
+    l0 = quad_sum(l0);
+    l1 = quad_sum(l1);
     if (t4 == 0) {
       s_m[row0] = m0;
       s_m[row1] = m1;

@@ -181,12 +181,7 @@ __device__ __forceinline__ void softmax_tile(const float (&s)[32], int start, in
     max0 = fmaxf(max0, fmaxf(raw(j, 0), raw(j, 1)));
     max1 = fmaxf(max1, fmaxf(raw(j, 2), raw(j, 3)));
   }
-#pragma unroll
-  for (int mask = 1; mask <= 2; mask <<= 1) {
-    max0 = fmaxf(max0, __shfl_xor_sync(0xffffffffu, max0, mask));
-    max1 = fmaxf(max1, __shfl_xor_sync(0xffffffffu, max1, mask));
-  }
-  const float new0 = fmaxf(m0, max0 * scale), new1 = fmaxf(m1, max1 * scale);
+  const float new0 = fmaxf(m0, quad_max(max0) * scale), new1 = fmaxf(m1, quad_max(max1) * scale);
   const float base0 = new0 == -INFINITY ? 0.0f : new0, base1 = new1 == -INFINITY ? 0.0f : new1;
   alpha0 = fast_exp2(m0 - base0);
   alpha1 = fast_exp2(m1 - base1);
@@ -242,8 +237,7 @@ __device__ __forceinline__ void load_q(const Args& a, uint32_t s_q, int kvh, int
 template <bool kHalf>
 __device__ __forceinline__ void store_row(const Args& a, const float (&o)[64], int half, const Row& r, float m,
                                           float l, bool nan_row, int t4) {
-#pragma unroll
-  for (int mask = 1; mask <= 2; mask <<= 1) l += __shfl_xor_sync(0xffffffffu, l, mask);
+  l = quad_sum(l);
   if (!r.valid) return;
   const bool has_keys = l > 0.0f;
   const float inv = nan_row ? NAN : (has_keys ? 1.0f / l : 0.0f);

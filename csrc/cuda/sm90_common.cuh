@@ -63,6 +63,17 @@ __device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
   return kHalf ? pack_f16(lo, hi) : pack_bf16(lo, hi);
 }
 
+// A value reduced over the four threads of a quad (lanes 4 g .. 4 g + 3: they hold one row of a wgmma accumulator
+// between them), the same order in every thread
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
 // The 32 accumulator registers of an m64n64 wgmma: the operand list, and the operands (d: float[32])
 #define ATTNOPS_D32 \
     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, " \
