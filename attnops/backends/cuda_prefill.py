@@ -2,7 +2,7 @@
 a sequence on average, causal) at head dim 128 with a bf16 or fp16 cache of q's dtype, through attnops' own kernel
 (csrc/cuda/prefill_sm90.cu: 128 rows a block, (query token, head of the GQA group), as two warpgroups' MMAs; the
 scores, softmax and output of each warpgroup's 64 rows in its registers; K and V tiles of 64 keys by cp.async,
-two stages).
+three stages, the blocks that see the most keys first).
 
 Why: inside a CUDA graph nobody replans, FlashInfer's planned prefill is passed over, and Triton's query tile
 reaches about 60% of FlashInfer's FA3 TFLOP/s there (docs/bench.md).

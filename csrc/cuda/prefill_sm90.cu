@@ -10,8 +10,8 @@
 // A block: one KV head, 128 rows = (query token, query head of the group), block_q = 128 / group tokens of one
 // sequence (rows past block_q x group are zero queries, never written), every key the rows see, 256 threads = two
 // warpgroups of 64 rows each.
-// - Shared memory: Q [128 x 128] (two [64 x 128] operands, one a warpgroup) and two stages of a K and a V tile of
-//   64 keys [64 x 128] (cp.async: the next tile loads while this one is used); every operand in wgmma's 128-byte
+// - Shared memory: Q [128 x 128] (two [64 x 128] operands, one a warpgroup) and three stages of a K and a V tile of
+//   64 keys [64 x 128] (cp.async: the next two tiles load while this one is used); every operand in wgmma's 128-byte
 //   swizzle: 64-value column chunks of [rows x 128 bytes], the 16-byte pieces of row r XORed with r % 8.
 // - Each warpgroup: S = Q K^T (m64n64k16 over 128 values, both K-major), the online softmax (base 2) in registers,
 //   O = O x alpha + P V (m64n128k16, P from registers, V N-major: the tile as it was copied, no transpose).
@@ -48,7 +48,7 @@ constexpr int kThreads = 256;
 constexpr int kPieces = kD / 8;                      // 16-byte pieces of a row
 constexpr int kChunkBytes = 64 * 128;                // one 64-value column chunk of a [64 x 128] operand
 constexpr int kOperandBytes = (kD / 64) * kChunkBytes;  // a [64 x 128] operand: a warpgroup's Q, a K or a V tile
-constexpr int kStages = 2;
+constexpr int kStages = 3;  // K/V tile stages: tiles i + 1 and i + 2 load while tile i is used
 constexpr int kSmemBytes = 2 * kOperandBytes + kStages * 2 * kOperandBytes + 1024;  // + alignment
 static_assert(kSmemBytes <= 227 * 1024, "one block must fit an sm_90 SM's 227 KB of shared memory");
 constexpr float kLn2 = 0.6931471805599453f;
@@ -263,7 +263,9 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   // the warpgroup through a shuffle: the compiler then knows it is warp-uniform (mla_decode_sm90.cuh says why)
   const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
   const int g = lane >> 2, t4 = lane & 3;
-  const int kvh = blockIdx.y, pid = blockIdx.x;
+  // the blocks in reverse: a sequence's last query blocks, which see the most keys, start first and the light
+  // ones fill the tail (the grid is T / block_q + batch blocks along x: sequence_of_block)
+  const int kvh = blockIdx.y, pid = gridDim.x - 1 - blockIdx.x;
 
   // --- which sequence and which of its query tokens ---------------------------------------------------------
   const int bad_entry = cu_seqlens_violation(a, tid, &scratch);
@@ -307,9 +309,15 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   if (bad_from != INT_MAX && tid == 0) atomicMin(a.errors + kErrBlockTable, b);
 
   // --- the key loop ------------------------------------------------------------------------------------------
+  // (stage s: K at s_kv + 2 s kOperandBytes, V after it; tile i in stage i % kStages; one commit group a tile, the
+  // first with Q)
   load_q(a, s_q, kvh, first_token, first_pos, tokens, tid);
-  if (tiles > 0) load_kv(a, table_row, kvh, 0, hi, s_kv, s_kv + kOperandBytes, tid);
-  cp_async_commit();
+#pragma unroll
+  for (int t = 0; t < kStages - 1; ++t) {
+    if (t < tiles) load_kv(a, table_row, kvh, t * kKeys, hi, s_kv + t * 2 * kOperandBytes,
+                           s_kv + (2 * t + 1) * kOperandBytes, tid);
+    cp_async_commit();
+  }
 
   const int row0 = wg * 64 + warp * 16 + g, row1 = row0 + 8;  // this thread's rows of the block's 128
   const Row r0 = row_of(a, row0, kvh, first_token, first_pos, tokens);
@@ -325,17 +333,20 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   for (int i = 0; i < 64; ++i) o[i] = 0.0f;
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
 
+  int stage = 0, ahead = kStages - 1;  // tile i's stage, and tile i + kStages - 1's
   for (int i = 0; i < tiles; ++i) {
     const int start = i * kKeys;
-    const uint32_t s_k = s_kv + (i & 1) * 2 * kOperandBytes, s_v = s_k + kOperandBytes;
-    cp_async_wait<0>();
+    const uint32_t s_k = s_kv + stage * 2 * kOperandBytes, s_v = s_k + kOperandBytes;
+    cp_async_wait<kStages - 2>();  // (the groups after tile i's may still be in flight)
     fence_proxy_async();
-    __syncthreads();  // tile i in place; every use of the other stage done
-    if (i + 1 < tiles) {
-      const uint32_t next = s_kv + ((i + 1) & 1) * 2 * kOperandBytes;
-      load_kv(a, table_row, kvh, start + kKeys, hi, next, next + kOperandBytes, tid);
+    __syncthreads();  // tile i in place; every use of tile i - 1's stage done
+    if (i + kStages - 1 < tiles) {
+      const uint32_t next = s_kv + ahead * 2 * kOperandBytes;
+      load_kv(a, table_row, kvh, start + (kStages - 1) * kKeys, hi, next, next + kOperandBytes, tid);
     }
     cp_async_commit();
+    stage = stage + 1 == kStages ? 0 : stage + 1;
+    ahead = ahead + 1 == kStages ? 0 : ahead + 1;
 
     float s[32];
 #pragma unroll
