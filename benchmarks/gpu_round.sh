@@ -241,7 +241,8 @@ for step in "$@"; do
         > "$results/cuda-prefill-tests.log" 2>&1; tail -3 "$results/cuda-prefill-tests.log"
       ATTNOPS_CUDA_PREFILL=1 timeout ${BENCH_TIMEOUT:-300} python3 -m attnops bench --groups prefill --formats bf16 \
         --backends cuda triton --graph-only ${CUDA_PREFILL_ARGS:-} --json "$results/cuda-prefill.json" \
-        > "$results/cuda-prefill.txt" 2>&1; grep -vE "^\s*$" "$results/cuda-prefill.txt" | tail -12; stamp cuda-prefill ;;
+        > "$results/cuda-prefill.txt" 2>&1; grep -vE "^\s*$" "$results/cuda-prefill.txt" | tail -12
+      stamp cuda-prefill ;;
     tiles-256)
       for shape in ${TILES_256_SHAPES:-16/8/256 8/4/256 16/8/192 16/8/160}; do
         echo "== $shape: the 64-key tile as A, the former 32-key tile as B"
