@@ -25,7 +25,8 @@
 #             $results/tiles-256.txt, tiles-256-tests.log
 #   prefill-tiles Triton's prefill and chunked-extend tiles swept (benchmarks/triton_tuning.py's stage 3: BLOCK_Q,
 #             BLOCK_N, num_warps, num_stages, each checked against the reference, beside the heuristic's) at each head
-#             shape of PREFILL_SHAPES (default "32/8/64 32/8/128 32/8/96 16/8/256"), bf16: $results/prefill-tiles.txt
+#             shape of PREFILL_SHAPES (default "32/8/64 32/8/128 32/8/96 16/8/256"), bf16, then the heuristic's tile
+#             with FULL_TILES=1 OFFSETS_32=1 as B: $results/prefill-tiles.txt
 #   overhead  benchmarks/overhead.py --profile (eager per-call cost of the op against the kernels)
 #   breakdown benchmarks/decode_breakdown.py $BREAKDOWN_ARGS (a decode's time by stage: op, attention kernel
 #             alone, merge, plain reads of the same bytes: through the block table as the decode reads them, and
@@ -269,6 +270,11 @@ for step in "$@"; do
         echo "== $shape"
         timeout 300 python3 benchmarks/triton_tuning.py --shape ${shape//\// } --budget 240 --formats \
           --extend-cases "prefill 8x4096" "chunked 2048 on 46000" 2>&1 | grep -E "^  .*best|failed|Error"
+        # the heuristic's tile as A against the same with its full tiles' loop unmasked and int32 offsets as B (the
+        # 64-row verify tile's settings; sm_90 SASS at 32/8/128: 902 instructions a step in that loop, 1151 before)
+        timeout 200 python3 benchmarks/triton_tuning.py --shape ${shape//\// } --budget 150 --formats --rounds 3 \
+          --extend-cases "prefill 8x4096" "chunked 2048 on 46000" --compare FULL_TILES=1 OFFSETS_32=1 2>&1 \
+          | grep -E "B is|failed|Error"
       done | tee "$results/prefill-tiles.txt"; stamp prefill-tiles ;;
     overhead)
       timeout ${OVERHEAD_TIMEOUT:-120} python3 benchmarks/overhead.py --profile --json "$results/overhead.json" \
