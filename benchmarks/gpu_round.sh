@@ -63,7 +63,7 @@
 #   tests     the GPU tests, suites in parallel processes (TEST_SUITES, default "capture triton flashinfer e2e":
 #             captures of the op; Triton under pytest-xdist; FlashInfer + graphs + devices; end to end; also "spec"
 #             (sinks, trees, merge, page sharing, cascade, LSE), "hf" (transformers models), "cuda" (the 4-bit
-#             CUDA kernels), "mla" (latent attention: the ops and DeepSeek through attnops.hf) and "modes"
+#             CUDA kernels and the 16-bit prefill one), "mla" (latent attention: the ops and DeepSeek through attnops.hf) and "modes"
 #             (batch-invariant mode, merge, every head dim)), one log;
 #             TESTS_TIMEOUT seconds.
 #             Run at most four at once: more overload a 16-core machine with compiles
@@ -684,7 +684,7 @@ PY
           e2e) files="-m gpu tests/test_e2e.py" ;;
           spec) files="-m gpu -n 8 tests/test_sinks_tree.py tests/test_merge.py tests/test_prefix_sharing.py tests/test_cascade.py tests/test_lse.py" ;;
           hf) files="-m gpu tests/test_hf.py" ;;
-          cuda) files="-m gpu tests/test_cuda_backend.py" ;;
+          cuda) files="-m gpu tests/test_cuda_backend.py tests/test_cuda_prefill.py" ;;
           mla) files="-m gpu -n 4 tests/test_mla.py tests/test_mla_sparse.py tests/test_mla_fp8_ds.py tests/test_hf_mla.py" ;;
           modes) files="-m gpu -n 4 tests/test_batch_invariance.py tests/test_merge.py tests/test_head_dims.py" ;;
           *) echo "unknown suite $suite"; exit 2 ;;
