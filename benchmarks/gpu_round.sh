@@ -63,8 +63,8 @@
 #   tests     the GPU tests, suites in parallel processes (TEST_SUITES, default "capture triton flashinfer e2e":
 #             captures of the op; Triton under pytest-xdist; FlashInfer + graphs + devices; end to end; also "spec"
 #             (sinks, trees, merge, page sharing, cascade, LSE), "hf" (transformers models), "cuda" (the 4-bit
-#             CUDA kernels and the 16-bit prefill one), "mla" (latent attention: the ops and DeepSeek through attnops.hf) and "modes"
-#             (batch-invariant mode, merge, every head dim)), one log;
+#             CUDA kernels and the 16-bit prefill one), "mla" (latent attention: the ops and DeepSeek through
+#             attnops.hf) and "modes" (batch-invariant mode, merge, every head dim)), one log;
 #             TESTS_TIMEOUT seconds.
 #             Run at most four at once: more overload a 16-core machine with compiles
 #   models    python -m attnops tune on the models grid (MODELS_ARGS narrows it), writing the table to
