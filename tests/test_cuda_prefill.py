@@ -3,7 +3,7 @@
 CPU (CI): off by default and behind the timed backends when on (dispatch never picks it unmeasured), what it serves
 and declines, and its kernel through nvcc for sm_90a (no spill, the wgmmas not serialised, the MMAs the design
 says). GPU (marked gpu, an H100/H200, ATTNOPS_CUDA_PREFILL=1, the backend pinned): random ragged prefill and extend
-batches against the float64 reference (GQA groups 1-16 and odd ones, pages of 1-128 keys, queries before the
+batches against the float64 reference (GQA groups 1-128, odd ones too, pages of 1-128 keys, queries before the
 sequence's start, bf16 and fp16, the LSE), the bad-index rules, a user's CUDA graph replaying new lengths, and
 torch.compile.
 """
