@@ -290,25 +290,31 @@ def test_bad_pages_under_a_window():
     assert attnops.take_errors() == {"block_table": 0}
 
 
-@gpu
-def test_user_captured_cuda_graph_replays_new_lengths():
-    """Captured once with torch.cuda.graph, replayed with new lengths: the split plan depends on shapes only."""
-    needs_kernels()
-    args = random_paged_inputs([3000] * 4, num_q_heads=32, num_kv_heads=8, head_dim=128, kv_format="nvfp4",
-                               q_dtype=torch.bfloat16, device="cuda", seed=0)
+def check_graph_replays_new_lengths(args, lengths):
+    """paged_attention on the pinned `cuda` backend captured once with torch.cuda.graph, then replayed with each of
+    `lengths` as seq_lens and new queries, each replay against the float64 reference."""
     out = torch.empty_like(args["q"])
     with attnops.use_backend("cuda"):
         attnops.paged_attention(**args, out=out)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             attnops.paged_attention(**args, out=out)
-    for lens in ([1, 2900, 0, 700], [3000] * 4, [0, 0, 0, 5]):
+    for lens in lengths:
         args["seq_lens"].copy_(torch.tensor(lens, dtype=torch.int32))
         args["q"].normal_()
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
         assert relative_error(out, paged_attention_reference(**args, compute_dtype=torch.float64)) < 1e-2
+
+
+@gpu
+def test_user_captured_cuda_graph_replays_new_lengths():
+    """Captured once with torch.cuda.graph, replayed with new lengths: the split plan depends on shapes only."""
+    needs_kernels()
+    args = random_paged_inputs([3000] * 4, num_q_heads=32, num_kv_heads=8, head_dim=128, kv_format="nvfp4",
+                               q_dtype=torch.bfloat16, device="cuda", seed=0)
+    check_graph_replays_new_lengths(args, ([1, 2900, 0, 700], [3000] * 4, [0, 0, 0, 5]))
 
 
 @gpu

@@ -24,6 +24,7 @@ from attnops.backends import BACKENDS, cuda_mla, cuda_prefill
 from attnops.backends.reference import paged_attention_reference
 from attnops.dispatch import describe_attention
 from attnops.testing import random_paged_inputs, relative_error
+from test_cuda_backend import check_graph_replays_new_lengths
 from test_cuda_mla import cuda_tool, compile_for_sm90a, spill_frames
 
 BACKEND = BACKENDS["cuda"]
@@ -191,19 +192,7 @@ def test_user_captured_cuda_graph_replays_new_lengths(pinned):
     shapes only."""
     args = random_paged_inputs([3000] * 4, [256] * 4, num_q_heads=32, num_kv_heads=8, head_dim=128,
                                kv_format="bf16", q_dtype=torch.bfloat16, device="cuda", seed=0)
-    out = torch.empty_like(args["q"])
-    with attnops.use_backend("cuda"):
-        attnops.paged_attention(**args, out=out)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            attnops.paged_attention(**args, out=out)
-    for lens in ([256, 2900, 300, 700], [3000] * 4, [0, 256, 256, 1000]):
-        args["seq_lens"].copy_(torch.tensor(lens, dtype=torch.int32))
-        args["q"].normal_()
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert relative_error(out, paged_attention_reference(**args, compute_dtype=torch.float64)) < 1e-2
+    check_graph_replays_new_lengths(args, ([256, 2900, 300, 700], [3000] * 4, [0, 256, 256, 1000]))
 
 
 @gpu
