@@ -756,9 +756,7 @@ __global__ void __launch_bounds__(1024) mla_rows_kernel(const Args a) {
   if (threadIdx.x == 0) first_bad = a.batch + 1;
   __syncthreads();
   for (int i = threadIdx.x; i <= a.batch; i += blockDim.x) {
-    const int cur = a.cu_q[i], prev = i > 0 ? a.cu_q[i - 1] : 0;
-    if (cur < prev || cur > a.num_tokens || (i == 0 && cur != 0) || (i == a.batch && cur != a.num_tokens))
-      atomicMin(&first_bad, i);
+    if (cu_seqlens_entry_bad(a.cu_q, i, a.batch, a.num_tokens)) atomicMin(&first_bad, i);
   }
   __syncthreads();
   const bool bad = first_bad <= a.batch;

@@ -122,9 +122,7 @@ __device__ __forceinline__ int cu_seqlens_violation(const Args& a, int tid, int*
   if (tid == 0) *scratch = a.batch + 1;
   __syncthreads();
   for (int i = tid; i <= a.batch; i += kThreads) {
-    const int cur = a.cu_q[i], prev = i > 0 ? a.cu_q[i - 1] : 0;
-    if (cur < prev || cur > a.num_tokens || (i == 0 && cur != 0) || (i == a.batch && cur != a.num_tokens))
-      atomicMin(scratch, i);
+    if (cu_seqlens_entry_bad(a.cu_q, i, a.batch, a.num_tokens)) atomicMin(scratch, i);
   }
   __syncthreads();
   const int first = *scratch;

@@ -1,6 +1,7 @@
-// What the sm_90a kernels (wgmma) share: shared-memory addressing, cp.async, the wgmma descriptor and fences, and
-// the m64n64k16 MMA of two shared-memory operands. The kernels: latent-attention decode (mla_decode_sm90.cuh) and
-// the query-block attention of 16-bit caches (prefill_sm90.cu).
+// What the sm_90a kernels (wgmma) share: shared-memory addressing, cp.async, the wgmma descriptor and fences, the
+// m64n64k16 MMA of two shared-memory operands, the quad reductions of an accumulator row and the cu_seqlens_q rule.
+// The kernels: latent-attention decode (mla_decode_sm90.cuh) and the query-block attention of 16-bit caches
+// (prefill_sm90.cu).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -61,6 +62,13 @@ __device__ __forceinline__ uint32_t pack_f16(float lo, float hi) {
 template <bool kHalf>
 __device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
   return kHalf ? pack_f16(lo, hi) : pack_bf16(lo, hi);
+}
+
+// Whether entry i (0 .. batch) of cu_seqlens_q breaks its rule (non-decreasing from 0 to num_tokens: docs/design.md,
+// "Bad indices"); plain CUDA, any arch
+__device__ __forceinline__ bool cu_seqlens_entry_bad(const int* cu_q, int i, int batch, int num_tokens) {
+  const int cur = cu_q[i], prev = i > 0 ? cu_q[i - 1] : 0;
+  return cur < prev || cur > num_tokens || (i == 0 && cur != 0) || (i == batch && cur != num_tokens);
 }
 
 // A value reduced over the four threads of a quad (lanes 4 g .. 4 g + 3: they hold one row of a wgmma accumulator
